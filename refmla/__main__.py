@@ -1,0 +1,5 @@
+import sys
+
+from refmla.cli import main
+
+sys.exit(main())

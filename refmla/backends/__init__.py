@@ -1,0 +1,59 @@
+"""Backends, picked by name everywhere (API, CLI, tests, benchmarks).
+
+    reference  the truth: fp64 pure PyTorch (refmla.reference)
+    observed   the capture's own `out`: what production computed
+    triton     SGLang's Triton MLA decode kernel, imported from the installed SGLang
+    aiter      aiter's MLA decode kernel (ROCm only)
+    extend     the local-extend baseline: the same token computed the prefill/extend way
+
+A backend module is imported only when its name is asked for, so a missing optional package
+makes that one backend unavailable (with the reason), never the tool.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from refmla.backends.base import Backend, BackendResult, BackendUnavailable
+
+NAMES = ("reference", "observed", "triton", "aiter", "extend")
+
+_WHERE = {
+    "reference": "refmla.backends.reference:ReferenceBackend",
+    "observed": "refmla.backends.reference:ObservedBackend",
+    "triton": "refmla.backends.triton:TritonBackend",
+    "aiter": "refmla.backends.aiter:AiterBackend",
+    "extend": "refmla.backends.extend:ExtendBackend",
+}
+
+
+class _Missing(Backend):
+    """Stands for a backend whose module could not be imported."""
+
+    def __init__(self, name: str, reason: str):
+        self.name, self.reason = name, reason
+
+    def availability(self) -> tuple[bool, str]:
+        return False, self.reason
+
+    def run(self, cap, opts) -> BackendResult:
+        raise BackendUnavailable(self.reason)
+
+
+_CACHE: dict[str, Backend] = {}
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called ``name``. Raises KeyError for a name that is not a backend."""
+    if name not in _WHERE:
+        raise KeyError(f"unknown backend {name!r}; choose from {', '.join(NAMES)}")
+    if name not in _CACHE:
+        module, cls = _WHERE[name].split(":")
+        try:
+            _CACHE[name] = getattr(importlib.import_module(module), cls)()
+        except Exception as e:  # an optional dependency broke on import
+            _CACHE[name] = _Missing(name, f"cannot load {module}: {type(e).__name__}: {e}")
+    return _CACHE[name]
+
+
+__all__ = ["NAMES", "Backend", "BackendResult", "BackendUnavailable", "get_backend"]

@@ -1,0 +1,40 @@
+"""What every backend is: a name, an availability check, and run(capture) -> BackendResult."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+
+class BackendUnavailable(Exception):
+    """Raised by run() when the backend cannot run on this machine or this capture.
+
+    The replay reports the backend as ``skipped`` with ``str(exc)`` as the reason.
+    """
+
+
+@dataclass
+class BackendResult:
+    out: torch.Tensor  # [B, H, Dv] decode, [T, H, Dv] extend, the backend's own dtype
+    lse: Optional[torch.Tensor] = None  # [B, H] natural log of the scaled logits' sum-exp
+    attn_logits: Optional[torch.Tensor] = None  # [B, H, S, Dv] per-split normalized partials
+    attn_lse: Optional[torch.Tensor] = None  # [B, H, S] per-split lse
+    num_kv_splits: Optional[torch.Tensor] = None  # [B] the split counts the partials follow
+    info: dict[str, Any] = field(default_factory=dict)  # version, module path, device, notes
+    # False when the kernel leaves rows of zero-length requests undefined (not compared).
+    defines_empty_rows: bool = True
+
+
+class Backend:
+    """Base class. Subclasses set ``name`` and implement ``availability`` and ``run``."""
+
+    name: str = ""
+
+    def availability(self) -> tuple[bool, str]:
+        """(usable here, reason if not / version string if yes). Must never raise."""
+        return True, ""
+
+    def run(self, cap, opts) -> BackendResult:  # cap: refmla.capture.Capture
+        raise NotImplementedError

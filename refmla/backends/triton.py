@@ -1,0 +1,461 @@
+"""The ``triton`` backend: SGLang's own Triton MLA decode kernel, run on the captured inputs.
+
+The kernel (``decode_attention_fwd``, grouped path, ``has_mla=True``, Lk = 576, Lv = 512) is
+imported from the installed SGLang and called as is, never re-written:
+
+    stage 1  grid (B, head tiles, S): split s of request b attends positions
+             [s * per, min((s + 1) * per, L_b)), per = ceil(ceil(L_b / n_b) / 32) * 32,
+             and stores its normalized partial acc / e_sum  -> attn_logits [B, H, S, Dv] fp32
+             and lse = e_max + log(e_sum)                    -> attn_lse    [B, H, S]     fp32
+             (no v_scale in the partials; empty splits leave both buffers untouched)
+    stage 2  merges splits 0 .. S-1 that are non-empty, writes acc / e_sum * v_scale -> o
+
+Where it lives: ``sglang.kernels.ops.attention.decode_attention`` from SGLang 0.5.16,
+``sglang.srt.layers.attention.triton_ops.decode_attention`` before. Its signature grew over
+releases, so the call is built by keyword from ``inspect.signature``.
+
+Trimming. Splits at or beyond ``ceil(L_b / per_b)`` are empty for every request, so stage 1
+returns at once for them and stage 2 skips them. Sizing the buffers (and so the stage-1 grid and
+the stage-2 loop) to the largest number of non-empty splits instead of the production
+``max_kv_splits`` cannot change a bit of the result, while the interpreter no longer walks the
+empty programs. ``tests/test_triton_backend.py`` proves the bit-for-bit claim.
+
+On a CPU-only machine the kernel runs in the Triton interpreter, with refmla's fix for the
+interpreter's bf16 ``tl.dot`` (see :mod:`refmla.backends.triton_interp`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from refmla.backends import triton_interp
+from refmla.backends.base import Backend, BackendResult, BackendUnavailable
+
+MIN_BLOCK_KV = 32  # SGLang's _MIN_BLOCK_KV, read from the kernel module when it has one
+MI355X_CU_COUNT = 256
+
+
+class KernelNotFound(RuntimeError):
+    """SGLang's decode kernel could not be imported; the message says why, per path tried."""
+
+
+# --------------------------------------------------------------------------------------------
+# Finding the kernel
+# --------------------------------------------------------------------------------------------
+
+_located: Optional[tuple[Callable, str, str]] = None
+
+
+def sglang_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:
+        try:
+            import sglang
+
+            return str(getattr(sglang, "__version__", "unknown"))
+        except Exception:
+            return "unknown"
+
+
+def locate_decode_kernel() -> tuple[Callable, str, str]:
+    """(decode_attention_fwd, its module path, sglang version), new path first, then the old one.
+
+    Selects the Triton interpreter first when there is no GPU (it must precede the import).
+    Raises KernelNotFound with what went wrong at each path.
+    """
+    global _located
+    if _located is not None:
+        return _located
+    triton_interp.ensure_interpreter()
+    tried = []
+    for name in triton_interp.KERNEL_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name and name.startswith(e.name):
+                tried.append(f"{name}: not in this SGLang")
+            else:  # the path exists but one of its imports is missing
+                tried.append(f"{name}: import failed: {e}")
+            continue
+        except Exception as e:
+            tried.append(f"{name}: import failed: {type(e).__name__}: {e}")
+            continue
+        fn = getattr(mod, "decode_attention_fwd", None)
+        if fn is None:
+            tried.append(f"{name}: has no decode_attention_fwd")
+            continue
+        _located = (fn, name, sglang_version())
+        return _located
+    raise KernelNotFound("SGLang's Triton decode kernel not found: " + "; ".join(tried))
+
+
+def _kernel_module(module_path: str):
+    return importlib.import_module(module_path)
+
+
+# --------------------------------------------------------------------------------------------
+# The split schedule
+# --------------------------------------------------------------------------------------------
+
+
+def _cdiv(a: torch.Tensor | int, b: torch.Tensor | int):
+    return (a + b - 1) // b
+
+
+def nonempty_splits(seq_lens: torch.Tensor, num_kv_splits: torch.Tensor, min_block: int = MIN_BLOCK_KV) -> torch.Tensor:
+    """[B] how many of request b's splits hold a token: ceil(L / per), per = ceil(ceil(L / n) / 32) * 32."""
+    L = seq_lens.long().cpu()  # [B]
+    n = num_kv_splits.long().cpu().clamp(min=1)  # [B]
+    per = _cdiv(_cdiv(L, n), min_block) * min_block  # [B] tokens per split
+    return torch.where(L > 0, _cdiv(L, per.clamp(min=1)), torch.zeros_like(L))  # [B]
+
+
+def mla_max_kv_splits(cu_count: int = MI355X_CU_COUNT, max_context_len: int = 131072, base: int = 16) -> int:
+    """SGLang's production ``max_kv_splits`` for an MLA model.
+
+    From ``sglang/srt/layers/attention/triton_backend.py`` (``_mla_decode_kv_splits_cap``): the
+    server's ``--triton-attention-num-kv-splits`` (8, or 16 on ROCm) raised to the smaller of the
+    next power of two of the CU count and of ceil(context / 32). 256 on MI355X at long context.
+    """
+    if cu_count <= 0:
+        return base
+    npow2 = lambda x: 1 << max(int(x) - 1, 0).bit_length()  # noqa: E731
+    return max(base, min(npow2(cu_count), npow2(_cdiv(max_context_len, MIN_BLOCK_KV))))
+
+
+def default_num_kv_splits(
+    seq_lens: torch.Tensor,
+    *,
+    max_kv_splits: int,
+    num_heads: int,
+    num_kv_heads: int = 1,
+    cu_count: int = MI355X_CU_COUNT,
+    num_group: int = 1,
+    static: bool = False,
+    split_tile_size: Optional[int] = None,
+) -> torch.Tensor:
+    """num_kv_splits [B * num_group] int32 as SGLang's Triton backend computes it for a device.
+
+    Written after ``TritonAttnBackend.get_num_kv_splits`` in
+    ``sglang/srt/layers/attention/triton_backend.py`` and its kernel ``get_num_kv_splits_triton``
+    in ``sglang/kernels/ops/attention/metadata.py`` (0.5.23), in fp32 where the kernel is:
+
+    * static splits (``SGLANG_TRITON_DECODE_ATTN_STATIC_KV_SPLITS``) or no CU count: all
+      ``max_kv_splits``; deterministic inference (``split_tile_size``): ceil(L / tile);
+    * otherwise two chunk sizes, the larger split count of the two wins per request:
+      - balance: a batch whose shortest request is under 80% of its longest gets
+        n1 = min(ceil(Lmax / Lmin), max_kv_splits) splits of the longest, chunk1 = ceil(Lmax / n1);
+      - occupancy: the CU count times max(log2(Lmax / 64), 1) (fp32, truncated) spread over the
+        stage-1 grid (requests x groups x head tiles of min(16, H / Hkv) heads), capped at
+        max_kv_splits: n2, chunk2 = ceil(Lmax / n2);
+      n_b = max(ceil(L_b / chunk1), ceil(L_b / chunk2)).
+
+    A zero-length request (never seen in decode) would divide by zero in SGLang; it gets 1 here.
+    On a GPU ``tl.log2`` may be an approximation, so a product landing within an ulp of an integer
+    could truncate differently; the interpreter (numpy) agrees with this function exactly.
+    """
+    L = seq_lens.long().cpu()  # [B]
+    B = L.shape[0]
+    if B == 0:
+        return torch.zeros(0, dtype=torch.int32)
+    if split_tile_size is not None:
+        n = _cdiv(L, int(split_tile_size)).clamp(min=1)
+        return n.repeat_interleave(num_group).to(torch.int32)
+    if static or cu_count <= 0:
+        return torch.full((B * num_group,), int(max_kv_splits), dtype=torch.int32)
+
+    l_max = int(L.max())
+    l_min = max(int(L.min()), 1)
+    if l_max * 8 < l_min * 10:  # within 25%: treat the batch as even
+        l_min = l_max
+    l_max = max(l_max, 1)
+    n1 = min(_cdiv(l_max, l_min), max_kv_splits)
+    chunk1 = _cdiv(l_max, n1)
+
+    ext_seq_len = torch.tensor(l_max, dtype=torch.float32) / 64.0  # fp32, as the kernel
+    ext_cores = int((cu_count * torch.clamp(torch.log2(ext_seq_len), min=1.0)).to(torch.int32))
+    kv_group = num_heads // num_kv_heads
+    if kv_group == 1:
+        token_grid = B * num_group * num_heads
+    else:
+        token_grid = B * num_group * _cdiv(num_heads, min(16, kv_group))
+    n2 = min(_cdiv(ext_cores, token_grid), max_kv_splits)
+    chunk2 = _cdiv(l_max, max(n2, 1))
+
+    n = torch.maximum(_cdiv(L, chunk1), _cdiv(L, chunk2)).clamp(min=1)  # [B]
+    return n.repeat_interleave(num_group).to(torch.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# The plain-tensor runner
+# --------------------------------------------------------------------------------------------
+
+# Parameters of decode_attention_fwd that refmla fills; any other one without a default is an
+# interface this refmla does not know, and the call is refused rather than guessed.
+_KNOWN = (
+    "q", "k_buffer", "v_buffer", "o", "kv_indptr", "kv_indices", "attn_logits", "attn_lse",
+    "num_kv_splits", "max_kv_splits", "sm_scale", "k_scale", "v_scale", "logit_cap", "has_mla",
+    "page_size",
+)  # fmt: skip
+
+
+def build_kernel_kwargs(fn: Callable, values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Keyword arguments for ``fn`` from ``values`` by its signature, and notes on what was left out.
+
+    Raises TypeError when ``fn`` requires a parameter refmla does not know, or when a value that
+    changes the math (k_scale / v_scale other than 1) has no parameter to go to.
+    """
+    params = inspect.signature(fn).parameters
+    kwargs, notes = {}, []
+    for name, p in params.items():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if name in values:
+            kwargs[name] = values[name]
+        elif p.default is p.empty:
+            raise TypeError(
+                f"{fn.__module__}.{fn.__name__} requires parameter {name!r}, unknown to this refmla "
+                f"(it fills {', '.join(_KNOWN)})"
+            )
+    for name, value in values.items():
+        if name in params:
+            continue
+        if name in ("k_scale", "v_scale") and float(value) != 1.0:
+            raise TypeError(f"{fn.__module__}.{fn.__name__} has no {name!r} parameter; cannot apply {name}={value}")
+        if name == "page_size" and int(value) != 1:
+            notes.append(f"page_size {value} not a parameter here; token-slot addressing is identical")
+        elif name == "has_mla":
+            notes.append("has_mla not a parameter here: V is read from v_buffer, a view of the same rows")
+    return kwargs, notes
+
+
+def _mla_tune_plan(mod, q: torch.Tensor, kv_buffer: torch.Tensor, max_kv_splits: int) -> tuple[bool, int, str]:
+    """(tuned path taken, batch-wide split count or 0, note) of SGLang's gfx950 MLA tuning.
+
+    On HIP gfx950 with SGLANG_MLA_DECODE_TUNE, ``_mla_launch_plan`` may replace the per-request
+    num_kv_splits by one batch-wide count that depends on max_kv_splits; then the buffers must
+    keep the production size. Elsewhere (CPU, NVIDIA, older SGLang) it does not apply.
+    """
+    plan = getattr(mod, "_mla_launch_plan", None)
+    if plan is None:
+        return False, 0, "no _mla_launch_plan in this SGLang"
+    try:
+        tuned, forced = plan(q, kv_buffer, int(max_kv_splits), True)
+    except Exception as e:  # it reads the device and SGLang's runtime context
+        return False, 0, f"_mla_launch_plan not evaluated ({type(e).__name__}: {e})"
+    if not tuned:
+        return False, 0, "does not apply (not HIP gfx950 with SGLANG_MLA_DECODE_TUNE)"
+    if forced:
+        return True, int(forced), f"applies: batch-wide {forced} splits replace num_kv_splits"
+    return True, 0, "applies: tuned geometry, scheduler's num_kv_splits kept"
+
+
+def run_triton_decode(
+    q: torch.Tensor,
+    kv_buffer: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    num_kv_splits: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    sm_scale: float,
+    logit_cap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    page_size: int = 1,
+    max_kv_splits: Optional[int] = None,
+    trim: bool = True,
+    out_dtype: Optional[torch.dtype] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """Run SGLang's ``decode_attention_fwd`` (MLA) on plain tensors, on their device.
+
+    q [B, H, D], kv_buffer [N, 1, D] (V = its first kv_lora_rank dims), kv_indptr [B + 1],
+    kv_indices token slots, num_kv_splits [B]. ``max_kv_splits`` is the production buffer size
+    (default max(num_kv_splits)); with ``trim`` the buffers hold only as many splits as the
+    longest-split request fills (exact, see the module docstring).
+
+    Returns out [B, H, Dv] (out_dtype, default q's), attn_logits [B, H, S, Dv] and attn_lse
+    [B, H, S] fp32 exactly as the kernel leaves them (partials without v_scale; empty splits NaN,
+    as allocated), and an info dict. A zero-length request's output row is NaN (0 / 0 in stage 2).
+    """
+    fn, module_path, version = locate_decode_kernel()
+    mod = _kernel_module(module_path)
+    interpreted = bool(triton_interp.module_is_interpreted(mod))
+    dot_fix = False
+    if interpreted:
+        dot_fix, note = triton_interp.install_bf16_dot_fix()
+        if not dot_fix and torch.bfloat16 in (q.dtype, kv_buffer.dtype):
+            raise RuntimeError(f"bf16 inputs in the Triton interpreter need refmla's dot fix: {note}")
+
+    B, H, D = q.shape
+    Dv = int(kv_lora_rank)
+    if kv_buffer.dim() != 3 or kv_buffer.shape[1] != 1 or kv_buffer.shape[2] != D:
+        raise ValueError(f"kv_buffer shape {list(kv_buffer.shape)}, expected [N, 1, {D}]")
+    dev = q.device
+    idx_dtype = torch.int32 if kv_buffer.shape[0] < 2**31 else torch.int64  # SGLang's is int32
+    kv_indptr = kv_indptr.to(dev, idx_dtype).contiguous()
+    kv_indices = kv_indices.to(dev, idx_dtype).contiguous()
+    splits = num_kv_splits.to(dev, torch.int32).contiguous()
+    seq_lens = (kv_indptr[1:] - kv_indptr[:-1]).cpu()  # [B], what the kernel reads
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    kv_buffer = kv_buffer.to(dev)
+    if kv_buffer.stride(-1) != 1:
+        kv_buffer = kv_buffer.contiguous()
+
+    production_s = int(max_kv_splits) if max_kv_splits else (int(splits.max()) if B else 1)
+    min_block = int(getattr(mod, "_MIN_BLOCK_KV", MIN_BLOCK_KV))
+    filled = nonempty_splits(seq_lens, splits, min_block)  # [B]
+    tuned, forced, tune_note = _mla_tune_plan(mod, q, kv_buffer, production_s)
+    do_trim = bool(trim) and not tuned
+    S = max(1, min(int(filled.max()) if B else 1, production_s)) if do_trim else production_s
+
+    nan = float("nan")
+    attn_logits = torch.full((B, H, S, Dv), nan, dtype=torch.float32, device=dev)  # [B, H, S, Dv]
+    attn_lse = torch.full((B, H, S), nan, dtype=torch.float32, device=dev)  # [B, H, S]
+    out = torch.full((B, H, Dv), nan, dtype=out_dtype or q.dtype, device=dev)  # [B, H, Dv]
+    values = dict(
+        q=q, k_buffer=kv_buffer, v_buffer=kv_buffer[..., :Dv], o=out, kv_indptr=kv_indptr,
+        kv_indices=kv_indices, attn_logits=attn_logits, attn_lse=attn_lse, num_kv_splits=splits,
+        max_kv_splits=S, sm_scale=float(sm_scale), k_scale=float(k_scale), v_scale=float(v_scale),
+        logit_cap=float(logit_cap), has_mla=True, page_size=int(page_size),
+    )  # fmt: skip
+    kwargs, notes = build_kernel_kwargs(fn, values)
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        fn(**kwargs)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    seconds = time.perf_counter() - t0
+
+    info = {
+        "sglang_version": version,
+        "kernel_module": module_path,
+        "kernel": f"{module_path}.{fn.__name__}",
+        "triton_version": _triton_version(),
+        "device": str(dev),
+        "interpreter": interpreted,
+        "bf16_dot_fix": dot_fix,
+        "max_kv_splits": production_s,
+        "splits_used": S,
+        "nonempty_splits_max": int(filled.max()) if B else 0,
+        "trimmed": S < production_s,
+        "mla_tune": tune_note,
+        "kernel_params": sorted(kwargs),
+        "attn_logits_include_v_scale": False,
+        "kernel_seconds": round(seconds, 3),
+    }
+    if forced:
+        info["forced_kv_splits"] = forced
+    if notes:
+        info["notes"] = notes
+    return out, attn_logits, attn_lse, info
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+
+        return triton.__version__
+    except Exception:
+        return "unknown"
+
+
+# --------------------------------------------------------------------------------------------
+# The backend
+# --------------------------------------------------------------------------------------------
+
+
+class TritonBackend(Backend):
+    name = "triton"
+
+    def availability(self) -> tuple[bool, str]:
+        interp, how = triton_interp.ensure_interpreter()  # before the first import of triton
+        try:
+            import triton
+        except Exception as e:
+            return False, f"triton not importable: {type(e).__name__}: {e}"
+        try:
+            import sglang  # noqa: F401
+        except Exception as e:
+            return False, f"sglang not importable: {type(e).__name__}: {e}"
+        if not interp and not triton_interp.gpu_present():
+            return False, how
+        try:
+            fn, module_path, version = locate_decode_kernel()
+        except Exception as e:
+            return False, str(e)
+        interpreted = triton_interp.module_is_interpreted(_kernel_module(module_path))
+        if interpreted:
+            ok, note = triton_interp.install_bf16_dot_fix()
+            if not ok:
+                return False, note
+            where = "interpreter (bf16 dot fix applied)"
+        elif triton_interp.gpu_present():
+            where = f"compiled on {torch.cuda.get_device_name(0)}"
+        else:
+            return False, f"{module_path} was imported compiled and there is no GPU; set TRITON_INTERPRET=1"
+        return True, f"sglang {version} {module_path}.{fn.__name__}, triton {triton.__version__}, {where}"
+
+    def run(self, cap, opts) -> BackendResult:
+        m = cap.meta
+        if m.mode != "decode":
+            raise BackendUnavailable("decode kernel; capture is extend mode")
+        ok, why = self.availability()
+        if not ok:
+            raise BackendUnavailable(why)
+        fn, module_path, _ = locate_decode_kernel()
+        interpreted = bool(triton_interp.module_is_interpreted(_kernel_module(module_path)))
+        device = getattr(opts, "device", None)
+        if device is None:
+            device = "cpu" if interpreted else "cuda"
+        device = torch.device(device)
+        if interpreted and device.type != "cpu":
+            raise BackendUnavailable(f"the Triton interpreter runs on CPU tensors, not {device}")
+        if not interpreted and device.type == "cpu":
+            raise BackendUnavailable("compiled Triton kernels need a GPU device; run with TRITON_INTERPRET=1 for CPU")
+
+        H = cap.q.shape[1]
+        cu_count = int(getattr(opts, "cu_count", MI355X_CU_COUNT) or 0)
+        if cap.num_kv_splits is not None:
+            splits, source = cap.num_kv_splits, "capture"
+            max_kv = m.max_kv_splits or (int(splits.max()) if cap.batch_size else 1)
+        else:
+            max_kv = m.max_kv_splits or mla_max_kv_splits(cu_count)
+            splits = default_num_kv_splits(cap.seq_lens, max_kv_splits=max_kv, num_heads=H, cu_count=cu_count)
+            source = f"computed as SGLang's get_num_kv_splits (cu_count={cu_count}, max_kv_splits={max_kv})"
+        out_dtype = cap.out.dtype if cap.out is not None and cap.out.dtype.is_floating_point else cap.q.dtype
+
+        out, logits, lse, info = run_triton_decode(
+            cap.q.to(device), cap.kv_buffer.to(device), cap.kv_indptr, cap.kv_indices, splits,
+            kv_lora_rank=m.kv_lora_rank, sm_scale=m.sm_scale, logit_cap=m.logit_cap,
+            k_scale=m.k_scale, v_scale=m.v_scale, page_size=m.page_size, max_kv_splits=max_kv,
+            trim=getattr(opts, "trim", True), out_dtype=out_dtype,
+        )  # fmt: skip
+        info["num_kv_splits_source"] = source
+        return BackendResult(
+            out=out.cpu(), attn_logits=logits.cpu(), attn_lse=lse.cpu(),
+            num_kv_splits=splits.to(torch.int32).cpu(), info=info,
+            defines_empty_rows=False,  # stage 2 divides 0 by 0 for a request with no tokens: NaN
+        )  # fmt: skip
+
+
+__all__ = [
+    "KernelNotFound",
+    "TritonBackend",
+    "build_kernel_kwargs",
+    "default_num_kv_splits",
+    "locate_decode_kernel",
+    "mla_max_kv_splits",
+    "nonempty_splits",
+    "run_triton_decode",
+]

@@ -1,0 +1,201 @@
+"""The one comparator (CONTRACT section 5), used by replay, tests, goldens and benchmarks.
+
+A backend's output passes when, on every (row, head) -- a row is a request in decode, a token
+in extend -- its max abs error against the fp64 reference is at most
+
+    k * (the low-precision control's max abs error on that row)
+      + ulps * (one unit in the last place of the output dtype at the row's largest magnitude)
+
+NaN and Inf sit at the same places, and the cosine difference ``1 - 2*sum(x*y)/sum(x*x + y*y)``
+stays under ``cos`` over the whole output and on every row. ``cos`` defaults to 1e-5 and is
+widened to ``k`` times the control's own cosine difference where the stored dtypes are coarser
+(fp8 KV), so the threshold always means "k times rounding noise".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    k: float = 2.0  # allowed multiple of the control's error
+    ulps: float = 1.0  # plus this many ulp of the output dtype at the row's largest magnitude
+    cos: float = 1e-5  # cosine-difference ceiling (whole output and each row)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Comparison:
+    name: str
+    passed: bool
+    max_abs_err: float
+    max_rel_err: float  # max abs error / the row's largest magnitude
+    max_ulp_err: float  # in ulps of the output dtype at each element's magnitude
+    cos_diff: float  # whole output
+    worst_row_cos_diff: float
+    worst: dict  # request, head (and row/token, dim, actual, expected, ratio)
+    failed_rows: int = 0
+    compared_rows: int = 0
+    nan_mismatch: int = 0
+    reasons: list = field(default_factory=list)
+    row_err: Optional[torch.Tensor] = field(default=None, repr=False)  # [R, H] max abs err
+    row_tol: Optional[torch.Tensor] = field(default=None, repr=False)  # [R, H] allowed
+
+    def to_json(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k not in ("row_err", "row_tol", "name")}
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+
+    def summary(self) -> str:
+        w = self.worst
+        where = f"request {w.get('request')} head {w.get('head')}"
+        if self.passed:
+            return f"{self.name}: pass (max abs err {self.max_abs_err:.3g} at {where})"
+        return f"{self.name}: FAIL ({'; '.join(self.reasons)})"
+
+
+def ulp(dtype: torch.dtype, magnitude: torch.Tensor) -> torch.Tensor:
+    """One unit in the last place of ``dtype`` at ``magnitude`` (fp64 tensor)."""
+    fi = torch.finfo(dtype)
+    m = magnitude.abs().clamp(min=fi.tiny)
+    return fi.eps * torch.exp2(torch.floor(torch.log2(m)))
+
+
+def cos_diff(x: torch.Tensor, y: torch.Tensor, dim=None) -> torch.Tensor:
+    """1 - 2*sum(x*y)/sum(x*x + y*y) in fp64; 0 where both are all zero."""
+    x, y = x.double(), y.double()
+    num = 2 * (x * y).sum(dim=dim) if dim is not None else 2 * (x * y).sum()
+    den = (x * x + y * y).sum(dim=dim) if dim is not None else (x * x + y * y).sum()
+    return torch.where(den > 0, 1 - num / den.clamp(min=1e-300), torch.zeros_like(den))
+
+
+def compare(
+    name: str,
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    control: Optional[torch.Tensor] = None,
+    *,
+    out_dtype: Optional[torch.dtype] = None,
+    tol: Tolerance = Tolerance(),
+    row_mask: Optional[torch.Tensor] = None,
+    request_of_row: Optional[torch.Tensor] = None,
+) -> Comparison:
+    """Compare ``actual`` [R, H, Dv] with the fp64 ``expected`` [R, H, Dv].
+
+    control: the low-precision control's output (same shape), or None (ulps term only).
+    out_dtype: whose ulp to allow (default actual.dtype). row_mask [R]: rows to compare.
+    request_of_row [R]: the request each row belongs to, for the report (default: the row).
+    """
+    out_dtype = out_dtype or actual.dtype
+    if out_dtype.itemsize == 8 or not out_dtype.is_floating_point:
+        out_dtype = torch.float32 if not out_dtype.is_floating_point else out_dtype
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    if a.shape != e.shape:
+        return _shape_failure(name, a, e)
+    R, H = a.shape[0], a.shape[1]
+    mask = torch.ones(R, dtype=torch.bool) if row_mask is None else row_mask.to("cpu", torch.bool)
+    req = torch.arange(R) if request_of_row is None else request_of_row.to("cpu")
+    reasons: list[str] = []
+
+    # 1. NaN / Inf placement
+    same_nan = torch.isnan(a) == torch.isnan(e)
+    same_inf = torch.isinf(a) == torch.isinf(e)
+    same_inf &= ~torch.isinf(a) | (torch.sign(a) == torch.sign(e))
+    bad = ~(same_nan & same_inf) & mask[:, None, None]
+    nan_mismatch = int(bad.sum())
+    if nan_mismatch:
+        r, h, d = (int(i) for i in torch.nonzero(bad)[0])
+        reasons.append(
+            f"NaN/Inf placement differs at {nan_mismatch} elements, first request {int(req[r])} "
+            f"head {h} dim {d}: {a[r, h, d].item():.6g} vs expected {e[r, h, d].item():.6g}"
+        )
+
+    # 2. abs error per (row, head) against the control-based allowance
+    finite = torch.isfinite(a) & torch.isfinite(e)
+    err = torch.where(finite, (a - e).abs(), torch.zeros_like(a))  # [R, H, Dv]
+    row_err = err.amax(dim=-1)  # [R, H]
+    row_mag = torch.where(finite, e.abs(), torch.zeros_like(e)).amax(dim=-1)  # [R, H]
+    if control is not None:
+        c = control.detach().to("cpu", torch.float64)
+        ctrl_err = torch.where(finite & torch.isfinite(c), (c - e).abs(), torch.zeros_like(c)).amax(-1)
+        ctrl_cos = cos_diff(torch.where(finite, c, 0), torch.where(finite, e, 0), dim=-1)  # [R, H]
+    else:
+        ctrl_err = torch.zeros_like(row_err)
+        ctrl_cos = torch.zeros_like(row_err)
+    row_tol = tol.k * ctrl_err + tol.ulps * ulp(out_dtype, row_mag)  # [R, H]
+    row_bad = (row_err > row_tol) & mask[:, None]
+    failed_rows = int(row_bad.sum())
+    if failed_rows:
+        ratio = torch.where(mask[:, None], row_err / row_tol, torch.zeros_like(row_err))
+        r, h = divmod(int(ratio.argmax()), H)
+        reasons.append(
+            f"{failed_rows} of {int(mask.sum()) * H} (request, head) rows exceed k*control+ulp, "
+            f"worst request {int(req[r])} head {h}: err {row_err[r, h].item():.3g} > allowed {row_tol[r, h].item():.3g}"
+        )
+
+    # 3. cosine difference, whole and per row
+    am = torch.where(finite & mask[:, None, None], a, 0)
+    em = torch.where(finite & mask[:, None, None], e, 0)
+    whole_cos = float(cos_diff(am, em))
+    row_cos = torch.where(mask[:, None], cos_diff(am, em, dim=-1), torch.zeros_like(row_err))  # [R, H]
+    row_cos_tol = torch.clamp(tol.k * ctrl_cos, min=tol.cos)
+    whole_cos_tol = max(tol.cos, tol.k * float(ctrl_cos.max()) if ctrl_cos.numel() else 0.0)
+    if whole_cos > whole_cos_tol:
+        reasons.append(f"cosine difference {whole_cos:.3g} over the whole output > {whole_cos_tol:.3g}")
+    cos_bad = row_cos > row_cos_tol
+    if bool(cos_bad.any()) and not failed_rows:
+        r, h = divmod(int((row_cos / row_cos_tol).argmax()), H)
+        reasons.append(
+            f"cosine difference {row_cos[r, h].item():.3g} on request {int(req[r])} head {h} > {row_cos_tol[r, h].item():.3g}"
+        )
+
+    # 4. the worst row: highest error relative to its allowance
+    ratio = torch.where(mask[:, None], row_err / row_tol, torch.full_like(row_err, -1.0))
+    if nan_mismatch:
+        r, h = (int(i) for i in torch.nonzero(bad)[0][:2])
+    else:
+        r, h = divmod(int(ratio.argmax()), H) if ratio.numel() else (0, 0)
+    d = int(err[r, h].argmax()) if err.numel() else 0
+    worst = {"request": int(req[r]) if R else None, "head": h, "row": r, "dim": d}
+    if R:
+        worst.update(actual=_num(a[r, h, d]), expected=_num(e[r, h, d]), err=_num(row_err[r, h]),
+                     allowed=_num(row_tol[r, h]), ratio=_num(ratio[r, h]))  # fmt: skip
+
+    sel = mask[:, None].expand(R, H)
+    ulp_err = torch.where(finite, err / ulp(out_dtype, e), torch.zeros_like(err))
+    return Comparison(
+        name=name,
+        passed=not reasons,
+        max_abs_err=float(row_err[sel].max()) if sel.any() else 0.0,
+        max_rel_err=float((row_err / row_mag.clamp(min=1e-300))[sel].max()) if sel.any() else 0.0,
+        max_ulp_err=float(ulp_err[mask].max()) if sel.any() else 0.0,
+        cos_diff=whole_cos,
+        worst_row_cos_diff=float(row_cos.max()) if row_cos.numel() else 0.0,
+        worst=worst,
+        failed_rows=failed_rows,
+        compared_rows=int(sel.sum()),
+        nan_mismatch=nan_mismatch,
+        reasons=reasons,
+        row_err=row_err,
+        row_tol=row_tol,
+    )
+
+
+def _num(x: torch.Tensor) -> Optional[float]:
+    v = float(x)
+    return v if math.isfinite(v) else None  # JSON has no NaN / Inf
+
+
+def _shape_failure(name: str, a: torch.Tensor, e: torch.Tensor) -> Comparison:
+    return Comparison(
+        name=name, passed=False, max_abs_err=math.inf, max_rel_err=math.inf, max_ulp_err=math.inf,
+        cos_diff=math.inf, worst_row_cos_diff=math.inf, worst={"request": None, "head": None},
+        reasons=[f"shape {list(a.shape)} != expected {list(e.shape)}"],
+    )  # fmt: skip
