@@ -212,7 +212,7 @@ def read_capture(path: Any) -> Capture:
             for name, required in TENSORS.items():
                 if required and name not in names:
                     raise CaptureError(path, f"tensor '{name}'", "missing")
-            loaded = {name: f.get_tensor(name) for name in TENSORS if name in names}
+            loaded = _map_tensors(path, [n for n in TENSORS if n in names], f)
     except CaptureError:
         raise
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
@@ -221,6 +221,38 @@ def read_capture(path: Any) -> Capture:
     cap = Capture(path=str(path), meta=meta, **loaded)
     cap.warnings.extend(validate(cap))
     return cap
+
+
+_ST_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I32": torch.int32, "I64": torch.int64, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+}  # fmt: skip
+
+
+def _map_tensors(path: Path, names: list[str], f) -> dict[str, torch.Tensor]:
+    """Tensors backed by a private (copy-on-write) memory map of the file: nothing is read until
+    touched, so a replay pulls in only the pool rows it attends and never holds the pool twice.
+    ``f`` (an open safe_open, which has validated the header) serves any dtype not mapped here."""
+    import mmap
+    import struct
+
+    with open(path, "rb") as fh:
+        n = struct.unpack("<Q", fh.read(8))[0]
+        header = json.loads(fh.read(n))
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+    out = {}
+    for name in names:
+        info = header[name]
+        dtype, shape = _ST_DTYPES.get(info["dtype"]), info["shape"]
+        start, end = info["data_offsets"]
+        if dtype is None or math.prod(shape) == 0:
+            out[name] = f.get_tensor(name)
+            continue
+        count = (end - start) // dtype.itemsize
+        out[name] = torch.frombuffer(mm, dtype=dtype, count=count, offset=8 + n + start).reshape(shape)
+    return out
 
 
 def validate(cap: Capture) -> list[str]:

@@ -70,6 +70,11 @@ def cmd_replay(args) -> int:
         backend_names(opts)
     except KeyError as e:
         raise UsageError(str(e.args[0])) from None
+    if args.plot:
+        try:  # no matplotlib: say so before the replay, not after it
+            import refmla.plots  # noqa: F401
+        except ImportError as e:
+            raise UsageError(str(e).splitlines()[0]) from None
     paths = expand_captures(args.captures)
     if getattr(args, "jobs", 1) > 1 and len(paths) > 1:
         from refmla.series import replay_parallel
@@ -81,6 +86,10 @@ def cmd_replay(args) -> int:
             reports.append(replay_file(p, opts))
             progress.step(p)
         progress.close()
+    if len(reports) > 1:
+        from refmla.series import attach_series
+
+        attach_series(reports)  # each report gets "series": findings against the previous step
     if args.plot:
         _plot(reports, args.plot)
     if args.json:
@@ -88,12 +97,9 @@ def cmd_replay(args) -> int:
     else:
         print("\n\n".join(render(r) for r in reports))
         if len(reports) > 1:
-            try:
-                from refmla.series import summary_table
-            except ImportError:
-                pass
-            else:
-                print("\n" + summary_table(reports))
+            from refmla.series import summary_table
+
+            print("\n" + summary_table(reports))
     return worst_status(reports)
 
 
@@ -108,27 +114,17 @@ def _plot(reports, out_dir: str) -> None:
 
 def cmd_inspect(args) -> int:
     from refmla.capture import read_capture
-    from refmla.checks import check_capture
+    from refmla.checks import inspect_captures, inspect_exit_code, render_inspect
 
-    cap = read_capture(args.capture)
-    md = check_capture(cap)
+    paths = expand_captures(args.captures)
+    if len(paths) == 1 and not Path(args.captures[0]).is_dir():
+        read_capture(paths[0])  # one file: a bad one is exit 2 with one line
+    entries = inspect_captures(paths)  # several: also the series checks
     if args.json:
-        _print_json({"capture": cap.path, "meta": cap.meta.to_json(), "metadata": md,
-                     "tensors": {n: {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
-                                 for n, t in cap.tensors().items()}})  # fmt: skip
+        _print_json(entries[0] if len(entries) == 1 else entries)
     else:
-        print(f"capture  {cap.path}")
-        print(f"meta     {json.dumps(cap.meta.to_json(), sort_keys=True)}")
-        for n, t in cap.tensors().items():
-            print(f"  {n:<16} {str(list(t.shape)):<22} {str(t.dtype).replace('torch.', '')}")
-        print("metadata " + ("ok" if md["ok"] else "INVALID"))
-        for w in md["warnings"]:
-            print(f"  warning: {w}")
-        for e in md["errors"]:
-            print(f"  error: {e}")
-    if not md["ok"]:
-        return EXIT_INVALID
-    return EXIT_DIVERGED if md["warnings"] else EXIT_OK
+        print("\n\n".join(render_inspect(e) for e in entries))
+    return inspect_exit_code(entries)
 
 
 def cmd_synth(args) -> int:
@@ -173,7 +169,14 @@ def cmd_doctor(args) -> int:
 def cmd_diff_kv(args) -> int:
     from refmla.diffkv import diff_kv_files, render_diff
 
+    if args.plot:
+        try:  # no matplotlib: one line, exit 2, before anything is read
+            import refmla.plots  # noqa: F401
+        except ImportError as e:
+            raise UsageError(str(e).splitlines()[0]) from None
     result = diff_kv_files(args.prefill, args.decode, plot_dir=args.plot)
+    for path in result.get("plots", []):
+        print(f"wrote {path}", file=sys.stderr)
     if args.json:
         _print_json(result)
     else:
@@ -214,8 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-explain", action="store_true", help="skip the hypothesis search")
     r.set_defaults(func=cmd_replay)
 
-    i = sub.add_parser("inspect", help="shapes, dtypes, meta and metadata checks")
-    i.add_argument("capture")
+    i = sub.add_parser("inspect", help="shapes, dtypes, meta and metadata checks (several: also series checks)")
+    i.add_argument("captures", nargs="+", metavar="CAPTURE", help="capture files or directories")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_inspect)
 
@@ -223,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("prefill", nargs="+", metavar="PREFILL", help="prefill capture(s) (chunked prefill: several)")
     d.add_argument("decode", metavar="DECODE")
     d.add_argument("--json", action="store_true")
-    d.add_argument("--plot", metavar="DIR", default=None)
+    d.add_argument("--plot", metavar="DIR", default=None, help="write a PNG of the mismatches to DIR")
     d.set_defaults(func=cmd_diff_kv)
 
     g = sub.add_parser("golden", help="golden files")

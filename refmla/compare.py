@@ -8,8 +8,9 @@ in extend -- its max abs error against the fp64 reference is at most
 
 NaN and Inf sit at the same places, and the cosine difference ``1 - 2*sum(x*y)/sum(x*x + y*y)``
 stays under ``cos`` over the whole output and on every row. ``cos`` defaults to 1e-5 and is
-widened to ``k`` times the control's own cosine difference where the stored dtypes are coarser
-(fp8 KV), so the threshold always means "k times rounding noise".
+widened to ``k**2`` times the control's own cosine difference (the cosine difference grows with
+the square of the error) where the stored dtypes are coarser (fp8 KV), so the threshold always
+means "k times rounding noise".
 """
 
 from __future__ import annotations
@@ -145,8 +146,9 @@ def compare(
     em = torch.where(finite & mask[:, None, None], e, 0)
     whole_cos = float(cos_diff(am, em))
     row_cos = torch.where(mask[:, None], cos_diff(am, em, dim=-1), torch.zeros_like(row_err))  # [R, H]
-    row_cos_tol = torch.clamp(tol.k * ctrl_cos, min=tol.cos)
-    whole_cos_tol = max(tol.cos, tol.k * float(ctrl_cos.max()) if ctrl_cos.numel() else 0.0)
+    # cosine difference grows with the square of the error: k times the control's error is k**2 its cos
+    row_cos_tol = torch.clamp(tol.k**2 * ctrl_cos, min=tol.cos)
+    whole_cos_tol = max(tol.cos, tol.k**2 * float(ctrl_cos.max()) if ctrl_cos.numel() else 0.0)
     if whole_cos > whole_cos_tol:
         reasons.append(f"cosine difference {whole_cos:.3g} over the whole output > {whole_cos_tol:.3g}")
     cos_bad = row_cos > row_cos_tol

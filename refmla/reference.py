@@ -98,10 +98,31 @@ def mla_decode_ref(
     B, H, _ = q.shape
     out = torch.empty(B, H, kv_lora_rank, dtype=accum_dtype, device=q.device)  # [B, H, Dv]
     lse = torch.empty(B, H, dtype=accum_dtype, device=q.device)  # [B, H]
+    rows_of = RowGatherer(kv_buffer, kv_indptr, accum_dtype)  # one reused buffer, not B allocations
     for b in range(B):
-        kv = gather(kv_buffer, request_rows(kv_indptr, kv_indices, b), accum_dtype)  # [L, D]
+        kv = rows_of(request_rows(kv_indptr, kv_indices, b))  # [L, D]
         out[b], lse[b] = attend(q[b].to(accum_dtype), kv, sc)
     return out, lse
+
+
+class RowGatherer:
+    """gather() into buffers sized for the longest request, reused for every request.
+
+    The same result as ``gather(kv_buffer, rows, dtype)``; it only keeps the peak memory at one
+    request's working set (no allocator churn over B requests of different lengths).
+    """
+
+    def __init__(self, kv_buffer: torch.Tensor, kv_indptr: torch.Tensor, dtype: torch.dtype):
+        L_max = int((kv_indptr[1:] - kv_indptr[:-1]).max()) if len(kv_indptr) > 1 else 0
+        D = kv_buffer.shape[-1]
+        self.pool = kv_buffer[:, 0]  # [N, D]
+        self.stored = torch.empty(L_max, D, dtype=kv_buffer.dtype, device=kv_buffer.device)  # [L_max, D]
+        self.upcast = torch.empty(L_max, D, dtype=dtype, device=kv_buffer.device)  # [L_max, D]
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        L = rows.shape[0]
+        torch.index_select(self.pool, 0, rows.to(self.pool.device), out=self.stored[:L])
+        return self.upcast[:L].copy_(self.stored[:L])  # [L, D]
 
 
 # --------------------------------------------------------------------------------------------

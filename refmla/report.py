@@ -88,8 +88,8 @@ def _info_note(b: dict) -> str:
 class Progress:
     """A one-line progress bar on stderr (only when stderr is a terminal)."""
 
-    def __init__(self, total: int, stream: TextIO = sys.stderr):
-        self.total, self.done, self.stream = total, 0, stream
+    def __init__(self, total: int, stream: Optional[TextIO] = None):
+        self.total, self.done, self.stream = total, 0, stream or sys.stderr
         self.live = total > 1 and hasattr(stream, "isatty") and stream.isatty()
 
     def step(self, label: str) -> None:

@@ -291,9 +291,10 @@ def run_triton_decode(
     interpreted = bool(triton_interp.module_is_interpreted(mod))
     dot_fix = False
     if interpreted:
-        dot_fix, note = triton_interp.install_bf16_dot_fix()
-        if not dot_fix and torch.bfloat16 in (q.dtype, kv_buffer.dtype):
+        ok, note = triton_interp.install_bf16_dot_fix()
+        if not ok and torch.bfloat16 in (q.dtype, kv_buffer.dtype):
             raise RuntimeError(f"bf16 inputs in the Triton interpreter need refmla's dot fix: {note}")
+        dot_fix = triton_interp.bf16_dot_fix_installed()
 
     B, H, D = q.shape
     Dv = int(kv_lora_rank)

@@ -1,4 +1,4 @@
-"""Running SGLang's Triton kernels on CPU: interpreter selection and the interpreter's bf16 dot fix.
+"""Running SGLang's Triton kernels on CPU: interpreter selection and a fix for its bf16 arithmetic.
 
 Two facts about the Triton interpreter (``TRITON_INTERPRET=1``) shape this module.
 
@@ -10,16 +10,22 @@ Two facts about the Triton interpreter (``TRITON_INTERPRET=1``) shape this modul
    be set before the process first imports triton. :func:`ensure_interpreter` does that when there
    is no GPU, and says why it cannot when triton was already imported without it.
 
-2. Its ``tl.dot`` is wrong for bf16. The interpreter stores bf16 tensors as their raw ``uint16``
-   bit patterns (numpy has no bfloat16) and ``InterpreterBuilder.create_dot`` hands the operands
-   straight to ``np.matmul``, which then multiplies the *integers* (fp8 operands get converted,
-   bf16 do not): SGLang's MLA decode kernel returns values around 1e9 for bf16 inputs.
-   :func:`install_bf16_dot_fix` wraps ``triton.runtime.interpreter.InterpreterBuilder.create_dot``
-   (identical in triton 3.4.0 to 3.9.0) so that bf16 operands are widened to fp32 first. The
-   widening is exact (bf16 is the top half of an fp32), each product of two bf16 values is exact in
-   fp32, and the accumulator stays fp32, which is what the GPU's bf16 MMA with fp32 accumulation
-   computes up to summation order. Everything else is passed through unchanged. The fix is applied
-   only under the interpreter and never changes a compiled kernel.
+2. Its bf16 arithmetic is wrong in two places, both in ``triton.runtime.interpreter.InterpreterBuilder``
+   (identical in triton 3.4.0 to 3.9.0). The interpreter stores bf16 tensors as their raw
+   ``uint16`` bit patterns (numpy has no bfloat16), and
+
+   * ``create_dot`` hands those to ``np.matmul``, which multiplies the *integers* (fp8 operands get
+     converted, bf16 do not): SGLang's MLA decode kernel returns values around 1e9 for bf16 inputs;
+   * ``cast_impl`` converts fp32 -> bf16 by dropping the low 16 bits (round toward zero), where
+     compiled Triton rounds to nearest even (``tl.cast``'s default, the ``fptrunc`` it emits). The
+     kernel's ``p.to(v.dtype)`` and its bf16 output store go through it; truncation biases every
+     output element toward zero, about five times the control's cosine difference.
+
+   :func:`install_bf16_dot_fix` wraps both: bf16 dot operands are widened to fp32 first (exact: bf16
+   is the top half of an fp32, each product of two bf16 values is exact in fp32, and the
+   accumulator stays fp32, as the GPU's bf16 MMA with fp32 accumulation computes up to summation
+   order), and fp32 -> bf16 casts round to nearest even. Everything else is passed through
+   unchanged. The fix is applied only under the interpreter and never touches a compiled kernel.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 INTERPRET_ENV = "TRITON_INTERPRET"
 
@@ -37,8 +43,7 @@ KERNEL_MODULES = (
     "sglang.srt.layers.attention.triton_ops.decode_attention",
 )
 
-_FIX_MARK = "_refmla_bf16_dot_fix"  # attribute set on our wrapper, so installing twice is a no-op
-_original_create_dot = None  # the interpreter's own create_dot, kept to restore it
+_FIX_MARK = "_refmla_bf16_dot_fix"  # attribute set on our wrappers, so installing twice is a no-op
 
 
 def gpu_present() -> bool:
@@ -130,22 +135,33 @@ def ensure_interpreter() -> tuple[bool, str]:
     return True, "interpreter (TRITON_INTERPRET=1, set by refmla: no GPU)"
 
 
-def _bf16_dot_target():
-    """(InterpreterBuilder class, its create_dot) or raise RuntimeError naming what is missing."""
+# (method of triton.runtime.interpreter.InterpreterBuilder, what goes wrong without the fix)
+_PATCHED = {
+    "create_dot": "tl.dot multiplies bf16 operands as their raw uint16 bits",
+    "cast_impl": "fp32 -> bf16 casts and stores truncate instead of rounding to nearest even",
+}
+_originals: dict = {}  # name -> the interpreter's own method, kept to restore it
+_suppressed: set = set()  # parts a bf16_dot_fix(enabled=False) block keeps off (tests only)
+
+
+def _bf16_targets() -> tuple[type, dict]:
+    """(InterpreterBuilder, {name: method}) or raise RuntimeError naming what is missing."""
     try:
         import triton
         from triton.runtime import interpreter
     except Exception as exc:  # pragma: no cover - triton missing is reported by availability
         raise RuntimeError(f"triton interpreter not importable: {exc}") from exc
     builder = getattr(interpreter, "InterpreterBuilder", None)
-    create_dot = getattr(builder, "create_dot", None) if builder is not None else None
-    if create_dot is None or not hasattr(interpreter, "TensorHandle"):
+    methods = {name: getattr(builder, name, None) for name in _PATCHED} if builder else {}
+    missing = [n for n in _PATCHED if methods.get(n) is None]
+    if builder is None or missing or not hasattr(interpreter, "TensorHandle"):
+        what = ", ".join(missing) or "InterpreterBuilder / TensorHandle"
         raise RuntimeError(
-            f"triton {triton.__version__}: triton.runtime.interpreter.InterpreterBuilder.create_dot "
-            "not found, so the interpreter's bf16 dot fix cannot be applied (bf16 results would be "
-            "garbage); checked against triton 3.4.0-3.9.0"
+            f"triton {triton.__version__}: triton.runtime.interpreter.InterpreterBuilder {what} not "
+            "found, so refmla's bf16 fix for the interpreter cannot be applied (bf16 results would be "
+            "wrong); it was checked against triton 3.4.0 to 3.9.0"
         )
-    return builder, create_dot
+    return builder, methods
 
 
 def _widen_bf16(handle):
@@ -160,66 +176,108 @@ def _widen_bf16(handle):
     return TensorHandle(bits.view(np.float32), tl.float32)
 
 
-def _make_fixed_create_dot(original):
-    def create_dot(self, a, b, d, *args, **kwargs):
-        return original(self, _widen_bf16(a), _widen_bf16(b), d, *args, **kwargs)
+def f32_to_bf16_bits(data):
+    """fp32 numpy array -> bf16 bit patterns (uint16), round to nearest even, NaN -> 0x7FC0.
 
-    setattr(create_dot, _FIX_MARK, True)
-    create_dot.__doc__ = "refmla: bf16 operands widened to fp32 before the interpreter's np.matmul."
-    return create_dot
+    The same rounding as ``torch.Tensor.to(torch.bfloat16)`` and the GPUs' fp32 -> bf16 convert.
+    """
+    import numpy as np
+
+    f = np.asarray(data, dtype=np.float32)
+    bits = f.view(np.uint32).astype(np.uint64)
+    rounded = (bits + np.uint64(0x7FFF) + ((bits >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16)
+    return np.where(np.isnan(f), np.uint64(0x7FC0), rounded).astype(np.uint16)
+
+
+def _make_fixed(name: str, original):
+    import triton.language as tl
+    from triton.runtime.interpreter import TensorHandle
+
+    if name == "create_dot":
+
+        def fixed(self, a, b, d, *args, **kwargs):
+            return original(self, _widen_bf16(a), _widen_bf16(b), d, *args, **kwargs)
+
+        fixed.__doc__ = "refmla: bf16 dot operands widened (exactly) to fp32 before the interpreter's np.matmul."
+    else:
+
+        def fixed(self, src, dst_type, *args, **kwargs):
+            if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+                return TensorHandle(f32_to_bf16_bits(src.data), tl.bfloat16)
+            return original(self, src, dst_type, *args, **kwargs)
+
+        fixed.__doc__ = "refmla: fp32 -> bf16 rounded to nearest even, as compiled Triton does."
+    setattr(fixed, _FIX_MARK, True)
+    return fixed
 
 
 def bf16_dot_fix_installed() -> bool:
     try:
-        _, create_dot = _bf16_dot_target()
+        _, methods = _bf16_targets()
     except RuntimeError:
         return False
-    return bool(getattr(create_dot, _FIX_MARK, False))
+    return all(getattr(m, _FIX_MARK, False) for m in methods.values())
 
 
-def install_bf16_dot_fix() -> tuple[bool, str]:
-    """Patch the interpreter's ``create_dot`` (idempotent). Only under the interpreter.
+def install_bf16_dot_fix(parts: Optional[Iterable[str]] = None) -> tuple[bool, str]:
+    """Patch the interpreter's bf16 handling (idempotent). Only under the interpreter.
 
-    Returns ``(installed, note)``; ``(False, reason)`` when not interpreting (nothing to fix) or when
-    the internal it patches is missing in this triton (the caller must then refuse bf16 inputs).
+    Two methods of ``triton.runtime.interpreter.InterpreterBuilder`` are wrapped:
+    ``create_dot`` (bf16 operands widened to fp32) and ``cast_impl`` (fp32 -> bf16 rounded to
+    nearest even, where the interpreter truncates; this rounds the kernel's ``p.to(v.dtype)`` and
+    its bf16 output store). ``parts`` picks a subset of those two names (tests only). Returns
+    ``(installed, note)``; ``(False, reason)`` when not interpreting (nothing to fix) or when this
+    triton lacks what is patched (the caller must then refuse bf16 inputs).
     """
-    global _original_create_dot
     if not interpreter_active():
         return False, "not under the Triton interpreter: no fix needed"
     try:
-        builder, create_dot = _bf16_dot_target()
+        builder, methods = _bf16_targets()
     except RuntimeError as exc:
         return False, str(exc)
-    if not getattr(create_dot, _FIX_MARK, False):
-        _original_create_dot = create_dot
-        builder.create_dot = _make_fixed_create_dot(create_dot)
+    for name, method in methods.items():
+        if (parts is None or name in parts) and name not in _suppressed and not getattr(method, _FIX_MARK, False):
+            _originals[name] = method
+            setattr(builder, name, _make_fixed(name, method))
+    if _suppressed:
+        return True, f"interpreter (bf16 dot fix suppressed for {', '.join(sorted(_suppressed))}: tests only)"
     return True, "interpreter (bf16 dot fix applied)"
 
 
-def remove_bf16_dot_fix() -> None:
-    """Restore the interpreter's own ``create_dot`` (used by the test that shows the bug)."""
+def remove_bf16_dot_fix(parts: Optional[Iterable[str]] = None) -> None:
+    """Restore the interpreter's own methods (used by the tests that show the bugs)."""
     try:
-        builder, create_dot = _bf16_dot_target()
+        builder, methods = _bf16_targets()
     except RuntimeError:
         return
-    if getattr(create_dot, _FIX_MARK, False) and _original_create_dot is not None:
-        builder.create_dot = _original_create_dot
+    for name, method in methods.items():
+        if (parts is None or name in parts) and getattr(method, _FIX_MARK, False) and name in _originals:
+            setattr(builder, name, _originals[name])
 
 
 @contextlib.contextmanager
-def bf16_dot_fix(enabled: bool = True) -> Iterator[None]:
-    """Within the block the fix is installed (``enabled``) or removed; afterwards as it was."""
-    was = bf16_dot_fix_installed()
+def bf16_dot_fix(enabled: bool = True, parts: Optional[Iterable[str]] = None) -> Iterator[None]:
+    """Within the block the fix (or ``parts`` of it) is installed (``enabled``) or removed;
+    afterwards every part is as it was."""
+    _, methods = _bf16_targets()
+    was = {name: bool(getattr(m, _FIX_MARK, False)) for name, m in methods.items()}
+    was_suppressed = set(_suppressed)
+    chosen = set(_PATCHED if parts is None else parts)
     if enabled:
-        ok, note = install_bf16_dot_fix()
+        _suppressed.difference_update(chosen)
+        ok, note = install_bf16_dot_fix(chosen)
         if not ok and interpreter_active():
             raise RuntimeError(note)
     else:
-        remove_bf16_dot_fix()
+        remove_bf16_dot_fix(chosen)
+        _suppressed.update(chosen)  # so a runner's own install_bf16_dot_fix() leaves them off
     try:
         yield
     finally:
-        if was:
-            install_bf16_dot_fix()
-        else:
-            remove_bf16_dot_fix()
+        _suppressed.clear()
+        _suppressed.update(was_suppressed)
+        remove_bf16_dot_fix([n for n, on in was.items() if not on])
+        _suppressed_now = set(_suppressed)
+        _suppressed.clear()
+        install_bf16_dot_fix([n for n, on in was.items() if on])
+        _suppressed.update(_suppressed_now)

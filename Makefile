@@ -1,0 +1,59 @@
+# Quick start on a fresh machine:   make demo   |   make test
+#
+# Both create .venv on first use. An importable torch (e.g. the ROCm build inside an SGLang
+# image) is reused through --system-site-packages; otherwise $(TORCH) is installed
+# (on these CPU machines torch==2.13.0 is the CPU wheel).
+
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install -q --disable-pip-version-check
+DEMO   ?= demo
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-fast bench golden clean
+
+$(VENV)/.base: pyproject.toml
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+	  echo "reusing the importable torch: $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
+	  $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else $(PYTHON) -m venv $(VENV); fi
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH)"
+	$(PIP) -e . numpy safetensors
+	@touch $@
+
+# SGLang's kernel modules, importable on CPU: the wheel pins a CUDA torch, so --no-deps + a light list
+$(VENV)/.kernels: $(VENV)/.base tools/requirements-sglang-cpu.txt tools/requirements-sglang-nodeps.txt
+	$(PIP) -r tools/requirements-sglang-cpu.txt
+	$(PIP) --no-deps -r tools/requirements-sglang-nodeps.txt
+	@touch $@
+
+$(VENV)/.test: $(VENV)/.kernels $(wildcard tools/requirements-hook*.txt)
+	$(PIP) -e ".[test,plot]"
+	@if [ -f tools/requirements-hook.txt ]; then $(PIP) -r tools/requirements-hook.txt; fi
+	@if [ -f tools/requirements-hook-nodeps.txt ]; then $(PIP) --no-deps -r tools/requirements-hook-nodeps.txt; fi
+	@touch $@
+
+demo: $(VENV)/.kernels
+	@mkdir -p $(DEMO)
+	$(VENV)/bin/refmla doctor
+	$(VENV)/bin/refmla synth $(DEMO)/kimi-k2-tp8-kv-missing.safetensors --preset kimi-k2-tp8 --fault kv_range_zero
+	-$(VENV)/bin/refmla replay $(DEMO)/kimi-k2-tp8-kv-missing.safetensors
+	@echo
+	@echo "exit code 1 above is the point: the planted fault was found. JSON: $(VENV)/bin/refmla replay $(DEMO)/kimi-k2-tp8-kv-missing.safetensors --json"
+
+test: $(VENV)/.test
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: $(VENV)/.test
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: $(VENV)/.test
+	$(PY) tools/bench_reference.py
+
+golden: $(VENV)/.test
+	$(VENV)/bin/refmla golden generate --out golden --suite quick
+
+clean:
+	rm -rf $(VENV) $(DEMO)

@@ -1,0 +1,123 @@
+"""``refmla capture run [options] -- COMMAND...``: run a command with the capture hook active.
+
+The command and every Python process it starts get ``REFMLA_CAPTURE_*`` in their environment and
+``refmla/hook/sitecustomize`` (plus the folder holding the ``refmla`` package) first on
+``PYTHONPATH``; the ``sitecustomize`` there installs the hook at interpreter start-up. The exit
+code is the command's (128 + N when a signal N ended it). SIGINT / SIGTERM / SIGHUP are passed on
+to the command, so Ctrl-C stops the server as it would without the wrapper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from refmla.hook.config import ENV_PREFIX, ConfigError, HookConfig, parse_bytes, parse_int_set
+
+SITE_DIR = Path(__file__).resolve().parent / "sitecustomize"
+PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the folder that holds refmla/
+
+
+def capture_env(cfg: HookConfig, base: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """The environment for the wrapped command: ``base`` + the hook's variables + PYTHONPATH."""
+    env = dict(os.environ if base is None else base)
+    for key in [k for k in env if k.startswith(ENV_PREFIX)]:
+        del env[key]  # only what cfg says
+    env.update(cfg.to_env())
+    paths = [str(SITE_DIR), str(PACKAGE_PARENT)]
+    old = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in paths]
+    env["PYTHONPATH"] = os.pathsep.join(paths + old)
+    return env
+
+
+def run_with_capture(cmd: Sequence[str], cfg: HookConfig) -> int:
+    """Run ``cmd`` with the hook active in it and its children; return its exit code."""
+    if not (SITE_DIR / "sitecustomize.py").is_file():
+        raise FileNotFoundError(f"{SITE_DIR / 'sitecustomize.py'} is missing (is refmla installed with its package data?)")
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    proc = subprocess.Popen(list(cmd), env=capture_env(cfg))
+
+    def forward(signum, _frame):
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, forward) for s in handled}
+    try:
+        rc = proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return 128 - rc if rc < 0 else rc
+
+
+def _summary(out_dir: str) -> str:
+    from refmla.hook.writer import folder_usage
+
+    files, size = folder_usage(out_dir)
+    return f"refmla capture: {files} capture file(s), {size} bytes in {out_dir}"
+
+
+def cmd_capture_run(args) -> int:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print("refmla: error: capture run: no command given (refmla capture run [options] -- COMMAND...)", file=sys.stderr)
+        return 2
+    try:
+        cfg = HookConfig(
+            out_dir=os.path.abspath(args.out),
+            layers=parse_int_set(args.layers, "--layers"),
+            modes=frozenset(m.strip() for m in args.modes.split(",") if m.strip()),
+            min_seq_len=args.min_seq_len,
+            ranks=parse_int_set(args.ranks, "--ranks"),
+            backends=frozenset(b.strip() for b in args.backends.split(",") if b.strip()),
+            every=args.every,
+            max_files=args.max_files,
+            max_bytes=parse_bytes(args.max_bytes, "--max-bytes"),
+            partials=not args.no_partials,
+        )
+        HookConfig.from_env(cfg.to_env())  # the child parses the same text: fail here, not there
+    except ConfigError as e:
+        print(f"refmla: error: capture run: {e}", file=sys.stderr)
+        return 2
+    try:
+        rc = run_with_capture(cmd, cfg)
+    except (FileNotFoundError, PermissionError) as e:
+        print(f"refmla: error: capture run: {e}", file=sys.stderr)
+        return 2
+    print(_summary(cfg.out_dir), file=sys.stderr)
+    return rc
+
+
+def add_capture_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``capture`` (with ``run``) to the refmla command line; handlers return an exit code."""
+    c = subparsers.add_parser("capture", help="capture attention calls from a live SGLang server")
+    csub = c.add_subparsers(dest="capture_command", required=True)
+    r = csub.add_parser(
+        "run",
+        help="run a command (e.g. python -m sglang.launch_server ...) with the capture hook active",
+        description="Run COMMAND with refmla's capture hook in it and in every Python process it starts. "
+        "Decode replayed from CUDA/HIP graphs is invisible to the hook: launch SGLang with --disable-cuda-graph.",
+    )
+    r.add_argument("--out", default="refmla-captures", help="output folder (REFMLA_CAPTURE_DIR; default ./refmla-captures)")
+    r.add_argument("--layers", default="all", help="layer ids, e.g. 0,3,10-12 (default all)")
+    r.add_argument("--modes", default="decode", help="decode, extend or decode,extend (default decode)")
+    r.add_argument("--min-seq-len", type=int, default=64, help="capture only calls whose longest request has this many tokens (64)")
+    r.add_argument("--ranks", default="all", help="TP ranks that capture, e.g. 0 (default all)")
+    r.add_argument("--backends", default="triton,aiter", help="SGLang backends to wrap (default triton,aiter)")
+    r.add_argument("--every", type=int, default=1, help="capture every N-th forward pass of a layer (1)")
+    r.add_argument("--max-files", type=int, default=128, help="stop after this many captures in the folder (128)")
+    r.add_argument("--max-bytes", default="4G", help="stop before the folder's captures exceed this size (4G)")
+    r.add_argument("--no-partials", action="store_true", help="leave out Triton's attn_logits / attn_lse")
+    r.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command to run")
+    r.set_defaults(func=cmd_capture_run)
+    return c

@@ -1,0 +1,157 @@
+"""SGLang's real Triton MLA backend and KV pool on a CPU, for the hook's tests and tools/capture_e2e.py.
+
+What is real and what is not (SGLang 0.5.23, CPU only, Triton interpreter):
+
+* real: ``TritonAttnBackend`` (built by SGLang's own ``ATTENTION_BACKENDS["triton"]``),
+  ``MLATokenToKVPool``, ``ReqToTokenPool``, ``ForwardBatch``, ``RadixAttention`` and the call
+  path ``RadixAttention -> backend.forward -> forward_decode / forward_extend ->
+  decode_attention_fwd / extend_attention_fwd``, all on CPU tensors with the kernels run by the
+  Triton interpreter;
+* stand-in: the model runner. SGLang's ``ModelRunner`` loads a model and sets up devices and
+  process groups, so SGLang's own attention unit-test kit
+  (``sglang.test.kits.attention_unittest.attention_methods.mla_attention``) provides
+  ``MockMLAModelRunner``, a ``ModelRunner`` subclass that builds the pools and nothing else,
+  and a one-layer absorbed-MLA module that writes the latent KV and calls ``RadixAttention``.
+  That kit is used as it is (imported, not copied).
+
+Three things the CPU needs first, done by :func:`prepare`:
+
+1. ``TRITON_INTERPRET=1`` before SGLang's kernel modules are imported (refmla's
+   ``ensure_interpreter``), and for bf16 refmla's fix of the interpreter's ``tl.dot``;
+2. torchvision's operator schemas: SGLang imports ``torchvision.transforms`` and PyPI's
+   torchvision wheels are CUDA builds whose ``_C`` extension cannot load next to a CPU torch, after
+   which ``torchvision/_meta_registrations.py`` fails on the missing ``torchvision::nms``. The
+   schemas alone (no kernels) let torchvision import; nothing here runs a torchvision operator;
+3. the parallel ranks that a launched server publishes (``tp_rank``, ``attn_dcp_rank``, ...),
+   stated with ``get_parallel().override_permanently``.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from refmla.hook.cpu_compat import torchvision_cpu_shim
+
+KIT = "sglang.test.kits.attention_unittest.attention_methods.mla_attention"
+
+class Unavailable(RuntimeError):
+    """SGLang's backend cannot be built here; the message says what is missing."""
+
+
+def prepare(tp_rank: int = 0) -> None:
+    """Interpreter, torchvision schemas, parallel ranks. Call before importing SGLang's backend."""
+    from refmla.backends.triton_interp import ensure_interpreter
+
+    interpreting, note = ensure_interpreter()
+    if not interpreting and "GPU" not in note:
+        raise Unavailable(note)
+    torchvision_cpu_shim()
+    warnings.filterwarnings("ignore", message="Only CUDA")
+    try:
+        from sglang.srt.runtime_context import get_parallel
+    except Exception as e:
+        raise Unavailable(f"sglang.srt.runtime_context not importable: {type(e).__name__}: {e}") from e
+    get_parallel().override_permanently(attn_dcp_rank=0, attn_dcp_size=1, attn_tp_rank=tp_rank, tp_rank=tp_rank)
+
+
+def kit():
+    """SGLang's MLA attention test kit, or Unavailable with the reason."""
+    prepare_needed = "sglang.kernels.ops.attention.decode_attention" not in sys.modules
+    if prepare_needed:
+        prepare()
+    try:
+        import importlib
+
+        return importlib.import_module(KIT)
+    except Exception as e:
+        raise Unavailable(f"{KIT} not importable: {type(e).__name__}: {e}") from e
+
+
+@dataclass
+class Case:
+    mode: str = "decode"  # decode | extend
+    num_heads: int = 16  # DeepSeek-V3 at TP8 has 16 query heads per rank
+    prefix_lens: tuple = (70, 37)  # tokens already cached per request
+    extend_lens: tuple = ()  # extend: new tokens per request
+    page_size: int = 1
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    max_context_len: int = 160
+    dtype: str = "bfloat16"
+    name: str = "refmla_hook"  # the kit seeds from the name
+
+
+class _Skipper:
+    """The kit reports an unavailable backend through a unittest-style skipTest."""
+
+    def skipTest(self, reason):  # noqa: N802 - the kit's name
+        raise Unavailable(reason)
+
+
+def build(case: Case) -> Any:
+    """A kit fixture: ``.backend`` (TritonAttnBackend), ``.runner`` (pools), ``.forward_batch``."""
+    import torch
+
+    K = kit()
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    dtype = getattr(torch, case.dtype)
+    if dtype == torch.bfloat16:
+        from refmla.backends.triton_interp import install_bf16_dot_fix, interpreter_active
+
+        if interpreter_active():
+            ok, note = install_bf16_dot_fix()
+            if not ok:
+                raise Unavailable(note)
+    mode = ForwardMode.DECODE if case.mode == "decode" else ForwardMode.EXTEND
+    kcase = K.MLAAttentionCase(
+        name=case.name, backend="triton", forward_mode=mode, num_heads=case.num_heads,
+        page_size=case.page_size, prefix_lens=tuple(case.prefix_lens), extend_lens=tuple(case.extend_lens),
+    )  # fmt: skip
+    return K.build_mla_attention_fixture(
+        _Skipper(), kcase, kv_lora_rank=case.kv_lora_rank, qk_rope_head_dim=case.qk_rope_head_dim,
+        hidden_size=64, max_context_len=case.max_context_len, dtype=dtype, device="cpu",
+    )  # fmt: skip
+
+
+def run(fixture) -> Any:
+    """One eager forward of the kit's MLA layer: init_forward_metadata, then RadixAttention."""
+    return kit().run_mla_fixture_eager(fixture)
+
+
+def attention_call(fixture) -> Any:
+    """Run only the attention call (init_forward_metadata + RadixAttention), return its output.
+
+    Like :func:`run` but returns the attention output [T, H * Dv] instead of the layer's
+    projected output, so that a test can compare it with a capture's ``out``.
+    """
+    import torch
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    m, fb = fixture.actual_module, fixture.forward_batch
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=fixture.backend)):
+        fixture.backend.init_forward_metadata(fb)
+        q_nope, k_nope, q_rope, k_rope = m.forward_absorb_prepare(fixture.input_hidden)
+        m.write_kv_cache(fb.out_cache_loc, k_nope, k_rope)
+        q = torch.cat([q_nope, q_rope], dim=-1) if m.qk_rope_head_dim else q_nope
+        return m.attn_mqa(q.flatten(1, 2), None, None, fb, save_kv_cache=False)
+
+
+def capture_mode_flag() -> Optional[tuple[Any, str]]:
+    """(module, attribute) of SGLang's 'a graph is being captured' flag, for simulating capture."""
+    for module, attr in (
+        ("sglang.srt.model_executor.runner_utils.capture_mode", "is_capture_mode"),
+        ("sglang.srt.model_executor.cuda_graph_runner", "is_capture_mode"),
+    ):
+        try:
+            import importlib
+
+            mod = importlib.import_module(module)
+        except Exception:
+            continue
+        if hasattr(mod, attr):
+            return mod, attr
+    return None

@@ -1,0 +1,64 @@
+"""Small builders shared by the tests: hostile paged pools and raw (unvalidated) capture files."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from refmla import CAPTURE_FORMAT
+
+
+def paged_case(seq_lens, heads, page_size=1, D=576, Dv=512, dtype=torch.float32, seed=0, free_pages=2):
+    """q [B,H,D], a pool whose pages are shuffled and whose unattended rows are NaN, and metadata."""
+    g = torch.Generator().manual_seed(seed)
+    B, P = len(seq_lens), page_size
+    pages_per = [-(-L // P) for L in seq_lens]
+    n_pages = sum(pages_per) + free_pages
+    perm = torch.randperm(n_pages, generator=g)
+    pool = torch.full((n_pages * P, 1, D), math.nan)
+    idx, used = [], 0
+    for L, npg in zip(seq_lens, pages_per):
+        pages = perm[used : used + npg]
+        used += npg
+        slots = (pages[:, None] * P + torch.arange(P)[None, :]).reshape(-1)[:L]
+        pool[slots, 0] = torch.randn(L, D, generator=g)
+        idx.append(slots)
+    indptr = torch.zeros(B + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=torch.int64), 0)
+    q = torch.randn(B, heads, D, generator=g)
+    return q.to(dtype), pool.to(dtype), indptr, torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
+
+
+def dense_reference(q, kv_buffer, kv_indptr, kv_indices, Dv, sm_scale, logit_cap=0.0, k_scale=1.0, v_scale=1.0):
+    """Independent formulation: per request, per head, an explicit loop-free softmax over gathered rows."""
+    B, H, _ = q.shape
+    out = torch.zeros(B, H, Dv, dtype=torch.float64)
+    lse = torch.full((B, H), -math.inf, dtype=torch.float64)
+    for b in range(B):
+        rows = kv_indices[int(kv_indptr[b]) : int(kv_indptr[b + 1])].long()
+        if len(rows) == 0:
+            continue
+        K = kv_buffer[rows, 0].double() * k_scale  # [L, D]
+        V = kv_buffer[rows, 0, :Dv].double() * v_scale  # [L, Dv]
+        logits = torch.einsum("hd,ld->hl", q[b].double(), K) * sm_scale
+        if logit_cap > 0:
+            logits = logit_cap * torch.tanh(logits / logit_cap)
+        m = logits.max(dim=1, keepdim=True).values
+        w = torch.exp(logits - m)
+        out[b] = torch.einsum("hl,lv->hv", w / w.sum(1, keepdim=True), V)
+        lse[b] = (m + torch.log(w.sum(1, keepdim=True)))[:, 0]
+    return out, lse
+
+
+def raw_write(path, tensors, meta, fmt=CAPTURE_FORMAT):
+    """Write a safetensors file with no validation at all (for bad-input tests)."""
+    from safetensors.torch import save_file
+
+    header = {}
+    if fmt is not None:
+        header["format"] = fmt
+    if meta is not None:
+        header["meta"] = meta if isinstance(meta, str) else json.dumps(meta)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=header)

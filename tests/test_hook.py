@@ -1,0 +1,347 @@
+"""The capture hook (issue 7) on SGLang's real Triton MLA backend, on CPU.
+
+What runs: SGLang's own ``TritonAttnBackend`` (built by ``ATTENTION_BACKENDS["triton"]``), a real
+``MLATokenToKVPool`` / ``ReqToTokenPool`` / ``ForwardBatch`` and ``RadixAttention``, with the
+decode and extend kernels in the Triton interpreter. The model runner is the one stand-in:
+SGLang's ``ModelRunner`` loads a model and sets up devices and process groups, so SGLang's own
+attention test kit provides ``MockMLAModelRunner`` (a ``ModelRunner`` subclass that builds the
+pools and nothing else); see ``refmla/hook/testing.py``. Every test skips with the reason when
+that stack cannot be imported (sglang and the packages of tools/requirements-hook*.txt).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from refmla.hook import sglang_patch
+from refmla.hook.config import ConfigError, HookConfig, parse_bytes, parse_int_set
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Set-up shared by the SGLang tests
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def T():
+    """refmla.hook.testing with SGLang's kit importable, or skip with why not."""
+    from refmla.hook import testing
+
+    try:
+        testing.kit()
+    except testing.Unavailable as e:
+        pytest.skip(f"SGLang's Triton backend cannot be built here: {e}")
+    except ImportError as e:
+        pytest.skip(f"sglang not importable: {e}")
+    return testing
+
+
+@pytest.fixture
+def hook(tmp_path):
+    """install(cfg) -> state; the hook is removed after the test whatever happened."""
+
+    def _install(**kw):
+        kw.setdefault("min_seq_len", 0)
+        cfg = HookConfig(out_dir=str(tmp_path / "caps"), **kw)
+        return sglang_patch.install(cfg)
+
+    yield _install
+    sglang_patch.uninstall()
+
+
+@pytest.fixture
+def hook_log(caplog):
+    """Records the refmla.hook logger (it does not propagate to root, so attach caplog's handler)."""
+    log = logging.getLogger("refmla.hook")
+    log.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="refmla.hook")
+    yield caplog
+    log.removeHandler(caplog.handler)
+
+
+def _captures(state) -> list[Path]:
+    return sorted(Path(state.cfg.out_dir).glob("*.safetensors"))
+
+
+def _count(caplog, text: str) -> int:
+    return sum(text in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: capture -> file -> replay agrees, observed == triton bit for bit
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_decode_capture_replays_bit_for_bit(T, hook, dtype):
+    from refmla.capture import read_capture
+
+    fx = T.build(T.Case(mode="decode", prefix_lens=(70, 37, 5), dtype=dtype))
+    state = hook()
+    served = T.attention_call(fx)  # [B, H * Dv], what the server got back
+
+    files = _captures(state)
+    assert len(files) == 1, state.summary()
+    cap = read_capture(files[0])
+    assert cap.warnings == []
+    m = cap.meta
+    assert (m.mode, m.backend, m.layer_id, m.tp_rank, m.step) == ("decode", "triton", 0, 0, 0)
+    assert (m.kv_lora_rank, m.qk_rope_head_dim, m.page_size) == (512, 64, 1)
+    assert m.sm_scale == pytest.approx(576**-0.5) and m.max_kv_splits == fx.backend.max_kv_splits
+    assert m.sglang_version and m.extra["decode_kernel"] == "grouped"
+    assert torch.equal(cap.out.reshape(served.shape), served)  # out is what the kernel produced
+    assert cap.q.dtype == getattr(torch, dtype) and cap.num_kv_splits is not None
+    # the pool is compacted; orig_kv_indices keeps the production slots, req_to_token agrees
+    assert cap.kv_buffer.shape[0] == int(torch.unique(cap.orig_kv_indices).numel())
+    pool = fx.runner.token_to_kv_pool.get_key_buffer(0)
+    assert torch.equal(cap.kv_buffer[cap.kv_indices], pool[cap.orig_kv_indices])
+    for b, L in enumerate(cap.seq_lens.tolist()):
+        seg = cap.kv_indices[int(cap.kv_indptr[b]) : int(cap.kv_indptr[b + 1])]
+        assert torch.equal(cap.req_to_token[b, :L].long(), seg.long())
+
+    sglang_patch.uninstall()  # replay in a process without the hook, as a user would
+    replay = pytest.importorskip("refmla.replay")
+    report = replay.replay_file(str(files[0]), replay.ReplayOptions(backends=["triton"]))
+    assert report["verdict"] == "agree", json.dumps(replay.json_safe(report), indent=1)[:3000]
+    assert report["backends"]["observed"]["status"] == "pass"
+    triton = report["backends"]["triton"]
+    assert triton["status"] == "pass", triton.get("reason")
+
+    from refmla.backends.triton import TritonBackend, nonempty_splits
+
+    res = TritonBackend().run(cap, replay.ReplayOptions())
+    assert torch.equal(res.out, cap.out), "observed != triton replay"
+    filled = nonempty_splits(cap.seq_lens, cap.num_kv_splits)
+    for b in range(cap.batch_size):
+        s = int(filled[b])
+        assert torch.equal(res.attn_logits[b, :, :s], cap.attn_logits[b, :, :s])
+        assert torch.equal(res.attn_lse[b, :, :s], cap.attn_lse[b, :, :s])
+        assert bool(cap.attn_lse[b, :, s:].isnan().all())  # never-written splits blanked
+
+
+def test_extend_capture_replays(T, hook):
+    from refmla.capture import read_capture
+
+    fx = T.build(T.Case(mode="extend", prefix_lens=(40, 0, 17), extend_lens=(5, 9, 1)))
+    state = hook(modes=frozenset({"decode", "extend"}))
+    served = T.attention_call(fx)  # [T, H * Dv]
+
+    (path,) = _captures(state)
+    cap = read_capture(path)
+    assert cap.meta.mode == "extend" and cap.meta.extra["forward_mode"] == "EXTEND"
+    assert cap.qo_indptr.tolist() == [0, 5, 14, 15]
+    assert cap.seq_lens.tolist() == [45, 9, 18]
+    assert torch.equal(cap.out.reshape(served.shape), served)
+    assert cap.num_kv_splits is None and cap.attn_logits is None  # decode-only tensors
+
+    sglang_patch.uninstall()
+    replay = pytest.importorskip("refmla.replay")
+    report = replay.replay_file(str(path), replay.ReplayOptions(backends=["extend"]))
+    assert report["verdict"] == "agree", json.dumps(replay.json_safe(report), indent=1)[:3000]
+
+
+def test_extend_not_captured_unless_asked(T, hook):
+    fx = T.build(T.Case(mode="extend", prefix_lens=(20,), extend_lens=(3,)))
+    state = hook()  # modes default: decode only
+    T.attention_call(fx)
+    assert _captures(state) == []
+    assert not any(p.endswith("forward_extend") for p in sglang_patch.patched_methods())
+
+
+# ---------------------------------------------------------------------------------------------
+# Filters and budget
+# ---------------------------------------------------------------------------------------------
+
+
+def test_layer_rank_seq_len_filters(T, hook):
+    fx = T.build(T.Case(mode="decode", prefix_lens=(70, 37)))
+    for kw in ({"layers": frozenset({5})}, {"ranks": frozenset({1})}, {"min_seq_len": 72}):
+        state = hook(**kw)
+        T.attention_call(fx)
+        assert _captures(state) == [], kw
+        sglang_patch.uninstall()
+    state = hook(min_seq_len=71, layers=frozenset({0}), ranks=frozenset({0}))  # longest request: 71
+    T.attention_call(fx)
+    assert len(_captures(state)) == 1
+
+
+def test_budget_max_files_stops_cleanly(T, hook, hook_log):
+    fx = T.build(T.Case(mode="decode", prefix_lens=(33,)))
+    state = hook(max_files=2)
+    outs = [T.attention_call(fx) for _ in range(4)]
+    files = _captures(state)
+    assert [f.name.split("-")[3] for f in files] == ["s000000", "s000001"]
+    assert state.stopped and "MAX_FILES=2" in state.stopped and not state.active
+    assert _count(hook_log, "capture stopped") == 1
+    assert all(torch.equal(o, outs[0]) for o in outs)  # serving unaffected
+    assert not list(Path(state.cfg.out_dir).glob(".*"))  # no temp files left behind
+
+
+def test_budget_max_bytes_writes_nothing_too_big(T, hook, hook_log):
+    fx = T.build(T.Case(mode="decode", prefix_lens=(33,)))
+    state = hook(max_bytes=10_000)  # one capture of this call is ~300 KB
+    T.attention_call(fx)
+    assert _captures(state) == []
+    assert state.stopped and "MAX_BYTES" in state.stopped
+    assert _count(hook_log, "capture stopped") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Capture safety
+# ---------------------------------------------------------------------------------------------
+
+
+def test_graph_capture_is_skipped_and_said_once(T, hook, hook_log, monkeypatch):
+    flag = T.capture_mode_flag()
+    if flag is None:
+        pytest.skip("this SGLang has no capture-mode flag to simulate graph capture with")
+    fx = T.build(T.Case(mode="decode", prefix_lens=(40,)))
+    state = hook()
+    expected = T.attention_call(fx)
+    n0 = len(_captures(state))
+    monkeypatch.setattr(*flag, True)  # what SGLang sets while it captures a CUDA/HIP graph
+    assert sglang_patch.graph_capturing()
+    for _ in range(2):
+        assert torch.equal(T.attention_call(fx), expected)
+    assert len(_captures(state)) == n0
+    assert _count(hook_log, "--disable-cuda-graph") == 1
+    monkeypatch.setattr(*flag, False)
+    T.attention_call(fx)
+    assert len(_captures(state)) == n0 + 1 and state.active
+
+
+def test_exception_in_hook_disables_it_not_the_server(T, hook, hook_log, monkeypatch):
+    fx = T.build(T.Case(mode="decode", prefix_lens=(40, 3)))
+    expected = T.attention_call(fx)  # no hook
+    state = hook()
+
+    def boom(*a, **k):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(type(state), "write", boom)
+    got = [T.attention_call(fx) for _ in range(3)]
+    assert all(torch.equal(g, expected) for g in got)
+    assert state.disabled and "disk on fire" in state.disabled and not state.active
+    assert _count(hook_log, "capture hook disabled") == 1
+    assert _captures(state) == []
+
+
+def test_hook_never_writes_server_tensors(T, hook):
+    fx = T.build(T.Case(mode="decode", prefix_lens=(50, 20)))
+    state = hook()
+    pool = fx.runner.token_to_kv_pool.get_key_buffer(0)
+    T.attention_call(fx)  # first call writes the new tokens' KV (the server's own write)
+    before = (pool.clone(), fx.runner.req_to_token_pool.req_to_token.clone())
+    T.attention_call(fx)  # same batch again: the server rewrites identical values; the hook only reads
+    assert torch.equal(before[0], pool)
+    assert torch.equal(before[1], fx.runner.req_to_token_pool.req_to_token)
+    assert len(_captures(state)) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Disabled mode, the start-up path and the wrapper command
+# ---------------------------------------------------------------------------------------------
+
+
+def _python(code: str, env_extra: dict, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REFMLA_CAPTURE_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "refmla/hook/sitecustomize"), str(REPO)])
+    env.update(env_extra)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_disabled_mode_patches_nothing_and_imports_nothing():
+    code = (
+        "import sys, json\n"
+        "mods_after_startup = sorted(m for m in ('torch', 'sglang', 'refmla') if m in sys.modules)\n"
+        "import refmla.hook\n"
+        "print(json.dumps({'startup': mods_after_startup, 'installed': refmla.hook.installed(),\n"
+        "  'finders': [type(f).__name__ for f in sys.meta_path], 'torch': 'torch' in sys.modules}))\n"
+    )
+    r = _python(code, {})
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got == {"startup": [], "installed": False, "finders": got["finders"], "torch": False}
+    assert "_PostImportFinder" not in got["finders"]
+
+
+def test_disabled_mode_leaves_backend_methods_untouched(T):
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    sglang_patch.uninstall()
+    for name in ("forward_decode", "forward_extend"):
+        fn = TritonAttnBackend.__dict__[name]
+        assert getattr(fn, "__refmla_hook__", None) is None, name
+
+
+def test_sitecustomize_installs_at_startup(tmp_path):
+    code = (
+        "import sys, json\n"
+        "import refmla.hook\n"
+        "print(json.dumps({'installed': refmla.hook.installed(),\n"
+        "  'finder': any(type(f).__name__ == '_PostImportFinder' for f in sys.meta_path)}))\n"
+    )
+    r = _python(code, {"REFMLA_CAPTURE_DIR": str(tmp_path / "c")})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"installed": True, "finder": True}
+    assert "capture hook active" in r.stderr
+
+
+def test_bad_config_leaves_hook_off_and_process_alive(tmp_path):
+    r = _python("import refmla.hook; print(refmla.hook.installed())",
+                {"REFMLA_CAPTURE_DIR": str(tmp_path), "REFMLA_CAPTURE_LAYERS": "seven"})  # fmt: skip
+    assert r.returncode == 0 and r.stdout.strip() == "False"
+    assert "REFMLA_CAPTURE_LAYERS" in r.stderr
+
+
+def test_capture_run_wraps_a_child_process(T, tmp_path):
+    """``refmla capture run -- python ...``: the hook is active in the child, its rc comes back."""
+    child = (
+        "import sys\n"
+        "from refmla.hook import testing as T\n"
+        "import refmla.hook\n"
+        "assert refmla.hook.installed(), 'hook not active in the child'\n"
+        "fx = T.build(T.Case(mode='decode', prefix_lens=(70, 37)))\n"
+        "T.attention_call(fx)\n"
+        "sys.exit(3)\n"
+    )
+    out = tmp_path / "caps"
+    cmd = [sys.executable, "-m", "refmla", "capture", "run", "--out", str(out), "--min-seq-len", "64",
+           "--", sys.executable, "-c", child]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REFMLA_CAPTURE_")}
+    env["PYTHONPATH"] = str(REPO)
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 3, r.stderr[-3000:]
+    files = sorted(out.glob("*.safetensors"))
+    assert len(files) == 1 and files[0].name.startswith("decode-tp0-L000-s000000-triton-p"), r.stderr[-3000:]
+    assert "1 capture file(s)" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------
+
+
+def test_config_from_env():
+    assert HookConfig.from_env({}) is None
+    cfg = HookConfig.from_env({"REFMLA_CAPTURE_DIR": "/tmp/x", "REFMLA_CAPTURE_LAYERS": "0, 3,10-12",
+                               "REFMLA_CAPTURE_MODES": "extend,decode", "REFMLA_CAPTURE_MAX_BYTES": "512M",
+                               "REFMLA_CAPTURE_RANKS": "0", "REFMLA_CAPTURE_PARTIALS": "0"})  # fmt: skip
+    assert cfg.layers == {0, 3, 10, 11, 12} and cfg.modes == {"decode", "extend"}
+    assert cfg.max_bytes == 512 << 20 and cfg.ranks == {0} and not cfg.partials
+    assert cfg.wants_layer(11) and not cfg.wants_layer(4) and cfg.wants_rank(0) and not cfg.wants_rank(1)
+    assert HookConfig.from_env(cfg.to_env()) == cfg
+    assert parse_int_set("all", "x") is None and parse_bytes("4G", "x") == 4 << 30
+    for key, bad in (("LAYERS", "3-1"), ("MODES", "prefill"), ("MAX_FILES", "-1"), ("MAX_BYTES", "lots")):
+        with pytest.raises(ConfigError, match="REFMLA_CAPTURE_" + key):
+            HookConfig.from_env({"REFMLA_CAPTURE_DIR": "/tmp/x", "REFMLA_CAPTURE_" + key: bad})

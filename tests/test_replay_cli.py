@@ -1,0 +1,74 @@
+"""`refmla replay / synth / doctor` end to end through the CLI entry point (reference + observed)."""
+
+import json
+
+import pytest
+
+from refmla.cli import main
+from refmla.synth import FAULTS, preset, synth_capture
+
+CONTRACT_BACKEND_KEYS = {"status", "reason", "max_abs_err", "cos_diff", "worst"}
+
+
+def _replay_json(capsys, *argv):
+    code = main(["replay", *argv, "--json", "--backend", "reference"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("name", ["kimi-k2-tp8", "deepseek-v3-tp8", "hostile", "kimi-k2-tp8-extend"])
+def test_clean_capture_agrees(tmp_path, capsys, name):
+    path = tmp_path / f"{name}.safetensors"
+    synth_capture(path, preset(name), "none")
+    code, r = _replay_json(capsys, str(path))
+    assert code == 0 and r["verdict"] == "agree" and r["diagnosis"] is None
+    assert {"capture", "verdict", "diagnosis", "metadata", "backends"} <= r.keys()
+    md = r["metadata"]
+    assert md["ok"] is True and md["errors"] == [] and md["warnings"] == []
+    for b in ("reference", "observed"):
+        assert CONTRACT_BACKEND_KEYS <= r["backends"][b].keys() and r["backends"][b]["status"] == "pass"
+
+
+@pytest.mark.parametrize("fault", [f for f in FAULTS if f != "none"])
+def test_planted_fault_diverges_at_the_right_request(tmp_path, capsys, fault):
+    spec = preset("kimi-k2-tp8")
+    path = tmp_path / f"{fault}.safetensors"
+    planted = synth_capture(path, spec, fault)
+    code, r = _replay_json(capsys, str(path))
+    obs = r["backends"]["observed"]
+    assert code == 1 and r["verdict"] == "diverged" and obs["status"] == "fail"
+    assert r["diagnosis"] in ("observed", "observed_unconfirmed")
+    if "request" in planted:
+        assert obs["worst"]["request"] == planted["request"]
+
+
+def test_several_captures_and_directories_give_an_array_and_the_worst_exit(tmp_path, capsys):
+    synth_capture(tmp_path / "a.safetensors", preset("hostile"), "none")
+    synth_capture(tmp_path / "b.safetensors", preset("hostile"), "wrong_sm_scale")
+    (tmp_path / "c.safetensors").write_bytes(b"garbage")
+    code = main(["replay", str(tmp_path), "--json", "--backend", "reference"])
+    captured = capsys.readouterr()
+    assert captured.out, captured.err
+    reports = json.loads(captured.out)
+    assert code == 2 and [r["verdict"] for r in reports] == ["agree", "diverged", "invalid"]
+
+
+def test_table_output_names_the_diverging_path(tmp_path, capsys):
+    path = tmp_path / "f.safetensors"
+    synth_capture(path, preset("hostile"), "kv_range_zero")
+    assert main(["replay", str(path), "--backend", "reference"]) == 1
+    out = capsys.readouterr().out
+    assert "observed" in out and "FAIL" in out and "verdict  diverged" in out
+
+
+def test_unknown_preset_or_fault_is_a_usage_error(tmp_path, capsys):
+    assert main(["synth", str(tmp_path / "x.safetensors"), "--preset", "nope"]) == 2
+    assert main(["synth", str(tmp_path / "x.safetensors"), "--fault", "nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("refmla: error:") for line in err)
+
+
+def test_doctor_lists_every_backend(capsys):
+    assert main(["doctor", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["backend"] for r in rows] == ["reference", "observed", "triton", "aiter", "extend"]
+    assert all(isinstance(r["usable"], bool) and r["detail"] for r in rows)

@@ -1,0 +1,338 @@
+"""The ``triton`` backend: SGLang's real Triton MLA decode kernel against the fp64 reference.
+
+On a CPU-only machine the kernel runs in the Triton interpreter with refmla's bf16 fix
+(refmla/backends/triton_interp.py); on a GPU it is compiled. Skipped only when sglang or triton
+is not installed (``make test`` installs both, see tools/requirements-sglang-*.txt).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import zlib
+
+import pytest
+import torch
+
+from refmla.backends import triton_interp
+
+# Before anything imports triton: its helpers are decorated for the interpreter at first import.
+INTERPRETING, HOW = triton_interp.ensure_interpreter()
+
+_missing = [m for m in ("triton", "sglang") if importlib.util.find_spec(m) is None]
+if _missing:
+    pytest.skip(f"{' and '.join(_missing)} not installed (make test installs them)", allow_module_level=True)
+if not INTERPRETING and not triton_interp.gpu_present():
+    pytest.skip(HOW, allow_module_level=True)
+
+from refmla import reference as ref  # noqa: E402
+from refmla.backends import BackendUnavailable  # noqa: E402
+from refmla.backends import triton as tb  # noqa: E402
+from refmla.capture import read_capture, write_capture  # noqa: E402
+from refmla.compare import compare  # noqa: E402
+from refmla.synth import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE, SynthSpec, make_inputs, make_meta  # noqa: E402
+
+DEVICE = "cpu" if INTERPRETING else "cuda"
+# the interpreter evaluates masked-off lanes too (-inf - -inf); the kernel masks the results
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+needs_interpreter = pytest.mark.skipif(not INTERPRETING, reason="checks the Triton interpreter itself")
+
+# Real shapes: the per-rank heads of Kimi-K2 (64 / TP8) and DeepSeek-V3 (128 / TP8).
+MODELS = {
+    "kimi-k2-tp8": dict(num_heads=8, sm_scale=KIMI_K2_SCALE),
+    "deepseek-v3-tp8": dict(num_heads=16, sm_scale=DEEPSEEK_V3_SCALE),
+}
+SEQ_LENS = (300, 129, 1, 77)  # modest: the interpreter walks every program in Python
+# split schedules: one split; four; 16 splits, more than L/32, so each request's last splits are empty
+SCHEDULES = {"n1": 1, "n4": 4, "trailing-empty": 16}
+
+
+def make_case(model: str, dtype: torch.dtype, page_size: int, schedule: str, logit_cap: float, **kw) -> SynthSpec:
+    """A synthetic decode call: shuffled pages, NaN in every row no request attends."""
+    seq_lens = kw.pop("seq_lens", SEQ_LENS)
+    return SynthSpec(
+        name=model, dtype=dtype, page_size=page_size, seq_lens=seq_lens,
+        num_kv_splits=(SCHEDULES[schedule],) * len(seq_lens), max_kv_splits=kw.pop("max_kv_splits", 16),
+        logit_cap=logit_cap, free_pages=2, seed=kw.pop("seed", 0), **MODELS[model], **kw,
+    )  # fmt: skip
+
+
+def run_kernel(spec: SynthSpec, t: dict, **kw):
+    return tb.run_triton_decode(
+        t["q"].to(DEVICE), t["kv_buffer"].to(DEVICE), t["kv_indptr"], t["kv_indices"], t["num_kv_splits"],
+        kv_lora_rank=spec.kv_lora_rank, sm_scale=spec.sm_scale, logit_cap=spec.logit_cap,
+        k_scale=spec.k_scale, v_scale=spec.v_scale, page_size=spec.page_size,
+        max_kv_splits=kw.pop("max_kv_splits", spec.max_kv_splits), **kw,
+    )  # fmt: skip
+
+
+def scales(spec: SynthSpec) -> dict:
+    return dict(kv_lora_rank=spec.kv_lora_rank, sm_scale=spec.sm_scale, logit_cap=spec.logit_cap,
+                k_scale=spec.k_scale, v_scale=spec.v_scale)  # fmt: skip
+
+
+def check_output(spec: SynthSpec, t: dict, out: torch.Tensor):
+    """The kernel's output against the fp64 reference under the contract's tolerance."""
+    args = (t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"])
+    expected, _ = ref.mla_decode_ref(*args, **scales(spec))  # [B, H, Dv] fp64
+    control, _ = ref.mla_control(*args, **scales(spec), out_dtype=out.dtype)  # kernel rounding
+    nonempty = t["seq_lens"] > 0  # the kernel leaves zero-length rows NaN (0 / 0)
+    return compare("triton", out.cpu(), expected, control, row_mask=nonempty)
+
+
+def check_splits(spec: SynthSpec, t: dict, attn_logits: torch.Tensor, attn_lse: torch.Tensor):
+    """Every non-empty split's partial and lse against the split reference; empty ones untouched."""
+    S = attn_logits.shape[2]
+    args = (t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], t["num_kv_splits"])
+    r_out, r_lse, valid = ref.mla_decode_split_ref(*args, **scales(spec), max_kv_splits=S)
+    c_out, c_lse, _ = ref.mla_decode_split_ref(*args, **scales(spec), max_kv_splits=S, control=True)
+    b, s = torch.nonzero(valid, as_tuple=True)  # one row per non-empty (request, split)
+    logits, lse = attn_logits.cpu(), attn_lse.cpu()
+    assert torch.isnan(logits[~valid[:, None, :].expand(-1, logits.shape[1], -1)]).all(), "empty split written"
+    # The kernel stores partials before v_scale; the reference's include it. They are fp32, but
+    # P was rounded to the value dtype before P.V, so that dtype's ulp is the rounding floor: one
+    # realization of the control's error alone is too tight a bound on a row with few tokens.
+    cmp = compare("splits", logits[b, :, s] * spec.v_scale, r_out[b, :, s], c_out[b, :, s],
+                  out_dtype=spec.kv_dtype, request_of_row=b)  # fmt: skip
+    lse_err = (lse[b, :, s].double() - r_lse[b, :, s]).abs()  # [V, H]
+    lse_tol = 2 * (c_lse[b, :, s].double() - r_lse[b, :, s]).abs() + 1e-5 * (1 + r_lse[b, :, s].abs())
+    return cmp, lse_err, lse_tol
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel against the reference
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("logit_cap", [0.0, 30.0], ids=["nocap", "cap30"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("page_size", [1, 256], ids=["page1", "page256"])
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_kernel_matches_reference(dtype, model, page_size, schedule, logit_cap):
+    # logit_cap 30 with logits of std ~3 would barely bend them: scale q up so the cap bites
+    spec = make_case(model, dtype, page_size, schedule, logit_cap, seed=zlib.crc32(f"{model}/{page_size}/{schedule}".encode()) % 1000)
+    t = make_inputs(spec)
+    if logit_cap:
+        t["q"] = (t["q"].float() * 8).to(dtype)
+    out, attn_logits, attn_lse, info = run_kernel(spec, t)
+
+    cmp = check_output(spec, t, out)
+    assert cmp.passed, cmp.summary()
+    split_cmp, lse_err, lse_tol = check_splits(spec, t, attn_logits, attn_lse)
+    assert split_cmp.passed, split_cmp.summary()
+    assert bool((lse_err <= lse_tol).all()), f"split lse off by {lse_err.max().item():.3g}"
+    assert info["splits_used"] == int(tb.nonempty_splits(t["seq_lens"], t["num_kv_splits"]).max())
+
+
+def test_zero_length_request_is_nan_and_others_exact():
+    spec = make_case("kimi-k2-tp8", torch.bfloat16, 16, "n4", 0.0, seq_lens=(37, 0, 65))
+    t = make_inputs(spec)
+    out, _, _, _ = run_kernel(spec, t)
+    assert torch.isnan(out[1]).all(), "SGLang's stage 2 computes 0 / 0 for a request with no tokens"
+    cmp = check_output(spec, t, out)
+    assert cmp.passed, cmp.summary()
+
+
+# --------------------------------------------------------------------------------------------
+# Trimming the split buffers is exact
+# --------------------------------------------------------------------------------------------
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.cpu().contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("schedule", ["n4", "trailing-empty"])
+def test_trimmed_equals_production_sized_bit_for_bit(schedule):
+    spec = make_case("deepseek-v3-tp8", torch.bfloat16, 1, schedule, 0.0, seq_lens=(300, 1, 77), max_kv_splits=64)
+    t = make_inputs(spec)
+    out_t, logits_t, lse_t, info_t = run_kernel(spec, t, trim=True)
+    out_p, logits_p, lse_p, info_p = run_kernel(spec, t, trim=False)
+    S = info_t["splits_used"]
+    assert info_t["trimmed"] and S < 64 and info_p["splits_used"] == 64
+    assert torch.equal(_bits(out_t), _bits(out_p))
+    assert torch.equal(_bits(logits_t), _bits(logits_p[:, :, :S]))  # NaN (untouched) in the same places
+    assert torch.equal(_bits(lse_t), _bits(lse_p[:, :, :S]))
+    assert torch.isnan(logits_p[:, :, S:]).all() and torch.isnan(lse_p[:, :, S:]).all()
+
+
+# --------------------------------------------------------------------------------------------
+# The interpreter's bf16 fix
+# --------------------------------------------------------------------------------------------
+
+
+@needs_interpreter
+def test_bf16_fails_without_the_interpreter_fix_and_passes_with_it():
+    spec = make_case("kimi-k2-tp8", torch.bfloat16, 1, "n4", 0.0, seq_lens=(100, 40))
+    t = make_inputs(spec)
+    with triton_interp.bf16_dot_fix(enabled=False):
+        broken, _, _, _ = run_kernel(spec, t)
+    assert not check_output(spec, t, broken).passed  # raw uint16 products: garbage
+    with triton_interp.bf16_dot_fix(enabled=False, parts=["cast_impl"]):
+        truncated, _, _, _ = run_kernel(spec, t)
+    cmp = check_output(spec, t, truncated)  # right dot, truncating fp32 -> bf16: biased low
+    assert not cmp.passed and cmp.worst_row_cos_diff > 1e-5, cmp.summary()
+    fixed, _, _, info = run_kernel(spec, t)
+    assert info["bf16_dot_fix"]
+    cmp = check_output(spec, t, fixed)
+    assert cmp.passed, cmp.summary()
+
+
+@needs_interpreter
+def test_fix_parts_on_a_tiny_kernel():
+    """Each patched interpreter method against torch: dot exact-in-fp32, fp32 -> bf16 round to nearest even."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dot_and_store(A, B, C, C16, N: tl.constexpr):
+        r = tl.arange(0, N)
+        a = tl.load(A + r[:, None] * N + r[None, :])
+        b = tl.load(B + r[:, None] * N + r[None, :])
+        c = tl.dot(a, b)  # bf16 x bf16 -> fp32
+        tl.store(C + r[:, None] * N + r[None, :], c)
+        tl.store(C16 + r[:, None] * N + r[None, :], c)  # fp32 -> bf16 on store
+
+    g = torch.Generator().manual_seed(3)
+    a, b = (torch.randn(16, 16, generator=g).to(torch.bfloat16) for _ in range(2))
+    c, c16 = torch.empty(16, 16), torch.empty(16, 16, dtype=torch.bfloat16)
+    with triton_interp.bf16_dot_fix(enabled=False):
+        dot_and_store[(1,)](a, b, c, c16, N=16)
+    assert (c - a.float() @ b.float()).abs().max() > 1e3  # the interpreter's own dot
+    with triton_interp.bf16_dot_fix():
+        dot_and_store[(1,)](a, b, c, c16, N=16)
+    exact = a.double() @ b.double()
+    assert (c.double() - exact).abs().max() < 1e-5
+    assert torch.equal(_bits(c16), _bits(c.to(torch.bfloat16)))  # torch rounds to nearest even
+    ties = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 3e38, 3.4e38, float("inf"), 1e-40])
+    ours = torch.from_numpy(triton_interp.f32_to_bf16_bits(ties.numpy()).view("int16"))
+    assert torch.equal(ours, _bits(ties.to(torch.bfloat16)))
+    nan = torch.from_numpy(triton_interp.f32_to_bf16_bits(torch.tensor([math.nan]).numpy()).view("int16"))
+    assert torch.isnan(nan.view(torch.bfloat16)).all()
+
+
+@needs_interpreter
+def test_fix_is_idempotent_and_reported():
+    assert triton_interp.install_bf16_dot_fix()[0]
+    assert triton_interp.install_bf16_dot_fix()[0]
+    assert triton_interp.bf16_dot_fix_installed()
+    ok, how = tb.TritonBackend().availability()
+    assert ok and "bf16 dot fix applied" in how and "sglang" in how, how
+
+
+# --------------------------------------------------------------------------------------------
+# The split schedule SGLang computes when the capture has none
+# --------------------------------------------------------------------------------------------
+
+
+def test_default_num_kv_splits_kimi_k2_step():
+    """8 requests x 1300 tokens, 8 heads, max_kv_splits 256 on MI355X: 130 splits, 41 with tokens."""
+    lens = torch.full((8,), 1300)
+    n = tb.default_num_kv_splits(lens, max_kv_splits=256, num_heads=8, cu_count=256)
+    assert n.tolist() == [130] * 8
+    assert tb.nonempty_splits(lens, n).tolist() == [41] * 8
+    assert tb.mla_max_kv_splits(256, 131072) == 256
+
+
+@needs_interpreter
+@pytest.mark.parametrize("seed", range(4))
+def test_default_num_kv_splits_matches_sglang_kernel(seed):
+    """Our formula against SGLang's own get_num_kv_splits_triton, run in the interpreter."""
+    try:
+        from sglang.kernels.ops.attention.metadata import get_num_kv_splits_triton
+    except ImportError:
+        pytest.skip("this SGLang has no sglang.kernels.ops.attention.metadata")
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(6):
+        B = int(torch.randint(1, 40, (1,), generator=g))
+        lo = int(torch.randint(1, 3000, (1,), generator=g))
+        lens = torch.randint(lo, lo + int(torch.randint(1, 70000, (1,), generator=g)), (B,), generator=g)
+        H = int([8, 16, 128][int(torch.randint(0, 3, (1,), generator=g))])
+        max_splits, cus = int([16, 64, 256][seed % 3]), int([256, 304, 132, 80][seed])
+        expected = torch.empty(B, dtype=torch.int32)
+        get_num_kv_splits_triton[(1,)](
+            expected, lens.to(torch.int32), B, 1, H, 1, max_splits, cus, MAX_NUM_SEQ=256
+        )  # fmt: skip
+        ours = tb.default_num_kv_splits(lens, max_kv_splits=max_splits, num_heads=H, cu_count=cus)
+        assert ours.tolist() == expected.tolist(), (lens.tolist(), H, max_splits, cus)
+
+
+# --------------------------------------------------------------------------------------------
+# Calling the kernel by its signature, across SGLang releases
+# --------------------------------------------------------------------------------------------
+
+
+def test_kernel_is_located_and_called_by_keyword():
+    fn, module_path, version = tb.locate_decode_kernel()
+    assert module_path in triton_interp.KERNEL_MODULES and fn.__name__ == "decode_attention_fwd"
+    assert version and version != "unknown"
+
+    def old(q, k_buffer, v_buffer, o, kv_indptr, kv_indices, attn_logits, attn_lse, num_kv_splits,
+            max_kv_splits, sm_scale, logit_cap=0.0, sinks=None):  # fmt: skip
+        """0.5.6's signature: no k_scale / v_scale, has_mla, page_size."""
+
+    values = {name: name for name in tb._KNOWN} | dict(k_scale=1.0, v_scale=1.0, page_size=256, has_mla=True)
+    kwargs, notes = tb.build_kernel_kwargs(old, values)
+    assert set(kwargs) == {"q", "k_buffer", "v_buffer", "o", "kv_indptr", "kv_indices", "attn_logits",
+                           "attn_lse", "num_kv_splits", "max_kv_splits", "sm_scale", "logit_cap"}  # fmt: skip
+    assert any("page_size" in n for n in notes) and any("has_mla" in n for n in notes)
+    with pytest.raises(TypeError, match="k_scale"):
+        tb.build_kernel_kwargs(old, values | {"k_scale": 0.5})
+
+    def future(q, k_buffer, new_required_thing, **kw):
+        pass
+
+    with pytest.raises(TypeError, match="new_required_thing"):
+        tb.build_kernel_kwargs(future, values)
+
+
+# --------------------------------------------------------------------------------------------
+# The backend on capture files
+# --------------------------------------------------------------------------------------------
+
+
+class Opts:
+    device = None
+    cu_count = 256
+
+
+def test_backend_replays_a_capture_and_observed_equals_triton_bit_for_bit(tmp_path):
+    """A capture whose `out` the kernel itself produced replays as triton == observed, bit for bit."""
+    spec = make_case("kimi-k2-tp8", torch.bfloat16, 256, "trailing-empty", 0.0, seq_lens=(300, 33))
+    t = make_inputs(spec)
+    t["out"], _, _, _ = run_kernel(spec, t)
+    write_capture(tmp_path / "c.safetensors", {**t, "out": t["out"].cpu()}, make_meta(spec), compact=True)
+    cap = read_capture(tmp_path / "c.safetensors")
+    res = tb.TritonBackend().run(cap, Opts())
+    assert torch.equal(_bits(res.out), _bits(cap.out))
+    assert res.info["num_kv_splits_source"] == "capture" and not res.defines_empty_rows
+    assert res.info["sglang_version"] and res.info["kernel_module"] in triton_interp.KERNEL_MODULES
+    assert res.attn_logits.shape[2] == res.info["splits_used"] == 10  # ceil(300 / 32)
+
+
+def test_backend_computes_splits_when_the_capture_has_none(tmp_path):
+    spec = make_case("deepseek-v3-tp8", torch.float16, 1, "n1", 0.0, seq_lens=(200, 64, 5))
+    t = make_inputs(spec)
+    del t["num_kv_splits"]
+    write_capture(tmp_path / "c.safetensors", t, make_meta(spec), compact=False)
+    cap = read_capture(tmp_path / "c.safetensors")
+    res = tb.TritonBackend().run(cap, Opts())
+    assert res.info["num_kv_splits_source"].startswith("computed")
+    expected = tb.default_num_kv_splits(cap.seq_lens, max_kv_splits=16, num_heads=16, cu_count=256)
+    assert torch.equal(res.num_kv_splits, expected)
+    cmp = check_output(spec, {**t, "num_kv_splits": expected}, res.out)
+    assert cmp.passed, cmp.summary()
+
+
+def test_backend_refuses_extend_captures(tmp_path):
+    spec = SynthSpec(name="x", seq_lens=(40, 9), new_tokens=2, num_heads=8)
+    t = make_inputs(spec)
+    write_capture(tmp_path / "e.safetensors", t, make_meta(spec), compact=False)
+    with pytest.raises(BackendUnavailable, match="extend"):
+        tb.TritonBackend().run(read_capture(tmp_path / "e.safetensors"), Opts())
+
+
+def test_ensure_interpreter_is_stable():
+    again = triton_interp.ensure_interpreter()
+    assert again[0] == INTERPRETING, again

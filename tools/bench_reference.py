@@ -1,0 +1,118 @@
+"""Benchmark: the fp64 reference vs the per-request loop peers write, side by side in one run.
+
+    python tools/bench_reference.py [--requests 64] [--heads 16] [--min-len 2048] [--max-len 4096]
+
+Both read the same capture file (64 requests x 16 heads x 2k-4k tokens, bf16, page size 1,
+shuffled slots). Time: best of --repeat runs each, alternating. Memory: each formulation runs
+in a fresh subprocess; its peak RSS above the RSS right after opening the capture must stay
+under the capture size plus twice the largest single request's working set
+(its gathered rows as stored and in fp64 + the [H, L] logits and probabilities + the [H, Dv] output).
+
+FLOPs per formulation: 2 * H * L * D (q.k) + 2 * H * L * Dv (p.v) per request, in fp64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from refmla.capture import read_capture  # noqa: E402
+from refmla.reference import mla_decode_ref  # noqa: E402
+from refmla.synth import SynthSpec, make_inputs, make_meta  # noqa: E402
+
+
+def peer_loop(q, kv_buffer, kv_indptr, kv_indices, *, kv_lora_rank, sm_scale):
+    """The straightforward formulation: per request gather K and V, matmul, softmax, matmul."""
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        idx = kv_indices[int(kv_indptr[b]) : int(kv_indptr[b + 1])].long()
+        k = kv_buffer[idx, 0].double()  # [L, D]
+        v = kv_buffer[idx, 0, :kv_lora_rank].double()  # [L, Dv]
+        s = q[b].double() @ k.T * sm_scale  # [H, L]
+        outs.append(torch.softmax(s, dim=-1) @ v)  # [H, Dv]
+        lses.append(torch.logsumexp(s, dim=-1))  # [H]
+    return torch.stack(outs), torch.stack(lses)
+
+
+FORMULATIONS = {"reference": mla_decode_ref, "peer_loop": peer_loop}
+
+
+def run_one(path: str, name: str) -> dict:
+    """In this (fresh) process: open the capture, run one formulation, report time and memory."""
+    cap = read_capture(path)
+    base = _rss_kib()
+    t0 = time.perf_counter()
+    out, lse = FORMULATIONS[name](cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices,
+                                  kv_lora_rank=cap.meta.kv_lora_rank, sm_scale=cap.meta.sm_scale)  # fmt: skip
+    dt = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return {"seconds": dt, "peak_above_open_mib": (peak - base) / 1024, "checksum": float(out.sum())}
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--min-len", type=int, default=2048)
+    ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--child", nargs=2, metavar=("PATH", "NAME"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(run_one(*args.child)))
+        return
+
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(args.min_len, args.max_len + 1, (args.requests,), generator=g).tolist()
+    spec = SynthSpec(name="bench", num_heads=args.heads, seq_lens=tuple(lens), free_pages=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "bench.safetensors")
+        from refmla.capture import write_capture
+
+        t = make_inputs(spec)
+        write_capture(path, t, make_meta(spec), compact=False)
+        size_mib = os.path.getsize(path) / 2**20
+        L, H, D, Dv = max(lens), args.heads, spec.head_dim, spec.kv_lora_rank
+        # rows as stored (bf16) + the same rows in fp64 + logits and probabilities + output
+        ws_mib = (L * D * (2 + 8) + 2 * H * L * 8 + H * Dv * 8) / 2**20
+        times = {n: [] for n in FORMULATIONS}
+        mem = {}
+        for _ in range(args.repeat):
+            for name in FORMULATIONS:
+                r = json.loads(subprocess.check_output([sys.executable, __file__, "--child", path, name]))
+                times[name].append(r["seconds"])
+                mem[name] = max(mem.get(name, 0.0), r["peak_above_open_mib"])
+        ref_t, loop_t = min(times["reference"]), min(times["peer_loop"])
+        flops = sum(2 * H * l * D + 2 * H * l * Dv for l in lens)
+        print(f"capture: {args.requests} requests x {H} heads x {args.min_len}-{args.max_len} tokens, "
+              f"bf16, {size_mib:.0f} MiB; largest request working set {ws_mib:.1f} MiB")  # fmt: skip
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, best of {args.repeat}")
+        for name in FORMULATIONS:
+            t = min(times[name])
+            print(f"  {name:<10} {t:7.3f} s  {flops / t / 1e9:6.2f} GFLOP/s fp64  peak +{mem[name]:.0f} MiB")
+        budget = size_mib + 2 * ws_mib
+        print(f"ratio reference / peer_loop = {ref_t / loop_t:.3f} (target <= 1.0)")
+        print(f"reference peak +{mem['reference']:.0f} MiB vs budget {budget:.0f} MiB "
+              f"(capture + 2 x working set): {'ok' if mem['reference'] <= budget else 'OVER'}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
