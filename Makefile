@@ -24,9 +24,11 @@ $(VENV)/.base: pyproject.toml
 	@touch $@
 
 # SGLang's kernel modules, importable on CPU: the wheel pins a CUDA torch, so --no-deps + a light list
+# (skipped where sglang already imports, e.g. an SGLang ROCm image: its triton must not be replaced)
 $(VENV)/.kernels: $(VENV)/.base tools/requirements-sglang-cpu.txt tools/requirements-sglang-nodeps.txt
-	$(PIP) -r tools/requirements-sglang-cpu.txt
-	$(PIP) --no-deps -r tools/requirements-sglang-nodeps.txt
+	@if $(PY) -c "import sglang, triton" 2>/dev/null; then \
+	  echo "reusing the importable sglang $$($(PY) -c 'import sglang; print(sglang.__version__)') and its triton"; \
+	else $(PIP) -r tools/requirements-sglang-cpu.txt && $(PIP) --no-deps -r tools/requirements-sglang-nodeps.txt; fi
 	@touch $@
 
 $(VENV)/.test: $(VENV)/.kernels $(wildcard tools/requirements-hook*.txt)

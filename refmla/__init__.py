@@ -8,8 +8,14 @@ Layout (the folder tree is the architecture):
     compare.py     the one comparator (contract section 5)
     backends/      one module per compute path, picked by name
     replay.py      capture -> backends -> comparison -> report
-    explain.py     hypotheses for a diverging output (contract section 4) and the diagnosis
+    hypotheses.py  which simple mistake explains a diverging output (contract section 4)
+    diagnosis.py   which compute path diverges: a machine name and a sentence
+    diffkv.py      prefill vs decode KV rows, bit for bit (transfer fidelity)
+    series.py      many captures: parallel replay, series checks, summary table
+    plots.py       pictures of a replay or a diff-kv (matplotlib, optional)
+    golden.py      the golden suite generator
     synth.py       synthetic captures with planted faults
+    hook/          the capture hook for a live SGLang server
     cli.py         the thin command line
 """
 

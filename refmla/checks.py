@@ -18,13 +18,15 @@ exits 1 on them, a replay still runs); notes are printed but change nothing.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
+import numpy as np
 import torch
 
 from refmla.capture import Capture
 
-ROW_CHUNK = 16384  # pool rows converted to fp32 at a time (~38 MB at D = 576)
+ROW_CHUNK = 16384  # pool rows tested at a time (18 MB of bf16 at D = 576)
 
 
 def check_capture(cap: Capture) -> dict:
@@ -34,10 +36,11 @@ def check_capture(cap: Capture) -> dict:
     same facts as structured dicts, plus the notes.
     """
     findings: list[dict] = []
-    findings += repeated_slots(cap)
-    findings += req_to_token_agreement(cap)
-    findings += row_contents(cap)
-    findings += padding_slot(cap)
+    with single_thread():  # many small index operations: intra-op threads only add barrier waits
+        findings += repeated_slots(cap)
+        findings += req_to_token_agreement(cap)
+        findings += row_contents(cap)
+        findings += padding_slot(cap)
     errors = [f["message"] for f in findings if f["severity"] == "error"]
     warnings = list(cap.warnings) + [f["message"] for f in findings if f["severity"] == "warning"]
     return {"ok": not errors, "errors": errors, "warnings": warnings, "findings": findings}
@@ -46,6 +49,23 @@ def check_capture(cap: Capture) -> dict:
 # --------------------------------------------------------------------------------------------
 # Helpers shared with diffkv / series
 # --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """torch.set_num_threads(1) within the block, restored after.
+
+    For code made of many small index operations on a machine shared with other work: each
+    intra-op parallel region waits at a barrier for every thread, and a descheduled thread costs
+    a scheduler time slice (measured: 20 ms per 4096-element index on 2 loaded cores, 0.02 ms with
+    one thread). The bulk work here is numpy / memcmp, which does not use torch threads anyway.
+    """
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def per_request(flags: torch.Tensor, indptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,19 +85,45 @@ def per_request(flags: torch.Tensor, indptr: torch.Tensor) -> tuple[torch.Tensor
     return count, first
 
 
+# dtype -> (integer view, mask that drops the sign bit (zero test), (mask, value) of NaN/Inf bit patterns)
+_BITS = {
+    torch.bfloat16: (torch.int16, 0x7FFF, (0x7F80, 0x7F80)),
+    torch.float16: (torch.int16, 0x7FFF, (0x7C00, 0x7C00)),
+    torch.float32: (torch.int32, 0x7FFFFFFF, (0x7F800000, 0x7F800000)),
+    torch.float64: (torch.int64, 0x7FFFFFFFFFFFFFFF, (0x7FF0000000000000, 0x7FF0000000000000)),
+    torch.float8_e4m3fn: (torch.uint8, 0x7F, (0x7F, 0x7F)),  # no Inf; NaN is S.1111.111
+    torch.float8_e5m2: (torch.uint8, 0x7F, (0x7C, 0x7C)),
+    torch.float8_e4m3fnuz: (torch.uint8, 0xFF, (0xFF, 0x80)),  # no -0; 0x80 is the NaN
+    torch.float8_e5m2fnuz: (torch.uint8, 0xFF, (0xFF, 0x80)),
+}
+
+
 def row_flags(kv_buffer: torch.Tensor, rows: torch.Tensor, kv_lora_rank: int) -> dict[str, torch.Tensor]:
-    """For each pool row in ``rows`` [R]: zero / nonfinite / latent_zero / rope_zero, bool [R]."""
+    """For each pool row in ``rows`` [R]: zero / nonfinite / latent_zero / rope_zero, bool [R].
+
+    Tested on the bit patterns (numpy, in chunks): a value is zero when all its bits but the
+    sign are, NaN/Inf when its exponent bits are all ones (fp8 formats by their own rules).
+    """
     R = rows.numel()
-    out = {k: torch.zeros(R, dtype=torch.bool) for k in ("zero", "nonfinite", "latent_zero", "rope_zero")}
-    flat = kv_buffer[:, 0]  # [N, D]
+    out = {k: np.zeros(R, dtype=bool) for k in ("zero", "nonfinite", "latent_zero", "rope_zero")}
+    if kv_buffer.dtype not in _BITS:
+        raise TypeError(f"kv_buffer dtype {kv_buffer.dtype} has no bit layout here")
+    view, zmask, (emask, evalue) = _BITS[kv_buffer.dtype]
+    N, D = kv_buffer.shape[0], kv_buffer.shape[-1]
+    bits = kv_buffer.reshape(N, D).contiguous().view(view).numpy()  # [N, D] no copy
+    r = rows.long().numpy()
+    dense = R > 0 and int(r[-1]) - int(r[0]) == R - 1 and bool((r[1:] > r[:-1]).all())
+    Dv = min(kv_lora_rank, D)
     for s in range(0, R, ROW_CHUNK):
-        x = flat.index_select(0, rows[s : s + ROW_CHUNK]).float()  # [r, D]
-        z = x == 0
-        out["latent_zero"][s : s + ROW_CHUNK] = z[:, :kv_lora_rank].all(-1)
-        out["rope_zero"][s : s + ROW_CHUNK] = z[:, kv_lora_rank:].all(-1) if x.shape[1] > kv_lora_rank else False
-        out["zero"][s : s + ROW_CHUNK] = z.all(-1)
-        out["nonfinite"][s : s + ROW_CHUNK] = ~torch.isfinite(x).all(-1)
-    return out
+        e = min(s + ROW_CHUNK, R)
+        v = bits[r[s] : r[s] + e - s] if dense else bits[r[s:e]]  # [c, D]
+        lat = (v[:, :Dv] & zmask).any(1)  # latent part holds a nonzero
+        rope = (v[:, Dv:] & zmask).any(1) if D > Dv else np.zeros(e - s, dtype=bool)
+        out["zero"][s:e] = ~lat & ~rope
+        out["latent_zero"][s:e] = ~lat
+        out["rope_zero"][s:e] = ~rope if D > Dv else False
+        out["nonfinite"][s:e] = ((v & emask) == evalue).any(1)
+    return {k: torch.from_numpy(v) for k, v in out.items()}
 
 
 def rid_of(cap: Capture, b: int) -> Optional[str]:
@@ -114,7 +160,7 @@ def repeated_slots(cap: Capture) -> list[dict]:
         dup = srt[1:] == srt[:-1]  # [L - 1]
         if not bool(dup.any()):
             continue
-        uniq, counts = torch.unique(idx, return_counts=True)
+        _, counts = torch.unique(idx, return_counts=True)
         repeats = int((counts > 1).sum())
         # the first position that re-reads a slot an earlier position already read
         again = int(order[1:][dup].min())
@@ -212,13 +258,14 @@ def padding_slot(cap: Capture) -> list[dict]:
     if cap.orig_kv_indices is None:
         return []
     count, first = per_request(cap.orig_kv_indices.long() == 0, cap.kv_indptr)
-    return [
-        _finding(cap, "padding_slot", "note", b,
-                 f"{_who(cap, b)}: attends physical slot 0 (SGLang's padding slot) at {int(count[b])} "
-                 f"position(s), first position {int(first[b])}",
-                 count=int(count[b]), first_position=int(first[b]))  # fmt: skip
-        for b in torch.nonzero(count).flatten().tolist()
-    ]
+    found = []
+    for b in torch.nonzero(count).flatten().tolist():
+        n, j = int(count[b]), int(first[b])
+        message = (
+            f"{_who(cap, b)}: attends physical slot 0 (SGLang's padding slot) at {n} position(s), first position {j}"
+        )
+        found.append(_finding(cap, "padding_slot", "note", b, message, count=n, first_position=j))
+    return found
 
 
 # --------------------------------------------------------------------------------------------
@@ -283,6 +330,8 @@ def render_inspect(e: dict) -> str:
     if "series" in e:
         found = [f for f in e["series"] if f.get("severity") in ("warning", "note")]
         bad = any(f["severity"] == "warning" for f in found)
-        lines.append("series   " + ("FINDINGS" if bad else "ok") + (f" (against {found[0]['previous']})" if found else ""))
+        lines.append(
+            "series   " + ("FINDINGS" if bad else "ok") + (f" (against {found[0]['previous']})" if found else "")
+        )
         lines += [f"  {f['severity']}: {f['message']}" for f in found]
     return "\n".join(lines)

@@ -86,6 +86,9 @@ def cmd_replay(args) -> int:
             reports.append(replay_file(p, opts))
             progress.step(p)
         progress.close()
+    for r in reports:  # each unusable capture: one line on stderr (exit 2); the others are still reported
+        if r.get("verdict") == "invalid":
+            print(f"refmla: error: {r.get('error') or '; '.join(r['metadata']['errors'])}", file=sys.stderr)
     if len(reports) > 1:
         from refmla.series import attach_series
 

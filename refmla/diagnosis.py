@@ -1,55 +1,108 @@
-"""Which compute path diverges: one machine name per class, and a sentence for people."""
+"""Which compute path diverges: one machine name per class, and a sentence for people.
+
+    null                  every backend agrees with the reference
+    observed              only the production output diverges; the offline paths agree on the
+                          captured inputs (state, KV transfer, graph replay, capture-time metadata)
+    observed_unconfirmed  the production output diverges and no offline path ran to tell why
+    decode                a decode kernel (triton, aiter) diverges while the extend baseline agrees
+    extend                the extend baseline diverges while the decode kernels agree
+    shared_input          decode and extend both diverge (the inputs they share, the meta, or the
+                          reference's assumptions)
+    backend_error         a backend crashed and nothing diverged
+    metadata              the capture's metadata is invalid; nothing was replayed
+
+"Decode diverges" counts the offline decode kernels; when none ran, the observed production
+output stands for the decode path (it is what the production decode kernel wrote).
+"""
 
 from __future__ import annotations
 
 from typing import Optional
 
 DECODE_KERNELS = ("triton", "aiter")
+EXTEND = "extend"
 
 SENTENCES = {
     None: "all backends agree with the reference",
     "metadata": "the capture's metadata is invalid; nothing was replayed",
     "observed": (
-        "only the production output diverges: the offline kernels agree with the reference on the "
-        "captured inputs, so what the production kernel read differed from the capture (KV not yet "
-        "transferred or overwritten, CUDA/HIP graph replay, metadata at capture time) or it ran a "
-        "different kernel build"
+        "only the production output diverges: {agree} with the reference on the captured inputs, "
+        "so what the production kernel read differed from the capture (KV not yet transferred or "
+        "overwritten, CUDA/HIP graph replay, metadata at capture time) or it ran a different kernel build"
     ),
     "observed_unconfirmed": (
-        "the production output diverges and no offline kernel ran here to tell a state problem from "
+        "the production output diverges and no offline path ran here to tell a state problem from "
         "a kernel problem; replay on a machine with the kernels"
     ),
     "decode": (
-        "the decode compute path diverges while the extend baseline agrees: the decode kernel "
-        "computes this input wrongly"
+        "the decode compute path diverges ({bad}) while the extend baseline agrees on the same "
+        "captured state: the decode kernel computes this input wrongly"
     ),
-    "extend": "the extend baseline diverges while the decode kernels agree",
+    "decode_alone": (
+        "the decode compute path diverges ({bad}); the extend baseline did not run, so a problem in "
+        "the shared inputs is not excluded"
+    ),
+    "extend": "the extend baseline diverges while {agree}: suspect the extend path or its inputs",
     "shared_input": (
-        "decode and extend both diverge: suspect something they share (the captured inputs, sm_scale "
-        "or other meta) or the reference's assumptions"
+        "decode ({bad}) and extend both diverge: suspect something they share (the captured inputs, "
+        "sm_scale or other meta) or the reference's assumptions"
     ),
-    "backend_error": "a backend raised an error; see its reason",
+    "backend_error": "a backend raised an error ({bad}); see its reason",
 }
 
 
-def diagnose(statuses: dict[str, str], invalid: bool = False) -> tuple[Optional[str], str, list[str]]:
-    """(machine name, sentence, backends it is about) from each backend's status."""
+def diagnose(
+    statuses: dict[str, str], invalid: bool = False, produced_by: Optional[str] = None
+) -> tuple[Optional[str], str, list[str]]:
+    """(machine name, sentence, backends it is about) from each backend's status.
+
+    statuses: backend name -> "pass" | "fail" | "skipped" | "error". produced_by: the capture's
+    meta backend (optional), to say whether the production kernel itself was replayed.
+    """
     if invalid:
         return "metadata", SENTENCES["metadata"], []
     failed = [n for n, s in statuses.items() if s == "fail"]
-    decode_bad = [n for n in failed if n in DECODE_KERNELS]
-    offline_ran = [n for n, s in statuses.items() if s in ("pass", "fail") and n not in ("reference", "observed")]
-    if decode_bad and "extend" in failed:
-        name = "shared_input"
-    elif decode_bad:
-        name = "decode"
-    elif "extend" in failed:
-        name = "extend"
-    elif "observed" in failed:
-        name = "observed" if offline_ran else "observed_unconfirmed"
-    elif any(s == "error" for s in statuses.values()):
-        name = "backend_error"
-        failed = [n for n, s in statuses.items() if s == "error"]
-    else:
-        name = None
-    return name, SENTENCES[name], failed
+    ran = {n for n, s in statuses.items() if s in ("pass", "fail")}
+    decode_ran = [n for n in DECODE_KERNELS if n in ran]
+    decode_bad = [n for n in decode_ran if n in failed]
+    decode_ok = [n for n in decode_ran if n not in failed]
+    extend = statuses.get(EXTEND)
+    observed_bad = "observed" in failed
+    # with no decode kernel replayed, the production output is the decode path's only witness
+    decode_side = decode_bad or (["observed"] if observed_bad and not decode_ran else [])
+
+    if decode_side and extend == "fail":
+        return (*_say("shared_input", bad=", ".join(decode_side)), [*decode_side, EXTEND])
+    if decode_bad:
+        about = decode_bad + (["observed"] if observed_bad else [])
+        if extend == "pass":
+            return (*_say("decode", bad=", ".join(decode_bad)), about)
+        return "decode", SENTENCES["decode_alone"].format(bad=", ".join(decode_bad)), about
+    if extend == "fail":
+        if decode_ok:
+            agree = f"the decode {'kernels' if len(decode_ok) > 1 else 'kernel'} ({', '.join(decode_ok)}) agree"
+        elif statuses.get("observed") == "pass":
+            agree = "the production decode output agrees"
+        else:
+            agree = "no decode path ran to compare"
+        return (*_say("extend", agree=agree), [EXTEND])
+    if observed_bad:
+        agree = decode_ok + ([EXTEND] if extend == "pass" else [])
+        if not agree:
+            return (*_say("observed_unconfirmed"), ["observed"])
+        what = " and ".join(agree)
+        what = f"the offline paths ({what}) agree" if len(agree) > 1 else f"the offline path ({what}) agrees"
+        name, sentence = _say("observed", agree=what)
+        if produced_by in DECODE_KERNELS and produced_by not in decode_ok:
+            sentence += f"; the production kernel ({produced_by}) itself could not be replayed here"
+        elif not decode_ok:
+            sentence += "; no decode kernel ran here, so a decode kernel bug is not excluded"
+        return name, sentence, ["observed"]
+    errored = [n for n, s in statuses.items() if s == "error"]
+    if errored:
+        return (*_say("backend_error", bad=", ".join(errored)), errored)
+    return None, SENTENCES[None], []
+
+
+def _say(name: Optional[str], **fields: str) -> tuple[Optional[str], str]:
+    return name, SENTENCES[name].format(**fields)

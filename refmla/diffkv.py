@@ -26,18 +26,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from refmla.capture import Capture, CaptureError, read_capture
+from refmla.checks import single_thread
 
 CHUNK = 8192  # rows gathered at a time (9 MB per side at 576 bf16)
 MAX_RANGES = 64  # mismatch ranges / transfer runs listed per request
 MAX_OFFSET_SEARCH = 16  # mismatched runs per request searched for a position offset
 
 
-def diff_kv_files(
-    prefill_paths: Union[str, Sequence[str]], decode_path: str, plot_dir: Optional[str] = None
-) -> dict:
+def diff_kv_files(prefill_paths: Union[str, Sequence[str]], decode_path: str, plot_dir: Optional[str] = None) -> dict:
     """Read the captures and compare their KV rows (see the module docstring).
 
     Raises CaptureError for a file that cannot be read or captures that cannot be compared
@@ -50,9 +50,10 @@ def diff_kv_files(
         prefill_paths = [prefill_paths]
     if not prefill_paths:
         raise CaptureError("<prefill>", "arguments", "at least one prefill capture is needed")
-    prefill = [read_capture(p) for p in prefill_paths]
-    decode = read_capture(decode_path)
-    result = diff_kv(prefill, decode)
+    with single_thread():
+        prefill = [read_capture(p) for p in prefill_paths]
+        decode = read_capture(decode_path)
+        result = diff_kv(prefill, decode)
     if plot_dir is not None:
         result["plots"] = [str(p) for p in plots.plot_diff_kv(result, plot_dir)]
     return result
@@ -72,22 +73,79 @@ def row_words(kv_buffer: torch.Tensor) -> torch.Tensor:
     return raw.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word])
 
 
-def rows_differ(
-    pool_a: torch.Tensor, rows_a: torch.Tensor, pool_b: torch.Tensor, rows_b: torch.Tensor
-) -> torch.Tensor:
+def rows_differ(pool_a: torch.Tensor, rows_a: torch.Tensor, pool_b: torch.Tensor, rows_b: torch.Tensor) -> torch.Tensor:
     """bool [M]: row ``rows_a[i]`` of pool_a differs from row ``rows_b[i]`` of pool_b.
 
     Bit for bit when both pools have the same dtype; by value (NaN equal to NaN) otherwise.
+
+    Positions whose rows are consecutive in both pools (a page, or a longer transfer run) form a
+    run; when runs are long (pages of 16 and more), each is compared in place with one memcmp and
+    nothing is copied -- each byte of both pools is read once. Otherwise rows are gathered in
+    chunks (sorted by pool_b row, so that a densely used pool_b is read as slices, not gathered).
     """
     M = rows_a.numel()
+    if pool_a.dtype != pool_b.dtype:
+        return _rows_differ_by_value(pool_a, rows_a, pool_b, rows_b)
+    out = np.zeros(M, dtype=bool)
+    if M == 0:
+        return torch.from_numpy(out)
+    wa, wb = row_words(pool_a).numpy(), row_words(pool_b).numpy()  # [N, W] views, no copy
+    ra, rb = rows_a.long().numpy(), rows_b.long().numpy()
+    brk = np.flatnonzero((ra[1:] != ra[:-1] + 1) | (rb[1:] != rb[:-1] + 1)) + 1
+    starts = np.concatenate([[0], brk])
+    memcmp = _memcmp()
+    if memcmp is not None and M >= MIN_RUN * starts.size:
+        ends = np.concatenate([brk, [M]])
+        rowbytes = wa.shape[1] * wa.itemsize
+        pa, pb = wa.ctypes.data, wb.ctypes.data
+        for s, e, a0, b0 in zip(starts.tolist(), ends.tolist(), ra[starts].tolist(), rb[starts].tolist()):
+            if memcmp(pa + a0 * rowbytes, pb + b0 * rowbytes, (e - s) * rowbytes):
+                out[s:e] = (wa[a0 : a0 + e - s] != wb[b0 : b0 + e - s]).any(1)
+        return torch.from_numpy(out)
+    order = np.argsort(rb, kind="stable")
+    sa, sb = ra[order], rb[order]
+    for s in range(0, M, CHUNK):
+        e = min(s + CHUNK, M)
+        b0, b1 = int(sb[s]), int(sb[e - 1])
+        b = wb[b0 : b1 + 1] if b1 - b0 == e - s - 1 else wb[sb[s:e]]  # [c, W]
+        a = wa[sa[s:e]]  # [c, W]
+        if not _equal(a, b, memcmp):
+            out[order[s:e]] = (a != b).any(1)
+    return torch.from_numpy(out)
+
+
+MIN_RUN = 8  # average run length (rows) from which runs are compared in place
+
+
+def _memcmp():
+    """libc memcmp through ctypes, or None where there is none."""
+    global _MEMCMP
+    if _MEMCMP is False:
+        try:
+            import ctypes
+            import ctypes.util
+
+            f = ctypes.CDLL(ctypes.util.find_library("c")).memcmp
+            f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
+            _MEMCMP = f
+        except Exception:
+            _MEMCMP = None
+    return _MEMCMP
+
+
+_MEMCMP: Any = False
+
+
+def _equal(a: np.ndarray, b: np.ndarray, memcmp) -> bool:
+    """Two C-contiguous arrays of one shape and dtype hold the same bytes."""
+    if memcmp is not None and a.flags.c_contiguous and b.flags.c_contiguous:
+        return memcmp(a.ctypes.data, b.ctypes.data, a.nbytes) == 0
+    return bool(np.array_equal(a, b))
+
+
+def _rows_differ_by_value(pool_a, rows_a, pool_b, rows_b) -> torch.Tensor:
+    M = rows_a.numel()
     out = torch.empty(M, dtype=torch.bool)
-    if pool_a.dtype == pool_b.dtype:
-        wa, wb = row_words(pool_a), row_words(pool_b)
-        for s in range(0, M, CHUNK):
-            a = wa.index_select(0, rows_a[s : s + CHUNK])  # [c, W]
-            b = wb.index_select(0, rows_b[s : s + CHUNK])  # [c, W]
-            out[s : s + CHUNK] = (a != b).any(1)
-        return out
     fa, fb = pool_a[:, 0], pool_b[:, 0]
     for s in range(0, M, CHUNK):
         a = fa.index_select(0, rows_a[s : s + CHUNK]).double()  # [c, D]
@@ -181,7 +239,11 @@ def pair_requests(prefill: list[Capture], decode: Capture) -> tuple[str, list[_R
         notes.append(f"paired by order: no rids in {', '.join(missing)}")
         sizes = {c.path: c.batch_size for c in [*prefill, decode]}
         if len(set(sizes.values())) > 1:
-            notes.append("batch sizes differ (" + ", ".join(f"{p}: {n}" for p, n in sizes.items()) + "); pairing by order is a guess")
+            notes.append(
+                "batch sizes differ ("
+                + ", ".join(f"{p}: {n}" for p, n in sizes.items())
+                + "); pairing by order is a guess"
+            )
         for b in range(max(sizes.values())):
             rid = decode.meta.rids[b] if decode.meta.rids is not None and b < decode.batch_size else None
             r = _Request(b, rid, b if b < decode.batch_size else None)
@@ -220,16 +282,31 @@ def _ranges(pos: torch.Tensor) -> list[list[int]]:
 
 
 def diff_kv(prefill: list[Capture], decode: Capture) -> dict:
-    """Compare already read captures; the result of :func:`diff_kv_files` without plots."""
+    """Compare already read captures; the result of :func:`diff_kv_files` without plots.
+
+    Runs with one torch thread: the bulk is memcmp / numpy (single-threaded anyway), the rest
+    thousands of small index operations, for which intra-op threads only add barrier waits
+    (20 ms each on a loaded machine).
+    """
+    with single_thread():
+        return _diff_kv(prefill, decode)
+
+
+def _diff_kv(prefill: list[Capture], decode: Capture) -> dict:
     D = decode.kv_buffer.shape[-1]
     notes: list[str] = []
     for c in prefill:
         if c.kv_buffer.shape[-1] != D:
-            raise CaptureError(decode.path, "tensor 'kv_buffer'",
-                               f"rows of {D} elements but prefill capture {c.path} has {c.kv_buffer.shape[-1]}")  # fmt: skip
+            raise CaptureError(
+                decode.path,
+                "tensor 'kv_buffer'",
+                f"rows of {D} elements but prefill capture {c.path} has {c.kv_buffer.shape[-1]}",
+            )
         if c.kv_buffer.dtype != decode.kv_buffer.dtype:
-            notes.append(f"{c.path} stores {_dt(c.kv_buffer.dtype)} and the decode capture {_dt(decode.kv_buffer.dtype)}: "
-                         "rows compared by value, not bit for bit")  # fmt: skip
+            notes.append(
+                f"{c.path} stores {_dt(c.kv_buffer.dtype)} and the decode capture {_dt(decode.kv_buffer.dtype)}: "
+                "rows compared by value, not bit for bit"
+            )
     pairing, reqs, pair_notes = pair_requests(prefill, decode)
     notes += pair_notes
     paired = [r for r in reqs if r.decode_b is not None and r.sources]
@@ -238,7 +315,7 @@ def diff_kv(prefill: list[Capture], decode: Capture) -> dict:
         raise CaptureError(decode.path, "meta key 'rids'" if pairing == "rid" else "tensor 'kv_indptr'",
                            f"no {what} in common with the prefill capture(s); nothing to compare")  # fmt: skip
     P = decode.meta.page_size
-    d_idx, d_ptr = decode.kv_indices.long(), decode.kv_indptr.long()
+    d_idx, d_ptr = decode.kv_indices, decode.kv_indptr.long()
 
     # 1. every compared position as (owner capture, prefill row, decode row), grouped by owner
     plan = []  # per paired request: (request, n, owner [n], offset into the flat arrays)
@@ -250,17 +327,17 @@ def diff_kv(prefill: list[Capture], decode: Capture) -> dict:
         n = min(owner.numel(), Ld)
         owner = owner[:n]
         plan.append((r, n, owner, total))
-        d_rows = d_idx[int(d_ptr[r.decode_b]) : int(d_ptr[r.decode_b]) + n]  # [n]
+        d_rows = d_idx[int(d_ptr[r.decode_b]) : int(d_ptr[r.decode_b]) + n].long()  # [n]
         for i, s in enumerate(r.sources):
             js = torch.nonzero(owner == i).flatten()
             if js.numel() == 0:
                 continue
             c = prefill[s.cap]
-            p_rows = c.kv_indices.long()[int(c.kv_indptr[s.b]) + js]
+            p_rows = c.kv_indices[int(c.kv_indptr[s.b]) + js].long()
             per_cap.setdefault(s.cap, []).append((total + js, p_rows, d_rows[js]))
         total += n
 
-    # 2. compare, one gather per side per chunk
+    # 2. compare bit for bit (rows_differ: memcmp per run contiguous in both pools, else chunked gathers)
     mism = torch.zeros(total, dtype=torch.bool)
     p_row_of = torch.full((total,), -1, dtype=torch.int64)  # prefill row of each flat position
     p_cap_of = torch.full((total,), -1, dtype=torch.int64)
@@ -363,7 +440,8 @@ def _request_entry(r, n, owner, off, prefill, decode, mism, bad, stats, P, phys)
         e["transfer_runs"] = _transfer_runs(r, n, owner, m, prefill, decode, P)
         runs = e["transfer_runs"]
         if runs["with_mismatches"] == 1 and runs["mismatched"][0].get("offset") is not None:
-            e["summary"] += f"; one transfer run, rows shifted by {runs['mismatched'][0]['offset']} positions"
+            k = runs["mismatched"][0]["offset"]
+            e["summary"] += f"; one transfer run, rows shifted by {k} position{'s' if abs(k) != 1 else ''}"
         elif runs["with_mismatches"] == 1:
             e["summary"] += "; all in one transfer run"
     return e
@@ -379,10 +457,13 @@ def _detail(i: int, pos, st, off, prefill, decode, r) -> dict:
         "decode_norm": float(st["norm_b"][i]),
         "differing_dims": int(st["differing_dims"][i]),
     }
-    row = int(decode.kv_indices[int(decode.kv_indptr[r.decode_b]) + j])
-    d["decode_row"] = row
+    s = r.sources[int(_owners(r.sources)[j])]
+    c, at_p, at_d = prefill[s.cap], int(prefill[s.cap].kv_indptr[s.b]) + j, int(decode.kv_indptr[r.decode_b]) + j
+    d.update(prefill_capture=s.cap, prefill_row=int(c.kv_indices[at_p]), decode_row=int(decode.kv_indices[at_d]))
+    if c.orig_kv_indices is not None:
+        d["prefill_slot"] = int(c.orig_kv_indices[at_p])
     if decode.orig_kv_indices is not None:
-        d["decode_slot"] = int(decode.orig_kv_indices[int(decode.kv_indptr[r.decode_b]) + j])
+        d["decode_slot"] = int(decode.orig_kv_indices[at_d])
     return d
 
 
@@ -406,12 +487,12 @@ def _prefill_self_check(r: _Request, prefill: list[Capture]) -> dict:
         if js.numel() == 0:
             continue
         c = prefill[s.cap]
-        rows_s = c.kv_indices.long()[int(c.kv_indptr[s.b]) + js]
+        rows_s = c.kv_indices[int(c.kv_indptr[s.b]) + js].long()
         for o in torch.unique(owner[js]).tolist():
             sel = owner[js] == o
             so = r.sources[o]
             co = prefill[so.cap]
-            rows_o = co.kv_indices.long()[int(co.kv_indptr[so.b]) + js[sel]]
+            rows_o = co.kv_indices[int(co.kv_indptr[so.b]) + js[sel]].long()
             diff = rows_differ(c.kv_buffer, rows_s[sel], co.kv_buffer, rows_o)
             if bool(diff.any()):
                 count += int(diff.sum())
@@ -426,9 +507,9 @@ def _transfer_runs(r, n, owner, m, prefill, decode, P) -> dict:
     for i, s in enumerate(r.sources):
         js = torch.nonzero(owner == i).flatten()
         c = prefill[s.cap]
-        phys_p[js] = c.orig_kv_indices.long()[int(c.kv_indptr[s.b]) + js]
+        phys_p[js] = c.orig_kv_indices[int(c.kv_indptr[s.b]) + js].long()
     d0 = int(decode.kv_indptr[r.decode_b])
-    phys_d = decode.orig_kv_indices.long()[d0 : d0 + n]
+    phys_d = decode.orig_kv_indices[d0 : d0 + n].long()
     cont = (phys_p[1:] == phys_p[:-1] + 1) & (phys_d[1:] == phys_d[:-1] + 1) & (owner[1:] == owner[:-1])
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(~cont).flatten() + 1])
     ends = torch.cat([starts[1:], torch.tensor([n])])
@@ -455,7 +536,7 @@ def _transfer_runs(r, n, owner, m, prefill, decode, P) -> dict:
 
 def _zero_rows(decode: Capture, b: int, a: int, e: int, m: torch.Tensor) -> int:
     js = torch.nonzero(m[a:e]).flatten() + a
-    rows = decode.kv_indices.long()[int(decode.kv_indptr[b]) + js]
+    rows = decode.kv_indices[int(decode.kv_indptr[b]) + js].long()
     return int((row_words(decode.kv_buffer).index_select(0, rows) == 0).all(1).sum())
 
 
@@ -465,10 +546,10 @@ def _offset(r, owner, a, b, m, prefill, decode) -> Optional[int]:
     c = prefill[s.cap]
     if c.kv_buffer.dtype != decode.kv_buffer.dtype:
         return None
-    p_rows = c.kv_indices.long()[int(c.kv_indptr[s.b]) : int(c.kv_indptr[s.b]) + s.length]  # [Lp]
+    p_rows = c.kv_indices[int(c.kv_indptr[s.b]) : int(c.kv_indptr[s.b]) + s.length].long()  # [Lp]
     wp, wd = row_words(c.kv_buffer), row_words(decode.kv_buffer)
     js = torch.nonzero(m[a:b]).flatten() + a  # mismatched positions of the run
-    d_rows = decode.kv_indices.long()[int(decode.kv_indptr[r.decode_b]) + js]
+    d_rows = decode.kv_indices[int(decode.kv_indptr[r.decode_b]) + js].long()
     target = wd[d_rows[0]]  # [W] the run's first mismatched decode row
     hits = torch.nonzero((wp.index_select(0, p_rows) == target).all(1)).flatten() - int(js[0])
     hits = hits[hits != 0]
@@ -519,13 +600,25 @@ def render_diff(result: dict) -> str:
             note += f" | prefill chunks disagree at {pdis['positions']} positions (first {pdis['first']})"
         fd = e.get("first_detail")
         norms = f"{fd['prefill_norm']:.4g} / {fd['decode_norm']:.4g}" if fd else "-"
-        rows.append([str(e["request"]), str(e["positions_compared"]), str(e["mismatched_positions"]),
-                     "-" if e["first_mismatch"] is None else str(e["first_mismatch"]),
-                     _pages_text(e["mismatched_pages"]),
-                     f"{e['max_abs_diff']:.3g}" if e.get("max_abs_diff") is not None else "-", norms, note])  # fmt: skip
-    body = table(rows, ["request", "compared", "mismatched", "first", "pages", "max_abs_diff", "norms p/d @first", "note"])
+        rows.append(
+            [
+                str(e["request"]),
+                str(e["positions_compared"]),
+                str(e["mismatched_positions"]),
+                "-" if e["first_mismatch"] is None else str(e["first_mismatch"]),
+                _pages_text(e["mismatched_pages"]),
+                f"{e['max_abs_diff']:.3g}" if e.get("max_abs_diff") is not None else "-",
+                norms,
+                note,
+            ]
+        )
+    body = table(
+        rows, ["request", "compared", "mismatched", "first", "pages", "max_abs_diff", "norms p/d @first", "note"]
+    )
     lines = [*head, "", body]
-    runs = [(e["request"], run) for e in result["requests"] for run in (e.get("transfer_runs") or {}).get("mismatched", [])]
+    runs = [
+        (e["request"], run) for e in result["requests"] for run in (e.get("transfer_runs") or {}).get("mismatched", [])
+    ]
     if runs:
         lines += ["", "transfer runs (contiguous on both sides) holding mismatches:"]
         for req, run in runs[:32]:

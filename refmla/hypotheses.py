@@ -38,6 +38,7 @@ and the split names the mechanism.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -58,7 +59,9 @@ HYPOTHESES = (
     "logit_cap_mismatch",
 )
 DELTAS = (-1, 1, -2, 2, -3, 3, -4, 4)  # simplest first
-SCREEN = 8.0  # a candidate is confirmed only if its screening ratio (err / allowed) is below this
+SCREEN = 4.0  # a candidate is confirmed only if its screening ratio (err / allowed) is below this
+GOOD = 1.5  # a named candidate screening this well is confirmed before any fit is tried
+FIT_HEADS = 2  # rows (token, head) of the worst request a 1-D fit looks at
 CONFIRM_TOP = 3  # candidates confirmed per request / per global hypothesis before giving up
 PAIR_BUDGET = 2**26  # elements scored exactly per range search; above it, projection ranking
 LOG2E = 1.0 / math.log(2.0)
@@ -78,15 +81,29 @@ def explain_failure(ctx, out: torch.Tensor, cmp: Comparison) -> Optional[dict]:
     t0 = time.perf_counter()
     if cmp.row_err is None or tuple(out.shape) != tuple(ctx.ref_out.shape):
         return None
-    s = Search(ctx, out, cmp)
-    if not s.failing:
-        return None
-    for name in HYPOTHESES:
-        res = SEARCHES[name](s)
-        if res is not None:
-            res["seconds"] = round(time.perf_counter() - t0, 3)
-            return res
+    with single_thread(), torch.no_grad():
+        s = Search(ctx, out, cmp)
+        if not s.failing:
+            return None
+        for name in HYPOTHESES:
+            res = SEARCHES[name](s)
+            if res is not None:
+                res["seconds"] = round(time.perf_counter() - t0, 3)
+                return res
     return None
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """torch intra-op threads = 1 for the block: the search is many small ops, and on a busy CPU
+    thread hand-offs cost more than they gain (tools/bench_explain.py: 3-10x slower with 2 threads
+    on a loaded 2-core machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 # --------------------------------------------------------------------------------------------
@@ -105,6 +122,7 @@ class Req:
     kv64: torch.Tensor  # [L, D]
     raw: torch.Tensor  # [T, H, L] q . k * k_scale (no sm_scale, no cap)
     vis: torch.Tensor  # [T] positions each token attends (decode: L)
+    kvs: Optional[torch.Tensor] = None  # [L, D] in the stored dtype, gathered on first use
 
     @property
     def T(self) -> int:
@@ -198,8 +216,15 @@ class Search:
             self._reqs[b] = Req(b, rows, pool_rows, q64, kv64, raw, vis)
         return self._reqs[b]
 
-    def attend_rows(self, b: int, seq_rows: torch.Tensor, vis: torch.Tensor, keep: Optional[torch.Tensor] = None,
-                    zero: Optional[torch.Tensor] = None, sc: Optional[ref.Scales] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend_rows(
+        self,
+        b: int,
+        seq_rows: torch.Tensor,
+        vis: torch.Tensor,
+        keep: Optional[torch.Tensor] = None,
+        zero: Optional[torch.Tensor] = None,
+        sc: Optional[ref.Scales] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference (fp64) and control (compare dtype) of request b's rows under a modified sequence.
 
         seq_rows [S] pool rows in position order; token t attends positions [0, vis[t]) that are in
@@ -207,8 +232,13 @@ class Search:
         """
         sc = sc or self.sc
         r = self.req(b)
-        kv64 = ref.gather(self.cap.kv_buffer, seq_rows, torch.float64)  # [S, D]
-        kvs = ref.gather(self.cap.kv_buffer, seq_rows, self.cap.kv_buffer.dtype)  # stored dtype
+        if seq_rows is r.pool_rows:  # the request's own rows: gathered once
+            if r.kvs is None:
+                r.kvs = ref.gather(self.cap.kv_buffer, seq_rows, self.cap.kv_buffer.dtype)
+            kv64, kvs = r.kv64, r.kvs
+        else:
+            kv64 = ref.gather(self.cap.kv_buffer, seq_rows, torch.float64)  # [S, D]
+            kvs = ref.gather(self.cap.kv_buffer, seq_rows, self.cap.kv_buffer.dtype)  # stored dtype
         if zero is not None and bool(zero.any()):
             kv64, kvs = kv64.clone(), kvs.clone()
             kv64[zero], kvs[zero] = 0, 0
@@ -396,6 +426,7 @@ class BlockSums:
     Z: torch.Tensor  # [TH]
     E: torch.Tensor  # [TH] exp(-m): weight of one all-zero row
     tol: torch.Tensor  # [TH] allowed error per row
+    projected: bool = False  # value axis randomly projected (ranking only)
 
 
 def block_sums(s: Search, b: int, sc: ref.Scales) -> Optional[BlockSums]:
@@ -414,8 +445,14 @@ def block_sums(s: Search, b: int, sc: ref.Scales) -> Optional[BlockSums]:
     V = r.kv64[:, :Dv] * sc.v_scale  # [L, Dv]
     bnd = boundaries(s, b, Lp)
     nb = len(bnd) - 1
-    Zb = torch.stack([P[:, bnd[k] : bnd[k + 1]].sum(-1) for k in range(nb)])  # [nb, TH]
-    Ab = torch.stack([P[:, bnd[k] : bnd[k + 1]] @ V[bnd[k] : bnd[k + 1]] for k in range(nb)])  # [nb, TH, Dv]
+    blk = torch.bucketize(torch.arange(Lp), bnd[1:], right=True)  # [Lp] block of each position
+    Zb = torch.zeros(T * H, nb, dtype=torch.float64).index_add_(1, blk, P[:, :Lp]).T  # [nb, TH]
+    Ab = torch.zeros(T * H, nb, Dv, dtype=torch.float64)  # [TH, nb, Dv]
+    step = max(1, 2**22 // max(T * H * Dv, 1))
+    for a in range(0, Lp, step):  # segment sums of p v, a chunk of positions at a time
+        e = min(a + step, Lp)
+        Ab.index_add_(1, blk[a:e], P[:, a:e, None] * V[None, a:e])
+    Ab = Ab.transpose(0, 1)  # [nb, TH, Dv]
     Z = Zb.sum(0) + P[:, Lp:].sum(-1)  # [TH] with the fixed (new-token) part
     A = Ab.sum(0) + P[:, Lp:] @ V[Lp:]  # [TH, Dv]
     o = s.o64[r.rows].reshape(T * H, Dv)  # [TH, Dv]
@@ -431,73 +468,102 @@ def block_sums(s: Search, b: int, sc: ref.Scales) -> Optional[BlockSums]:
     )  # fmt: skip
 
 
-def score_pairs(bs: BlockSums, I: torch.Tensor, J: torch.Tensor, zeroed: bool, proj: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Screening ratio of dropping / zeroing blocks [I, J): max over rows of err / allowed. [K]"""
+def score_pairs(bs: BlockSums, starts: torch.Tensor, ends: torch.Tensor, zeroed: bool) -> torch.Tensor:
+    """Screening ratio of dropping / zeroing blocks [starts, ends): max over rows of err / allowed. [K]
+
+    With the value axis projected (:func:`project`), err is the RMS over the projection instead of
+    the max over Dv: a ranking, not a verdict.
+    """
     C = bs.Cz if zeroed else bs.Cd
-    out = torch.empty(len(I), dtype=torch.float64)
-    TH, Dv = bs.W.shape
-    width = proj.shape[1] if proj is not None else Dv
+    out = torch.empty(len(starts), dtype=torch.float64)
+    TH, width = bs.W.shape
     step = max(1, PAIR_BUDGET // 8 // max(TH * width, 1))
-    for a in range(0, len(I), step):
-        i, j = I[a : a + step], J[a : a + step]
-        D = C[j] - C[i] - bs.W[None]  # [k, TH, Dv]
-        if proj is not None:
-            err = (D @ proj).norm(dim=-1) / math.sqrt(proj.shape[1])  # [k, TH] ~ RMS over Dv
-        else:
-            err = D.abs().amax(-1)  # [k, TH]
+    for a in range(0, len(starts), step):
+        i, j = starts[a : a + step], ends[a : a + step]
+        D = C[j] - C[i] - bs.W[None]  # [k, TH, width]
+        err = D.norm(dim=-1) / math.sqrt(width) if bs.projected else D.abs().amax(-1)  # [k, TH]
         den = bs.Z[None] - (bs.Zc[j] - bs.Zc[i])
         if zeroed:
-            den = den + (bs.bnd[j] - bs.bnd[i]).double()[:, None] * bs.E[None]
+            den = den + (bs.bnd[j] - bs.bnd[i]).to(den.dtype)[:, None] * bs.E[None]
         ratio = (err / den.abs()) / bs.tol[None]
         out[a : a + step] = torch.nan_to_num(ratio, nan=math.inf).amax(-1)
     return out
 
 
+def project(bs: BlockSums, width: int) -> BlockSums:
+    """The same sums with the value axis randomly projected to ``width`` (the sums are linear in it)."""
+    g = torch.Generator().manual_seed(0)
+    proj = torch.randn(bs.W.shape[1], width, generator=g, dtype=torch.float64)
+    f = torch.float32  # ranking precision is plenty
+    cd, cz, w = (bs.Cd @ proj).to(f), (bs.Cz @ proj).to(f), (bs.W @ proj).to(f)
+    low = {k: getattr(bs, k).to(f) for k in ("Zc", "Z", "E", "tol")}
+    return dataclasses.replace(bs, Cd=cd, Cz=cz, W=w, projected=True, **low)
+
+
 def best_pairs(bs: BlockSums, zeroed: bool, exclude: set, top: int) -> list[tuple[float, int, int]]:
-    """The ``top`` best block ranges (score, i, j), i < j, exactly scored."""
+    """The ``top`` best block ranges (score, i, j), i < j, exactly scored.
+
+    Every range is scored from the prefix sums; past PAIR_BUDGET values the value axis is first
+    projected to rank them, and only the best few are scored exactly.
+    """
     nb = len(bs.bnd) - 1
-    I, J = torch.triu_indices(nb + 1, nb + 1, offset=1)
-    keep = torch.tensor([(int(i), int(j)) not in exclude for i, j in zip(I, J)], dtype=torch.bool)
-    I, J = I[keep], J[keep]
-    if len(I) == 0:
+    starts, ends = torch.triu_indices(nb + 1, nb + 1, offset=1)
+    if exclude:
+        drop = torch.tensor([i * (nb + 1) + j for i, j in exclude], dtype=torch.int64)
+        keep = ~torch.isin(starts * (nb + 1) + ends, drop)
+        starts, ends = starts[keep], ends[keep]
+    if len(starts) == 0:
         return []
     TH, Dv = bs.W.shape
-    if len(I) * TH * Dv > PAIR_BUDGET:  # rank in a random projection of the value axis first
-        g = torch.Generator().manual_seed(0)
-        k = max(4, min(Dv, PAIR_BUDGET // max(len(I) * TH, 1)))
-        proj = torch.randn(Dv, k, generator=g, dtype=torch.float64)
-        approx = score_pairs(bs, I, J, zeroed, proj)
-        order = torch.argsort(approx)[: max(64, 8 * top)]
-        I, J = I[order], J[order]
-    scores = score_pairs(bs, I, J, zeroed)
+    if len(starts) * TH * Dv > PAIR_BUDGET:
+        width = max(4, min(Dv, 16, PAIR_BUDGET // max(len(starts) * TH, 1)))
+        order = torch.argsort(score_pairs(project(bs, width), starts, ends, zeroed))[: max(64, 8 * top)]
+        starts, ends = starts[order], ends[order]
+    scores = score_pairs(bs, starts, ends, zeroed)
     order = torch.argsort(scores)[:top]
-    return [(float(scores[o]), int(I[o]), int(J[o])) for o in order]
+    return [(float(scores[o]), int(starts[o]), int(ends[o])) for o in order]
 
 
 def find_range(s: Search, b: int) -> Iterator[Candidate]:
+    """Block-aligned ranges of request b, best first, each confirmed as dropped and as zeroed."""
     bs = block_sums(s, b, s.sc)
     if bs is None:
         return
     r = s.req(b)
+    rows = s.rows_of(b)
     splits = split_schedule(s, b) or []
     bnd = bs.bnd.tolist()
     pos = {p: i for i, p in enumerate(bnd)}
     split_pairs = {(pos[a], pos[e]) for a, e in splits if a in pos and e in pos} if len(splits) > 1 else set()
-    whole = {(0, len(bnd) - 1)}
-    ranked = [(sc_, "dropped", i, j) for sc_, i, j in best_pairs(bs, False, split_pairs | whole, CONFIRM_TOP)]
-    ranked += [(sc_, "zeroed", i, j) for sc_, i, j in best_pairs(bs, True, set(), CONFIRM_TOP)]
-    for score, how, i, j in sorted(ranked):
-        if score >= SCREEN:
+    whole = (0, len(bnd) - 1)
+    ranked = best_pairs(bs, False, split_pairs | {whole}, CONFIRM_TOP) + best_pairs(bs, True, set(), CONFIRM_TOP)
+    seen: set = set()
+    P = s.cap.meta.page_size
+    granularity = (
+        f"{'pages' if P > 1 else 'split units'} of {P if P > 1 else ref.MIN_BLOCK_KV} positions, and split bounds"
+    )
+    for score, i, j in sorted(ranked):
+        if score >= SCREEN or len(seen) >= 2 * CONFIRM_TOP:
             break
+        if (i, j) in seen:
+            continue
+        seen.add((i, j))
         p0, p1 = bnd[i], bnd[j]
         span = (torch.arange(r.L) >= p0) & (torch.arange(r.L) < p1)
-        if how == "dropped":
-            exp, ctl = s.attend_rows(b, r.pool_rows, r.vis, keep=~span)
-        else:
-            exp, ctl = s.attend_rows(b, r.pool_rows, r.vis, zero=span)
-        unit = "page" if s.cap.meta.page_size > 1 else "split unit"
-        yield Candidate({"start": p0, "end": p1, "how": how}, exp, ctl, score,
-                        extra={"granularity": f"{unit}s of {s.cap.meta.page_size if s.cap.meta.page_size > 1 else ref.MIN_BLOCK_KV} positions and split bounds"})  # fmt: skip
+        variants = {}
+        if (i, j) != whole:
+            variants["dropped"] = s.attend_rows(b, r.pool_rows, r.vis, keep=~span)
+        variants["zeroed"] = s.attend_rows(b, r.pool_rows, r.vis, zero=span)
+        ok = [how for how, (exp, ctl) in variants.items() if s.confirm(exp, ctl, rows).passed]
+        if not ok or ((i, j) in split_pairs and "dropped" in ok):
+            continue  # nothing explained, or exactly a dropped split: split_missing names it
+        exp, ctl = variants[ok[0]]
+        extra = {"granularity": granularity}
+        if len(ok) == 2:
+            mass = float(((p1 - p0) * bs.E / bs.Z).max())
+            extra["note"] = (f"dropped and zeroed are indistinguishable here: the zero rows would carry at most "
+                             f"{mass:.2g} of the softmax mass")  # fmt: skip
+        yield Candidate({"start": p0, "end": p1, "how": " or ".join(ok)}, exp, ctl, score, extra=extra)
 
 
 def search_range(s: Search) -> Optional[dict]:
@@ -512,26 +578,29 @@ def find_split(s: Search, b: int) -> Iterator[Candidate]:
     bs = block_sums(s, b, s.sc)
     bnd = bs.bnd.tolist()
     pos = {p: i for i, p in enumerate(bnd)}
-    I = torch.tensor([pos[a] for a, _ in splits])
-    J = torch.tensor([pos[e] for _, e in splits])
-    scores = score_pairs(bs, I, J, zeroed=False)
+    starts = torch.tensor([pos[a] for a, _ in splits])
+    ends = torch.tensor([pos[e] for _, e in splits])
+    scores = score_pairs(bs, starts, ends, zeroed=False)
     r = s.req(b)
     n = torch.tensor([split_count(s, b)], dtype=torch.int32)
     indptr = torch.tensor([0, r.L])
-    for k in torch.argsort(scores).tolist():
+    partials = None
+    for k in torch.argsort(scores).tolist():  # k: split index (non-empty splits come first)
         if float(scores[k]) >= SCREEN:
             break
-        # the merge itself, as the Triton stage 2 does it: partials of every split but k
-        args = (cap.q[b : b + 1], cap.kv_buffer, indptr, r.pool_rows, n)
-        parts, lses, valid = ref.mla_decode_split_ref(*args, **cap.scales())
-        cparts, clses, _ = ref.mla_decode_split_ref(*args, **cap.scales(), control=True)
+        if partials is None:  # the merge itself, as the Triton stage 2 does it: every split but k
+            args = (cap.q[b : b + 1], cap.kv_buffer, indptr, r.pool_rows, n)
+            partials = (ref.mla_decode_split_ref(*args, **cap.scales()),
+                        ref.mla_decode_split_ref(*args, **cap.scales(), control=True))  # fmt: skip
+        (parts, lses, valid), (cparts, clses, _) = partials
         valid = valid.clone()
         valid[0, k] = False
         exp = ref.merge_splits(parts, lses, valid)[0]  # [1, H, Dv]
         ctl = ref.merge_splits(cparts.double(), clses.double(), valid)[0].to(s.dtype)
         a, e = splits[k]
+        source = "capture" if cap.num_kv_splits is not None else "SGLang Triton default (computed)"
         yield Candidate({"split": k}, exp, ctl, float(scores[k]),
-                        extra={"positions": [a, e], "num_kv_splits": int(n[0])})  # fmt: skip
+                        extra={"positions": [a, e], "num_kv_splits": int(n[0]), "schedule": source})  # fmt: skip
 
 
 def search_split(s: Search) -> Optional[dict]:
@@ -559,23 +628,31 @@ def full_under(s: Search, sc: ref.Scales) -> tuple[torch.Tensor, torch.Tensor]:
     return exp, ctl
 
 
-def worst_out(s: Search, scale: float, cap: float) -> torch.Tensor:
-    """fp64 output of the worst request under (sm_scale, logit_cap): [T, H, Dv]."""
+def worst_out(s: Search, scale: float, cap: float, fit: bool = False) -> torch.Tensor:
+    """Output of the worst request under (sm_scale, logit_cap), fp32 inside: [T, H, Dv] fp64.
+
+    With ``fit``, only its FIT_HEADS worst (token, head) rows: [k, Dv] (what a 1-D fit looks at).
+    """
     r = s.req(s.worst_request)
-    S = r.raw * scale
+    if not hasattr(r, "raw32"):
+        visible = torch.arange(r.L)[None, :] < r.vis[:, None]  # [T, L]
+        r.raw32 = r.raw.float().masked_fill(~visible[:, None, :], -math.inf)  # [T, H, L]
+        r.v32 = r.kv64[:, : s.sc.kv_lora_rank].float() * s.sc.v_scale  # [L, Dv]
+        ratio = s.row_ratio(s.o64[r.rows], s.ref[r.rows], r.rows).flatten()  # [T * H]
+        r.fit_rows = torch.argsort(torch.nan_to_num(ratio, posinf=1e300), descending=True)[:FIT_HEADS]
+    S = r.raw32.flatten(0, 1)[r.fit_rows] if fit else r.raw32  # [k, L] or [T, H, L]
+    S = S * scale
     if cap > 0:
         S = cap * torch.tanh(S / cap)
-    visible = torch.arange(r.L)[None, :] < r.vis[:, None]
-    S = S.masked_fill(~visible[:, None, :], -math.inf)
-    p = torch.softmax(S, dim=-1)  # [T, H, L]
-    return (p @ r.kv64[:, : s.sc.kv_lora_rank]) * s.sc.v_scale
+    return (torch.softmax(S, dim=-1) @ r.v32).double()
 
 
-def fit_1d(s: Search, f: Callable[[float], torch.Tensor], lo: float, hi: float, n: int = 61) -> float:
-    """argmin over x in [lo, hi] (log grid, then golden section) of the worst request's squared error."""
+def fit_1d(s: Search, f: Callable[[float], torch.Tensor], lo: float, hi: float, n: int = 31) -> float:
+    """argmin over x in [lo, hi] (log grid, then golden section) of the squared error on the worst
+    request's worst rows; ``f(x)`` returns those rows [k, Dv] (worst_out(..., fit=True))."""
     r = s.req(s.worst_request)
-    o = s.o64[r.rows]
-    w = 1.0 / s.row_tol[r.rows][..., None]  # weight rows by their allowance
+    o = s.o64[r.rows].flatten(0, 1)[r.fit_rows]  # [k, Dv]
+    w = 1.0 / s.row_tol[r.rows].flatten()[r.fit_rows][:, None]  # weight rows by their allowance
 
     def loss(logx: float) -> float:
         d = torch.nan_to_num((f(math.exp(logx)) - o) * w, nan=1e6, posinf=1e6, neginf=-1e6)
@@ -588,7 +665,7 @@ def fit_1d(s: Search, f: Callable[[float], torch.Tensor], lo: float, hi: float, 
     g = (math.sqrt(5) - 1) / 2
     x1, x2 = c - g * (c - a), a + g * (c - a)
     f1, f2 = loss(x1), loss(x2)
-    for _ in range(40):
+    for _ in range(26):  # bracket * 0.618**26 ~ 4e-6 of two grid steps
         if f1 < f2:
             c, x2, f2 = x2, x1, f1
             x1 = c - g * (c - a)
@@ -618,25 +695,40 @@ def scale_candidates(s: Search) -> list[tuple[float, str]]:
     return [(r, why) for r, why in out if abs(r - 1) > 1e-6]
 
 
+def rounded(x: float) -> list[tuple[float, str]]:
+    """A fitted value and its rounder neighbours (2 and 3 significant digits): people set round
+    numbers, and a candidate that screens equally well sorts by its score anyway."""
+    out = [(float(f"{x:.2g}"), "fitted, rounded"), (float(f"{x:.3g}"), "fitted, rounded"), (x, "fitted")]
+    return list({v: (v, why) for v, why in reversed(out)}.values())[::-1]
+
+
+def prefer(cands: list[tuple]) -> list[tuple]:
+    """(score, value, why) in preference order -> the order to confirm them: those screening within
+    tolerance keep their preference order (named before fitted, round before exact), then the rest
+    by score."""
+    ok = [c for c in cands if c[0] <= 1.0]
+    return ok + sorted((c for c in cands if c[0] > 1.0), key=lambda c: c[0])
+
+
 def search_scale(s: Search) -> Optional[dict]:
     sm, cap = s.sc.sm_scale, s.sc.logit_cap
-    r = s.req(s.worst_request)
+    if not s.req(s.worst_request).L:
+        return None
 
     def score(ratio: float) -> float:
-        return rescore(s, s.worst_request, worst_out(s, ratio * sm, cap)) if r.L else math.inf
+        return rescore(s, s.worst_request, worst_out(s, ratio * sm, cap))
 
-    named = [(score(x), x, why) for x, why in scale_candidates(s)]
-    fitted = fit_1d(s, lambda x: worst_out(s, x * sm, cap), 0.05, 20.0)
-    for x, why in scale_candidates(s):  # snap the fit to a named ratio when they agree
-        if abs(fitted / x - 1) < 2e-3:
-            fitted = None
-            break
-    if fitted is not None:
-        named.append((score(fitted), fitted, "fitted"))
-    ranked = sorted(c for c in named if c[0] < SCREEN)
+    ranked = [(score(x), x, why) for x, why in scale_candidates(s)]
+    if min((c[0] for c in ranked), default=math.inf) > GOOD:  # no named mistake fits: fit the ratio
+        fitted = fit_1d(s, lambda x: worst_out(s, x * sm, cap, fit=True), 0.05, 20.0)
+        if all(abs(fitted / x - 1) > 2e-3 for _, x, _ in ranked):
+            ranked += [(score(x), x, why) for x, why in rounded(fitted)]
+    ranked = prefer(ranked)
 
     def candidates():
-        for _, x, why in ranked:
+        for sc_, x, why in ranked:
+            if sc_ >= SCREEN:
+                return
             exp, ctl = full_under(s, dataclasses.replace(s.sc, sm_scale=x * sm))
             yield Candidate({"ratio": x}, exp, ctl, extra={"why": why, "sm_scale_used": x * sm})
 
@@ -683,23 +775,26 @@ CAPS = (30.0, 50.0, 20.0, 15.0, 10.0, 25.0, 40.0, 60.0)  # soft caps models use 
 
 def search_cap(s: Search) -> Optional[dict]:
     sm, given = s.sc.sm_scale, s.sc.logit_cap
-    r = s.req(s.worst_request)
-    if not r.L:
+    if not s.req(s.worst_request).L:
         return None
 
     def score(c: float) -> float:
         return rescore(s, s.worst_request, worst_out(s, sm, c))
 
-    named = [(score(0.0), 0.0, "soft cap omitted")] if given > 0 else []
-    named += [(score(c), c, "a common soft cap") for c in CAPS if abs(c - given) > 1e-9]
-    fitted = fit_1d(s, lambda c: worst_out(s, sm, c), 1.0, 1000.0)
-    if all(abs(fitted - c) > 1e-3 * c for _, c, _ in named if c > 0):
-        nice = float(round(fitted * 2) / 2)  # caps are set by people: try the nearest half first
-        named += [(score(nice), nice, "fitted, rounded"), (score(fitted), fitted, "fitted")]
-    ranked = sorted(c for c in named if c[0] < SCREEN)
+    named = [(0.0, "soft cap omitted")] if given > 0 else []
+    named += [(c, "a common soft cap") for c in CAPS if abs(c - given) > 1e-9]
+    ranked = [(score(c), c, why) for c, why in named]
+    if min((c[0] for c in ranked), default=math.inf) > GOOD:
+        fitted = fit_1d(s, lambda c: worst_out(s, sm, c, fit=True), 1.0, 1000.0)
+        for c, why in rounded(fitted):
+            if all(abs(c - x) > 1e-9 for _, x, _ in ranked):
+                ranked.append((score(c), c, why))
+    ranked = prefer(ranked)
 
     def candidates():
-        for _, c, why in ranked:
+        for sc_, c, why in ranked:
+            if sc_ >= SCREEN:
+                return
             exp, ctl = full_under(s, dataclasses.replace(s.sc, logit_cap=c))
             yield Candidate({"logit_cap": c}, exp, ctl, extra={"why": why, "given_logit_cap": given})
 
@@ -716,4 +811,3 @@ SEARCHES: dict[str, Callable[[Search], Optional[dict]]] = {
 }
 
 __all__ = ["HYPOTHESES", "SEARCHES", "Search", "explain_failure"]
-

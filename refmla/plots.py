@@ -105,7 +105,7 @@ def _error_matrices(cap, report: dict) -> dict[str, tuple[torch.Tensor, torch.Te
 
 
 def _heatmap_figure(cap, report: dict, errors: dict) -> Figure:
-    R, H = next(iter(errors.values()))[0].shape
+    R = next(iter(errors.values()))[0].shape[0]
     fig = Figure(figsize=(12, 1.8 + min(0.22 * R, 9) * len(errors)), layout="constrained")
     axes = fig.subplots(len(errors), 2, squeeze=False)
     bounds = [] if cap.is_decode else cap.qo_indptr.long().tolist()[1:-1]
@@ -201,7 +201,7 @@ def _attention_figure(cap, report: dict, row: int, head: int, backend: str, expl
             if js:
                 ax.plot(js, [1e-29] * len(js), "|", color=color, ms=14, label=f"{text} ({len(js)})")
     ax.set_xlim(-0.5, max(top, ax.get_xlim()[1]) - 0.5 if L_seen else 1)
-    ax.legend(loc="upper right", fontsize=8)
+    fig.legend(loc="outside lower center", ncols=3, fontsize=8)
     rid = m.rids[b] if m.rids and b < len(m.rids) else None
     ax.set_title(f"{Path(cap.path).name}: worst row of {backend}, request {b}" + (f" (rid {rid})" if rid else "")
                  + ("" if cap.is_decode else f" token {row}") + f", head {head}, seq_len {L}")  # fmt: skip
@@ -263,9 +263,16 @@ def plot_diff_kv(result: dict, out_dir: Any) -> list[Path]:
     ax.plot([], [], color="C3", lw=6, label="mismatched")
     if any(e.get("transfer_runs") for e in reqs):
         ax.plot([], [], color="k", lw=0.8, label="transfer run (contiguous on both sides) holding mismatches")
-    ax.legend(loc="upper right", fontsize=8)
-    verdict = "identical" if result["ok"] else (
-        f"{result['mismatched_positions']} of {result['positions_compared']} positions mismatched")
+    P, top = result.get("page_size") or 1, max((e["positions_compared"] for e in reqs), default=0)
+    if P > 1 and 0 < top // P <= MAX_PAGE_SHADES:
+        ax.set_xticks([k * P for k in range(top // P + 1)], minor=True)
+        ax.grid(True, axis="x", which="minor", color="0.75", lw=0.4)
+    fig.legend(loc="outside lower center", ncols=3, fontsize=8)
+    verdict = (
+        "identical"
+        if result["ok"]
+        else (f"{result['mismatched_positions']} of {result['positions_compared']} positions mismatched")
+    )
     ax.set_title(f"diff-kv {Path(result['decode']).name}: {verdict}")
     name = Path(result["decode"]).name.removesuffix(".safetensors")
     return [_save(fig, out_dir / f"diffkv.{name}.png")]

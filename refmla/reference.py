@@ -142,6 +142,11 @@ def split_bounds(seq_len: int, num_splits: int, min_block: int = MIN_BLOCK_KV) -
     return [(s * per, min((s + 1) * per, seq_len)) for s in range(max(int(num_splits), 1))]
 
 
+def nonempty_splits(seq_len: int, num_splits: int, min_block: int = MIN_BLOCK_KV) -> int:
+    """How many of the splits hold a token: ceil(L / per). The rest are empty and never written."""
+    return -(-seq_len // split_len(seq_len, num_splits, min_block)) if seq_len > 0 else 0
+
+
 def mla_decode_split_ref(
     q: torch.Tensor,
     kv_buffer: torch.Tensor,

@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 from refmla.capture import Capture, CaptureError, read_capture
+from refmla.checks import single_thread
 
 MAX_LINES = 20  # series findings listed under the summary table
 
@@ -70,14 +71,15 @@ def series_checks(paths: Sequence[str]) -> dict[str, list[dict]]:
     captures in memory at a time.
     """
     found: dict[str, list[dict]] = {}
-    for key, group in group_series(paths).items():
+    for group in group_series(paths).values():
         prev: Optional[Capture] = None
         for p in group:
             try:
                 cap = read_capture(p)
             except CaptureError:
                 continue  # reported as invalid by the replay; the series goes on without it
-            found[p] = [] if prev is None else compare_steps(prev, cap)
+            with single_thread():
+                found[p] = [] if prev is None else compare_steps(prev, cap)
             prev = cap
     return found
 
@@ -140,7 +142,11 @@ def compare_steps(prev: Capture, nxt: Capture) -> list[dict]:
     if not pairs:
         return findings
     rp, rn = torch.cat(rows_p), torch.cat(rows_n)
-    changed = rows_differ(prev.kv_buffer, rp, nxt.kv_buffer, rn) if prev.kv_buffer.shape[-1] == nxt.kv_buffer.shape[-1] else None
+    changed = (
+        rows_differ(prev.kv_buffer, rp, nxt.kv_buffer, rn)
+        if prev.kv_buffer.shape[-1] == nxt.kv_buffer.shape[-1]
+        else None
+    )
     if changed is None:
         return findings
     off = 0
@@ -282,14 +288,16 @@ def summary_table(reports: list[dict]) -> str:
               "metadata warnings", "series findings"]  # fmt: skip
     count = {v: sum(1 for r in reports if r.get("verdict") == v) for v in ("agree", "diverged", "invalid")}
     series_total = sum(1 for r in reports for f in r.get("series") or [] if f.get("severity") == "warning")
-    lines = ["summary by layer, rank and step", table(rows, header) if rows else "(no readable capture)", "",
-             f"{len(reports)} captures: {count['agree']} agree, {count['diverged']} diverged, {count['invalid']} invalid; "
-             f"{series_total} series finding(s)"]  # fmt: skip
-    shown = [(r["capture"], f["message"]) for r in reports for f in r.get("series") or [] if f.get("severity") == "warning"]
+    totals = (f"{len(reports)} captures: {count['agree']} agree, {count['diverged']} diverged, "
+              f"{count['invalid']} invalid; {series_total} series finding(s)")  # fmt: skip
+    lines = ["summary by layer, rank and step", table(rows, header) if rows else "(no readable capture)", "", totals]
+    shown = [
+        (r["capture"], f["message"]) for r in reports for f in r.get("series") or [] if f.get("severity") == "warning"
+    ]
     lines += [f"  series {p}: {m}" for p, m in shown[:MAX_LINES]]
     if len(shown) > MAX_LINES:
         lines.append(f"  ... {len(shown) - MAX_LINES} more series finding(s) (see --json)")
     for r in invalid:
-        lines.append(f"  invalid {r['capture']}: {r.get('error') or '; '.join(r['metadata']['errors'])}")
+        why = r.get("error") or "; ".join(r["metadata"]["errors"])
+        lines.append(f"  invalid {why if why.startswith(r['capture']) else r['capture'] + ': ' + why}")
     return "\n".join(lines)
-

@@ -82,8 +82,13 @@ def pair(tmp_path, decode_mutate=None, decode_order=(2, 0, 1), decode_rids=True,
     toks = tokens_for([L + GEN for L in LENS])
     rids = [f"req-{b}" for b in range(len(LENS))]
     pre = Side(lens=LENS, new=LENS, rids=rids, seed=10)
-    dec = Side(lens=[LENS[b] + GEN for b in decode_order], rids=[rids[b] for b in decode_order] if decode_rids else None,
-               seed=20, mutate=decode_mutate, **decode_kw)  # fmt: skip
+    dec = Side(
+        lens=[LENS[b] + GEN for b in decode_order],
+        rids=[rids[b] for b in decode_order] if decode_rids else None,
+        seed=20,
+        mutate=decode_mutate,
+        **decode_kw,
+    )
     p = write_side(tmp_path / "prefill.safetensors", toks, pre)
     d = write_side(tmp_path / "decode.safetensors", [toks[b] for b in decode_order], dec)
     return p, d, (pre, dec)
@@ -105,7 +110,12 @@ def test_identical_rows_at_shuffled_slots_match(tmp_path):
     assert set(reqs) == {"req-0", "req-1", "req-2"}
     for b, L in enumerate(LENS):
         e = reqs[f"req-{b}"]
-        assert (e["positions_compared"], e["mismatched_positions"], e["first_mismatch"], e["mismatched_pages"]) == (L, 0, None, [])
+        assert (e["positions_compared"], e["mismatched_positions"], e["first_mismatch"], e["mismatched_pages"]) == (
+            L,
+            0,
+            None,
+            [],
+        )
     assert res["positions_compared"] == sum(LENS)
     assert "verdict  match" in render_diff(res)
 
@@ -190,9 +200,11 @@ def test_chunked_prefill(tmp_path):
     write_side(tmp_path / "full.safetensors", toks, pre)  # fixes the prefill pool layout
     paths = []
     for k, (a, e) in enumerate(chunks):
+
         def keep(pool, slots, e=e, k=k):
             if k == 2:
                 pool[slots[0][70], 0, 0] += 1.0  # the last chunk's view of position 70 differs
+
         side = Side(lens=[e], new=[e - a], rids=["r"], seed=1, mutate=keep)
         paths.append(write_side(tmp_path / f"chunk{k}.safetensors", toks, side))
     d = write_side(tmp_path / "decode.safetensors", toks, Side(lens=[L + GEN], rids=["r"], seed=9))
@@ -204,6 +216,7 @@ def test_chunked_prefill(tmp_path):
 
     def bad(pool, slots):
         pool[slots[0][85], 0, 3] = -pool[slots[0][85], 0, 3] - 1  # in the last chunk's range
+
     d2 = write_side(tmp_path / "decode2.safetensors", toks, Side(lens=[L + GEN], rids=["r"], seed=9, mutate=bad))
     e = by_request(diff_kv_files(paths, d2))["r"]
     assert (e["mismatched_positions"], e["first_mismatch"], e["mismatched_pages"]) == (1, 85, [85 // 16])
@@ -261,3 +274,31 @@ def test_plot(tmp_path):
     assert len(res["plots"]) == 1
     with open(res["plots"][0], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("path", ["runs", "gather", "values"])
+def test_rows_differ_agrees_with_a_plain_loop(path, monkeypatch):
+    """The three ways rows are compared (memcmp over runs, chunked gather, by value across dtypes)
+    find exactly the rows a per-row loop finds: a NaN payload, a sign of zero, one flipped bit."""
+    import refmla.diffkv as dk
+
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(300, 1, D, generator=g).to(torch.bfloat16)
+    b = a.clone()
+    b[7, 0, 0] = -b[7, 0, 0]
+    b[50, 0, D - 1] = math.nan
+    a[50, 0, D - 1] = math.nan  # NaN == NaN: the same bits, no mismatch
+    b[51, 0, 3] = 0.0
+    a[51, 0, 3] = -0.0  # different bits, equal values
+    b.view(torch.int16)[200, 0, 5] ^= 1  # the lowest mantissa bit
+    ra = torch.arange(300)
+    rb = torch.arange(300) if path == "runs" else torch.randperm(300, generator=g)
+    pool_b = torch.empty_like(b)
+    pool_b[rb] = b  # row i of a sits at row rb[i] of pool_b
+    if path == "gather":
+        monkeypatch.setattr(dk, "MIN_RUN", 10**9)
+    if path == "values":
+        pool_b = pool_b.float()  # another dtype: compared by value, -0.0 == 0.0
+    got = dk.rows_differ(a, ra, pool_b, rb)
+    want = {7, 200} if path == "values" else {7, 51, 200}
+    assert set(torch.nonzero(got).flatten().tolist()) == want

@@ -8,6 +8,7 @@ is not installed (``make test`` installs both, see tools/requirements-sglang-*.t
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
 import zlib
 
@@ -42,7 +43,7 @@ MODELS = {
     "kimi-k2-tp8": dict(num_heads=8, sm_scale=KIMI_K2_SCALE),
     "deepseek-v3-tp8": dict(num_heads=16, sm_scale=DEEPSEEK_V3_SCALE),
 }
-SEQ_LENS = (300, 129, 1, 77)  # modest: the interpreter walks every program in Python
+SEQ_LENS = (270, 97, 1, 45)  # modest: the interpreter walks every program in Python
 # split schedules: one split; four; 16 splits, more than L/32, so each request's last splits are empty
 SCHEDULES = {"n1": 1, "n4": 4, "trailing-empty": 16}
 
@@ -104,17 +105,10 @@ def check_splits(spec: SynthSpec, t: dict, attn_logits: torch.Tensor, attn_lse: 
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("logit_cap", [0.0, 30.0], ids=["nocap", "cap30"])
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
-@pytest.mark.parametrize("page_size", [1, 256], ids=["page1", "page256"])
-@pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_kernel_matches_reference(dtype, model, page_size, schedule, logit_cap):
-    # logit_cap 30 with logits of std ~3 would barely bend them: scale q up so the cap bites
-    spec = make_case(model, dtype, page_size, schedule, logit_cap, seed=zlib.crc32(f"{model}/{page_size}/{schedule}".encode()) % 1000)
+def check_case(spec: SynthSpec) -> None:
     t = make_inputs(spec)
-    if logit_cap:
-        t["q"] = (t["q"].float() * 8).to(dtype)
+    if spec.logit_cap:  # logits of std ~3 would barely bend under a cap of 30: make it bite
+        t["q"] = (t["q"].float() * 8).to(spec.dtype)
     out, attn_logits, attn_lse, info = run_kernel(spec, t)
 
     cmp = check_output(spec, t, out)
@@ -123,6 +117,22 @@ def test_kernel_matches_reference(dtype, model, page_size, schedule, logit_cap):
     assert split_cmp.passed, split_cmp.summary()
     assert bool((lse_err <= lse_tol).all()), f"split lse off by {lse_err.max().item():.3g}"
     assert info["splits_used"] == int(tb.nonempty_splits(t["seq_lens"], t["num_kv_splits"]).max())
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("page_size", [1, 256], ids=["page1", "page256"])
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_kernel_matches_reference(dtype, model, page_size, schedule):
+    seed = zlib.crc32(f"{model}/{page_size}/{schedule}".encode()) % 1000
+    check_case(make_case(model, dtype, page_size, schedule, 0.0, seed=seed))
+
+
+@pytest.mark.parametrize("schedule", ["n1", "trailing-empty"])
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_kernel_matches_reference_with_logit_cap(dtype, model, schedule):
+    check_case(make_case(model, dtype, 256, schedule, 30.0, seed=11))
 
 
 def test_zero_length_request_is_nan_and_others_exact():
@@ -145,7 +155,7 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("schedule", ["n4", "trailing-empty"])
 def test_trimmed_equals_production_sized_bit_for_bit(schedule):
-    spec = make_case("deepseek-v3-tp8", torch.bfloat16, 1, schedule, 0.0, seq_lens=(300, 1, 77), max_kv_splits=64)
+    spec = make_case("deepseek-v3-tp8", torch.bfloat16, 1, schedule, 0.0, seq_lens=(270, 1, 45), max_kv_splits=64)
     t = make_inputs(spec)
     out_t, logits_t, lse_t, info_t = run_kernel(spec, t, trim=True)
     out_p, logits_p, lse_p, info_p = run_kernel(spec, t, trim=False)
@@ -181,35 +191,57 @@ def test_bf16_fails_without_the_interpreter_fix_and_passes_with_it():
 
 @needs_interpreter
 def test_fix_parts_on_a_tiny_kernel():
-    """Each patched interpreter method against torch: dot exact-in-fp32, fp32 -> bf16 round to nearest even."""
+    """Each patched interpreter method against torch, broken without the fix, exact with it."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def dot_and_store(A, B, C, C16, N: tl.constexpr):
+    def dot_and_casts(A, B, C, C16, C8, N: tl.constexpr):
         r = tl.arange(0, N)
         a = tl.load(A + r[:, None] * N + r[None, :])
         b = tl.load(B + r[:, None] * N + r[None, :])
         c = tl.dot(a, b)  # bf16 x bf16 -> fp32
         tl.store(C + r[:, None] * N + r[None, :], c)
         tl.store(C16 + r[:, None] * N + r[None, :], c)  # fp32 -> bf16 on store
+        tl.store(C8 + r[:, None] * N + r[None, :], (c / 16).to(C8.dtype.element_ty))  # fp32 -> fp8
 
     g = torch.Generator().manual_seed(3)
     a, b = (torch.randn(16, 16, generator=g).to(torch.bfloat16) for _ in range(2))
     c, c16 = torch.empty(16, 16), torch.empty(16, 16, dtype=torch.bfloat16)
-    with triton_interp.bf16_dot_fix(enabled=False):
-        dot_and_store[(1,)](a, b, c, c16, N=16)
-    assert (c - a.float() @ b.float()).abs().max() > 1e3  # the interpreter's own dot
-    with triton_interp.bf16_dot_fix():
-        dot_and_store[(1,)](a, b, c, c16, N=16)
+    c8 = torch.empty(16, 16, dtype=torch.float8_e4m3fn)
     exact = a.double() @ b.double()
+
+    def launch():
+        dot_and_casts[(1,)](a, b, c, c16, c8, N=16)
+
+    with triton_interp.bf16_dot_fix(enabled=False, parts=["create_dot"]):
+        launch()
+    assert (c.double() - exact).abs().max() > 1e3  # the interpreter's own dot: uint16 products
+    with triton_interp.bf16_dot_fix(enabled=False, parts=["cast_impl", "create_fp_to_fp"]):
+        launch()
     assert (c.double() - exact).abs().max() < 1e-5
+    assert not torch.equal(_bits(c16), _bits(c.to(torch.bfloat16)))  # truncated, not rounded
+    assert not torch.equal(c8.view(torch.uint8), (c / 16).to(torch.float8_e4m3fn).view(torch.uint8))
+    with triton_interp.bf16_dot_fix():
+        launch()
     assert torch.equal(_bits(c16), _bits(c.to(torch.bfloat16)))  # torch rounds to nearest even
+    assert torch.equal(c8.view(torch.uint8), (c / 16).to(torch.float8_e4m3fn).view(torch.uint8))
+
     ties = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 3e38, 3.4e38, float("inf"), 1e-40])
     ours = torch.from_numpy(triton_interp.f32_to_bf16_bits(ties.numpy()).view("int16"))
     assert torch.equal(ours, _bits(ties.to(torch.bfloat16)))
     nan = torch.from_numpy(triton_interp.f32_to_bf16_bits(torch.tensor([math.nan]).numpy()).view("int16"))
     assert torch.isnan(nan.view(torch.bfloat16)).all()
+
+
+def test_fp8_kv_cache_matches_reference():
+    """An fp8 (OCP e4m3, MI355X) latent cache with k_scale / v_scale, bf16 q and output."""
+    fn, _, version = tb.locate_decode_kernel()
+    if "k_scale" not in inspect.signature(fn).parameters:
+        pytest.skip(f"sglang {version}'s decode_attention_fwd takes no k_scale / v_scale")
+    spec = make_case("kimi-k2-tp8", torch.bfloat16, 1, "n4", 0.0, seq_lens=(200, 65, 1),
+                     kv_dtype=torch.float8_e4m3fn, k_scale=0.5, v_scale=0.25)  # fmt: skip
+    check_case(spec)
 
 
 @needs_interpreter
@@ -277,13 +309,13 @@ def test_kernel_is_located_and_called_by_keyword():
     assert set(kwargs) == {"q", "k_buffer", "v_buffer", "o", "kv_indptr", "kv_indices", "attn_logits",
                            "attn_lse", "num_kv_splits", "max_kv_splits", "sm_scale", "logit_cap"}  # fmt: skip
     assert any("page_size" in n for n in notes) and any("has_mla" in n for n in notes)
-    with pytest.raises(TypeError, match="k_scale"):
+    with pytest.raises(tb.KernelSignatureError, match="k_scale"):
         tb.build_kernel_kwargs(old, values | {"k_scale": 0.5})
 
     def future(q, k_buffer, new_required_thing, **kw):
         pass
 
-    with pytest.raises(TypeError, match="new_required_thing"):
+    with pytest.raises(tb.KernelSignatureError, match="new_required_thing"):
         tb.build_kernel_kwargs(future, values)
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
 import time
 from typing import Any, Callable, Optional
 
@@ -104,7 +103,9 @@ def kernel_kwargs(fn: Callable, values: dict[str, Any]) -> dict[str, Any]:
         if key in values:
             kwargs[name] = values[key]
         elif p.default is p.empty:
-            raise TypeError(f"aiter {fn.__name__} requires {name!r}, unknown to this refmla (it fills {', '.join(values)})")
+            raise TypeError(
+                f"aiter {fn.__name__} requires {name!r}, unknown to this refmla (it fills {', '.join(values)})"
+            )
     return kwargs
 
 
@@ -177,7 +178,7 @@ def run_aiter_decode(
     mla, version, standin = locate_aiter()
     fn = mla.mla_decode_fwd
     dev = torch.device(device or ("cpu" if standin else "cuda"))
-    B, H, D = q.shape
+    B, _, D = q.shape
     Dv = int(kv_lora_rank)
     if kv_buffer.dim() != 3 or kv_buffer.shape[1] != 1 or kv_buffer.shape[2] != D:
         raise ValueError(f"kv_buffer shape {list(kv_buffer.shape)}, expected [N, 1, {D}]")
@@ -185,12 +186,16 @@ def run_aiter_decode(
     if fp8 and k_scale != v_scale:
         raise BackendUnavailable(f"aiter takes one kv_scale; capture has k_scale {k_scale} != v_scale {v_scale}")
     if not fp8 and (k_scale != 1.0 or v_scale != 1.0):
-        raise BackendUnavailable(f"k_scale/v_scale {k_scale}/{v_scale} on a {kv_buffer.dtype} pool: aiter has no such scales")
+        raise BackendUnavailable(
+            f"k_scale/v_scale {k_scale}/{v_scale} on a {kv_buffer.dtype} pool: aiter has no such scales"
+        )
     q_in, unpad, pad_how = pad_heads(q.to(dev).contiguous())
     args, convention = aiter_decode_args(q_in, kv_buffer, kv_indptr, kv_indices, page_size=page_size, device=dev)
     o = torch.empty(B, q_in.shape[1], Dv, dtype=out_dtype or q.dtype, device=dev)  # [B, Hk, Dv]
     scale = torch.tensor([float(k_scale)], dtype=torch.float32, device=dev) if fp8 else None
-    values = dict(q=q_in, o=o, sm_scale=float(sm_scale), logit_cap=float(logit_cap), q_scale=scale, kv_scale=scale, **args)
+    values = dict(
+        q=q_in, o=o, sm_scale=float(sm_scale), logit_cap=float(logit_cap), q_scale=scale, kv_scale=scale, **args
+    )
     kwargs = kernel_kwargs(fn, values)
     notes = []
     if "page_size" not in kwargs and args["page_size"] > 1:
@@ -247,4 +252,12 @@ class AiterBackend(Backend):
         return BackendResult(out=out, info=info, defines_empty_rows=not bool((lens == 0).any()))
 
 
-__all__ = ["AiterBackend", "aiter_decode_args", "aiter_status", "kernel_kwargs", "locate_aiter", "pad_heads", "run_aiter_decode"]
+__all__ = [
+    "AiterBackend",
+    "aiter_decode_args",
+    "aiter_status",
+    "kernel_kwargs",
+    "locate_aiter",
+    "pad_heads",
+    "run_aiter_decode",
+]

@@ -31,6 +31,7 @@ import inspect
 import time
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 from refmla.backends import triton_interp
@@ -42,6 +43,11 @@ MI355X_CU_COUNT = 256
 
 class KernelNotFound(RuntimeError):
     """SGLang's decode kernel could not be imported; the message says why, per path tried."""
+
+
+class KernelSignatureError(TypeError):
+    """The installed kernel's signature cannot take this call (unknown required parameter, or
+    no parameter for a value that changes the math)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,7 +133,10 @@ def mla_max_kv_splits(cu_count: int = MI355X_CU_COUNT, max_context_len: int = 13
     """
     if cu_count <= 0:
         return base
-    npow2 = lambda x: 1 << max(int(x) - 1, 0).bit_length()  # noqa: E731
+
+    def npow2(x: int) -> int:
+        return 1 << max(int(x) - 1, 0).bit_length()
+
     return max(base, min(npow2(cu_count), npow2(_cdiv(max_context_len, MIN_BLOCK_KV))))
 
 
@@ -210,8 +219,9 @@ _KNOWN = (
 def build_kernel_kwargs(fn: Callable, values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """Keyword arguments for ``fn`` from ``values`` by its signature, and notes on what was left out.
 
-    Raises TypeError when ``fn`` requires a parameter refmla does not know, or when a value that
-    changes the math (k_scale / v_scale other than 1) has no parameter to go to.
+    Raises KernelSignatureError (a TypeError) when ``fn`` requires a parameter refmla does not
+    know, or when a value that changes the math (k_scale / v_scale other than 1) has no parameter
+    to go to.
     """
     params = inspect.signature(fn).parameters
     kwargs, notes = {}, []
@@ -221,7 +231,7 @@ def build_kernel_kwargs(fn: Callable, values: dict[str, Any]) -> tuple[dict[str,
         if name in values:
             kwargs[name] = values[name]
         elif p.default is p.empty:
-            raise TypeError(
+            raise KernelSignatureError(
                 f"{fn.__module__}.{fn.__name__} requires parameter {name!r}, unknown to this refmla "
                 f"(it fills {', '.join(_KNOWN)})"
             )
@@ -229,7 +239,9 @@ def build_kernel_kwargs(fn: Callable, values: dict[str, Any]) -> tuple[dict[str,
         if name in params:
             continue
         if name in ("k_scale", "v_scale") and float(value) != 1.0:
-            raise TypeError(f"{fn.__module__}.{fn.__name__} has no {name!r} parameter; cannot apply {name}={value}")
+            raise KernelSignatureError(
+                f"{fn.__module__}.{fn.__name__} has no {name!r} parameter; cannot apply {name}={value}"
+            )
         if name == "page_size" and int(value) != 1:
             notes.append(f"page_size {value} not a parameter here; token-slot addressing is identical")
         elif name == "has_mla":
@@ -292,8 +304,9 @@ def run_triton_decode(
     dot_fix = False
     if interpreted:
         ok, note = triton_interp.install_bf16_dot_fix()
-        if not ok and torch.bfloat16 in (q.dtype, kv_buffer.dtype):
-            raise RuntimeError(f"bf16 inputs in the Triton interpreter need refmla's dot fix: {note}")
+        low = torch.bfloat16 in (q.dtype, kv_buffer.dtype, out_dtype) or kv_buffer.dtype.itemsize == 1
+        if not ok and low:
+            raise RuntimeError(f"bf16 / fp8 inputs in the Triton interpreter need refmla's fix: {note}")
         dot_fix = triton_interp.bf16_dot_fix_installed()
 
     B, H, D = q.shape
@@ -332,7 +345,9 @@ def run_triton_decode(
     kwargs, notes = build_kernel_kwargs(fn, values)
 
     t0 = time.perf_counter()
-    with torch.no_grad():
+    # the interpreter computes masked-off lanes too (NaN-poisoned rows, empty splits): numpy's
+    # warnings about them are noise, the masked results are discarded by the kernel
+    with torch.no_grad(), np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         fn(**kwargs)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -414,7 +429,7 @@ class TritonBackend(Backend):
         ok, why = self.availability()
         if not ok:
             raise BackendUnavailable(why)
-        fn, module_path, _ = locate_decode_kernel()
+        _, module_path, _ = locate_decode_kernel()
         interpreted = bool(triton_interp.module_is_interpreted(_kernel_module(module_path)))
         device = getattr(opts, "device", None)
         if device is None:
@@ -436,13 +451,18 @@ class TritonBackend(Backend):
             source = f"computed as SGLang's get_num_kv_splits (cu_count={cu_count}, max_kv_splits={max_kv})"
         out_dtype = cap.out.dtype if cap.out is not None and cap.out.dtype.is_floating_point else cap.q.dtype
 
-        out, logits, lse, info = run_triton_decode(
-            cap.q.to(device), cap.kv_buffer.to(device), cap.kv_indptr, cap.kv_indices, splits,
-            kv_lora_rank=m.kv_lora_rank, sm_scale=m.sm_scale, logit_cap=m.logit_cap,
-            k_scale=m.k_scale, v_scale=m.v_scale, page_size=m.page_size, max_kv_splits=max_kv,
-            trim=getattr(opts, "trim", True), out_dtype=out_dtype,
-        )  # fmt: skip
+        try:
+            out, logits, lse, info = run_triton_decode(
+                cap.q.to(device), cap.kv_buffer.to(device), cap.kv_indptr, cap.kv_indices, splits,
+                kv_lora_rank=m.kv_lora_rank, sm_scale=m.sm_scale, logit_cap=m.logit_cap,
+                k_scale=m.k_scale, v_scale=m.v_scale, page_size=m.page_size, max_kv_splits=max_kv,
+                trim=getattr(opts, "trim", True), out_dtype=out_dtype,
+            )  # fmt: skip
+        except KernelSignatureError as e:
+            raise BackendUnavailable(str(e)) from e
         info["num_kv_splits_source"] = source
+        if info.get("forced_kv_splits"):  # gfx950 tuning: one batch-wide count placed the partials
+            splits = torch.full_like(splits.cpu(), info["forced_kv_splits"])
         return BackendResult(
             out=out.cpu(), attn_logits=logits.cpu(), attn_lse=lse.cpu(),
             num_kv_splits=splits.to(torch.int32).cpu(), info=info,
@@ -452,6 +472,7 @@ class TritonBackend(Backend):
 
 __all__ = [
     "KernelNotFound",
+    "KernelSignatureError",
     "TritonBackend",
     "build_kernel_kwargs",
     "default_num_kv_splits",

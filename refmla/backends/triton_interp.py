@@ -10,7 +10,7 @@ Two facts about the Triton interpreter (``TRITON_INTERPRET=1``) shape this modul
    be set before the process first imports triton. :func:`ensure_interpreter` does that when there
    is no GPU, and says why it cannot when triton was already imported without it.
 
-2. Its bf16 arithmetic is wrong in two places, both in ``triton.runtime.interpreter.InterpreterBuilder``
+2. Its low-precision arithmetic is wrong in three places, all in ``triton.runtime.interpreter.InterpreterBuilder``
    (identical in triton 3.4.0 to 3.9.0). The interpreter stores bf16 tensors as their raw
    ``uint16`` bit patterns (numpy has no bfloat16), and
 
@@ -21,11 +21,18 @@ Two facts about the Triton interpreter (``TRITON_INTERPRET=1``) shape this modul
      kernel's ``p.to(v.dtype)`` and its bf16 output store go through it; truncation biases every
      output element toward zero, about five times the control's cosine difference.
 
-   :func:`install_bf16_dot_fix` wraps both: bf16 dot operands are widened to fp32 first (exact: bf16
-   is the top half of an fp32, each product of two bf16 values is exact in fp32, and the
-   accumulator stays fp32, as the GPU's bf16 MMA with fp32 accumulation computes up to summation
-   order), and fp32 -> bf16 casts round to nearest even. Everything else is passed through
-   unchanged. The fix is applied only under the interpreter and never touches a compiled kernel.
+   * ``create_fp_to_fp`` (fp32 / bf16 -> fp8, used for an fp8 KV cache: ``q.to(K_Buffer.dtype)``,
+     ``p.to(v.dtype)``) rounds the mantissa up without carrying into the exponent, so 1.94 becomes
+     1.0 instead of 2.0.
+
+   :func:`install_bf16_dot_fix` wraps all three: bf16 dot operands are widened to fp32 first
+   (exact: bf16 is the top half of an fp32, each product of two bf16 values is exact in fp32, and
+   the accumulator stays fp32, as the GPU's bf16 MMA with fp32 accumulation computes up to
+   summation order); fp32 -> bf16 casts round to nearest even; fp -> fp8 casts round to nearest
+   even through torch, saturating like the GPUs' ``satfinite`` conversions. Everything else is
+   passed through unchanged. The fix is applied only under the interpreter and never touches a
+   compiled kernel. Checked with SGLang's kernel on triton 3.4.0, 3.5.1, 3.6.0 (their
+   interpreters need numpy < 2: they call int() on one-element arrays), 3.7.1, 3.8.0 and 3.9.0.
 """
 
 from __future__ import annotations
@@ -139,7 +146,14 @@ def ensure_interpreter() -> tuple[bool, str]:
 _PATCHED = {
     "create_dot": "tl.dot multiplies bf16 operands as their raw uint16 bits",
     "cast_impl": "fp32 -> bf16 casts and stores truncate instead of rounding to nearest even",
+    "create_fp_to_fp": "rounding up into the next binade drops the carry in fp -> fp8 casts (1.94 -> 1.0)",
 }
+
+# triton fp8 type name -> torch dtype name (GPU conversions round to nearest even, saturating)
+_FP8 = {
+    "fp8e4nv": "float8_e4m3fn", "fp8e5": "float8_e5m2",
+    "fp8e4b8": "float8_e4m3fnuz", "fp8e5b16": "float8_e5m2fnuz",
+}  # fmt: skip
 _originals: dict = {}  # name -> the interpreter's own method, kept to restore it
 _suppressed: set = set()  # parts a bf16_dot_fix(enabled=False) block keeps off (tests only)
 
@@ -189,11 +203,38 @@ def f32_to_bf16_bits(data):
     return np.where(np.isnan(f), np.uint64(0x7FC0), rounded).astype(np.uint16)
 
 
+def _to_fp8_bits(handle, torch_name: str):
+    """An fp32 / fp16 / bf16 TensorHandle as fp8 bit patterns (uint8): round to nearest even,
+    finite overflow and infinities saturate to the largest finite value (the GPUs' satfinite)."""
+    import numpy as np
+    import torch
+
+    f32 = _widen_bf16(handle).data.astype(np.float32)
+    dtype = getattr(torch, torch_name)
+    big = torch.finfo(dtype).max
+    x = torch.from_numpy(np.ascontiguousarray(f32))
+    x = torch.where(torch.isnan(x), x, x.clamp(-big, big))
+    return x.to(dtype).view(torch.uint8).numpy()
+
+
 def _make_fixed(name: str, original):
     import triton.language as tl
     from triton.runtime.interpreter import TensorHandle
 
-    if name == "create_dot":
+    if name == "create_fp_to_fp":
+        from triton.runtime import interpreter
+
+        rtne = getattr(getattr(interpreter, "_ir", None), "ROUNDING_MODE", None)
+        rtne = getattr(rtne, "RTNE", None)
+
+        def fixed(self, src, dst_type, rounding_mode, *args, **kwargs):
+            fp8 = _FP8.get(dst_type.scalar.name)
+            if fp8 is not None and rounding_mode == rtne and src.dtype.scalar.primitive_bitwidth > 8:
+                return TensorHandle(_to_fp8_bits(src, fp8), dst_type.scalar)
+            return original(self, src, dst_type, rounding_mode, *args, **kwargs)
+
+        fixed.__doc__ = "refmla: fp -> fp8 rounded to nearest even (saturating) by torch, with the carry."
+    elif name == "create_dot":
 
         def fixed(self, a, b, d, *args, **kwargs):
             return original(self, _widen_bf16(a), _widen_bf16(b), d, *args, **kwargs)
@@ -222,10 +263,11 @@ def bf16_dot_fix_installed() -> bool:
 def install_bf16_dot_fix(parts: Optional[Iterable[str]] = None) -> tuple[bool, str]:
     """Patch the interpreter's bf16 handling (idempotent). Only under the interpreter.
 
-    Two methods of ``triton.runtime.interpreter.InterpreterBuilder`` are wrapped:
-    ``create_dot`` (bf16 operands widened to fp32) and ``cast_impl`` (fp32 -> bf16 rounded to
+    Three methods of ``triton.runtime.interpreter.InterpreterBuilder`` are wrapped:
+    ``create_dot`` (bf16 operands widened to fp32), ``cast_impl`` (fp32 -> bf16 rounded to
     nearest even, where the interpreter truncates; this rounds the kernel's ``p.to(v.dtype)`` and
-    its bf16 output store). ``parts`` picks a subset of those two names (tests only). Returns
+    its bf16 output store) and ``create_fp_to_fp`` (fp -> fp8 with the rounding carry, for an
+    fp8 KV cache). ``parts`` picks a subset of those names (tests only). Returns
     ``(installed, note)``; ``(False, reason)`` when not interpreting (nothing to fix) or when this
     triton lacks what is patched (the caller must then refuse bf16 inputs).
     """

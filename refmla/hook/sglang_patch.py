@@ -559,39 +559,7 @@ def _after(state: HookState, call: _Call, backend_obj, result) -> None:
         raise Skip(f"output rows {out.shape[0]} != query rows {q.shape[0]}")
     T = q.shape[0]
 
-    # ---- indices, on the host (small) ----
-    if call.mode == "decode":
-        B = T
-        kv_indptr = md.kv_indptr[: B + 1].to("cpu", torch.int64)  # [B + 1]
-        if kv_indptr.shape[0] != B + 1:
-            raise Skip(f"kv_indptr has {kv_indptr.shape[0]} entries for {B} requests")
-        kv_indices = md.kv_indices[int(kv_indptr[0]) : int(kv_indptr[-1])].to("cpu")
-        kv_indptr = kv_indptr - kv_indptr[0]
-        qo_indptr = None
-    else:
-        if getattr(md, "custom_mask", None) is not None:
-            raise Skip("extend with a custom mask (speculative tree): not in refmla.capture/1")
-        qo = getattr(md, "qo_indptr", None)
-        if qo is None or getattr(md, "kv_indices", None) is None or md.kv_indices.dim() != 1:
-            raise Skip("extend metadata without token-level qo_indptr / kv_indices")
-        B = int(fb.batch_size)
-        qo_indptr = qo[: B + 1].to("cpu", torch.int64)
-        if int(qo_indptr[-1]) - int(qo_indptr[0]) != T:
-            raise Skip(f"qo_indptr covers {int(qo_indptr[-1] - qo_indptr[0])} tokens, q has {T}")
-        qo_indptr = qo_indptr - qo_indptr[0]
-        pre_indptr = md.kv_indptr[: B + 1].to("cpu", torch.int64)
-        pre_indices = md.kv_indices[int(pre_indptr[0]) : int(pre_indptr[-1])].to("cpu", torch.int64)
-        pre_indptr = pre_indptr - pre_indptr[0]
-        new_locs = fb.out_cache_loc[:T].to("cpu", torch.int64)  # slots of the new tokens (written)
-        parts, lens = [], []
-        for b in range(B):
-            p = pre_indices[int(pre_indptr[b]) : int(pre_indptr[b + 1])]
-            n = new_locs[int(qo_indptr[b]) : int(qo_indptr[b + 1])]
-            parts += [p, n]
-            lens.append(p.numel() + n.numel())
-        kv_indices = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-        kv_indptr = torch.zeros(B + 1, dtype=torch.int64)
-        kv_indptr[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
+    kv_indptr, kv_indices, qo_indptr, B = _read_indices(call, md, fb, T)  # host, small
     seq_lens = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int32)  # [B] what the kernel attended
     if B and int(seq_lens.max()) < cfg.min_seq_len:
         return  # below the threshold once measured exactly (the pre-check used the batch's lens)
@@ -616,41 +584,22 @@ def _after(state: HookState, call: _Call, backend_obj, result) -> None:
     rpi = getattr(fb, "req_pool_indices", None)
     if r2t_src is not None and rpi is not None and rpi.shape[0] >= B and B:
         M = int(seq_lens.max())
-        req_to_token = r2t_src.index_select(0, rpi[:B].to(r2t_src.device).long())[:, :M].to("cpu")
+        req_to_token = r2t_src[:, :M].index_select(0, rpi[:B].to(r2t_src.device).long()).to("cpu")
 
-    # ---- the Triton split schedule and partials ----
     num_kv_splits = attn_logits = attn_lse = None
     if call.backend == "triton" and call.mode == "decode":
-        if call.notes.get("lean"):
-            notes["decode_kernel"] = "lean"
-        sched = getattr(md, "num_kv_splits", None)
-        if sched is not None:
-            sched = sched[:B].to("cpu", torch.int32)
-            forced = int(call.notes.get("forced_kv_splits", 0) or 0)
-            if forced > 0:
-                notes["sched_num_kv_splits"] = sched.tolist()
-                notes["forced_kv_splits"] = forced
-                num_kv_splits = torch.full((B,), forced, dtype=torch.int32)
-            else:
-                num_kv_splits = sched
-            if call.notes.get("mla_tuned"):
-                notes["decode_kernel"] = "grouped_mla_tuned"
-            notes.setdefault("decode_kernel", "grouped" if H > 1 else "normal")
-        logits = getattr(md, "attn_logits", None)
-        lse = getattr(md, "attn_lse", None)
-        if cfg.partials and num_kv_splits is not None and logits is not None and lse is not None and not call.notes.get("lean"):
-            S = min(int(logits.shape[2]), max(int(num_kv_splits.max()) if B else 1, 1))
-            attn_logits = logits[:B, :, :S]  # [B, H, S, Dv] device view
-            attn_lse = lse[:B, :, :S]  # [B, H, S]
-    elif call.backend == "aiter":
-        n = getattr(md, "num_kv_splits", None)
-        if isinstance(n, int):
-            notes["aiter_num_kv_splits"] = n
+        num_kv_splits, attn_logits, attn_lse = _triton_schedule(call, md, B, H, cfg.partials, notes)
+    elif call.backend == "aiter" and isinstance(getattr(md, "num_kv_splits", None), int):
+        notes["aiter_num_kv_splits"] = md.num_kv_splits
+    if call.mode == "extend":
+        _check_new_rows(call, k_buf, fb, T)
 
     # ---- budget, from sizes alone ----
-    rows = torch.unique(torch.cat([kv_indices.long()] + (
-        [req_to_token.long()[(torch.arange(req_to_token.shape[1])[None, :] < seq_lens[:, None]) & (req_to_token >= 0) & (req_to_token < N)]]
-        if req_to_token is not None else [])))  # fmt: skip
+    used = [kv_indices]
+    if req_to_token is not None:
+        live = torch.arange(req_to_token.shape[1])[None, :] < seq_lens[:, None]  # [B, M]
+        used.append(req_to_token.long()[live & (req_to_token >= 0) & (req_to_token < N)])
+    rows = torch.unique(torch.cat(used))  # sorted physical slots the capture keeps
     estimate = (q.numel() * q.element_size() + out.numel() * out.element_size()
                 + rows.numel() * D * k_buf.element_size() + 8 * (3 * kv_indices.numel() + 3 * B + 2)
                 + (req_to_token.numel() * 8 if req_to_token is not None else 0)
@@ -664,18 +613,13 @@ def _after(state: HookState, call: _Call, backend_obj, result) -> None:
         "q": q.detach().to("cpu"),
         "kv_buffer": _gather_rows(k_buf, rows).to("cpu"),  # only the referenced rows
         "kv_indptr": kv_indptr,
-        "kv_indices": torch.searchsorted(rows, kv_indices.long()),
-        "orig_kv_indices": kv_indices.long(),
+        "kv_indices": torch.searchsorted(rows, kv_indices),
+        "orig_kv_indices": kv_indices,
         "seq_lens": seq_lens,
         "out": out.detach().to("cpu"),
     }
     if req_to_token is not None:
-        # same numbering as kv_indices (the compacted rows); past a request's seq_len: -1
-        r2t = req_to_token.long()  # [B, M] physical slots
-        pos = torch.searchsorted(rows, r2t.clamp(min=0)).clamp(max=max(rows.numel() - 1, 0))  # [B, M]
-        hit = rows[pos] == r2t if rows.numel() else torch.zeros_like(r2t, dtype=torch.bool)
-        keep = hit & (torch.arange(r2t.shape[1])[None, :] < seq_lens[:, None])
-        tensors["req_to_token"] = torch.where(keep, pos, -1).to(req_to_token.dtype)
+        tensors["req_to_token"] = _remap_req_to_token(req_to_token, rows, seq_lens)
     if qo_indptr is not None:
         tensors["qo_indptr"] = qo_indptr
     if num_kv_splits is not None:
@@ -718,13 +662,110 @@ def _after(state: HookState, call: _Call, backend_obj, result) -> None:
     state.write(name, tensors, meta)
 
 
+def _read_indices(call: _Call, md, fb, T: int):
+    """(kv_indptr [B+1], kv_indices (physical slots), qo_indptr or None, B) on the host, int64.
+
+    decode: exactly what the kernel read (``forward_metadata.kv_indptr / kv_indices``).
+    extend: the kernel read the prefix from the metadata and the new tokens from ``k``; the
+    capture format wants the whole sequence, so each request's new-token slots
+    (``forward_batch.out_cache_loc``, where the call wrote them) follow its prefix.
+    """
+    import torch
+
+    if call.mode == "decode":
+        B = T
+        kv_indptr = md.kv_indptr[: B + 1].to("cpu", torch.int64)  # [B + 1]
+        if kv_indptr.shape[0] != B + 1:
+            raise Skip(f"kv_indptr has {kv_indptr.shape[0]} entries for {B} requests")
+        kv_indices = md.kv_indices[int(kv_indptr[0]) : int(kv_indptr[-1])].to("cpu", torch.int64)
+        return kv_indptr - kv_indptr[0], kv_indices, None, B
+    if getattr(md, "custom_mask", None) is not None:
+        raise Skip("extend with a custom mask (speculative tree): not in refmla.capture/1")
+    qo = getattr(md, "qo_indptr", None)
+    if qo is None or getattr(md, "kv_indices", None) is None or md.kv_indices.dim() != 1:
+        raise Skip("extend metadata without token-level qo_indptr / kv_indices")
+    B = int(fb.batch_size)
+    qo_indptr = qo[: B + 1].to("cpu", torch.int64)
+    if int(qo_indptr[-1]) - int(qo_indptr[0]) != T:
+        raise Skip(f"qo_indptr covers {int(qo_indptr[-1] - qo_indptr[0])} tokens, q has {T}")
+    qo_indptr = qo_indptr - qo_indptr[0]
+    pre_indptr = md.kv_indptr[: B + 1].to("cpu", torch.int64)
+    pre_indices = md.kv_indices[int(pre_indptr[0]) : int(pre_indptr[-1])].to("cpu", torch.int64)
+    pre_indptr = pre_indptr - pre_indptr[0]
+    new_locs = fb.out_cache_loc[:T].to("cpu", torch.int64)  # [T] slots of the new tokens
+    parts, lens = [], []
+    for b in range(B):
+        p = pre_indices[int(pre_indptr[b]) : int(pre_indptr[b + 1])]
+        n = new_locs[int(qo_indptr[b]) : int(qo_indptr[b + 1])]
+        parts += [p, n]
+        lens.append(p.numel() + n.numel())
+    kv_indices = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+    kv_indptr = torch.zeros(B + 1, dtype=torch.int64)
+    kv_indptr[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
+    return kv_indptr, kv_indices, qo_indptr, B
+
+
+def _check_new_rows(call: _Call, k_buf, fb, T: int) -> None:
+    """extend: the pool rows at the new tokens' slots must hold the ``k`` the kernel used."""
+    import torch
+
+    k = call.k
+    if k is None or k.dtype != k_buf.dtype or k.numel() != T * k_buf.shape[-1]:
+        return  # k read back from the pool by the backend, or stored converted (fp8): nothing to check
+    rows = _gather_rows(k_buf, fb.out_cache_loc[:T].long())  # [T, 1, D]
+    if not torch.equal(rows.reshape(T, -1), k.reshape(T, -1)):
+        raise Skip("extend: the pool does not hold this call's new K (written elsewhere or later)")
+
+
+def _triton_schedule(call: _Call, md, B: int, H: int, partials: bool, notes: dict):
+    """(num_kv_splits [B] int32, attn_logits [B,H,S,Dv] view, attn_lse [B,H,S] view) as the kernel used them.
+
+    The kernel's own notes (from the probes on its module) say whether SGLang's gfx950 tuning
+    replaced the per-request counts by one batch-wide count, or whether the Lean kernel ran
+    (no splits, no partials). S is cut to the largest split count of the batch.
+    """
+    import torch
+
+    sched = getattr(md, "num_kv_splits", None)
+    if sched is None:
+        return None, None, None
+    sched = sched[:B].to("cpu", torch.int32)
+    forced = int(call.notes.get("forced_kv_splits", 0) or 0)
+    if call.notes.get("lean"):
+        notes.update(decode_kernel="lean", sched_num_kv_splits=sched.tolist())
+        return None, None, None
+    if forced > 0:
+        notes.update(sched_num_kv_splits=sched.tolist(), forced_kv_splits=forced)
+        num_kv_splits = torch.full((B,), forced, dtype=torch.int32)
+    else:
+        num_kv_splits = sched
+    notes["decode_kernel"] = "grouped_mla_tuned" if call.notes.get("mla_tuned") else ("grouped" if H > 1 else "normal")
+    logits, lse = getattr(md, "attn_logits", None), getattr(md, "attn_lse", None)
+    if not partials or logits is None or lse is None:
+        return num_kv_splits, None, None
+    S = min(int(logits.shape[2]), max(int(num_kv_splits.max()) if B else 1, 1))
+    return num_kv_splits, logits[:B, :, :S], lse[:B, :, :S]
+
+
+def _remap_req_to_token(req_to_token, rows, seq_lens):
+    """req_to_token [B, M] in the compacted numbering of kv_indices; past a request's seq_len: -1."""
+    import torch
+
+    r2t = req_to_token.long()  # [B, M] physical slots
+    pos = torch.searchsorted(rows, r2t.clamp(min=0)).clamp(max=max(rows.numel() - 1, 0))  # [B, M]
+    hit = rows[pos] == r2t if rows.numel() else torch.zeros_like(r2t, dtype=torch.bool)
+    keep = hit & (torch.arange(r2t.shape[1])[None, :] < seq_lens[:, None])
+    return torch.where(keep, pos, -1).to(req_to_token.dtype)
+
+
 def _blank_empty_splits(attn_logits, attn_lse, seq_lens, num_kv_splits) -> None:
     """NaN in the (host copy of the) splits stage 1 never wrote: their bytes are leftovers."""
     import torch
 
     from refmla.backends.triton import nonempty_splits
 
-    filled = nonempty_splits(seq_lens, num_kv_splits)  # [B]
+    kernel = next((sys.modules[m] for m in DECODE_KERNEL_MODULES if m in sys.modules), None)
+    filled = nonempty_splits(seq_lens, num_kv_splits, int(getattr(kernel, "_MIN_BLOCK_KV", 32)))  # [B]
     S = attn_logits.shape[2]
     empty = filled[:, None] <= torch.arange(S)[None, :]  # [B, S]
     attn_logits[empty[:, None, :, None].expand_as(attn_logits)] = float("nan")

@@ -18,17 +18,14 @@ Three things the CPU needs first, done by :func:`prepare`:
 
 1. ``TRITON_INTERPRET=1`` before SGLang's kernel modules are imported (refmla's
    ``ensure_interpreter``), and for bf16 refmla's fix of the interpreter's ``tl.dot``;
-2. torchvision's operator schemas: SGLang imports ``torchvision.transforms`` and PyPI's
-   torchvision wheels are CUDA builds whose ``_C`` extension cannot load next to a CPU torch, after
-   which ``torchvision/_meta_registrations.py`` fails on the missing ``torchvision::nms``. The
-   schemas alone (no kernels) let torchvision import; nothing here runs a torchvision operator;
+2. :func:`refmla.hook.cpu_compat.torchvision_cpu_shim`: PyPI's torchvision is a CUDA build
+   that cannot import next to a CPU torch, and SGLang imports it;
 3. the parallel ranks that a launched server publishes (``tp_rank``, ``attn_dcp_rank``, ...),
    stated with ``get_parallel().override_permanently``.
 """
 
 from __future__ import annotations
 
-import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -36,6 +33,7 @@ from typing import Any, Optional
 from refmla.hook.cpu_compat import torchvision_cpu_shim
 
 KIT = "sglang.test.kits.attention_unittest.attention_methods.mla_attention"
+
 
 class Unavailable(RuntimeError):
     """SGLang's backend cannot be built here; the message says what is missing."""
@@ -59,9 +57,7 @@ def prepare(tp_rank: int = 0) -> None:
 
 def kit():
     """SGLang's MLA attention test kit, or Unavailable with the reason."""
-    prepare_needed = "sglang.kernels.ops.attention.decode_attention" not in sys.modules
-    if prepare_needed:
-        prepare()
+    prepare()  # idempotent; also when something else imported sglang first
     try:
         import importlib
 

@@ -1,0 +1,81 @@
+"""The kernel-regression suite: every golden file x every backend (docs/golden.md).
+
+Options (pytest registers them when it starts from this folder or a path inside it, e.g.
+``pytest tests/kernel_regression``; for a bare ``pytest`` they must come from tests/conftest.py):
+
+    --backend NAME      run only this backend (repeatable): reference, triton, aiter, extend
+    --golden-dir DIR    the golden directory (default: golden/ at the repository root)
+    --regen             rewrite the goldens in DIR first (its manifest's suite), then test them
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+try:  # the Triton interpreter must be chosen before anything imports triton
+    from refmla.backends.triton_interp import ensure_interpreter
+except ImportError:
+    pass
+else:
+    ensure_interpreter()
+
+import pytest
+
+from refmla import golden
+
+DEFAULT_GOLDEN_DIR = Path(__file__).resolve().parents[2] / "golden"
+
+
+def add_golden_options(parser) -> None:
+    """The suite's options, once; tests/conftest.py may call this too, so that a bare ``pytest`` knows them."""
+    group = parser.getgroup("golden", "refmla kernel-regression suite (tests/kernel_regression)")
+    if any("--golden-dir" in opt.names() for opt in group.options):
+        return
+    group.addoption(
+        "--backend",
+        action="append",
+        default=None,
+        choices=golden.CHECK_BACKENDS,
+        metavar="NAME",
+        help=f"backend to check against the goldens (repeatable; default all: {', '.join(golden.CHECK_BACKENDS)})",
+    )
+    group.addoption(
+        "--golden-dir", default=None, metavar="DIR", help=f"golden directory (default {DEFAULT_GOLDEN_DIR})"
+    )
+    group.addoption("--regen", action="store_true", help="regenerate the goldens in --golden-dir, then test them")
+
+
+def pytest_addoption(parser) -> None:
+    add_golden_options(parser)
+
+
+def _option(config, name: str, default=None):
+    try:
+        return config.getoption(name)
+    except ValueError:  # not registered: pytest started above this folder (see the docstring)
+        return default
+
+
+def golden_dir(config) -> Path:
+    return Path(_option(config, "--golden-dir") or DEFAULT_GOLDEN_DIR)
+
+
+def pytest_configure(config) -> None:
+    if _option(config, "--regen") and not hasattr(config, "workerinput"):  # xdist: the controller only
+        out = golden_dir(config)
+        try:
+            suite = golden.load_manifest(out).get("suite", "quick")
+        except FileNotFoundError:
+            suite = "quick"
+        golden.generate(out, suite=suite)
+
+
+def pytest_generate_tests(metafunc) -> None:
+    if "golden_file" not in metafunc.fixturenames:
+        return
+    cases = golden.load_manifest(golden_dir(metafunc.config))["cases"]
+    files = [golden_dir(metafunc.config) / c["file"] for c in cases]
+    metafunc.parametrize("golden_file", files, ids=[c["name"] for c in cases])
+    backends = _option(metafunc.config, "--backend") or golden.CHECK_BACKENDS
+    slow = pytest.mark.slow  # kernels run in the Triton interpreter on a CPU-only machine
+    metafunc.parametrize("backend", [pytest.param(b, marks=() if b == "reference" else slow) for b in backends])
