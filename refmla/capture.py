@@ -433,6 +433,7 @@ def write_capture(
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         save_file(t, str(tmp), metadata=header)
+        _sort_header_metadata(tmp)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -440,3 +441,16 @@ def write_capture(
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+def _sort_header_metadata(path: Path) -> None:
+    """Sort the safetensors ``__metadata__`` keys in place (same length, same meaning), so the same
+    capture is the same bytes: safetensors writes them from a hash map, in any order."""
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) <= n:  # a reordering of the same keys never grows; keep the file if it would
+            f.seek(8)
+            f.write(text + b" " * (n - len(text)))

@@ -624,7 +624,8 @@ def full_under(s: Search, sc: ref.Scales) -> tuple[torch.Tensor, torch.Tensor]:
         exp = ref.mla_decode_ref(*args, **kw)[0]
     else:
         exp = ref.mla_extend_ref(*args, qo, **kw)[0]
-    ctl = ref.mla_control(*args, **kw, out_dtype=s.dtype, qo_indptr=qo)[0]
+    splits = cap.num_kv_splits if cap.is_decode else None  # as ReplayContext.control
+    ctl = ref.mla_control(*args, **kw, out_dtype=s.dtype, qo_indptr=qo, num_kv_splits=splits)[0]
     return exp, ctl
 
 

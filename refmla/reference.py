@@ -249,8 +249,9 @@ def attend_control(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same math at the kernel's rounding points, for one request.
 
-    q [H, D] and kv [L, D] in their stored dtypes. An fp8 pool rounds the latent part of q to the
-    pool dtype (the Triton kernel's ``q.to(K_Buffer.dtype)``); dots accumulate in fp32; the
+    q [H, D] and kv [L, D] in their stored dtypes. A pool narrower than q (fp8, or bf16 under an
+    fp32 q) rounds the latent part of q to the pool dtype (the Triton kernel's
+    ``q.to(K_Buffer.dtype)``; the rope part meets K upcast instead); dots accumulate in fp32; the
     probabilities are rounded to the value dtype before P.V; the sum stays fp32; the output is
     rounded to ``out_dtype``. Returns out [H, Dv] in out_dtype and lse [H] in fp32.
     """
@@ -259,7 +260,7 @@ def attend_control(
         return q.new_zeros(H, Dv, dtype=out_dtype), q.new_full((H,), -math.inf, dtype=torch.float32)
     f32 = torch.float32
     q_nope, q_pe = q[:, :Dv], q[:, Dv:]  # [H, Dv], [H, Dr]
-    if kv.dtype.itemsize == 1:  # fp8 pool
+    if kv.dtype.itemsize < q.dtype.itemsize:  # narrower pool: the dot runs in the pool dtype
         q_nope = q_nope.to(kv.dtype)
     k32 = kv.to(f32)  # [L, D]
     s = q_nope.to(f32) @ k32[:, :Dv].T + q_pe.to(f32) @ k32[:, Dv:].T  # [H, L]
@@ -286,8 +287,13 @@ def mla_control(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     qo_indptr: torch.Tensor | None = None,
+    num_kv_splits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Low-precision control for decode (qo_indptr None) or extend: out in out_dtype, lse fp32."""
+    """Low-precision control for decode (qo_indptr None) or extend: out in out_dtype, lse fp32.
+
+    With ``num_kv_splits`` (decode), each request follows the production split schedule: fp32
+    partials per split, merged in fp32, then rounded -- the split kernels' rounding points.
+    """
     sc = Scales(kv_lora_rank, sm_scale, logit_cap, k_scale, v_scale)
     T, H = q.shape[0], q.shape[1]
     if qo_indptr is None:
@@ -299,5 +305,23 @@ def mla_control(
         kv = gather(kv_buffer, request_rows(kv_indptr, kv_indices, b), kv_buffer.dtype)  # [L, D]
         prefix = kv.shape[0] - (q1 - q0)
         for i, t in enumerate(range(q0, q1)):
-            out[t], lse[t] = attend_control(q[t], kv[: prefix + i + 1], sc, out_dtype)
+            if num_kv_splits is not None:
+                out[t], lse[t] = attend_control_split(q[t], kv, sc, out_dtype, int(num_kv_splits[b]))
+            else:
+                out[t], lse[t] = attend_control(q[t], kv[: prefix + i + 1], sc, out_dtype)
     return out, lse
+
+
+def attend_control_split(
+    q: torch.Tensor, kv: torch.Tensor, sc: Scales, out_dtype: torch.dtype, num_splits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """attend_control over SGLang's split schedule: fp32 partials [S, H, Dv], an fp32 merge."""
+    bounds = [(s, e) for s, e in split_bounds(kv.shape[0], num_splits) if e > s]
+    if len(bounds) <= 1:
+        return attend_control(q, kv, sc, out_dtype)
+    parts = [attend_control(q, kv[s:e], sc, torch.float32) for s, e in bounds]
+    outs = torch.stack([o for o, _ in parts])  # [S, H, Dv] fp32
+    lses = torch.stack([l for _, l in parts])  # [S, H] fp32
+    lse = torch.logsumexp(lses, dim=0)  # [H]
+    w = torch.exp(lses - lse)  # [S, H]
+    return (w[..., None] * outs).sum(dim=0).to(out_dtype), lse

@@ -29,6 +29,7 @@ class ReplayOptions:
     device: Optional[str] = None  # where kernels run; None: the capture's / best available
     cu_count: int = 256  # for computing num_kv_splits when the capture lacks them (MI355X)
     explain: bool = True  # search hypotheses for failing backends
+    trim: bool = True  # triton: size split buffers to the splits that hold tokens (bit-identical)
 
 
 class ReplayContext:
@@ -45,9 +46,11 @@ class ReplayContext:
         if out_dtype not in self._controls:
             c = self.cap
             qo = None if c.is_decode else c.qo_indptr
+            splits = c.num_kv_splits if c.is_decode else None  # the production split schedule
             self._controls[out_dtype] = ref.mla_control(
-                c.q, c.kv_buffer, c.kv_indptr, c.kv_indices, **c.scales(), out_dtype=out_dtype, qo_indptr=qo
-            )
+                c.q, c.kv_buffer, c.kv_indptr, c.kv_indices, **c.scales(), out_dtype=out_dtype,
+                qo_indptr=qo, num_kv_splits=splits,
+            )  # fmt: skip
         return self._controls[out_dtype][0]
 
     def split_reference(self, num_kv_splits: torch.Tensor, S: int, control: bool = False):

@@ -147,7 +147,8 @@ def faulty_output(spec: SynthSpec, t: dict[str, torch.Tensor], fault: str) -> tu
     q, kvb, indptr, idx = t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"]
     qo = t.get("qo_indptr")
     if fault == "none":
-        out, _ = ref.mla_control(q, kvb, indptr, idx, **sc, out_dtype=spec.dtype, qo_indptr=qo)
+        splits = t.get("num_kv_splits")  # a correct split kernel's rounding points
+        out, _ = ref.mla_control(q, kvb, indptr, idx, **sc, out_dtype=spec.dtype, qo_indptr=qo, num_kv_splits=splits)
         return out, {"fault": "none"}
 
     def run(q=q, kvb=kvb, indptr=indptr, idx=idx, **kw):

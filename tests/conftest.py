@@ -11,3 +11,10 @@ else:
     ensure_interpreter()
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/helpers.py
+
+
+def pytest_addoption(parser):
+    """The kernel-regression suite's --backend / --golden-dir / --regen, so a bare `pytest` knows them."""
+    from kernel_regression.conftest import add_golden_options  # tests/ is on sys.path (above)
+
+    add_golden_options(parser)

@@ -5,8 +5,9 @@ What runs: SGLang's own ``TritonAttnBackend`` (built by ``ATTENTION_BACKENDS["tr
 decode and extend kernels in the Triton interpreter. The model runner is the one stand-in:
 SGLang's ``ModelRunner`` loads a model and sets up devices and process groups, so SGLang's own
 attention test kit provides ``MockMLAModelRunner`` (a ``ModelRunner`` subclass that builds the
-pools and nothing else); see ``refmla/hook/testing.py``. Every test skips with the reason when
-that stack cannot be imported (sglang and the packages of tools/requirements-hook*.txt).
+pools and nothing else); see ``refmla/hook/testing.py``. The tests that need SGLang skip with the
+reason when that stack cannot be imported (sglang and the packages of tools/requirements-hook*.txt);
+the configuration, start-up and disabled-mode tests run everywhere.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from refmla.hook import sglang_patch
 from refmla.hook.config import ConfigError, HookConfig, parse_bytes, parse_int_set
-from refmla.hook.cpu_compat import torchvision_cpu_shim
+from refmla.backends.cpu_compat import torchvision_cpu_shim
 
 # At collection, before any test of the session imports sglang: a PyPI (CUDA) torchvision next to
 # a CPU torch breaks `import sglang` for good in the process otherwise (see cpu_compat).
@@ -351,6 +352,15 @@ def test_sitecustomize_installs_at_startup(tmp_path):
     assert "capture hook active" in r.stderr
 
 
+def test_sitecustomize_runs_the_one_it_shadows(tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("import builtins; builtins.OTHER_SITE = 42\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "refmla/hook/sitecustomize"), str(REPO), str(other)])}
+    r = _python("import builtins; print(getattr(builtins, 'OTHER_SITE', None))", env)
+    assert r.returncode == 0 and r.stdout.strip() == "42", r.stderr
+
+
 def test_bad_config_leaves_hook_off_and_process_alive(tmp_path):
     r = _python("import refmla.hook; print(refmla.hook.installed())",
                 {"REFMLA_CAPTURE_DIR": str(tmp_path), "REFMLA_CAPTURE_LAYERS": "seven"})  # fmt: skip
@@ -358,6 +368,7 @@ def test_bad_config_leaves_hook_off_and_process_alive(tmp_path):
     assert "REFMLA_CAPTURE_LAYERS" in r.stderr
 
 
+@pytest.mark.slow
 def test_capture_run_wraps_a_child_process(T, tmp_path):
     """``refmla capture run -- python ...``: the hook is active in the child, its rc comes back."""
     child = (

@@ -314,9 +314,11 @@ def run_triton_decode(
     if kv_buffer.dim() != 3 or kv_buffer.shape[1] != 1 or kv_buffer.shape[2] != D:
         raise ValueError(f"kv_buffer shape {list(kv_buffer.shape)}, expected [N, 1, {D}]")
     dev = q.device
-    idx_dtype = torch.int32 if kv_buffer.shape[0] < 2**31 else torch.int64  # SGLang's is int32
-    kv_indptr = kv_indptr.to(dev, idx_dtype).contiguous()
-    kv_indices = kv_indices.to(dev, idx_dtype).contiguous()
+    # the captured index dtypes as they are: SGLang's Triton backend keeps kv_indptr int32 and
+    # kv_indices int64, and an int32 kv_indices overflows slot * 576 past 3.7M rows -- a real
+    # failure class that a replay must reproduce, not hide
+    kv_indptr = kv_indptr.to(dev).contiguous()
+    kv_indices = kv_indices.to(dev).contiguous()
     splits = num_kv_splits.to(dev, torch.int32).contiguous()
     seq_lens = (kv_indptr[1:] - kv_indptr[:-1]).cpu()  # [B], what the kernel reads
     if q.stride(-1) != 1:

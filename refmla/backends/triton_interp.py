@@ -120,7 +120,17 @@ def ensure_interpreter() -> tuple[bool, str]:
     ``(False, "GPU present ...")`` when they will be compiled for a GPU, and ``(False, reason)`` when
     the interpreter is needed but triton or the kernel module was already imported without it
     (set ``TRITON_INTERPRET=1`` in the environment, or run in a fresh process). Never raises.
+
+    It also makes a CUDA-built torchvision importable next to a CPU torch (a no-op elsewhere;
+    see :mod:`refmla.backends.cpu_compat`): SGLang imports torchvision, and a failed import there
+    would make every SGLang kernel unavailable for the rest of the process.
     """
+    try:
+        from refmla.backends.cpu_compat import torchvision_cpu_shim
+
+        torchvision_cpu_shim()
+    except Exception:  # never fatal: at worst SGLang's import reports the problem itself
+        pass
     mod = _loaded_kernel_module()
     std = _loaded_triton_is_interpreted()
     if mod is not None or std is not None:

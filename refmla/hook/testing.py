@@ -18,7 +18,7 @@ Three things the CPU needs first, done by :func:`prepare`:
 
 1. ``TRITON_INTERPRET=1`` before SGLang's kernel modules are imported (refmla's
    ``ensure_interpreter``), and for bf16 refmla's fix of the interpreter's ``tl.dot``;
-2. :func:`refmla.hook.cpu_compat.torchvision_cpu_shim`: PyPI's torchvision is a CUDA build
+2. :func:`refmla.backends.cpu_compat.torchvision_cpu_shim`: PyPI's torchvision is a CUDA build
    that cannot import next to a CPU torch, and SGLang imports it;
 3. the parallel ranks that a launched server publishes (``tp_rank``, ``attn_dcp_rank``, ...),
    stated with ``get_parallel().override_permanently``.
@@ -30,7 +30,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from refmla.hook.cpu_compat import torchvision_cpu_shim
+from refmla.backends.cpu_compat import torchvision_cpu_shim
 
 KIT = "sglang.test.kits.attention_unittest.attention_methods.mla_attention"
 
