@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -50,21 +49,31 @@ FORMULATIONS = {"reference": mla_decode_ref, "peer_loop": peer_loop}
 def run_one(path: str, name: str) -> dict:
     """In this (fresh) process: open the capture, run one formulation, report time and memory."""
     cap = read_capture(path)
-    base = _rss_kib()
+    _reset_peak()
+    base = _status_kib("VmRSS")
     t0 = time.perf_counter()
     out, lse = FORMULATIONS[name](cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices,
                                   kv_lora_rank=cap.meta.kv_lora_rank, sm_scale=cap.meta.sm_scale)  # fmt: skip
     dt = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    peak = _status_kib("VmHWM")  # this process image's peak (ru_maxrss would include the parent's, from fork)
     return {"seconds": dt, "peak_above_open_mib": (peak - base) / 1024, "checksum": float(out.sum())}
 
 
-def _rss_kib() -> int:
+def _status_kib(key: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1])
     return 0
+
+
+def _reset_peak() -> None:
+    """Start VmHWM afresh at the current RSS (Linux: write 5 to clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def main() -> None:

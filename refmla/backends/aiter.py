@@ -28,13 +28,13 @@ stand-in in tests/standins/) is accepted on CPU and reported as a stand-in every
 from __future__ import annotations
 
 import importlib
-import inspect
 import time
 from typing import Any, Callable, Optional
 
 import torch
 
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
+from refmla.backends.calling import kwargs_for
 from refmla.paged import token_to_page
 
 AITER_HEADS = 16  # the smallest head count aiter's MLA decode kernels take
@@ -93,20 +93,8 @@ _ALIASES = {"max_seqlen_qo": "max_seqlen_q"}
 
 
 def kernel_kwargs(fn: Callable, values: dict[str, Any]) -> dict[str, Any]:
-    """Keyword arguments for ``fn`` by its signature; refuses a required parameter refmla does not know."""
-    params = inspect.signature(fn).parameters
-    kwargs = {}
-    for name, p in params.items():
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        key = _ALIASES.get(name, name)
-        if key in values:
-            kwargs[name] = values[key]
-        elif p.default is p.empty:
-            raise TypeError(
-                f"aiter {fn.__name__} requires {name!r}, unknown to this refmla (it fills {', '.join(values)})"
-            )
-    return kwargs
+    """Keyword arguments for an aiter kernel by its signature (see refmla.backends.calling)."""
+    return kwargs_for(fn, values, aliases=_ALIASES)
 
 
 def pad_heads(q: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor], str]:

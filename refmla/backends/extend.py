@@ -55,6 +55,7 @@ import torch
 from refmla import reference as ref
 from refmla.backends import triton_interp
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
+from refmla.backends.calling import find_function, kwargs_for
 
 # Where SGLang keeps the extend kernel: from 0.5.16 on, then up to 0.5.15.
 EXTEND_KERNEL_MODULES = (
@@ -214,41 +215,8 @@ def locate_extend_kernel() -> tuple[Callable, str]:
     if _located is not None:
         return _located
     triton_interp.ensure_interpreter()  # before the first import of triton
-    tried = []
-    for name in EXTEND_KERNEL_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            tried.append(f"{name}: not in this SGLang" if e.name and name.startswith(e.name) else f"{name}: {e}")
-            continue
-        except Exception as e:
-            tried.append(f"{name}: import failed: {type(e).__name__}: {e}")
-            continue
-        fn = getattr(mod, "extend_attention_fwd", None)
-        if fn is None:
-            tried.append(f"{name}: has no extend_attention_fwd")
-            continue
-        _located = (fn, name)
-        return _located
-    raise RuntimeError("SGLang's Triton extend kernel not found: " + "; ".join(tried))
-
-
-def kernel_kwargs(fn: Callable, values: dict[str, Any]) -> dict[str, Any]:
-    """Keyword arguments for ``fn`` by its signature. Refuses an unknown required parameter, and a
-    value that changes the math (k_scale / v_scale other than 1) with no parameter to go to."""
-    params = inspect.signature(fn).parameters
-    kwargs = {}
-    for name, p in params.items():
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        if name in values:
-            kwargs[name] = values[name]
-        elif p.default is p.empty:
-            raise TypeError(f"{fn.__module__}.{fn.__name__} requires {name!r}, unknown to this refmla")
-    for name in ("k_scale", "v_scale"):
-        if name not in params and float(values.get(name, 1.0)) != 1.0:
-            raise TypeError(f"{fn.__module__}.{fn.__name__} has no {name!r}; cannot apply {name}={values[name]}")
-    return kwargs
+    _located = find_function(EXTEND_KERNEL_MODULES, "extend_attention_fwd", "SGLang's Triton extend kernel")
+    return _located
 
 
 def triton_extend_status() -> tuple[bool, str]:
@@ -312,7 +280,7 @@ def run_triton_extend(
         max_len_extend=inp.max_len_extend, k_scale=float(k_scale), v_scale=float(v_scale),
         sm_scale=float(sm_scale), logit_cap=float(logit_cap), lse_extend=lse, page_size=1,
     )  # fmt: skip
-    kwargs = kernel_kwargs(fn, values)
+    kwargs = kwargs_for(fn, values)
     t0 = time.perf_counter()
     if T:
         import numpy as np

@@ -36,18 +36,10 @@ import torch
 
 from refmla.backends import triton_interp
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
+from refmla.backends.calling import KernelNotFound, KernelSignatureError, find_function, kwargs_for
 
 MIN_BLOCK_KV = 32  # SGLang's _MIN_BLOCK_KV, read from the kernel module when it has one
 MI355X_CU_COUNT = 256
-
-
-class KernelNotFound(RuntimeError):
-    """SGLang's decode kernel could not be imported; the message says why, per path tried."""
-
-
-class KernelSignatureError(TypeError):
-    """The installed kernel's signature cannot take this call (unknown required parameter, or
-    no parameter for a value that changes the math)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -81,26 +73,9 @@ def locate_decode_kernel() -> tuple[Callable, str, str]:
     if _located is not None:
         return _located
     triton_interp.ensure_interpreter()
-    tried = []
-    for name in triton_interp.KERNEL_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name and name.startswith(e.name):
-                tried.append(f"{name}: not in this SGLang")
-            else:  # the path exists but one of its imports is missing
-                tried.append(f"{name}: import failed: {e}")
-            continue
-        except Exception as e:
-            tried.append(f"{name}: import failed: {type(e).__name__}: {e}")
-            continue
-        fn = getattr(mod, "decode_attention_fwd", None)
-        if fn is None:
-            tried.append(f"{name}: has no decode_attention_fwd")
-            continue
-        _located = (fn, name, sglang_version())
-        return _located
-    raise KernelNotFound("SGLang's Triton decode kernel not found: " + "; ".join(tried))
+    fn, name = find_function(triton_interp.KERNEL_MODULES, "decode_attention_fwd", "SGLang's Triton decode kernel")
+    _located = (fn, name, sglang_version())
+    return _located
 
 
 def _kernel_module(module_path: str):
@@ -223,29 +198,13 @@ def build_kernel_kwargs(fn: Callable, values: dict[str, Any]) -> tuple[dict[str,
     know, or when a value that changes the math (k_scale / v_scale other than 1) has no parameter
     to go to.
     """
+    kwargs = kwargs_for(fn, values)
     params = inspect.signature(fn).parameters
-    kwargs, notes = {}, []
-    for name, p in params.items():
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        if name in values:
-            kwargs[name] = values[name]
-        elif p.default is p.empty:
-            raise KernelSignatureError(
-                f"{fn.__module__}.{fn.__name__} requires parameter {name!r}, unknown to this refmla "
-                f"(it fills {', '.join(_KNOWN)})"
-            )
-    for name, value in values.items():
-        if name in params:
-            continue
-        if name in ("k_scale", "v_scale") and float(value) != 1.0:
-            raise KernelSignatureError(
-                f"{fn.__module__}.{fn.__name__} has no {name!r} parameter; cannot apply {name}={value}"
-            )
-        if name == "page_size" and int(value) != 1:
-            notes.append(f"page_size {value} not a parameter here; token-slot addressing is identical")
-        elif name == "has_mla":
-            notes.append("has_mla not a parameter here: V is read from v_buffer, a view of the same rows")
+    notes = []
+    if "page_size" not in params and int(values.get("page_size", 1)) != 1:
+        notes.append(f"page_size {values['page_size']} not a parameter here; token-slot addressing is identical")
+    if "has_mla" not in params and "has_mla" in values:
+        notes.append("has_mla not a parameter here: V is read from v_buffer, a view of the same rows")
     return kwargs, notes
 
 

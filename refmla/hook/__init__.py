@@ -1,6 +1,6 @@
 """Capture from a live SGLang server: an env-gated hook on the Triton and aiter MLA backends.
 
-Two ways to switch it on (see ``refmla/hook/README.md``):
+Two ways to switch it on (see ``docs/capture.md``):
 
 * ``refmla capture run --out DIR -- python -m sglang.launch_server ...`` runs the command with
   the hook active in it and in every Python process it spawns (a ``sitecustomize`` on
