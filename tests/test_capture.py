@@ -135,3 +135,13 @@ def test_nan_in_q_is_a_warning_and_still_replayed(tmp_path, clean, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["verdict"] in ("agree", "diverged") and code in (0, 1)
     assert any("NaN" in w for w in report["metadata"]["warnings"])
+
+
+def test_unknown_tensors_are_named_in_a_warning_not_an_error(tmp_path, clean, capsys):
+    t, meta = clean
+    path = tmp_path / "extra.safetensors"
+    raw_write(path, dict(t, positions=torch.arange(3)), meta)
+    cap = read_capture(path)
+    assert any("positions" in w for w in cap.warnings)
+    assert main(["replay", str(path), "--backend", "reference", "--json"]) in (0, 1)
+    assert "positions" in json.loads(capsys.readouterr().out)["metadata"]["warnings"][-1]

@@ -27,3 +27,17 @@ def test_unaligned_slots_are_rejected():
     idx = torch.tensor([16, 17, 19])  # position 2 is not at offset 2 of its page
     with pytest.raises(ValueError, match="position 2"):
         token_to_page(indptr, idx, 16)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_reference_in_aiter_convention(page_size):
+    from refmla.paged import mla_decode_ref_pages
+
+    lens = [1, 63, 64, 65, 300]
+    q, kv, indptr, idx = paged_case(lens, 8, page_size, seed=3)
+    pptr, pidx, last = token_to_page(indptr, idx, page_size)
+    pages_view = kv.view(-1, page_size, 1, kv.shape[-1])  # aiter's [num_pages, page_size, 1, D]
+    a = mla_decode_ref_pages(q, pages_view, pptr, pidx, last, page_size, kv_lora_rank=512, sm_scale=0.1)
+    b = ref.mla_decode_ref(q, kv, indptr, idx, kv_lora_rank=512, sm_scale=0.1)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert torch.isfinite(a[0]).all()
