@@ -38,7 +38,6 @@ and the split names the mechanism.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
@@ -48,6 +47,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from refmla import reference as ref
+from refmla.checks import single_thread
 from refmla.compare import Comparison, compare, cos_diff
 
 HYPOTHESES = (
@@ -91,19 +91,6 @@ def explain_failure(ctx, out: torch.Tensor, cmp: Comparison) -> Optional[dict]:
                 res["seconds"] = round(time.perf_counter() - t0, 3)
                 return res
     return None
-
-
-@contextlib.contextmanager
-def single_thread() -> Iterator[None]:
-    """torch intra-op threads = 1 for the block: the search is many small ops, and on a busy CPU
-    thread hand-offs cost more than they gain (tools/bench_explain.py: 3-10x slower with 2 threads
-    on a loaded 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 # --------------------------------------------------------------------------------------------
