@@ -140,7 +140,8 @@ def replay_capture(cap: Capture, opts: ReplayOptions) -> dict:
 
 
 def run_backend(name: str, ctx: ReplayContext) -> dict:
-    entry: dict[str, Any] = {"status": None, "reason": None}
+    # every contract key is present on every backend, null where it does not apply (skipped, error)
+    entry: dict[str, Any] = {"status": None, "reason": None, "max_abs_err": None, "cos_diff": None, "worst": None}
     t0 = time.perf_counter()
     if name == "reference":
         entry.update(status="pass", max_abs_err=0.0, cos_diff=0.0, worst=None,

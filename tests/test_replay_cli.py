@@ -25,7 +25,9 @@ def test_clean_capture_agrees(tmp_path, capsys, name):
     md = r["metadata"]
     assert md["ok"] is True and md["errors"] == [] and md["warnings"] == []
     for b in ("reference", "observed"):
-        assert CONTRACT_BACKEND_KEYS <= r["backends"][b].keys() and r["backends"][b]["status"] == "pass"
+        assert r["backends"][b]["status"] == "pass"
+    for name, b in r["backends"].items():  # skipped ones too, with nulls
+        assert CONTRACT_BACKEND_KEYS <= b.keys(), name
 
 
 @pytest.mark.parametrize("fault", [f for f in FAULTS if f != "none"])
@@ -72,3 +74,13 @@ def test_doctor_lists_every_backend(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [r["backend"] for r in rows] == ["reference", "observed", "triton", "aiter", "extend"]
     assert all(isinstance(r["usable"], bool) and r["detail"] for r in rows)
+
+
+def test_a_skipped_backend_still_carries_every_contract_key(tmp_path, capsys):
+    path = tmp_path / "h.safetensors"
+    synth_capture(path, preset("hostile"), "none")
+    assert main(["replay", str(path), "--backend", "aiter", "--json"]) == 0
+    entry = json.loads(capsys.readouterr().out)["backends"]["aiter"]
+    assert CONTRACT_BACKEND_KEYS <= entry.keys()
+    if entry["status"] == "skipped":  # no ROCm here: the numbers are null, the reason is not
+        assert entry["reason"] and entry["max_abs_err"] is None and entry["worst"] is None
