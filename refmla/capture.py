@@ -18,6 +18,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from refmla import CAPTURE_FORMAT
+from refmla.util import dtype_name, first_line, request_label
 
 FLOAT_DTYPES = {
     torch.bfloat16, torch.float16, torch.float32, torch.float64,
@@ -173,6 +174,24 @@ class Capture:
         return dict(kv_lora_rank=m.kv_lora_rank, sm_scale=m.sm_scale, logit_cap=m.logit_cap,
                     k_scale=m.k_scale, v_scale=m.v_scale)  # fmt: skip
 
+    @property
+    def out_dtype(self) -> torch.dtype:
+        """The dtype a kernel writes this call's output in: the captured ``out``'s when it has one
+        (bf16, fp16 or fp32), else q's, else bf16 (an fp8 q)."""
+        for t in (self.out, self.q):
+            if t is not None and t.dtype.is_floating_point and t.dtype.itemsize in (2, 4):
+                return t.dtype
+        return torch.bfloat16
+
+    def rid(self, b: Optional[int]) -> Optional[str]:
+        """Request b's id from meta ``rids``, or None."""
+        rids = self.meta.rids
+        return rids[b] if b is not None and rids is not None and 0 <= b < len(rids) else None
+
+    def label(self, b: int) -> str:
+        """"request b (rid ...)" for messages."""
+        return request_label(b, self.rid(b))
+
     def request_of_row(self) -> torch.Tensor:
         """Request index of each row of `out` (decode: arange(B); extend: from qo_indptr)."""
         if self.is_decode:
@@ -216,7 +235,7 @@ def read_capture(path: Any) -> Capture:
     except CaptureError:
         raise
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        reason = first_line(e) or type(e).__name__
         raise CaptureError(path, "file", f"not a readable safetensors file ({reason})") from None
     cap = Capture(path=str(path), meta=meta, **loaded)
     cap.warnings.extend(validate(cap))
@@ -273,7 +292,7 @@ def validate(cap: Capture) -> list[str]:
 
     def dtype(name: str, t: torch.Tensor, allowed: set) -> None:
         if t.dtype not in allowed:
-            raise err(name, f"dtype {str(t.dtype).replace('torch.', '')} not allowed here")
+            raise err(name, f"dtype {dtype_name(t.dtype)} not allowed here")
 
     D, Dv = m.head_dim, m.kv_lora_rank
     for name in ("kv_indptr", "kv_indices", "seq_lens", "num_kv_splits", "req_to_token",

@@ -18,15 +18,13 @@ exits 1 on them, a replay still runs); notes are printed but change nothing.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from refmla.capture import Capture
-
-ROW_CHUNK = 16384  # pool rows tested at a time (18 MB of bf16 at D = 576)
+from refmla.pool import per_request, row_flags
+from refmla.util import dtype_name, single_thread
 
 
 def check_capture(cap: Capture) -> dict:
@@ -46,100 +44,10 @@ def check_capture(cap: Capture) -> dict:
     return {"ok": not errors, "errors": errors, "warnings": warnings, "findings": findings}
 
 
-# --------------------------------------------------------------------------------------------
-# Helpers shared with diffkv / series
-# --------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def single_thread() -> Iterator[None]:
-    """torch.set_num_threads(1) within the block, restored after.
-
-    For code made of many small index operations on a machine shared with other work: each
-    intra-op parallel region waits at a barrier for every thread, and a descheduled thread costs
-    a scheduler time slice (measured: 20 ms per 4096-element index on 2 loaded cores, 0.02 ms with
-    one thread). The bulk work here is numpy / memcmp, which does not use torch threads anyway.
-    """
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-def per_request(flags: torch.Tensor, indptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position flags [nnz] grouped by ``indptr`` [B + 1] -> (count [B], first position [B]).
-
-    ``first`` is the position within the request (0-based) of the first flagged entry, -1 if none.
-    """
-    indptr = indptr.long()
-    c = torch.zeros(flags.numel() + 1, dtype=torch.int64)
-    c[1:] = torch.cumsum(flags.long(), 0)  # [nnz + 1]
-    count = c[indptr[1:]] - c[indptr[:-1]]  # [B]
-    hit = torch.nonzero(flags).flatten()  # [K] sorted
-    k = torch.searchsorted(hit, indptr[:-1])  # [B] first hit at or after each request's start
-    first = torch.full_like(count, -1)
-    has = count > 0
-    first[has] = hit[k[has]] - indptr[:-1][has]
-    return count, first
-
-
-# dtype -> (integer view, mask that drops the sign bit (zero test), (mask, value) of NaN/Inf bit patterns)
-_BITS = {
-    torch.bfloat16: (torch.int16, 0x7FFF, (0x7F80, 0x7F80)),
-    torch.float16: (torch.int16, 0x7FFF, (0x7C00, 0x7C00)),
-    torch.float32: (torch.int32, 0x7FFFFFFF, (0x7F800000, 0x7F800000)),
-    torch.float64: (torch.int64, 0x7FFFFFFFFFFFFFFF, (0x7FF0000000000000, 0x7FF0000000000000)),
-    torch.float8_e4m3fn: (torch.uint8, 0x7F, (0x7F, 0x7F)),  # no Inf; NaN is S.1111.111
-    torch.float8_e5m2: (torch.uint8, 0x7F, (0x7C, 0x7C)),
-    torch.float8_e4m3fnuz: (torch.uint8, 0xFF, (0xFF, 0x80)),  # no -0; 0x80 is the NaN
-    torch.float8_e5m2fnuz: (torch.uint8, 0xFF, (0xFF, 0x80)),
-}
-
-
-def row_flags(kv_buffer: torch.Tensor, rows: torch.Tensor, kv_lora_rank: int) -> dict[str, torch.Tensor]:
-    """For each pool row in ``rows`` [R]: zero / nonfinite / latent_zero / rope_zero, bool [R].
-
-    Tested on the bit patterns (numpy, in chunks): a value is zero when all its bits but the
-    sign are, NaN/Inf when its exponent bits are all ones (fp8 formats by their own rules).
-    """
-    R = rows.numel()
-    out = {k: np.zeros(R, dtype=bool) for k in ("zero", "nonfinite", "latent_zero", "rope_zero")}
-    if kv_buffer.dtype not in _BITS:
-        raise TypeError(f"kv_buffer dtype {kv_buffer.dtype} has no bit layout here")
-    view, zmask, (emask, evalue) = _BITS[kv_buffer.dtype]
-    N, D = kv_buffer.shape[0], kv_buffer.shape[-1]
-    bits = kv_buffer.reshape(N, D).contiguous().view(view).numpy()  # [N, D] no copy
-    r = rows.long().numpy()
-    dense = R > 0 and int(r[-1]) - int(r[0]) == R - 1 and bool((r[1:] > r[:-1]).all())
-    Dv = min(kv_lora_rank, D)
-    for s in range(0, R, ROW_CHUNK):
-        e = min(s + ROW_CHUNK, R)
-        v = bits[r[s] : r[s] + e - s] if dense else bits[r[s:e]]  # [c, D]
-        lat = (v[:, :Dv] & zmask).any(1)  # latent part holds a nonzero
-        rope = (v[:, Dv:] & zmask).any(1) if D > Dv else np.zeros(e - s, dtype=bool)
-        out["zero"][s:e] = ~lat & ~rope
-        out["latent_zero"][s:e] = ~lat
-        out["rope_zero"][s:e] = ~rope if D > Dv else False
-        out["nonfinite"][s:e] = ((v & emask) == evalue).any(1)
-    return {k: torch.from_numpy(v) for k, v in out.items()}
-
-
-def rid_of(cap: Capture, b: int) -> Optional[str]:
-    rids = cap.meta.rids
-    return rids[b] if rids is not None and b < len(rids) else None
-
-
-def _who(cap: Capture, b: int) -> str:
-    rid = rid_of(cap, b)
-    return f"request {b}" + (f" (rid {rid})" if rid is not None else "")
-
-
 def _finding(cap: Capture, check: str, severity: str, b: Optional[int], message: str, **numbers: Any) -> dict:
     return {
         "check": check, "severity": severity, "request": b,
-        "rid": rid_of(cap, b) if b is not None else None, **numbers, "message": message,
+        "rid": cap.rid(b), **numbers, "message": message,
     }  # fmt: skip
 
 
@@ -168,7 +76,7 @@ def repeated_slots(cap: Capture) -> list[dict]:
         first = int(torch.nonzero(idx == slot)[0])
         found.append(_finding(
             cap, "repeated_slots", "warning", b,
-            f"{_who(cap, b)}: {repeats} slot(s) listed more than once; slot {slot} at positions {first} and {again}",
+            f"{cap.label(b)}: {repeats} slot(s) listed more than once; slot {slot} at positions {first} and {again}",
             slots_repeated=repeats, first_position=again, slot=slot, earlier_position=first,
         ))  # fmt: skip
     return found
@@ -194,7 +102,7 @@ def req_to_token_agreement(cap: Capture) -> list[dict]:
         if L > M:
             found.append(_finding(
                 cap, "req_to_token", "warning", b,
-                f"{_who(cap, b)}: req_to_token row holds {M} entries but seq_len is {L}; positions {M}.. unchecked",
+                f"{cap.label(b)}: req_to_token row holds {M} entries but seq_len is {L}; positions {M}.. unchecked",
                 count=None, first_position=M,
             ))  # fmt: skip
         n = min(L, M)
@@ -212,7 +120,7 @@ def req_to_token_agreement(cap: Capture) -> list[dict]:
         what = "outside the pool" if r < 0 else ("same KV bytes, other slot" if same else "different KV rows")
         found.append(_finding(
             cap, "req_to_token", "warning", b,
-            f"{_who(cap, b)}: kv_indices != req_to_token at {count} of {n} positions, first position {j}: "
+            f"{cap.label(b)}: kv_indices != req_to_token at {count} of {n} positions, first position {j}: "
             f"kv_indices {a}{phys} vs req_to_token {r} ({what})",
             count=count, first_position=j, kv_indices=a, req_to_token=r, same_bytes=bool(same),
         ))  # fmt: skip
@@ -243,7 +151,7 @@ def row_contents(cap: Capture) -> list[dict]:
             slot = int(idx[int(indptr[b]) + j])
             found.append(_finding(
                 cap, check, "warning", b,
-                f"{_who(cap, b)}: {n} of {int(seq[b])} attended positions are {text}, first position {j} (row {slot})",
+                f"{cap.label(b)}: {n} of {int(seq[b])} attended positions are {text}, first position {j} (row {slot})",
                 count=n, first_position=j, row=slot,
             ))  # fmt: skip
     return found
@@ -262,7 +170,7 @@ def padding_slot(cap: Capture) -> list[dict]:
     for b in torch.nonzero(count).flatten().tolist():
         n, j = int(count[b]), int(first[b])
         message = (
-            f"{_who(cap, b)}: attends physical slot 0 (SGLang's padding slot) at {n} position(s), first position {j}"
+            f"{cap.label(b)}: attends physical slot 0 (SGLang's padding slot) at {n} position(s), first position {j}"
         )
         found.append(_finding(cap, "padding_slot", "note", b, message, count=n, first_position=j))
     return found
@@ -289,7 +197,7 @@ def inspect_captures(paths: list[str]) -> list[dict]:
             continue
         entries.append({
             "capture": cap.path, "meta": cap.meta.to_json(), "metadata": check_capture(cap),
-            "tensors": {n: {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+            "tensors": {n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
                         for n, t in cap.tensors().items()},
         })  # fmt: skip
         del cap

@@ -56,7 +56,8 @@ def expand_captures(paths: Sequence[str]) -> list[str]:
 
 def cmd_replay(args) -> int:
     from refmla.compare import Tolerance
-    from refmla.replay import ReplayOptions, backend_names, replay_file, worst_status
+    from refmla.context import ReplayOptions
+    from refmla.replay import backend_names, replay_file, worst_status
     from refmla.report import Progress, render
 
     opts = ReplayOptions(

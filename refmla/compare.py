@@ -61,6 +61,13 @@ class Comparison:
         return f"{self.name}: FAIL ({'; '.join(self.reasons)})"
 
 
+def judged_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype an output is judged in (the control is rounded to it; its ulp is allowed): the
+    output's own floating dtype, fp32 for fp64 outputs (a reference-precision output is held to fp32
+    noise) and for anything that is not floating point."""
+    return dtype if dtype.is_floating_point and dtype.itemsize < 8 else torch.float32
+
+
 def ulp(dtype: torch.dtype, magnitude: torch.Tensor) -> torch.Tensor:
     """One unit in the last place of ``dtype`` at ``magnitude`` (fp64 tensor)."""
     fi = torch.finfo(dtype)
@@ -90,12 +97,10 @@ def compare(
     """Compare ``actual`` [R, H, Dv] with the fp64 ``expected`` [R, H, Dv].
 
     control: the low-precision control's output (same shape), or None (ulps term only).
-    out_dtype: whose ulp to allow (default actual.dtype). row_mask [R]: rows to compare.
+    out_dtype: whose ulp to allow (default judged_dtype(actual.dtype)). row_mask [R]: rows to compare.
     request_of_row [R]: the request each row belongs to, for the report (default: the row).
     """
-    out_dtype = out_dtype or actual.dtype
-    if out_dtype.itemsize == 8 or not out_dtype.is_floating_point:
-        out_dtype = torch.float32 if not out_dtype.is_floating_point else out_dtype
+    out_dtype = out_dtype or judged_dtype(actual.dtype)
     a = actual.detach().to("cpu", torch.float64)
     e = expected.detach().to("cpu", torch.float64)
     if a.shape != e.shape:

@@ -30,9 +30,9 @@ import numpy as np
 import torch
 
 from refmla.capture import Capture, CaptureError, read_capture
-from refmla.checks import single_thread
+from refmla.pool import row_stats, row_words, rows_differ
+from refmla.util import single_thread
 
-CHUNK = 8192  # rows gathered at a time (9 MB per side at 576 bf16)
 MAX_RANGES = 64  # mismatch ranges / transfer runs listed per request
 MAX_OFFSET_SEARCH = 16  # mismatched runs per request searched for a position offset
 
@@ -57,129 +57,6 @@ def diff_kv_files(prefill_paths: Union[str, Sequence[str]], decode_path: str, pl
     if plot_dir is not None:
         result["plots"] = [str(p) for p in plots.plot_diff_kv(result, plot_dir)]
     return result
-
-
-# --------------------------------------------------------------------------------------------
-# Comparing rows of two pools
-# --------------------------------------------------------------------------------------------
-
-
-def row_words(kv_buffer: torch.Tensor) -> torch.Tensor:
-    """kv_buffer [N, 1, D] -> its bytes as [N, W] integers, the widest word that divides a row."""
-    N, D = kv_buffer.shape[0], kv_buffer.shape[-1]
-    nbytes = D * kv_buffer.element_size()
-    word = next(w for w in (8, 4, 2, 1) if nbytes % w == 0)
-    raw = kv_buffer.reshape(N, D).contiguous().view(torch.uint8)  # [N, nbytes]
-    return raw.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word])
-
-
-def rows_differ(pool_a: torch.Tensor, rows_a: torch.Tensor, pool_b: torch.Tensor, rows_b: torch.Tensor) -> torch.Tensor:
-    """bool [M]: row ``rows_a[i]`` of pool_a differs from row ``rows_b[i]`` of pool_b.
-
-    Bit for bit when both pools have the same dtype; by value (NaN equal to NaN) otherwise.
-
-    Positions whose rows are consecutive in both pools (a page, or a longer transfer run) form a
-    run; when runs are long (pages of 16 and more), each is compared in place with one memcmp and
-    nothing is copied -- each byte of both pools is read once. Otherwise rows are gathered in
-    chunks (sorted by pool_b row, so that a densely used pool_b is read as slices, not gathered).
-    """
-    M = rows_a.numel()
-    if pool_a.dtype != pool_b.dtype:
-        return _rows_differ_by_value(pool_a, rows_a, pool_b, rows_b)
-    out = np.zeros(M, dtype=bool)
-    if M == 0:
-        return torch.from_numpy(out)
-    wa, wb = row_words(pool_a).numpy(), row_words(pool_b).numpy()  # [N, W] views, no copy
-    ra, rb = rows_a.long().numpy(), rows_b.long().numpy()
-    brk = np.flatnonzero((ra[1:] != ra[:-1] + 1) | (rb[1:] != rb[:-1] + 1)) + 1
-    starts = np.concatenate([[0], brk])
-    memcmp = _memcmp()
-    if memcmp is not None and M >= MIN_RUN * starts.size:
-        ends = np.concatenate([brk, [M]])
-        rowbytes = wa.shape[1] * wa.itemsize
-        pa, pb = wa.ctypes.data, wb.ctypes.data
-        for s, e, a0, b0 in zip(starts.tolist(), ends.tolist(), ra[starts].tolist(), rb[starts].tolist()):
-            if memcmp(pa + a0 * rowbytes, pb + b0 * rowbytes, (e - s) * rowbytes):
-                out[s:e] = (wa[a0 : a0 + e - s] != wb[b0 : b0 + e - s]).any(1)
-        return torch.from_numpy(out)
-    order = np.argsort(rb, kind="stable")
-    sa, sb = ra[order], rb[order]
-    for s in range(0, M, CHUNK):
-        e = min(s + CHUNK, M)
-        b0, b1 = int(sb[s]), int(sb[e - 1])
-        b = wb[b0 : b1 + 1] if b1 - b0 == e - s - 1 else wb[sb[s:e]]  # [c, W]
-        a = wa[sa[s:e]]  # [c, W]
-        if not _equal(a, b, memcmp):
-            out[order[s:e]] = (a != b).any(1)
-    return torch.from_numpy(out)
-
-
-MIN_RUN = 8  # average run length (rows) from which runs are compared in place
-
-
-def _memcmp():
-    """libc memcmp through ctypes, or None where there is none."""
-    global _MEMCMP
-    if _MEMCMP is False:
-        try:
-            import ctypes
-            import ctypes.util
-
-            f = ctypes.CDLL(ctypes.util.find_library("c")).memcmp
-            f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
-            _MEMCMP = f
-        except Exception:
-            _MEMCMP = None
-    return _MEMCMP
-
-
-_MEMCMP: Any = False
-
-
-def _equal(a: np.ndarray, b: np.ndarray, memcmp) -> bool:
-    """Two C-contiguous arrays of one shape and dtype hold the same bytes."""
-    if memcmp is not None and a.flags.c_contiguous and b.flags.c_contiguous:
-        return memcmp(a.ctypes.data, b.ctypes.data, a.nbytes) == 0
-    return bool(np.array_equal(a, b))
-
-
-def _rows_differ_by_value(pool_a, rows_a, pool_b, rows_b) -> torch.Tensor:
-    M = rows_a.numel()
-    out = torch.empty(M, dtype=torch.bool)
-    fa, fb = pool_a[:, 0], pool_b[:, 0]
-    for s in range(0, M, CHUNK):
-        a = fa.index_select(0, rows_a[s : s + CHUNK]).double()  # [c, D]
-        b = fb.index_select(0, rows_b[s : s + CHUNK]).double()
-        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
-        out[s : s + CHUNK] = ~same.all(1)
-    return out
-
-
-def row_stats(
-    pool_a: torch.Tensor, rows_a: torch.Tensor, pool_b: torch.Tensor, rows_b: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """For row pairs (a, b): max abs difference over finite elements, fp64 norms, zero rows,
-    elements that differ and NaN/Inf elements on either side; each [M]."""
-    M = rows_a.numel()
-    keys = ("max_abs_diff", "norm_a", "norm_b")
-    out = {k: torch.zeros(M, dtype=torch.float64) for k in keys}
-    out.update({k: torch.zeros(M, dtype=torch.int64) for k in ("differing_dims", "nonfinite_a", "nonfinite_b")})
-    out.update({k: torch.zeros(M, dtype=torch.bool) for k in ("zero_a", "zero_b")})
-    fa, fb = pool_a[:, 0], pool_b[:, 0]
-    for s in range(0, M, CHUNK):
-        sl = slice(s, s + CHUNK)
-        a = fa.index_select(0, rows_a[sl]).double()  # [c, D]
-        b = fb.index_select(0, rows_b[sl]).double()
-        fin = torch.isfinite(a) & torch.isfinite(b)
-        out["max_abs_diff"][sl] = torch.where(fin, (a - b).abs(), 0).amax(1)
-        out["norm_a"][sl] = torch.where(torch.isfinite(a), a, 0).norm(dim=1)
-        out["norm_b"][sl] = torch.where(torch.isfinite(b), b, 0).norm(dim=1)
-        out["differing_dims"][sl] = (~((a == b) | (torch.isnan(a) & torch.isnan(b)))).sum(1)
-        out["nonfinite_a"][sl] = (~torch.isfinite(a)).sum(1)
-        out["nonfinite_b"][sl] = (~torch.isfinite(b)).sum(1)
-        out["zero_a"][sl] = (a == 0).all(1)
-        out["zero_b"][sl] = (b == 0).all(1)
-    return out
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ What a golden file holds (a capture whose ``out`` is the *reference*, not a prod
 
 Tolerance inputs. The tolerance is CONTRACT section 5: k times the low-precision control's error
 per (request, head) row plus ulps of the output dtype. The file records k, ulps, cos, the output
-dtype a kernel writes and the control that is meant (``refmla.reference.mla_control``); the control
+dtype a kernel writes and the control that is meant (``refmla.control.mla_control``); the control
 itself is recomputed from the stored inputs at check time, as ``refmla replay`` does, because it
 rounds to bf16 at several points and so is not bit-reproducible across BLAS builds (storing it
 would break the determinism above). It costs milliseconds.
@@ -58,10 +58,12 @@ import torch
 from refmla import reference as ref
 from refmla.capture import read_capture, write_capture
 from refmla.compare import Tolerance, compare, ulp
-from refmla.replay import ReplayContext, ReplayOptions, run_backend
+from refmla.schedule import split_bounds
+from refmla.context import ReplayContext, ReplayOptions
+from refmla.replay import run_backend
 from refmla.synth import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE
 
-GENERATOR = "refmla.golden/1"  # bump when an unchanged case would come out as different bytes
+GENERATOR = "refmla.golden/2"  # bump when an unchanged case would come out as different bytes
 MANIFEST = "manifest.json"
 NO_MSCALE_SCALE = 192**-0.5  # qk_head_dim**-0.5, a model without yarn rope scaling
 INT32_POOL_ROWS = 2**31 // 576  # pool rows past which a 32-bit element offset (row * 576) overflows
@@ -288,7 +290,7 @@ def build_inputs(case: GoldenCase, kv_lora_rank: int = 512, qk_rope_head_dim: in
 
 def split_width(case: GoldenCase) -> int:
     """The most non-empty splits of any request under the Triton schedule (at least 1)."""
-    return max([1] + [sum(e > s for s, e in ref.split_bounds(L, n)) for L, n in zip(case.seq_lens, case.num_kv_splits)])
+    return max([1] + [sum(e > s for s, e in split_bounds(L, n)) for L, n in zip(case.seq_lens, case.num_kv_splits)])
 
 
 def reference_tensors(t: dict[str, torch.Tensor], case: GoldenCase, kv_lora_rank: int = 512) -> dict[str, torch.Tensor]:
@@ -318,7 +320,7 @@ def case_meta(case: GoldenCase, tol: Tolerance = Tolerance()) -> dict[str, Any]:
             "attn_logits": "fp64 reference per split of the Triton schedule for num_kv_splits, fp32, without "
                            "v_scale (as SGLang's stage 1 stores them); empty splits 0 and lse -inf",
             "out_dtype": case.dtype,
-            "tolerance": {**tol.to_json(), "control": "refmla.reference.mla_control, recomputed from the inputs",
+            "tolerance": {**tol.to_json(), "control": "refmla.control.mla_control, recomputed from the inputs",
                           "rule": "per (request, head): max abs err <= k * control's + ulps * ulp(out_dtype, "
                                   "row max); cosine difference < max(cos, k * control's), whole and per row"},
             **({"pool_base_row": case.pool_base_row} if case.pool_base_row else {}),

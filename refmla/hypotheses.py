@@ -47,8 +47,10 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from refmla import reference as ref
-from refmla.checks import single_thread
-from refmla.compare import Comparison, compare, cos_diff
+from refmla.control import attend_control, mla_control, mla_decode_split_control
+from refmla.compare import Comparison, compare, cos_diff, judged_dtype
+from refmla.schedule import MIN_BLOCK_KV, default_num_kv_splits, mla_max_kv_splits, split_bounds
+from refmla.util import single_thread
 
 HYPOTHESES = (
     "seq_len_off_by",
@@ -136,7 +138,7 @@ class Search:
         cap = ctx.cap
         self.ctx, self.cap, self.cmp = ctx, cap, cmp
         self.sc = ref.Scales(**cap.scales())
-        self.dtype = out.dtype if out.dtype.is_floating_point and out.dtype.itemsize < 8 else torch.float32
+        self.dtype = judged_dtype(out.dtype)
         self.out = out.detach().cpu()
         self.o64 = self.out.double()  # [R, H, Dv]
         self.ref = ctx.ref_out  # [R, H, Dv] fp64
@@ -237,7 +239,7 @@ class Search:
             if keep is not None:
                 sel = sel[keep[sel]]
             exp[t] = ref.attend(r.q64[t], kv64[sel], sc)[0]
-            ctl[t] = ref.attend_control(self.cap.q[r.rows[t]], kvs[sel], sc, self.dtype)[0]
+            ctl[t] = attend_control(self.cap.q[r.rows[t]], kvs[sel], sc, self.dtype)[0]
         return exp, ctl
 
     # -- confirmation ------------------------------------------------------------------------
@@ -373,7 +375,6 @@ def split_count(s: Search, b: int) -> int:
     cap = s.cap
     if cap.num_kv_splits is not None:
         return int(cap.num_kv_splits[b])
-    from refmla.backends.triton import default_num_kv_splits, mla_max_kv_splits
 
     cu = int(getattr(s.ctx.opts, "cu_count", 256) or 0)
     mx = cap.meta.max_kv_splits or mla_max_kv_splits(cu)
@@ -388,13 +389,13 @@ def split_schedule(s: Search, b: int) -> Optional[list[tuple[int, int]]]:
         n = split_count(s, b)
     except Exception:
         return None
-    return [(a, e) for a, e in ref.split_bounds(s.req(b).L, n) if e > a]
+    return [(a, e) for a, e in split_bounds(s.req(b).L, n) if e > a]
 
 
 def boundaries(s: Search, b: int, Lp: int) -> torch.Tensor:
     """Candidate range ends in [0, Lp]: page multiples (page_size > 1) or 32-token units, plus split bounds."""
     P = s.cap.meta.page_size
-    unit = P if P > 1 else ref.MIN_BLOCK_KV
+    unit = P if P > 1 else MIN_BLOCK_KV
     pts = set(range(0, Lp, unit)) | {0, Lp}
     for a, e in split_schedule(s, b) or []:
         pts |= {min(a, Lp), min(e, Lp)}
@@ -527,7 +528,7 @@ def find_range(s: Search, b: int) -> Iterator[Candidate]:
     seen: set = set()
     P = s.cap.meta.page_size
     granularity = (
-        f"{'pages' if P > 1 else 'split units'} of {P if P > 1 else ref.MIN_BLOCK_KV} positions, and split bounds"
+        f"{'pages' if P > 1 else 'split units'} of {P if P > 1 else MIN_BLOCK_KV} positions, and split bounds"
     )
     for score, i, j in sorted(ranked):
         if score >= SCREEN or len(seen) >= 2 * CONFIRM_TOP:
@@ -578,7 +579,7 @@ def find_split(s: Search, b: int) -> Iterator[Candidate]:
         if partials is None:  # the merge itself, as the Triton stage 2 does it: every split but k
             args = (cap.q[b : b + 1], cap.kv_buffer, indptr, r.pool_rows, n)
             partials = (ref.mla_decode_split_ref(*args, **cap.scales()),
-                        ref.mla_decode_split_ref(*args, **cap.scales(), control=True))  # fmt: skip
+                        mla_decode_split_control(*args, **cap.scales()))  # fmt: skip
         (parts, lses, valid), (cparts, clses, _) = partials
         valid = valid.clone()
         valid[0, k] = False
@@ -612,7 +613,7 @@ def full_under(s: Search, sc: ref.Scales) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         exp = ref.mla_extend_ref(*args, qo, **kw)[0]
     splits = cap.num_kv_splits if cap.is_decode else None  # as ReplayContext.control
-    ctl = ref.mla_control(*args, **kw, out_dtype=s.dtype, qo_indptr=qo, num_kv_splits=splits)[0]
+    ctl = mla_control(*args, **kw, out_dtype=s.dtype, qo_indptr=qo, num_kv_splits=splits)[0]
     return exp, ctl
 
 

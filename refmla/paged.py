@@ -59,21 +59,3 @@ def page_to_token(
         slots.append((pg[:, None] * P + torch.arange(P)[None, :]).reshape(-1)[:L])
     kv_indices = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64)
     return kv_indptr, kv_indices
-
-
-def mla_decode_ref_pages(
-    q: torch.Tensor,
-    kv_buffer: torch.Tensor,
-    kv_page_indptr: torch.Tensor,
-    kv_page_indices: torch.Tensor,
-    kv_last_page_lens: torch.Tensor,
-    page_size: int,
-    **scales,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference in aiter's convention: kv_buffer [num_pages, page_size, 1, D] (or [N, 1, D]),
-    page-level indices and last-page lengths. Same result as the token-level reference."""
-    from refmla.reference import mla_decode_ref
-
-    pool = kv_buffer.reshape(-1, 1, kv_buffer.shape[-1])  # [num_pages * page_size, 1, D]
-    kv_indptr, kv_indices = page_to_token(kv_page_indptr, kv_page_indices, kv_last_page_lens, page_size)
-    return mla_decode_ref(q, pool, kv_indptr, kv_indices, **scales)

@@ -28,6 +28,9 @@ except ImportError as e:  # the CLI turns this into one line and exit 2
 
 import torch
 
+from refmla.pool import row_flags
+from refmla.schedule import split_bounds
+
 MAX_PAGE_SHADES = 400  # shade alternate pages only when there are at most this many
 
 
@@ -84,7 +87,7 @@ def _error_matrices(cap, report: dict) -> dict[str, tuple[torch.Tensor, torch.Te
     """backend -> (abs error [R, H], allowed [R, H]) for observed and every failing backend."""
     from refmla.backends import get_backend
     from refmla.compare import Tolerance
-    from refmla.replay import ReplayContext, ReplayOptions
+    from refmla.context import ReplayContext, ReplayOptions
 
     names = [n for n, b in report["backends"].items()
              if n == "observed" and b.get("status") in ("pass", "fail") or b.get("status") == "fail"]  # fmt: skip
@@ -152,7 +155,6 @@ def _worst_row(report: dict) -> Optional[tuple[int, int, str, Optional[dict]]]:
 
 def _attention_figure(cap, report: dict, row: int, head: int, backend: str, expl: Optional[dict]) -> Figure:
     from refmla import reference as ref
-    from refmla.checks import row_flags
 
     b = int(cap.request_of_row()[row])
     rows = ref.request_rows(cap.kv_indptr, cap.kv_indices, b)  # [L]
@@ -186,7 +188,7 @@ def _attention_figure(cap, report: dict, row: int, head: int, backend: str, expl
             ax.axvspan(pg * P - 0.5, min((pg + 1) * P, top) - 0.5, color="0.92", lw=0, zorder=0)
         ax.plot([], [], color="0.85", lw=6, label=f"pages of {P} (alternate shading)")
     if cap.is_decode and cap.num_kv_splits is not None:
-        bounds = ref.split_bounds(L, int(cap.num_kv_splits[b]))
+        bounds = split_bounds(L, int(cap.num_kv_splits[b]))
         starts = [a for a, e in bounds if e > a][1:]
         for a in starts:
             ax.axvline(a - 0.5, color="C2", ls="--", lw=0.9)
@@ -221,7 +223,7 @@ def _mark_explanation(ax, expl: dict, b: int, L: int, cap) -> None:
         k = int(d["delta"])
         span = (L + k, L) if k < 0 else (L, L + k)
     elif name == "split_missing" and "split" in d and cap.num_kv_splits is not None:
-        bounds = ref.split_bounds(L, int(cap.num_kv_splits[b]))
+        bounds = split_bounds(L, int(cap.num_kv_splits[b]))
         if int(d["split"]) < len(bounds):
             span = bounds[int(d["split"])]
     label = f"explained: {name}(" + ", ".join(f"{k}={v}" for k, v in d.items() if not isinstance(v, list)) + ")"

@@ -17,8 +17,8 @@ Everything is computed in ``accum_dtype`` (fp64 by default). Only attended rows 
 read, so NaN or garbage anywhere else in the pool cannot leak into an output. A request with
 no tokens gets ``out = 0`` and ``lse = -inf``.
 
-The same functions play the low-precision control of the tolerance model
-(:func:`mla_decode_control`): the kernel's rounding points, fp32 accumulation.
+The low-precision control of the tolerance model (the same math at the kernel's rounding points)
+is in :mod:`refmla.control`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-MIN_BLOCK_KV = 32  # SGLang's Triton split granularity (_MIN_BLOCK_KV)
+from refmla.paged import page_to_token
+from refmla.schedule import split_bounds
 
 
 @dataclass(frozen=True)
@@ -126,25 +127,8 @@ class RowGatherer:
 
 
 # --------------------------------------------------------------------------------------------
-# Split-KV decode: SGLang's Triton schedule, partials and their merge
+# Split-KV decode: partials of SGLang's Triton schedule (refmla.schedule) and their merge
 # --------------------------------------------------------------------------------------------
-
-
-def split_len(seq_len: int, num_splits: int, min_block: int = MIN_BLOCK_KV) -> int:
-    """Tokens per split: ceil(ceil(L / n) / 32) * 32, as the Triton stage-1 kernel computes it."""
-    n = max(int(num_splits), 1)
-    return -(-(-(-seq_len // n)) // min_block) * min_block
-
-
-def split_bounds(seq_len: int, num_splits: int, min_block: int = MIN_BLOCK_KV) -> list[tuple[int, int]]:
-    """[start, end) of each split s < num_splits; trailing splits may be empty (start >= end)."""
-    per = split_len(seq_len, num_splits, min_block)
-    return [(s * per, min((s + 1) * per, seq_len)) for s in range(max(int(num_splits), 1))]
-
-
-def nonempty_splits(seq_len: int, num_splits: int, min_block: int = MIN_BLOCK_KV) -> int:
-    """How many of the splits hold a token: ceil(L / per). The rest are empty and never written."""
-    return -(-seq_len // split_len(seq_len, num_splits, min_block)) if seq_len > 0 else 0
 
 
 def mla_decode_split_ref(
@@ -161,14 +145,15 @@ def mla_decode_split_ref(
     v_scale: float = 1.0,
     max_kv_splits: int | None = None,
     accum_dtype: torch.dtype = torch.float64,
-    control: bool = False,
+    attend_fn=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-split partials of the Triton schedule.
 
     Returns attn_logits [B, H, S, Dv] (each split's normalized output, v_scale applied),
     attn_lse [B, H, S] and valid [B, S] (False for empty splits, whose partials are 0 / -inf).
-    S = max_kv_splits, or max(num_kv_splits) when not given. With ``control``, each split is
-    the low-precision control instead (fp32 partials, as the Triton stage-1 kernel stores them).
+    S = max_kv_splits, or max(num_kv_splits) when not given. ``attend_fn(q [H, D], kv [L, D], sc)``
+    replaces :func:`attend` per split, on the inputs in their stored dtypes (the low-precision
+    control passes its own: refmla.control.mla_decode_split_control).
     """
     sc = Scales(kv_lora_rank, sm_scale, logit_cap, k_scale, v_scale)
     B, H, _ = q.shape
@@ -176,16 +161,14 @@ def mla_decode_split_ref(
     parts = torch.zeros(B, H, S, kv_lora_rank, dtype=accum_dtype, device=q.device)
     lses = torch.full((B, H, S), -math.inf, dtype=accum_dtype, device=q.device)
     valid = torch.zeros(B, S, dtype=torch.bool)
+    stored = attend_fn is not None  # the control reads the inputs as stored
     for b in range(B):
         rows = request_rows(kv_indptr, kv_indices, b)
-        kv = gather(kv_buffer, rows, kv_buffer.dtype if control else accum_dtype)  # [L, D]
-        qb = q[b] if control else q[b].to(accum_dtype)  # [H, D]
+        kv = gather(kv_buffer, rows, kv_buffer.dtype if stored else accum_dtype)  # [L, D]
+        qb = q[b] if stored else q[b].to(accum_dtype)  # [H, D]
         for s, (start, end) in enumerate(split_bounds(len(rows), int(num_kv_splits[b]))[:S]):
             if end > start:
-                if control:
-                    parts[b, :, s], lses[b, :, s] = attend_control(qb, kv[start:end], sc, torch.float32)
-                else:
-                    parts[b, :, s], lses[b, :, s] = attend(qb, kv[start:end], sc)
+                parts[b, :, s], lses[b, :, s] = (attend_fn or attend)(qb, kv[start:end], sc)
                 valid[b, s] = True
     return parts, lses, valid
 
@@ -240,88 +223,21 @@ def mla_extend_ref(
 
 
 # --------------------------------------------------------------------------------------------
-# The low-precision control (CONTRACT section 5)
+# aiter's page-level convention
 # --------------------------------------------------------------------------------------------
 
 
-def attend_control(
-    q: torch.Tensor, kv: torch.Tensor, sc: Scales, out_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same math at the kernel's rounding points, for one request.
-
-    q [H, D] and kv [L, D] in their stored dtypes. A pool narrower than q (fp8, or bf16 under an
-    fp32 q) rounds the latent part of q to the pool dtype (the Triton kernel's
-    ``q.to(K_Buffer.dtype)``; the rope part meets K upcast instead); dots accumulate in fp32; the
-    probabilities are rounded to the value dtype before P.V; the sum stays fp32; the output is
-    rounded to ``out_dtype``. Returns out [H, Dv] in out_dtype and lse [H] in fp32.
-    """
-    H, Dv = q.shape[0], sc.kv_lora_rank
-    if kv.shape[0] == 0:
-        return q.new_zeros(H, Dv, dtype=out_dtype), q.new_full((H,), -math.inf, dtype=torch.float32)
-    f32 = torch.float32
-    q_nope, q_pe = q[:, :Dv], q[:, Dv:]  # [H, Dv], [H, Dr]
-    if kv.dtype.itemsize < q.dtype.itemsize:  # narrower pool: the dot runs in the pool dtype
-        q_nope = q_nope.to(kv.dtype)
-    k32 = kv.to(f32)  # [L, D]
-    s = q_nope.to(f32) @ k32[:, :Dv].T + q_pe.to(f32) @ k32[:, Dv:].T  # [H, L]
-    s = s * (sc.sm_scale * sc.k_scale)
-    if sc.logit_cap > 0:
-        s = sc.logit_cap * torch.tanh(s / sc.logit_cap)
-    m = s.max(dim=-1, keepdim=True).values  # [H, 1]
-    p = torch.exp(s - m)  # [H, L] fp32
-    l = p.sum(dim=-1, keepdim=True)  # [H, 1] fp32, from the unrounded probabilities
-    acc = p.to(kv.dtype).to(f32) @ k32[:, :Dv]  # [H, Dv], P rounded to the value dtype
-    return (acc / l * sc.v_scale).to(out_dtype), (m + torch.log(l))[:, 0]
-
-
-def mla_control(
+def mla_decode_ref_pages(
     q: torch.Tensor,
     kv_buffer: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    *,
-    kv_lora_rank: int,
-    sm_scale: float,
-    out_dtype: torch.dtype,
-    logit_cap: float = 0.0,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    qo_indptr: torch.Tensor | None = None,
-    num_kv_splits: torch.Tensor | None = None,
+    kv_page_indptr: torch.Tensor,
+    kv_page_indices: torch.Tensor,
+    kv_last_page_lens: torch.Tensor,
+    page_size: int,
+    **scales,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Low-precision control for decode (qo_indptr None) or extend: out in out_dtype, lse fp32.
-
-    With ``num_kv_splits`` (decode), each request follows the production split schedule: fp32
-    partials per split, merged in fp32, then rounded -- the split kernels' rounding points.
-    """
-    sc = Scales(kv_lora_rank, sm_scale, logit_cap, k_scale, v_scale)
-    T, H = q.shape[0], q.shape[1]
-    if qo_indptr is None:
-        qo_indptr = torch.arange(T + 1)
-    out = torch.zeros(T, H, kv_lora_rank, dtype=out_dtype, device=q.device)  # [T, H, Dv]
-    lse = torch.full((T, H), -math.inf, dtype=torch.float32, device=q.device)  # [T, H]
-    for b in range(len(qo_indptr) - 1):
-        q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
-        kv = gather(kv_buffer, request_rows(kv_indptr, kv_indices, b), kv_buffer.dtype)  # [L, D]
-        prefix = kv.shape[0] - (q1 - q0)
-        for i, t in enumerate(range(q0, q1)):
-            if num_kv_splits is not None:
-                out[t], lse[t] = attend_control_split(q[t], kv, sc, out_dtype, int(num_kv_splits[b]))
-            else:
-                out[t], lse[t] = attend_control(q[t], kv[: prefix + i + 1], sc, out_dtype)
-    return out, lse
-
-
-def attend_control_split(
-    q: torch.Tensor, kv: torch.Tensor, sc: Scales, out_dtype: torch.dtype, num_splits: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """attend_control over SGLang's split schedule: fp32 partials [S, H, Dv], an fp32 merge."""
-    bounds = [(s, e) for s, e in split_bounds(kv.shape[0], num_splits) if e > s]
-    if len(bounds) <= 1:
-        return attend_control(q, kv, sc, out_dtype)
-    parts = [attend_control(q, kv[s:e], sc, torch.float32) for s, e in bounds]
-    outs = torch.stack([o for o, _ in parts])  # [S, H, Dv] fp32
-    lses = torch.stack([l for _, l in parts])  # [S, H] fp32
-    lse = torch.logsumexp(lses, dim=0)  # [H]
-    w = torch.exp(lses - lse)  # [S, H]
-    return (w[..., None] * outs).sum(dim=0).to(out_dtype), lse
+    """The reference in aiter's convention: kv_buffer [num_pages, page_size, 1, D] (or [N, 1, D]),
+    page-level indices and last-page lengths. Same result as the token-level reference."""
+    pool = kv_buffer.reshape(-1, 1, kv_buffer.shape[-1])  # [num_pages * page_size, 1, D]
+    kv_indptr, kv_indices = page_to_token(kv_page_indptr, kv_page_indices, kv_last_page_lens, page_size)
+    return mla_decode_ref(q, pool, kv_indptr, kv_indices, **scales)

@@ -16,64 +16,11 @@ import torch
 
 from refmla import reference as ref
 from refmla.backends import NAMES, BackendUnavailable, get_backend
-from refmla.backends.reference import reference_output
 from refmla.capture import Capture, CaptureError, read_capture
-from refmla.compare import Comparison, Tolerance, compare
+from refmla.context import ReplayContext, ReplayOptions
+from refmla.compare import Comparison, Tolerance, compare, judged_dtype
 from refmla.diagnosis import diagnose
-
-
-@dataclass
-class ReplayOptions:
-    backends: Optional[Sequence[str]] = None  # None: every backend usable here
-    tol: Tolerance = field(default_factory=Tolerance)
-    device: Optional[str] = None  # where kernels run; None: the capture's / best available
-    cu_count: int = 256  # for computing num_kv_splits when the capture lacks them (MI355X)
-    explain: bool = True  # search hypotheses for failing backends
-    trim: bool = True  # triton: size split buffers to the splits that hold tokens (bit-identical)
-
-
-class ReplayContext:
-    """What every backend of one replay shares, computed at most once."""
-
-    def __init__(self, cap: Capture, opts: ReplayOptions):
-        self.cap, self.opts = cap, opts
-        self.ref_out, self.ref_lse = reference_output(cap)  # [R, H, Dv], [R, H] fp64
-        self._controls: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._splits: dict[tuple, tuple] = {}
-
-    def control(self, out_dtype: torch.dtype) -> torch.Tensor:
-        """The low-precision control's output in ``out_dtype`` (cached per dtype)."""
-        if out_dtype not in self._controls:
-            c = self.cap
-            qo = None if c.is_decode else c.qo_indptr
-            splits = c.num_kv_splits if c.is_decode else None  # the production split schedule
-            self._controls[out_dtype] = ref.mla_control(
-                c.q, c.kv_buffer, c.kv_indptr, c.kv_indices, **c.scales(), out_dtype=out_dtype,
-                qo_indptr=qo, num_kv_splits=splits,
-            )  # fmt: skip
-        return self._controls[out_dtype][0]
-
-    def split_reference(self, num_kv_splits: torch.Tensor, S: int, control: bool = False):
-        """(attn_logits, attn_lse, valid) of the split schedule, reference or control."""
-        key = (tuple(num_kv_splits.tolist()), S, control)
-        if key not in self._splits:
-            c = self.cap
-            self._splits[key] = ref.mla_decode_split_ref(
-                c.q, c.kv_buffer, c.kv_indptr, c.kv_indices, num_kv_splits.cpu(),
-                **c.scales(), max_kv_splits=S, control=control,
-            )  # fmt: skip
-        return self._splits[key]
-
-    def empty_rows(self) -> torch.Tensor:
-        """[R] True where the row's request attends no token."""
-        return (self.cap.seq_lens.long() == 0)[self.cap.request_of_row()]
-
-    def compare(self, name: str, out: torch.Tensor, row_mask: Optional[torch.Tensor] = None) -> Comparison:
-        dtype = out.dtype if out.dtype.is_floating_point and out.dtype.itemsize < 8 else torch.float32
-        return compare(
-            name, out, self.ref_out, self.control(dtype), out_dtype=dtype, tol=self.opts.tol,
-            row_mask=row_mask, request_of_row=self.cap.request_of_row(),
-        )  # fmt: skip
+from refmla.schedule import nonempty_splits
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,8 +77,8 @@ def replay_capture(cap: Capture, opts: ReplayOptions) -> dict:
     ctx = ReplayContext(cap, opts)
     for name in backend_names(opts):
         report["backends"][name] = run_backend(name, ctx)
-    ctl = ctx.compare("control", ctx.control(_out_dtype(cap)))
-    report["control"] = {"dtype": _dt(_out_dtype(cap)), "max_abs_err": ctl.max_abs_err, "cos_diff": ctl.cos_diff}
+    ctl = ctx.compare("control", ctx.control(cap.out_dtype))
+    report["control"] = {"dtype": _dt(cap.out_dtype), "max_abs_err": ctl.max_abs_err, "cos_diff": ctl.cos_diff}
     statuses = {n: b["status"] for n, b in report["backends"].items()}
     name, sentence, about = diagnose(statuses, produced_by=cap.meta.backend)
     report["verdict"] = "diverged" if any(s in ("fail", "error") for s in statuses.values()) else "agree"
@@ -181,7 +128,7 @@ def compare_splits(ctx: ReplayContext, res) -> dict:
         return {"status": "skipped", "reason": "no num_kv_splits to place the partials"}
     S = res.attn_logits.shape[2]  # may be trimmed to the splits that hold tokens
     lens = ctx.cap.seq_lens.tolist()
-    needed = max((ref.nonempty_splits(L, int(n)) for L, n in zip(lens, splits.tolist())), default=0)
+    needed = max((nonempty_splits(L, int(n)) for L, n in zip(lens, splits.tolist())), default=0)
     if needed > S:
         return {"status": "fail", "reason": f"{needed} non-empty splits but only {S} partials"}
     r_out, r_lse, valid = ctx.split_reference(splits, S)
@@ -232,12 +179,6 @@ def worst_status(reports: list[dict]) -> int:
     for r in reports:
         code = max(code, {"agree": 0, "diverged": 1, "invalid": 2}.get(r.get("verdict"), 1))
     return code
-
-
-def _out_dtype(cap: Capture) -> torch.dtype:
-    if cap.out is not None and cap.out.dtype.itemsize < 8:
-        return cap.out.dtype
-    return cap.q.dtype if cap.q.dtype.itemsize in (2, 4) else torch.bfloat16
 
 
 def _dt(d: torch.dtype) -> str:

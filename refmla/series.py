@@ -24,7 +24,8 @@ from typing import Optional, Sequence
 import torch
 
 from refmla.capture import Capture, CaptureError, read_capture
-from refmla.checks import single_thread
+from refmla.pool import rows_differ
+from refmla.util import first_line, request_label, single_thread
 
 MAX_LINES = 20  # series findings listed under the summary table
 
@@ -92,10 +93,6 @@ def attach_series(reports: list[dict]) -> None:
             r["series"] = found[r["capture"]]
 
 
-def _rid(cap: Capture, b: int) -> Optional[str]:
-    return cap.meta.rids[b] if cap.meta.rids is not None and b < len(cap.meta.rids) else None
-
-
 def pair_steps(prev: Capture, nxt: Capture) -> tuple[str, list[tuple[int, int]]]:
     """("rid" | "order", [(request in prev, request in nxt)])."""
     if prev.meta.rids is not None and nxt.meta.rids is not None:
@@ -108,8 +105,6 @@ def pair_steps(prev: Capture, nxt: Capture) -> tuple[str, list[tuple[int, int]]]
 
 def compare_steps(prev: Capture, nxt: Capture) -> list[dict]:
     """Findings for ``nxt`` against the previous capture of its series."""
-    from refmla.diffkv import rows_differ
-
     findings: list[dict] = []
     s0, s1 = prev.meta.step, nxt.meta.step
     dstep = s1 - s0 if s0 is not None and s1 is not None else 1
@@ -127,8 +122,8 @@ def compare_steps(prev: Capture, nxt: Capture) -> list[dict]:
     for bp, bn in pairs:
         L0, L1 = int(prev.seq_lens[bp]), int(nxt.seq_lens[bn])
         grow = dstep if nxt.is_decode else int(nxt.qo_indptr[bn + 1] - nxt.qo_indptr[bn])
-        rid = _rid(nxt, bn)
-        who = f"request {bn}" + (f" (rid {rid})" if rid is not None else "")
+        rid = nxt.rid(bn)
+        who = request_label(bn, rid)
         if L1 - L0 != grow:
             findings.append({**base, "check": "seq_len_step", "severity": "warning", "request": bn, "rid": rid,
                              "previous_request": bp, "seq_len": L1, "previous_seq_len": L0, "delta": L1 - L0,
@@ -156,8 +151,8 @@ def compare_steps(prev: Capture, nxt: Capture) -> list[dict]:
         if not bool(c.any()):
             continue
         pos = torch.nonzero(c).flatten()
-        rid = _rid(nxt, bn)
-        who = f"request {bn}" + (f" (rid {rid})" if rid is not None else "")
+        rid = nxt.rid(bn)
+        who = request_label(bn, rid)
         P = nxt.meta.page_size
         findings.append({**base, "check": "kv_rows_changed", "severity": "warning", "request": bn, "rid": rid,
                          "previous_request": bp, "count": int(pos.numel()), "first_position": int(pos[0]),
@@ -190,7 +185,7 @@ def replay_one(path: str, opts) -> dict:
     try:
         return replay_file(path, opts)
     except Exception as e:  # one bad file must not end the run
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        msg = first_line(e)
         return invalid_report(str(path), CaptureError(path, "replay", f"{type(e).__name__}: {msg}"))
 
 

@@ -18,8 +18,9 @@ import torch
 
 from refmla import reference as ref
 from refmla.capture import write_capture
+from refmla.control import mla_control
+from refmla.schedule import MIN_BLOCK_KV
 
-MIN_BLOCK_KV = ref.MIN_BLOCK_KV
 
 
 def yarn_sm_scale(qk_head_dim: int, factor: float, mscale_all_dim: float = 1.0) -> float:
@@ -148,7 +149,7 @@ def faulty_output(spec: SynthSpec, t: dict[str, torch.Tensor], fault: str) -> tu
     qo = t.get("qo_indptr")
     if fault == "none":
         splits = t.get("num_kv_splits")  # a correct split kernel's rounding points
-        out, _ = ref.mla_control(q, kvb, indptr, idx, **sc, out_dtype=spec.dtype, qo_indptr=qo, num_kv_splits=splits)
+        out, _ = mla_control(q, kvb, indptr, idx, **sc, out_dtype=spec.dtype, qo_indptr=qo, num_kv_splits=splits)
         return out, {"fault": "none"}
 
     def run(q=q, kvb=kvb, indptr=indptr, idx=idx, **kw):

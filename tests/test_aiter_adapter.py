@@ -17,7 +17,8 @@ import torch
 from refmla.backends import get_backend
 from refmla.backends.aiter import AiterBackend, aiter_status
 from refmla.capture import read_capture, write_capture
-from refmla.replay import ReplayContext, ReplayOptions, run_backend
+from refmla.context import ReplayContext, ReplayOptions
+from refmla.replay import run_backend
 from refmla.synth import SynthSpec, make_inputs, make_meta, synth_capture
 
 STANDINS = Path(__file__).parent / "standins"

@@ -9,7 +9,8 @@ import torch
 from helpers import raw_write
 from refmla.capture import CaptureError, read_capture, write_capture
 from refmla.cli import main
-from refmla.replay import ReplayOptions, replay_capture
+from refmla.context import ReplayOptions
+from refmla.replay import replay_capture
 from refmla.synth import make_inputs, make_meta, preset
 
 

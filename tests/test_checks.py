@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from refmla.capture import read_capture, write_capture
-from refmla.checks import check_capture, per_request
+from refmla.checks import check_capture
+from refmla.pool import per_request
 from refmla.cli import main
 from refmla.synth import SynthSpec, make_inputs, make_meta
 
@@ -146,7 +147,8 @@ def test_inspect_exit_codes(tmp_path, capsys):
 
 
 def test_replay_reports_findings_without_changing_the_verdict(tmp_path):
-    from refmla.replay import ReplayOptions, replay_file
+    from refmla.context import ReplayOptions
+    from refmla.replay import replay_file
 
     t = inputs_with_req_to_token()
     t["req_to_token"][3, 0] = 1  # request 3 has seq_len 0: entries past seq_len are not compared

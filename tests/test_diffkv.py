@@ -280,7 +280,7 @@ def test_plot(tmp_path):
 def test_rows_differ_agrees_with_a_plain_loop(path, monkeypatch):
     """The three ways rows are compared (memcmp over runs, chunked gather, by value across dtypes)
     find exactly the rows a per-row loop finds: a NaN payload, a sign of zero, one flipped bit."""
-    import refmla.diffkv as dk
+    import refmla.pool as dk
 
     g = torch.Generator().manual_seed(3)
     a = torch.randn(300, 1, D, generator=g).to(torch.bfloat16)

@@ -13,7 +13,8 @@ from refmla.backends.extend import as_extend, mla_extend_local, run_triton_exten
 from refmla.capture import read_capture
 from refmla.cli import main as cli
 from refmla.compare import compare
-from refmla.replay import ReplayContext, ReplayOptions, run_backend
+from refmla.context import ReplayContext, ReplayOptions
+from refmla.replay import run_backend
 from refmla.synth import SynthSpec, preset, synth_capture
 
 TRITON_OK, TRITON_WHY = triton_extend_status()

@@ -12,7 +12,7 @@ import torch
 from refmla.capture import read_capture, write_capture
 from refmla.cli import main as cli
 from refmla.hypotheses import HYPOTHESES, explain_failure
-from refmla.replay import ReplayContext, ReplayOptions
+from refmla.context import ReplayContext, ReplayOptions
 from refmla.synth import MIN_BLOCK_KV, SynthSpec, faulty_output, make_inputs, make_meta, preset, synth_capture
 
 KIMI = preset("kimi-k2-tp8")  # 8 heads, page size 1, seq_lens (611, 257, 1024, 33), fault on request 2

@@ -31,7 +31,7 @@ def test_unaligned_slots_are_rejected():
 
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_reference_in_aiter_convention(page_size):
-    from refmla.paged import mla_decode_ref_pages
+    from refmla.reference import mla_decode_ref_pages
 
     lens = [1, 63, 64, 65, 300]
     q, kv, indptr, idx = paged_case(lens, 8, page_size, seed=3)

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from helpers import dense_reference, paged_case
 from refmla import reference as ref
+from refmla.control import mla_control
+from refmla.schedule import split_bounds
 
 LENGTHS = [0, 1, 31, 32, 33, 255, 256, 257, 1300]
 SCALE = 0.1309  # Kimi-K2's yarn-scaled sm_scale
@@ -93,7 +95,7 @@ def test_head_dims_come_from_arguments_not_constants():
 @pytest.mark.parametrize("L", [1, 31, 32, 33, 100, 255, 256, 257, 1300])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 16, 41, 64])
 def test_split_schedule_is_sglangs(L, n):
-    bounds = ref.split_bounds(L, n)
+    bounds = split_bounds(L, n)
     per = math.ceil(math.ceil(L / n) / 32) * 32
     assert len(bounds) == n
     assert all(s == i * per and e == min((i + 1) * per, L) for i, (s, e) in enumerate(bounds))
@@ -109,7 +111,7 @@ def test_split_merge_equals_unsplit_including_trailing_empty_splits():
         splits = torch.tensor(n, dtype=torch.int32)
         parts, lses, valid = ref.mla_decode_split_ref(q, kv, indptr, idx, splits, kv_lora_rank=512, sm_scale=SCALE)
         for b, L in enumerate(lens):  # exactly the non-empty splits are valid
-            assert int(valid[b].sum()) == sum(e > s for s, e in ref.split_bounds(L, int(splits[b])))
+            assert int(valid[b].sum()) == sum(e > s for s, e in split_bounds(L, int(splits[b])))
         out, lse = ref.merge_splits(parts, lses, valid)
         torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-13)
         torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-13)
@@ -147,7 +149,7 @@ def test_extend_last_token_equals_decode_and_is_causal():
 def test_control_is_rounding_noise_and_not_zero(dtype):
     q, kv, indptr, idx = paged_case([1, 64, 1000], 8, page_size=64, dtype=dtype, seed=6)
     truth, truth_lse = ref.mla_decode_ref(q, kv, indptr, idx, kv_lora_rank=512, sm_scale=SCALE)
-    ctl, ctl_lse = ref.mla_control(q, kv, indptr, idx, kv_lora_rank=512, sm_scale=SCALE, out_dtype=dtype)
+    ctl, ctl_lse = mla_control(q, kv, indptr, idx, kv_lora_rank=512, sm_scale=SCALE, out_dtype=dtype)
     assert ctl.dtype == dtype
     err = (ctl.double() - truth).abs().max()
     eps = torch.finfo(dtype).eps

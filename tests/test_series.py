@@ -9,7 +9,7 @@ from typing import Optional
 import pytest
 import torch
 
-from refmla import reference as ref
+from refmla.control import mla_control
 from refmla.capture import write_capture
 from refmla.cli import main
 from refmla.series import replay_one, series_checks, summary_table
@@ -54,7 +54,7 @@ class Series:
         idx = torch.cat([self.slots[r][:L] for r, L in zip(order, lens)])
         indptr = torch.tensor([0, *torch.cumsum(torch.tensor(lens), 0).tolist()], dtype=torch.int32)
         q = torch.randn(len(order), 2, D, generator=self.g).to(torch.bfloat16)
-        out, _ = ref.mla_control(q, pool, indptr, idx, kv_lora_rank=DV, sm_scale=0.1, out_dtype=torch.bfloat16)
+        out, _ = mla_control(q, pool, indptr, idx, kv_lora_rank=DV, sm_scale=0.1, out_dtype=torch.bfloat16)
         t = {"q": q, "kv_buffer": pool, "kv_indptr": indptr, "kv_indices": idx.int(),
              "seq_lens": torch.tensor(lens, dtype=torch.int32), "out": out}  # fmt: skip
         meta = {
@@ -237,7 +237,7 @@ def replay_one_that_dies_on_step_11(path, opts):
 
 def test_a_worker_that_dies_costs_only_its_own_capture(tmp_path, monkeypatch):
     import refmla.series as series
-    from refmla.replay import ReplayOptions
+    from refmla.context import ReplayOptions
 
     _, paths = good_dir(tmp_path)
     monkeypatch.setattr(series, "replay_one", replay_one_that_dies_on_step_11)

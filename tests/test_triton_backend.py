@@ -29,10 +29,12 @@ if not INTERPRETING and not triton_interp.gpu_present():
 from refmla import reference as ref  # noqa: E402
 from refmla.backends import BackendUnavailable  # noqa: E402
 from refmla.backends import triton as tb  # noqa: E402
+from refmla import schedule  # noqa: E402
 from refmla.capture import read_capture, write_capture  # noqa: E402
 from refmla.backends.base import BackendResult  # noqa: E402
 from refmla.capture import Capture, parse_meta  # noqa: E402
-from refmla.replay import ReplayContext, ReplayOptions, compare_splits  # noqa: E402
+from refmla.context import ReplayContext, ReplayOptions  # noqa: E402
+from refmla.replay import compare_splits  # noqa: E402
 from refmla.synth import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE, SynthSpec, make_inputs, make_meta  # noqa: E402
 
 DEVICE = "cpu" if INTERPRETING else "cuda"
@@ -113,7 +115,7 @@ def check_case(spec: SynthSpec) -> None:
     assert cmp.passed, cmp.summary()
     splits = check_splits(spec, t, attn_logits, attn_lse)
     assert splits["status"] == "pass" and splits["compared_splits"] > 0, splits
-    assert info["splits_used"] == int(tb.nonempty_splits(t["seq_lens"], t["num_kv_splits"]).max())
+    assert info["splits_used"] == int(schedule.nonempty_splits_batch(t["seq_lens"], t["num_kv_splits"]).max())
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
@@ -258,10 +260,10 @@ def test_fix_is_idempotent_and_reported():
 def test_default_num_kv_splits_kimi_k2_step():
     """8 requests x 1300 tokens, 8 heads, max_kv_splits 256 on MI355X: 130 splits, 41 with tokens."""
     lens = torch.full((8,), 1300)
-    n = tb.default_num_kv_splits(lens, max_kv_splits=256, num_heads=8, cu_count=256)
+    n = schedule.default_num_kv_splits(lens, max_kv_splits=256, num_heads=8, cu_count=256)
     assert n.tolist() == [130] * 8
-    assert tb.nonempty_splits(lens, n).tolist() == [41] * 8
-    assert tb.mla_max_kv_splits(256, 131072) == 256
+    assert schedule.nonempty_splits_batch(lens, n).tolist() == [41] * 8
+    assert schedule.mla_max_kv_splits(256, 131072) == 256
 
 
 @needs_interpreter
@@ -283,7 +285,7 @@ def test_default_num_kv_splits_matches_sglang_kernel(seed):
         get_num_kv_splits_triton[(1,)](
             expected, lens.to(torch.int32), B, 1, H, 1, max_splits, cus, MAX_NUM_SEQ=256
         )  # fmt: skip
-        ours = tb.default_num_kv_splits(lens, max_kv_splits=max_splits, num_heads=H, cu_count=cus)
+        ours = schedule.default_num_kv_splits(lens, max_kv_splits=max_splits, num_heads=H, cu_count=cus)
         assert ours.tolist() == expected.tolist(), (lens.tolist(), H, max_splits, cus)
 
 
@@ -348,7 +350,7 @@ def test_backend_computes_splits_when_the_capture_has_none(tmp_path):
     cap = read_capture(tmp_path / "c.safetensors")
     res = tb.TritonBackend().run(cap, Opts())
     assert res.info["num_kv_splits_source"].startswith("computed")
-    expected = tb.default_num_kv_splits(cap.seq_lens, max_kv_splits=16, num_heads=16, cu_count=256)
+    expected = schedule.default_num_kv_splits(cap.seq_lens, max_kv_splits=16, num_heads=16, cu_count=256)
     assert torch.equal(res.num_kv_splits, expected)
     cmp = check_output(spec, {**t, "num_kv_splits": expected}, res.out)
     assert cmp.passed, cmp.summary()

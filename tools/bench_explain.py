@@ -26,7 +26,7 @@ import torch
 
 from refmla.capture import read_capture
 from refmla.hypotheses import explain_failure
-from refmla.replay import ReplayContext, ReplayOptions
+from refmla.context import ReplayContext, ReplayOptions
 from refmla.synth import FAULTS, preset, synth_capture
 
 

@@ -38,6 +38,7 @@ triton_interp.ensure_interpreter()  # before triton is imported anywhere
 
 import torch  # noqa: E402
 
+from refmla import schedule  # noqa: E402
 from refmla.backends import triton as tb  # noqa: E402
 from refmla.synth import KIMI_K2_SCALE, SynthSpec, make_inputs  # noqa: E402
 
@@ -50,7 +51,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=1300)
     ap.add_argument("--max-kv-splits", type=int, default=256)
-    ap.add_argument("--cu-count", type=int, default=tb.MI355X_CU_COUNT)
+    ap.add_argument("--cu-count", type=int, default=schedule.MI355X_CU_COUNT)
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--repeat", type=int, default=1)
@@ -58,8 +59,8 @@ def main() -> None:
 
     B, H, L = args.requests, args.heads, args.seq_len
     lens = torch.full((B,), L, dtype=torch.int32)
-    splits = tb.default_num_kv_splits(lens, max_kv_splits=args.max_kv_splits, num_heads=H, cu_count=args.cu_count)
-    filled = int(tb.nonempty_splits(lens, splits).max())
+    splits = schedule.default_num_kv_splits(lens, max_kv_splits=args.max_kv_splits, num_heads=H, cu_count=args.cu_count)
+    filled = int(schedule.nonempty_splits_batch(lens, splits).max())
     spec = SynthSpec(
         name="kimi-k2-tp8-bench", num_heads=H, seq_lens=(L,) * B, page_size=args.page_size,
         dtype=DTYPES[args.dtype], sm_scale=KIMI_K2_SCALE, num_kv_splits=tuple(splits.tolist()),

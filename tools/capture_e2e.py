@@ -78,7 +78,7 @@ def main(argv=None) -> int:
 
     if args.mode == "decode":
         from refmla.backends.triton import TritonBackend
-        from refmla.replay import ReplayOptions
+        from refmla.context import ReplayOptions
 
         res = TritonBackend().run(cap, ReplayOptions())
         same = torch.equal(res.out, cap.out)

@@ -225,7 +225,7 @@ class AiterBackend(Backend):
             raise BackendUnavailable(why)
         page_mode = getattr(opts, "aiter_page_size", None)
         P = int(page_mode) if page_mode else m.page_size
-        out_dtype = cap.out.dtype if cap.out is not None and cap.out.dtype.itemsize in (2, 4) else cap.q.dtype
+        out_dtype = cap.out_dtype
         lens = cap.seq_lens.long()
         try:
             out, info = run_aiter_decode(

@@ -56,6 +56,7 @@ from refmla import reference as ref
 from refmla.backends import triton_interp
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 from refmla.backends.calling import find_function, kwargs_for
+from refmla.control import mla_control
 
 # Where SGLang keeps the extend kernel: from 0.5.16 on, then up to 0.5.15.
 EXTEND_KERNEL_MODULES = (
@@ -381,9 +382,7 @@ class ExtendBackend(Backend):
 
         impl = _chosen_impl(opts)
         m = cap.meta
-        out_dtype = cap.out.dtype if cap.out is not None and cap.out.dtype.itemsize in (2, 4) else cap.q.dtype
-        if out_dtype.itemsize not in (2, 4):
-            out_dtype = torch.bfloat16
+        out_dtype = cap.out_dtype
         inp = as_extend(cap)
         sc = dict(kv_lora_rank=m.kv_lora_rank, sm_scale=m.sm_scale, logit_cap=m.logit_cap,
                   k_scale=m.k_scale, v_scale=m.v_scale)  # fmt: skip
@@ -424,7 +423,7 @@ class ExtendBackend(Backend):
                 qo = None if cap.is_decode else cap.qo_indptr
                 args = (cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices)
                 truth.extend(
-                    [reference_output(cap)[0], ref.mla_control(*args, **sc, out_dtype=out_dtype, qo_indptr=qo)[0]]
+                    [reference_output(cap)[0], mla_control(*args, **sc, out_dtype=out_dtype, qo_indptr=qo)[0]]
                 )
             cmp = compare(name, out, truth[0], truth[1], out_dtype=out_dtype, request_of_row=cap.request_of_row(), **kw)
             return summarize(cmp)

@@ -37,9 +37,8 @@ import torch
 from refmla.backends import triton_interp
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 from refmla.backends.calling import KernelNotFound, KernelSignatureError, find_function, kwargs_for
+from refmla.schedule import MI355X_CU_COUNT, MIN_BLOCK_KV, default_num_kv_splits, mla_max_kv_splits, nonempty_splits_batch
 
-MIN_BLOCK_KV = 32  # SGLang's _MIN_BLOCK_KV, read from the kernel module when it has one
-MI355X_CU_COUNT = 256
 
 
 # --------------------------------------------------------------------------------------------
@@ -80,102 +79,6 @@ def locate_decode_kernel() -> tuple[Callable, str, str]:
 
 def _kernel_module(module_path: str):
     return importlib.import_module(module_path)
-
-
-# --------------------------------------------------------------------------------------------
-# The split schedule
-# --------------------------------------------------------------------------------------------
-
-
-def _cdiv(a: torch.Tensor | int, b: torch.Tensor | int):
-    return (a + b - 1) // b
-
-
-def nonempty_splits(seq_lens: torch.Tensor, num_kv_splits: torch.Tensor, min_block: int = MIN_BLOCK_KV) -> torch.Tensor:
-    """[B] how many of request b's splits hold a token: ceil(L / per), per = ceil(ceil(L / n) / 32) * 32."""
-    L = seq_lens.long().cpu()  # [B]
-    n = num_kv_splits.long().cpu().clamp(min=1)  # [B]
-    per = _cdiv(_cdiv(L, n), min_block) * min_block  # [B] tokens per split
-    return torch.where(L > 0, _cdiv(L, per.clamp(min=1)), torch.zeros_like(L))  # [B]
-
-
-def mla_max_kv_splits(cu_count: int = MI355X_CU_COUNT, max_context_len: int = 131072, base: int = 16) -> int:
-    """SGLang's production ``max_kv_splits`` for an MLA model.
-
-    From ``sglang/srt/layers/attention/triton_backend.py`` (``_mla_decode_kv_splits_cap``): the
-    server's ``--triton-attention-num-kv-splits`` (8, or 16 on ROCm) raised to the smaller of the
-    next power of two of the CU count and of ceil(context / 32). 256 on MI355X at long context.
-    """
-    if cu_count <= 0:
-        return base
-
-    def npow2(x: int) -> int:
-        return 1 << max(int(x) - 1, 0).bit_length()
-
-    return max(base, min(npow2(cu_count), npow2(_cdiv(max_context_len, MIN_BLOCK_KV))))
-
-
-def default_num_kv_splits(
-    seq_lens: torch.Tensor,
-    *,
-    max_kv_splits: int,
-    num_heads: int,
-    num_kv_heads: int = 1,
-    cu_count: int = MI355X_CU_COUNT,
-    num_group: int = 1,
-    static: bool = False,
-    split_tile_size: Optional[int] = None,
-) -> torch.Tensor:
-    """num_kv_splits [B * num_group] int32 as SGLang's Triton backend computes it for a device.
-
-    Written after ``TritonAttnBackend.get_num_kv_splits`` in
-    ``sglang/srt/layers/attention/triton_backend.py`` and its kernel ``get_num_kv_splits_triton``
-    in ``sglang/kernels/ops/attention/metadata.py`` (0.5.23), in fp32 where the kernel is:
-
-    * static splits (``SGLANG_TRITON_DECODE_ATTN_STATIC_KV_SPLITS``) or no CU count: all
-      ``max_kv_splits``; deterministic inference (``split_tile_size``): ceil(L / tile);
-    * otherwise two chunk sizes, the larger split count of the two wins per request:
-      - balance: a batch whose shortest request is under 80% of its longest gets
-        n1 = min(ceil(Lmax / Lmin), max_kv_splits) splits of the longest, chunk1 = ceil(Lmax / n1);
-      - occupancy: the CU count times max(log2(Lmax / 64), 1) (fp32, truncated) spread over the
-        stage-1 grid (requests x groups x head tiles of min(16, H / Hkv) heads), capped at
-        max_kv_splits: n2, chunk2 = ceil(Lmax / n2);
-      n_b = max(ceil(L_b / chunk1), ceil(L_b / chunk2)).
-
-    A zero-length request (never seen in decode) would divide by zero in SGLang; it gets 1 here.
-    On a GPU ``tl.log2`` may be an approximation, so a product landing within an ulp of an integer
-    could truncate differently; the interpreter (numpy) agrees with this function exactly.
-    """
-    L = seq_lens.long().cpu()  # [B]
-    B = L.shape[0]
-    if B == 0:
-        return torch.zeros(0, dtype=torch.int32)
-    if split_tile_size is not None:
-        n = _cdiv(L, int(split_tile_size)).clamp(min=1)
-        return n.repeat_interleave(num_group).to(torch.int32)
-    if static or cu_count <= 0:
-        return torch.full((B * num_group,), int(max_kv_splits), dtype=torch.int32)
-
-    l_max = int(L.max())
-    l_min = max(int(L.min()), 1)
-    if l_max * 8 < l_min * 10:  # within 25%: treat the batch as even
-        l_min = l_max
-    l_max = max(l_max, 1)
-    n1 = min(_cdiv(l_max, l_min), max_kv_splits)
-    chunk1 = _cdiv(l_max, n1)
-
-    ext_seq_len = torch.tensor(l_max, dtype=torch.float32) / 64.0  # fp32, as the kernel
-    ext_cores = int((cu_count * torch.clamp(torch.log2(ext_seq_len), min=1.0)).to(torch.int32))
-    kv_group = num_heads // num_kv_heads
-    if kv_group == 1:
-        token_grid = B * num_group * num_heads
-    else:
-        token_grid = B * num_group * _cdiv(num_heads, min(16, kv_group))
-    n2 = min(_cdiv(ext_cores, token_grid), max_kv_splits)
-    chunk2 = _cdiv(l_max, max(n2, 1))
-
-    n = torch.maximum(_cdiv(L, chunk1), _cdiv(L, chunk2)).clamp(min=1)  # [B]
-    return n.repeat_interleave(num_group).to(torch.int32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,7 +191,7 @@ def run_triton_decode(
 
     production_s = int(max_kv_splits) if max_kv_splits else (int(splits.max()) if B else 1)
     min_block = int(getattr(mod, "_MIN_BLOCK_KV", MIN_BLOCK_KV))
-    filled = nonempty_splits(seq_lens, splits, min_block)  # [B]
+    filled = nonempty_splits_batch(seq_lens, splits, min_block)  # [B]
     tuned, forced, tune_note = _mla_tune_plan(mod, q, kv_buffer, production_s)
     do_trim = bool(trim) and not tuned
     S = max(1, min(int(filled.max()) if B else 1, production_s)) if do_trim else production_s
@@ -410,7 +313,7 @@ class TritonBackend(Backend):
             max_kv = m.max_kv_splits or mla_max_kv_splits(cu_count)
             splits = default_num_kv_splits(cap.seq_lens, max_kv_splits=max_kv, num_heads=H, cu_count=cu_count)
             source = f"computed as SGLang's get_num_kv_splits (cu_count={cu_count}, max_kv_splits={max_kv})"
-        out_dtype = cap.out.dtype if cap.out is not None and cap.out.dtype.is_floating_point else cap.q.dtype
+        out_dtype = cap.out_dtype
 
         try:
             out, logits, lse, info = run_triton_decode(
@@ -436,9 +339,6 @@ __all__ = [
     "KernelSignatureError",
     "TritonBackend",
     "build_kernel_kwargs",
-    "default_num_kv_splits",
     "locate_decode_kernel",
-    "mla_max_kv_splits",
-    "nonempty_splits",
     "run_triton_decode",
 ]

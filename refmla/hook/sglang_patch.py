@@ -762,10 +762,10 @@ def _blank_empty_splits(attn_logits, attn_lse, seq_lens, num_kv_splits) -> None:
     """NaN in the (host copy of the) splits stage 1 never wrote: their bytes are leftovers."""
     import torch
 
-    from refmla.backends.triton import nonempty_splits
+    from refmla.schedule import nonempty_splits_batch
 
     kernel = next((sys.modules[m] for m in DECODE_KERNEL_MODULES if m in sys.modules), None)
-    filled = nonempty_splits(seq_lens, num_kv_splits, int(getattr(kernel, "_MIN_BLOCK_KV", 32)))  # [B]
+    filled = nonempty_splits_batch(seq_lens, num_kv_splits, int(getattr(kernel, "_MIN_BLOCK_KV", 32)))  # [B]
     S = attn_logits.shape[2]
     empty = filled[:, None] <= torch.arange(S)[None, :]  # [B, S]
     attn_logits[empty[:, None, :, None].expand_as(attn_logits)] = float("nan")

@@ -1,0 +1,72 @@
+"""What every backend of one replay shares: the options, the fp64 reference and the control, computed once.
+
+Used by the replay, the hypothesis search, the golden checks and the plots; it knows nothing of
+any of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from refmla import reference as ref
+from refmla.backends.reference import reference_output
+from refmla.capture import Capture
+from refmla.compare import Comparison, Tolerance, compare, judged_dtype
+from refmla.control import mla_control, mla_decode_split_control
+
+
+@dataclass
+class ReplayOptions:
+    backends: Optional[Sequence[str]] = None  # None: every backend usable here
+    tol: Tolerance = field(default_factory=Tolerance)
+    device: Optional[str] = None  # where kernels run; None: the capture's / best available
+    cu_count: int = 256  # for computing num_kv_splits when the capture lacks them (MI355X)
+    explain: bool = True  # search hypotheses for failing backends
+    trim: bool = True  # triton: size split buffers to the splits that hold tokens (bit-identical)
+
+
+class ReplayContext:
+    """What every backend of one replay shares, computed at most once."""
+
+    def __init__(self, cap: Capture, opts: ReplayOptions):
+        self.cap, self.opts = cap, opts
+        self.ref_out, self.ref_lse = reference_output(cap)  # [R, H, Dv], [R, H] fp64
+        self._controls: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._splits: dict[tuple, tuple] = {}
+
+    def control(self, out_dtype: torch.dtype) -> torch.Tensor:
+        """The low-precision control's output in ``out_dtype`` (cached per dtype)."""
+        if out_dtype not in self._controls:
+            c = self.cap
+            qo = None if c.is_decode else c.qo_indptr
+            splits = c.num_kv_splits if c.is_decode else None  # the production split schedule
+            self._controls[out_dtype] = mla_control(
+                c.q, c.kv_buffer, c.kv_indptr, c.kv_indices, **c.scales(), out_dtype=out_dtype,
+                qo_indptr=qo, num_kv_splits=splits,
+            )  # fmt: skip
+        return self._controls[out_dtype][0]
+
+    def split_reference(self, num_kv_splits: torch.Tensor, S: int, control: bool = False):
+        """(attn_logits, attn_lse, valid) of the split schedule, reference or control."""
+        key = (tuple(num_kv_splits.tolist()), S, control)
+        if key not in self._splits:
+            c = self.cap
+            split_ref = mla_decode_split_control if control else ref.mla_decode_split_ref
+            self._splits[key] = split_ref(
+                c.q, c.kv_buffer, c.kv_indptr, c.kv_indices, num_kv_splits.cpu(), **c.scales(), max_kv_splits=S
+            )
+        return self._splits[key]
+
+    def empty_rows(self) -> torch.Tensor:
+        """[R] True where the row's request attends no token."""
+        return (self.cap.seq_lens.long() == 0)[self.cap.request_of_row()]
+
+    def compare(self, name: str, out: torch.Tensor, row_mask: Optional[torch.Tensor] = None) -> Comparison:
+        dtype = judged_dtype(out.dtype)
+        return compare(
+            name, out, self.ref_out, self.control(dtype), out_dtype=dtype, tol=self.opts.tol,
+            row_mask=row_mask, request_of_row=self.cap.request_of_row(),
+        )  # fmt: skip

@@ -1,0 +1,226 @@
+"""Typed results: what a check, a hypothesis, a backend and a replay report produce.
+
+Built once where the work is done, read by attribute where they are rendered, turned into the
+JSON of docs/contract.md by ``to_json`` (the only place the JSON keys are spelled). Keys are only
+ever added; a ``None`` contract key stays in the JSON as null.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from refmla.compare import Comparison, Tolerance
+
+# --------------------------------------------------------------------------------------------
+# Findings of the metadata and series checks
+# --------------------------------------------------------------------------------------------
+
+SEVERITIES = ("error", "warning", "note")
+
+
+@dataclass
+class Finding:
+    """One fact a check established: errors make a capture invalid, warnings are suspicious, notes inform."""
+
+    check: str  # the check's name, e.g. "zero_rows", "seq_len_step"
+    severity: str  # "error" | "warning" | "note"
+    message: str  # one line for people
+    request: Optional[int] = None  # the request it is about (index in its capture)
+    rid: Optional[str] = None
+    numbers: dict[str, Any] = field(default_factory=dict)  # check-specific numbers (count, first_position, ...)
+
+    def to_json(self) -> dict:
+        return {"check": self.check, "severity": self.severity, "request": self.request, "rid": self.rid,
+                **self.numbers, "message": self.message}  # fmt: skip
+
+
+@dataclass
+class MetadataReport:
+    """The metadata checks of one capture: ``errors`` / ``warnings`` one line each, ``findings`` typed."""
+
+    ok: bool
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+
+    @classmethod
+    def invalid(cls, reason: str) -> "MetadataReport":
+        return cls(ok=False, errors=[reason])
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "errors": list(self.errors), "warnings": list(self.warnings),
+                "findings": [f.to_json() for f in self.findings]}  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# A failing backend's explanation, and the split check
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Explanation:
+    """The simplest hypothesis that brings a failing output back to rounding noise (contract section 4)."""
+
+    hypothesis: str  # e.g. "seq_len_off_by"
+    request: Optional[int]  # the worst request it explains (None: not request-specific)
+    detail: dict[str, Any]  # the hypothesis' parameters, e.g. {"delta": -1}
+    max_abs_err: float  # the output's error against the reference recomputed under the hypothesis
+    residual_ratio: float = 0.0  # worst (row, head) error / allowed under the hypothesis
+    heads: list[int] = field(default_factory=list)  # heads of the worst request that failed
+    extra: dict[str, Any] = field(default_factory=dict)  # scope, other requests, notes, granularity, ...
+    seconds: Optional[float] = None  # time the search took
+
+    def text(self) -> str:
+        detail = ", ".join(f"{k}={v}" for k, v in self.detail.items())
+        who = f" request {self.request}" if self.request is not None else ""
+        return f"explained by {self.hypothesis}({detail}){who}"
+
+    def to_json(self) -> dict:
+        d = {"hypothesis": self.hypothesis, "request": self.request, "detail": self.detail,
+             "max_abs_err": self.max_abs_err, "residual_ratio": self.residual_ratio, "heads": self.heads,
+             **self.extra}  # fmt: skip
+        if self.seconds is not None:
+            d["seconds"] = self.seconds
+        return d
+
+
+@dataclass
+class SplitCheck:
+    """A kernel's stage-1 partials (each non-empty split's output and lse) against the split reference."""
+
+    status: str  # "pass" | "fail" | "skipped"
+    reason: Optional[str] = None
+    compared_splits: Optional[int] = None
+    max_abs_err: Optional[float] = None
+    lse_max_abs_err: Optional[float] = None
+    worst: Optional[dict] = None  # request, head, split
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+# --------------------------------------------------------------------------------------------
+# One backend's entry, one capture's report
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BackendEntry:
+    """One backend of one replay. Every contract key is in the JSON, null where it does not apply."""
+
+    status: str  # "pass" | "fail" | "skipped" | "error"
+    reason: Optional[str] = None  # why skipped / error, or the failure's reasons
+    comparison: Optional[Comparison] = None  # against the fp64 reference
+    max_abs_err: Optional[float] = None  # set from the comparison, or 0 for the reference itself
+    cos_diff: Optional[float] = None
+    worst: Optional[dict] = None
+    info: Optional[dict] = None  # versions, kernel module, split counts used, notes
+    splits: Optional[SplitCheck] = None
+    explanation: Optional[Explanation] = None
+    seconds: Optional[float] = None
+
+    @classmethod
+    def judged(cls, cmp: Comparison, info: dict) -> "BackendEntry":
+        """The entry of a backend that ran and was compared."""
+        return cls(status="pass" if cmp.passed else "fail", reason=None if cmp.passed else "; ".join(cmp.reasons),
+                   comparison=cmp, max_abs_err=cmp.max_abs_err, cos_diff=cmp.cos_diff, worst=cmp.worst, info=info)  # fmt: skip
+
+    @property
+    def ran(self) -> bool:
+        return self.status in ("pass", "fail")
+
+    def to_json(self) -> dict:
+        d: dict[str, Any] = {"status": self.status, "reason": self.reason, "max_abs_err": self.max_abs_err,
+                             "cos_diff": self.cos_diff, "worst": self.worst}  # fmt: skip
+        if self.comparison is not None:
+            d.update(self.comparison.to_json())
+        if self.info is not None:
+            d["info"] = self.info
+        if self.splits is not None:
+            d["splits"] = self.splits.to_json()
+        if self.explanation is not None:
+            d["explanation"] = self.explanation.to_json()
+        if self.seconds is not None:
+            d["seconds"] = self.seconds
+        return d
+
+
+@dataclass
+class Shape:
+    requests: int
+    rows: int  # rows of out: requests in decode, tokens in extend
+    heads: int
+    head_dim: int
+    v_head_dim: int
+    q_dtype: str
+    kv_dtype: str
+    max_seq_len: int
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class NoiseFloor:
+    """The low-precision control's own error against the reference: what rounding alone costs."""
+
+    dtype: str
+    max_abs_err: float
+    cos_diff: float
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+VERDICT_EXIT = {"agree": 0, "diverged": 1, "invalid": 2}
+
+
+@dataclass
+class ReplayReport:
+    """One capture through every backend: the document ``refmla replay --json`` prints per capture."""
+
+    capture: str
+    verdict: Optional[str]  # "agree" | "diverged" | "invalid"
+    diagnosis: Optional[str]  # refmla.diagnosis class, None when all agree
+    diagnosis_text: str = ""
+    metadata: MetadataReport = field(default_factory=lambda: MetadataReport(ok=True))
+    backends: dict[str, BackendEntry] = field(default_factory=dict)
+    mode: Optional[str] = None
+    shape: Optional[Shape] = None
+    meta: Optional[dict] = None  # the capture's meta, as given
+    tolerance: Optional[Tolerance] = None
+    control: Optional[NoiseFloor] = None
+    diagnosis_backends: Optional[list[str]] = None
+    error: Optional[str] = None  # an unreadable capture: why, in one line
+    series: Optional[list[Finding]] = None  # findings against the previous capture of its series
+
+    @property
+    def exit_code(self) -> int:
+        return VERDICT_EXIT.get(self.verdict or "", 1)
+
+    def key(self) -> tuple:
+        """(layer_id, tp_rank, step) from the meta, None where absent."""
+        m = self.meta or {}
+        return (m.get("layer_id"), m.get("tp_rank"), m.get("step"))
+
+    def to_json(self) -> dict:
+        d: dict[str, Any] = {"capture": self.capture, "verdict": self.verdict, "diagnosis": self.diagnosis,
+                             "diagnosis_text": self.diagnosis_text, "metadata": self.metadata.to_json()}  # fmt: skip
+        if self.error is not None:
+            d["error"] = self.error
+        for name in ("mode", "meta", "diagnosis_backends"):
+            if getattr(self, name) is not None:
+                d[name] = getattr(self, name)
+        for name in ("shape", "tolerance", "control"):
+            if getattr(self, name) is not None:
+                d[name] = getattr(self, name).to_json()
+        d["backends"] = {n: b.to_json() for n, b in self.backends.items()}
+        if self.series is not None:
+            d["series"] = [f.to_json() for f in self.series]
+        return d
+
+
+def worst_exit_code(reports: list) -> int:
+    """Exit code over several reports: 2 invalid > 1 diverged > 0 agree."""
+    return max((r.exit_code for r in reports), default=0)
