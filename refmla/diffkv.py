@@ -460,7 +460,7 @@ def _pages_text(pages: list[int], limit: int = 8) -> str:
 
 def render_diff(result: dict) -> str:
     """The diff-kv result as a table, the transfer runs holding mismatches, and a verdict line."""
-    from refmla.report import table
+    from refmla.render.table import table
 
     pre = result["prefill"]
     head = [

@@ -505,7 +505,7 @@ def check(path: Any, backend: str, *, tol: Tolerance = Tolerance(), device: Opti
     if backend == "reference":
         entry = self_check(ctx, tol)
     else:
-        entry = run_backend(backend, ctx)
+        entry = run_backend(backend, ctx).to_json()
         if entry["status"] == "pass" and (entry.get("splits") or {}).get("status") == "fail":
             entry.update(status="fail", reason="the output passes but its stage-1 split partials do not (splits below)")
     return GoldenResult(name, backend, entry["status"], entry.get("reason"), why, entry,
@@ -606,7 +606,7 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--backend", required=True)
     a = p.parse_args(argv)
     r = check(a.path, a.backend)
-    from refmla.replay import json_safe
+    from refmla.util import json_safe
 
     print(json.dumps(json_safe(asdict(r)), default=str))
     return 0

@@ -25,6 +25,8 @@ import torch
 from refmla.hook import sglang_patch
 from refmla.hook.config import ConfigError, HookConfig, parse_bytes, parse_int_set
 from refmla.backends.cpu_compat import torchvision_cpu_shim
+from refmla.context import ReplayOptions
+from refmla.util import json_safe
 
 # At collection, before any test of the session imports sglang: a PyPI (CUDA) torchvision next to
 # a CPU torch breaks `import sglang` for good in the process otherwise (see cpu_compat).
@@ -117,12 +119,12 @@ def test_decode_capture_replays_bit_for_bit(T, hook, dtype):
 
     sglang_patch.uninstall()  # replay in a process without the hook, as a user would
     replay = pytest.importorskip("refmla.replay")
-    report = replay.replay_file(str(files[0]), replay.ReplayOptions(backends=["triton"]))
+    report = replay.replay_file(str(files[0]), ReplayOptions(backends=["triton"])).to_json()
     observed, triton = report["backends"]["observed"], report["backends"]["triton"]
     assert triton["status"] in ("pass", "fail"), triton.get("reason")  # it ran
     assert triton["max_abs_err"] == observed["max_abs_err"]  # the same numbers as production
     if dtype == "bfloat16":  # the production dtype
-        assert report["verdict"] == "agree", json.dumps(replay.json_safe(report["backends"]), indent=1)[:3000]
+        assert report["verdict"] == "agree", json.dumps(json_safe(report["backends"]), indent=1)[:3000]
         assert observed["status"] == triton["status"] == "pass"
     # fp32: SGLang's kernel exceeds the fp32 control's 2x + 1 ulp bound on some rows (~1.5e-6 vs
     # 5.5e-7: split merging and exp in fp32 are not modelled by the control); reported to the lead.
@@ -130,7 +132,7 @@ def test_decode_capture_replays_bit_for_bit(T, hook, dtype):
     from refmla.backends.triton import TritonBackend
     from refmla.schedule import nonempty_splits_batch as nonempty_splits
 
-    res = TritonBackend().run(cap, replay.ReplayOptions())
+    res = TritonBackend().run(cap, ReplayOptions())
     assert torch.equal(res.out, cap.out), "observed != triton replay"
     filled = nonempty_splits(cap.seq_lens, cap.num_kv_splits)
     for b in range(cap.batch_size):
@@ -157,8 +159,8 @@ def test_extend_capture_replays(T, hook):
 
     sglang_patch.uninstall()
     replay = pytest.importorskip("refmla.replay")
-    report = replay.replay_file(str(path), replay.ReplayOptions(backends=["extend"]))
-    assert report["verdict"] == "agree", json.dumps(replay.json_safe(report), indent=1)[:3000]
+    report = replay.replay_file(str(path), ReplayOptions(backends=["extend"])).to_json()
+    assert report["verdict"] == "agree", json.dumps(json_safe(report), indent=1)[:3000]
 
 
 def test_extend_not_captured_unless_asked(T, hook):
