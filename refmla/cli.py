@@ -175,17 +175,19 @@ def cmd_diff_kv(args) -> int:
 
     if args.plot:
         try:  # no matplotlib: one line, exit 2, before anything is read
-            import refmla.plots  # noqa: F401
+            from refmla.plots import plot_diff_kv
         except ImportError as e:
             raise UsageError(str(e).splitlines()[0]) from None
-    result = diff_kv_files(args.prefill, args.decode, plot_dir=args.plot)
-    for path in result.get("plots", []):
-        print(f"wrote {path}", file=sys.stderr)
+    result = diff_kv_files(args.prefill, args.decode)
+    if args.plot:
+        result.plots = [str(p) for p in plot_diff_kv(result, args.plot)]
+        for path in result.plots:
+            print(f"wrote {path}", file=sys.stderr)
     if args.json:
-        _print_json(result)
+        _print_json(result.to_json())
     else:
         print(render_diff(result))
-    return EXIT_OK if result["ok"] else EXIT_DIVERGED
+    return EXIT_OK if result.ok else EXIT_DIVERGED
 
 
 def cmd_golden(args) -> int:
