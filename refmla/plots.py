@@ -29,10 +29,11 @@ except ImportError as e:  # the CLI turns this into one line and exit 2
 import torch
 
 from refmla import reference as ref
-from refmla.capture import CaptureError, read_capture
 from refmla.backends import get_backend
+from refmla.capture import CaptureError, read_capture
 from refmla.compare import Tolerance
 from refmla.context import ReplayContext, ReplayOptions
+from refmla.diffkv.types import DiffResult
 from refmla.pool import row_flags
 from refmla.results import Explanation, ReplayReport
 from refmla.schedule import split_bounds
@@ -233,41 +234,41 @@ def _mark_explanation(ax, expl: Explanation, b: int, L: int, cap) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def plot_diff_kv(result: dict, out_dir: Any) -> list[Path]:
+def plot_diff_kv(result: DiffResult, out_dir: Any) -> list[Path]:
     """One lane per request: compared positions (grey), mismatched ranges (red), transfer runs
     holding mismatches (outlined). Requests with mismatches come first; at most 96 lanes."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    reqs = [e for e in result["requests"] if e.get("positions_compared")]
-    reqs.sort(key=lambda e: e["mismatched_positions"] == 0)
+    reqs = [e for e in result.requests if e.positions_compared]
+    reqs.sort(key=lambda e: e.mismatched_positions == 0)
     reqs = reqs[:96]
     fig = Figure(figsize=(13, 1.5 + 0.32 * max(len(reqs), 1)), layout="constrained")
     ax = fig.subplots()
     for lane, e in enumerate(reqs):
         y = len(reqs) - 1 - lane
-        ax.broken_barh([(0, e["positions_compared"])], (y - 0.3, 0.6), color="0.85")
-        rng = [(a, b - a) for a, b in e.get("mismatch_ranges", [])]
+        ax.broken_barh([(0, e.positions_compared)], (y - 0.3, 0.6), color="0.85")
+        rng = [(a, b - a) for a, b in e.mismatches.ranges] if e.mismatches is not None else []
         if rng:
             ax.broken_barh(rng, (y - 0.3, 0.6), color="C3")
-        for run in (e.get("transfer_runs") or {}).get("mismatched", []):
-            ax.broken_barh([(run["start"], run["positions"])], (y - 0.42, 0.84), facecolor="none",
+        for run in e.transfer_runs.mismatched if e.transfer_runs is not None else []:
+            ax.broken_barh([(run.start, run.positions)], (y - 0.42, 0.84), facecolor="none",
                            edgecolor="k", lw=0.8)  # fmt: skip
-    ax.set_yticks(range(len(reqs)), [str(e["request"]) for e in reversed(reqs)], fontsize=7)
-    ax.set_xlabel(f"position (pages of {result.get('page_size')})")
+    ax.set_yticks(range(len(reqs)), [str(e.request) for e in reversed(reqs)], fontsize=7)
+    ax.set_xlabel(f"position (pages of {result.page_size})")
     ax.plot([], [], color="0.85", lw=6, label="compared, identical")
     ax.plot([], [], color="C3", lw=6, label="mismatched")
-    if any(e.get("transfer_runs") for e in reqs):
+    if any(e.transfer_runs is not None for e in reqs):
         ax.plot([], [], color="k", lw=0.8, label="transfer run (contiguous on both sides) holding mismatches")
-    P, top = result.get("page_size") or 1, max((e["positions_compared"] for e in reqs), default=0)
+    P, top = result.page_size or 1, max((e.positions_compared for e in reqs), default=0)
     if P > 1 and 0 < top // P <= MAX_PAGE_SHADES:
         ax.set_xticks([k * P for k in range(top // P + 1)], minor=True)
         ax.grid(True, axis="x", which="minor", color="0.75", lw=0.4)
     fig.legend(loc="outside lower center", ncols=3, fontsize=8)
     verdict = (
         "identical"
-        if result["ok"]
-        else (f"{result['mismatched_positions']} of {result['positions_compared']} positions mismatched")
+        if result.ok
+        else (f"{result.mismatched_positions} of {result.positions_compared} positions mismatched")
     )
-    ax.set_title(f"diff-kv {Path(result['decode']).name}: {verdict}")
-    name = Path(result["decode"]).name.removesuffix(".safetensors")
+    ax.set_title(f"diff-kv {Path(result.decode).name}: {verdict}")
+    name = Path(result.decode).name.removesuffix(".safetensors")
     return [_save(fig, out_dir / f"diffkv.{name}.png")]

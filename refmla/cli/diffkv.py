@@ -20,11 +20,15 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     if args.plot:
         need_matplotlib()  # one line, exit 2, before anything is read
-    result = diff_kv_files(args.prefill, args.decode, plot_dir=args.plot)
-    for path in result.get("plots", []):
-        print(f"wrote {path}", file=sys.stderr)
+    result = diff_kv_files(args.prefill, args.decode)
+    if args.plot:
+        from refmla.plots import plot_diff_kv  # matplotlib is optional: imported only when asked for
+
+        result.plots = [str(p) for p in plot_diff_kv(result, args.plot)]
+        for path in result.plots:
+            print(f"wrote {path}", file=sys.stderr)
     if args.json:
         print_json(result)
     else:
         print(render_diff(result))
-    return EXIT_OK if result["ok"] else EXIT_DIVERGED
+    return EXIT_OK if result.ok else EXIT_DIVERGED
