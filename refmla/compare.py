@@ -21,6 +21,8 @@ from typing import Optional
 
 import torch
 
+from refmla.util import request_label
+
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -55,7 +57,7 @@ class Comparison:
 
     def summary(self) -> str:
         w = self.worst
-        where = f"request {w.get('request')} head {w.get('head')}"
+        where = f"{request_label(w.get('request'))} head {w.get('head')}"
         if self.passed:
             return f"{self.name}: pass (max abs err {self.max_abs_err:.3g} at {where})"
         return f"{self.name}: FAIL ({'; '.join(self.reasons)})"

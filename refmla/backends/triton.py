@@ -208,7 +208,9 @@ def run_triton_decode(
     return out, attn_logits, attn_lse, info
 
 
-def _interpreter_ready(mod, q: torch.Tensor, kv_buffer: torch.Tensor, out_dtype: Optional[torch.dtype]) -> tuple[bool, bool]:
+def _interpreter_ready(
+    mod, q: torch.Tensor, kv_buffer: torch.Tensor, out_dtype: Optional[torch.dtype]
+) -> tuple[bool, bool]:
     """(kernel runs in the interpreter, bf16 dot fix installed). Raises RuntimeError when bf16 /
     fp8 inputs would run in the interpreter without refmla's fix."""
     if not triton_interp.module_is_interpreted(mod):
@@ -256,7 +258,7 @@ def _split_plan(mod, q, kv_buffer, kv_indptr, splits, max_kv_splits: Optional[in
     return SplitPlan(production=production, used=used, filled=filled, forced=forced, tune_note=tune_note)
 
 
-def _buffers(q: torch.Tensor, S: int, Dv: int, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _buffers(q: torch.Tensor, S: int, Dv: int, out_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """out [B, H, Dv], attn_logits [B, H, S, Dv] fp32, attn_lse [B, H, S] fp32, all NaN, on q's device."""
     B, H, _ = q.shape
     nan, dev = float("nan"), q.device

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from refmla.capture.format import FLOAT_DTYPES, INDEX_DTYPES, Capture, CaptureError
-from refmla.util import dtype_name
+from refmla.util import dtype_name, request_label
 
 INDEX_TENSORS = ("kv_indptr", "kv_indices", "seq_lens", "num_kv_splits", "req_to_token", "orig_kv_indices", "qo_indptr")
 FLOAT_TENSORS = ("q", "kv_buffer", "out", "lse", "attn_logits", "attn_lse")
@@ -165,7 +165,7 @@ def check_qo_indptr(cap: Capture, warnings: list[str]) -> None:
     seq, qlen = cap.seq_lens.long(), qo[1:] - qo[:-1]
     if bool((qlen > seq).any()):
         b = _first(qlen > seq)
-        raise _err(cap, "qo_indptr", f"request {b} has {int(qlen[b])} new tokens but seq_len {int(seq[b])}")
+        raise _err(cap, "qo_indptr", f"{request_label(b)} has {int(qlen[b])} new tokens but seq_len {int(seq[b])}")
 
 
 def warn_q_values(cap: Capture, warnings: list[str]) -> None:

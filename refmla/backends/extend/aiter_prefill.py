@@ -21,7 +21,8 @@ def run_aiter_prefill(cap, inp: ExtendInputs, out_dtype: torch.dtype, device: Op
     dev = torch.device(device or ("cpu" if standin else "cuda"))
     T, _, D = inp.q_extend.shape
     B = cap.batch_size
-    q_in, unpad, pad_how = aiter_backend.pad_heads(inp.q_extend.to(dev).contiguous())  # as for decode: 16 heads at least
+    # as for decode: 16 heads at least
+    q_in, unpad, pad_how = aiter_backend.pad_heads(inp.q_extend.to(dev).contiguous())
     o = torch.empty(T, q_in.shape[1], m.kv_lora_rank, dtype=out_dtype, device=dev)
     values = dict(
         q=q_in, kv_buffer=cap.kv_buffer.to(dev).view(-1, 1, 1, D), o=o,

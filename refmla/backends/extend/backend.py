@@ -58,7 +58,8 @@ class _Judge:
             expected = reference_output(cap)[0]
             self.truth = (expected, mla_control(*args, **cap.scales(), out_dtype=self.out_dtype, qo_indptr=qo)[0])
         expected, control = self.truth
-        cmp = compare(name, out, expected, control, out_dtype=self.out_dtype, request_of_row=cap.request_of_row(), **self.kw)
+        rows = cap.request_of_row()
+        cmp = compare(name, out, expected, control, out_dtype=self.out_dtype, request_of_row=rows, **self.kw)
         return summarize(cmp)
 
 
@@ -72,7 +73,8 @@ def _try_triton(impl: str, cap, inp: ExtendInputs, out_dtype: torch.dtype, opts)
             raise BackendUnavailable(f"SGLang Triton extend: {note}")
         return None, {"status": "skipped", "reason": note}
     try:
-        return run_triton_extend(inp, cap.kv_buffer, **cap.scales(), out_dtype=out_dtype, device=getattr(opts, "device", None)), {}
+        device = getattr(opts, "device", None)
+        return run_triton_extend(inp, cap.kv_buffer, **cap.scales(), out_dtype=out_dtype, device=device), {}
     except Exception as e:
         if impl == "triton":
             raise
