@@ -3,7 +3,7 @@
 Layout (the folder tree is the architecture):
     reference.py   the math: decode / split / extend / low-precision control, fp64
     paged.py       index conventions (SGLang token slots <-> aiter pages)
-    capture.py     the refmla.capture/1 file: read (validated, lazy) and write (compacted, atomic)
+    capture/       the refmla.capture/1 file: read (validated, lazy) and write (compacted, atomic)
     checks.py      metadata forensics run before every replay
     compare.py     the one comparator (contract section 5)
     backends/      one module per compute path, picked by name
