@@ -116,7 +116,7 @@ def run_backend(name: str, ctx: ReplayContext) -> dict:
     if not cmp.passed and ctx.opts.explain:
         expl = explain(ctx, res.out, cmp)
         if expl is not None:
-            entry["explanation"] = expl
+            entry["explanation"] = expl.to_json()
     entry["seconds"] = round(time.perf_counter() - t0, 3)
     return entry
 
