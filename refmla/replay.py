@@ -18,7 +18,7 @@ from refmla.checks import check_capture
 from refmla.context import ReplayContext, ReplayOptions
 from refmla.diagnosis import diagnose
 from refmla.hypotheses import explain_failure
-from refmla.results import BackendEntry, Explanation, MetadataReport, NoiseFloor, ReplayReport, Shape
+from refmla.results import BackendEntry, MetadataReport, NoiseFloor, ReplayReport, Shape
 from refmla.splits import compare_splits
 from refmla.util import dtype_name, error_text
 
@@ -104,10 +104,6 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
         entry.splits = compare_splits(ctx, res)
     if not cmp.passed and ctx.opts.explain:
         entry.explanation = explain_failure(ctx, res.out, cmp)
-        if isinstance(entry.explanation, dict):  # TEMPORARY until the hypotheses package lands
-            d = dict(entry.explanation)
-            named = {k: d.pop(k) for k in ("hypothesis", "request", "detail", "max_abs_err", "residual_ratio", "heads", "seconds") if k in d}
-            entry.explanation = Explanation(**named, extra=d)
     entry.seconds = round(time.perf_counter() - t0, 3)
     return entry
 
