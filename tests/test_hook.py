@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from refmla.hook import sglang_patch
+from refmla.hook import patching
 from refmla.hook.config import ConfigError, HookConfig, parse_bytes, parse_int_set
+from refmla.hook.runtime import graph_capturing
 from refmla.backends.cpu_compat import torchvision_cpu_shim
 from refmla.context import ReplayOptions
 from refmla.util import json_safe
@@ -61,10 +62,10 @@ def hook(tmp_path):
     def _install(**kw):
         kw.setdefault("min_seq_len", 0)
         cfg = HookConfig(out_dir=str(tmp_path / "caps"), **kw)
-        return sglang_patch.install(cfg)
+        return patching.install(cfg)
 
     yield _install
-    sglang_patch.uninstall()
+    patching.uninstall()
 
 
 @pytest.fixture
@@ -117,7 +118,7 @@ def test_decode_capture_replays_bit_for_bit(T, hook, dtype):
         seg = cap.kv_indices[int(cap.kv_indptr[b]) : int(cap.kv_indptr[b + 1])]
         assert torch.equal(cap.req_to_token[b, :L].long(), seg.long())
 
-    sglang_patch.uninstall()  # replay in a process without the hook, as a user would
+    patching.uninstall()  # replay in a process without the hook, as a user would
     replay = pytest.importorskip("refmla.replay")
     report = replay.replay_file(str(files[0]), ReplayOptions(backends=["triton"])).to_json()
     observed, triton = report["backends"]["observed"], report["backends"]["triton"]
@@ -157,7 +158,7 @@ def test_extend_capture_replays(T, hook):
     assert torch.equal(cap.out.reshape(served.shape), served)
     assert cap.num_kv_splits is None and cap.attn_logits is None  # decode-only tensors
 
-    sglang_patch.uninstall()
+    patching.uninstall()
     replay = pytest.importorskip("refmla.replay")
     report = replay.replay_file(str(path), ReplayOptions(backends=["extend"])).to_json()
     assert report["verdict"] == "agree", json.dumps(json_safe(report), indent=1)[:3000]
@@ -168,7 +169,7 @@ def test_extend_not_captured_unless_asked(T, hook):
     state = hook()  # modes default: decode only
     T.attention_call(fx)
     assert _captures(state) == []
-    assert not any(p.endswith("forward_extend") for p in sglang_patch.patched_methods())
+    assert not any(p.endswith("forward_extend") for p in patching.patched_methods())
 
 
 def test_aiter_decode_reader_on_a_stand_in_kernel(T, hook):
@@ -191,7 +192,7 @@ def test_aiter_decode_reader_on_a_stand_in_kernel(T, hook):
     served = T.attention_call(fx)  # the Triton call: gives q, metadata and a reference output
     tri = read_capture(_captures(state)[0])
     if getattr(ab.AiterAttnBackend.forward_decode, "__refmla_hook__", None) is None:
-        pytest.fail(f"AiterAttnBackend.forward_decode not wrapped: {sglang_patch.patched_methods()}")
+        pytest.fail(f"AiterAttnBackend.forward_decode not wrapped: {patching.patched_methods()}")
 
     md = fx.backend.forward_metadata
     B = served.shape[0]
@@ -227,7 +228,7 @@ def test_layer_rank_seq_len_filters(T, hook):
         state = hook(**kw)
         T.attention_call(fx)
         assert _captures(state) == [], kw
-        sglang_patch.uninstall()
+        patching.uninstall()
     state = hook(min_seq_len=71, layers=frozenset({0}), ranks=frozenset({0}))  # longest request: 71
     T.attention_call(fx)
     assert len(_captures(state)) == 1
@@ -268,7 +269,7 @@ def test_graph_capture_is_skipped_and_said_once(T, hook, hook_log, monkeypatch):
     expected = T.attention_call(fx)
     n0 = len(_captures(state))
     monkeypatch.setattr(*flag, True)  # what SGLang sets while it captures a CUDA/HIP graph
-    assert sglang_patch.graph_capturing()
+    assert graph_capturing()
     for _ in range(2):
         assert torch.equal(T.attention_call(fx), expected)
     assert len(_captures(state)) == n0
@@ -330,13 +331,13 @@ def test_disabled_mode_patches_nothing_and_imports_nothing():
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got == {"startup": [], "installed": False, "finders": got["finders"], "torch": False}
-    assert "_PostImportFinder" not in got["finders"]
+    assert "PostImportFinder" not in got["finders"]
 
 
 def test_disabled_mode_leaves_backend_methods_untouched(T):
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
-    sglang_patch.uninstall()
+    patching.uninstall()
     for name in ("forward_decode", "forward_extend"):
         fn = TritonAttnBackend.__dict__[name]
         assert getattr(fn, "__refmla_hook__", None) is None, name
@@ -347,7 +348,7 @@ def test_sitecustomize_installs_at_startup(tmp_path):
         "import sys, json\n"
         "import refmla.hook\n"
         "print(json.dumps({'installed': refmla.hook.installed(),\n"
-        "  'finder': any(type(f).__name__ == '_PostImportFinder' for f in sys.meta_path)}))\n"
+        "  'finder': any(type(f).__name__ == 'PostImportFinder' for f in sys.meta_path)}))\n"
     )
     r = _python(code, {"REFMLA_CAPTURE_DIR": str(tmp_path / "c")})
     assert r.returncode == 0, r.stderr
