@@ -1,5 +1,5 @@
 """Planted faults (refmla.synth) are found: the failing backend, the worst request, the hypothesis
-and its detail (CONTRACT section 4); clean captures agree and exit 0."""
+and its detail (docs/contract.md section 4); clean captures agree and exit 0."""
 
 from __future__ import annotations
 
