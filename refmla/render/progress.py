@@ -23,7 +23,7 @@ class Progress:
             try:
                 from tqdm import tqdm
 
-                self._bar = tqdm(total=total, file=self.stream, unit=unit, dynamic_ncols=True, leave=False)
+                self._bar = tqdm(total=total, file=self.stream, unit=unit, dynamic_ncols=True, leave=False, mininterval=0)
             except ImportError:
                 self._bar = None
 
