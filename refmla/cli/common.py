@@ -38,8 +38,6 @@ def single_file(args_paths: Sequence[str]) -> bool:
 
 def print_json(obj: Any) -> None:
     """Typed results (``to_json``) or plain data as one JSON document on stdout, NaN/Inf as null."""
-    if isinstance(obj, list):
-        obj = [json_safe(o) for o in obj]
     print(json.dumps(json_safe(obj), indent=2, allow_nan=False))
 
 
