@@ -66,11 +66,16 @@ class Planting:
 FaultFn = Callable[[Planting], tuple[torch.Tensor, dict]]
 FAULTS: dict[str, FaultFn] = {}  # name -> fn(planting) -> (out, what was planted)
 DESCRIPTIONS: dict[str, str] = {}
+EXPECT: dict[str, Optional[str]] = {}  # name -> the hypothesis that must name it (None: must pass)
 
 
-def fault(name: str, description: str) -> Callable[[FaultFn], FaultFn]:
+def fault(name: str, description: str, expect: Optional[str] = "") -> Callable[[FaultFn], FaultFn]:
+    """Register a fault. ``expect``: the hypothesis replay must name for it ("" means the fault's
+    own name; None means a correct kernel that must pass). tools/bench_diagnosis.py reads EXPECT."""
+
     def register(fn: FaultFn) -> FaultFn:
         FAULTS[name], DESCRIPTIONS[name] = fn, description
+        EXPECT[name] = name if expect == "" else expect
         return fn
 
     return register
@@ -89,7 +94,7 @@ def faulty_output(spec: SynthSpec, t: dict[str, torch.Tensor], name: str) -> tup
 # --------------------------------------------------------------------------------------------
 
 
-@fault("none", "a correct kernel: the low-precision control at the split kernel's rounding points")
+@fault("none", "a correct kernel: the low-precision control at the split kernel's rounding points", expect=None)
 def _none(p: Planting):
     t = p.t
     out, _ = mla_control(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], **p.scales, out_dtype=p.spec.dtype,
@@ -120,7 +125,8 @@ def _kv_range_missing(p: Planting):
     return p.without(p.request, start, end), {"request": p.request, "start": start, "end": end}
 
 
-@fault("kv_range_zero", "the same block read as all-zero rows (a KV transfer that had not landed)")
+@fault("kv_range_zero", "the same block read as all-zero rows (a KV transfer that had not landed)",
+       expect="kv_range_missing")
 def _kv_range_zero(p: Planting):
     start, end = _missing_block(p)
     lo, _ = p.bounds(p.request)
