@@ -45,7 +45,7 @@ class ReplayContext:
             splits = c.num_kv_splits if c.is_decode else None  # the production split schedule
             self._controls[out_dtype] = mla_control(
                 c.q, c.kv_buffer, c.kv_indptr, c.kv_indices, **c.scales(), out_dtype=out_dtype,
-                qo_indptr=qo, num_kv_splits=splits,
+                qo_indptr=qo, num_kv_splits=splits, **c.mask_args(),
             )  # fmt: skip
         return self._controls[out_dtype][0]
 

@@ -27,7 +27,11 @@ TENSORS = {
     "q": True, "kv_buffer": True, "kv_indptr": True, "kv_indices": True, "seq_lens": True,
     "num_kv_splits": False, "out": False, "lse": False, "attn_logits": False, "attn_lse": False,
     "req_to_token": False, "orig_kv_indices": False, "qo_indptr": False,
+    "custom_mask": False, "mask_indptr": False,
 }  # fmt: skip
+
+MODES = ("decode", "extend", "verify")  # verify: speculative target-verify / draft-extend (several queries)
+MASK_DTYPES = {torch.bool, torch.uint8, torch.int8}  # custom_mask as SGLang keeps it (bool) or its int8 buffer
 
 
 class CaptureError(Exception):
@@ -45,7 +49,7 @@ class CaptureError(Exception):
 
 @dataclass
 class CaptureMeta:
-    mode: str  # "decode" (one query token per request) or "extend"
+    mode: str  # "decode" (one query token per request), "extend" or "verify" (speculative, see MODES)
     backend: str  # production backend that produced `out`: triton | aiter | unknown
     kv_lora_rank: int  # Dv, latent (value) width
     qk_rope_head_dim: int  # rope width; D = kv_lora_rank + qk_rope_head_dim
@@ -61,6 +65,8 @@ class CaptureMeta:
     rids: Optional[list] = None
     sglang_version: Optional[str] = None
     aiter_version: Optional[str] = None
+    draft_token_num: Optional[int] = None  # verify: query tokens per request in SGLang's target_verify
+    topk: Optional[int] = None  # verify: EAGLE topk (1: a chain, > 1: a tree with custom_mask)
     extra: dict = field(default_factory=dict)  # keys this version does not know, kept as given
 
     @property
@@ -80,7 +86,7 @@ META_KEYS = {
     "page_size": (int, True), "k_scale": (float, False), "v_scale": (float, False),
     "max_kv_splits": (int, False), "layer_id": (int, False), "tp_rank": (int, False),
     "step": (int, False), "rids": (list, False), "sglang_version": (str, False),
-    "aiter_version": (str, False),
+    "aiter_version": (str, False), "draft_token_num": (int, False), "topk": (int, False),
 }  # fmt: skip
 
 
@@ -126,8 +132,8 @@ def _bad_key(path: Any, key: str, message: str) -> CaptureError:
 
 
 def _check_mode(kw: dict, path: Any) -> None:
-    if kw["mode"] not in ("decode", "extend"):
-        raise _bad_key(path, "mode", f"must be 'decode' or 'extend', got {kw['mode']!r}")
+    if kw["mode"] not in MODES:
+        raise _bad_key(path, "mode", f"must be one of {', '.join(MODES)}, got {kw['mode']!r}")
 
 
 def _check_widths(kw: dict, path: Any) -> None:
@@ -151,12 +157,19 @@ def _check_max_kv_splits(kw: dict, path: Any) -> None:
         raise _bad_key(path, "max_kv_splits", f"must be >= 1, got {kw['max_kv_splits']}")
 
 
+def _check_verify_keys(kw: dict, path: Any) -> None:
+    for key in ("draft_token_num", "topk"):
+        if kw.get(key) is not None and kw[key] < 1:
+            raise _bad_key(path, key, f"must be >= 1, got {kw[key]}")
+
+
 # bounds on the coerced values, run in order; each raises CaptureError naming the key
 META_CHECKS: tuple[Callable[[dict, Any], None], ...] = (
     _check_mode,
     _check_widths,
     _check_scales,
     _check_max_kv_splits,
+    _check_verify_keys,
 )
 
 
@@ -183,7 +196,9 @@ class Capture:
     attn_lse: Optional[torch.Tensor] = None  # [B, H, S]
     req_to_token: Optional[torch.Tensor] = None  # [B, M]
     orig_kv_indices: Optional[torch.Tensor] = None  # like kv_indices
-    qo_indptr: Optional[torch.Tensor] = None  # [B + 1], extend only
+    qo_indptr: Optional[torch.Tensor] = None  # [B + 1], extend and verify
+    custom_mask: Optional[torch.Tensor] = None  # [sum_b n_b * L_b] verify: request b's [n_b, L_b] mask, row-major
+    mask_indptr: Optional[torch.Tensor] = None  # [B + 1] verify: request b's mask is custom_mask[mask_indptr[b]:...]
     warnings: list = field(default_factory=list)
 
     @property
@@ -197,6 +212,15 @@ class Capture:
     @property
     def is_decode(self) -> bool:
         return self.meta.mode == "decode"
+
+    @property
+    def is_verify(self) -> bool:
+        return self.meta.mode == "verify"
+
+    def mask_args(self) -> dict[str, Optional[torch.Tensor]]:
+        """custom_mask / mask_indptr as keyword arguments: the verify tree mask, None otherwise."""
+        on = self.is_verify and self.custom_mask is not None
+        return {"custom_mask": self.custom_mask if on else None, "mask_indptr": self.mask_indptr if on else None}
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {n: getattr(self, n) for n in TENSORS if getattr(self, n) is not None}
@@ -237,7 +261,9 @@ __all__ = [
     "CAPTURE_FORMAT",
     "FLOAT_DTYPES",
     "INDEX_DTYPES",
+    "MASK_DTYPES",
     "META_CHECKS",
+    "MODES",
     "META_KEYS",
     "TENSORS",
     "Capture",

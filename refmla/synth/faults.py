@@ -51,7 +51,8 @@ class Planting:
         args = {**self.scales, **scales}
         if t.get("qo_indptr") is None:
             return ref.mla_decode_ref(q, kvb, indptr, idx, **args)[0]
-        return ref.mla_extend_ref(q, kvb, indptr, idx, t["qo_indptr"], **args)[0]
+        return ref.mla_verify_ref(q, kvb, indptr, idx, t["qo_indptr"], t.get("custom_mask"), t.get("mask_indptr"),
+                                  **args)[0]  # fmt: skip
 
     def without(self, b: int, start: int, end: int) -> torch.Tensor:
         """The reference with positions [start, end) of request b dropped from its sequence."""
@@ -98,7 +99,8 @@ def faulty_output(spec: SynthSpec, t: dict[str, torch.Tensor], name: str) -> tup
 def _none(p: Planting):
     t = p.t
     out, _ = mla_control(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], **p.scales, out_dtype=p.spec.dtype,
-                         qo_indptr=t.get("qo_indptr"), num_kv_splits=t.get("num_kv_splits"))  # fmt: skip
+                         qo_indptr=t.get("qo_indptr"), num_kv_splits=t.get("num_kv_splits"),
+                         custom_mask=t.get("custom_mask"), mask_indptr=t.get("mask_indptr"))  # fmt: skip
     return out, {}
 
 
