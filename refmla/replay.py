@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from refmla.backends import NAMES, BackendUnavailable, get_backend
+from refmla.backends import NAMES, VERIFY_ONLY, BackendUnavailable, get_backend
 from refmla.capture import Capture, CaptureError, read_capture
 from refmla.checks import check_capture
 from refmla.context import ReplayContext, ReplayOptions
@@ -39,9 +39,11 @@ def invalid_report(path: str, e: Exception) -> ReplayReport:
                         metadata=MetadataReport.invalid(str(e)))  # fmt: skip
 
 
-def backend_names(opts: ReplayOptions) -> list[str]:
-    """reference and observed always; then the named backends, or all others."""
-    chosen = NAMES[2:] if opts.backends is None else [n for n in opts.backends if n not in NAMES[:2]]
+def backend_names(opts: ReplayOptions, mode: str = "verify") -> list[str]:
+    """reference and observed always; then the named backends, or all others (the verify-only
+    per-query decode paths only for a verify capture)."""
+    default = [n for n in NAMES[2:] if mode == "verify" or n not in VERIFY_ONLY]
+    chosen = default if opts.backends is None else [n for n in opts.backends if n not in NAMES[:2]]
     for n in chosen:
         if n not in NAMES:
             raise KeyError(f"unknown backend {n!r}; choose from {', '.join(NAMES)}")
@@ -59,7 +61,7 @@ def replay_capture(cap: Capture, opts: ReplayOptions) -> ReplayReport:
         report.diagnosis, report.diagnosis_text, _ = diagnose({}, invalid=True)
         return report
     ctx = ReplayContext(cap, opts)
-    for name in backend_names(opts):
+    for name in backend_names(opts, cap.meta.mode):
         report.backends[name] = run_backend(name, ctx)
     ctl = ctx.compare("control", ctx.control(cap.out_dtype))
     report.control = NoiseFloor(dtype_name(cap.out_dtype), ctl.max_abs_err, ctl.cos_diff)

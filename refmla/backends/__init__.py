@@ -5,6 +5,10 @@
     triton     SGLang's Triton MLA decode kernel, imported from the installed SGLang
     aiter      aiter's MLA decode kernel (ROCm only)
     extend     the local-extend baseline: the same token computed the prefill/extend way
+               (verify captures: SGLang's Triton extend kernel with the tree / causal custom_mask)
+    triton_decode_per_query, aiter_decode_per_query
+               verify captures only: each verify query as a one-token decode over the positions
+               it sees (refmla.backends.per_query), the plain-decode path over the same KV
 
 A backend module is imported only when its name is asked for, so a missing optional package
 makes that one backend unavailable (with the reason), never the tool.
@@ -16,14 +20,17 @@ import importlib
 
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 
-NAMES = ("reference", "observed", "triton", "aiter", "extend")
+NAMES = ("reference", "observed", "triton", "aiter", "extend", "triton_decode_per_query", "aiter_decode_per_query")
+VERIFY_ONLY = ("triton_decode_per_query", "aiter_decode_per_query")  # left out of other modes' default list
 
 _WHERE = {
     "reference": "refmla.backends.reference:ReferenceBackend",
     "observed": "refmla.backends.reference:ObservedBackend",
     "triton": "refmla.backends.triton:TritonBackend",
-    "aiter": "refmla.backends.aiter:AiterBackend",
+    "aiter": "refmla.backends.aiter_verify:AiterVerifyBackend",  # AiterBackend, plus verify (max_seqlen_q > 1)
     "extend": "refmla.backends.extend.backend:ExtendBackend",
+    "triton_decode_per_query": "refmla.backends.per_query:TritonDecodePerQueryBackend",
+    "aiter_decode_per_query": "refmla.backends.per_query:AiterDecodePerQueryBackend",
 }
 
 
@@ -56,4 +63,4 @@ def get_backend(name: str) -> Backend:
     return _CACHE[name]
 
 
-__all__ = ["NAMES", "Backend", "BackendResult", "BackendUnavailable", "get_backend"]
+__all__ = ["NAMES", "VERIFY_ONLY", "Backend", "BackendResult", "BackendUnavailable", "get_backend"]

@@ -1,0 +1,180 @@
+"""Verify captures through every path that can compute them (issue 13): aiter's mla_decode_fwd with
+max_seqlen_q > 1 (against the stand-in), SGLang's Triton extend kernel with the custom mask, and
+the plain-decode path per query (Triton decode kernel, aiter with qlen 1)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from refmla.backends.per_query import per_query_batch
+from refmla.capture import read_capture
+from refmla.context import ReplayContext, ReplayOptions
+from refmla.replay import backend_names, replay_file, run_backend
+from refmla.synth import preset, synth_capture
+
+STANDINS = Path(__file__).parent / "standins"
+SMALL = dict(seq_lens=(37, 16, 9), num_heads=8)
+
+
+def _forget_aiter():
+    for name in [k for k in sys.modules if k == "aiter" or k.startswith("aiter.")]:
+        sys.modules.pop(name)
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    _forget_aiter()
+    monkeypatch.syspath_prepend(str(STANDINS / "aiter_standin"))
+    from aiter import mla
+
+    mla.CALLS.clear()
+    yield mla
+    _forget_aiter()
+
+
+def _capture(tmp_path, name="kimi-k2-tp8-mtp", fault="none", **kw):
+    spec = preset(name, **{**SMALL, **kw})
+    path = tmp_path / f"{name}-{fault}.safetensors"
+    synth_capture(path, spec, fault)
+    return read_capture(path)
+
+
+def _entry(cap, backend):
+    return run_backend(backend, ReplayContext(cap, ReplayOptions(backends=[backend]))).to_json()
+
+
+def _spy(monkeypatch, standin):
+    """Record the keyword arguments of every mla_decode_fwd call, then run the stand-in."""
+    seen, real = [], standin.mla_decode_fwd
+
+    @functools.wraps(real)  # the adapter reads the signature
+    def spy(**kw):
+        seen.append(kw)
+        return real(**kw)
+
+    monkeypatch.setattr(standin, "mla_decode_fwd", spy)
+    return seen
+
+
+# --- aiter mla_decode_fwd with max_seqlen_q > 1 ------------------------------------------------
+
+
+@pytest.mark.parametrize("convention", ["token", "page"])
+@pytest.mark.parametrize("qlen", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_aiter_verify_contract(standin, monkeypatch, tmp_path, qlen, convention):
+    P = 16 if convention == "page" else 1
+    cap = _capture(tmp_path, draft_token_num=qlen, page_size=P)
+    seen = _spy(monkeypatch, standin)
+    entry = _entry(cap, "aiter")
+    assert entry["status"] == "pass", entry.get("reason")
+    kw = seen[-1]
+    B = cap.batch_size
+    assert kw["max_seqlen_q"] == qlen and type(kw["max_seqlen_q"]) is int
+    assert kw["qo_indptr"].tolist() == [b * qlen for b in range(B + 1)]
+    assert kw["q"].shape[0] == B * qlen and kw["o"].shape[0] == B * qlen
+    lens = cap.seq_lens.long()  # prefix + drafts, as SGLang's kv_lens = seq_lens + draft_token_num
+    if convention == "token":
+        assert torch.equal(kw["kv_indptr"].cpu().long(), cap.kv_indptr.long())
+    else:
+        assert kw["kv_last_page_lens"].tolist() == ((lens - 1) % P + 1).tolist()
+        assert int(kw["kv_indptr"][-1]) == int(((lens + P - 1) // P).sum())
+    assert entry["info"]["max_seqlen_q"] == qlen and entry["info"]["index_convention"] == convention
+
+
+def test_aiter_refuses_a_tree(standin, tmp_path):
+    cap = _capture(tmp_path, "kimi-k2-tp8-eagle-tree", seq_lens=(37, 16, 9))
+    entry = _entry(cap, "aiter")
+    assert entry["status"] == "skipped" and "tree mask" in entry["reason"]
+    assert standin.CALLS == []
+
+
+def test_aiter_verify_bug_is_a_failure(standin, monkeypatch, tmp_path):
+    """A kernel that treats each verify query as if it saw the whole sequence (no causal mask) fails."""
+    cap = _capture(tmp_path, draft_token_num=3)
+    real = standin.mla_decode_fwd
+
+    @functools.wraps(real)
+    def no_causal(**kw):
+        o = real(**kw)
+        B = kw["qo_indptr"].shape[0] - 1
+        q = kw["q"]
+        last = torch.arange(B) * kw["max_seqlen_q"] + kw["max_seqlen_q"] - 1  # the last query sees everything
+        kw["o"][:] = kw["o"][last.repeat_interleave(kw["max_seqlen_q"])] if q.shape[0] else kw["o"]
+        return o
+
+    monkeypatch.setattr(standin, "mla_decode_fwd", no_causal)
+    entry = _entry(cap, "aiter")
+    assert entry["status"] == "fail"
+
+
+# --- the plain-decode path per query -----------------------------------------------------------
+
+
+def test_per_query_batch_is_prefix_plus_drafts_before(tmp_path):
+    cap = _capture(tmp_path, draft_token_num=3)
+    batch = per_query_batch(cap)
+    n = 3
+    want = [L - n + i + 1 for L in cap.seq_lens.tolist() for i in range(n)]
+    assert batch.lens.tolist() == want
+    first = cap.kv_indices[: want[0]]
+    assert torch.equal(batch.kv_indices[: want[0]], first.long())
+
+
+def test_per_query_batch_follows_the_tree(tmp_path):
+    cap = _capture(tmp_path, "kimi-k2-tp8-eagle-tree", seq_lens=(37, 16, 9))
+    batch = per_query_batch(cap)
+    m, n = cap.mask_indptr.long(), 4
+    rows = [cap.custom_mask[int(m[b]) : int(m[b + 1])].view(n, -1).sum(-1) for b in range(cap.batch_size)]
+    assert batch.lens.tolist() == torch.cat(rows).tolist()
+    assert batch.lens.tolist() != [L - n + i + 1 for L in cap.seq_lens.tolist() for i in range(n)]
+
+
+@pytest.mark.parametrize("name", ["kimi-k2-tp8-mtp", "kimi-k2-tp8-eagle-tree"])
+def test_aiter_per_query_decode(standin, tmp_path, name):
+    cap = _capture(tmp_path, name)
+    entry = _entry(cap, "aiter_decode_per_query")
+    assert entry["status"] == "pass", entry.get("reason")
+    assert all(c["B"] == cap.q.shape[0] for c in standin.CALLS)  # one decode request per query token
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["kimi-k2-tp8-mtp", "kimi-k2-tp8-eagle-tree"])
+def test_triton_paths_agree_on_a_clean_verify(tmp_path, name):
+    cap = _capture(tmp_path, name)
+    for backend in ("triton_decode_per_query", "extend"):
+        entry = _entry(cap, backend)
+        assert entry["status"] == "pass", (backend, entry.get("reason"))
+    ext = _entry(cap, "extend")["info"]
+    assert ext["implementation"] == "sglang_triton" and ext["triton"]["custom_mask"]
+
+
+def test_per_query_backends_run_on_verify_captures_only(tmp_path):
+    spec = preset("kimi-k2-tp8", seq_lens=(20, 9), num_heads=4, num_kv_splits=None)
+    path = tmp_path / "d.safetensors"
+    synth_capture(path, spec)
+    cap = read_capture(path)
+    opts = ReplayOptions()
+    assert "triton_decode_per_query" not in backend_names(opts, "decode")
+    assert "triton_decode_per_query" in backend_names(opts, "verify")
+    entry = _entry(cap, "triton_decode_per_query")
+    assert entry["status"] == "skipped" and "verify captures only" in entry["reason"]
+
+
+@pytest.mark.slow
+def test_done_when_mtp_preset_replays_through_every_path(tmp_path):
+    """`refmla synth x --preset kimi-k2-tp8-mtp` then `refmla replay x`: every path agrees, aiter
+    skipped here with its reason."""
+    path = tmp_path / "x.safetensors"
+    synth_capture(path, preset("kimi-k2-tp8-mtp"))
+    rep = replay_file(path, ReplayOptions()).to_json()
+    b = rep["backends"]
+    assert rep["verdict"] == "agree" and rep["mode"] == "verify"
+    for name in ("reference", "observed", "extend", "triton_decode_per_query"):
+        assert b[name]["status"] == "pass", (name, b[name].get("reason"))
+    assert b["aiter"]["status"] == "skipped" and b["aiter"]["reason"]
+    assert b["extend"]["info"]["custom_mask"].startswith("causal")
