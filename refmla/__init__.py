@@ -1,22 +1,33 @@
 """refmla: a pure-PyTorch reference and replay harness for absorbed-MLA decode.
 
-Layout (the folder tree is the architecture):
-    reference.py   the math: decode / split / extend / low-precision control, fp64
-    paged.py       index conventions (SGLang token slots <-> aiter pages)
-    capture.py     the refmla.capture/1 file: read (validated, lazy) and write (compacted, atomic)
-    checks.py      metadata forensics run before every replay
-    compare.py     the one comparator (contract section 5)
-    backends/      one module per compute path, picked by name
-    replay.py      capture -> backends -> comparison -> report
-    hypotheses.py  which simple mistake explains a diverging output (contract section 4)
-    diagnosis.py   which compute path diverges: a machine name and a sentence
-    diffkv.py      prefill vs decode KV rows, bit for bit (transfer fidelity)
-    series.py      many captures: parallel replay, series checks, summary table
-    plots.py       pictures of a replay or a diff-kv (matplotlib, optional)
-    golden.py      the golden suite generator
-    synth.py       synthetic captures with planted faults
-    hook/          the capture hook for a live SGLang server
-    cli.py         the thin command line
+Layout (the folder tree is the architecture; imports go down this list, never up):
+
+    util.py         small idioms every layer uses (the bottom)
+    schedule.py     SGLang's split-KV schedule (split bounds, num_kv_splits, max_kv_splits)
+    paged.py        index conventions: SGLang token slots <-> aiter pages
+    pool.py         pool rows by their bytes: zero / NaN rows, row-by-row comparison
+    capture/        the refmla.capture/1 file: format, validation, read (lazy), write (compacted, atomic)
+    reference.py    the math, fp64: decode, split-KV partials and merge, extend
+    control.py      the same math at a kernel's rounding points (the tolerance's noise floor)
+    compare.py      the one comparator (docs/contract.md section 5)
+    results.py      typed results: findings, explanations, backend entries, reports (to_json)
+    checks.py       metadata forensics run before every replay
+    backends/       one module per compute path, picked by name
+    context.py      what one replay's backends share: reference, control, split references
+    hypotheses/     which simple mistake explains a diverging output (section 4), one module per family
+    diagnosis.py    which compute path diverges: a class name and a sentence (section 6)
+    splits.py       a kernel's split partials against the split reference
+    replay.py       capture -> backends -> comparison -> ReplayReport
+    series.py       one layer and rank across decode steps
+    batch.py        many captures, serial or in worker processes, with the same result
+    inspection.py   `refmla inspect` entries
+    diffkv/         prefill vs decode KV rows, bit for bit (transfer fidelity)
+    golden/         the golden suite: deterministic cases, build, check
+    synth/          synthetic captures with planted faults
+    plots.py        pictures of a replay or a diff-kv (matplotlib, optional)
+    render/         text for people: tables, reports, progress
+    cli/            the thin command line, one module per command group
+    hook/           the capture hook for a live SGLang server (imports only the capture layer)
 """
 
 __version__ = "0.1.0"

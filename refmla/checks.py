@@ -11,8 +11,8 @@ per request), not by sampling:
     nonfinite_rows       attended KV rows holding NaN / Inf
     padding_slot         physical slot 0 attended (SGLang reserves it for padded tokens); a note
 
-Every fact is a *finding* (a dict with ``check``, ``severity``, ``request``, ``rid``, the numbers
-and a ``message``). Errors make a capture invalid; warnings are suspicious facts (``inspect``
+Every fact is a *finding* (refmla.results.Finding: ``check``, ``severity``, ``request``, ``rid``,
+the numbers and a ``message``). Errors make a capture invalid; warnings are suspicious facts (``inspect``
 exits 1 on them, a replay still runs); notes are printed but change nothing.
 """
 
@@ -24,31 +24,29 @@ import torch
 
 from refmla.capture import Capture
 from refmla.pool import per_request, row_flags
-from refmla.util import dtype_name, single_thread
+from refmla.results import Finding, MetadataReport
+from refmla.util import single_thread
 
 
-def check_capture(cap: Capture) -> dict:
-    """{"ok", "errors", "warnings", "findings"} for one capture.
+def check_capture(cap: Capture) -> MetadataReport:
+    """The metadata checks of one capture.
 
     ``errors`` / ``warnings`` are one line each (the contract's shape); ``findings`` holds the
-    same facts as structured dicts, plus the notes.
+    same facts as typed Findings, plus the notes.
     """
-    findings: list[dict] = []
+    findings: list[Finding] = []
     with single_thread():  # many small index operations: intra-op threads only add barrier waits
         findings += repeated_slots(cap)
         findings += req_to_token_agreement(cap)
         findings += row_contents(cap)
         findings += padding_slot(cap)
-    errors = [f["message"] for f in findings if f["severity"] == "error"]
-    warnings = list(cap.warnings) + [f["message"] for f in findings if f["severity"] == "warning"]
-    return {"ok": not errors, "errors": errors, "warnings": warnings, "findings": findings}
+    errors = [f.message for f in findings if f.severity == "error"]
+    warnings = list(cap.warnings) + [f.message for f in findings if f.severity == "warning"]
+    return MetadataReport(ok=not errors, errors=errors, warnings=warnings, findings=findings)
 
 
-def _finding(cap: Capture, check: str, severity: str, b: Optional[int], message: str, **numbers: Any) -> dict:
-    return {
-        "check": check, "severity": severity, "request": b,
-        "rid": cap.rid(b), **numbers, "message": message,
-    }  # fmt: skip
+def _finding(cap: Capture, check: str, severity: str, b: Optional[int], message: str, **numbers: Any) -> Finding:
+    return Finding(check, severity, message, request=b, rid=cap.rid(b), numbers=numbers)
 
 
 # --------------------------------------------------------------------------------------------
@@ -56,7 +54,7 @@ def _finding(cap: Capture, check: str, severity: str, b: Optional[int], message:
 # --------------------------------------------------------------------------------------------
 
 
-def repeated_slots(cap: Capture) -> list[dict]:
+def repeated_slots(cap: Capture) -> list[Finding]:
     """A slot listed twice within one request means two positions read the same KV row."""
     found = []
     indptr = cap.kv_indptr.long()
@@ -82,7 +80,7 @@ def repeated_slots(cap: Capture) -> list[dict]:
     return found
 
 
-def req_to_token_agreement(cap: Capture) -> list[dict]:
+def req_to_token_agreement(cap: Capture) -> list[Finding]:
     """kv_indices[kv_indptr[b]:kv_indptr[b+1]] == req_to_token[b, :seq_len[b]] for every request.
 
     Both are in the capture's row numbering (write_capture remaps req_to_token when it compacts
@@ -127,7 +125,7 @@ def req_to_token_agreement(cap: Capture) -> list[dict]:
     return found
 
 
-def row_contents(cap: Capture) -> list[dict]:
+def row_contents(cap: Capture) -> list[Finding]:
     """All-zero, partly zero and NaN/Inf rows at attended slots, count and first position per request."""
     idx = cap.kv_indices.long()
     if idx.numel() == 0:
@@ -157,7 +155,7 @@ def row_contents(cap: Capture) -> list[dict]:
     return found
 
 
-def padding_slot(cap: Capture) -> list[dict]:
+def padding_slot(cap: Capture) -> list[Finding]:
     """Physical slot 0 is SGLang's padding slot; a request attending it had unfilled metadata.
 
     Only known from orig_kv_indices (physical slots), and only a note: a capture written by
@@ -174,72 +172,3 @@ def padding_slot(cap: Capture) -> list[dict]:
         )
         found.append(_finding(cap, "padding_slot", "note", b, message, count=n, first_position=j))
     return found
-
-
-# --------------------------------------------------------------------------------------------
-# `refmla inspect`: entries, text, exit code
-# --------------------------------------------------------------------------------------------
-
-
-def inspect_captures(paths: list[str]) -> list[dict]:
-    """One entry per path: capture, meta, tensors (shape, dtype), metadata (check_capture); an
-    unreadable file gets ``error``. With several paths every readable one also gets ``series``
-    (:func:`refmla.series.series_checks`)."""
-    from refmla.capture import CaptureError, read_capture
-
-    entries = []
-    for p in paths:
-        try:
-            cap = read_capture(p)
-        except CaptureError as e:
-            entries.append({"capture": str(p), "error": str(e),
-                            "metadata": {"ok": False, "errors": [str(e)], "warnings": [], "findings": []}})  # fmt: skip
-            continue
-        entries.append({
-            "capture": cap.path, "meta": cap.meta.to_json(), "metadata": check_capture(cap),
-            "tensors": {n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
-                        for n, t in cap.tensors().items()},
-        })  # fmt: skip
-        del cap
-    if len(paths) > 1:
-        from refmla.series import series_checks
-
-        series = series_checks([str(p) for p in paths])
-        for e in entries:
-            if e["capture"] in series:
-                e["series"] = series[e["capture"]]
-    return entries
-
-
-def inspect_exit_code(entries: list[dict]) -> int:
-    """2 if any capture is invalid, else 1 if any warning (metadata or series), else 0."""
-    code = 0
-    for e in entries:
-        md = e["metadata"]
-        series_warn = any(f.get("severity") == "warning" for f in e.get("series") or [])
-        code = max(code, 2 if not md["ok"] else 1 if md["warnings"] or series_warn else 0)
-    return code
-
-
-def render_inspect(e: dict) -> str:
-    import json
-
-    lines = [f"capture  {e['capture']}"]
-    if "error" in e:
-        return "\n".join(lines + [f"invalid  {e['error']}"])
-    lines.append(f"meta     {json.dumps(e['meta'], sort_keys=True)}")
-    for n, t in e["tensors"].items():
-        lines.append(f"  {n:<16} {str(t['shape']):<22} {t['dtype']}")
-    md = e["metadata"]
-    lines.append("metadata " + ("ok" if md["ok"] else "INVALID"))
-    lines += [f"  warning: {w}" for w in md["warnings"]]
-    lines += [f"  error: {x}" for x in md["errors"]]
-    lines += [f"  note: {f['message']}" for f in md.get("findings", []) if f.get("severity") == "note"]
-    if "series" in e:
-        found = [f for f in e["series"] if f.get("severity") in ("warning", "note")]
-        bad = any(f["severity"] == "warning" for f in found)
-        lines.append(
-            "series   " + ("FINDINGS" if bad else "ok") + (f" (against {found[0]['previous']})" if found else "")
-        )
-        lines += [f"  {f['severity']}: {f['message']}" for f in found]
-    return "\n".join(lines)

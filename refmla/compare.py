@@ -1,4 +1,4 @@
-"""The one comparator (CONTRACT section 5), used by replay, tests, goldens and benchmarks.
+"""The one comparator (docs/contract.md section 5), used by replay, tests, goldens and benchmarks.
 
 A backend's output passes when, on every (row, head) -- a row is a request in decode, a token
 in extend -- its max abs error against the fp64 reference is at most
@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
+
+from refmla.util import request_label
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class Comparison:
 
     def summary(self) -> str:
         w = self.worst
-        where = f"request {w.get('request')} head {w.get('head')}"
+        where = f"{request_label(w.get('request'))} head {w.get('head')}"
         if self.passed:
             return f"{self.name}: pass (max abs err {self.max_abs_err:.3g} at {where})"
         return f"{self.name}: FAIL ({'; '.join(self.reasons)})"
@@ -105,25 +107,72 @@ def compare(
     e = expected.detach().to("cpu", torch.float64)
     if a.shape != e.shape:
         return _shape_failure(name, a, e)
-    R, H = a.shape[0], a.shape[1]
+    R = a.shape[0]
     mask = torch.ones(R, dtype=torch.bool) if row_mask is None else row_mask.to("cpu", torch.bool)
     req = torch.arange(R) if request_of_row is None else request_of_row.to("cpu")
-    reasons: list[str] = []
 
-    # 1. NaN / Inf placement
+    bad, nan_reason = _nan_inf_placement(a, e, mask, req)  # 1. NaN / Inf placement
+    rows = _row_errors(a, e, control, tol, out_dtype)  # 2. error per (row, head) vs its allowance
+    failed_rows, row_reason = _rows_over_allowance(rows, mask, req)
+    whole_cos, row_cos, cos_reasons = _cosine(a, e, rows, mask, req, tol, failed_rows)  # 3. cosine
+    reasons = [r for r in (nan_reason, row_reason) if r] + cos_reasons
+    nan_mismatch = int(bad.sum())
+    worst = _worst_row(a, e, rows, mask, req, bad if nan_mismatch else None)  # 4. the worst row
+
+    sel = mask[:, None].expand(R, a.shape[1])
+    ulp_err = torch.where(rows.finite, rows.err / ulp(out_dtype, e), torch.zeros_like(rows.err))
+    return Comparison(
+        name=name,
+        passed=not reasons,
+        max_abs_err=float(rows.row_err[sel].max()) if sel.any() else 0.0,
+        max_rel_err=float((rows.row_err / rows.row_mag.clamp(min=1e-300))[sel].max()) if sel.any() else 0.0,
+        max_ulp_err=float(ulp_err[mask].max()) if sel.any() else 0.0,
+        cos_diff=whole_cos,
+        worst_row_cos_diff=float(row_cos.max()) if row_cos.numel() else 0.0,
+        worst=worst,
+        failed_rows=failed_rows,
+        compared_rows=int(sel.sum()),
+        nan_mismatch=nan_mismatch,
+        reasons=reasons,
+        row_err=rows.row_err,
+        row_tol=rows.row_tol,
+    )
+
+
+@dataclass
+class _RowErrors:
+    """Errors of one output against the reference, per element and per (row, head)."""
+
+    finite: torch.Tensor  # [R, H, Dv] both actual and expected finite
+    err: torch.Tensor  # [R, H, Dv] abs error, 0 where not both finite
+    row_err: torch.Tensor  # [R, H] max abs error
+    row_mag: torch.Tensor  # [R, H] the reference's largest finite magnitude
+    row_tol: torch.Tensor  # [R, H] allowed: k * control's max abs error + ulps * ulp(row_mag)
+    ctrl_cos: torch.Tensor  # [R, H] the control's own cosine difference
+
+
+def _nan_inf_placement(
+    a: torch.Tensor, e: torch.Tensor, mask: torch.Tensor, req: torch.Tensor
+) -> tuple[torch.Tensor, Optional[str]]:
+    """Elements of compared rows where NaN / signed Inf differ [R, H, Dv], and the reason, if any."""
     same_nan = torch.isnan(a) == torch.isnan(e)
     same_inf = torch.isinf(a) == torch.isinf(e)
     same_inf &= ~torch.isinf(a) | (torch.sign(a) == torch.sign(e))
     bad = ~(same_nan & same_inf) & mask[:, None, None]
-    nan_mismatch = int(bad.sum())
-    if nan_mismatch:
-        r, h, d = (int(i) for i in torch.nonzero(bad)[0])
-        reasons.append(
-            f"NaN/Inf placement differs at {nan_mismatch} elements, first request {int(req[r])} "
-            f"head {h} dim {d}: {a[r, h, d].item():.6g} vs expected {e[r, h, d].item():.6g}"
-        )
+    n = int(bad.sum())
+    if not n:
+        return bad, None
+    r, h, d = (int(i) for i in torch.nonzero(bad)[0])
+    return bad, (
+        f"NaN/Inf placement differs at {n} elements, first request {int(req[r])} "
+        f"head {h} dim {d}: {a[r, h, d].item():.6g} vs expected {e[r, h, d].item():.6g}"
+    )
 
-    # 2. abs error per (row, head) against the control-based allowance
+
+def _row_errors(
+    a: torch.Tensor, e: torch.Tensor, control: Optional[torch.Tensor], tol: Tolerance, out_dtype: torch.dtype
+) -> _RowErrors:
+    """Abs error per (row, head) and its allowance from the control's error on the same row."""
     finite = torch.isfinite(a) & torch.isfinite(e)
     err = torch.where(finite, (a - e).abs(), torch.zeros_like(a))  # [R, H, Dv]
     row_err = err.amax(dim=-1)  # [R, H]
@@ -136,63 +185,67 @@ def compare(
         ctrl_err = torch.zeros_like(row_err)
         ctrl_cos = torch.zeros_like(row_err)
     row_tol = tol.k * ctrl_err + tol.ulps * ulp(out_dtype, row_mag)  # [R, H]
-    row_bad = (row_err > row_tol) & mask[:, None]
-    failed_rows = int(row_bad.sum())
-    if failed_rows:
-        ratio = torch.where(mask[:, None], row_err / row_tol, torch.zeros_like(row_err))
-        r, h = divmod(int(ratio.argmax()), H)
-        reasons.append(
-            f"{failed_rows} of {int(mask.sum()) * H} (request, head) rows exceed k*control+ulp, "
-            f"worst request {int(req[r])} head {h}: err {row_err[r, h].item():.3g} > allowed {row_tol[r, h].item():.3g}"
-        )
+    return _RowErrors(finite=finite, err=err, row_err=row_err, row_mag=row_mag, row_tol=row_tol, ctrl_cos=ctrl_cos)
 
-    # 3. cosine difference, whole and per row
-    am = torch.where(finite & mask[:, None, None], a, 0)
-    em = torch.where(finite & mask[:, None, None], e, 0)
+
+def _rows_over_allowance(rows: _RowErrors, mask: torch.Tensor, req: torch.Tensor) -> tuple[int, Optional[str]]:
+    """How many compared (row, head) rows exceed their allowance, and the reason naming the worst."""
+    H = rows.row_err.shape[1]
+    failed_rows = int(((rows.row_err > rows.row_tol) & mask[:, None]).sum())
+    if not failed_rows:
+        return 0, None
+    ratio = torch.where(mask[:, None], rows.row_err / rows.row_tol, torch.zeros_like(rows.row_err))
+    r, h = divmod(int(ratio.argmax()), H)
+    return failed_rows, (
+        f"{failed_rows} of {int(mask.sum()) * H} (request, head) rows exceed k*control+ulp, "
+        f"worst request {int(req[r])} head {h}: err {rows.row_err[r, h].item():.3g} > allowed {rows.row_tol[r, h].item():.3g}"
+    )
+
+
+def _cosine(
+    a: torch.Tensor, e: torch.Tensor, rows: _RowErrors, mask: torch.Tensor, req: torch.Tensor, tol: Tolerance,
+    failed_rows: int,
+) -> tuple[float, torch.Tensor, list[str]]:
+    """(cosine difference of the whole output, per row [R, H], reasons). A row's cosine is reported
+    only when no row already failed on its error."""
+    H = a.shape[1]
+    am = torch.where(rows.finite & mask[:, None, None], a, 0)
+    em = torch.where(rows.finite & mask[:, None, None], e, 0)
     whole_cos = float(cos_diff(am, em))
-    row_cos = torch.where(mask[:, None], cos_diff(am, em, dim=-1), torch.zeros_like(row_err))  # [R, H]
+    row_cos = torch.where(mask[:, None], cos_diff(am, em, dim=-1), torch.zeros_like(rows.row_err))  # [R, H]
     # cosine difference grows with the square of the error: k times the control's error is k**2 its cos
+    ctrl_cos = rows.ctrl_cos
     row_cos_tol = torch.clamp(tol.k**2 * ctrl_cos, min=tol.cos)
     whole_cos_tol = max(tol.cos, tol.k**2 * float(ctrl_cos.max()) if ctrl_cos.numel() else 0.0)
+    reasons = []
     if whole_cos > whole_cos_tol:
         reasons.append(f"cosine difference {whole_cos:.3g} over the whole output > {whole_cos_tol:.3g}")
-    cos_bad = row_cos > row_cos_tol
-    if bool(cos_bad.any()) and not failed_rows:
+    if bool((row_cos > row_cos_tol).any()) and not failed_rows:
         r, h = divmod(int((row_cos / row_cos_tol).argmax()), H)
         reasons.append(
             f"cosine difference {row_cos[r, h].item():.3g} on request {int(req[r])} head {h} > {row_cos_tol[r, h].item():.3g}"
         )
+    return whole_cos, row_cos, reasons
 
-    # 4. the worst row: highest error relative to its allowance
-    ratio = torch.where(mask[:, None], row_err / row_tol, torch.full_like(row_err, -1.0))
-    if nan_mismatch:
+
+def _worst_row(
+    a: torch.Tensor, e: torch.Tensor, rows: _RowErrors, mask: torch.Tensor, req: torch.Tensor,
+    bad: Optional[torch.Tensor],
+) -> dict:
+    """The worst (row, head): the first misplaced NaN / Inf (``bad``), else the highest error
+    relative to its allowance; with its worst element."""
+    R, H = a.shape[0], a.shape[1]
+    ratio = torch.where(mask[:, None], rows.row_err / rows.row_tol, torch.full_like(rows.row_err, -1.0))
+    if bad is not None:
         r, h = (int(i) for i in torch.nonzero(bad)[0][:2])
     else:
         r, h = divmod(int(ratio.argmax()), H) if ratio.numel() else (0, 0)
-    d = int(err[r, h].argmax()) if err.numel() else 0
+    d = int(rows.err[r, h].argmax()) if rows.err.numel() else 0
     worst = {"request": int(req[r]) if R else None, "head": h, "row": r, "dim": d}
     if R:
-        worst.update(actual=_num(a[r, h, d]), expected=_num(e[r, h, d]), err=_num(row_err[r, h]),
-                     allowed=_num(row_tol[r, h]), ratio=_num(ratio[r, h]))  # fmt: skip
-
-    sel = mask[:, None].expand(R, H)
-    ulp_err = torch.where(finite, err / ulp(out_dtype, e), torch.zeros_like(err))
-    return Comparison(
-        name=name,
-        passed=not reasons,
-        max_abs_err=float(row_err[sel].max()) if sel.any() else 0.0,
-        max_rel_err=float((row_err / row_mag.clamp(min=1e-300))[sel].max()) if sel.any() else 0.0,
-        max_ulp_err=float(ulp_err[mask].max()) if sel.any() else 0.0,
-        cos_diff=whole_cos,
-        worst_row_cos_diff=float(row_cos.max()) if row_cos.numel() else 0.0,
-        worst=worst,
-        failed_rows=failed_rows,
-        compared_rows=int(sel.sum()),
-        nan_mismatch=nan_mismatch,
-        reasons=reasons,
-        row_err=row_err,
-        row_tol=row_tol,
-    )
+        worst.update(actual=_num(a[r, h, d]), expected=_num(e[r, h, d]), err=_num(rows.row_err[r, h]),
+                     allowed=_num(rows.row_tol[r, h]), ratio=_num(ratio[r, h]))  # fmt: skip
+    return worst
 
 
 def _num(x: torch.Tensor) -> Optional[float]:

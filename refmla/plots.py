@@ -28,7 +28,14 @@ except ImportError as e:  # the CLI turns this into one line and exit 2
 
 import torch
 
+from refmla import reference as ref
+from refmla.backends import get_backend
+from refmla.capture import CaptureError, read_capture
+from refmla.compare import Tolerance
+from refmla.context import ReplayContext, ReplayOptions
+from refmla.diffkv.types import DiffResult
 from refmla.pool import row_flags
+from refmla.results import Explanation, ReplayReport
 from refmla.schedule import split_bounds
 
 MAX_PAGE_SHADES = 400  # shade alternate pages only when there are at most this many
@@ -56,22 +63,20 @@ def _stems(paths: list[str]) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def plot_replay(reports: list[dict], out_dir: Any) -> list[Path]:
+def plot_replay(reports: list[ReplayReport], out_dir: Any) -> list[Path]:
     """Write the heat map and the worst row's attention plot for every replayed capture.
 
-    Re-reads each capture from ``report["capture"]``; the error matrices are recomputed for the
+    Re-reads each capture from ``report.capture``; the error matrices are recomputed for the
     production output and re-run for backends whose status is ``fail``. Invalid captures are skipped.
     """
-    from refmla.capture import CaptureError, read_capture
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    for report, stem in zip(reports, _stems([r["capture"] for r in reports])):
-        if not report.get("backends"):
+    for report, stem in zip(reports, _stems([r.capture for r in reports])):
+        if not report.backends:
             continue
         try:
-            cap = read_capture(report["capture"])
+            cap = read_capture(report.capture)
         except CaptureError:
             continue
         errors = _error_matrices(cap, report)
@@ -83,18 +88,12 @@ def plot_replay(reports: list[dict], out_dir: Any) -> list[Path]:
     return written
 
 
-def _error_matrices(cap, report: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _error_matrices(cap, report: ReplayReport) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """backend -> (abs error [R, H], allowed [R, H]) for observed and every failing backend."""
-    from refmla.backends import get_backend
-    from refmla.compare import Tolerance
-    from refmla.context import ReplayContext, ReplayOptions
-
-    names = [n for n, b in report["backends"].items()
-             if n == "observed" and b.get("status") in ("pass", "fail") or b.get("status") == "fail"]  # fmt: skip
+    names = [n for n, b in report.backends.items() if n == "observed" and b.ran or b.status == "fail"]
     if not names:
         return {}
-    tol = Tolerance(**report.get("tolerance", {}))
-    ctx = ReplayContext(cap, ReplayOptions(tol=tol, explain=False))
+    ctx = ReplayContext(cap, ReplayOptions(tol=report.tolerance or Tolerance(), explain=False))
     out = {}
     for name in dict.fromkeys(names):
         try:
@@ -107,7 +106,7 @@ def _error_matrices(cap, report: dict) -> dict[str, tuple[torch.Tensor, torch.Te
     return out
 
 
-def _heatmap_figure(cap, report: dict, errors: dict) -> Figure:
+def _heatmap_figure(cap, report: ReplayReport, errors: dict) -> Figure:
     R = next(iter(errors.values()))[0].shape[0]
     fig = Figure(figsize=(12, 1.8 + min(0.22 * R, 9) * len(errors)), layout="constrained")
     axes = fig.subplots(len(errors), 2, squeeze=False)
@@ -134,28 +133,26 @@ def _heatmap_figure(cap, report: dict, errors: dict) -> Figure:
             ax.set_ylabel(ylabel)
             for y in bounds:
                 ax.axhline(y - 0.5, color="k", lw=0.6)
-    fig.suptitle(f"{Path(cap.path).name}: {report.get('verdict')}"
-                 + (f" ({report['diagnosis']})" if report.get("diagnosis") else ""))  # fmt: skip
+    fig.suptitle(f"{Path(cap.path).name}: {report.verdict}" + (f" ({report.diagnosis})" if report.diagnosis else ""))
     return fig
 
 
-def _worst_row(report: dict) -> Optional[tuple[int, int, str, Optional[dict]]]:
+def _worst_row(report: ReplayReport) -> Optional[tuple[int, int, str, Optional[Explanation]]]:
     """(row, head, backend, explanation) of the first failing backend (one with an explanation
     first), else of the production output; None when nothing was compared."""
-    cands = [(n, b) for n, b in report["backends"].items() if b.get("status") == "fail"]
-    cands.sort(key=lambda nb: nb[1].get("explanation") is None)
-    cands += [(n, b) for n, b in report["backends"].items() if n == "observed" and b.get("status") == "pass"]
+    cands = [(n, b) for n, b in report.backends.items() if b.status == "fail"]
+    cands.sort(key=lambda nb: nb[1].explanation is None)
+    cands += [(n, b) for n, b in report.backends.items() if n == "observed" and b.status == "pass"]
     for name, b in cands:
-        w = b.get("worst") or {}
+        w = b.worst or {}
         if w.get("head") is None or w.get("request") is None:
             continue
-        return int(w.get("row", w["request"])), int(w["head"]), name, b.get("explanation")
+        return int(w.get("row", w["request"])), int(w["head"]), name, b.explanation
     return None
 
 
-def _attention_figure(cap, report: dict, row: int, head: int, backend: str, expl: Optional[dict]) -> Figure:
-    from refmla import reference as ref
-
+def _attention_figure(cap, report: ReplayReport, row: int, head: int, backend: str,
+                      expl: Optional[Explanation]) -> Figure:  # fmt: skip
     b = int(cap.request_of_row()[row])
     rows = ref.request_rows(cap.kv_indptr, cap.kv_indices, b)  # [L]
     L = rows.numel()
@@ -204,17 +201,14 @@ def _attention_figure(cap, report: dict, row: int, head: int, backend: str, expl
                 ax.plot(js, [1e-29] * len(js), "|", color=color, ms=14, label=f"{text} ({len(js)})")
     ax.set_xlim(-0.5, max(top, ax.get_xlim()[1]) - 0.5 if L_seen else 1)
     fig.legend(loc="outside lower center", ncols=3, fontsize=8)
-    rid = m.rids[b] if m.rids and b < len(m.rids) else None
-    ax.set_title(f"{Path(cap.path).name}: worst row of {backend}, request {b}" + (f" (rid {rid})" if rid else "")
+    ax.set_title(f"{Path(cap.path).name}: worst row of {backend}, {cap.label(b)}"
                  + ("" if cap.is_decode else f" token {row}") + f", head {head}, seq_len {L}")  # fmt: skip
     return fig
 
 
-def _mark_explanation(ax, expl: dict, b: int, L: int, cap) -> None:
-    from refmla import reference as ref
-
-    name, d = expl.get("hypothesis"), expl.get("detail") or {}
-    if expl.get("request") is not None and expl["request"] != b:
+def _mark_explanation(ax, expl: Explanation, b: int, L: int, cap) -> None:
+    name, d = expl.hypothesis, expl.detail or {}
+    if expl.request is not None and expl.request != b:
         return
     span = None
     if name == "kv_range_missing" and "start" in d and "end" in d:
@@ -240,41 +234,41 @@ def _mark_explanation(ax, expl: dict, b: int, L: int, cap) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def plot_diff_kv(result: dict, out_dir: Any) -> list[Path]:
+def plot_diff_kv(result: DiffResult, out_dir: Any) -> list[Path]:
     """One lane per request: compared positions (grey), mismatched ranges (red), transfer runs
     holding mismatches (outlined). Requests with mismatches come first; at most 96 lanes."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    reqs = [e for e in result["requests"] if e.get("positions_compared")]
-    reqs.sort(key=lambda e: e["mismatched_positions"] == 0)
+    reqs = [e for e in result.requests if e.positions_compared]
+    reqs.sort(key=lambda e: e.mismatched_positions == 0)
     reqs = reqs[:96]
     fig = Figure(figsize=(13, 1.5 + 0.32 * max(len(reqs), 1)), layout="constrained")
     ax = fig.subplots()
     for lane, e in enumerate(reqs):
         y = len(reqs) - 1 - lane
-        ax.broken_barh([(0, e["positions_compared"])], (y - 0.3, 0.6), color="0.85")
-        rng = [(a, b - a) for a, b in e.get("mismatch_ranges", [])]
+        ax.broken_barh([(0, e.positions_compared)], (y - 0.3, 0.6), color="0.85")
+        rng = [(a, b - a) for a, b in e.mismatches.ranges] if e.mismatches is not None else []
         if rng:
             ax.broken_barh(rng, (y - 0.3, 0.6), color="C3")
-        for run in (e.get("transfer_runs") or {}).get("mismatched", []):
-            ax.broken_barh([(run["start"], run["positions"])], (y - 0.42, 0.84), facecolor="none",
+        for run in e.transfer_runs.mismatched if e.transfer_runs is not None else []:
+            ax.broken_barh([(run.start, run.positions)], (y - 0.42, 0.84), facecolor="none",
                            edgecolor="k", lw=0.8)  # fmt: skip
-    ax.set_yticks(range(len(reqs)), [str(e["request"]) for e in reversed(reqs)], fontsize=7)
-    ax.set_xlabel(f"position (pages of {result.get('page_size')})")
+    ax.set_yticks(range(len(reqs)), [str(e.request) for e in reversed(reqs)], fontsize=7)
+    ax.set_xlabel(f"position (pages of {result.page_size})")
     ax.plot([], [], color="0.85", lw=6, label="compared, identical")
     ax.plot([], [], color="C3", lw=6, label="mismatched")
-    if any(e.get("transfer_runs") for e in reqs):
+    if any(e.transfer_runs is not None for e in reqs):
         ax.plot([], [], color="k", lw=0.8, label="transfer run (contiguous on both sides) holding mismatches")
-    P, top = result.get("page_size") or 1, max((e["positions_compared"] for e in reqs), default=0)
+    P, top = result.page_size or 1, max((e.positions_compared for e in reqs), default=0)
     if P > 1 and 0 < top // P <= MAX_PAGE_SHADES:
         ax.set_xticks([k * P for k in range(top // P + 1)], minor=True)
         ax.grid(True, axis="x", which="minor", color="0.75", lw=0.4)
     fig.legend(loc="outside lower center", ncols=3, fontsize=8)
     verdict = (
         "identical"
-        if result["ok"]
-        else (f"{result['mismatched_positions']} of {result['positions_compared']} positions mismatched")
+        if result.ok
+        else (f"{result.mismatched_positions} of {result.positions_compared} positions mismatched")
     )
-    ax.set_title(f"diff-kv {Path(result['decode']).name}: {verdict}")
-    name = Path(result["decode"]).name.removesuffix(".safetensors")
+    ax.set_title(f"diff-kv {Path(result.decode).name}: {verdict}")
+    name = Path(result.decode).name.removesuffix(".safetensors")
     return [_save(fig, out_dir / f"diffkv.{name}.png")]

@@ -64,7 +64,7 @@ def capture_for(tmp_path, case: Case, compact: bool = False):
 
 
 def replay_aiter(cap) -> dict:
-    return run_backend("aiter", ReplayContext(cap, ReplayOptions(backends=["aiter"])))
+    return run_backend("aiter", ReplayContext(cap, ReplayOptions(backends=["aiter"]))).to_json()
 
 
 @pytest.mark.parametrize("convention", ["token", "page"])
@@ -144,7 +144,7 @@ def test_buggy_decode_kernel_is_diagnosed_decode(standin, tmp_path, monkeypatch)
 
     monkeypatch.setenv("REFMLA_EXTEND_IMPL", "torch")
     monkeypatch.setattr(adapter, "pad_heads", lambda q: (q.repeat_interleave(2, dim=1), lambda o: o[:, :8], "buggy"))
-    report = replay_capture(capture_for(tmp_path, Case(8, "token")), ReplayOptions(backends=["aiter", "extend"]))
+    report = replay_capture(capture_for(tmp_path, Case(8, "token")), ReplayOptions(backends=["aiter", "extend"])).to_json()
     assert report["verdict"] == "diverged"
     assert report["diagnosis"] == "decode" and report["diagnosis_backends"] == ["aiter"]
     assert report["backends"]["extend"]["status"] == "pass"
@@ -173,7 +173,7 @@ def test_logit_cap_is_refused_not_crashed(standin, tmp_path):
 def test_extend_backend_reports_aiter_prefill(standin, tmp_path, monkeypatch):
     monkeypatch.setenv("REFMLA_EXTEND_IMPL", "torch")
     cap = capture_for(tmp_path, Case(8, "token"))
-    entry = run_backend("extend", ReplayContext(cap, ReplayOptions(backends=["extend"])))
+    entry = run_backend("extend", ReplayContext(cap, ReplayOptions(backends=["extend"]))).to_json()
     assert entry["status"] == "pass", entry.get("reason")
     pre = entry["info"]["aiter_prefill"]
     assert pre["status"] == "pass" and pre["stand_in"] is True, pre

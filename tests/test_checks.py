@@ -50,10 +50,11 @@ def write(tmp_path, t, name="cap.safetensors"):
     return read_capture(path)
 
 
-def by_check(md: dict) -> dict:
+def by_check(md) -> dict:
+    """check name -> its findings, as their JSON (what a user reads)."""
     out: dict = {}
-    for f in md["findings"]:
-        out.setdefault(f["check"], []).append(f)
+    for f in md.findings:
+        out.setdefault(f.check, []).append(f.to_json())
     return out
 
 
@@ -61,7 +62,7 @@ def by_check(md: dict) -> dict:
 
 
 def test_clean_capture_has_no_findings(tmp_path):
-    md = check_capture(write(tmp_path, inputs_with_req_to_token()))
+    md = check_capture(write(tmp_path, inputs_with_req_to_token())).to_json()
     assert md == {"ok": True, "errors": [], "warnings": [], "findings": []}, "NaN rows nobody attends are no finding"
 
 
@@ -116,7 +117,7 @@ def test_padding_slot_is_a_note_only(tmp_path):
     t = inputs()
     t["kv_buffer"][0] = t["kv_buffer"][slot(t, 0, 0)]  # a real row, so only the slot is odd
     t["kv_indices"][int(t["kv_indptr"][1]) + 2] = 0  # physical slot 0 (kept as orig_kv_indices)
-    md = check_capture(write(tmp_path, t))
+    md = check_capture(write(tmp_path, t)).to_json()
     notes = [f for f in md["findings"] if f["check"] == "padding_slot"]
     assert [(f["request"], f["first_position"]) for f in notes] == [(1, 2)]
     assert md["ok"] and md["warnings"] == []
@@ -157,7 +158,7 @@ def test_replay_reports_findings_without_changing_the_verdict(tmp_path):
 
     t["out"] = faulty_output(SPEC, t, "none")[0]
     write(tmp_path, t)
-    rep = replay_file(tmp_path / "cap.safetensors", ReplayOptions(backends=["reference"]))
+    rep = replay_file(tmp_path / "cap.safetensors", ReplayOptions(backends=["reference"])).to_json()
     assert rep["verdict"] == "agree"
     assert [f["request"] for f in rep["metadata"]["findings"]] == [2]
 

@@ -12,7 +12,8 @@ import torch
 
 from refmla.capture import CaptureError, write_capture
 from refmla.cli import main
-from refmla.diffkv import diff_kv_files, render_diff
+from refmla.capture import read_capture
+from refmla.diffkv import DiffResult, RequestDiff, diff_kv, diff_kv_files, render_diff
 
 DV, DR = 32, 8  # small latent / rope widths keep the files tiny; the code never assumes 576
 D = DV + DR
@@ -94,8 +95,8 @@ def pair(tmp_path, decode_mutate=None, decode_order=(2, 0, 1), decode_rids=True,
     return p, d, (pre, dec)
 
 
-def by_request(result: dict) -> dict:
-    return {e["request"]: e for e in result["requests"]}
+def by_request(result: DiffResult) -> dict[object, RequestDiff]:
+    return {e.request: e for e in result.requests}
 
 
 # --------------------------------------------------------------------------------------------
@@ -105,18 +106,18 @@ def test_identical_rows_at_shuffled_slots_match(tmp_path):
     p, d, (pre, dec) = pair(tmp_path)
     assert not torch.equal(pre.slots[0], dec.slots[1][: LENS[0]])  # really at other slots
     res = diff_kv_files([p], d)
-    assert res["ok"] and res["pairing"] == "rid"
+    assert res.ok and res.pairing == "rid"
     reqs = by_request(res)
     assert set(reqs) == {"req-0", "req-1", "req-2"}
     for b, L in enumerate(LENS):
         e = reqs[f"req-{b}"]
-        assert (e["positions_compared"], e["mismatched_positions"], e["first_mismatch"], e["mismatched_pages"]) == (
+        assert (e.positions_compared, e.mismatched_positions, e.first_mismatch, e.mismatched_pages) == (
             L,
             0,
             None,
             [],
         )
-    assert res["positions_compared"] == sum(LENS)
+    assert res.positions_compared == sum(LENS)
     assert "verdict  match" in render_diff(res)
 
 
@@ -129,18 +130,18 @@ def test_one_perturbed_page_is_found_with_its_page_and_first_position(tmp_path):
 
     p, d, _ = pair(tmp_path, decode_mutate=corrupt)
     res = diff_kv_files(p, d)
-    assert not res["ok"]
+    assert not res.ok
     reqs = by_request(res)
     e = reqs["req-2"]
-    assert e["mismatched_positions"] == P - 5
-    assert e["first_mismatch"] == page * P + 5
-    assert e["mismatched_pages"] == [page]
-    assert e["first_detail"]["differing_dims"] == 1
-    assert 0 < e["max_abs_diff"] <= 8.0
-    assert e["first_detail"]["prefill_norm"] != e["first_detail"]["decode_norm"]
-    assert e["transfer_runs"]["with_mismatches"] == 1
-    assert reqs["req-0"]["mismatched_positions"] == 0 and reqs["req-1"]["mismatched_positions"] == 0
-    assert res["mismatched_positions"] == P - 5 and res["mismatched_requests"] == 1
+    assert e.mismatched_positions == P - 5
+    assert e.first_mismatch == page * P + 5
+    assert e.mismatched_pages == [page]
+    assert e.mismatches.first.differing_dims == 1
+    assert 0 < e.mismatches.max_abs_diff <= 8.0
+    assert e.mismatches.first.prefill_norm != e.mismatches.first.decode_norm
+    assert e.transfer_runs.with_mismatches == 1
+    assert reqs["req-0"].mismatched_positions == 0 and reqs["req-1"].mismatched_positions == 0
+    assert res.mismatched_positions == P - 5 and res.mismatched_requests == 1
 
 
 def test_not_landed_page_reads_as_zero_rows(tmp_path):
@@ -149,9 +150,9 @@ def test_not_landed_page_reads_as_zero_rows(tmp_path):
 
     p, d, _ = pair(tmp_path, decode_mutate=zero)
     e = by_request(diff_kv_files(p, d))["req-0"]
-    assert e["mismatched_pages"] == [1] and e["first_mismatch"] == 16
-    assert e["decode_zero_rows"] == 16 and e["first_detail"]["decode_norm"] == 0.0
-    assert "not landed" in e["summary"]
+    assert e.mismatched_pages == [1] and e.first_mismatch == 16
+    assert e.mismatches.decode_zero_rows == 16 and e.mismatches.first.decode_norm == 0.0
+    assert "not landed" in e.summary
 
 
 def test_offset_bug_over_a_contiguous_run_is_one_run(tmp_path):
@@ -168,13 +169,13 @@ def test_offset_bug_over_a_contiguous_run_is_one_run(tmp_path):
     p = write_side(tmp_path / "prefill_contig.safetensors", toks,
                    Side(lens=LENS, new=LENS, rids=[f"req-{b}" for b in range(3)], contiguous=True))  # fmt: skip
     e = by_request(diff_kv_files(p, d))["req-2"]
-    runs = e["transfer_runs"]
-    assert runs["with_mismatches"] == 1
-    run = runs["mismatched"][0]
-    assert run["offset"] == 1
-    assert run["first_mismatch"] == 40 and run["mismatched_positions"] == 60
-    assert e["mismatched_pages"] == [2, 3, 4, 5, 6]  # positions 40..99, pages of 16
-    assert "shifted by 1" in e["summary"]
+    runs = e.transfer_runs
+    assert runs.with_mismatches == 1
+    run = runs.mismatched[0]
+    assert run.offset == 1
+    assert run.first_mismatch == 40 and run.mismatched_positions == 60
+    assert e.mismatched_pages == [2, 3, 4, 5, 6]  # positions 40..99, pages of 16
+    assert "shifted by 1" in e.summary
 
 
 def test_request_on_one_side_only_is_reported(tmp_path):
@@ -184,11 +185,11 @@ def test_request_on_one_side_only_is_reported(tmp_path):
                    Side(lens=[LENS[0] + GEN, LENS[2] + GEN, 9], rids=["a", "c", "z"], seed=3))  # fmt: skip
     res = diff_kv_files([p], d)
     reqs = by_request(res)
-    assert res["ok"]
-    assert reqs["b"]["status"] == "prefill_only" and reqs["b"]["positions_compared"] == 0
-    assert reqs["z"]["status"] == "decode_only"
-    assert res["prefill_only"] == ["b"] and res["decode_only"] == ["z"]
-    assert reqs["a"]["positions_compared"] == LENS[0] and reqs["c"]["positions_compared"] == LENS[2]
+    assert res.ok
+    assert reqs["b"].status == "prefill_only" and reqs["b"].positions_compared == 0
+    assert reqs["z"].status == "decode_only"
+    assert res.prefill_only == ["b"] and res.decode_only == ["z"]
+    assert reqs["a"].positions_compared == LENS[0] and reqs["c"].positions_compared == LENS[2]
 
 
 def test_chunked_prefill(tmp_path):
@@ -210,23 +211,23 @@ def test_chunked_prefill(tmp_path):
     d = write_side(tmp_path / "decode.safetensors", toks, Side(lens=[L + GEN], rids=["r"], seed=9))
     res = diff_kv_files(paths, d)
     e = by_request(res)["r"]
-    assert res["ok"], "position 70 is owned by chunk 1, which wrote it"
-    assert e["positions_compared"] == L and e["prefill_captures"] == [0, 1, 2]
-    assert e["prefill_disagreements"] == {"positions": 1, "first": 70}
+    assert res.ok, "position 70 is owned by chunk 1, which wrote it"
+    assert e.positions_compared == L and e.prefill_captures == [0, 1, 2]
+    assert e.prefill_disagreements.to_json() == {"positions": 1, "first": 70}
 
     def bad(pool, slots):
         pool[slots[0][85], 0, 3] = -pool[slots[0][85], 0, 3] - 1  # in the last chunk's range
 
     d2 = write_side(tmp_path / "decode2.safetensors", toks, Side(lens=[L + GEN], rids=["r"], seed=9, mutate=bad))
     e = by_request(diff_kv_files(paths, d2))["r"]
-    assert (e["mismatched_positions"], e["first_mismatch"], e["mismatched_pages"]) == (1, 85, [85 // 16])
+    assert (e.mismatched_positions, e.first_mismatch, e.mismatched_pages) == (1, 85, [85 // 16])
 
 
 def test_pairs_by_order_without_rids(tmp_path):
     p, d, _ = pair(tmp_path, decode_order=(0, 1, 2), decode_rids=False)
     res = diff_kv_files(p, d)
-    assert res["pairing"] == "order" and res["ok"]
-    assert [e["request"] for e in res["requests"]] == [0, 1, 2]
+    assert res.pairing == "order" and res.ok
+    assert [e.request for e in res.requests] == [0, 1, 2]
 
 
 def test_unusable_inputs_raise_capture_error(tmp_path):
@@ -263,17 +264,63 @@ def test_cli_exit_codes_and_json(tmp_path, capsys):
     assert len(err) == 1 and "broken.safetensors" in err[0]
 
 
-def test_plot(tmp_path):
+def test_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
 
     def corrupt(pool, slots):
         pool[slots[0][20:40], 0, 1] += 1.0
 
+    from refmla.plots import plot_diff_kv
+
     p, d, _ = pair(tmp_path, decode_mutate=corrupt)
-    res = diff_kv_files(p, d, plot_dir=str(tmp_path / "plots"))
-    assert len(res["plots"]) == 1
-    with open(res["plots"][0], "rb") as f:
+    paths = plot_diff_kv(diff_kv_files(p, d), tmp_path / "plots")
+    assert len(paths) == 1
+    with open(paths[0], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert main(["diff-kv", p, d, "--json", "--plot", str(tmp_path / "cli-plots")]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["plots"]) == 1 and out["plots"][0].startswith(str(tmp_path / "cli-plots"))
+
+
+def test_already_read_captures_give_typed_per_request_answers(tmp_path, capsys):
+    """What `refmla disagg` will ask per (request, layer, rank): faithful, or the first mismatching
+    position, page and transfer run -- from captures it has already read and grouped."""
+
+    def shift(pool, slots):
+        pool[slots[0][40:60]] = pool[slots[0][41:61]].clone()  # req-2 on the decode side
+
+    p, d, _ = pair(tmp_path, decode_mutate=shift)
+    res = diff_kv([read_capture(p)], read_capture(d))
+    assert not res.ok
+    e = res.request("req-2")
+    assert not e.faithful and e.paired
+    assert (e.first_mismatch, e.first_page) == (40, 40 // 16)
+    run = e.first_run
+    assert run is not None and run.start <= e.first_mismatch < run.end and run.offset == 1
+    assert all(res.request(rid).faithful and res.request(rid).first_run is None for rid in ("req-0", "req-1"))
+    with pytest.raises(KeyError):
+        res.request("nobody")
+    main(["diff-kv", p, d, "--json"])
+    assert json.loads(capsys.readouterr().out) == res.to_json()  # the JSON is the typed result's
+
+
+def test_diffkv_sits_below_plots_and_cli():
+    """diffkv imports nothing above it (plots, cli, series, golden): the CLI draws the plots."""
+    import ast
+    from pathlib import Path
+
+    import refmla.diffkv
+
+    above = {"refmla.plots", "refmla.cli", "refmla.series", "refmla.golden"}
+    for path in Path(refmla.diffkv.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                names = {a.name for a in node.names}
+            else:
+                continue
+            assert not names & above, f"{path.name} imports {sorted(names & above)}"
 
 
 @pytest.mark.parametrize("path", ["runs", "gather", "values"])

@@ -99,7 +99,7 @@ def test_one_token_extend_is_decode(tmp_path):
 
 def test_zero_length_request_row_is_zero(tmp_path):
     cap = load(tmp_path, HOSTILE)
-    entry = run_backend("extend", ReplayContext(cap, ReplayOptions(backends=["extend"])))
+    entry = run_backend("extend", ReplayContext(cap, ReplayOptions(backends=["extend"]))).to_json()
     assert entry["status"] == "pass", entry.get("reason")
     inp = as_extend(cap)
     empty = int(torch.nonzero(cap.seq_lens == 0)[0])
@@ -135,7 +135,7 @@ def test_triton_extend_matches_reference(tmp_path, spec):
 @needs_triton
 def test_backend_reports_both_implementations(tmp_path):
     cap = load(tmp_path, SMALL_EXTEND)
-    entry = run_backend("extend", ReplayContext(cap, ReplayOptions(backends=["extend"])))
+    entry = run_backend("extend", ReplayContext(cap, ReplayOptions(backends=["extend"]))).to_json()
     assert entry["status"] == "pass", entry.get("reason")
     info = entry["info"]
     assert info["implementation"] == "sglang_triton"
@@ -146,7 +146,7 @@ def test_backend_reports_both_implementations(tmp_path):
 def test_torch_only_backend_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("REFMLA_EXTEND_IMPL", "torch")
     cap = load(tmp_path, SMALL_DECODE)
-    entry = run_backend("extend", ReplayContext(cap, ReplayOptions(backends=["extend"])))
+    entry = run_backend("extend", ReplayContext(cap, ReplayOptions(backends=["extend"]))).to_json()
     assert entry["status"] == "pass", entry.get("reason")
     assert entry["info"]["implementation"] == "torch"
     assert entry["info"]["sglang_triton_extend"]["status"] == "skipped"

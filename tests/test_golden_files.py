@@ -1,8 +1,12 @@
-"""golden/ is exactly what ``refmla golden generate --suite quick`` writes, and matches its manifest."""
+"""golden/ is exactly what ``refmla golden generate --suite quick`` writes, and matches its manifest; a golden
+result survives the JSON of check_isolated's process boundary."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
+import math
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,9 @@ import torch
 
 from refmla import golden
 from refmla.capture import read_capture
+from refmla.compare import Comparison
+from refmla.results import BackendEntry, Explanation, SplitCheck
+from refmla.util import json_safe
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 LIMIT = 16 * 2**20  # the quick suite lives in the repository
@@ -93,3 +100,56 @@ def test_logits_are_exact_in_fp64_whatever_the_summation_order():
     s = q @ k.T
     assert torch.equal(s, (q.flip(1) @ k.flip(1).T)), "reordered dot products must agree bit for bit"
     assert torch.equal(s, (q[:, :288] @ k[:, :288].T) + (q[:, 288:] @ k[:, 288:].T))
+
+
+def test_a_case_says_its_mode_and_every_mode_has_a_builder():
+    assert set(golden.MODES) == set(golden.BUILDERS)
+    case = golden.QUICK["kimi-h8-len1-31-32-33"]
+    assert case.mode == "decode" and golden.case_meta(case)["mode"] == "decode"
+    # a field added after the committed goldens stays out of params() at its default: their bytes hold
+    assert all(k not in case.params() for k in golden.cases.ADDED_FIELDS)
+    with pytest.raises(ValueError, match="mode"):
+        golden.GoldenCase("x", "y", seq_lens=(1,), mode="no-such-mode")
+
+
+def _result_with_everything() -> golden.GoldenResult:
+    """A failing result whose entry holds a comparison, a split check and an explanation."""
+    ok = golden.check(GOLDEN / "kimi-h8-len1-31-32-33.safetensors", "reference")
+    cmp = dataclasses.replace(ok.entry.comparison, name="triton", passed=False, reasons=["row 3 too far"],
+                              cos_diff=math.nan)  # fmt: skip
+    entry = BackendEntry.judged(cmp, info={"kernel_seconds": 0.5})
+    entry.splits = SplitCheck("fail", reason="split 2 of request 3", compared_splits=7, worst={"split": 2})
+    entry.explanation = Explanation("seq_len_off_by", 3, {"delta": -1}, 1e-7, heads=[0, 7], extra={"scope": "x"})
+    entry.seconds = 1.25
+    return golden.GoldenResult(ok.case, "triton", entry, ok.why, "refmla replay f --backend triton", 2.5)
+
+
+def test_a_golden_result_crosses_the_process_boundary_as_json():
+    r = _result_with_everything()
+    sent = json.loads(json.dumps(json_safe(r.to_json())))  # what `python -m refmla.golden check` prints
+    back = golden.GoldenResult.from_json(sent)
+    assert isinstance(back.entry, BackendEntry) and isinstance(back.entry.comparison, Comparison)
+    assert isinstance(back.entry.splits, SplitCheck) and isinstance(back.entry.explanation, Explanation)
+    assert json_safe(back.to_json()) == sent and back.message() == r.message()
+    assert math.isnan(back.entry.comparison.cos_diff), "a NaN spelled null comes back as NaN"
+    assert (back.status, back.reason, back.passed) == ("fail", "row 3 too far", False)
+    lines = r.message().splitlines()
+    assert lines[0].startswith("golden kimi-h8-len1-31-32-33 / triton: FAIL  [")
+    assert lines[1:] == [
+        "  row 3 too far",
+        lines[2],  # the worst element, checked below
+        "  splits: fail (split 2 of request 3)",
+        "  explained by seq_len_off_by(delta=-1) request 3",
+        "  replay: refmla replay f --backend triton",
+    ]
+    assert lines[2].startswith("  worst element: request ") and " triton " in lines[2] and " vs reference " in lines[2]
+
+
+@pytest.mark.slow
+def test_check_isolated_returns_the_typed_result_of_the_child():
+    path = GOLDEN / "kimi-h8-len1-31-32-33.safetensors"
+    r = golden.check_isolated(path, "reference")
+    assert r.passed, r.message()
+    assert r.case == "kimi-h8-len1-31-32-33" and isinstance(r.entry.comparison, Comparison)
+    here = golden.check(path, "reference")
+    assert r.entry.info == here.entry.info and r.entry.worst == here.entry.worst and r.replay == here.replay

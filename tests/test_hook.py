@@ -22,9 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from refmla.hook import sglang_patch
+from refmla.hook import patching
 from refmla.hook.config import ConfigError, HookConfig, parse_bytes, parse_int_set
+from refmla.hook.runtime import graph_capturing
 from refmla.backends.cpu_compat import torchvision_cpu_shim
+from refmla.context import ReplayOptions
+from refmla.util import json_safe
 
 # At collection, before any test of the session imports sglang: a PyPI (CUDA) torchvision next to
 # a CPU torch breaks `import sglang` for good in the process otherwise (see cpu_compat).
@@ -59,10 +62,10 @@ def hook(tmp_path):
     def _install(**kw):
         kw.setdefault("min_seq_len", 0)
         cfg = HookConfig(out_dir=str(tmp_path / "caps"), **kw)
-        return sglang_patch.install(cfg)
+        return patching.install(cfg)
 
     yield _install
-    sglang_patch.uninstall()
+    patching.uninstall()
 
 
 @pytest.fixture
@@ -115,14 +118,14 @@ def test_decode_capture_replays_bit_for_bit(T, hook, dtype):
         seg = cap.kv_indices[int(cap.kv_indptr[b]) : int(cap.kv_indptr[b + 1])]
         assert torch.equal(cap.req_to_token[b, :L].long(), seg.long())
 
-    sglang_patch.uninstall()  # replay in a process without the hook, as a user would
+    patching.uninstall()  # replay in a process without the hook, as a user would
     replay = pytest.importorskip("refmla.replay")
-    report = replay.replay_file(str(files[0]), replay.ReplayOptions(backends=["triton"]))
+    report = replay.replay_file(str(files[0]), ReplayOptions(backends=["triton"])).to_json()
     observed, triton = report["backends"]["observed"], report["backends"]["triton"]
     assert triton["status"] in ("pass", "fail"), triton.get("reason")  # it ran
     assert triton["max_abs_err"] == observed["max_abs_err"]  # the same numbers as production
     if dtype == "bfloat16":  # the production dtype
-        assert report["verdict"] == "agree", json.dumps(replay.json_safe(report["backends"]), indent=1)[:3000]
+        assert report["verdict"] == "agree", json.dumps(json_safe(report["backends"]), indent=1)[:3000]
         assert observed["status"] == triton["status"] == "pass"
     # fp32: SGLang's kernel exceeds the fp32 control's 2x + 1 ulp bound on some rows (~1.5e-6 vs
     # 5.5e-7: split merging and exp in fp32 are not modelled by the control); reported to the lead.
@@ -130,7 +133,7 @@ def test_decode_capture_replays_bit_for_bit(T, hook, dtype):
     from refmla.backends.triton import TritonBackend
     from refmla.schedule import nonempty_splits_batch as nonempty_splits
 
-    res = TritonBackend().run(cap, replay.ReplayOptions())
+    res = TritonBackend().run(cap, ReplayOptions())
     assert torch.equal(res.out, cap.out), "observed != triton replay"
     filled = nonempty_splits(cap.seq_lens, cap.num_kv_splits)
     for b in range(cap.batch_size):
@@ -155,10 +158,10 @@ def test_extend_capture_replays(T, hook):
     assert torch.equal(cap.out.reshape(served.shape), served)
     assert cap.num_kv_splits is None and cap.attn_logits is None  # decode-only tensors
 
-    sglang_patch.uninstall()
+    patching.uninstall()
     replay = pytest.importorskip("refmla.replay")
-    report = replay.replay_file(str(path), replay.ReplayOptions(backends=["extend"]))
-    assert report["verdict"] == "agree", json.dumps(replay.json_safe(report), indent=1)[:3000]
+    report = replay.replay_file(str(path), ReplayOptions(backends=["extend"])).to_json()
+    assert report["verdict"] == "agree", json.dumps(json_safe(report), indent=1)[:3000]
 
 
 def test_extend_not_captured_unless_asked(T, hook):
@@ -166,7 +169,7 @@ def test_extend_not_captured_unless_asked(T, hook):
     state = hook()  # modes default: decode only
     T.attention_call(fx)
     assert _captures(state) == []
-    assert not any(p.endswith("forward_extend") for p in sglang_patch.patched_methods())
+    assert not any(p.endswith("forward_extend") for p in patching.patched_methods())
 
 
 def test_aiter_decode_reader_on_a_stand_in_kernel(T, hook):
@@ -189,7 +192,7 @@ def test_aiter_decode_reader_on_a_stand_in_kernel(T, hook):
     served = T.attention_call(fx)  # the Triton call: gives q, metadata and a reference output
     tri = read_capture(_captures(state)[0])
     if getattr(ab.AiterAttnBackend.forward_decode, "__refmla_hook__", None) is None:
-        pytest.fail(f"AiterAttnBackend.forward_decode not wrapped: {sglang_patch.patched_methods()}")
+        pytest.fail(f"AiterAttnBackend.forward_decode not wrapped: {patching.patched_methods()}")
 
     md = fx.backend.forward_metadata
     B = served.shape[0]
@@ -225,7 +228,7 @@ def test_layer_rank_seq_len_filters(T, hook):
         state = hook(**kw)
         T.attention_call(fx)
         assert _captures(state) == [], kw
-        sglang_patch.uninstall()
+        patching.uninstall()
     state = hook(min_seq_len=71, layers=frozenset({0}), ranks=frozenset({0}))  # longest request: 71
     T.attention_call(fx)
     assert len(_captures(state)) == 1
@@ -266,7 +269,7 @@ def test_graph_capture_is_skipped_and_said_once(T, hook, hook_log, monkeypatch):
     expected = T.attention_call(fx)
     n0 = len(_captures(state))
     monkeypatch.setattr(*flag, True)  # what SGLang sets while it captures a CUDA/HIP graph
-    assert sglang_patch.graph_capturing()
+    assert graph_capturing()
     for _ in range(2):
         assert torch.equal(T.attention_call(fx), expected)
     assert len(_captures(state)) == n0
@@ -328,13 +331,13 @@ def test_disabled_mode_patches_nothing_and_imports_nothing():
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got == {"startup": [], "installed": False, "finders": got["finders"], "torch": False}
-    assert "_PostImportFinder" not in got["finders"]
+    assert "PostImportFinder" not in got["finders"]
 
 
 def test_disabled_mode_leaves_backend_methods_untouched(T):
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
-    sglang_patch.uninstall()
+    patching.uninstall()
     for name in ("forward_decode", "forward_extend"):
         fn = TritonAttnBackend.__dict__[name]
         assert getattr(fn, "__refmla_hook__", None) is None, name
@@ -345,7 +348,7 @@ def test_sitecustomize_installs_at_startup(tmp_path):
         "import sys, json\n"
         "import refmla.hook\n"
         "print(json.dumps({'installed': refmla.hook.installed(),\n"
-        "  'finder': any(type(f).__name__ == '_PostImportFinder' for f in sys.meta_path)}))\n"
+        "  'finder': any(type(f).__name__ == 'PostImportFinder' for f in sys.meta_path)}))\n"
     )
     r = _python(code, {"REFMLA_CAPTURE_DIR": str(tmp_path / "c")})
     assert r.returncode == 0, r.stderr

@@ -1,5 +1,5 @@
 """Planted faults (refmla.synth) are found: the failing backend, the worst request, the hypothesis
-and its detail (CONTRACT section 4); clean captures agree and exit 0."""
+and its detail (docs/contract.md section 4); clean captures agree and exit 0."""
 
 from __future__ import annotations
 
@@ -131,10 +131,11 @@ def test_several_requests_each_with_its_detail(tmp_path):
     cmp = ctx.compare("observed", cap.out, row_mask=~ctx.empty_rows())
     assert not cmp.passed
     e = explain_failure(ctx, cap.out, cmp)
-    assert e["hypothesis"] == "seq_len_off_by" and e["detail"] == {"delta": -1}
-    assert sorted(x["request"] for x in e["requests"]) == [2, 3]
-    assert all(x["detail"] == {"delta": -1} for x in e["requests"])
-    assert e["request"] == cmp.worst["request"]
+    assert e.hypothesis == "seq_len_off_by" and e.detail == {"delta": -1}
+    assert sorted(x["request"] for x in e.extra["requests"]) == [2, 3]
+    assert all(x["detail"] == {"delta": -1} for x in e.extra["requests"])
+    assert e.request == cmp.worst["request"]
+    assert e.to_json()["requests"] == e.extra["requests"]
 
 
 def test_unexplained_failure_has_no_explanation(tmp_path):
@@ -221,4 +222,4 @@ def test_one_token_too_many(tmp_path, source):
     assert not cmp.passed
     assert torch.isnan(cap.out[r]).all() == (source == "page_tail")
     e = explain_failure(ctx, cap.out, cmp)
-    assert (e["hypothesis"], e["request"], e["detail"]) == ("seq_len_off_by", r, {"delta": 1})
+    assert (e.hypothesis, e.request, e.detail) == ("seq_len_off_by", r, {"delta": 1})

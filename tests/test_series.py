@@ -12,7 +12,10 @@ import torch
 from refmla.control import mla_control
 from refmla.capture import write_capture
 from refmla.cli import main
-from refmla.series import replay_one, series_checks, summary_table
+from refmla.batch import replay_one
+from refmla.render.replay import summary_table
+from refmla.results import BackendEntry, MetadataReport, ReplayReport
+from refmla.series import series_checks
 
 DV, DR = 32, 8
 D = DV + DR
@@ -76,7 +79,12 @@ class Series:
 
 
 def warnings_of(found: dict) -> list:
-    return [f for fs in found.values() for f in fs if f["severity"] == "warning"]
+    """The warnings among series findings, as their JSON (what a user reads)."""
+    return [f.to_json() for fs in found.values() for f in fs if f.severity == "warning"]
+
+
+def as_json(findings: list) -> list:
+    return [f.to_json() for f in findings]
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,7 +106,7 @@ def test_seq_len_that_skips_a_step(tmp_path):
     assert len(bad) == 1
     f = bad[0]
     assert f["check"] == "seq_len_step" and f["rid"] == "b" and (f["delta"], f["expected_delta"]) == (2, 1)
-    assert f in found[paths[2]] and f["previous"] == paths[1]
+    assert f in as_json(found[paths[2]]) and f["previous"] == paths[1]
 
 
 def test_earlier_row_changed_between_steps(tmp_path):
@@ -109,7 +117,7 @@ def test_earlier_row_changed_between_steps(tmp_path):
     # step 11 differs from step 10 at position 33, and step 12 from step 11 again
     assert [(f["check"], f["rid"], f["first_position"], f["count"]) for f in bad] == [
         ("kv_rows_changed", "c", 33, 1), ("kv_rows_changed", "c", 33, 1)]  # fmt: skip
-    assert bad[0] in found[paths[1]] and bad[1] in found[paths[2]]
+    assert bad[0] in as_json(found[paths[1]]) and bad[1] in as_json(found[paths[2]])
 
 
 def test_series_without_rids_pairs_by_order_and_honours_step_gaps(tmp_path):
@@ -165,15 +173,10 @@ def test_summary_table_by_layer_rank_step(tmp_path, capsys):
 
 def test_summary_table_counts_diverged_and_worst_backend():
     def rep(layer, step, verdict, err=None):
-        b = {"observed": {"status": "fail" if err else "pass", "max_abs_err": err or 0.0}}
-        return {
-            "capture": f"x{layer}{step}",
-            "verdict": verdict,
-            "diagnosis": "observed" if err else None,
-            "meta": {"layer_id": layer, "tp_rank": 0, "step": step},
-            "metadata": {"warnings": []},
-            "backends": b,
-        }
+        b = {"observed": BackendEntry("fail" if err else "pass", max_abs_err=err or 0.0)}
+        return ReplayReport(capture=f"x{layer}{step}", verdict=verdict, diagnosis="observed" if err else None,
+                            meta={"layer_id": layer, "tp_rank": 0, "step": step}, metadata=MetadataReport(ok=True),
+                            backends=b)  # fmt: skip
 
     text = summary_table([rep(1, 0, "agree"), rep(0, 1, "diverged", 0.5), rep(0, 1, "diverged", 0.25)])
     lines = text.splitlines()
@@ -184,7 +187,7 @@ def test_summary_table_counts_diverged_and_worst_backend():
 def test_replay_one_never_raises(tmp_path):
     _, paths = good_dir(tmp_path)
     rep = replay_one(paths[0], None)  # an internal error (no options) becomes an invalid report
-    assert rep["verdict"] == "invalid" and "AttributeError" in rep["error"]
+    assert rep.verdict == "invalid" and "AttributeError" in rep.error
 
 
 def test_inspect_directory_runs_series_checks(tmp_path, capsys):
@@ -236,11 +239,11 @@ def replay_one_that_dies_on_step_11(path, opts):
 
 
 def test_a_worker_that_dies_costs_only_its_own_capture(tmp_path, monkeypatch):
-    import refmla.series as series
+    import refmla.batch as batch
     from refmla.context import ReplayOptions
 
     _, paths = good_dir(tmp_path)
-    monkeypatch.setattr(series, "replay_one", replay_one_that_dies_on_step_11)
-    reports = series.replay_parallel(paths, ReplayOptions(backends=["reference"]), jobs=2)
-    assert [r["verdict"] for r in reports] == ["agree", "invalid", "agree"]
-    assert "worker process died" in reports[1]["error"]
+    monkeypatch.setattr(batch, "replay_one", replay_one_that_dies_on_step_11)
+    reports = batch.replay_many(paths, ReplayOptions(backends=["reference"]), jobs=2)
+    assert [r.verdict for r in reports] == ["agree", "invalid", "agree"]
+    assert "worker process died" in reports[1].error

@@ -97,7 +97,7 @@ def check_splits(spec: SynthSpec, t: dict, attn_logits: torch.Tensor, attn_lse: 
     assert torch.isnan(logits[~valid[:, None, :].expand(-1, logits.shape[1], -1)]).all(), "empty split written"
     res = BackendResult(out=attn_logits[:, :, 0], attn_logits=attn_logits.cpu(), attn_lse=attn_lse.cpu(),
                         num_kv_splits=t["num_kv_splits"])  # fmt: skip
-    return compare_splits(replay_context(spec, t), res)
+    return compare_splits(replay_context(spec, t), res).to_json()
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from refmla.capture import write_capture  # noqa: E402
-from refmla.diffkv import diff_kv_files  # noqa: E402
+from refmla.diffkv import DiffResult, diff_kv_files  # noqa: E402
 
 D, DV = 576, 512
 
@@ -84,7 +84,7 @@ def raw_read_both(p: str, d: str) -> float:
     return time.perf_counter() - t0
 
 
-def diff_once(p: str, d: str) -> tuple[float, dict]:
+def diff_once(p: str, d: str) -> tuple[float, DiffResult]:
     t0 = time.perf_counter()
     res = diff_kv_files([p], d)
     return time.perf_counter() - t0, res
@@ -112,7 +112,7 @@ def main() -> None:
             raws.append(raw_read_both(p, d))
             dt, res = diff_once(p, d)
             diffs.append(dt)
-        assert res is not None and res["ok"] and res["positions_compared"] == args.requests * args.positions
+        assert res is not None and res.ok and res.positions_compared == args.requests * args.positions
         r, w, x = min(reads), min(raws), min(diffs)
         report = {
             "requests": args.requests, "positions": args.positions, "page_size": args.page_size,

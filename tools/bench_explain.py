@@ -48,8 +48,8 @@ def bench_case(spec, fault: str, repeat: int, folder: Path) -> dict:
         "fault": fault, "page_size": spec.page_size, "planted": planted, "context_s": ctx_s,
         "search_s": statistics.median(times), "search_max_s": max(times), "cpu_s": statistics.median(cpu),
         "failed": not cmp.passed,
-        "hypothesis": expl and expl["hypothesis"], "detail": expl and expl["detail"],
-        "request": expl and expl["request"],
+        "hypothesis": expl and expl.hypothesis, "detail": expl and expl.detail,
+        "request": expl and expl.request,
     }  # fmt: skip
 
 

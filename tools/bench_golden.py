@@ -56,7 +56,7 @@ def bench(golden_dir: Path, backends: list[str]) -> dict:
             t0 = time.perf_counter()
             r = golden.check_isolated(path, b) if isolate else golden.check(path, b)
             seconds = time.perf_counter() - t0
-            info = r.entry.get("info") or {}
+            info = r.entry.info or {}
             row["backends"][b] = {"status": r.status, "seconds": round(seconds, 3),
                                   "kernel_seconds": info.get("kernel_seconds"), "reason": r.reason}  # fmt: skip
             totals[b] += seconds if r.status != "skipped" else 0.0

@@ -23,7 +23,7 @@ _WHERE = {
     "observed": "refmla.backends.reference:ObservedBackend",
     "triton": "refmla.backends.triton:TritonBackend",
     "aiter": "refmla.backends.aiter:AiterBackend",
-    "extend": "refmla.backends.extend:ExtendBackend",
+    "extend": "refmla.backends.extend.backend:ExtendBackend",
 }
 
 

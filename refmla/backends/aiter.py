@@ -14,7 +14,7 @@ Head padding (aiter's decode kernels want 16 heads or a multiple of 16): for H <
 q is ``repeat_interleave(16 // H)`` along heads and the output read back at every factor-th head
 (``o[:, ::factor]``); other H < 16 are zero-padded to 16 and read back as ``o[:, :H]``.
 (SGLang 0.5.23 tiles instead, ``q.repeat(1, 16 // H, 1)`` then ``o[:, :H]``: the same heads. The
-bug CONTRACT section 4 names ``head_misaligned`` is mixing the two: interleave, then ``[:H]``.)
+bug docs/contract.md section 4 names ``head_misaligned`` is mixing the two: interleave, then ``[:H]``.)
 
 The call is built by keyword from ``inspect.signature``: aiter v0.1.11 inserted ``page_size`` and
 ``nhead_kv`` before ``sm_scale``, so a positional call is wrong on one side of that release. Older

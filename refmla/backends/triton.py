@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -38,8 +39,6 @@ from refmla.backends import triton_interp
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 from refmla.backends.calling import KernelNotFound, KernelSignatureError, find_function, kwargs_for
 from refmla.schedule import MI355X_CU_COUNT, MIN_BLOCK_KV, default_num_kv_splits, mla_max_kv_splits, nonempty_splits_batch
-
-
 
 # --------------------------------------------------------------------------------------------
 # Finding the kernel
@@ -132,6 +131,21 @@ def _mla_tune_plan(mod, q: torch.Tensor, kv_buffer: torch.Tensor, max_kv_splits:
     return True, 0, "applies: tuned geometry, scheduler's num_kv_splits kept"
 
 
+@dataclass
+class SplitPlan:
+    """How many splits the kernel's buffers hold, and why."""
+
+    production: int  # max_kv_splits of the production call (the buffers' production size)
+    used: int  # S: splits the buffers hold here (production, or trimmed to the non-empty ones)
+    filled: torch.Tensor  # [B] non-empty splits per request
+    forced: int  # gfx950 tuning: one batch-wide split count that replaced num_kv_splits, or 0
+    tune_note: str  # what SGLang's gfx950 MLA tuning does here
+
+    @property
+    def nonempty_max(self) -> int:
+        return int(self.filled.max()) if self.filled.numel() else 0
+
+
 def run_triton_decode(
     q: torch.Tensor,
     kv_buffer: torch.Tensor,
@@ -162,52 +176,100 @@ def run_triton_decode(
     """
     fn, module_path, version = locate_decode_kernel()
     mod = _kernel_module(module_path)
-    interpreted = bool(triton_interp.module_is_interpreted(mod))
-    dot_fix = False
-    if interpreted:
-        ok, note = triton_interp.install_bf16_dot_fix()
-        low = torch.bfloat16 in (q.dtype, kv_buffer.dtype, out_dtype) or kv_buffer.dtype.itemsize == 1
-        if not ok and low:
-            raise RuntimeError(f"bf16 / fp8 inputs in the Triton interpreter need refmla's fix: {note}")
-        dot_fix = triton_interp.bf16_dot_fix_installed()
+    interpreted, dot_fix = _interpreter_ready(mod, q, kv_buffer, out_dtype)
+    q, kv_buffer, kv_indptr, kv_indices, splits = _kernel_inputs(q, kv_buffer, kv_indptr, kv_indices, num_kv_splits)
+    plan = _split_plan(mod, q, kv_buffer, kv_indptr, splits, max_kv_splits, trim)
+    out, attn_logits, attn_lse = _buffers(q, plan.used, int(kv_lora_rank), out_dtype or q.dtype)
+    values = dict(
+        q=q, k_buffer=kv_buffer, v_buffer=kv_buffer[..., : int(kv_lora_rank)], o=out, kv_indptr=kv_indptr,
+        kv_indices=kv_indices, attn_logits=attn_logits, attn_lse=attn_lse, num_kv_splits=splits,
+        max_kv_splits=plan.used, sm_scale=float(sm_scale), k_scale=float(k_scale), v_scale=float(v_scale),
+        logit_cap=float(logit_cap), has_mla=True, page_size=int(page_size),
+    )  # fmt: skip
+    kwargs, notes = build_kernel_kwargs(fn, values)
+    seconds = _call(fn, kwargs, q.device)
+    info = {
+        "sglang_version": version,
+        "kernel_module": module_path,
+        "kernel": f"{module_path}.{fn.__name__}",
+        "triton_version": _triton_version(),
+        "device": str(q.device),
+        "interpreter": interpreted,
+        "bf16_dot_fix": dot_fix,
+        **_split_info(plan),
+        "kernel_params": sorted(kwargs),
+        "attn_logits_include_v_scale": False,
+        "kernel_seconds": round(seconds, 3),
+    }
+    if plan.forced:
+        info["forced_kv_splits"] = plan.forced
+    if notes:
+        info["notes"] = notes
+    return out, attn_logits, attn_lse, info
 
-    B, H, D = q.shape
-    Dv = int(kv_lora_rank)
+
+def _interpreter_ready(
+    mod, q: torch.Tensor, kv_buffer: torch.Tensor, out_dtype: Optional[torch.dtype]
+) -> tuple[bool, bool]:
+    """(kernel runs in the interpreter, bf16 dot fix installed). Raises RuntimeError when bf16 /
+    fp8 inputs would run in the interpreter without refmla's fix."""
+    if not triton_interp.module_is_interpreted(mod):
+        return False, False
+    ok, note = triton_interp.install_bf16_dot_fix()
+    low = torch.bfloat16 in (q.dtype, kv_buffer.dtype, out_dtype) or kv_buffer.dtype.itemsize == 1
+    if not ok and low:
+        raise RuntimeError(f"bf16 / fp8 inputs in the Triton interpreter need refmla's fix: {note}")
+    return True, triton_interp.bf16_dot_fix_installed()
+
+
+def _kernel_inputs(q, kv_buffer, kv_indptr, kv_indices, num_kv_splits) -> tuple[torch.Tensor, ...]:
+    """(q, kv_buffer, kv_indptr, kv_indices, num_kv_splits int32) on q's device, unit-stride last dim.
+
+    The captured index dtypes stay as they are: SGLang's Triton backend keeps kv_indptr int32 and
+    kv_indices int64, and an int32 kv_indices overflows slot * 576 past 3.7M rows -- a real failure
+    class that a replay must reproduce, not hide. Raises ValueError for a kv_buffer not [N, 1, D].
+    """
+    _, _, D = q.shape
     if kv_buffer.dim() != 3 or kv_buffer.shape[1] != 1 or kv_buffer.shape[2] != D:
         raise ValueError(f"kv_buffer shape {list(kv_buffer.shape)}, expected [N, 1, {D}]")
     dev = q.device
-    # the captured index dtypes as they are: SGLang's Triton backend keeps kv_indptr int32 and
-    # kv_indices int64, and an int32 kv_indices overflows slot * 576 past 3.7M rows -- a real
-    # failure class that a replay must reproduce, not hide
     kv_indptr = kv_indptr.to(dev).contiguous()
     kv_indices = kv_indices.to(dev).contiguous()
     splits = num_kv_splits.to(dev, torch.int32).contiguous()
-    seq_lens = (kv_indptr[1:] - kv_indptr[:-1]).cpu()  # [B], what the kernel reads
     if q.stride(-1) != 1:
         q = q.contiguous()
     kv_buffer = kv_buffer.to(dev)
     if kv_buffer.stride(-1) != 1:
         kv_buffer = kv_buffer.contiguous()
+    return q, kv_buffer, kv_indptr, kv_indices, splits
 
-    production_s = int(max_kv_splits) if max_kv_splits else (int(splits.max()) if B else 1)
+
+def _split_plan(mod, q, kv_buffer, kv_indptr, splits, max_kv_splits: Optional[int], trim: bool) -> SplitPlan:
+    """The buffers' split count: the production one, or with ``trim`` (and no gfx950 tuning, which
+    needs the production size) the most non-empty splits of any request."""
+    B = q.shape[0]
+    seq_lens = (kv_indptr[1:] - kv_indptr[:-1]).cpu()  # [B], what the kernel reads
+    production = int(max_kv_splits) if max_kv_splits else (int(splits.max()) if B else 1)
     min_block = int(getattr(mod, "_MIN_BLOCK_KV", MIN_BLOCK_KV))
     filled = nonempty_splits_batch(seq_lens, splits, min_block)  # [B]
-    tuned, forced, tune_note = _mla_tune_plan(mod, q, kv_buffer, production_s)
+    tuned, forced, tune_note = _mla_tune_plan(mod, q, kv_buffer, production)
     do_trim = bool(trim) and not tuned
-    S = max(1, min(int(filled.max()) if B else 1, production_s)) if do_trim else production_s
+    used = max(1, min(int(filled.max()) if B else 1, production)) if do_trim else production
+    return SplitPlan(production=production, used=used, filled=filled, forced=forced, tune_note=tune_note)
 
-    nan = float("nan")
+
+def _buffers(q: torch.Tensor, S: int, Dv: int, out_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """out [B, H, Dv], attn_logits [B, H, S, Dv] fp32, attn_lse [B, H, S] fp32, all NaN, on q's device."""
+    B, H, _ = q.shape
+    nan, dev = float("nan"), q.device
+    out = torch.full((B, H, Dv), nan, dtype=out_dtype, device=dev)  # [B, H, Dv]
     attn_logits = torch.full((B, H, S, Dv), nan, dtype=torch.float32, device=dev)  # [B, H, S, Dv]
     attn_lse = torch.full((B, H, S), nan, dtype=torch.float32, device=dev)  # [B, H, S]
-    out = torch.full((B, H, Dv), nan, dtype=out_dtype or q.dtype, device=dev)  # [B, H, Dv]
-    values = dict(
-        q=q, k_buffer=kv_buffer, v_buffer=kv_buffer[..., :Dv], o=out, kv_indptr=kv_indptr,
-        kv_indices=kv_indices, attn_logits=attn_logits, attn_lse=attn_lse, num_kv_splits=splits,
-        max_kv_splits=S, sm_scale=float(sm_scale), k_scale=float(k_scale), v_scale=float(v_scale),
-        logit_cap=float(logit_cap), has_mla=True, page_size=int(page_size),
-    )  # fmt: skip
-    kwargs, notes = build_kernel_kwargs(fn, values)
+    return out, attn_logits, attn_lse
 
+
+def _call(fn: Callable, kwargs: dict[str, Any], dev: torch.device) -> float:
+    """Run the kernel; its wall time in seconds."""
     t0 = time.perf_counter()
     # the interpreter computes masked-off lanes too (NaN-poisoned rows, empty splits): numpy's
     # warnings about them are noise, the masked results are discarded by the kernel
@@ -215,30 +277,17 @@ def run_triton_decode(
         fn(**kwargs)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    seconds = time.perf_counter() - t0
+    return time.perf_counter() - t0
 
-    info = {
-        "sglang_version": version,
-        "kernel_module": module_path,
-        "kernel": f"{module_path}.{fn.__name__}",
-        "triton_version": _triton_version(),
-        "device": str(dev),
-        "interpreter": interpreted,
-        "bf16_dot_fix": dot_fix,
-        "max_kv_splits": production_s,
-        "splits_used": S,
-        "nonempty_splits_max": int(filled.max()) if B else 0,
-        "trimmed": S < production_s,
-        "mla_tune": tune_note,
-        "kernel_params": sorted(kwargs),
-        "attn_logits_include_v_scale": False,
-        "kernel_seconds": round(seconds, 3),
+
+def _split_info(plan: SplitPlan) -> dict[str, Any]:
+    return {
+        "max_kv_splits": plan.production,
+        "splits_used": plan.used,
+        "nonempty_splits_max": plan.nonempty_max,
+        "trimmed": plan.used < plan.production,
+        "mla_tune": plan.tune_note,
     }
-    if forced:
-        info["forced_kv_splits"] = forced
-    if notes:
-        info["notes"] = notes
-    return out, attn_logits, attn_lse, info
 
 
 def _triton_version() -> str:
@@ -293,34 +342,14 @@ class TritonBackend(Backend):
         ok, why = self.availability()
         if not ok:
             raise BackendUnavailable(why)
-        _, module_path, _ = locate_decode_kernel()
-        interpreted = bool(triton_interp.module_is_interpreted(_kernel_module(module_path)))
-        device = getattr(opts, "device", None)
-        if device is None:
-            device = "cpu" if interpreted else "cuda"
-        device = torch.device(device)
-        if interpreted and device.type != "cpu":
-            raise BackendUnavailable(f"the Triton interpreter runs on CPU tensors, not {device}")
-        if not interpreted and device.type == "cpu":
-            raise BackendUnavailable("compiled Triton kernels need a GPU device; run with TRITON_INTERPRET=1 for CPU")
-
-        H = cap.q.shape[1]
-        cu_count = int(getattr(opts, "cu_count", MI355X_CU_COUNT) or 0)
-        if cap.num_kv_splits is not None:
-            splits, source = cap.num_kv_splits, "capture"
-            max_kv = m.max_kv_splits or (int(splits.max()) if cap.batch_size else 1)
-        else:
-            max_kv = m.max_kv_splits or mla_max_kv_splits(cu_count)
-            splits = default_num_kv_splits(cap.seq_lens, max_kv_splits=max_kv, num_heads=H, cu_count=cu_count)
-            source = f"computed as SGLang's get_num_kv_splits (cu_count={cu_count}, max_kv_splits={max_kv})"
-        out_dtype = cap.out_dtype
-
+        device = _device(opts)
+        splits, max_kv, source = _num_kv_splits(cap, opts)
         try:
             out, logits, lse, info = run_triton_decode(
                 cap.q.to(device), cap.kv_buffer.to(device), cap.kv_indptr, cap.kv_indices, splits,
                 kv_lora_rank=m.kv_lora_rank, sm_scale=m.sm_scale, logit_cap=m.logit_cap,
                 k_scale=m.k_scale, v_scale=m.v_scale, page_size=m.page_size, max_kv_splits=max_kv,
-                trim=getattr(opts, "trim", True), out_dtype=out_dtype,
+                trim=getattr(opts, "trim", True), out_dtype=cap.out_dtype,
             )  # fmt: skip
         except KernelSignatureError as e:
             raise BackendUnavailable(str(e)) from e
@@ -332,6 +361,35 @@ class TritonBackend(Backend):
             num_kv_splits=splits.to(torch.int32).cpu(), info=info,
             defines_empty_rows=False,  # stage 2 divides 0 by 0 for a request with no tokens: NaN
         )  # fmt: skip
+
+
+def _device(opts) -> torch.device:
+    """The device to run on: ``opts.device``, else CPU for the interpreter and CUDA for compiled
+    kernels. Raises BackendUnavailable for a device the located kernel cannot use."""
+    _, module_path, _ = locate_decode_kernel()
+    interpreted = bool(triton_interp.module_is_interpreted(_kernel_module(module_path)))
+    device = getattr(opts, "device", None)
+    if device is None:
+        device = "cpu" if interpreted else "cuda"
+    device = torch.device(device)
+    if interpreted and device.type != "cpu":
+        raise BackendUnavailable(f"the Triton interpreter runs on CPU tensors, not {device}")
+    if not interpreted and device.type == "cpu":
+        raise BackendUnavailable("compiled Triton kernels need a GPU device; run with TRITON_INTERPRET=1 for CPU")
+    return device
+
+
+def _num_kv_splits(cap, opts) -> tuple[torch.Tensor, int, str]:
+    """(num_kv_splits [B], max_kv_splits, where they come from): the capture's, else SGLang's
+    get_num_kv_splits recomputed for ``opts.cu_count`` (default an MI355X's)."""
+    m = cap.meta
+    cu_count = int(getattr(opts, "cu_count", MI355X_CU_COUNT) or 0)
+    if cap.num_kv_splits is not None:
+        splits = cap.num_kv_splits
+        return splits, m.max_kv_splits or (int(splits.max()) if cap.batch_size else 1), "capture"
+    max_kv = m.max_kv_splits or mla_max_kv_splits(cu_count)
+    splits = default_num_kv_splits(cap.seq_lens, max_kv_splits=max_kv, num_heads=cap.num_heads, cu_count=cu_count)
+    return splits, max_kv, f"computed as SGLang's get_num_kv_splits (cu_count={cu_count}, max_kv_splits={max_kv})"
 
 
 __all__ = [

@@ -12,6 +12,42 @@ Two ways to switch it on (see ``docs/capture.md``):
 With ``REFMLA_CAPTURE_DIR`` unset nothing is patched and nothing of torch or SGLang is imported:
 the hook costs nothing. The other ``REFMLA_CAPTURE_*`` variables are described in
 :mod:`refmla.hook.config`.
+
+Inside the package (each module imports only modules above it in this list). The modules marked
+(torch) import torch and refmla's tensor code; :mod:`refmla.hook.patching` loads them on the first
+call that passes the filters. The rest are torch-free, as they run at interpreter start-up under
+``refmla capture run``:
+
+    config.py         REFMLA_CAPTURE_* -> HookConfig
+    writer.py         HookState: budget, once-per-reason logging, fail/stop, atomic write
+    sglang_paths.py   where SGLang keeps the backends, kernels and flags, release by release
+    postimport.py     the sys.meta_path finder/loader: patch a module the moment it is imported
+    runtime.py        probes: graph capture, torch.compile, TP rank, versions
+    call.py           Skip, Call, Indices, CallContext: what the stages hand on
+    filters.py        before the kernel: the cheap filters (layer, rank, EVERY, mode, MIN_SEQ_LEN)
+    kernel_probes.py  notes from inside SGLang's kernel module (gfx950 forced splits, Lean)
+    tensors.py        (torch) pool rows gathered, slots renumbered, unwritten splits blanked
+    meta.py           (torch) the meta providers and their assembly
+    modes.py          (torch) one reader per capture mode (decode, extend): indices, kernel state
+    extract.py        (torch) after the kernel: guards, reader, pool, budget, host copy, write
+    patching.py       install / uninstall; the forward_decode / forward_extend wrapper
+    cli.py            refmla capture run
+    testing.py        SGLang's real Triton backend on CPU, for the tests and tools/capture_e2e.py
+    sitecustomize/    the start-up file that ``capture run`` puts first on PYTHONPATH
+
+Where to extend it (each without touching the rest):
+
+* another forward mode, e.g. speculative ``target_verify`` / ``draft_extend`` (several query
+  tokens per request, ``qo_indptr``, a custom tree mask): a :class:`~refmla.hook.modes.ModeReader`
+  in ``modes.READERS`` under the mode's name, and :func:`refmla.hook.filters.forward_kind`
+  returning that name (it now returns ``target_verify`` only to skip it, via ``filters.NOT_CAPTURED``);
+* another meta group, e.g. KV pool geometry (pool row count, bytes per row, layers per registered
+  buffer, disaggregation backend, ``SGLANG_MORI_MAX_MR_BYTES``): a provider (``CallContext ->
+  dict``) appended to ``meta.META_PROVIDERS``, or to a mode reader's ``meta`` when mode-only;
+* which kernel path SGLang dispatched, e.g. aiter's persistent / non-persistent / gluon MLA
+  decode, head padding, env vars: a probe in ``kernel_probes.KERNEL_PROBES`` for the module that
+  decides (it notes into ``Call.kernel_notes``), read by a meta provider such as ``meta.aiter_meta``;
+* a new SGLang release that moved something: ``sglang_paths``.
 """
 
 from __future__ import annotations
@@ -21,6 +57,8 @@ from typing import Any, Mapping, Optional
 from refmla.hook.config import ENV_DIR, ConfigError, HookConfig
 
 __all__ = ["ENV_DIR", "ConfigError", "HookConfig", "install", "uninstall", "installed", "status"]
+
+_PATCHING = "refmla.hook.patching"  # looked up in sys.modules: asking about the hook never imports it
 
 
 def install(cfg: Optional[HookConfig] = None, environ: Optional[Mapping[str, str]] = None) -> bool:
@@ -41,9 +79,9 @@ def install(cfg: Optional[HookConfig] = None, environ: Optional[Mapping[str, str
         if cfg is None:
             return False
     try:
-        from refmla.hook import sglang_patch
+        from refmla.hook import patching
 
-        sglang_patch.install(cfg)
+        patching.install(cfg)
     except Exception as e:  # never break the process that imported us
         get_logger().error("capture hook not installed: %s: %s", type(e).__name__, e)
         return False
@@ -54,7 +92,7 @@ def uninstall() -> None:
     """Remove the hook: originals restored, import hook dropped (for tests and notebooks)."""
     import sys
 
-    mod = sys.modules.get("refmla.hook.sglang_patch")
+    mod = sys.modules.get(_PATCHING)
     if mod is not None:
         mod.uninstall()
 
@@ -62,7 +100,7 @@ def uninstall() -> None:
 def installed() -> bool:
     import sys
 
-    mod = sys.modules.get("refmla.hook.sglang_patch")
+    mod = sys.modules.get(_PATCHING)
     return bool(mod is not None and mod.current_state() is not None)
 
 
@@ -70,7 +108,7 @@ def status() -> Optional[dict[str, Any]]:
     """What this process's hook did so far (files, bytes, skips, why stopped), or None if off."""
     import sys
 
-    mod = sys.modules.get("refmla.hook.sglang_patch")
+    mod = sys.modules.get(_PATCHING)
     state = mod.current_state() if mod is not None else None
     if state is None:
         return None

@@ -65,35 +65,47 @@ def _summary(out_dir: str) -> str:
     return f"refmla capture: {files} capture file(s), {size} bytes in {out_dir}"
 
 
+def _names(text: str) -> frozenset[str]:
+    return frozenset(n.strip() for n in text.split(",") if n.strip())
+
+
+def config_from_args(args) -> HookConfig:
+    """The HookConfig that ``capture run``'s options describe; ConfigError when one cannot be parsed."""
+    cfg = HookConfig(
+        out_dir=os.path.abspath(args.out),
+        layers=parse_int_set(args.layers, "--layers"),
+        modes=_names(args.modes),
+        min_seq_len=args.min_seq_len,
+        ranks=parse_int_set(args.ranks, "--ranks"),
+        backends=_names(args.backends),
+        every=args.every,
+        max_files=args.max_files,
+        max_bytes=parse_bytes(args.max_bytes, "--max-bytes"),
+        partials=not args.no_partials,
+    )
+    HookConfig.from_env(cfg.to_env())  # the child parses the same text: fail here, not there
+    return cfg
+
+
+def _error(message: str) -> int:
+    print(f"refmla: error: capture run: {message}", file=sys.stderr)
+    return 2
+
+
 def cmd_capture_run(args) -> int:
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
-        print("refmla: error: capture run: no command given (refmla capture run [options] -- COMMAND...)", file=sys.stderr)
-        return 2
+        return _error("no command given (refmla capture run [options] -- COMMAND...)")
     try:
-        cfg = HookConfig(
-            out_dir=os.path.abspath(args.out),
-            layers=parse_int_set(args.layers, "--layers"),
-            modes=frozenset(m.strip() for m in args.modes.split(",") if m.strip()),
-            min_seq_len=args.min_seq_len,
-            ranks=parse_int_set(args.ranks, "--ranks"),
-            backends=frozenset(b.strip() for b in args.backends.split(",") if b.strip()),
-            every=args.every,
-            max_files=args.max_files,
-            max_bytes=parse_bytes(args.max_bytes, "--max-bytes"),
-            partials=not args.no_partials,
-        )
-        HookConfig.from_env(cfg.to_env())  # the child parses the same text: fail here, not there
+        cfg = config_from_args(args)
     except ConfigError as e:
-        print(f"refmla: error: capture run: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
     try:
         rc = run_with_capture(cmd, cfg)
     except (FileNotFoundError, PermissionError) as e:
-        print(f"refmla: error: capture run: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
     print(_summary(cfg.out_dir), file=sys.stderr)
     return rc
 

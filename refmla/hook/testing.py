@@ -26,11 +26,13 @@ Three things the CPU needs first, done by :func:`prepare`:
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from refmla.backends.cpu_compat import torchvision_cpu_shim
+from refmla.hook.sglang_paths import CAPTURE_MODE_PROBES
 
 KIT = "sglang.test.kits.attention_unittest.attention_methods.mla_attention"
 
@@ -59,8 +61,6 @@ def kit():
     """SGLang's MLA attention test kit, or Unavailable with the reason."""
     prepare()  # idempotent; also when something else imported sglang first
     try:
-        import importlib
-
         return importlib.import_module(KIT)
     except Exception as e:
         raise Unavailable(f"{KIT} not importable: {type(e).__name__}: {e}") from e
@@ -138,16 +138,11 @@ def attention_call(fixture) -> Any:
 
 def capture_mode_flag() -> Optional[tuple[Any, str]]:
     """(module, attribute) of SGLang's 'a graph is being captured' flag, for simulating capture."""
-    for module, attr in (
-        ("sglang.srt.model_executor.runner_utils.capture_mode", "is_capture_mode"),
-        ("sglang.srt.model_executor.cuda_graph_runner", "is_capture_mode"),
-    ):
+    for module, _getter in CAPTURE_MODE_PROBES:
         try:
-            import importlib
-
             mod = importlib.import_module(module)
         except Exception:
             continue
-        if hasattr(mod, attr):
-            return mod, attr
+        if hasattr(mod, "is_capture_mode"):
+            return mod, "is_capture_mode"
     return None

@@ -1,5 +1,5 @@
 """Every golden file x every backend: the kernel must stay within k x the control's error of the
-stored fp64 reference (CONTRACT section 5). ``reference`` is the self-check: this machine's fp64
+stored fp64 reference (docs/contract.md section 5). ``reference`` is the self-check: this machine's fp64
 reference reproduces the stored one to one fp32 ulp. See docs/golden.md for the commands."""
 
 from __future__ import annotations

@@ -1,0 +1,135 @@
+"""The ``extend`` backend: runs the local extend both ways, reports the primary, judges the others."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any, Optional
+
+import torch
+
+from refmla.backends import aiter as aiter_backend
+from refmla.backends.base import Backend, BackendResult, BackendUnavailable
+from refmla.backends.extend.aiter_prefill import run_aiter_prefill
+from refmla.backends.extend.inputs import ExtendInputs, as_extend, scatter_rows
+from refmla.backends.extend.local import mla_extend_local
+from refmla.backends.extend.sglang_triton import run_triton_extend, triton_extend_status
+from refmla.backends.reference import reference_output
+from refmla.compare import Comparison, compare
+from refmla.control import mla_control
+from refmla.util import error_text
+
+IMPL_ENV = "REFMLA_EXTEND_IMPL"
+
+Triton = tuple[torch.Tensor, Optional[torch.Tensor], dict]  # run_triton_extend's out, lse, info
+
+
+def _chosen_impl(opts) -> str:
+    impl = (getattr(opts, "extend_impl", None) or os.environ.get(IMPL_ENV) or "auto").lower()
+    if impl not in ("auto", "torch", "triton"):
+        raise BackendUnavailable(f"{IMPL_ENV}={impl!r}: choose auto, torch or triton")
+    return impl
+
+
+def summarize(cmp: Comparison) -> dict:
+    """A secondary implementation's comparison, as a small JSON dict."""
+    d = {"status": "pass" if cmp.passed else "fail", "max_abs_err": cmp.max_abs_err, "cos_diff": cmp.cos_diff,
+         "worst": {"request": cmp.worst.get("request"), "head": cmp.worst.get("head")}}  # fmt: skip
+    if not cmp.passed:
+        d["reason"] = "; ".join(cmp.reasons)
+    return d
+
+
+class _Judge:
+    """Judges a secondary implementation's output (summarized); the reference and the control it
+    needs are computed once, and only if something is judged."""
+
+    def __init__(self, cap, out_dtype: torch.dtype, tol):
+        self.cap, self.out_dtype = cap, out_dtype
+        self.kw = {"tol": tol} if tol is not None else {}
+        self.truth: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def __call__(self, name: str, out: torch.Tensor) -> dict:
+        cap = self.cap
+        if self.truth is None:
+            qo = None if cap.is_decode else cap.qo_indptr
+            args = (cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices)
+            expected = reference_output(cap)[0]
+            self.truth = (expected, mla_control(*args, **cap.scales(), out_dtype=self.out_dtype, qo_indptr=qo)[0])
+        expected, control = self.truth
+        rows = cap.request_of_row()
+        cmp = compare(name, out, expected, control, out_dtype=self.out_dtype, request_of_row=rows, **self.kw)
+        return summarize(cmp)
+
+
+def _try_triton(impl: str, cap, inp: ExtendInputs, out_dtype: torch.dtype, opts) -> tuple[Optional[Triton], dict]:
+    """SGLang's Triton extend unless ``impl`` is torch: (its result or None, the entry saying why not)."""
+    if impl == "torch":
+        return None, {"status": "skipped", "reason": f"{IMPL_ENV}=torch"}
+    ok, note = triton_extend_status()
+    if not ok:
+        if impl == "triton":
+            raise BackendUnavailable(f"SGLang Triton extend: {note}")
+        return None, {"status": "skipped", "reason": note}
+    try:
+        device = getattr(opts, "device", None)
+        return run_triton_extend(inp, cap.kv_buffer, **cap.scales(), out_dtype=out_dtype, device=device), {}
+    except Exception as e:
+        if impl == "triton":
+            raise
+        return None, {"status": "error", "reason": error_text(e)}
+
+
+def _aiter_prefill(cap, inp: ExtendInputs, out_dtype: torch.dtype, opts, judge: _Judge) -> dict:
+    """aiter's prefill judged against the reference, or why it did not run."""
+    ok, why = aiter_backend.aiter_status()
+    if not ok:
+        return {"status": "skipped", "reason": why}
+    try:
+        o, info = run_aiter_prefill(cap, inp, out_dtype, getattr(opts, "device", None))
+    except Exception as e:
+        return {"status": "error", "reason": error_text(e)}
+    return {**judge("aiter_prefill", scatter_rows(o, inp)), **info}
+
+
+class ExtendBackend(Backend):
+    name = "extend"
+
+    def availability(self) -> tuple[bool, str]:
+        ok, note = triton_extend_status()
+        if ok:
+            return True, f"local extend: {note}; pure PyTorch alongside"
+        return True, f"local extend: pure PyTorch {torch.__version__} (SGLang Triton extend unavailable: {note})"
+
+    def run(self, cap, opts) -> BackendResult:
+        impl = _chosen_impl(opts)
+        out_dtype = cap.out_dtype
+        inp = as_extend(cap)
+        t0 = time.perf_counter()
+        t_out, t_lse = mla_extend_local(inp, cap.kv_buffer, **cap.scales(), out_dtype=out_dtype)
+        torch_s = round(time.perf_counter() - t0, 3)
+        tri, tri_entry = _try_triton(impl, cap, inp, out_dtype, opts)
+        judge = _Judge(cap, out_dtype, getattr(opts, "tol", None))
+
+        info: dict[str, Any] = {
+            "prefix": "positions 0..L-n-1 through kv_indptr/kv_indices",
+            "new_tokens": "positions L-n..L-1 as k_extend/v_extend (dequantized cache rows), causal bottom-right",
+            "new_tokens_per_request": "1 (decode step as a one-token extend)" if cap.is_decode else "qo_indptr",
+        }
+        torch_full = scatter_rows(t_out, inp)
+        if tri is not None:
+            o, lse, tinfo = tri
+            out, out_lse = scatter_rows(o, inp), (scatter_rows(lse, inp, -math.inf) if lse is not None else None)
+            info["implementation"] = "sglang_triton"
+            info["triton"] = tinfo
+            info["torch_extend"] = {**judge("torch_extend", torch_full), "seconds": torch_s}
+        else:
+            out, out_lse = torch_full, scatter_rows(t_lse, inp, -math.inf)
+            info["implementation"] = "torch"
+            info["sglang_triton_extend"] = tri_entry
+        info["aiter_prefill"] = _aiter_prefill(cap, inp, out_dtype, opts, judge)
+        return BackendResult(out=out, lse=out_lse, info=info, defines_empty_rows=True)
+
+
+__all__ = ["IMPL_ENV", "ExtendBackend", "summarize"]

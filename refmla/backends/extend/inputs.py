@@ -1,0 +1,96 @@
+"""The capture as the extend path sees it: each request's cached prefix and its new tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from refmla import reference as ref
+
+
+@dataclass
+class ExtendInputs:
+    """One extend call: prefix through the cache, new tokens' K/V as tensors."""
+
+    q_extend: torch.Tensor  # [T, H, D] the new tokens' queries (rows of requests with tokens)
+    k_extend: torch.Tensor  # [T, 1, D] their latent K, dequantized, in q's dtype
+    v_extend: torch.Tensor  # [T, 1, Dv] their latent V (first Dv dims), dequantized, in q's dtype
+    qo_indptr: torch.Tensor  # [B + 1] int64, request b's new tokens are rows qo_indptr[b]:qo_indptr[b+1]
+    prefix_indptr: torch.Tensor  # [B + 1] int64 over prefix_indices
+    prefix_indices: torch.Tensor  # [sum(L_b - n_b)] int64 token slots of the prefixes, position order
+    out_rows: torch.Tensor  # [T] which row of the capture's `out` each new token is
+    num_rows: int  # rows of the capture's `out` (decode: B; extend: T)
+
+    @property
+    def max_len_extend(self) -> int:
+        n = self.qo_indptr[1:] - self.qo_indptr[:-1]
+        return int(n.max()) if n.numel() else 0
+
+
+def dequant_rows(rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows -> the tensor the layer would have passed: (rows * scale) in ``dtype``."""
+    if scale != 1.0 or rows.dtype.itemsize == 1:
+        return (rows.to(torch.float32) * scale).to(dtype)
+    return rows.to(dtype)
+
+
+def _indptr(lens: torch.Tensor) -> torch.Tensor:
+    """[B] lengths -> [B + 1] int64 offsets from 0."""
+    indptr = torch.zeros(lens.shape[0] + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(lens, 0)
+    return indptr
+
+
+def _new_tokens(cap) -> tuple[torch.Tensor, list[list[int]], int]:
+    """(new tokens per request [B], the capture's `out` rows of each request, rows of `out`)."""
+    B = cap.batch_size
+    if cap.is_decode:
+        lens = (cap.kv_indptr[1:] - cap.kv_indptr[:-1]).long()  # [B]
+        n = (lens > 0).long()  # [B]
+        return n, [[b] if int(n[b]) else [] for b in range(B)], B
+    qo = cap.qo_indptr.long()
+    return qo[1:] - qo[:-1], [list(range(int(qo[b]), int(qo[b + 1]))) for b in range(B)], cap.q.shape[0]
+
+
+def as_extend(cap) -> ExtendInputs:
+    """Split every request of a capture into its cached prefix and its new tokens.
+
+    Decode: one new token per request with L >= 1 (a zero-length request has no token to
+    recompute; its output row stays 0, the reference's value). Extend: the capture's qo_indptr.
+    """
+    m = cap.meta
+    B, Dv = cap.batch_size, m.kv_lora_rank
+    lens = (cap.kv_indptr[1:] - cap.kv_indptr[:-1]).long()  # [B]
+    n, rows_of_b, num_rows = _new_tokens(cap)
+    prefix_lens = lens - n  # [B]
+    prefix, new = [], []
+    for b in range(B):
+        rows = ref.request_rows(cap.kv_indptr, cap.kv_indices, b)  # [L_b]
+        prefix.append(rows[: int(prefix_lens[b])])
+        new.append(rows[int(prefix_lens[b]) :])
+    empty = torch.zeros(0, dtype=torch.int64)
+    new_rows = torch.cat(new) if new else empty  # [T]
+    out_rows = torch.tensor([r for rs in rows_of_b for r in rs], dtype=torch.int64)
+    kv_new = cap.kv_buffer[:, 0].index_select(0, new_rows)  # [T, D] stored dtype
+    qd = cap.q.dtype if cap.q.dtype.itemsize >= 2 else torch.bfloat16
+    return ExtendInputs(
+        q_extend=cap.q.index_select(0, out_rows),
+        k_extend=dequant_rows(kv_new, m.k_scale, qd)[:, None, :],
+        v_extend=dequant_rows(kv_new[:, :Dv], m.v_scale, qd)[:, None, :],
+        qo_indptr=_indptr(n),
+        prefix_indptr=_indptr(prefix_lens),
+        prefix_indices=torch.cat(prefix) if prefix else empty,
+        out_rows=out_rows,
+        num_rows=num_rows,
+    )
+
+
+def scatter_rows(x: torch.Tensor, inp: ExtendInputs, fill: float = 0.0) -> torch.Tensor:
+    """[T, H, ...] of the new tokens -> [R, H, ...] rows of the capture (others ``fill``)."""
+    out = x.new_full((inp.num_rows, *x.shape[1:]), fill)
+    out[inp.out_rows] = x
+    return out
+
+
+__all__ = ["ExtendInputs", "as_extend", "dequant_rows", "scatter_rows"]

@@ -1,0 +1,85 @@
+"""Many captures: replayed one after the other or in worker processes, with the same result.
+
+Every capture gets its report, in the order given: an unreadable one, or one on which refmla
+itself fails, becomes an ``invalid`` report with its one-line reason, and the others still run.
+A capture that kills its worker process is replayed once more alone; if that dies too, it is
+reported ``invalid``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from typing import Optional, Sequence
+
+import torch
+
+from refmla.backends.triton_interp import ensure_interpreter
+from refmla.capture import CaptureError
+from refmla.context import ReplayOptions
+from refmla.render.progress import Progress
+from refmla.replay import invalid_report, replay_file
+from refmla.results import ReplayReport
+from refmla.util import error_text
+
+
+def replay_one(path: str, opts: ReplayOptions) -> ReplayReport:
+    """replay_file that never raises: a crash of refmla itself becomes an ``invalid`` report."""
+    try:
+        return replay_file(path, opts)
+    except Exception as e:  # one bad file must not end the run
+        return invalid_report(str(path), CaptureError(path, "replay", error_text(e)))
+
+
+def replay_many(paths: Sequence[str], opts: ReplayOptions, jobs: int = 1) -> list[ReplayReport]:
+    """Reports for ``paths`` in their order; ``jobs`` > 1 replays in that many spawned processes."""
+    paths = [str(p) for p in paths]
+    progress = Progress(len(paths))
+    try:
+        if jobs <= 1 or len(paths) <= 1:
+            reports = []
+            for p in paths:
+                reports.append(replay_one(p, opts))
+                progress.step(p)
+            return reports
+        return _replay_parallel(paths, opts, jobs, progress)
+    finally:
+        progress.close()
+
+
+def _init_worker(threads: int) -> None:
+    """Runs first in every worker process: choose the Triton interpreter before triton is imported."""
+    ensure_interpreter()
+    torch.set_num_threads(max(1, threads))
+
+
+def _replay_parallel(paths: list[str], opts: ReplayOptions, jobs: int, progress: Progress) -> list[ReplayReport]:
+    """Workers are spawned (not forked), so each selects the Triton interpreter before importing triton."""
+    reports: list[Optional[ReplayReport]] = [None] * len(paths)
+    threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
+    died = _run_pool(paths, list(range(len(paths))), opts, jobs, threads, reports, progress)
+    for i in died:  # the pool broke: whoever was running, plus everyone queued behind
+        if _run_pool(paths, [i], opts, 1, threads, reports, progress):
+            err = CaptureError(paths[i], "replay", "the worker process died replaying this capture")
+            reports[i] = invalid_report(paths[i], err)
+            progress.step(paths[i])
+    return reports  # type: ignore[return-value]
+
+
+def _run_pool(paths, todo, opts, jobs, threads, reports, progress) -> list[int]:
+    """Run ``todo`` in one pool; returns the indices whose future failed with a broken pool."""
+    died = []
+    with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=mp.get_context("spawn"),
+                             initializer=_init_worker, initargs=(threads,)) as pool:  # fmt: skip
+        futs = {pool.submit(replay_one, paths[i], opts): i for i in todo}
+        for fut in as_completed(futs):
+            i = futs[fut]
+            try:
+                reports[i] = fut.result()
+            except BrokenProcessPool:
+                died.append(i)
+                continue
+            progress.step(paths[i])
+    return sorted(died)

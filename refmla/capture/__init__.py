@@ -1,0 +1,46 @@
+"""The capture file, format ``refmla.capture/1`` (docs/contract.md section 1).
+
+One ``.safetensors`` file holds one attention call of one layer on one rank. ``read_capture``
+validates everything a replay relies on and raises :class:`CaptureError` naming the file and
+the tensor or key; ``write_capture`` compacts the pool to the rows actually referenced and
+writes atomically (temp file + rename).
+
+    format.py      what the file holds: TENSORS, the meta keys and their bounds, Capture
+    validation.py  the structural checks, a list of small functions run in order
+    read.py        read_capture: header, lazily mapped tensors, validation
+    write.py       compact_pool and write_capture (atomic, header sorted)
+"""
+
+from refmla.capture.format import (
+    CAPTURE_FORMAT,
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    META_CHECKS,
+    META_KEYS,
+    TENSORS,
+    Capture,
+    CaptureError,
+    CaptureMeta,
+    parse_meta,
+)
+from refmla.capture.read import read_capture
+from refmla.capture.validation import CHECKS, validate
+from refmla.capture.write import compact_pool, write_capture
+
+__all__ = [
+    "CAPTURE_FORMAT",
+    "CHECKS",
+    "FLOAT_DTYPES",
+    "INDEX_DTYPES",
+    "META_CHECKS",
+    "META_KEYS",
+    "TENSORS",
+    "Capture",
+    "CaptureError",
+    "CaptureMeta",
+    "compact_pool",
+    "parse_meta",
+    "read_capture",
+    "validate",
+    "write_capture",
+]

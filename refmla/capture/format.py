@@ -1,0 +1,247 @@
+"""What a ``refmla.capture/1`` file holds (docs/contract.md section 1): its tensors, its meta keys,
+and the :class:`Capture` they load into.
+
+A new tensor goes in :data:`TENSORS` and :class:`Capture`; a new meta key in :data:`META_KEYS` and
+:class:`CaptureMeta`, with its bounds as one more function in :data:`META_CHECKS`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from refmla import CAPTURE_FORMAT
+from refmla.util import request_label
+
+FLOAT_DTYPES = {
+    torch.bfloat16, torch.float16, torch.float32, torch.float64,
+    torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz,
+}  # fmt: skip
+INDEX_DTYPES = {torch.int32, torch.int64}
+
+# name -> required; shapes and dtypes are checked in refmla.capture.validation
+TENSORS = {
+    "q": True, "kv_buffer": True, "kv_indptr": True, "kv_indices": True, "seq_lens": True,
+    "num_kv_splits": False, "out": False, "lse": False, "attn_logits": False, "attn_lse": False,
+    "req_to_token": False, "orig_kv_indices": False, "qo_indptr": False,
+}  # fmt: skip
+
+
+class CaptureError(Exception):
+    """Invalid or unusable input: names the file and the tensor or key."""
+
+    def __init__(self, path: Any, key: str, message: str):
+        self.path, self.key, self.message = str(path), key, message
+        super().__init__(f"{self.path}: {key}: {message}")
+
+
+# --------------------------------------------------------------------------------------------
+# meta
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CaptureMeta:
+    mode: str  # "decode" (one query token per request) or "extend"
+    backend: str  # production backend that produced `out`: triton | aiter | unknown
+    kv_lora_rank: int  # Dv, latent (value) width
+    qk_rope_head_dim: int  # rope width; D = kv_lora_rank + qk_rope_head_dim
+    sm_scale: float  # softmax scale exactly as passed to the kernel
+    logit_cap: float  # tanh soft cap, 0 = off
+    page_size: int  # production pool page size (indices are token level)
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    max_kv_splits: Optional[int] = None
+    layer_id: Optional[int] = None
+    tp_rank: Optional[int] = None
+    step: Optional[int] = None
+    rids: Optional[list] = None
+    sglang_version: Optional[str] = None
+    aiter_version: Optional[str] = None
+    extra: dict = field(default_factory=dict)  # keys this version does not know, kept as given
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def to_json(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        d = {k: v for k, v in d.items() if v is not None}
+        return {**self.extra, **d}
+
+
+# key -> (type, required); int keys accept integral floats, float keys accept ints
+META_KEYS = {
+    "mode": (str, True), "backend": (str, True), "kv_lora_rank": (int, True),
+    "qk_rope_head_dim": (int, True), "sm_scale": (float, True), "logit_cap": (float, True),
+    "page_size": (int, True), "k_scale": (float, False), "v_scale": (float, False),
+    "max_kv_splits": (int, False), "layer_id": (int, False), "tp_rank": (int, False),
+    "step": (int, False), "rids": (list, False), "sglang_version": (str, False),
+    "aiter_version": (str, False),
+}  # fmt: skip
+
+
+def parse_meta(raw: Mapping[str, Any], path: Any = "<meta>") -> CaptureMeta:
+    """Validate the ``meta`` JSON object and build a CaptureMeta."""
+    if not isinstance(raw, Mapping):
+        raise CaptureError(path, "meta", "must be a JSON object")
+    kw: dict[str, Any] = {}
+    for key, (typ, required) in META_KEYS.items():
+        if key not in raw or raw[key] is None:
+            if required:
+                raise CaptureError(path, f"meta key '{key}'", "missing")
+            continue
+        kw[key] = _coerce(raw[key], typ, path, key)
+    for check in META_CHECKS:
+        check(kw, path)
+    if "rids" in kw:
+        kw["rids"] = [str(r) for r in kw["rids"]]
+    extra = {k: v for k, v in raw.items() if k not in META_KEYS and k != "format"}
+    return CaptureMeta(**kw, extra=extra)
+
+
+def _coerce(value: Any, typ: type, path: Any, key: str) -> Any:
+    bad = CaptureError(path, f"meta key '{key}'", f"must be {typ.__name__}, got {value!r}")
+    if isinstance(value, bool):
+        raise bad
+    if typ is int:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if not isinstance(value, int):
+            raise bad
+    elif typ is float:
+        if not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    elif not isinstance(value, typ):
+        raise bad
+    return value
+
+
+def _bad_key(path: Any, key: str, message: str) -> CaptureError:
+    return CaptureError(path, f"meta key '{key}'", message)
+
+
+def _check_mode(kw: dict, path: Any) -> None:
+    if kw["mode"] not in ("decode", "extend"):
+        raise _bad_key(path, "mode", f"must be 'decode' or 'extend', got {kw['mode']!r}")
+
+
+def _check_widths(kw: dict, path: Any) -> None:
+    for key in ("kv_lora_rank", "page_size"):
+        if kw[key] < 1:
+            raise _bad_key(path, key, f"must be >= 1, got {kw[key]}")
+    if kw["qk_rope_head_dim"] < 0:
+        raise _bad_key(path, "qk_rope_head_dim", f"must be >= 0, got {kw['qk_rope_head_dim']}")
+
+
+def _check_scales(kw: dict, path: Any) -> None:
+    for key in ("sm_scale", "k_scale", "v_scale"):
+        if key in kw and not (math.isfinite(kw[key]) and kw[key] > 0):
+            raise _bad_key(path, key, f"must be finite and > 0, got {kw[key]}")
+    if not (math.isfinite(kw["logit_cap"]) and kw["logit_cap"] >= 0):
+        raise _bad_key(path, "logit_cap", f"must be finite and >= 0, got {kw['logit_cap']}")
+
+
+def _check_max_kv_splits(kw: dict, path: Any) -> None:
+    if kw.get("max_kv_splits") is not None and kw["max_kv_splits"] < 1:
+        raise _bad_key(path, "max_kv_splits", f"must be >= 1, got {kw['max_kv_splits']}")
+
+
+# bounds on the coerced values, run in order; each raises CaptureError naming the key
+META_CHECKS: tuple[Callable[[dict, Any], None], ...] = (
+    _check_mode,
+    _check_widths,
+    _check_scales,
+    _check_max_kv_splits,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# The loaded capture
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Capture:
+    """One captured attention call. Tensors keep the dtypes they were stored with."""
+
+    path: str
+    meta: CaptureMeta
+    q: torch.Tensor  # [B, H, D] decode, [T, H, D] extend
+    kv_buffer: torch.Tensor  # [N, 1, D]
+    kv_indptr: torch.Tensor  # [B + 1]
+    kv_indices: torch.Tensor  # [kv_indptr[-1]]
+    seq_lens: torch.Tensor  # [B]
+    num_kv_splits: Optional[torch.Tensor] = None  # [B]
+    out: Optional[torch.Tensor] = None  # [B, H, Dv] / [T, H, Dv], the production output
+    lse: Optional[torch.Tensor] = None  # [B, H] / [T, H]
+    attn_logits: Optional[torch.Tensor] = None  # [B, H, S, Dv]
+    attn_lse: Optional[torch.Tensor] = None  # [B, H, S]
+    req_to_token: Optional[torch.Tensor] = None  # [B, M]
+    orig_kv_indices: Optional[torch.Tensor] = None  # like kv_indices
+    qo_indptr: Optional[torch.Tensor] = None  # [B + 1], extend only
+    warnings: list = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return self.kv_indptr.shape[0] - 1
+
+    @property
+    def num_heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.meta.mode == "decode"
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {n: getattr(self, n) for n in TENSORS if getattr(self, n) is not None}
+
+    def scales(self) -> dict[str, Any]:
+        """The keyword arguments every reference function takes."""
+        m = self.meta
+        return dict(kv_lora_rank=m.kv_lora_rank, sm_scale=m.sm_scale, logit_cap=m.logit_cap,
+                    k_scale=m.k_scale, v_scale=m.v_scale)  # fmt: skip
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        """The dtype a kernel writes this call's output in: the captured ``out``'s when it has one
+        (bf16, fp16 or fp32), else q's, else bf16 (an fp8 q)."""
+        for t in (self.out, self.q):
+            if t is not None and t.dtype.is_floating_point and t.dtype.itemsize in (2, 4):
+                return t.dtype
+        return torch.bfloat16
+
+    def rid(self, b: Optional[int]) -> Optional[str]:
+        """Request b's id from meta ``rids``, or None."""
+        rids = self.meta.rids
+        return rids[b] if b is not None and rids is not None and 0 <= b < len(rids) else None
+
+    def label(self, b: int) -> str:
+        """"request b (rid ...)" for messages."""
+        return request_label(b, self.rid(b))
+
+    def request_of_row(self) -> torch.Tensor:
+        """Request index of each row of `out` (decode: arange(B); extend: from qo_indptr)."""
+        if self.is_decode:
+            return torch.arange(self.batch_size)
+        lens = (self.qo_indptr[1:] - self.qo_indptr[:-1]).long()
+        return torch.repeat_interleave(torch.arange(self.batch_size), lens)
+
+
+__all__ = [
+    "CAPTURE_FORMAT",
+    "FLOAT_DTYPES",
+    "INDEX_DTYPES",
+    "META_CHECKS",
+    "META_KEYS",
+    "TENSORS",
+    "Capture",
+    "CaptureError",
+    "CaptureMeta",
+    "parse_meta",
+]

@@ -1,0 +1,101 @@
+"""Reading a capture: open, check the header, map the tensors lazily, validate.
+
+Every failure is a :class:`CaptureError` naming the file and the tensor or key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from refmla import CAPTURE_FORMAT
+from refmla.capture.format import TENSORS, Capture, CaptureError, CaptureMeta, parse_meta
+from refmla.capture.validation import validate
+from refmla.util import first_line
+
+
+def read_capture(path: Any) -> Capture:
+    """Open, validate and load a capture. Raises CaptureError (file + tensor/key + reason)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    _check_file(path)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = _read_meta(path, f.metadata() or {})
+            names = set(f.keys())
+            for name, required in TENSORS.items():
+                if required and name not in names:
+                    raise CaptureError(path, f"tensor '{name}'", "missing")
+            loaded = _map_tensors(path, [n for n in TENSORS if n in names], f)
+    except CaptureError:
+        raise
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        reason = first_line(e) or type(e).__name__
+        raise CaptureError(path, "file", f"not a readable safetensors file ({reason})") from None
+    cap = Capture(path=str(path), meta=meta, **loaded)
+    cap.warnings.extend(validate(cap))
+    unknown = sorted(names - set(TENSORS))
+    if unknown:
+        cap.warnings.append(f"tensors not in refmla.capture/1, ignored: {', '.join(unknown)}")
+    return cap
+
+
+def _check_file(path: Path) -> None:
+    if not path.exists():
+        raise CaptureError(path, "file", "no such file")
+    if not path.is_file():
+        raise CaptureError(path, "file", "not a regular file")
+
+
+def _read_meta(path: Path, header: dict) -> CaptureMeta:
+    """The safetensors ``__metadata__``: the format tag, then the ``meta`` JSON, parsed."""
+    fmt = header.get("format")
+    if fmt != CAPTURE_FORMAT:
+        raise CaptureError(path, "header key 'format'", f"expected {CAPTURE_FORMAT!r}, got {fmt!r}")
+    if "meta" not in header:
+        raise CaptureError(path, "header key 'meta'", "missing")
+    try:
+        raw_meta = json.loads(header["meta"])
+    except json.JSONDecodeError as e:
+        raise CaptureError(path, "header key 'meta'", f"not valid JSON ({e.msg})") from None
+    return parse_meta(raw_meta, path)
+
+
+_ST_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "I32": torch.int32, "I64": torch.int64, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+}  # fmt: skip
+
+
+def _map_tensors(path: Path, names: list[str], f) -> dict[str, torch.Tensor]:
+    """Tensors backed by a private (copy-on-write) memory map of the file: nothing is read until
+    touched, so a replay pulls in only the pool rows it attends and never holds the pool twice.
+    ``f`` (an open safe_open, which has validated the header) serves any dtype not mapped here."""
+    import mmap
+    import struct
+
+    with open(path, "rb") as fh:
+        n = struct.unpack("<Q", fh.read(8))[0]
+        header = json.loads(fh.read(n))
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+    out = {}
+    for name in names:
+        info = header[name]
+        dtype, shape = _ST_DTYPES.get(info["dtype"]), info["shape"]
+        start, end = info["data_offsets"]
+        if dtype is None or math.prod(shape) == 0:
+            out[name] = f.get_tensor(name)
+            continue
+        count = (end - start) // dtype.itemsize
+        out[name] = torch.frombuffer(mm, dtype=dtype, count=count, offset=8 + n + start).reshape(shape)
+    return out
+
+
+__all__ = ["read_capture"]

@@ -1,0 +1,203 @@
+"""The structural checks a replay depends on, as a list of small checks run in order.
+
+Each check takes the capture and the list of warnings so far; it raises :class:`CaptureError`
+naming the tensor, or appends a warning. Later checks rely on what earlier ones established (the
+dtypes, then the shapes of the core tensors, then their contents), so a new bound goes after the
+checks whose guarantees it uses, as one more function in :data:`CHECKS`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from refmla.capture.format import FLOAT_DTYPES, INDEX_DTYPES, Capture, CaptureError
+from refmla.util import dtype_name, request_label
+
+INDEX_TENSORS = ("kv_indptr", "kv_indices", "seq_lens", "num_kv_splits", "req_to_token", "orig_kv_indices", "qo_indptr")
+FLOAT_TENSORS = ("q", "kv_buffer", "out", "lse", "attn_logits", "attn_lse")
+KNOWN_BACKENDS = ("triton", "aiter", "unknown")
+
+
+def validate(cap: Capture) -> list[str]:
+    """Structural checks a replay depends on. Raises CaptureError; returns warnings."""
+    warnings: list[str] = []
+    for check in CHECKS:
+        check(cap, warnings)
+    return warnings
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _err(cap: Capture, name: str, msg: str) -> CaptureError:
+    return CaptureError(cap.path, f"tensor '{name}'", msg)
+
+
+def _shape(cap: Capture, name: str, t: torch.Tensor, want: tuple) -> None:
+    """``t`` has ``len(want)`` dims, each equal to its ``want`` entry (None: any size)."""
+    if t.dim() != len(want) or any(w is not None and s != w for s, w in zip(t.shape, want)):
+        pretty = "[" + ", ".join("?" if w is None else str(w) for w in want) + "]"
+        raise _err(cap, name, f"shape {list(t.shape)}, expected {pretty}")
+
+
+def _first(mask: torch.Tensor) -> int:
+    """Index of the first True of a 1-D mask."""
+    return int(torch.nonzero(mask)[0])
+
+
+# --------------------------------------------------------------------------------------------
+# The checks, in the order they run
+# --------------------------------------------------------------------------------------------
+
+
+def check_dtypes(cap: Capture, warnings: list[str]) -> None:
+    """Index tensors int32 / int64, value tensors floating point (fp8 included)."""
+    for names, allowed in ((INDEX_TENSORS, INDEX_DTYPES), (FLOAT_TENSORS, FLOAT_DTYPES)):
+        for name in names:
+            t = getattr(cap, name)
+            if t is not None and t.dtype not in allowed:
+                raise _err(cap, name, f"dtype {dtype_name(t.dtype)} not allowed here")
+
+
+def check_core_shapes(cap: Capture, warnings: list[str]) -> None:
+    """kv_indptr [B + 1], q [T, H, D] (T = B in decode), kv_buffer [N, 1, D], seq_lens [B], kv_indices [?]."""
+    D = cap.meta.head_dim
+    _shape(cap, "kv_indptr", cap.kv_indptr, (None,))
+    B = cap.batch_size
+    if B < 0:
+        raise _err(cap, "kv_indptr", "empty; expected [B + 1] entries")
+    _shape(cap, "q", cap.q, (None, None, D))
+    T = cap.q.shape[0]
+    if cap.is_decode and T != B:
+        raise _err(cap, "q", f"has {T} requests but kv_indptr describes {B}")
+    _shape(cap, "kv_buffer", cap.kv_buffer, (None, 1, D))
+    _shape(cap, "seq_lens", cap.seq_lens, (B,))
+    _shape(cap, "kv_indices", cap.kv_indices, (None,))
+
+
+def check_kv_indptr(cap: Capture, warnings: list[str]) -> None:
+    """Monotone, starts at a non-negative offset (warned when not 0), ends at len(kv_indices)."""
+    indptr = cap.kv_indptr.long()
+    if cap.batch_size > 0 and bool((indptr[1:] < indptr[:-1]).any()):
+        b = _first(indptr[1:] < indptr[:-1])
+        raise _err(cap, "kv_indptr", f"not monotone: kv_indptr[{b + 1}]={int(indptr[b + 1])} < kv_indptr[{b}]={int(indptr[b])}")
+    start = int(indptr[0])
+    if start < 0:
+        raise _err(cap, "kv_indptr", f"kv_indptr[0]={start} is negative")
+    if start != 0:
+        warnings.append(f"kv_indptr[0]={start}: the first {start} kv_indices are unused")
+    if int(indptr[-1]) != cap.kv_indices.shape[0]:
+        raise _err(cap, "kv_indices", f"length {cap.kv_indices.shape[0]} != kv_indptr[-1]={int(indptr[-1])}")
+
+
+def check_seq_lens(cap: Capture, warnings: list[str]) -> None:
+    """Non-negative and equal to the kv_indptr differences."""
+    seq = cap.seq_lens.long()
+    if bool((seq < 0).any()):
+        b = _first(seq < 0)
+        raise _err(cap, "seq_lens", f"negative length seq_lens[{b}]={int(seq[b])}")
+    indptr = cap.kv_indptr.long()
+    lens = indptr[1:] - indptr[:-1]
+    if not torch.equal(seq, lens):
+        b = _first(seq != lens)
+        raise _err(cap, "seq_lens", f"seq_lens[{b}]={int(seq[b])} but kv_indptr gives {int(lens[b])} tokens")
+
+
+def check_kv_indices(cap: Capture, warnings: list[str]) -> None:
+    """Every token slot is a row of kv_buffer."""
+    N = cap.kv_buffer.shape[0]
+    idx = cap.kv_indices.long()
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= N):
+        j = _first((idx < 0) | (idx >= N))
+        raise _err(cap, "kv_indices", f"kv_indices[{j}]={int(idx[j])} out of range for kv_buffer with {N} rows")
+
+
+def check_num_kv_splits(cap: Capture, warnings: list[str]) -> None:
+    """When captured: [B], every count >= 1."""
+    splits, B = cap.num_kv_splits, cap.batch_size
+    if splits is None:
+        return
+    _shape(cap, "num_kv_splits", splits, (B,))
+    if B and int(splits.min()) < 1:
+        b = _first(splits < 1)
+        raise _err(cap, "num_kv_splits", f"num_kv_splits[{b}]={int(splits[b])} must be >= 1")
+
+
+def check_optional_shapes(cap: Capture, warnings: list[str]) -> None:
+    """out / lse per row (requests in decode, tokens in extend), split partials per request."""
+    B, Dv = cap.batch_size, cap.meta.kv_lora_rank
+    rows, H = cap.q.shape[0], cap.q.shape[1]  # rows of out / lse: requests in decode, tokens in extend
+    if cap.out is not None:
+        _shape(cap, "out", cap.out, (rows, H, Dv))
+    if cap.lse is not None:
+        _shape(cap, "lse", cap.lse, (rows, H))
+    if cap.attn_logits is not None:
+        _shape(cap, "attn_logits", cap.attn_logits, (B, H, None, Dv))
+    if cap.attn_lse is not None:
+        S = cap.attn_logits.shape[2] if cap.attn_logits is not None else None
+        _shape(cap, "attn_lse", cap.attn_lse, (B, H, S))
+    if cap.req_to_token is not None:
+        _shape(cap, "req_to_token", cap.req_to_token, (B, None))
+    if cap.orig_kv_indices is not None:
+        _shape(cap, "orig_kv_indices", cap.orig_kv_indices, (cap.kv_indices.shape[0],))
+
+
+def check_qo_indptr(cap: Capture, warnings: list[str]) -> None:
+    """Extend: [B + 1] from 0, monotone, ending at q's token count, no request with more new
+    tokens than its length. Decode: ignored (warned)."""
+    if cap.is_decode:
+        if cap.qo_indptr is not None:
+            warnings.append("qo_indptr is ignored in decode mode")
+        return
+    if cap.qo_indptr is None:
+        raise _err(cap, "qo_indptr", "missing (required in extend mode)")
+    B, T = cap.batch_size, cap.q.shape[0]
+    _shape(cap, "qo_indptr", cap.qo_indptr, (B + 1,))
+    qo = cap.qo_indptr.long()
+    if int(qo[0]) != 0 or bool((qo[1:] < qo[:-1]).any()):
+        raise _err(cap, "qo_indptr", "must start at 0 and be monotone")
+    if int(qo[-1]) != T:
+        raise _err(cap, "qo_indptr", f"qo_indptr[-1]={int(qo[-1])} but q has {T} tokens")
+    seq, qlen = cap.seq_lens.long(), qo[1:] - qo[:-1]
+    if bool((qlen > seq).any()):
+        b = _first(qlen > seq)
+        raise _err(cap, "qo_indptr", f"{request_label(b)} has {int(qlen[b])} new tokens but seq_len {int(seq[b])}")
+
+
+def warn_q_values(cap: Capture, warnings: list[str]) -> None:
+    """fp8 q (no q scale in the format) and NaN / Inf in q: replayed, with a warning."""
+    if cap.q.dtype.itemsize == 1:
+        warnings.append("q is fp8: the format carries no q scale, replayed as stored")
+    bad_q = ~torch.isfinite(cap.q.float())
+    if bool(bad_q.any()):
+        r = int(torch.nonzero(bad_q)[0][0])
+        warnings.append(f"q has {int(bad_q.sum())} NaN/Inf values (first in row {r}); replayed anyway")
+
+
+def warn_backend_name(cap: Capture, warnings: list[str]) -> None:
+    """meta backend outside triton / aiter / unknown."""
+    if cap.meta.backend not in KNOWN_BACKENDS:
+        warnings.append(f"meta backend {cap.meta.backend!r} is not one of triton, aiter, unknown")
+
+
+Check = Callable[[Capture, list], None]
+
+# run in this order: each relies on the ones before it
+CHECKS: tuple[Check, ...] = (
+    check_dtypes,
+    check_core_shapes,
+    check_kv_indptr,
+    check_seq_lens,
+    check_kv_indices,
+    check_num_kv_splits,
+    check_optional_shapes,
+    check_qo_indptr,
+    warn_q_values,
+    warn_backend_name,
+)
+
+__all__ = ["CHECKS", "validate"]

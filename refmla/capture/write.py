@@ -1,0 +1,123 @@
+"""Writing a capture: compact the pool, validate, write atomically, sort the header.
+
+A file on disk is always a readable capture: the tensors and meta are validated before anything
+is written, and the file appears under its name only once complete (temp file + rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from refmla import CAPTURE_FORMAT
+from refmla.capture.format import TENSORS, Capture, CaptureError, parse_meta
+from refmla.capture.validation import validate
+
+# --------------------------------------------------------------------------------------------
+# Compaction
+# --------------------------------------------------------------------------------------------
+
+
+def compact_pool(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keep only the pool rows that kv_indices (and req_to_token up to each seq_len) reference.
+
+    kv_indices and req_to_token are remapped to the compacted numbering; req_to_token entries
+    past a request's seq_len become -1; orig_kv_indices keeps the physical slots.
+    """
+    t = dict(tensors)
+    idx = t["kv_indices"].long()
+    seq = t["seq_lens"].long()
+    r2t = t.get("req_to_token")
+    used = [idx]
+    if r2t is not None:
+        valid = torch.arange(r2t.shape[1])[None, :] < seq[:, None]  # [B, M]
+        used.append(r2t.long()[valid & (r2t >= 0) & (r2t < t["kv_buffer"].shape[0])])
+    rows = torch.unique(torch.cat(used))  # sorted physical slots
+    orig = t.get("orig_kv_indices")
+    t["orig_kv_indices"] = (orig.long() if orig is not None else idx).clone()
+    t["kv_buffer"] = t["kv_buffer"].index_select(0, rows.to(t["kv_buffer"].device))
+    t["kv_indices"] = torch.searchsorted(rows, idx).to(t["kv_indices"].dtype)
+    if r2t is not None:
+        t["req_to_token"] = _remap_req_to_token(r2t, seq, rows)
+    return t
+
+
+def _remap_req_to_token(r2t: torch.Tensor, seq: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """req_to_token [B, M] in physical slots -> [B, max(seq)] in compacted rows, -1 where not kept."""
+    M = int(seq.max()) if seq.numel() else 0
+    slots = r2t[:, :M].long()
+    pos = torch.searchsorted(rows, slots.clamp(min=0)).clamp(max=max(len(rows) - 1, 0))
+    hit = (rows[pos] == slots) if len(rows) else torch.zeros_like(slots, dtype=torch.bool)
+    keep = hit & (torch.arange(M)[None, :] < seq[:, None])
+    return torch.where(keep, pos, -1).to(r2t.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+
+
+def write_capture(
+    path: Any,
+    tensors: Mapping[str, torch.Tensor],
+    meta: Mapping[str, Any],
+    *,
+    compact: bool = True,
+    validate_first: bool = True,
+) -> Path:
+    """Write a capture atomically (temp file in the same folder, then rename).
+
+    ``tensors`` and ``meta`` follow docs/contract.md section 1. With ``compact``, the pool is
+    reduced to the referenced rows (see :func:`compact_pool`). The result is validated before
+    anything is written, so a file on disk is always a readable capture.
+    """
+    path = Path(path)
+    unknown = set(tensors) - set(TENSORS)
+    if unknown:
+        raise CaptureError(path, f"tensor '{sorted(unknown)[0]}'", "not part of refmla.capture/1")
+    t = {k: v.detach().to("cpu") for k, v in tensors.items() if v is not None}
+    if compact:
+        t = compact_pool(t)
+    parsed = parse_meta(dict(meta), path)
+    if validate_first:
+        validate(Capture(path=str(path), meta=parsed, **t))
+    header = {"format": CAPTURE_FORMAT, "meta": json.dumps(parsed.to_json(), sort_keys=True)}
+    _write_atomic(path, {k: v.contiguous() for k, v in t.items()}, header)
+    return path
+
+
+def _write_atomic(path: Path, tensors: dict[str, torch.Tensor], header: dict[str, str]) -> None:
+    """safetensors file at ``path`` via a temp file in the same folder, fsync'd, then renamed."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=header)
+        _sort_header_metadata(tmp)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _sort_header_metadata(path: Path) -> None:
+    """Sort the safetensors ``__metadata__`` keys in place (same length, same meaning), so the same
+    capture is the same bytes: safetensors writes them from a hash map, in any order."""
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) <= n:  # a reordering of the same keys never grows; keep the file if it would
+            f.seek(8)
+            f.write(text + b" " * (n - len(text)))
+
+
+__all__ = ["compact_pool", "write_capture"]

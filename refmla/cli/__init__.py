@@ -1,0 +1,60 @@
+"""The command line (docs/contract.md, section 2): it parses, calls plain functions, prints.
+
+One module per command group, each adding its parser:
+
+    replay.py    refmla replay
+    inspect.py   refmla inspect
+    diffkv.py    refmla diff-kv
+    tools.py     refmla synth / doctor / golden generate
+    (refmla.hook.cli: refmla capture run)
+
+Exit codes for every command: 0 everything checked passed, 1 something diverged or
+mismatched, 2 the input is invalid or unusable (one line naming the file and tensor or key).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+from refmla import __version__
+from refmla.backends.triton_interp import ensure_interpreter
+from refmla.capture import CaptureError
+from refmla.cli import diffkv, inspect, replay, tools
+from refmla.cli.common import EXIT_INVALID, UsageError
+from refmla.hook.cli import add_capture_parser
+from refmla.util import error_text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="refmla", description="Replay and check absorbed-MLA decode captures.")
+    p.add_argument("--version", action="version", version=f"refmla {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    replay.add_parser(sub)
+    inspect.add_parser(sub)
+    diffkv.add_parser(sub)
+    tools.add_parsers(sub)
+    add_capture_parser(sub)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ensure_interpreter()  # no GPU: the Triton interpreter, chosen before anything imports triton
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (CaptureError, UsageError) as e:
+        print(f"refmla: error: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # never a traceback for the user; REFMLA_DEBUG=1 shows it
+        if os.environ.get("REFMLA_DEBUG"):
+            raise
+        print(f"refmla: error: {error_text(e)} (set REFMLA_DEBUG=1 for the traceback)", file=sys.stderr)
+        return EXIT_INVALID
+
+
+__all__ = ["main", "build_parser", "UsageError"]

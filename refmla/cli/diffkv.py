@@ -1,0 +1,34 @@
+"""`refmla diff-kv PREFILL... DECODE [--json]`: transfer fidelity, prefill side vs decode side."""
+
+from __future__ import annotations
+
+import sys
+
+from refmla.cli.common import EXIT_DIVERGED, EXIT_OK, need_matplotlib, print_json
+from refmla.diffkv import diff_kv_files, render_diff
+
+
+def add_parser(sub) -> None:
+    d = sub.add_parser("diff-kv", help="KV rows of the same request/position, prefill vs decode side")
+    d.add_argument("prefill", nargs="+", metavar="PREFILL", help="prefill capture(s) (chunked prefill: several)")
+    d.add_argument("decode", metavar="DECODE")
+    d.add_argument("--json", action="store_true")
+    d.add_argument("--plot", metavar="DIR", default=None, help="write a PNG of the mismatches to DIR")
+    d.set_defaults(func=run)
+
+
+def run(args) -> int:
+    if args.plot:
+        need_matplotlib()  # one line, exit 2, before anything is read
+    result = diff_kv_files(args.prefill, args.decode)
+    if args.plot:
+        from refmla.plots import plot_diff_kv  # matplotlib is optional: imported only when asked for
+
+        result.plots = [str(p) for p in plot_diff_kv(result, args.plot)]
+        for path in result.plots:
+            print(f"wrote {path}", file=sys.stderr)
+    if args.json:
+        print_json(result)
+    else:
+        print(render_diff(result))
+    return EXIT_OK if result.ok else EXIT_DIVERGED

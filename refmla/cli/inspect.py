@@ -1,0 +1,27 @@
+"""`refmla inspect CAPTURE...`: shapes, dtypes, meta and metadata checks (several: also series checks)."""
+
+from __future__ import annotations
+
+from refmla.capture import read_capture
+from refmla.cli.common import expand_captures, print_json, single_file
+from refmla.inspection import inspect_captures, inspect_exit_code
+from refmla.render.inspect import render_inspect
+
+
+def add_parser(sub) -> None:
+    i = sub.add_parser("inspect", help="shapes, dtypes, meta and metadata checks (several: also series checks)")
+    i.add_argument("captures", nargs="+", metavar="CAPTURE", help="capture files or directories")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=run)
+
+
+def run(args) -> int:
+    paths = expand_captures(args.captures)
+    if single_file(args.captures):
+        read_capture(paths[0])  # one file: a bad one is exit 2 with one line
+    entries = inspect_captures(paths)  # several: also the series checks
+    if args.json:
+        print_json(entries[0] if len(entries) == 1 else entries)
+    else:
+        print("\n\n".join(render_inspect(e) for e in entries))
+    return inspect_exit_code(entries)

@@ -1,0 +1,65 @@
+"""`refmla replay CAPTURE... [--backend NAME]... [--json]`: captures through the backends."""
+
+from __future__ import annotations
+
+import sys
+
+from refmla.backends import NAMES
+from refmla.batch import replay_many
+from refmla.cli.common import UsageError, expand_captures, need_matplotlib, print_json, single_file
+from refmla.compare import Tolerance
+from refmla.context import ReplayOptions
+from refmla.render.replay import render, summary_table
+from refmla.replay import backend_names, worst_status
+from refmla.series import attach_series
+
+
+def add_parser(sub) -> None:
+    r = sub.add_parser("replay", help="replay captures through the backends, compare with the reference")
+    r.add_argument("captures", nargs="+", metavar="CAPTURE", help="capture files or directories")
+    r.add_argument("--backend", action="append", choices=NAMES, help="run only these (repeatable)")
+    r.add_argument("--json", action="store_true", help="JSON report on stdout")
+    r.add_argument("--k", type=float, default=2.0, help="allowed multiple of the control's error (2)")
+    r.add_argument("--ulps", type=float, default=1.0, help="plus this many output-dtype ulps (1)")
+    r.add_argument("--cos", type=float, default=1e-5, help="cosine-difference ceiling (1e-5)")
+    r.add_argument("--device", default=None, help="device for kernels (default: cuda if present, else cpu)")
+    r.add_argument("--cu-count", type=int, default=256, help="CUs for computing num_kv_splits (MI355X: 256)")
+    r.add_argument("--jobs", type=int, default=1, help="replay captures in parallel processes")
+    r.add_argument("--plot", metavar="DIR", default=None, help="write PNG plots to DIR")
+    r.add_argument("--no-explain", action="store_true", help="skip the hypothesis search")
+    r.set_defaults(func=run)
+
+
+def run(args) -> int:
+    opts = ReplayOptions(
+        backends=args.backend or None,
+        tol=Tolerance(k=args.k, ulps=args.ulps, cos=args.cos),
+        device=args.device,
+        cu_count=args.cu_count,
+        explain=not args.no_explain,
+    )
+    try:
+        backend_names(opts)
+    except KeyError as e:
+        raise UsageError(str(e.args[0])) from None
+    if args.plot:
+        need_matplotlib()
+    paths = expand_captures(args.captures)
+    reports = replay_many(paths, opts, jobs=args.jobs)
+    for r in reports:  # each unusable capture: one line on stderr (exit 2); the others are still reported
+        if r.verdict == "invalid":
+            print(f"refmla: error: {r.error or '; '.join(r.metadata.errors)}", file=sys.stderr)
+    if len(reports) > 1:
+        attach_series(reports)  # each report gets its findings against the previous step
+    if args.plot:
+        from refmla.plots import plot_replay
+
+        for path in plot_replay(reports, args.plot):
+            print(f"wrote {path}", file=sys.stderr)
+    if args.json:
+        print_json(reports[0] if len(reports) == 1 and single_file(args.captures) else reports)
+    else:
+        print("\n\n".join(render(r) for r in reports))
+        if len(reports) > 1:
+            print("\n" + summary_table(reports))
+    return worst_status(reports)

@@ -1,0 +1,297 @@
+"""The diff itself: plan the compared positions, compare their rows bit for bit, build each request's entry.
+
+    plan       every position both sides hold (the decode side may hold more), as (owner capture,
+               prefill row, decode row), grouped by owner capture
+    compare    ``rows_differ`` per owner capture: memcmp per run contiguous in both pools, else
+               chunked gathers; then ``row_stats`` of the mismatched rows only
+    per request  positions compared, mismatched, first mismatch, mismatched pages (decode
+               page_size), max abs difference, row norms of both sides, transfer runs (``runs``)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence, Union
+
+import torch
+
+from refmla.capture import Capture, CaptureError, read_capture
+from refmla.diffkv.pairing import PairedRequest, Pairing, pair_requests
+from refmla.diffkv.runs import MAX_RANGES, ranges, transfer_runs
+from refmla.diffkv.types import DiffResult, MismatchDetail, Mismatches, PrefillDisagreement, RequestDiff
+from refmla.pool import row_stats, rows_differ
+from refmla.util import dtype_name, single_thread
+
+
+def diff_kv_files(prefill_paths: Union[str, Path, Sequence[str]], decode_path: str) -> DiffResult:
+    """Read the captures and compare their KV rows (see :mod:`refmla.diffkv`).
+
+    Raises CaptureError for a file that cannot be read or captures that cannot be compared
+    (different row widths, no request in common).
+    """
+    if isinstance(prefill_paths, (str, Path)):
+        prefill_paths = [prefill_paths]
+    if not prefill_paths:
+        raise CaptureError("<prefill>", "arguments", "at least one prefill capture is needed")
+    with single_thread():
+        prefill = [read_capture(p) for p in prefill_paths]
+        decode = read_capture(decode_path)
+        return diff_kv(prefill, decode)
+
+
+def diff_kv(prefill: list[Capture], decode: Capture) -> DiffResult:
+    """Compare already read captures: the prefill capture(s) of some requests (several: chunked
+    prefill) against one decode capture. Each request's typed entry is in ``.requests``.
+
+    Runs with one torch thread: the bulk is memcmp / numpy (single-threaded anyway), the rest
+    thousands of small index operations, for which intra-op threads only add barrier waits
+    (20 ms each on a loaded machine).
+    """
+    with single_thread():
+        notes = _check_rows(prefill, decode)
+        pairing = pair_requests(prefill, decode)
+        plan = _plan(pairing, prefill, decode)
+        cmp = _compare(plan, prefill, decode)
+        phys = decode.orig_kv_indices is not None and all(c.orig_kv_indices is not None for c in prefill)
+        entries = [_request_diff(p, cmp, prefill, decode, phys) for p in plan.requests]
+        entries += [_unpaired(r) for r in pairing.requests if not r.paired]
+        return _result(entries, pairing, prefill, decode, phys, notes + pairing.notes, plan.total)
+
+
+# --------------------------------------------------------------------------------------------
+# Planning and comparing
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Planned:
+    req: PairedRequest
+    n: int  # positions compared: those both sides hold
+    off: int  # where they start in the flat arrays
+
+
+@dataclass
+class _Plan:
+    requests: list[_Planned]
+    per_cap: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]  # capture -> [(flat, p rows, d rows)]
+    total: int  # compared positions of all requests
+
+
+@dataclass
+class _Compared:
+    """Every compared position, flat (requests one after the other in plan order)."""
+
+    mism: torch.Tensor  # [total] bool: the two rows differ
+    p_cap: torch.Tensor  # [total] owner capture of each position
+    p_row: torch.Tensor  # [total] its prefill pool row
+    d_row: torch.Tensor  # [total] its decode pool row
+    bad: torch.Tensor  # [K] sorted flat indices of the mismatches
+    stats: dict[str, torch.Tensor]  # row_stats of the mismatched rows, [K] each
+
+    def stats_of(self, off: int, k: int) -> dict[str, torch.Tensor]:
+        """The stats of the ``k`` mismatches from flat position ``off`` on (one request's)."""
+        k0 = int(torch.searchsorted(self.bad, torch.tensor(off)))
+        return {name: v[k0 : k0 + k] for name, v in self.stats.items()}
+
+
+def _check_rows(prefill: list[Capture], decode: Capture) -> list[str]:
+    """Rows of one width on both sides (else CaptureError); a note per prefill capture of another dtype."""
+    D, notes = decode.kv_buffer.shape[-1], []
+    for c in prefill:
+        if c.kv_buffer.shape[-1] != D:
+            what = f"rows of {D} elements but prefill capture {c.path} has {c.kv_buffer.shape[-1]}"
+            raise CaptureError(decode.path, "tensor 'kv_buffer'", what)
+        if c.kv_buffer.dtype != decode.kv_buffer.dtype:
+            notes.append(f"{c.path} stores {dtype_name(c.kv_buffer.dtype)} and the decode capture "
+                         f"{dtype_name(decode.kv_buffer.dtype)}: rows compared by value, not bit for bit")  # fmt: skip
+    return notes
+
+
+def _plan(pairing: Pairing, prefill: list[Capture], decode: Capture) -> _Plan:
+    """Every compared position as (owner capture, prefill row, decode row), grouped by owner."""
+    paired = pairing.paired
+    if not paired:
+        by_rid = pairing.by == "rid"
+        raise CaptureError(decode.path, "meta key 'rids'" if by_rid else "tensor 'kv_indptr'",
+                           f"no {'rid' if by_rid else 'request index'} in common with the prefill capture(s); "
+                           "nothing to compare")  # fmt: skip
+    plan = _Plan([], {}, 0)
+    for r in paired:
+        owner = r.owner
+        n = min(owner.numel(), int(decode.seq_lens[r.decode_b]))
+        owner = owner[:n]
+        d0 = r.decode_at(decode, 0)
+        d_rows = decode.kv_indices[d0 : d0 + n].long()  # [n]
+        for i, s in enumerate(r.sources):
+            js = torch.nonzero(owner == i).flatten()
+            if js.numel():
+                plan.per_cap.setdefault(s.cap, []).append((plan.total + js, r.prefill_rows(prefill, i, js), d_rows[js]))
+        plan.requests.append(_Planned(r, n, plan.total))
+        plan.total += n
+    return plan
+
+
+def _compare(plan: _Plan, prefill: list[Capture], decode: Capture) -> _Compared:
+    """Bit for bit per owner capture, then the numbers of the mismatched rows."""
+    total = plan.total
+    mism = torch.zeros(total, dtype=torch.bool)
+    p_cap, p_row, d_row = (torch.full((total,), -1, dtype=torch.int64) for _ in range(3))
+    for ci, parts in plan.per_cap.items():
+        flat = torch.cat([p[0] for p in parts])
+        pr, dr = torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
+        mism[flat] = rows_differ(prefill[ci].kv_buffer, pr, decode.kv_buffer, dr)
+        p_row[flat], p_cap[flat], d_row[flat] = pr, ci, dr
+    bad = torch.nonzero(mism).flatten()
+    stats: dict[str, torch.Tensor] = {}
+    if bad.numel():
+        stats = {k: torch.empty(bad.numel(), dtype=v) for k, v in (
+            ("max_abs_diff", torch.float64), ("norm_a", torch.float64), ("norm_b", torch.float64),
+            ("differing_dims", torch.int64), ("nonfinite_a", torch.int64), ("nonfinite_b", torch.int64),
+            ("zero_a", torch.bool), ("zero_b", torch.bool))}  # fmt: skip
+        for ci in plan.per_cap:
+            sel = torch.nonzero(p_cap[bad] == ci).flatten()
+            if sel.numel():
+                st = row_stats(prefill[ci].kv_buffer, p_row[bad[sel]], decode.kv_buffer, d_row[bad[sel]])
+                for k, v in st.items():
+                    stats[k][sel] = v
+    return _Compared(mism, p_cap, p_row, d_row, bad, stats)
+
+
+# --------------------------------------------------------------------------------------------
+# Per request
+# --------------------------------------------------------------------------------------------
+
+
+def _request_diff(p: _Planned, cmp: _Compared, prefill: list[Capture], decode: Capture, phys: bool) -> RequestDiff:
+    r, n, P = p.req, p.n, decode.meta.page_size
+    m = cmp.mism[p.off : p.off + n]
+    pos = torch.nonzero(m).flatten()  # [k] mismatched positions of this request
+    k = int(pos.numel())
+    e = RequestDiff(request=r.label, rid=r.rid, status="mismatch" if k else "match", positions_compared=n,
+                    mismatched_positions=k, first_mismatch=int(pos[0]) if k else None,
+                    mismatched_pages=torch.unique(pos // P).tolist(),
+                    positions_prefill=max(s.length for s in r.sources),
+                    positions_decode=int(decode.seq_lens[r.decode_b]),
+                    prefill_captures=sorted({s.cap for s in r.sources}))  # fmt: skip
+    if e.positions_decode < e.positions_prefill:
+        e.note = (f"the decode side holds {e.positions_decode} positions, fewer than the prefill side's "
+                  f"{e.positions_prefill}")  # fmt: skip
+    if len(r.sources) > 1:
+        e.prefill_disagreements = _prefill_self_check(r, prefill)
+    if not k:
+        return e
+    e.mismatches = _mismatches(r, pos, cmp.stats_of(p.off, k), prefill, decode)
+    if phys:
+        e.transfer_runs = transfer_runs(r, n, m, prefill, decode, P)
+    e.summary = _summary(e)
+    return e
+
+
+def _mismatches(r: PairedRequest, pos: torch.Tensor, st: dict, prefill: list[Capture], decode: Capture) -> Mismatches:
+    rs = ranges(pos)
+    return Mismatches(
+        ranges=rs[:MAX_RANGES],
+        ranges_total=len(rs) if len(rs) > MAX_RANGES else None,
+        max_abs_diff=float(st["max_abs_diff"].max()),
+        decode_zero_rows=int(st["zero_b"].sum()),
+        prefill_zero_rows=int(st["zero_a"].sum()),
+        nonfinite_prefill_rows=int((st["nonfinite_a"] > 0).sum()),
+        nonfinite_decode_rows=int((st["nonfinite_b"] > 0).sum()),
+        first=_detail(0, r, pos, st, prefill, decode),
+        worst=_detail(int(st["max_abs_diff"].argmax()), r, pos, st, prefill, decode),
+    )
+
+
+def _detail(
+    i: int, r: PairedRequest, pos: torch.Tensor, st: dict, prefill: list[Capture], decode: Capture
+) -> MismatchDetail:
+    """The ``i``-th mismatch of request ``r``: its numbers, rows and slots."""
+    j = int(pos[i])
+    s = r.sources[int(r.owner[j])]
+    c = prefill[s.cap]
+    at_p, at_d = int(c.kv_indptr[s.b]) + j, r.decode_at(decode, j)
+    return MismatchDetail(
+        position=j,
+        page=j // decode.meta.page_size,
+        max_abs_diff=float(st["max_abs_diff"][i]),
+        prefill_norm=float(st["norm_a"][i]),
+        decode_norm=float(st["norm_b"][i]),
+        differing_dims=int(st["differing_dims"][i]),
+        prefill_capture=s.cap,
+        prefill_row=int(c.kv_indices[at_p]),
+        decode_row=int(decode.kv_indices[at_d]),
+        prefill_slot=int(c.orig_kv_indices[at_p]) if c.orig_kv_indices is not None else None,
+        decode_slot=int(decode.orig_kv_indices[at_d]) if decode.orig_kv_indices is not None else None,
+    )
+
+
+def _summary(e: RequestDiff) -> str:
+    """One line: what the mismatched rows have in common, and the transfer run when there is one."""
+    mm, k = e.mismatches, e.mismatched_positions
+    if mm.decode_zero_rows == k:
+        text = "every mismatched decode row is all zero (not landed)"
+    elif mm.nonfinite_decode_rows == k:
+        text = "every mismatched decode row holds NaN/Inf"
+    elif mm.prefill_zero_rows == k:
+        text = "every mismatched prefill row is all zero"
+    else:
+        text = f"rows differ (max abs diff {mm.max_abs_diff:.3g})"
+    runs = e.transfer_runs
+    if runs is not None and runs.with_mismatches == 1:
+        off = runs.mismatched[0].offset
+        if off is not None:
+            text += f"; one transfer run, rows shifted by {off} position{'s' if abs(off) != 1 else ''}"
+        else:
+            text += "; all in one transfer run"
+    return text
+
+
+def _prefill_self_check(r: PairedRequest, prefill: list[Capture]) -> PrefillDisagreement:
+    """Chunk captures that hold the same position must hold the same bytes there."""
+    owner = r.owner
+    count, first = 0, None
+    for i, s in enumerate(r.sources):
+        js = torch.nonzero(owner[: s.length] != i).flatten()
+        if js.numel() == 0:
+            continue
+        rows_s = r.prefill_rows(prefill, i, js)
+        for o in torch.unique(owner[js]).tolist():
+            sel = owner[js] == o
+            rows_o = r.prefill_rows(prefill, o, js[sel])
+            diff = rows_differ(prefill[s.cap].kv_buffer, rows_s[sel], prefill[r.sources[o].cap].kv_buffer, rows_o)
+            if bool(diff.any()):
+                count += int(diff.sum())
+                j = int(js[sel][diff][0])
+                first = j if first is None else min(first, j)
+    return PrefillDisagreement(count, first)
+
+
+def _unpaired(r: PairedRequest) -> RequestDiff:
+    if r.decode_b is None:
+        return RequestDiff(r.label, r.rid, "prefill_only", note="only in the prefill capture(s)")
+    return RequestDiff(r.label, r.rid, "decode_only", note="only in the decode capture")
+
+
+def _result(entries: list[RequestDiff], pairing: Pairing, prefill: list[Capture], decode: Capture, phys: bool,
+            notes: list[str], total: int) -> DiffResult:  # fmt: skip
+    mismatched = sum(e.mismatched_positions for e in entries)
+    if not phys:
+        notes.append("no orig_kv_indices on both sides: mismatches are not grouped into transfer runs")
+    return DiffResult(
+        ok=mismatched == 0,
+        requests=entries,
+        prefill=[c.path for c in prefill],
+        decode=decode.path,
+        pairing=pairing.by,
+        page_size=decode.meta.page_size,
+        compared="bytes" if all(c.kv_buffer.dtype == decode.kv_buffer.dtype for c in prefill) else "values",
+        physical_slots=phys,
+        positions_compared=total,
+        mismatched_positions=mismatched,
+        mismatched_requests=sum(1 for e in entries if e.mismatched_positions),
+        paired_requests=len(pairing.paired),
+        prefill_only=[r.label for r in pairing.requests if r.decode_b is None],
+        decode_only=[r.label for r in pairing.requests if r.decode_b is not None and not r.sources],
+        notes=notes,
+    )

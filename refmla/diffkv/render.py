@@ -1,0 +1,93 @@
+"""The diff-kv result as text: a table of the requests, the transfer runs holding mismatches, a verdict."""
+
+from __future__ import annotations
+
+from refmla.diffkv.types import DiffResult, RequestDiff
+from refmla.render.table import table
+
+MAX_RUN_LINES = 32  # transfer runs listed under the table
+HEADER = ["request", "compared", "mismatched", "first", "pages", "max_abs_diff", "norms p/d @first", "note"]
+
+
+def render_diff(result: DiffResult) -> str:
+    """The diff-kv result as a table, the transfer runs holding mismatches, and a verdict line."""
+    body = table([_row(e) for e in result.requests], HEADER)
+    return "\n".join([*_head(result), "", body, *_runs(result), "", *_verdict(result)])
+
+
+def _head(result: DiffResult) -> list[str]:
+    pre = result.prefill
+    chunks = f" (+{len(pre) - 1} chunk capture(s): {', '.join(pre[1:])})" if len(pre) > 1 else ""
+    return [
+        f"prefill  {pre[0]}{chunks}",
+        f"decode   {result.decode}",
+        f"paired by {result.pairing}, pages of {result.page_size} (decode side), compared {result.compared}",
+        *(f"note     {n}" for n in result.notes),
+    ]
+
+
+def _row(e: RequestDiff) -> list[str]:
+    note = e.summary or e.note or ("" if e.status == "match" else e.status)
+    dis = e.prefill_disagreements
+    if dis is not None and dis.positions:
+        note += f" | prefill chunks disagree at {dis.positions} positions (first {dis.first})"
+    mm = e.mismatches
+    return [
+        str(e.request),
+        str(e.positions_compared),
+        str(e.mismatched_positions),
+        "-" if e.first_mismatch is None else str(e.first_mismatch),
+        _pages_text(e.mismatched_pages),
+        f"{mm.max_abs_diff:.3g}" if mm is not None else "-",
+        f"{mm.first.prefill_norm:.4g} / {mm.first.decode_norm:.4g}" if mm is not None else "-",
+        note,
+    ]
+
+
+def _runs(result: DiffResult) -> list[str]:
+    runs = [(e.request, run) for e in result.requests if e.transfer_runs is not None
+            for run in e.transfer_runs.mismatched]  # fmt: skip
+    if not runs:
+        return []
+    lines = ["", "transfer runs (contiguous on both sides) holding mismatches:"]
+    for req, run in runs[:MAX_RUN_LINES]:
+        extra = ""
+        if run.offset is not None:
+            extra = f", decode rows are the prefill rows shifted by {run.offset}"
+        elif run.decode_zero_rows:
+            extra = f", {run.decode_zero_rows} decode rows all zero"
+        lines.append(
+            f"  {req}: positions [{run.start}, {run.end}) pages {run.pages[0]}-{run.pages[1]} "
+            f"prefill slot {run.prefill_slot} -> decode slot {run.decode_slot}: "
+            f"{run.mismatched_positions} of {run.positions} mismatched{extra}"
+        )
+    if len(runs) > MAX_RUN_LINES:
+        lines.append(f"  ... {len(runs) - MAX_RUN_LINES} more")
+    return lines
+
+
+def _verdict(result: DiffResult) -> list[str]:
+    if result.ok:
+        lines = [f"verdict  match: {result.positions_compared} positions of {result.paired_requests} "
+                 "request(s) identical"]  # fmt: skip
+    else:
+        lines = [f"verdict  MISMATCH: {result.mismatched_positions} of {result.positions_compared} positions "
+                 f"in {result.mismatched_requests} of {result.paired_requests} request(s)"]  # fmt: skip
+    if result.prefill_only or result.decode_only:
+        lines.append(f"unpaired {len(result.prefill_only)} request(s) only on the prefill side, "
+                     f"{len(result.decode_only)} only on the decode side")  # fmt: skip
+    return lines
+
+
+def _pages_text(pages: list[int], limit: int = 8) -> str:
+    """Sorted pages as "3,5-9,12", at most ``limit`` runs."""
+    if not pages:
+        return "-"
+    runs: list[list[int]] = []  # [first, last] of consecutive pages
+    for p in pages:
+        if runs and p == runs[-1][1] + 1:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    parts = [f"{a}" if a == b else f"{a}-{b}" for a, b in runs]
+    return ",".join(parts[:limit]) + (f",... ({len(pages)} pages)" if len(parts) > limit else "")

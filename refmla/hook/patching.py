@@ -1,0 +1,225 @@
+"""Installing the hook: wrap SGLang's backends' ``forward_decode`` / ``forward_extend`` and probe its kernel.
+
+:func:`install` registers a :class:`~refmla.hook.postimport.PostImportFinder` for the modules of
+:mod:`refmla.hook.sglang_paths` (patched the moment SGLang imports them, or at once when it
+already has); nothing of SGLang is imported by the hook itself. :func:`uninstall` restores every
+original. The wrapper finds ``q``, ``k``, ``layer``, ``forward_batch`` and ``sinks`` by name through
+the original's signature and passes every argument through untouched. Per call:
+
+1. inactive (stopped, disabled) -> straight to the original;
+2. before the kernel: :func:`refmla.hook.filters.before` (cheap filters, no device work, no sync);
+3. the original runs, its result is returned as it is;
+4. after it: :func:`refmla.hook.extract.after` reads (never writes) what ran and writes the capture.
+   A :class:`~refmla.hook.call.Skip` is counted; any other exception disables the hook, once, logged.
+
+This module and those it imports are torch-free (they run at interpreter start-up under
+``refmla capture run``); :mod:`refmla.hook.extract`, which needs torch, is imported on the first
+call that passes the filters.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from refmla.hook import kernel_probes
+from refmla.hook.call import Skip
+from refmla.hook.config import HookConfig
+from refmla.hook.filters import before
+from refmla.hook.postimport import PostImportFinder
+from refmla.hook.sglang_paths import BACKEND_CLASSES, MARK, METHODS
+from refmla.hook.writer import HookState
+
+
+@dataclass
+class _Installed:
+    state: HookState
+    finder: Optional[PostImportFinder] = None
+    patched: list[tuple[type, str, Callable]] = field(default_factory=list)  # (class, method, original)
+    kernel_patched: list[tuple[Any, str, Callable]] = field(default_factory=list)  # (module, attr, original)
+
+
+_INSTALLED: Optional[_Installed] = None
+
+
+def current_state() -> Optional[HookState]:
+    return _INSTALLED.state if _INSTALLED is not None else None
+
+
+def _fail(e: Exception) -> None:
+    state = current_state()
+    if state is not None:
+        state.fail(e)
+
+
+def _targets(cfg: HookConfig) -> dict[str, Callable[[Any], None]]:
+    """module name -> what to patch in it, for the configured backends."""
+    targets: dict[str, Callable[[Any], None]] = {}
+    for backend in sorted(cfg.backends):
+        for module, cls_name in BACKEND_CLASSES[backend]:
+            targets[module] = _make_backend_patcher(backend, cls_name)
+    for backend, (modules, probes) in kernel_probes.KERNEL_PROBES.items():
+        if backend in cfg.backends:
+            for module in modules:
+                targets[module] = _make_kernel_patcher(probes)
+    return targets
+
+
+def install(cfg: HookConfig) -> HookState:
+    """Install the hook for ``cfg`` in this process (idempotent; a second call keeps the first)."""
+    global _INSTALLED
+    if _INSTALLED is not None:
+        return _INSTALLED.state
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    inst = _Installed(state=HookState(cfg))
+    _INSTALLED = inst
+    targets = _targets(cfg)
+    inst.finder = PostImportFinder(targets, on_error=_fail)
+    sys.meta_path.insert(0, inst.finder)
+    for module in targets:  # already imported: patch now
+        mod = sys.modules.get(module)
+        if mod is not None:
+            inst.finder.run_callback(module, mod)
+    inst.state.log.info(
+        "capture hook active: dir=%s layers=%s modes=%s min_seq_len=%d ranks=%s backends=%s every=%d "
+        "max_files=%d max_bytes=%d partials=%s",
+        cfg.out_dir, "all" if cfg.layers is None else sorted(cfg.layers), ",".join(sorted(cfg.modes)),
+        cfg.min_seq_len, "all" if cfg.ranks is None else sorted(cfg.ranks), ",".join(sorted(cfg.backends)),
+        cfg.every, cfg.max_files, cfg.max_bytes, cfg.partials,
+    )  # fmt: skip
+    return inst.state
+
+
+def uninstall() -> None:
+    """Restore every patched method and kernel-module attribute and drop the import hook."""
+    global _INSTALLED
+    inst = _INSTALLED
+    if inst is None:
+        return
+    if inst.finder is not None and inst.finder in sys.meta_path:
+        sys.meta_path.remove(inst.finder)
+    for cls, name, original in reversed(inst.patched):
+        setattr(cls, name, original)
+    for mod, attr, original in reversed(inst.kernel_patched):
+        setattr(mod, attr, original)
+    _INSTALLED = None
+
+
+def patched_methods() -> list[str]:
+    """``module.Class.method`` of every method wrapped now."""
+    if _INSTALLED is None:
+        return []
+    return [f"{c.__module__}.{c.__qualname__}.{n}" for c, n, _ in _INSTALLED.patched]
+
+
+# ---------------------------------------------------------------------------------------------
+# Patchers: run by the post-import hook on each target module
+# ---------------------------------------------------------------------------------------------
+
+
+def _make_backend_patcher(backend: str, cls_name: str) -> Callable[[Any], None]:
+    def patch(module) -> None:
+        inst = _INSTALLED
+        if inst is None:
+            return
+        cls = getattr(module, cls_name, None)
+        if cls is None:
+            inst.state.once(f"nocls:{module.__name__}", logging.WARNING,
+                            "%s has no %s in this SGLang: %s backend not captured", module.__name__, cls_name, backend)  # fmt: skip
+            return
+        for mode in sorted(inst.state.cfg.modes):
+            _wrap_method(inst, cls, METHODS[mode], backend, mode)
+
+    return patch
+
+
+def _make_kernel_patcher(probes: dict[str, Callable[[Callable], Callable]]) -> Callable[[Any], None]:
+    """Probe a kernel module (see :mod:`refmla.hook.kernel_probes`); uninstall restores it."""
+
+    def patch(module) -> None:
+        inst = _INSTALLED
+        if inst is None:
+            return
+        kernel_probes.probe_module(module, probes, lambda mod, attr, fn: inst.kernel_patched.append((mod, attr, fn)))
+
+    return patch
+
+
+def _wrap_method(inst: _Installed, cls: type, name: str, backend: str, mode: str) -> None:
+    original = cls.__dict__.get(name)
+    if original is None or getattr(original, MARK, None) is not None:
+        return
+    try:
+        params = list(inspect.signature(original).parameters)
+    except (TypeError, ValueError):
+        params = []
+    needed = ("q", "layer", "forward_batch")
+    if params[:1] != ["self"] or any(p not in params for p in needed):
+        inst.state.once(f"sig:{cls.__qualname__}.{name}", logging.WARNING,
+                        "%s.%s has an unknown signature %s: not captured", cls.__qualname__, name, params)  # fmt: skip
+        return
+    wrapper = _make_wrapper(original, _argument_reader(params), backend, mode)
+    wrapper.__name__ = getattr(original, "__name__", name)
+    wrapper.__qualname__ = getattr(original, "__qualname__", name)
+    wrapper.__doc__ = getattr(original, "__doc__", None)
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(wrapper, MARK, original)
+    setattr(cls, name, wrapper)
+    inst.patched.append((cls, name, original))
+    inst.state.log.info("wrapped %s.%s.%s (%s)", cls.__module__, cls.__qualname__, name, backend)
+
+
+# ---------------------------------------------------------------------------------------------
+# The wrapper
+# ---------------------------------------------------------------------------------------------
+
+
+def _argument_reader(params: list[str]) -> Callable[..., Any]:
+    """``arg(args, kwargs, name, default)``: an argument of a call by its parameter name."""
+    pos = {p: i - 1 for i, p in enumerate(params) if i > 0}  # argument name -> index in *args
+
+    def arg(args: tuple, kwargs: dict, pname: str, default: Any = None) -> Any:
+        if pname in kwargs:
+            return kwargs[pname]
+        i = pos.get(pname)
+        return args[i] if i is not None and i < len(args) else default
+
+    return arg
+
+
+def _make_wrapper(original: Callable, arg: Callable[..., Any], backend: str, mode: str) -> Callable:
+    def wrapper(self, *args, **kwargs):
+        inst_now = _INSTALLED
+        state = inst_now.state if inst_now is not None else None
+        if state is None or not state.active:
+            return original(self, *args, **kwargs)
+        call = None
+        try:
+            call = before(state, backend, mode, arg(args, kwargs, "layer"), arg(args, kwargs, "forward_batch"))
+        except Exception as e:
+            state.fail(e)
+        if call is None:
+            return original(self, *args, **kwargs)
+        kernel_probes.start_notes()
+        result = original(self, *args, **kwargs)
+        try:
+            from refmla.hook.extract import after  # the torch side (see the module docstring)
+
+            call.q = arg(args, kwargs, "q")
+            call.k = arg(args, kwargs, "k")
+            call.sinks = arg(args, kwargs, "sinks")
+            call.kernel_notes = kernel_probes.take_notes()
+            after(state, call, self, result)
+        except Skip as s:
+            state.skip(str(s))
+        except Exception as e:
+            state.fail(e)
+        finally:
+            kernel_probes.clear_notes()
+        return result
+
+    return wrapper

@@ -1,0 +1,73 @@
+"""A ``sys.meta_path`` post-import hook: run a callback right after a target module has executed.
+
+This is how the hook patches SGLang's classes without importing SGLang itself: the finder wraps
+the loader of each target module, and the wrapped loader calls back once the module's code has
+run (or :meth:`PostImportFinder.run_callback` is called at once for a module already imported).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+from typing import Any, Callable
+
+
+class PostImportFinder(importlib.abc.MetaPathFinder):
+    """Runs a callback right after one of the target modules has been executed.
+
+    For any other module ``find_spec`` returns None after one dict lookup, so the cost for the
+    rest of the process is nil. The callback is guarded: an exception in it goes to ``on_error``
+    (which disables the hook) and never into the import of SGLang.
+    """
+
+    def __init__(self, targets: dict[str, Callable[[Any], None]], on_error: Callable[[Exception], None]):
+        self.targets = dict(targets)
+        self.on_error = on_error
+        self._busy: set[str] = set()
+        self._done: set[str] = set()
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.targets or fullname in self._busy:
+            return None
+        self._busy.add(fullname)
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            self._busy.discard(fullname)
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = CallbackLoader(spec.loader, lambda mod: self.run_callback(fullname, mod))
+        return spec
+
+    def run_callback(self, fullname: str, module: Any) -> None:
+        if fullname in self._done:
+            return
+        self._done.add(fullname)
+        try:
+            self.targets[fullname](module)
+        except Exception as e:  # never let the hook break an import of SGLang
+            self.on_error(e)
+
+
+class CallbackLoader(importlib.abc.Loader):
+    """Delegates to the real loader, then calls back with the executed module."""
+
+    def __init__(self, inner, callback):
+        self._inner, self._callback = inner, callback
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        self._callback(module)
+
+    def __getattr__(self, name):  # get_source, get_code, is_package, get_resource_reader, ...
+        return getattr(self._inner, name)

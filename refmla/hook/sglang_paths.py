@@ -1,0 +1,42 @@
+"""Where SGLang keeps what the hook touches, release by release; the one place to update when it moves.
+
+Checked against SGLang 0.5.23; older paths are kept as fall-backs, newest first in every list:
+
+| what | module | name |
+| --- | --- | --- |
+| Triton backend | ``sglang.srt.layers.attention.triton_backend`` | ``TritonAttnBackend`` |
+| aiter backend | ``sglang.srt.layers.attention.aiter_backend`` | ``AiterAttnBackend`` |
+| Triton decode kernel | ``sglang.kernels.ops.attention.decode_attention`` (0.5.16+), ``sglang.srt.layers.attention.triton_ops.decode_attention`` (before) | ``_mla_launch_plan``, ``_decode_lean_attention_fwd`` (probed, optional), ``_MIN_BLOCK_KV`` |
+| graph-capture flag | ``sglang.srt.model_executor.runner_utils.capture_mode`` (0.5.x), ``sglang.srt.model_executor.cuda_graph_runner`` (0.4.x) | ``get_is_capture_mode`` |
+
+``forward_decode`` and ``forward_extend`` take ``(q, k, v, layer, forward_batch,
+save_kv_cache=True, ...)`` in every release seen, but gained and lost trailing parameters
+(``sinks``, ``score_mod``, ...); the wrapper finds its arguments by name (:mod:`refmla.hook.patching`).
+Nothing here imports SGLang.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Iterable, Optional
+
+# backend name -> [(module, class)], newest first
+BACKEND_CLASSES: dict[str, tuple[tuple[str, str], ...]] = {
+    "triton": (("sglang.srt.layers.attention.triton_backend", "TritonAttnBackend"),),
+    "aiter": (("sglang.srt.layers.attention.aiter_backend", "AiterAttnBackend"),),
+}
+DECODE_KERNEL_MODULES = (
+    "sglang.kernels.ops.attention.decode_attention",
+    "sglang.srt.layers.attention.triton_ops.decode_attention",
+)
+CAPTURE_MODE_PROBES = (
+    ("sglang.srt.model_executor.runner_utils.capture_mode", "get_is_capture_mode"),
+    ("sglang.srt.model_executor.cuda_graph_runner", "get_is_capture_mode"),
+)
+METHODS = {"decode": "forward_decode", "extend": "forward_extend"}  # capture mode -> method wrapped
+MARK = "__refmla_hook__"  # set on every function the hook puts into SGLang; holds the original
+
+
+def loaded_module(names: Iterable[str]) -> Optional[Any]:
+    """The first of ``names`` that is imported already, or None (never imports anything)."""
+    return next((sys.modules[m] for m in names if m in sys.modules), None)

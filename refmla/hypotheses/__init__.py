@@ -1,0 +1,91 @@
+"""Hypotheses for a diverging output (docs/contract.md section 4): replay the reference under each,
+report the first, in the table's order, that brings the backend's error back to rounding noise.
+
+    seq_len_off_by      {"delta": k}                  attended seq_len + k tokens, k in -4..4, k != 0
+    kv_range_missing    {"start", "end", "how"}       positions [start, end) dropped or read as zeros,
+                                                      at page or split granularity
+    split_missing       {"split": s}                  split s's partial left out of the merge
+    wrong_sm_scale      {"ratio": r}                  used r * sm_scale
+    head_misaligned     {"mapping": "...", "heads"}   output head h holds reference head heads[h]
+    logit_cap_mismatch  {"logit_cap": c}              soft cap c applied (0: omitted)
+
+"Back to rounding noise" is the comparator itself (refmla.compare.compare, the replay's
+tolerance) against the reference *and the low-precision control* recomputed under the
+hypothesis, so a hypothesis is never judged against the noise of different math. Per-request
+hypotheses change only the failing requests, each with its own detail, and must still pass every
+other row; the report names the worst request and lists the others under ``requests``.
+
+The package (imports go down this list):
+
+    search.py    Search: the failing rows and requests, each request's fp64 pieces, attention
+                 under a modified sequence, the comparator as judge; Candidate; SCREEN, CONFIRM_TOP
+    drivers.py   per_request / global_hypothesis: candidates -> a confirmed Explanation; rescore
+    ranges.py    block-sum algebra: every block-aligned range of a request scored at once
+    scalars.py   screening a scalar on the worst request in fp32, the 1-D fit, whole-output recompute
+    one module per family, each with NAME and ``search(s: Search) -> Optional[Explanation]``:
+    seq_len.py, kv_range.py, split.py, sm_scale.py, heads.py, logit_cap.py
+
+A new family is a module like those (its candidates through ``per_request`` when each failing
+request gets its own detail, ``global_hypothesis`` when one setting explains the whole output)
+and one line in SEARCHES below, at its place in the order: simplest first, the first that
+confirms is the answer. How it stays fast (8 requests x 1300 tokens x 8 heads:
+tools/bench_explain.py): only failing requests are recomputed, worst first, and a per-request
+hypothesis that cannot explain the worst request is abandoned at once; each family screens its
+candidates cheaply (block sums, fp32 on the worst request's worst rows) and confirms only the
+best few.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator, Optional
+
+import torch
+
+from refmla.compare import Comparison
+from refmla.context import ReplayContext
+from refmla.hypotheses import heads, kv_range, logit_cap, seq_len, sm_scale, split
+from refmla.hypotheses.search import Search, SearchFn
+from refmla.results import Explanation
+from refmla.util import single_thread
+
+# The families in the order they are tried: the contract's order, simplest first.
+SEARCHES: dict[str, SearchFn] = {
+    seq_len.NAME: seq_len.search,
+    kv_range.NAME: kv_range.search,
+    split.NAME: split.search,
+    sm_scale.NAME: sm_scale.search,
+    heads.NAME: heads.search,
+    logit_cap.NAME: logit_cap.search,
+}
+HYPOTHESES = tuple(SEARCHES)
+
+
+def explain_failure(ctx: ReplayContext, out: torch.Tensor, cmp: Comparison) -> Optional[Explanation]:
+    """The simplest hypothesis that explains a failing output, or None.
+
+    out: the backend's output [R, H, Dv]; cmp: its comparison with the reference (ctx.compare).
+    """
+    t0 = time.perf_counter()
+    if cmp.row_err is None or tuple(out.shape) != tuple(ctx.ref_out.shape):
+        return None
+    with single_thread(), torch.no_grad():
+        s = Search(ctx, out, cmp)
+        if not s.failing:
+            return None
+        found = next(explanations(s), None)
+        if found is not None:
+            found.seconds = round(time.perf_counter() - t0, 3)
+    return found
+
+
+def explanations(s: Search) -> Iterator[Explanation]:
+    """Each family's confirmed explanation, in SEARCHES order; lazily, so the first costs only
+    the families before it."""
+    for search in SEARCHES.values():
+        found = search(s)
+        if found is not None:
+            yield found
+
+
+__all__ = ["HYPOTHESES", "SEARCHES", "Search", "explain_failure", "explanations"]

@@ -1,0 +1,189 @@
+"""Block-sum algebra: every block-aligned range of a request scored at once (kv_range_missing,
+split_missing).
+
+The softmax is linear in the set of kept positions. Per block of the granularity (pages, or
+32-token split units, plus the kernel's split bounds) the weights Z_k = sum p and the weighted
+values A_k = sum p v are summed once; for the observed output o, dropping blocks [i, j) predicts
+
+    o_pred - o = (W - (C_j - C_i)) / (Z - Z_ij)
+
+with C the prefix sums of w_k = A_k - o Z_k and W = A - o Z (zeroed rows add n exp(-max) to the
+denominator and o n exp(-max) to w_k). Above a size budget the value axis is randomly projected
+to rank the ranges, and only the best few are scored exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from refmla import reference as ref
+from refmla.hypotheses.search import Search
+from refmla.schedule import MIN_BLOCK_KV, default_num_kv_splits, mla_max_kv_splits, split_bounds
+
+PAIR_BUDGET = 2**26  # elements scored exactly per range search; above it, projection ranking
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel's split schedule and the block boundaries
+# --------------------------------------------------------------------------------------------
+
+
+def split_count(s: Search, b: int) -> int:
+    """Request b's split count: the capture's num_kv_splits, else SGLang's default for this batch."""
+    cap = s.cap
+    if cap.num_kv_splits is not None:
+        return int(cap.num_kv_splits[b])
+
+    cu = int(getattr(s.ctx.opts, "cu_count", 256) or 0)
+    mx = cap.meta.max_kv_splits or mla_max_kv_splits(cu)
+    return int(default_num_kv_splits(cap.seq_lens, max_kv_splits=mx, num_heads=cap.num_heads, cu_count=cu)[b])
+
+
+def split_schedule(s: Search, b: int) -> Optional[list[tuple[int, int]]]:
+    """Non-empty split bounds of request b (decode only), or None when unknown."""
+    if not s.cap.is_decode:
+        return None
+    try:
+        n = split_count(s, b)
+    except Exception:
+        return None
+    return [(a, e) for a, e in split_bounds(s.req(b).L, n) if e > a]
+
+
+def boundaries(s: Search, b: int, Lp: int) -> torch.Tensor:
+    """Candidate range ends in [0, Lp]: page multiples (page_size > 1) or 32-token units, plus split bounds."""
+    P = s.cap.meta.page_size
+    unit = P if P > 1 else MIN_BLOCK_KV
+    pts = set(range(0, Lp, unit)) | {0, Lp}
+    for a, e in split_schedule(s, b) or []:
+        pts |= {min(a, Lp), min(e, Lp)}
+    return torch.tensor(sorted(pts), dtype=torch.int64)
+
+
+# --------------------------------------------------------------------------------------------
+# Block sums and range scores
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BlockSums:
+    """Softmax pieces of one request summed per block of positions (fp64)."""
+
+    bnd: torch.Tensor  # [nb + 1] block boundaries (positions)
+    Zc: torch.Tensor  # [nb + 1, TH] prefix sums of sum p
+    Cd: torch.Tensor  # [nb + 1, TH, Dv] prefix sums of w (dropped)
+    Cz: torch.Tensor  # [nb + 1, TH, Dv] prefix sums of w + o n exp(-m) (zeroed)
+    W: torch.Tensor  # [TH, Dv] A - o Z over everything attended
+    Z: torch.Tensor  # [TH]
+    E: torch.Tensor  # [TH] exp(-m): weight of one all-zero row
+    tol: torch.Tensor  # [TH] allowed error per row
+    projected: bool = False  # value axis randomly projected (ranking only)
+
+
+@dataclass(order=True)
+class BlockRange:
+    """Blocks [i, j) of a request's boundaries and the screening ratio of dropping / zeroing them."""
+
+    score: float
+    i: int
+    j: int
+
+
+def block_sums(s: Search, b: int, sc: ref.Scales) -> Optional[BlockSums]:
+    r = s.req(b)
+    Lp = r.L if s.cap.is_decode else r.L - r.T  # searchable: the cache (decode) / the prefix (extend)
+    if Lp < 1:
+        return None
+    T, H, Dv = r.T, r.q64.shape[1], sc.kv_lora_rank
+    S = r.raw * sc.sm_scale  # [T, H, L]
+    if sc.logit_cap > 0:
+        S = sc.logit_cap * torch.tanh(S / sc.logit_cap)
+    visible = torch.arange(r.L)[None, :] < r.vis[:, None]  # [T, L]
+    S = S.masked_fill(~visible[:, None, :], -math.inf)
+    m = S.amax(-1)  # [T, H]
+    P = torch.exp(S - m[..., None]).reshape(T * H, r.L)  # [TH, L]
+    V = r.kv64[:, :Dv] * sc.v_scale  # [L, Dv]
+    bnd = boundaries(s, b, Lp)
+    nb = len(bnd) - 1
+    blk = torch.bucketize(torch.arange(Lp), bnd[1:], right=True)  # [Lp] block of each position
+    Zb = torch.zeros(T * H, nb, dtype=torch.float64).index_add_(1, blk, P[:, :Lp]).T  # [nb, TH]
+    Ab = torch.zeros(T * H, nb, Dv, dtype=torch.float64)  # [TH, nb, Dv]
+    step = max(1, 2**22 // max(T * H * Dv, 1))
+    for a in range(0, Lp, step):  # segment sums of p v, a chunk of positions at a time
+        e = min(a + step, Lp)
+        Ab.index_add_(1, blk[a:e], P[:, a:e, None] * V[None, a:e])
+    Ab = Ab.transpose(0, 1)  # [nb, TH, Dv]
+    Z = Zb.sum(0) + P[:, Lp:].sum(-1)  # [TH] with the fixed (new-token) part
+    A = Ab.sum(0) + P[:, Lp:] @ V[Lp:]  # [TH, Dv]
+    o = s.o64[r.rows].reshape(T * H, Dv)  # [TH, Dv]
+    E = torch.exp(-m).reshape(T * H)  # [TH]
+    cnt = (bnd[1:] - bnd[:-1]).double()  # [nb]
+    w = Ab - o[None] * Zb[..., None]  # [nb, TH, Dv]
+    wz = w + o[None] * (cnt[:, None] * E[None])[..., None]
+    zero = torch.zeros(1, T * H, Dv, dtype=torch.float64)
+    return BlockSums(
+        bnd=bnd, Zc=torch.cat([torch.zeros(1, T * H, dtype=torch.float64), Zb.cumsum(0)]),
+        Cd=torch.cat([zero, w.cumsum(0)]), Cz=torch.cat([zero, wz.cumsum(0)]),
+        W=A - o * Z[:, None], Z=Z, E=E, tol=s.row_tol[r.rows].reshape(T * H),
+    )  # fmt: skip
+
+
+def score_pairs(bs: BlockSums, starts: torch.Tensor, ends: torch.Tensor, zeroed: bool) -> torch.Tensor:
+    """Screening ratio of dropping / zeroing blocks [starts, ends): max over rows of err / allowed. [K]
+
+    With the value axis projected (:func:`project`), err is the RMS over the projection instead of
+    the max over Dv: a ranking, not a verdict.
+    """
+    C = bs.Cz if zeroed else bs.Cd
+    out = torch.empty(len(starts), dtype=torch.float64)
+    TH, width = bs.W.shape
+    step = max(1, PAIR_BUDGET // 8 // max(TH * width, 1))
+    for a in range(0, len(starts), step):
+        i, j = starts[a : a + step], ends[a : a + step]
+        D = C[j] - C[i] - bs.W[None]  # [k, TH, width]
+        err = D.norm(dim=-1) / math.sqrt(width) if bs.projected else D.abs().amax(-1)  # [k, TH]
+        den = bs.Z[None] - (bs.Zc[j] - bs.Zc[i])
+        if zeroed:
+            den = den + (bs.bnd[j] - bs.bnd[i]).to(den.dtype)[:, None] * bs.E[None]
+        ratio = (err / den.abs()) / bs.tol[None]
+        out[a : a + step] = torch.nan_to_num(ratio, nan=math.inf).amax(-1)
+    return out
+
+
+def project(bs: BlockSums, width: int) -> BlockSums:
+    """The same sums with the value axis randomly projected to ``width`` (the sums are linear in it)."""
+    g = torch.Generator().manual_seed(0)
+    proj = torch.randn(bs.W.shape[1], width, generator=g, dtype=torch.float64)
+    f = torch.float32  # ranking precision is plenty
+    cd, cz, w = (bs.Cd @ proj).to(f), (bs.Cz @ proj).to(f), (bs.W @ proj).to(f)
+    low = {k: getattr(bs, k).to(f) for k in ("Zc", "Z", "E", "tol")}
+    return dataclasses.replace(bs, Cd=cd, Cz=cz, W=w, projected=True, **low)
+
+
+def best_pairs(bs: BlockSums, zeroed: bool, exclude: set[tuple[int, int]], top: int) -> list[BlockRange]:
+    """The ``top`` best block ranges [i, j), i < j, exactly scored, best first.
+
+    Every range is scored from the prefix sums; past PAIR_BUDGET values the value axis is first
+    projected to rank them, and only the best few are scored exactly.
+    """
+    nb = len(bs.bnd) - 1
+    starts, ends = torch.triu_indices(nb + 1, nb + 1, offset=1)
+    if exclude:
+        drop = torch.tensor([i * (nb + 1) + j for i, j in exclude], dtype=torch.int64)
+        keep = ~torch.isin(starts * (nb + 1) + ends, drop)
+        starts, ends = starts[keep], ends[keep]
+    if len(starts) == 0:
+        return []
+    TH, Dv = bs.W.shape
+    if len(starts) * TH * Dv > PAIR_BUDGET:
+        width = max(4, min(Dv, 16, PAIR_BUDGET // max(len(starts) * TH, 1)))
+        order = torch.argsort(score_pairs(project(bs, width), starts, ends, zeroed))[: max(64, 8 * top)]
+        starts, ends = starts[order], ends[order]
+    scores = score_pairs(bs, starts, ends, zeroed)
+    order = torch.argsort(scores)[:top]
+    return [BlockRange(float(scores[o]), int(starts[o]), int(ends[o])) for o in order]

@@ -1,0 +1,69 @@
+"""`refmla inspect`: what a capture holds (shapes, dtypes, meta) and what its metadata checks found.
+
+One entry per capture; with several captures each readable one also gets its series findings
+(refmla.series) against the previous capture of its layer and rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from refmla.capture import CaptureError, read_capture
+from refmla.checks import check_capture
+from refmla.results import Finding, MetadataReport
+from refmla.series import series_checks
+from refmla.util import dtype_name
+
+
+@dataclass
+class InspectEntry:
+    capture: str
+    metadata: MetadataReport
+    meta: Optional[dict] = None
+    tensors: dict[str, dict] = field(default_factory=dict)  # name -> {"shape", "dtype"}
+    error: Optional[str] = None  # unreadable: why, in one line
+    series: Optional[list[Finding]] = None
+
+    @property
+    def exit_code(self) -> int:
+        """2 invalid, 1 any warning (metadata or series), else 0."""
+        if not self.metadata.ok:
+            return 2
+        return 1 if self.metadata.warnings or any(f.severity == "warning" for f in self.series or []) else 0
+
+    def to_json(self) -> dict:
+        d: dict[str, Any] = {"capture": self.capture}
+        if self.error is not None:
+            d["error"] = self.error
+        else:
+            d.update(meta=self.meta, tensors=self.tensors)
+        d["metadata"] = self.metadata.to_json()
+        if self.series is not None:
+            d["series"] = [f.to_json() for f in self.series]
+        return d
+
+
+def inspect_one(path: str) -> InspectEntry:
+    try:
+        cap = read_capture(path)
+    except CaptureError as e:
+        return InspectEntry(str(path), MetadataReport.invalid(str(e)), error=str(e))
+    tensors = {n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for n, t in cap.tensors().items()}
+    return InspectEntry(cap.path, check_capture(cap), meta=cap.meta.to_json(), tensors=tensors)
+
+
+def inspect_captures(paths: Sequence[str]) -> list[InspectEntry]:
+    """One entry per path; with several paths every readable one also gets its series findings."""
+    entries = [inspect_one(str(p)) for p in paths]
+    if len(paths) > 1:
+        series = series_checks([str(p) for p in paths])
+        for e in entries:
+            if e.capture in series:
+                e.series = series[e.capture]
+    return entries
+
+
+def inspect_exit_code(entries: list[InspectEntry]) -> int:
+    """2 if any capture is invalid, else 1 if any warning (metadata or series), else 0."""
+    return max((e.exit_code for e in entries), default=0)

@@ -1,0 +1,7 @@
+"""Text for people: every typed result rendered as a table or lines (the JSON is each result's to_json).
+
+    table.py     the plain column table and number formatting
+    replay.py    one replay report, and the summary of many by layer, rank and step
+    inspect.py   one `refmla inspect` entry
+    progress.py  the progress bar on stderr
+"""

@@ -1,0 +1,27 @@
+"""One `refmla inspect` entry as text."""
+
+from __future__ import annotations
+
+import json
+
+from refmla.inspection import InspectEntry
+
+
+def render_inspect(e: InspectEntry) -> str:
+    lines = [f"capture  {e.capture}"]
+    if e.error is not None:
+        return "\n".join(lines + [f"invalid  {e.error}"])
+    lines.append(f"meta     {json.dumps(e.meta, sort_keys=True)}")
+    lines += [f"  {n:<16} {str(t['shape']):<22} {t['dtype']}" for n, t in e.tensors.items()]
+    md = e.metadata
+    lines.append("metadata " + ("ok" if md.ok else "INVALID"))
+    lines += [f"  warning: {w}" for w in md.warnings]
+    lines += [f"  error: {x}" for x in md.errors]
+    lines += [f"  note: {f.message}" for f in md.findings if f.severity == "note"]
+    if e.series is not None:
+        found = [f for f in e.series if f.severity in ("warning", "note")]
+        bad = any(f.severity == "warning" for f in found)
+        against = f" (against {found[0].numbers['previous']})" if found else ""
+        lines.append("series   " + ("FINDINGS" if bad else "ok") + against)
+        lines += [f"  {f.severity}: {f.message}" for f in found]
+    return "\n".join(lines)

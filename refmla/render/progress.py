@@ -1,0 +1,46 @@
+"""A progress bar on stderr for long runs: live on a terminal, one line per item when redirected.
+
+tqdm draws the live bar when it is importable (it ships with SGLang); refmla stays installable
+with ``--no-deps``, so without it a plain carriage-return bar is drawn instead.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, TextIO
+
+
+class Progress:
+    """``step(label)`` after each of ``total`` items, ``close()`` at the end. Silent for one item."""
+
+    def __init__(self, total: int, stream: Optional[TextIO] = None, unit: str = "capture"):
+        self.total, self.done = total, 0
+        self.stream = stream if stream is not None else sys.stderr
+        isatty = getattr(self.stream, "isatty", None)
+        self.live = total > 1 and bool(isatty and isatty())
+        self._bar = None
+        if self.live:
+            try:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total, file=self.stream, unit=unit, dynamic_ncols=True, leave=False, mininterval=0)
+            except ImportError:
+                self._bar = None
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.set_postfix_str(label[-50:], refresh=False)
+            self._bar.update(1)
+        elif self.live:
+            bar = "#" * (20 * self.done // self.total)
+            self.stream.write(f"\r[{bar:<20}] {self.done}/{self.total} {label[-50:]:<50}")
+            self.stream.flush()
+        elif self.total > 1:
+            self.stream.write(f"[{self.done}/{self.total}] {label}\n")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self.live:
+            self.stream.write("\n")

@@ -1,0 +1,116 @@
+"""A replay report as text: the header lines, the backend table, the verdict; and the summary of many."""
+
+from __future__ import annotations
+
+from refmla.render.table import clip, fmt, table
+from refmla.results import BackendEntry, ReplayReport
+
+MAX_WARNINGS = 8  # metadata warnings printed under one report
+MAX_SERIES_LINES = 20  # series findings listed under the summary table
+VERDICTS = ("agree", "diverged", "invalid")
+
+
+def render(report: ReplayReport) -> str:
+    """One capture's report as a table plus the verdict and diagnosis lines."""
+    lines = [f"capture  {report.capture}"]
+    if report.verdict == "invalid" and not report.backends:
+        lines.append(f"verdict  invalid: {report.error or '; '.join(report.metadata.errors)}")
+        return "\n".join(lines)
+    lines.append(shape_line(report))
+    md = report.metadata
+    lines.append("metadata " + ("ok" if md.ok else "INVALID") + (f", {len(md.warnings)} warning(s)" if md.warnings else ""))
+    lines += [f"  warning: {w}" for w in md.warnings[:MAX_WARNINGS]]
+    lines += [f"  error: {e}" for e in md.errors]
+    if report.control is not None:
+        c, t = report.control, report.tolerance
+        lines.append(f"noise    control ({c.dtype} rounding points) max abs err {fmt(c.max_abs_err)}, "
+                     f"tolerance k={t.k} ulps={t.ulps} cos={t.cos}")  # fmt: skip
+    rows = [backend_row(name, b) for name, b in report.backends.items()]
+    lines += ["", table(rows, ["backend", "status", "max_abs_err", "cos_diff", "worst", "note"]), ""]
+    lines.append(f"verdict  {report.verdict}")
+    if report.diagnosis is not None or report.verdict != "agree":
+        lines.append(f"diagnosis {report.diagnosis}: {report.diagnosis_text}")
+    else:
+        lines.append(f"diagnosis {report.diagnosis_text}")
+    for name, b in report.backends.items():
+        if b.status == "fail" and b.explanation is not None:
+            lines.append(f"  {name}: {b.explanation.text()}")
+    return "\n".join(lines)
+
+
+def shape_line(report: ReplayReport) -> str:
+    s, m = report.shape, report.meta or {}
+    where = "".join(f"  {word} {m[key]}" for word, key in (("layer", "layer_id"), ("rank", "tp_rank"), ("step", "step"))
+                    if m.get(key) is not None)  # fmt: skip
+    return (f"shape    {report.mode}  requests={s.requests} heads={s.heads} D={s.head_dim} Dv={s.v_head_dim} "
+            f"q={s.q_dtype} kv={s.kv_dtype} max_seq_len={s.max_seq_len}  produced by {m.get('backend')}{where}")  # fmt: skip
+
+
+def backend_row(name: str, b: BackendEntry) -> list[str]:
+    w = b.worst or {}
+    where = f"req {w['request']} head {w['head']}" if w.get("request") is not None else "-"
+    note = b.reason or ""
+    if b.status == "pass":
+        note = clip((b.info or {}).get("version") or "", 70)
+    if b.explanation is not None:
+        note = b.explanation.text()
+    if b.splits is not None and b.splits.status in ("pass", "fail"):
+        note += f" | splits {b.splits.status} ({b.splits.compared_splits} partials)"
+    status = b.status.upper() if b.status == "fail" else b.status
+    return [name, status, fmt(b.max_abs_err), fmt(b.cos_diff), where, note]
+
+
+# --------------------------------------------------------------------------------------------
+# Many reports
+# --------------------------------------------------------------------------------------------
+
+
+def _sort_key(k: tuple) -> tuple:
+    return tuple((v is None, v if v is not None else 0) for v in k)
+
+
+def _warnings(findings) -> list:
+    return [f for f in findings or [] if f.severity == "warning"]
+
+
+def summary_table(reports: list[ReplayReport]) -> str:
+    """One row per (layer, rank, step): verdict counts, diagnoses, the worst failing backend,
+    series findings; then a totals line and the invalid captures."""
+    groups: dict[tuple, list[ReplayReport]] = {}
+    invalid = []
+    for r in reports:
+        if r.verdict == "invalid" and not r.meta:
+            invalid.append(r)
+        else:
+            groups.setdefault(r.key(), []).append(r)
+    rows = [summary_row(key, groups[key]) for key in sorted(groups, key=_sort_key)]
+    header = ["layer", "rank", "step", "captures", "agree", "diverged", "invalid", "diagnosis", "worst failing",
+              "metadata warnings", "series findings"]  # fmt: skip
+    count = {v: sum(1 for r in reports if r.verdict == v) for v in VERDICTS}
+    shown = [(r.capture, f.message) for r in reports for f in _warnings(r.series)]
+    totals = (f"{len(reports)} captures: {count['agree']} agree, {count['diverged']} diverged, "
+              f"{count['invalid']} invalid; {len(shown)} series finding(s)")  # fmt: skip
+    lines = ["summary by layer, rank and step", table(rows, header) if rows else "(no readable capture)", "", totals]
+    lines += [f"  series {p}: {m}" for p, m in shown[:MAX_SERIES_LINES]]
+    if len(shown) > MAX_SERIES_LINES:
+        lines.append(f"  ... {len(shown) - MAX_SERIES_LINES} more series finding(s) (see --json)")
+    for r in invalid:
+        why = r.error or "; ".join(r.metadata.errors)
+        lines.append(f"  invalid {why if why.startswith(r.capture) else r.capture + ': ' + why}")
+    return "\n".join(lines)
+
+
+def summary_row(key: tuple, rs: list[ReplayReport]) -> list[str]:
+    n = {v: sum(1 for r in rs if r.verdict == v) for v in VERDICTS}
+    diag = sorted({str(r.diagnosis) for r in rs if r.diagnosis})
+    failing = [(b.max_abs_err, name) for r in rs for name, b in r.backends.items()
+               if b.status == "fail" and b.max_abs_err is not None]  # fmt: skip
+    worst = max(failing, default=None, key=lambda t: t[0])
+    series = sum(len(_warnings(r.series)) for r in rs)
+    warn = sum(len(r.metadata.warnings) for r in rs)
+    return [
+        *("-" if v is None else str(v) for v in key), str(len(rs)), str(n["agree"]),
+        str(n["diverged"]) if not n["diverged"] else f"{n['diverged']} !", str(n["invalid"]),
+        ",".join(diag) or "-", f"{worst[1]} {worst[0]:.3g}" if worst else "-",
+        str(warn) if warn else "-", str(series) if series else "-",
+    ]  # fmt: skip

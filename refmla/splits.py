@@ -1,0 +1,58 @@
+"""A kernel's stage-1 split partials against the split reference (decode with SGLang's split schedule).
+
+Each non-empty split s of request b has a normalized partial [H, Dv] and an lse [H]; the reference
+computes the same split in fp64 and the control at the kernel's rounding points (fp32 partials), so
+the partials are judged like an output: per (split, head) row, k times the control's error plus an
+ulp of the value dtype (P.V ran on probabilities rounded to it). The lse must agree within k times
+the control's lse error plus 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from refmla.compare import compare
+from refmla.context import ReplayContext
+from refmla.results import SplitCheck
+from refmla.schedule import nonempty_splits
+
+
+def compare_splits(ctx: ReplayContext, res) -> SplitCheck:
+    """Stage-1 partials of a BackendResult against the split reference, per valid (request, split)."""
+    splits = res.num_kv_splits if res.num_kv_splits is not None else ctx.cap.num_kv_splits
+    if splits is None:
+        return SplitCheck("skipped", reason="no num_kv_splits to place the partials")
+    S = res.attn_logits.shape[2]  # may be trimmed to the splits that hold tokens
+    lens = ctx.cap.seq_lens.tolist()
+    needed = max((nonempty_splits(L, int(n)) for L, n in zip(lens, splits.tolist())), default=0)
+    if needed > S:
+        return SplitCheck("fail", reason=f"{needed} non-empty splits but only {S} partials")
+    r_out, r_lse, valid = ctx.split_reference(splits, S)
+    c_out, c_lse, _ = ctx.split_reference(splits, S, control=True)
+    b_idx, s_idx = torch.nonzero(valid, as_tuple=True)  # [V] one row per non-empty split
+    if len(b_idx) == 0:
+        return SplitCheck("pass", compared_splits=0)
+    v = ctx.cap.meta.v_scale  # kernels store partials before v_scale
+    actual = res.attn_logits.float().cpu()[b_idx, :, s_idx] * v  # [V, H, Dv]
+    # partials are fp32 but P.V ran on P rounded to the value dtype: its ulp is the unit of noise
+    value_dtype = ctx.cap.kv_buffer.dtype if ctx.cap.kv_buffer.dtype.itemsize < 4 else torch.float32
+    cmp = compare("splits", actual, r_out[b_idx, :, s_idx], c_out[b_idx, :, s_idx],
+                  out_dtype=value_dtype, tol=ctx.opts.tol, request_of_row=b_idx)  # fmt: skip
+    r_lse, c_lse = r_lse[b_idx, :, s_idx], c_lse[b_idx, :, s_idx].double()  # [V, H]
+    lse_err = (res.attn_lse.double().cpu()[b_idx, :, s_idx] - r_lse).abs()
+    lse_allowed = ctx.opts.tol.k * (c_lse - r_lse).abs() + 1e-5 * (1 + r_lse.abs())
+    lse_bad = ~(lse_err <= lse_allowed)
+    row, head = divmod(int((cmp.row_err / cmp.row_tol).argmax()), cmp.row_err.shape[1])
+    check = SplitCheck(
+        "pass" if cmp.passed and not bool(lse_bad.any()) else "fail",
+        compared_splits=len(b_idx),
+        max_abs_err=cmp.max_abs_err,
+        lse_max_abs_err=float(lse_err.max()),
+        worst={"request": int(b_idx[row]), "head": head, "split": int(s_idx[row])},
+    )
+    if not cmp.passed:
+        check.reason = "; ".join(cmp.reasons)
+    elif bool(lse_bad.any()):
+        r, h = (int(i) for i in torch.nonzero(lse_bad)[0])
+        check.reason = f"lse of request {int(b_idx[r])} split {int(s_idx[r])} head {h} off by {lse_err[r, h].item():.3g}"
+    return check

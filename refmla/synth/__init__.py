@@ -1,0 +1,39 @@
+"""Synthetic captures: real Kimi-K2 / DeepSeek-V3 shapes, hostile pools, planted faults.
+
+    spec.py     SynthSpec (the shapes, dtypes and scales of one capture) and the named presets
+    inputs.py   q, a paged pool shuffled and poisoned with NaN, SGLang's metadata, the meta
+    faults.py   the observed `out` under a planted fault, one registered function per fault
+
+The pool is paged: each request's pages are shuffled across the pool, every row no request
+attends (unused pages and the tail of each last page) is NaN, so a kernel that reads past its
+metadata shows at once. The capture's ``out`` is what a correct kernel produces (the
+low-precision control) unless a fault is planted, in which case it is the reference computed
+under that fault -- the kind of wrong a real kernel or a real transfer bug produces.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from refmla.capture import write_capture
+from refmla.schedule import MIN_BLOCK_KV
+from refmla.synth.faults import FAULTS, faulty_output
+from refmla.synth.inputs import make_inputs, make_meta
+from refmla.synth.spec import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE, PRESETS, SynthSpec, preset, yarn_sm_scale
+
+
+def synth_capture(path: Any, spec: SynthSpec, fault: str = "none") -> dict:
+    """Write a synthetic capture to ``path``; returns what was planted."""
+    t = make_inputs(spec)
+    out, planted = faulty_output(spec, t, fault)
+    t["out"] = out
+    meta = make_meta(spec)
+    meta["synth"]["fault"] = planted
+    write_capture(path, t, meta, compact=False)  # keep the poisoned rows: that is the point
+    return planted
+
+
+__all__ = [
+    "DEEPSEEK_V3_SCALE", "FAULTS", "KIMI_K2_SCALE", "MIN_BLOCK_KV", "PRESETS", "SynthSpec", "faulty_output",
+    "make_inputs", "make_meta", "preset", "synth_capture", "yarn_sm_scale",
+]  # fmt: skip

@@ -1,0 +1,175 @@
+"""Planted faults: the observed ``out`` a synthetic capture gets, computed as a broken kernel would.
+
+``none`` is a correct kernel (the low-precision control, at a split kernel's rounding points).
+Every other fault is the fp64 reference under that fault, rounded to the output dtype: the kind
+of wrong a real kernel or a real transfer bug produces. Each fault is a small function registered
+by name with :func:`fault`; the registry's order is the order ``refmla synth --fault`` lists them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from refmla import reference as ref
+from refmla.control import mla_control
+from refmla.schedule import MIN_BLOCK_KV
+from refmla.synth.spec import SynthSpec
+
+
+@dataclass
+class Planting:
+    """What a fault function gets: the spec, the inputs, and the reference on (changed) inputs."""
+
+    spec: SynthSpec
+    t: dict[str, torch.Tensor]  # the capture's tensors (q, kv_buffer, kv_indptr, kv_indices, ...)
+
+    @property
+    def scales(self) -> dict[str, Any]:
+        s = self.spec
+        return dict(kv_lora_rank=s.kv_lora_rank, sm_scale=s.sm_scale, logit_cap=s.logit_cap,
+                    k_scale=s.k_scale, v_scale=s.v_scale)  # fmt: skip
+
+    @property
+    def request(self) -> int:
+        return self.spec.fault_request
+
+    def bounds(self, b: int) -> tuple[int, int]:
+        """[start, end) of request b's entries in kv_indices."""
+        p = self.t["kv_indptr"]
+        return int(p[b]), int(p[b + 1])
+
+    def run(self, q=None, kvb=None, indptr=None, idx=None, **scales: Any) -> torch.Tensor:
+        """The fp64 reference output (decode or extend) on these inputs (default: the capture's)."""
+        t = self.t
+        q = t["q"] if q is None else q
+        kvb = t["kv_buffer"] if kvb is None else kvb
+        indptr = t["kv_indptr"] if indptr is None else indptr
+        idx = t["kv_indices"] if idx is None else idx
+        args = {**self.scales, **scales}
+        if t.get("qo_indptr") is None:
+            return ref.mla_decode_ref(q, kvb, indptr, idx, **args)[0]
+        return ref.mla_extend_ref(q, kvb, indptr, idx, t["qo_indptr"], **args)[0]
+
+    def without(self, b: int, start: int, end: int) -> torch.Tensor:
+        """The reference with positions [start, end) of request b dropped from its sequence."""
+        lo, _ = self.bounds(b)
+        keep = torch.ones(len(self.t["kv_indices"]), dtype=torch.bool)
+        keep[lo + start : lo + end] = False
+        indptr = self.t["kv_indptr"].clone()
+        indptr[b + 1 :] -= end - start
+        return self.run(indptr=indptr, idx=self.t["kv_indices"][keep])
+
+
+FaultFn = Callable[[Planting], tuple[torch.Tensor, dict]]
+FAULTS: dict[str, FaultFn] = {}  # name -> fn(planting) -> (out, what was planted)
+DESCRIPTIONS: dict[str, str] = {}
+EXPECT: dict[str, Optional[str]] = {}  # name -> the hypothesis that must name it (None: must pass)
+
+
+def fault(name: str, description: str, expect: Optional[str] = "") -> Callable[[FaultFn], FaultFn]:
+    """Register a fault. ``expect``: the hypothesis replay must name for it ("" means the fault's
+    own name; None means a correct kernel that must pass). tools/bench_diagnosis.py reads EXPECT."""
+
+    def register(fn: FaultFn) -> FaultFn:
+        FAULTS[name], DESCRIPTIONS[name] = fn, description
+        EXPECT[name] = name if expect == "" else expect
+        return fn
+
+    return register
+
+
+def faulty_output(spec: SynthSpec, t: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, dict]:
+    """The observed ``out`` under fault ``name`` (rounded to spec.dtype) and what was planted."""
+    if name not in FAULTS:
+        raise KeyError(f"unknown fault {name!r}; choose from {', '.join(FAULTS)}")
+    out, planted = FAULTS[name](Planting(spec, t))
+    return out.to(spec.dtype), {"fault": name, **planted}
+
+
+# --------------------------------------------------------------------------------------------
+# The contract's hypotheses (docs/contract.md section 4), each planted once
+# --------------------------------------------------------------------------------------------
+
+
+@fault("none", "a correct kernel: the low-precision control at the split kernel's rounding points", expect=None)
+def _none(p: Planting):
+    t = p.t
+    out, _ = mla_control(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], **p.scales, out_dtype=p.spec.dtype,
+                         qo_indptr=t.get("qo_indptr"), num_kv_splits=t.get("num_kv_splits"))  # fmt: skip
+    return out, {}
+
+
+@fault("seq_len_off_by", "the kernel attended seq_len - 1 tokens of the fault request")
+def _seq_len_off_by(p: Planting):
+    b = p.request
+    L = p.bounds(b)[1] - p.bounds(b)[0]
+    return p.without(b, L - 1, L), {"request": b, "delta": -1}
+
+
+def _missing_block(p: Planting) -> tuple[int, int]:
+    b = p.request
+    L = p.bounds(b)[1] - p.bounds(b)[0]
+    unit = p.spec.page_size if p.spec.page_size > 1 else MIN_BLOCK_KV
+    start, end = unit, min(2 * unit, L - 1)
+    if end <= start:
+        raise ValueError(f"request {b} (length {L}) is too short for a missing block of {unit}")
+    return start, end
+
+
+@fault("kv_range_missing", "a block of positions of the fault request contributed nothing (dropped)")
+def _kv_range_missing(p: Planting):
+    start, end = _missing_block(p)
+    return p.without(p.request, start, end), {"request": p.request, "start": start, "end": end}
+
+
+@fault("kv_range_zero", "the same block read as all-zero rows (a KV transfer that had not landed)",
+       expect="kv_range_missing")
+def _kv_range_zero(p: Planting):
+    start, end = _missing_block(p)
+    lo, _ = p.bounds(p.request)
+    kvz = p.t["kv_buffer"].clone()
+    kvz[p.t["kv_indices"][lo + start : lo + end].long()] = 0
+    return p.run(kvb=kvz), {"request": p.request, "start": start, "end": end}
+
+
+@fault("split_missing", "one split's partial left out of the merge")
+def _split_missing(p: Planting):
+    t, b = p.t, p.request
+    parts, lses, valid = ref.mla_decode_split_ref(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"],
+                                                  t["num_kv_splits"], **p.scales)  # fmt: skip
+    if int(valid[b].sum()) < 2:
+        raise ValueError(f"request {b} has fewer than 2 non-empty splits")
+    valid = valid.clone()
+    valid[b, 1] = False
+    return ref.merge_splits(parts, lses, valid)[0], {"request": b, "split": 1}
+
+
+@fault("wrong_sm_scale", "sm_scale without yarn mscale squared")
+def _wrong_sm_scale(p: Planting):
+    ratio = (192**-0.5) / p.spec.sm_scale  # the scale without yarn mscale squared
+    return p.run(sm_scale=p.spec.sm_scale * ratio), {"ratio": ratio}
+
+
+@fault("head_misaligned", "the head-padding slice bug (repeat_interleave to 16, first H taken)")
+def _head_misaligned(p: Planting):
+    H = p.spec.num_heads
+    if H < 16:
+        mapping = torch.arange(H).repeat_interleave(16 // H)[:H]  # padded, then sliced [:H]
+    else:
+        mapping = torch.arange(H).roll(1)
+    return p.run()[:, mapping], {"mapping": mapping.tolist()}
+
+
+@fault("logit_cap_mismatch", "a soft cap applied that the model does not use (or omitted)")
+def _logit_cap_mismatch(p: Planting):
+    cap = 0.0 if p.spec.logit_cap > 0 else 30.0
+    return p.run(logit_cap=cap), {"logit_cap": cap}
+
+
+def describe(name: Optional[str] = None) -> str:
+    """One line per fault (or the one named): `name  description`."""
+    names = [name] if name else list(FAULTS)
+    return "\n".join(f"{n:<20} {DESCRIPTIONS[n]}" for n in names)

@@ -1,0 +1,56 @@
+"""The inputs of a synthetic capture: q, a shuffled paged pool poisoned with NaN, SGLang's metadata, the meta."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from refmla.synth.spec import SynthSpec
+
+
+def make_inputs(spec: SynthSpec) -> dict[str, torch.Tensor]:
+    """q, a shuffled poisoned paged pool, and the SGLang metadata for ``spec``."""
+    g = torch.Generator().manual_seed(spec.seed)
+    B, H, D, P = len(spec.seq_lens), spec.num_heads, spec.head_dim, spec.page_size
+    lens = torch.tensor(spec.seq_lens, dtype=torch.int64)  # [B]
+    pages_per = (lens + P - 1) // P  # [B]
+    n_pages = int(pages_per.sum()) + spec.free_pages
+    perm = torch.randperm(n_pages, generator=g)  # page ids handed out in shuffled order
+    pool = torch.full((n_pages * P, 1, D), math.nan)  # [N, 1, D] unattended rows stay NaN
+    kv_indices, used = [], 0
+    for L, npg in zip(lens.tolist(), pages_per.tolist()):
+        pages = perm[used : used + npg]
+        used += npg
+        slots = (pages[:, None] * P + torch.arange(P)[None, :]).reshape(-1)[:L]  # [L]
+        pool[slots, 0] = torch.randn(L, D, generator=g)
+        kv_indices.append(slots)
+    if spec.kv_dtype.itemsize == 1:  # fp8: store value / scale, so dequant recovers it
+        pool = pool / spec.k_scale
+    kv_buffer = pool.to(spec.kv_dtype)
+    kv_indptr = torch.zeros(B + 1, dtype=torch.int32)
+    kv_indptr[1:] = torch.cumsum(lens, 0)
+    T = B if spec.new_tokens == 0 else spec.new_tokens * B
+    q = (torch.randn(T, H, D, generator=g) * 1.0).to(spec.dtype)  # [T, H, D]
+    t = {
+        "q": q, "kv_buffer": kv_buffer, "kv_indptr": kv_indptr,
+        "kv_indices": torch.cat(kv_indices).to(torch.int32), "seq_lens": lens.to(torch.int32),
+    }  # fmt: skip
+    if spec.new_tokens:
+        t["qo_indptr"] = torch.arange(B + 1, dtype=torch.int32) * spec.new_tokens
+    else:
+        t["num_kv_splits"] = torch.tensor(spec.num_kv_splits, dtype=torch.int32)
+    return t
+
+
+def make_meta(spec: SynthSpec) -> dict[str, Any]:
+    return {
+        "mode": "extend" if spec.new_tokens else "decode", "backend": "triton",
+        "kv_lora_rank": spec.kv_lora_rank, "qk_rope_head_dim": spec.qk_rope_head_dim,
+        "sm_scale": spec.sm_scale, "logit_cap": spec.logit_cap, "page_size": spec.page_size,
+        "k_scale": spec.k_scale, "v_scale": spec.v_scale, "max_kv_splits": spec.max_kv_splits,
+        "layer_id": 0, "tp_rank": 0, "step": 0,
+        "rids": [f"{spec.name}-{b}" for b in range(len(spec.seq_lens))],
+        "synth": {"preset": spec.name, "seed": spec.seed}, **spec.extra_meta,
+    }  # fmt: skip
