@@ -178,3 +178,23 @@ def test_done_when_mtp_preset_replays_through_every_path(tmp_path):
         assert b[name]["status"] == "pass", (name, b[name].get("reason"))
     assert b["aiter"]["status"] == "skipped" and b["aiter"]["reason"]
     assert b["extend"]["info"]["custom_mask"].startswith("causal")
+
+
+def test_aiter_pow2_padding_bug_is_named(standin, monkeypatch, tmp_path):
+    """aiter issue #2720's class: a kernel that strides queries by the next power of two of qlen."""
+    from refmla.synth.verify_faults import padded_queries
+
+    cap = _capture(tmp_path, draft_token_num=3)
+    real = standin.mla_decode_fwd
+
+    @functools.wraps(real)
+    def pow2(**kw):
+        kw["q"] = padded_queries(kw["q"], kw["qo_indptr"], 4).contiguous()
+        return real(**kw)
+
+    monkeypatch.setattr(standin, "mla_decode_fwd", pow2)
+    entry = _entry(cap, "aiter")
+    assert entry["status"] == "fail"
+    exp = entry["explanation"]
+    assert exp["hypothesis"] == "qlen_pow2_padding"
+    assert exp["detail"] == {"qlen": 3, "padded_to": 4, "reads": "queries"}

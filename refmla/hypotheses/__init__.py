@@ -9,6 +9,12 @@ report the first, in the table's order, that brings the backend's error back to 
     head_misaligned     {"mapping": "...", "heads"}   output head h holds reference head heads[h]
     logit_cap_mismatch  {"logit_cap": c}              soft cap c applied (0: omitted)
 
+    verify captures only (verify.py, tried right after seq_len_off_by):
+    draft_kv_missing    {"how", "drafts"}             the drafts' KV rows zeroed / not attended
+    causal_alignment    {"alignment"}                 top-left causal, or none among the drafts
+    mask_wrong_request  {"mask_of": b2}               the drafts see each other through b2's tree mask
+    qlen_pow2_padding   {"qlen", "padded_to", "reads"} qlen padded to a power of two: wrong queries / rows
+
 "Back to rounding noise" is the comparator itself (refmla.compare.compare, the replay's
 tolerance) against the reference *and the low-precision control* recomputed under the
 hypothesis, so a hypothesis is never judged against the noise of different math. Per-request
@@ -44,7 +50,7 @@ import torch
 
 from refmla.compare import Comparison
 from refmla.context import ReplayContext
-from refmla.hypotheses import heads, kv_range, logit_cap, seq_len, sm_scale, split
+from refmla.hypotheses import heads, kv_range, logit_cap, seq_len, sm_scale, split, verify
 from refmla.hypotheses.search import Search, SearchFn
 from refmla.results import Explanation
 from refmla.util import single_thread
@@ -52,6 +58,11 @@ from refmla.util import single_thread
 # The families in the order they are tried: the contract's order, simplest first.
 SEARCHES: dict[str, SearchFn] = {
     seq_len.NAME: seq_len.search,
+    # the speculative verify path (verify captures only; docs/contract.md section 4)
+    "draft_kv_missing": verify.search_draft_kv,
+    "causal_alignment": verify.search_causal,
+    "mask_wrong_request": verify.search_mask,
+    "qlen_pow2_padding": verify.search_pow2,
     kv_range.NAME: kv_range.search,
     split.NAME: split.search,
     sm_scale.NAME: sm_scale.search,

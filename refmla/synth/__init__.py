@@ -17,7 +17,8 @@ from typing import Any
 
 from refmla.capture import write_capture
 from refmla.schedule import MIN_BLOCK_KV
-from refmla.synth.faults import FAULTS, faulty_output
+from refmla.synth import verify_faults  # noqa: F401  (registers the verify faults)
+from refmla.synth.faults import EXPECT, FAULT_MODES, FAULTS, VERIFY_PRESET, faulty_output
 from refmla.synth.inputs import make_inputs, make_meta
 from refmla.synth.spec import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE, PRESETS, SynthSpec, preset, yarn_sm_scale
 
@@ -34,6 +35,7 @@ def synth_capture(path: Any, spec: SynthSpec, fault: str = "none") -> dict:
 
 
 __all__ = [
-    "DEEPSEEK_V3_SCALE", "FAULTS", "KIMI_K2_SCALE", "MIN_BLOCK_KV", "PRESETS", "SynthSpec", "faulty_output",
+    "DEEPSEEK_V3_SCALE", "EXPECT", "FAULT_MODES", "FAULTS", "VERIFY_PRESET", "KIMI_K2_SCALE", "MIN_BLOCK_KV",
+    "PRESETS", "SynthSpec", "faulty_output",
     "make_inputs", "make_meta", "preset", "synth_capture", "yarn_sm_scale",
 ]  # fmt: skip

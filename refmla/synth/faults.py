@@ -68,15 +68,23 @@ FaultFn = Callable[[Planting], tuple[torch.Tensor, dict]]
 FAULTS: dict[str, FaultFn] = {}  # name -> fn(planting) -> (out, what was planted)
 DESCRIPTIONS: dict[str, str] = {}
 EXPECT: dict[str, Optional[str]] = {}  # name -> the hypothesis that must name it (None: must pass)
+FAULT_MODES: dict[str, Optional[str]] = {}  # name -> the capture mode it needs (None: any)
+VERIFY_PRESET: dict[str, str] = {}  # verify faults: the preset they are planted on by default
 
 
-def fault(name: str, description: str, expect: Optional[str] = "") -> Callable[[FaultFn], FaultFn]:
+def fault(
+    name: str, description: str, expect: Optional[str] = "", mode: Optional[str] = None, preset: str = ""
+) -> Callable[[FaultFn], FaultFn]:
     """Register a fault. ``expect``: the hypothesis replay must name for it ("" means the fault's
-    own name; None means a correct kernel that must pass). tools/bench_diagnosis.py reads EXPECT."""
+    own name; None means a correct kernel that must pass). ``mode``: the capture mode the fault
+    needs (None: any), with the preset it is meant for. tools/bench_diagnosis.py reads EXPECT."""
 
     def register(fn: FaultFn) -> FaultFn:
         FAULTS[name], DESCRIPTIONS[name] = fn, description
         EXPECT[name] = name if expect == "" else expect
+        FAULT_MODES[name] = mode
+        if preset:
+            VERIFY_PRESET[name] = preset
         return fn
 
     return register
