@@ -16,7 +16,7 @@ from refmla.backends import NAMES, VERIFY_ONLY, BackendUnavailable, get_backend
 from refmla.capture import Capture, CaptureError, read_capture
 from refmla.checks import check_capture
 from refmla.context import ReplayContext, ReplayOptions
-from refmla.diagnosis import diagnose
+from refmla.diagnosis import diagnose, diagnose_verify, verify_table
 from refmla.hypotheses import explain_failure
 from refmla.results import BackendEntry, MetadataReport, NoiseFloor, ReplayReport, Shape
 from refmla.splits import compare_splits
@@ -66,9 +66,10 @@ def replay_capture(cap: Capture, opts: ReplayOptions) -> ReplayReport:
     ctl = ctx.compare("control", ctx.control(cap.out_dtype))
     report.control = NoiseFloor(dtype_name(cap.out_dtype), ctl.max_abs_err, ctl.cos_diff)
     statuses = {n: b.status for n, b in report.backends.items()}
-    report.diagnosis, report.diagnosis_text, report.diagnosis_backends = diagnose(
-        statuses, produced_by=cap.meta.backend
-    )
+    how = diagnose_verify if cap.is_verify else diagnose
+    report.diagnosis, report.diagnosis_text, report.diagnosis_backends = how(statuses, produced_by=cap.meta.backend)
+    if cap.is_verify:
+        report.verify_vs_decode = verify_table(report.backends)
     report.verdict = "diverged" if any(s in ("fail", "error") for s in statuses.values()) else "agree"
     return report
 

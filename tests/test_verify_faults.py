@@ -61,3 +61,43 @@ def test_pow2_needs_a_non_power_of_two_qlen(tmp_path, capsys):
     assert main(["synth", str(tmp_path / "x.safetensors"), "--preset", "kimi-k2-tp8-mtp3", "--fault",
                  "qlen_pow2_padding"]) == 2  # fmt: skip
     assert "power of two" in capsys.readouterr().err
+
+
+# --- diagnosis: which of verify and plain decode diverges over the same KV --------------------
+
+from refmla.diagnosis import diagnose_verify  # noqa: E402
+
+BASE = {"reference": "pass", "observed": "pass", "triton": "skipped", "aiter": "skipped", "extend": "pass",
+        "triton_decode_per_query": "pass", "aiter_decode_per_query": "skipped"}  # fmt: skip
+
+
+@pytest.mark.parametrize("changes,name,about", [
+    ({}, None, []),
+    ({"extend": "fail"}, "verify", ["extend"]),
+    ({"aiter": "fail", "aiter_decode_per_query": "pass"}, "verify", ["aiter"]),
+    ({"triton_decode_per_query": "fail"}, "decode", ["triton_decode_per_query"]),
+    ({"extend": "fail", "triton_decode_per_query": "fail"}, "shared_input", ["extend", "triton_decode_per_query"]),
+    ({"observed": "fail"}, "observed", ["observed"]),
+    ({"observed": "fail", "extend": "skipped"}, "verify", ["observed"]),
+])  # fmt: skip
+def test_diagnose_verify(changes, name, about):
+    got, sentence, backends = diagnose_verify({**BASE, **changes}, produced_by="aiter")
+    assert got == name and backends == about and sentence
+    if name == "decode":
+        assert "verify path agrees (extend)" in sentence
+    if changes == {"observed": "fail", "extend": "skipped"}:
+        assert "state at kernel time" in sentence
+
+
+def test_verify_report_carries_the_paths_table(tmp_path):
+    _, rep = _replay(tmp_path, "kimi-k2-tp8-mtp", "draft_kv_missing")
+    rows = {r["backend"]: r for r in rep["verify_vs_decode"]}
+    assert rows["observed"]["status"] == "fail" and rows["observed"]["path"] == "verify (production)"
+    decode_rep = replay_capture(read_capture(synth_decode(tmp_path)), ReplayOptions(backends=["reference"])).to_json()
+    assert "verify_vs_decode" not in decode_rep
+
+
+def synth_decode(tmp_path):
+    path = tmp_path / "d.safetensors"
+    synth_capture(path, preset("kimi-k2-tp8", seq_lens=(20, 9), num_kv_splits=None))
+    return path
