@@ -414,3 +414,48 @@ def test_config_from_env():
     for key, bad in (("LAYERS", "3-1"), ("MODES", "prefill"), ("MAX_FILES", "-1"), ("MAX_BYTES", "lots")):
         with pytest.raises(ConfigError, match="REFMLA_CAPTURE_" + key):
             HookConfig.from_env({"REFMLA_CAPTURE_DIR": "/tmp/x", "REFMLA_CAPTURE_" + key: bad})
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative verify (issue 13): SGLang's real TritonAttnBackend in target_verify, on CPU
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("topk,n", [(1, 4), (2, 3)])
+def test_verify_capture_replays(T, hook, topk, n):
+    """target_verify through SGLang's Triton extend kernel with its custom_mask (chain or the kit's
+    tree): captured as mode verify, replayed through reference, extend (the same kernel with the
+    captured mask) and the per-query plain decode; all agree, and the mask is what the kernel read."""
+    from refmla.capture import read_capture
+
+    fx = T.build(T.Case(mode="verify", prefix_lens=(40, 70, 17), extend_lens=(n,) * 3, topk=topk))
+    state = hook(modes=frozenset({"verify"}))
+    served = T.attention_call(fx)  # [T, H * Dv]
+
+    (path,) = _captures(state)
+    cap = read_capture(path)
+    m = cap.meta
+    assert m.mode == "verify" and m.extra["forward_mode"] == "TARGET_VERIFY" and m.extra["verify_kind"] == "target_verify"
+    assert (m.draft_token_num, m.topk) == (n, topk)
+    assert cap.qo_indptr.tolist() == [0, n, 2 * n, 3 * n]
+    assert cap.seq_lens.tolist() == [40 + n, 70 + n, 17 + n]  # prefix + drafts, as aiter's kv_lens
+    assert cap.custom_mask is not None and cap.custom_mask.numel() == n * sum(cap.seq_lens.tolist())
+    spec_mask = fx.forward_batch.spec_info.custom_mask.cpu()
+    assert torch.equal(cap.custom_mask, spec_mask[: cap.custom_mask.numel()].bool())
+    assert torch.equal(cap.out.reshape(served.shape), served)
+
+    patching.uninstall()
+    replay = pytest.importorskip("refmla.replay")
+    opts = ReplayOptions(backends=["extend", "triton_decode_per_query"])
+    report = replay.replay_file(str(path), opts).to_json()
+    assert report["verdict"] == "agree", json.dumps(json_safe(report), indent=1)[:3000]
+    for name in ("observed", "extend", "triton_decode_per_query"):
+        assert report["backends"][name]["status"] == "pass", name
+    assert report["backends"]["extend"]["info"]["custom_mask"] == "capture"
+
+
+def test_verify_not_captured_when_only_extend_is_asked(T, hook):
+    fx = T.build(T.Case(mode="verify", prefix_lens=(20,), extend_lens=(2,)))
+    state = hook(modes=frozenset({"extend"}))
+    T.attention_call(fx)
+    assert _captures(state) == []
