@@ -459,3 +459,29 @@ def test_verify_not_captured_when_only_extend_is_asked(T, hook):
     state = hook(modes=frozenset({"extend"}))
     T.attention_call(fx)
     assert _captures(state) == []
+
+
+def test_aiter_verify_reader_takes_its_whole_sequence_metadata():
+    """AiterAttnBackend's target_verify metadata (init_forward_metadata) already covers
+    seq_lens + draft_token_num with qo_indptr in steps of draft_token_num: read as it is. (Its
+    forward_extend needs aiter's kernels to run, so the reader is driven with that metadata here.)"""
+    from types import SimpleNamespace
+
+    from refmla.hook.call import Call, CallContext, Skip
+    from refmla.hook.modes import READERS
+
+    n, lens = 3, torch.tensor([10, 4])
+    kv_indptr = torch.tensor([0, 10, 14], dtype=torch.int32)
+    md = SimpleNamespace(kv_indptr=kv_indptr, kv_indices=torch.arange(100, 114), qo_indptr=torch.tensor([0, 3, 6]),
+                         custom_mask=None, mask_indptr=None)  # fmt: skip
+    fb = SimpleNamespace(batch_size=2, spec_info=SimpleNamespace(topk=1, draft_token_num=n))
+    call = Call(backend="aiter", mode="verify", layer=None, forward_batch=fb, layer_id=0, step=0, rank=0)
+    ctx = CallContext(call=call, backend=None, md=md, pool=None, heads=1, qk_head_dim=576, kv_lora_rank=512,
+                      q=torch.zeros(6, 1, 576), out=torch.zeros(6, 1, 512))  # fmt: skip
+    idx = READERS["verify"].indices(ctx)
+    assert idx.kv_indptr.tolist() == [0, 10, 14] and idx.qo_indptr.tolist() == [0, 3, 6]
+    assert torch.equal(idx.kv_indices, torch.arange(100, 114)) and ctx.custom_mask is None
+    assert (idx.kv_indptr[1:] - idx.kv_indptr[:-1]).tolist() == lens.tolist()
+    fb.spec_info.topk = 2  # a tree on aiter: no mask to capture, so not captured
+    with pytest.raises(Skip, match="topk > 1"):
+        READERS["verify"].indices(ctx)
