@@ -61,7 +61,9 @@ def backend_row(name: str, b: BackendEntry) -> list[str]:
     where = f"req {w['request']} head {w['head']}" if w.get("request") is not None else "-"
     note = b.reason or ""
     if b.status == "pass":
-        note = clip((b.info or {}).get("version") or "", 70)
+        info = b.info or {}
+        mask = f"custom_mask {info['custom_mask']}; " if info.get("custom_mask") else ""  # verify: Triton extend
+        note = clip(mask + (info.get("version") or ""), 70)
     if b.explanation is not None:
         note = b.explanation.text()
     if b.splits is not None and b.splits.status in ("pass", "fail"):
