@@ -64,9 +64,13 @@ class ReplayContext:
         """[R] True where the row's request attends no token."""
         return (self.cap.seq_lens.long() == 0)[self.cap.request_of_row()]
 
-    def compare(self, name: str, out: torch.Tensor, row_mask: Optional[torch.Tensor] = None) -> Comparison:
+    def compare(
+        self, name: str, out: torch.Tensor, row_mask: Optional[torch.Tensor] = None, control: Optional[torch.Tensor] = None
+    ) -> Comparison:
+        """``out`` against the reference; ``control``: a backend's own noise floor (BackendResult.control)."""
         dtype = judged_dtype(out.dtype)
+        ctl = self.control(dtype) if control is None else control.to(dtype)
         return compare(
-            name, out, self.ref_out, self.control(dtype), out_dtype=dtype, tol=self.opts.tol,
+            name, out, self.ref_out, ctl, out_dtype=dtype, tol=self.opts.tol,
             row_mask=row_mask, request_of_row=self.cap.request_of_row(),
         )  # fmt: skip

@@ -99,7 +99,7 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
     except Exception as e:  # a kernel that crashes is a finding, not a crash of refmla
         return BackendEntry("error", reason=error_text(e))
     mask = None if res.defines_empty_rows else ~ctx.empty_rows()
-    cmp = ctx.compare(name, res.out, row_mask=mask)
+    cmp = ctx.compare(name, res.out, row_mask=mask, control=res.control)
     entry = BackendEntry.judged(cmp, info={"version": why, **res.info})
     if mask is not None and not bool(mask.all()):
         entry.info["not_compared"] = "rows of zero-length requests (this path leaves them undefined)"

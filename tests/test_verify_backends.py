@@ -198,3 +198,22 @@ def test_aiter_pow2_padding_bug_is_named(standin, monkeypatch, tmp_path):
     exp = entry["explanation"]
     assert exp["hypothesis"] == "qlen_pow2_padding"
     assert exp["detail"] == {"qlen": 3, "padded_to": 4, "reads": "queries"}
+
+
+def test_triton_per_query_carries_its_split_control(tmp_path):
+    """The per-query decode runs SGLang's split schedule, which the verify capture does not carry:
+    it is judged against a control at those rounding points (fp32 partials, fp32 merge)."""
+    from refmla.backends.per_query import TritonDecodePerQueryBackend
+    from refmla.context import ReplayContext
+
+    cap = _capture(tmp_path, draft_token_num=3, seq_lens=(300, 41, 9), num_heads=4)
+    be = TritonDecodePerQueryBackend()
+    ok, why = be.availability()
+    if not ok:
+        pytest.skip(why)
+    res = be.run(cap, ReplayOptions(cu_count=256))
+    assert res.control is not None and res.control.shape == res.out.shape
+    assert "split-aware" in res.info["control"]
+    ctx = ReplayContext(cap, ReplayOptions())
+    assert not torch.equal(res.control, ctx.control(res.control.dtype)), "300 tokens split: other rounding points"
+    assert ctx.compare("t", res.out, control=res.control).passed

@@ -26,6 +26,7 @@ from refmla.backends.aiter import aiter_status, run_aiter_decode
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 from refmla.backends.calling import KernelSignatureError
 from refmla.backends.triton import TritonBackend, run_triton_decode
+from refmla.control import mla_control
 from refmla.schedule import MI355X_CU_COUNT, default_num_kv_splits, mla_max_kv_splits
 
 
@@ -91,8 +92,11 @@ class TritonDecodePerQueryBackend(Backend):
         except KernelSignatureError as e:
             raise BackendUnavailable(str(e)) from e
         info.update(_what(cap, batch), num_kv_splits_source=f"SGLang's get_num_kv_splits for the per-query "
-                    f"lengths (cu_count={cu}, max_kv_splits={max_kv})")  # fmt: skip
-        return BackendResult(out=out.cpu(), info=info, defines_empty_rows=False)
+                    f"lengths (cu_count={cu}, max_kv_splits={max_kv})",
+                    control="split-aware: fp32 partials of that schedule, an fp32 merge")  # fmt: skip
+        control, _ = mla_control(batch.q, cap.kv_buffer, batch.kv_indptr, batch.kv_indices, **cap.scales(),
+                                 out_dtype=cap.out_dtype, num_kv_splits=splits.cpu())  # fmt: skip
+        return BackendResult(out=out.cpu(), info=info, defines_empty_rows=False, control=control)
 
 
 class AiterDecodePerQueryBackend(Backend):
