@@ -485,3 +485,22 @@ def test_aiter_verify_reader_takes_its_whole_sequence_metadata():
     fb.spec_info.topk = 2  # a tree on aiter: no mask to capture, so not captured
     with pytest.raises(Skip, match="topk > 1"):
         READERS["verify"].indices(ctx)
+
+
+def test_draft_extend_capture_replays(T, hook):
+    """The draft model's DRAFT_EXTEND_V2 pass (the accepted tokens, causal, no mask): mode verify."""
+    from refmla.capture import read_capture
+
+    fx = T.build(T.Case(mode="draft_extend", prefix_lens=(40, 70), extend_lens=(3, 3)))
+    state = hook(modes=frozenset({"verify"}))
+    served = T.attention_call(fx)
+
+    (path,) = _captures(state)
+    cap = read_capture(path)
+    assert cap.meta.mode == "verify" and cap.meta.extra["verify_kind"] == "draft_extend"
+    assert cap.custom_mask is None and cap.qo_indptr.tolist() == [0, 3, 6]
+    assert torch.equal(cap.out.reshape(served.shape), served)
+    patching.uninstall()
+    replay = pytest.importorskip("refmla.replay")
+    report = replay.replay_file(str(path), ReplayOptions(backends=["triton_decode_per_query"])).to_json()
+    assert report["verdict"] == "agree", json.dumps(json_safe(report), indent=1)[:3000]

@@ -69,7 +69,7 @@ def kit():
 
 @dataclass
 class Case:
-    mode: str = "decode"  # decode | extend | verify (target_verify: extend_lens = draft_token_num each)
+    mode: str = "decode"  # decode | extend | verify (target_verify: extend_lens = draft_token_num each) | draft_extend
     topk: int = 1  # verify: 1 a chain; 2 the kit's tree (draft_token_num 3 only)
     num_heads: int = 16  # DeepSeek-V3 at TP8 has 16 query heads per rank
     prefix_lens: tuple = (70, 37)  # tokens already cached per request
@@ -104,7 +104,10 @@ def build(case: Case) -> Any:
             ok, note = install_bf16_dot_fix()
             if not ok:
                 raise Unavailable(note)
-    modes = {"decode": ForwardMode.DECODE, "extend": ForwardMode.EXTEND, "verify": ForwardMode.TARGET_VERIFY}
+    modes = {"decode": ForwardMode.DECODE, "extend": ForwardMode.EXTEND, "verify": ForwardMode.TARGET_VERIFY,
+             "draft_extend": getattr(ForwardMode, "DRAFT_EXTEND_V2", None)}  # fmt: skip
+    if modes[case.mode] is None:
+        raise Unavailable(f"this SGLang has no ForwardMode for {case.mode}")
     kcase = K.MLAAttentionCase(
         name=case.name, backend="triton", forward_mode=modes[case.mode], num_heads=case.num_heads,
         page_size=case.page_size, prefix_lens=tuple(case.prefix_lens), extend_lens=tuple(case.extend_lens),
@@ -115,7 +118,35 @@ def build(case: Case) -> Any:
     )  # fmt: skip
     if case.mode == "verify":
         make_verify_batch(fixture, kcase, case.topk)
+    elif case.mode == "draft_extend":
+        make_draft_extend_batch(fixture, kcase)
     return fixture
+
+
+def make_draft_extend_batch(fixture, kcase) -> None:
+    """A DRAFT_EXTEND_V2 batch as production has it before init_forward_metadata: seq_lens = prefix +
+    accepted tokens, spec_info an EagleDraftExtendInput. (The kit's draft-extend runner does the
+    same but imports SGLang's scheduler, which needs setproctitle; this builds the two fields.)"""
+    import torch
+
+    try:
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+        from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
+    except Exception as e:
+        raise Unavailable(f"EagleDraftExtendInput not importable: {type(e).__name__}: {e}") from e
+    fb, lens = fixture.forward_batch, list(kcase.input_lens)
+    seq = [p + n for p, n in zip(kcase.prefix_lens, lens)]
+    fb.seq_lens = torch.tensor(seq, dtype=torch.int32)
+    fb.seq_lens_cpu, fb.seq_lens_sum = fb.seq_lens.clone(), sum(seq)
+    accept = torch.tensor(lens, dtype=torch.int32)
+    spec = EagleDraftExtendInput(
+        hidden_states=None, num_correct_drafts=accept - 1, num_accept_tokens=accept, num_accept_tokens_cpu=lens,
+        input_ids=fb.input_ids, seq_lens=fb.seq_lens, seq_lens_cpu=fb.seq_lens_cpu,
+        req_pool_indices=fb.req_pool_indices, positions=fb.positions, capture_hidden_mode=CaptureHiddenMode.LAST,
+        num_tokens_per_req=max(lens), num_tokens_for_logprob_per_req=1,
+    )  # fmt: skip
+    spec.extend_seq_lens_tensor, spec.extend_seq_lens_cpu = accept.clone(), lens
+    fb.spec_info = spec
 
 
 def make_verify_batch(fixture, kcase, topk: int) -> None:
