@@ -217,3 +217,20 @@ def test_triton_per_query_carries_its_split_control(tmp_path):
     ctx = ReplayContext(cap, ReplayOptions())
     assert not torch.equal(res.control, ctx.control(res.control.dtype)), "300 tokens split: other rounding points"
     assert ctx.compare("t", res.out, control=res.control).passed
+
+
+@pytest.mark.parametrize("case", ["kimi-h8-verify-q2-page16", "kimi-h8-verify-q3", "dsv3-h16-verify-q4-tree"])
+def test_verify_goldens_through_the_aiter_stand_in(standin, case):
+    """The verify goldens (qlen 2, 3, 4) through the aiter adapter against the stand-in: the chains
+    pass with max_seqlen_q = qlen, the tree is skipped (aiter has no tree mask); per-query aiter passes."""
+    from refmla import golden
+
+    path = Path(__file__).resolve().parents[1] / "golden" / f"{case}.safetensors"
+    res = golden.check(path, "aiter")
+    if "tree" in case:
+        assert res.status == "skipped" and "tree mask" in res.reason
+    else:
+        assert res.status == "pass", res.message()
+        assert res.entry.info["max_seqlen_q"] == int(case.split("-q")[1][0])
+    per_query = golden.check(path, "aiter_decode_per_query")
+    assert per_query.status == "pass", per_query.message()
