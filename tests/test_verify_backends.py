@@ -234,3 +234,27 @@ def test_verify_goldens_through_the_aiter_stand_in(standin, case):
         assert res.entry.info["max_seqlen_q"] == int(case.split("-q")[1][0])
     per_query = golden.check(path, "aiter_decode_per_query")
     assert per_query.status == "pass", per_query.message()
+
+
+def test_seed_question_plain_decode_diverges_verify_agrees(standin, monkeypatch, tmp_path):
+    """The investigation's comparison as one replay: over the same KV, aiter's verify call agrees and
+    its plain decode (max_seqlen_q = 1) does not -> diagnosis ``decode``, the table says which path."""
+    cap = _capture(tmp_path, draft_token_num=3)
+    real = standin.mla_decode_fwd
+
+    @functools.wraps(real)
+    def decode_bug(**kw):
+        r = real(**kw)
+        if kw["max_seqlen_q"] == 1:
+            kw["o"].mul_(1.02)  # a decode-only kernel bug
+        return r
+
+    monkeypatch.setattr(standin, "mla_decode_fwd", decode_bug)
+    from refmla.replay import replay_capture
+
+    rep = replay_capture(cap, ReplayOptions(backends=["aiter", "aiter_decode_per_query"], explain=False)).to_json()
+    assert rep["backends"]["aiter"]["status"] == "pass"
+    assert rep["backends"]["aiter_decode_per_query"]["status"] == "fail"
+    assert rep["diagnosis"] == "decode" and "verify path agrees (aiter)" in rep["diagnosis_text"]
+    rows = {r["backend"]: (r["path"], r["status"]) for r in rep["verify_vs_decode"]}
+    assert rows["aiter"] == ("verify", "pass") and rows["aiter_decode_per_query"] == ("plain decode", "fail")
