@@ -98,6 +98,9 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
     mask = None if res.defines_empty_rows else ~ctx.empty_rows()
     cmp = ctx.compare(name, res.out, row_mask=mask)
     entry = BackendEntry.judged(cmp, info={"version": why, **res.info})
+    if res.findings:  # a finding is never a pass (e.g. aiter's rebuilt persistent metadata differs)
+        entry.status = "fail"
+        entry.reason = "; ".join([r for r in (entry.reason,) if r] + [f.message for f in res.findings])
     if mask is not None and not bool(mask.all()):
         entry.info["not_compared"] = "rows of zero-length requests (this path leaves them undefined)"
     if res.attn_logits is not None and res.attn_lse is not None and ctx.cap.is_decode:

@@ -13,6 +13,18 @@ from refmla.backends.aiter.probe import locate_aiter
 from refmla.backends.base import BackendUnavailable
 
 
+def check_kv_scales(kv_buffer: torch.Tensor, k_scale: float, v_scale: float) -> bool:
+    """Whether the pool is fp8; raises BackendUnavailable for scales aiter cannot take."""
+    fp8 = kv_buffer.dtype.itemsize == 1
+    if fp8 and k_scale != v_scale:
+        raise BackendUnavailable(f"aiter takes one kv_scale; capture has k_scale {k_scale} != v_scale {v_scale}")
+    if not fp8 and (k_scale != 1.0 or v_scale != 1.0):
+        raise BackendUnavailable(
+            f"k_scale/v_scale {k_scale}/{v_scale} on a {kv_buffer.dtype} pool: aiter has no such scales"
+        )
+    return fp8
+
+
 def run_aiter_decode(
     q: torch.Tensor,
     kv_buffer: torch.Tensor,
@@ -36,13 +48,7 @@ def run_aiter_decode(
     Dv = int(kv_lora_rank)
     if kv_buffer.dim() != 3 or kv_buffer.shape[1] != 1 or kv_buffer.shape[2] != D:
         raise ValueError(f"kv_buffer shape {list(kv_buffer.shape)}, expected [N, 1, {D}]")
-    fp8 = kv_buffer.dtype.itemsize == 1
-    if fp8 and k_scale != v_scale:
-        raise BackendUnavailable(f"aiter takes one kv_scale; capture has k_scale {k_scale} != v_scale {v_scale}")
-    if not fp8 and (k_scale != 1.0 or v_scale != 1.0):
-        raise BackendUnavailable(
-            f"k_scale/v_scale {k_scale}/{v_scale} on a {kv_buffer.dtype} pool: aiter has no such scales"
-        )
+    fp8 = check_kv_scales(kv_buffer, k_scale, v_scale)
     q_in, unpad, pad_how = heads.pad_heads(q.to(dev).contiguous())
     args, convention = aiter_decode_args(q_in, kv_buffer, kv_indptr, kv_indices, page_size=page_size, device=dev)
     o = torch.empty(B, q_in.shape[1], Dv, dtype=out_dtype or q.dtype, device=dev)  # [B, Hk, Dv]
@@ -76,4 +82,4 @@ def run_aiter_decode(
     return unpad(o).cpu(), info
 
 
-__all__ = ["run_aiter_decode"]
+__all__ = ["check_kv_scales", "run_aiter_decode"]
