@@ -193,6 +193,7 @@ def probe_module(module: Any, probes: dict[str, Callable[[Callable], Callable]],
         if not callable(original) or getattr(original, MARK, None) is not None:
             continue
         wrapper = make(original)
+        wrapper.__wrapped__ = original  # inspect.signature(wrapper) is the original's: keyword callers still work
         setattr(wrapper, MARK, original)
         setattr(module, attr, wrapper)
         record(module, attr, original)
