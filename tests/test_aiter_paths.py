@@ -251,3 +251,47 @@ def test_unreplayed_path_reasons():
     assert unreplayed_path("gluon", "pass", {"path": "gluon"}, None) is None
     name, text, about = diagnose({"observed": "fail"}, unreplayed=("gluon", "no ROCm GPU"))
     assert name == "observed_unconfirmed" and "aiter's gluon kernel, not replayed here: no ROCm GPU" in text
+
+
+# SGLang 0.5.23's choice (AiterAttnBackend.__init__ + _forward_mla_decode), the table in docs/aiter.md:
+# heads, fp8 KV, SGLANG_AITER_MLA_PERSIST -> path
+SGLANG_TABLE = [
+    (8, False, "1", "non_persistent"), (8, True, "1", "persistent"), (8, True, "0", "non_persistent"),
+    (12, False, "1", "persistent"), (12, True, "1", "persistent"), (12, True, "0", "gluon"),
+    (12, False, "0", "non_persistent"),
+    (16, False, "1", "non_persistent"), (16, True, "1", "persistent"), (16, True, "0", "non_persistent"),
+    (32, False, "1", "persistent"), (64, True, "1", "persistent"), (64, False, "0", "non_persistent"),
+    (128, False, "1", "non_persistent"), (128, True, "1", "persistent"), (128, True, "0", "non_persistent"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("heads,fp8,persist,want", SGLANG_TABLE)
+def test_sglang_path_table(heads, fp8, persist, want):
+    from refmla.backends.aiter.paths import sglang_path
+
+    name, knobs = sglang_path(heads, fp8, {"SGLANG_AITER_MLA_PERSIST": persist})
+    assert name == want
+    if name == "persistent":
+        fast = max(heads, 16) in (32, 64, 128)
+        assert (knobs["fast_mode"], knobs["intra_batch_mode"], knobs["max_split_per_batch"]) == (fast, not fast, 64)
+
+
+def test_gluon_decode_backend_and_auto_splits_knobs():
+    from refmla.backends.aiter.paths import sglang_path
+
+    assert sglang_path(12, True, {"SGLANG_AITER_MLA_DECODE_BACKEND": "gluon"})[0] == "gluon"
+    assert sglang_path(12, True, {"SGLANG_AITER_MLA_PERSIST": "0", "SGLANG_AITER_MLA_GLUON": "0"})[0] == "non_persistent"
+    name, knobs = sglang_path(16, True, {"SGLANG_AITER_MLA_AUTO_KV_SPLITS": "1"})
+    assert name == "persistent" and knobs["max_split_per_batch"] == -1 and knobs["auto_kv_splits"] is True
+
+
+@pytest.mark.parametrize("persist,want", [("1", "persistent"), ("0", "non_persistent")])
+def test_persist_env_picks_the_path_of_an_unrecorded_capture(standin, tmp_path, monkeypatch, persist, want):
+    """What the kernel-regression suite does on MI355X with SGLANG_AITER_MLA_PERSIST=0/1."""
+    monkeypatch.setenv("SGLANG_AITER_MLA_PERSIST", persist)
+    entry = replay_aiter(aiter_capture(tmp_path, heads=16, kv_dtype=FP8, path=None))
+    assert entry["status"] == "pass", entry.get("reason")
+    assert entry["info"]["path"] == want and standin.CALLS[-1]["mode"] == want
+    assert entry["info"]["production_path"]["source"].startswith(f"SGLANG_AITER_MLA_PERSIST={persist}")
+    if want == "persistent":
+        assert entry["info"]["num_kv_splits"] == 64

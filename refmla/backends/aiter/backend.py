@@ -33,7 +33,7 @@ class AiterBackend(Backend):
         m = cap.meta
         if not cap.is_decode:
             raise BackendUnavailable("decode kernel; capture is extend mode")
-        path = production_path(m)
+        path = production_path(m, heads=cap.num_heads, kv_fp8=cap.kv_buffer.dtype.itemsize == 1)
         if path.name not in REPLAYABLE:
             raise BackendUnavailable(path.unreplayable())
         ok, why = self.availability()
