@@ -4,7 +4,7 @@
     observed              only the production output diverges; the offline paths agree on the
                           captured inputs (state, KV transfer, graph replay, capture-time metadata)
     observed_unconfirmed  the production output diverges and no offline path ran to tell why
-    decode                a decode kernel (triton, aiter) diverges while the extend baseline agrees
+    decode                a decode kernel (triton, aiter, flex) diverges while the extend baseline agrees
     extend                the extend baseline diverges while the decode kernels agree
     shared_input          decode and extend both diverge (the inputs they share, the meta, or the
                           reference's assumptions)
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-DECODE_KERNELS = ("triton", "aiter")
+DECODE_KERNELS = ("triton", "aiter", "flex")  # offline decode paths (flex: an independent compiled kernel)
 EXTEND = "extend"
 
 SENTENCES = {

@@ -150,3 +150,18 @@ def test_flex_fed_wrong_data_fails(tmp_path, wrong):
     assert not cmp.passed
     if wrong == "last_token":
         assert cmp.worst["request"] == b
+
+
+@pytest.mark.parametrize(
+    "statuses,name,about",
+    [
+        ({"observed": "fail", "flex": "pass"}, "observed", ["observed"]),
+        ({"observed": "pass", "flex": "fail"}, "decode", ["flex"]),
+        ({"observed": "pass", "flex": "fail", "extend": "fail"}, "shared_input", ["flex", "extend"]),
+    ],
+)
+def test_flex_counts_as_an_offline_decode_path(statuses, name, about):
+    """A failing flex is never left undiagnosed; a passing flex clears the offline decode path."""
+    from refmla.diagnosis import diagnose
+
+    assert diagnose({"reference": "pass", **statuses})[::2] == (name, about)
