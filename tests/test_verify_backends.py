@@ -44,8 +44,11 @@ def _capture(tmp_path, name="kimi-k2-tp8-mtp", fault="none", **kw):
     return read_capture(path)
 
 
-def _entry(cap, backend):
-    return run_backend(backend, ReplayContext(cap, ReplayOptions(backends=[backend]))).to_json()
+def _entry(cap, backend, **opts):
+    o = ReplayOptions(backends=[backend])
+    for k, v in opts.items():
+        setattr(o, k, v)  # e.g. aiter_page_size, read by getattr
+    return run_backend(backend, ReplayContext(cap, o)).to_json()
 
 
 def _spy(monkeypatch, standin):
@@ -68,9 +71,9 @@ def _spy(monkeypatch, standin):
 @pytest.mark.parametrize("qlen", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_aiter_verify_contract(standin, monkeypatch, tmp_path, qlen, convention):
     P = 16 if convention == "page" else 1
-    cap = _capture(tmp_path, draft_token_num=qlen, page_size=P)
+    cap = _capture(tmp_path, draft_token_num=qlen, page_size=16)
     seen = _spy(monkeypatch, standin)
-    entry = _entry(cap, "aiter")
+    entry = _entry(cap, "aiter", **({"aiter_page_size": P} if convention == "page" else {}))
     assert entry["status"] == "pass", entry.get("reason")
     kw = seen[-1]
     B = cap.batch_size

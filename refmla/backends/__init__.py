@@ -9,6 +9,11 @@
     triton_decode_per_query, aiter_decode_per_query
                verify captures only: each verify query as a one-token decode over the positions
                it sees (refmla.backends.per_query), the plain-decode path over the same KV
+    flex       PyTorch's flex_attention compiled by Inductor: an independent kernel (opt-in, see below)
+
+NAMES run by default; OPT_IN backends run only when named (``--backend flex``): flex compiles
+for seconds per shape on first use, which a default replay (make demo, the tests) should not pay.
+ALL_NAMES is every name a user may ask for.
 
 A backend module is imported only when its name is asked for, so a missing optional package
 makes that one backend unavailable (with the reason), never the tool.
@@ -20,8 +25,11 @@ import importlib
 
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 
-NAMES = ("reference", "observed", "triton", "aiter", "extend", "triton_decode_per_query", "aiter_decode_per_query")
+_FIRST = ("reference", "observed", "triton", "aiter", "extend")
 VERIFY_ONLY = ("triton_decode_per_query", "aiter_decode_per_query")  # left out of other modes' default list
+NAMES = _FIRST + VERIFY_ONLY
+OPT_IN = ("flex",)
+ALL_NAMES = _FIRST + OPT_IN + VERIFY_ONLY  # every name, in the order they were added
 
 _WHERE = {
     "reference": "refmla.backends.reference:ReferenceBackend",
@@ -31,6 +39,7 @@ _WHERE = {
     "extend": "refmla.backends.extend.backend:ExtendBackend",
     "triton_decode_per_query": "refmla.backends.per_query:TritonDecodePerQueryBackend",
     "aiter_decode_per_query": "refmla.backends.per_query:AiterDecodePerQueryBackend",
+    "flex": "refmla.backends.flex:FlexBackend",
 }
 
 
@@ -53,7 +62,7 @@ _CACHE: dict[str, Backend] = {}
 def get_backend(name: str) -> Backend:
     """The backend called ``name``. Raises KeyError for a name that is not a backend."""
     if name not in _WHERE:
-        raise KeyError(f"unknown backend {name!r}; choose from {', '.join(NAMES)}")
+        raise KeyError(f"unknown backend {name!r}; choose from {', '.join(ALL_NAMES)}")
     if name not in _CACHE:
         module, cls = _WHERE[name].split(":")
         try:
@@ -63,4 +72,4 @@ def get_backend(name: str) -> Backend:
     return _CACHE[name]
 
 
-__all__ = ["NAMES", "VERIFY_ONLY", "Backend", "BackendResult", "BackendUnavailable", "get_backend"]
+__all__ = ["ALL_NAMES", "NAMES", "OPT_IN", "VERIFY_ONLY", "Backend", "BackendResult", "BackendUnavailable", "get_backend"]

@@ -6,13 +6,16 @@ How SGLang's ``AiterAttnBackend`` calls it in ``target_verify`` (``init_forward_
     q            [T, Hk, 576]   T = B * draft_token_num, heads padded as for decode (pad_heads)
     qo_indptr    [B + 1] int32  the capture's: steps of draft_token_num in SGLang
     kv_indptr    [B + 1] int32  over seq_lens + draft_token_num (the capture's seq_lens hold the drafts)
-    kv_indices   int32          token slots (page size 1) or page ids (page-level, refmla.paged)
+    kv_indices   int32          token slots (page size 1, as SGLang passes them) or page ids
+                                (page-level when ``opts.aiter_page_size`` asks, refmla.paged)
     max_seqlen_q                the largest query count (draft_token_num)
 
 aiter applies the causal bottom-right mask inside the request itself; it has no tree mask, so a
 verify capture with ``custom_mask`` whose drafts are not a chain is refused (skipped, with why).
 The decode call (``refmla.backends.aiter``) is reused as is; this module only swaps the
-query-side arguments, so the ``aiter`` backend name serves decode and verify alike.
+query-side arguments, so the ``aiter`` backend name serves decode and verify alike. It replays the
+non-persistent call; SGLang may have run the persistent (``_mla_decode_fwd_with_head_pad``) or
+gluon verify path in production -- ``info.path`` says ``non_persistent``.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def run_aiter_verify(cap, page_size: int, out_dtype: torch.dtype, device: Option
         torch.cuda.synchronize(dev)
     info: dict[str, Any] = {
         "aiter_version": version, "kernel": "aiter.mla.mla_decode_fwd", "stand_in": standin, "device": str(dev),
-        "max_seqlen_q": max_q, "query_lengths": sorted(set(qlens.tolist())), "index_convention": convention,
+        "path": "non_persistent", "max_seqlen_q": max_q, "query_lengths": sorted(set(qlens.tolist())), "index_convention": convention,
         "page_size": args["page_size"], "head_padding": pad_how, "kernel_heads": int(q_in.shape[1]),
         "kernel_params": sorted(kwargs), "kernel_seconds": round(time.perf_counter() - t0, 3),
     }  # fmt: skip
@@ -88,7 +91,9 @@ class AiterVerifyBackend(AiterBackend):
             raise BackendUnavailable(why)
         if not is_chain(cap):
             raise BackendUnavailable("aiter's mla_decode_fwd has no tree mask: a topk > 1 verify is not an aiter call")
-        P = int(getattr(opts, "aiter_page_size", None) or cap.meta.page_size)
+        # token level (page size 1), as SGLang's target_verify passes K_Buffer.view(-1, 1, 1, D);
+        # opts.aiter_page_size asks for aiter's page-level convention instead
+        P = int(getattr(opts, "aiter_page_size", None) or 1)
         try:
             out, info = run_aiter_verify(cap, P, cap.out_dtype, getattr(opts, "device", None))
         except AssertionError as e:  # aiter asserts what it does not support (logit_cap > 0, head counts)

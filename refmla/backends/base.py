@@ -16,6 +16,19 @@ class BackendUnavailable(Exception):
 
 
 @dataclass
+class Finding:
+    """Something a backend found wrong besides its output (e.g. rebuilt kernel metadata that differs
+    from production's). A replay with a finding is never a pass: docs/contract.md section 3."""
+
+    kind: str  # machine name, e.g. "aiter_metadata_mismatch"
+    message: str  # one sentence for people
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "message": self.message, "detail": self.detail}
+
+
+@dataclass
 class BackendResult:
     out: torch.Tensor  # [B, H, Dv] decode, [T, H, Dv] extend, the backend's own dtype
     lse: Optional[torch.Tensor] = None  # [B, H] natural log of the scaled logits' sum-exp
@@ -29,6 +42,7 @@ class BackendResult:
     # split schedule the capture does not carry: the per-query decode of a verify capture); None:
     # the replay's control (refmla.context.ReplayContext.control).
     control: Optional[torch.Tensor] = None
+    findings: list[Finding] = field(default_factory=list)  # each one fails the backend (never a pass)
 
 
 class Backend:

@@ -28,6 +28,9 @@ TENSORS = {
     "num_kv_splits": False, "out": False, "lse": False, "attn_logits": False, "attn_lse": False,
     "req_to_token": False, "orig_kv_indices": False, "qo_indptr": False,
     "custom_mask": False, "mask_indptr": False,
+    # aiter's persistent work buffers as production's kernel read them (docs/contract.md section 1)
+    "aiter_work_indptr": False, "aiter_work_info_set": False, "aiter_reduce_indptr": False,
+    "aiter_reduce_final_map": False, "aiter_reduce_partial_map": False,
 }  # fmt: skip
 
 MODES = ("decode", "extend", "verify")  # verify: speculative target-verify / draft-extend (several queries)
@@ -199,6 +202,11 @@ class Capture:
     qo_indptr: Optional[torch.Tensor] = None  # [B + 1], extend and verify
     custom_mask: Optional[torch.Tensor] = None  # [sum_b n_b * L_b] verify: request b's [n_b, L_b] mask, row-major
     mask_indptr: Optional[torch.Tensor] = None  # [B + 1] verify: request b's mask is custom_mask[mask_indptr[b]:...]
+    aiter_work_indptr: Optional[torch.Tensor] = None  # [cu + 1] int32, aiter persistent path
+    aiter_work_info_set: Optional[torch.Tensor] = None  # [works, 8]
+    aiter_reduce_indptr: Optional[torch.Tensor] = None  # [tiles + 1]
+    aiter_reduce_final_map: Optional[torch.Tensor] = None  # [tiles, 2]
+    aiter_reduce_partial_map: Optional[torch.Tensor] = None  # [partials]
     warnings: list = field(default_factory=list)
 
     @property
