@@ -44,14 +44,17 @@ import torch
 
 from refmla.compare import Comparison
 from refmla.context import ReplayContext
-from refmla.hypotheses import heads, kv_range, logit_cap, seq_len, sm_scale, split
+from refmla.hypotheses import empty_split, heads, kv_range, logit_cap, pages, seq_len, sm_scale, split
 from refmla.hypotheses.search import Search, SearchFn
 from refmla.results import Explanation
 from refmla.util import single_thread
 
 # The families in the order they are tried: the contract's order, simplest first.
 SEARCHES: dict[str, SearchFn] = {
+    pages.FULL: pages.search_full,
+    empty_split.NAME: empty_split.search,
     seq_len.NAME: seq_len.search,
+    pages.SWAPPED: pages.search_swapped,
     kv_range.NAME: kv_range.search,
     split.NAME: split.search,
     sm_scale.NAME: sm_scale.search,

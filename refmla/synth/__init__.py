@@ -17,6 +17,7 @@ from typing import Any
 
 from refmla.capture import write_capture
 from refmla.schedule import MIN_BLOCK_KV
+from refmla.synth import zoo  # noqa: F401  (registers the zoo's faults)
 from refmla.synth.faults import FAULTS, faulty_output
 from refmla.synth.inputs import make_inputs, make_meta
 from refmla.synth.spec import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE, PRESETS, SynthSpec, preset, yarn_sm_scale

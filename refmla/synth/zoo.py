@@ -1,0 +1,139 @@
+"""A zoo of faults taken from real bugs in real MLA kernels (issue 11, part 3), each planted the way
+the broken kernel computes it and registered with the hypothesis that must name it.
+
+    last_page_read_full     page_size > 1: the last page read as full (aiter #2996, #3095)
+    last_page_len_swapped   the last page's length taken from another request's kv_last_page_len
+    empty_split_merged      an empty split's NaN partial taken into the merge (aiter #3641, #4420, #4711)
+
+Rows a correct kernel never reads are NaN in a synthetic pool (refmla.synth.inputs); a broken
+kernel that reads them in production reads whatever a previous request left there, so the faults
+below first write such stale (finite) rows where they read them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from refmla import reference as ref
+from refmla.schedule import nonempty_splits
+from refmla.synth.faults import Planting, fault
+
+
+def _lens(p: Planting) -> list[int]:
+    return [p.bounds(b)[1] - p.bounds(b)[0] for b in range(len(p.t["kv_indptr"]) - 1)]
+
+
+def _slots(p: Planting, b: int) -> torch.Tensor:
+    lo, hi = p.bounds(b)
+    return p.t["kv_indices"][lo:hi].long()
+
+
+def _need_pages(p: Planting) -> int:
+    P = p.spec.page_size
+    if P < 2:
+        raise ValueError(f"page faults need page_size > 1 (preset {p.spec.name} has {P}); "
+                         "use e.g. --preset kimi-k2-tp8-page256")  # fmt: skip
+    return P
+
+
+def _stale(p: Planting, slots: torch.Tensor) -> None:
+    """Write stale, finite rows (a previous occupant's KV) at pool ``slots``."""
+    kvb = p.t["kv_buffer"]
+    g = torch.Generator().manual_seed(p.spec.seed + 1234)
+    rows = torch.randn(len(slots), kvb.shape[-1], generator=g)
+    if kvb.dtype.itemsize == 1:
+        rows = rows / p.spec.k_scale
+    kvb = kvb.clone()
+    kvb[slots, 0] = rows.to(kvb.dtype)
+    p.t["kv_buffer"] = kvb
+
+
+def _with_rows(p: Planting, b: int, seq: torch.Tensor) -> torch.Tensor:
+    """The reference with request b attending pool rows ``seq`` (in position order) instead of its own."""
+    t, lo, hi = p.t, *p.bounds(b)
+    idx = torch.cat([t["kv_indices"][:lo].long(), seq, t["kv_indices"][hi:].long()])
+    indptr = t["kv_indptr"].clone()
+    indptr[b + 1 :] += len(seq) - (hi - lo)
+    return p.run(indptr=indptr, idx=idx)
+
+
+def _partial_request(p: Planting, P: int) -> int:
+    """The fault request when its last page is partial, else the request with the most tail rows."""
+    lens = _lens(p)
+    if lens[p.request] % P:
+        return p.request
+    tails = [(P - L % P if L % P else 0, -b) for b, L in enumerate(lens)]
+    n, b = max(tails)
+    if n == 0:
+        raise ValueError(f"no request of preset {p.spec.name} has a partial last page (page_size {P})")
+    return -b
+
+
+@fault("last_page_read_full", "page_size > 1: the kernel read the last page as full, page_size * ceil(L / page_size) "
+       "rows, the tail rows holding stale KV (aiter #2996, #3095)")  # fmt: skip
+def _last_page_read_full(p: Planting):
+    P = _need_pages(p)
+    b = _partial_request(p, P)
+    slots = _slots(p, b)
+    L, last = len(slots), int(slots[-1])
+    tail = torch.arange(last + 1, (last // P + 1) * P)  # the rest of the last page
+    _stale(p, tail)
+    out = _with_rows(p, b, torch.cat([slots, tail]))
+    return out, {"request": b, "page": (L - 1) // P, "rows_read": L + len(tail), "rows_expected": L}
+
+
+@fault("last_page_len_swapped", "page_size > 1: the last page's length taken from the next request's "
+       "kv_last_page_len (an indexing slip; aiter #2996, #3095)")  # fmt: skip
+def _last_page_len_swapped(p: Planting):
+    P = _need_pages(p)
+    lens = _lens(p)
+    B, b = len(lens), p.request
+    last_len = [L - ((L - 1) // P) * P if L else 0 for L in lens]
+    other = next((o for o in [(b + k) % B for k in range(1, B)] if last_len[o] and abs(last_len[o] - last_len[b]) > 4),
+                 None)  # fmt: skip
+    if other is None or not lens[b]:
+        raise ValueError(f"preset {p.spec.name}: no other request's last page length differs from request {b}'s by > 4")
+    slots = _slots(p, b)
+    L, first = lens[b], int(slots[((lens[b] - 1) // P) * P])  # first slot of the last page
+    n = L - last_len[b] + last_len[other]  # rows the kernel attended
+    seq = slots[:n]
+    if n > L:
+        seq = torch.cat([slots, torch.arange(first + last_len[b], first + last_len[other])])
+        _stale(p, seq[L:])
+    return _with_rows(p, b, seq), {"request": b, "from_request": other, "last_page_len": last_len[other],
+                                   "rows_read": n, "rows_expected": L}  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Empty splits merged (aiter #3641, #4420, #4711)
+# --------------------------------------------------------------------------------------------
+
+
+def _empty_split_request(p: Planting, n: int) -> int:
+    """The fault request when it has an empty split under n splits, else the first request that does."""
+    lens = _lens(p)
+    order = [p.request] + [b for b in range(len(lens)) if b != p.request]
+    for b in order:
+        if lens[b] and nonempty_splits(lens[b], n) < n:
+            return b
+    raise ValueError(f"preset {p.spec.name}: no request has an empty split under {n} splits")
+
+
+@fault("empty_split_merged", "a request run with max_kv_splits splits, some of them empty, whose 0/0 (NaN) partial "
+       "the merge takes in: the request's output is NaN (aiter #3641, #4420, #4711)")  # fmt: skip
+def _empty_split_merged(p: Planting):
+    t, n = p.t, p.spec.max_kv_splits
+    b = _empty_split_request(p, n)
+    splits = t["num_kv_splits"].clone()
+    splits[b] = n  # the kernel ran this request with the fixed maximum, as the capture records
+    t["num_kv_splits"] = splits
+    parts, lses, valid = ref.mla_decode_split_ref(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], splits,
+                                                  **p.scales)  # fmt: skip
+    empty = [s for s in range(n) if not bool(valid[b, s])]
+    parts[b, :, empty] = math.nan  # stage 1 of an empty split: acc / e_sum = 0 / 0
+    valid = valid.clone()
+    valid[b, empty] = True  # ... and the merge does not skip it: exp(-inf) * NaN = NaN
+    out = ref.merge_splits(parts, lses, valid)[0]
+    return out, {"request": b, "split": empty[0], "empty_splits": empty, "num_kv_splits": n}
