@@ -8,6 +8,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from refmla.cli import main as cli
 from refmla.synth import preset, synth_capture
@@ -107,3 +108,44 @@ def test_empty_split_merged_zero_scratch(tmp_path, capsys):
     assert code == 1 and e["hypothesis"] == "empty_split_merged" and e["request"] == b
     assert e["detail"] == {"split": 2, "num_kv_splits": n, "went_in": "zero partial, lse 0 (zero-initialized scratch)"}
     assert e["empty_splits"] == list(range(2, n))
+
+
+@pytest.mark.parametrize("spec", [preset("kimi-k2-tp8"), PAGE256], ids=lambda s: s.name)
+def test_offset_overflow_reads_the_wrapped_row(tmp_path, capsys, spec):
+    obs, planted = replay(tmp_path, capsys, spec, "offset_overflow")
+    e = obs["explanation"]
+    first = -(-(2**32) // (576 * 2))  # bf16 rows: the first slot whose uint32 byte offset wraps
+    assert first == 3728271 and e["first_wrapping_slot"] == first == planted["first_wrapping_slot"]
+    assert e["request"] == planted["request"]
+    slot = e["detail"]["first_slot"]
+    assert slot == planted["first_slot"] >= first and e["detail"]["position"] == planted["position"]
+    assert e["detail"]["offset"] == "slot * 576 * 2 bytes in uint32"
+    off = slot * 1152 % 2**32  # the exact wrap: which slot, which byte
+    assert e["detail"]["reads"] == f"slots {off // 1152} (from byte {off % 1152}) and {off // 1152 + 1}"
+    assert e["wrapped_positions"] == planted["wrapped_positions"] > 0
+
+
+def test_offset_overflow_reads_zeros(tmp_path, capsys):
+    """Slots past the wrap whose wrapped rows the capture does not hold, read as zeros (a
+    never-written slot of a zero-initialized pool): named, with the first wrapped slot."""
+    from refmla.capture import write_capture
+    from refmla.synth import faulty_output, make_inputs, make_meta
+
+    spec = preset("kimi-k2-tp8")
+    t = make_inputs(spec)
+    b, lo, hi = 2, int(t["kv_indptr"][2]), int(t["kv_indptr"][3])
+    phys = t["kv_indices"].long() + 2**20
+    phys[lo:hi] = 3728271 - 700 + torch.arange(hi - lo)  # positions 700.. are past the wrap
+    t["orig_kv_indices"] = phys
+    kvz = t["kv_buffer"].clone()
+    kvz[t["kv_indices"][lo + 700 : hi].long()] = 0
+    out, _ = faulty_output(spec, t, "none")
+    out[b] = faulty_output(spec, {**t, "kv_buffer": kvz}, "none")[0][b]
+    t["out"] = out
+    path = tmp_path / "wrap-zeros.safetensors"
+    write_capture(path, t, make_meta(spec), compact=False)
+    code = cli(["replay", str(path), "--json", "--backend", "extend"])
+    e = json.loads(capsys.readouterr().out)["backends"]["observed"]["explanation"]
+    assert code == 1 and e["hypothesis"] == "offset_overflow" and e["request"] == b, e
+    assert e["detail"]["first_slot"] == 3728271 and e["detail"]["position"] == 700
+    assert e["detail"]["reads"].startswith("zeros") and e["wrapped_positions"] == 1024 - 700

@@ -44,7 +44,7 @@ import torch
 
 from refmla.compare import Comparison
 from refmla.context import ReplayContext
-from refmla.hypotheses import empty_split, heads, kv_range, logit_cap, pages, seq_len, sm_scale, split
+from refmla.hypotheses import empty_split, heads, kv_range, logit_cap, overflow, pages, seq_len, sm_scale, split
 from refmla.hypotheses.search import Search, SearchFn
 from refmla.results import Explanation
 from refmla.util import single_thread
@@ -54,6 +54,7 @@ SEARCHES: dict[str, SearchFn] = {
     pages.FULL: pages.search_full,
     empty_split.NAME: empty_split.search,
     seq_len.NAME: seq_len.search,
+    overflow.NAME: overflow.search,
     pages.SWAPPED: pages.search_swapped,
     kv_range.NAME: kv_range.search,
     split.NAME: split.search,

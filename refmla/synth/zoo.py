@@ -4,6 +4,7 @@ the broken kernel computes it and registered with the hypothesis that must name 
     last_page_read_full     page_size > 1: the last page read as full (aiter #2996, #3095)
     last_page_len_swapped   the last page's length taken from another request's kv_last_page_len
     empty_split_merged      an empty split's NaN partial taken into the merge (aiter #3641, #4420, #4711)
+    offset_overflow         a 32-bit KV byte offset wrapping past 2^32 reads another row (aiter #5765)
 
 Rows a correct kernel never reads are NaN in a synthetic pool (refmla.synth.inputs); a broken
 kernel that reads them in production reads whatever a previous request left there, so the faults
@@ -137,3 +138,47 @@ def _empty_split_merged(p: Planting):
     valid[b, empty] = True  # ... and the merge does not skip it: exp(-inf) * NaN = NaN
     out = ref.merge_splits(parts, lses, valid)[0]
     return out, {"request": b, "split": empty[0], "empty_splits": empty, "num_kv_splits": n}
+
+
+# --------------------------------------------------------------------------------------------
+# 32-bit offset overflow (aiter #5765, #2768)
+# --------------------------------------------------------------------------------------------
+
+
+@fault("offset_overflow", "the fault request's last pages sit past slot 2^32 / (576 * itemsize) of a large pool "
+       "(physical slots in orig_kv_indices) and the kernel's uint32 byte offset wraps: they read the bytes at "
+       "the wrapped address, another request's rows (aiter #5765)")  # fmt: skip
+def _offset_overflow(p: Planting):
+    t, b, P = p.t, p.request, p.spec.page_size
+    lens = _lens(p)
+    host = max((o for o in range(len(lens)) if o != b), key=lambda o: lens[o])  # what the wrap reads
+    L, n_target = lens[b], min(lens[b] // 2, 300, lens[host] - P - 2)
+    u8 = t["kv_buffer"][:, 0].view(torch.uint8)  # [N, rb]
+    rb = u8.shape[-1]
+    first = -(-(2**32) // rb)  # the first slot whose byte offset wraps
+    p_w = -(-(L - n_target) // P) * P  # positions [p_w, L) sit in pages past the wrap
+    if n_target < 1 or p_w >= L:
+        raise ValueError(f"preset {p.spec.name}: request {b} or {host} is too short to place past the wrap")
+    below = (first - p_w) // P * P - P  # pages of positions [0, p_w): just under the wrap
+    above = -(-(first + P) // P) * P  # pages of positions [p_w, L): past it, reading slots P.. (not 0)
+    phys = t["kv_indices"].long() + 2**20  # everyone else: away from both
+    (lo, hi), (hlo, hhi) = p.bounds(b), p.bounds(host)
+    phys[hlo:hhi] = P + torch.arange(lens[host])  # the host request at slots P.. (slot 0 is SGLang's padding)
+    phys[lo:hi] = torch.cat([below + torch.arange(p_w), above + torch.arange(L - p_w)])
+    t["orig_kv_indices"] = phys
+    # what the kernel read: the bytes at the wrapped offset, i.e. parts of the host request's rows
+    slots = phys[lo:hi]
+    wrapped = slots >= first
+    off = slots[wrapped] * rb % 2**32
+    host_rows = t["kv_indices"][hlo:hhi].long()
+    read = torch.empty(len(off), rb, dtype=torch.uint8)
+    for i, (r0, k) in enumerate(zip((off // rb - P).tolist(), (off % rb).tolist())):  # host position r0
+        read[i] = torch.cat([u8[host_rows[r0], k:], u8[host_rows[r0 + 1], :k]])
+    N = t["kv_buffer"].shape[0]
+    kvb = torch.cat([t["kv_buffer"], read.view(t["kv_buffer"].dtype)[:, None]])
+    seq = t["kv_indices"][lo:hi].long().clone()
+    seq[wrapped] = torch.arange(N, N + len(off))
+    idx = torch.cat([t["kv_indices"][:lo].long(), seq, t["kv_indices"][hi:].long()])
+    pos = int(torch.nonzero(wrapped)[0])
+    return p.run(kvb=kvb, idx=idx), {"request": b, "first_slot": int(slots[pos]), "position": pos,
+                                     "wrapped_positions": int(wrapped.sum()), "first_wrapping_slot": first}  # fmt: skip
