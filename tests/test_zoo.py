@@ -149,3 +149,31 @@ def test_offset_overflow_reads_zeros(tmp_path, capsys):
     assert code == 1 and e["hypothesis"] == "offset_overflow" and e["request"] == b, e
     assert e["detail"]["first_slot"] == 3728271 and e["detail"]["position"] == 700
     assert e["detail"]["reads"].startswith("zeros") and e["wrapped_positions"] == 1024 - 700
+
+
+@pytest.mark.parametrize("fault,scale,applied", [("k_scale_twice", "k_scale", "twice"),
+                                                 ("v_scale_missing", "v_scale", "not at all")])  # fmt: skip
+def test_kv_scale_misapplied(tmp_path, capsys, fault, scale, applied):
+    """Planted on an fp8 version of the preset; k_scale twice is named as the fp8 scale, not as a
+    softmax scale off by the same ratio (the explanation says why)."""
+    from refmla.capture import read_capture
+
+    obs, planted = replay(tmp_path, capsys, preset("kimi-k2-tp8"), fault)
+    cap = read_capture(tmp_path / f"kimi-k2-tp8-{fault}.safetensors")
+    assert cap.kv_buffer.dtype == torch.float8_e4m3fn and cap.meta.k_scale == cap.meta.v_scale == 0.5
+    assert planted["pool"] == "kimi-k2-tp8-fp8"
+    e = obs["explanation"]
+    assert e["detail"] == {"scale": scale, "applied": applied} and e["scope"] == "all requests"
+    assert (e["k_scale_used"], e["v_scale_used"]) == ((0.25, 0.5) if scale == "k_scale" else (0.5, 1.0))
+    if scale == "k_scale":
+        assert "wrong_sm_scale(ratio=0.5)" in e["why"]
+
+
+def test_fp8_range_zeroed_is_named(tmp_path, capsys):
+    """Zeroing rows of an fp8 pool (no masked_fill for fp8) works: the zeroed range is named."""
+    spec = dataclasses.replace(preset("kimi-k2-tp8"), name="fp8-flat", sm_scale=0.01, kv_dtype=torch.float8_e4m3fn,
+                               k_scale=0.5, v_scale=0.5)  # fmt: skip
+    obs, planted = replay(tmp_path, capsys, spec, "kv_range_zero")
+    e = obs["explanation"]
+    assert e["request"] == planted["request"] and (e["detail"]["start"], e["detail"]["end"]) == (32, 64)
+    assert "zeroed" in e["detail"]["how"]

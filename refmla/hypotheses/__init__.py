@@ -44,7 +44,9 @@ import torch
 
 from refmla.compare import Comparison
 from refmla.context import ReplayContext
-from refmla.hypotheses import empty_split, heads, kv_range, logit_cap, overflow, pages, seq_len, sm_scale, split
+from refmla.hypotheses import (
+    empty_split, heads, kv_range, kv_scale, logit_cap, overflow, pages, seq_len, sm_scale, split,
+)
 from refmla.hypotheses.search import Search, SearchFn
 from refmla.results import Explanation
 from refmla.util import single_thread
@@ -58,6 +60,7 @@ SEARCHES: dict[str, SearchFn] = {
     pages.SWAPPED: pages.search_swapped,
     kv_range.NAME: kv_range.search,
     split.NAME: split.search,
+    kv_scale.NAME: kv_scale.search,
     sm_scale.NAME: sm_scale.search,
     heads.NAME: heads.search,
     logit_cap.NAME: logit_cap.search,

@@ -5,6 +5,8 @@ the broken kernel computes it and registered with the hypothesis that must name 
     last_page_len_swapped   the last page's length taken from another request's kv_last_page_len
     empty_split_merged      an empty split's NaN partial taken into the merge (aiter #3641, #4420, #4711)
     offset_overflow         a 32-bit KV byte offset wrapping past 2^32 reads another row (aiter #5765)
+    k_scale_twice           fp8 pool: k_scale applied twice (planted on an fp8 version of the preset)
+    v_scale_missing         fp8 pool: v_scale never applied
 
 Rows a correct kernel never reads are NaN in a synthetic pool (refmla.synth.inputs); a broken
 kernel that reads them in production reads whatever a previous request left there, so the faults
@@ -13,6 +15,7 @@ below first write such stale (finite) rows where they read them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -20,6 +23,7 @@ import torch
 from refmla import reference as ref
 from refmla.schedule import nonempty_splits
 from refmla.synth.faults import Planting, fault
+from refmla.synth.spec import SynthSpec
 
 
 def _lens(p: Planting) -> list[int]:
@@ -182,3 +186,32 @@ def _offset_overflow(p: Planting):
     pos = int(torch.nonzero(wrapped)[0])
     return p.run(kvb=kvb, idx=idx), {"request": b, "first_slot": int(slots[pos]), "position": pos,
                                      "wrapped_positions": int(wrapped.sum()), "first_wrapping_slot": first}  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# fp8 pool: k_scale / v_scale applied twice or not at all
+# --------------------------------------------------------------------------------------------
+
+FP8_SCALE = 0.5  # the dequant scale of the fp8 pool these faults are planted on
+
+
+def fp8_pool(spec: SynthSpec) -> SynthSpec:
+    """The spec with an fp8 e4m3fn pool and k_scale = v_scale = FP8_SCALE (kept if already fp8 and scaled)."""
+    if spec.kv_dtype.itemsize == 1 and (spec.k_scale != 1.0 or spec.v_scale != 1.0):
+        return spec
+    return dataclasses.replace(spec, name=f"{spec.name}-fp8", kv_dtype=torch.float8_e4m3fn,
+                               k_scale=FP8_SCALE, v_scale=FP8_SCALE)  # fmt: skip
+
+
+@fault("k_scale_twice", "fp8 pool: the kernel applied k_scale twice (dequantized K, then scaled the logits by "
+       "k_scale again)", expect="kv_scale_misapplied", spec=fp8_pool)  # fmt: skip
+def _k_scale_twice(p: Planting):
+    k = p.spec.k_scale
+    return p.run(k_scale=k * k), {"scale": "k_scale", "applied": "twice", "k_scale": k, "pool": p.spec.name}
+
+
+@fault("v_scale_missing", "fp8 pool: the kernel never applied v_scale to the output", expect="kv_scale_misapplied",
+       spec=fp8_pool)  # fmt: skip
+def _v_scale_missing(p: Planting):
+    return p.run(v_scale=1.0), {"scale": "v_scale", "applied": "not at all", "v_scale": p.spec.v_scale,
+                                "pool": p.spec.name}  # fmt: skip
