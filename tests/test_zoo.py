@@ -177,3 +177,22 @@ def test_fp8_range_zeroed_is_named(tmp_path, capsys):
     e = obs["explanation"]
     assert e["request"] == planted["request"] and (e["detail"]["start"], e["detail"]["end"]) == (32, 64)
     assert "zeroed" in e["detail"]["how"]
+
+
+@pytest.mark.parametrize("fault,how", [("rope_ignored", "rope ignored"), ("rope_swapped", "q rope and latent swapped")])
+@pytest.mark.parametrize("spec", [preset("kimi-k2-tp8"), DSV3], ids=lambda s: s.name)
+def test_rope_mishandled(tmp_path, capsys, spec, fault, how):
+    obs, planted = replay(tmp_path, capsys, spec, fault)
+    e = obs["explanation"]
+    assert e["detail"] == {"how": how} == {"how": planted["how"]} and e["scope"] == "all requests"
+    assert (e["kv_lora_rank"], e["qk_rope_head_dim"]) == (512, 64)
+
+
+def test_zoo_faults_registered_with_their_hypothesis():
+    from refmla.hypotheses import HYPOTHESES
+    from refmla.synth.zoo import __doc__ as zoo_doc
+
+    zoo = ["last_page_read_full", "last_page_len_swapped", "empty_split_merged", "offset_overflow", "k_scale_twice",
+           "v_scale_missing", "rope_ignored", "rope_swapped"]  # fmt: skip
+    for name in zoo:
+        assert EXPECT[name] in HYPOTHESES and name in zoo_doc, name

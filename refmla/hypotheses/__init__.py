@@ -45,7 +45,7 @@ import torch
 from refmla.compare import Comparison
 from refmla.context import ReplayContext
 from refmla.hypotheses import (
-    empty_split, heads, kv_range, kv_scale, logit_cap, overflow, pages, seq_len, sm_scale, split,
+    empty_split, heads, kv_range, kv_scale, logit_cap, overflow, pages, rope, seq_len, sm_scale, split,
 )
 from refmla.hypotheses.search import Search, SearchFn
 from refmla.results import Explanation
@@ -63,6 +63,7 @@ SEARCHES: dict[str, SearchFn] = {
     kv_scale.NAME: kv_scale.search,
     sm_scale.NAME: sm_scale.search,
     heads.NAME: heads.search,
+    rope.NAME: rope.search,
     logit_cap.NAME: logit_cap.search,
 }
 HYPOTHESES = tuple(SEARCHES)

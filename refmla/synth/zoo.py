@@ -7,6 +7,8 @@ the broken kernel computes it and registered with the hypothesis that must name 
     offset_overflow         a 32-bit KV byte offset wrapping past 2^32 reads another row (aiter #5765)
     k_scale_twice           fp8 pool: k_scale applied twice (planted on an fp8 version of the preset)
     v_scale_missing         fp8 pool: v_scale never applied
+    rope_ignored            q . k over the latent dims only
+    rope_swapped            q's latent and rope parts swapped against the cache's
 
 Rows a correct kernel never reads are NaN in a synthetic pool (refmla.synth.inputs); a broken
 kernel that reads them in production reads whatever a previous request left there, so the faults
@@ -215,3 +217,22 @@ def _k_scale_twice(p: Planting):
 def _v_scale_missing(p: Planting):
     return p.run(v_scale=1.0), {"scale": "v_scale", "applied": "not at all", "v_scale": p.spec.v_scale,
                                 "pool": p.spec.name}  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# The rope part of q . k
+# --------------------------------------------------------------------------------------------
+
+
+@fault("rope_ignored", "q . k over the 512 latent dims only: the rope part (64 dims) left out", expect="rope_mishandled")
+def _rope_ignored(p: Planting):
+    q = p.t["q"].clone()
+    q[..., p.spec.kv_lora_rank :] = 0
+    return p.run(q=q), {"how": "rope ignored"}
+
+
+@fault("rope_swapped", "q concatenated as [q_pe, q_nope] against a cache stored [c_kv, k_pe]: latent and rope "
+       "swapped in q . k", expect="rope_mishandled")  # fmt: skip
+def _rope_swapped(p: Planting):
+    q, Dv = p.t["q"], p.spec.kv_lora_rank
+    return p.run(q=torch.cat([q[..., Dv:], q[..., :Dv]], -1)), {"how": "q rope and latent swapped"}
