@@ -96,7 +96,7 @@ def test_empty_split_merged_zero_scratch(tmp_path, capsys):
     t["num_kv_splits"][b] = n
     sc = dict(kv_lora_rank=512, sm_scale=spec.sm_scale)
     parts, lses, valid = ref.mla_decode_split_ref(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"],
-                                                  t["num_kv_splits"], **sc)  # fmt: skip
+                                                  t["num_kv_splits"], **sc, max_kv_splits=n)  # fmt: skip
     lses[b, :, ~valid[b]] = 0.0  # parts stay 0
     valid[b] = True
     out[b] = ref.merge_splits(parts, lses, valid)[0][b].to(out.dtype)

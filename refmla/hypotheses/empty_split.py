@@ -29,7 +29,7 @@ from refmla.hypotheses.drivers import per_request
 from refmla.hypotheses.ranges import split_count
 from refmla.hypotheses.search import Candidate, Search
 from refmla.results import Explanation
-from refmla.schedule import split_bounds
+from refmla.schedule import nonempty_splits
 
 NAME = "empty_split_merged"
 NAN = "NaN partial (0/0 of an empty split), lse -inf"
@@ -48,7 +48,7 @@ def find_empty(s: Search, b: int) -> Iterator[Candidate]:
         n = split_count(s, b)
     except Exception:
         return
-    empty = [k for k, (a, e) in enumerate(split_bounds(r.L, n)) if e <= a]
+    empty = list(range(nonempty_splits(r.L, n), n))  # the trailing splits that hold no token
     if not r.L or not empty:
         return
     source = "capture" if s.cap.num_kv_splits is not None else "SGLang Triton default (computed)"
