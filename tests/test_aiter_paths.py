@@ -295,3 +295,13 @@ def test_persist_env_picks_the_path_of_an_unrecorded_capture(standin, tmp_path, 
     assert entry["info"]["production_path"]["source"].startswith(f"SGLANG_AITER_MLA_PERSIST={persist}")
     if want == "persistent":
         assert entry["info"]["num_kv_splits"] == 64
+
+
+def test_status_lists_the_paths_this_aiter_can_replay(standin, monkeypatch):
+    import aiter
+
+    from refmla.backends.aiter import aiter_status
+
+    assert aiter_status()[1].endswith("paths: persistent, non_persistent, gluon")
+    monkeypatch.delattr(aiter, "get_mla_metadata_v1")
+    assert aiter_status()[1].endswith("paths: non_persistent, gluon")
