@@ -305,3 +305,20 @@ def test_status_lists_the_paths_this_aiter_can_replay(standin, monkeypatch):
     assert aiter_status()[1].endswith("paths: persistent, non_persistent, gluon")
     monkeypatch.delattr(aiter, "get_mla_metadata_v1")
     assert aiter_status()[1].endswith("paths: non_persistent, gluon")
+
+
+def test_metadata_compare_reads_only_the_used_part():
+    """Tails of torch.empty buffers differ run to run: never a finding; the used part is, in any index dtype."""
+    from refmla.backends.aiter.metadata import compare_buffers
+
+    i32 = dict(dtype=torch.int32)
+    rebuilt = {"work_indptr": torch.tensor([0, 2, 3], **i32), "work_info_set": torch.arange(40, **i32).reshape(5, 8),
+               "reduce_indptr": torch.tensor([0, 2], **i32), "reduce_final_map": torch.tensor([[0, 0]], **i32),
+               "reduce_partial_map": torch.tensor([0, 1, 99, 98], **i32)}  # fmt: skip
+    prod = {k: v.clone().long() for k, v in rebuilt.items()}
+    prod["work_info_set"][3:] = -1  # beyond work_indptr[-1] = 3
+    prod["reduce_partial_map"][2:] = 12345  # beyond reduce_indptr[-1] = 2
+    assert compare_buffers(prod, rebuilt) == []
+    prod["work_info_set"][2, 5] += 1
+    (f,) = compare_buffers(prod, rebuilt)
+    assert (f.detail["buffer"], f.detail["first_row"], f.detail["rows_differing"]) == ("work_info_set", 2, 1)
