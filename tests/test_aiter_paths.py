@@ -322,3 +322,9 @@ def test_metadata_compare_reads_only_the_used_part():
     prod["work_info_set"][2, 5] += 1
     (f,) = compare_buffers(prod, rebuilt)
     assert (f.detail["buffer"], f.detail["first_row"], f.detail["rows_differing"]) == ("work_info_set", 2, 1)
+
+
+def test_gluon_forced_on_too_many_heads_is_skipped(standin, tmp_path, monkeypatch):
+    monkeypatch.setenv("REFMLA_AITER_PATH", "gluon")
+    entry = replay_aiter(aiter_capture(tmp_path, heads=32, path=None))
+    assert entry["status"] == "skipped" and "(gluon path)" in entry["reason"] and "32 heads" in entry["reason"]
