@@ -6,7 +6,7 @@
                           when the capture names an aiter path (persistent, gluon, ...) that was
                           not replayed, the sentence names that kernel instead of the state
     observed_unconfirmed  the production output diverges and no offline path ran to tell why
-    decode                a decode kernel (triton, aiter) diverges while the extend baseline agrees
+    decode                a decode kernel (triton, aiter, flex) diverges while the extend baseline agrees
     extend                the extend baseline diverges while the decode kernels agree
     shared_input          decode and extend both diverge (the inputs they share, the meta, or the
                           reference's assumptions)
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-DECODE_KERNELS = ("triton", "aiter")
+DECODE_KERNELS = ("triton", "aiter", "flex")  # offline decode paths (flex: an independent compiled kernel)
 EXTEND = "extend"
 
 SENTENCES = {

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from refmla.backends import NAMES, BackendUnavailable, get_backend
+from refmla.backends import ALL_NAMES, NAMES, BackendUnavailable, get_backend
 from refmla.capture import Capture, CaptureError, read_capture
 from refmla.checks import check_capture
 from refmla.context import ReplayContext, ReplayOptions
@@ -40,11 +40,11 @@ def invalid_report(path: str, e: Exception) -> ReplayReport:
 
 
 def backend_names(opts: ReplayOptions) -> list[str]:
-    """reference and observed always; then the named backends, or all others."""
+    """reference and observed always; then the named backends, or all others but the opt-in ones."""
     chosen = NAMES[2:] if opts.backends is None else [n for n in opts.backends if n not in NAMES[:2]]
     for n in chosen:
-        if n not in NAMES:
-            raise KeyError(f"unknown backend {n!r}; choose from {', '.join(NAMES)}")
+        if n not in ALL_NAMES:
+            raise KeyError(f"unknown backend {n!r}; choose from {', '.join(ALL_NAMES)}")
     return ["reference", "observed", *dict.fromkeys(chosen)]
 
 
