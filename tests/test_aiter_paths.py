@@ -328,3 +328,13 @@ def test_gluon_forced_on_too_many_heads_is_skipped(standin, tmp_path, monkeypatc
     monkeypatch.setenv("REFMLA_AITER_PATH", "gluon")
     entry = replay_aiter(aiter_capture(tmp_path, heads=32, path=None))
     assert entry["status"] == "skipped" and "(gluon path)" in entry["reason"] and "32 heads" in entry["reason"]
+
+
+def test_fp8_kv_observed_divergence_is_explained_not_invalid(tmp_path):
+    """An fp8-KV deployment (the persistent kernel's case): the hypothesis search zeroes fp8 rows too."""
+    _forget_aiter()
+    cap = aiter_capture(tmp_path, heads=16, kv_dtype=FP8, fault="kv_range_zero", seq_lens=(37, 130, 300, 64, 1))
+    report = replay_capture(cap, ReplayOptions(backends=["aiter"])).to_json()
+    assert report["verdict"] == "diverged" and report["diagnosis"] == "observed_unconfirmed"
+    assert report["backends"]["observed"]["explanation"]["hypothesis"] == "kv_range_missing"
+    assert "production ran aiter's persistent kernel, not replayed here" in report["diagnosis_text"]

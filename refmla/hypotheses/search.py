@@ -180,7 +180,9 @@ class Search:
             kvs = ref.gather(self.cap.kv_buffer, seq_rows, self.cap.kv_buffer.dtype)  # stored dtype
         if zero is not None and bool(zero.any()):
             kv64, kvs = kv64.clone(), kvs.clone()
-            kv64[zero], kvs[zero] = 0, 0
+            kv64[zero] = 0
+            # fp8 has no masked_fill; all-zero bits are +0.0 in every fp8 format (fnuz included)
+            (kvs.view(torch.uint8) if kvs.dtype.itemsize == 1 else kvs)[zero] = 0
         return kv64, kvs
 
     # -- confirmation ------------------------------------------------------------------------
