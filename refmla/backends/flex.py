@@ -301,6 +301,8 @@ class FlexBackend(Backend):
         device = getattr(opts, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
         if torch.device(device).type == "cpu" and not _compiler_note()[0]:
             raise BackendUnavailable(_compiler_note()[1])
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise BackendUnavailable(f"device {device} asked for and no GPU is visible to torch")
         out, lse, info = run_flex_mla(
             cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices, kv_lora_rank=m.kv_lora_rank,
             sm_scale=m.sm_scale, logit_cap=m.logit_cap, k_scale=m.k_scale, v_scale=m.v_scale,
