@@ -196,3 +196,10 @@ def test_zoo_faults_registered_with_their_hypothesis():
            "v_scale_missing", "rope_ignored", "rope_swapped"]  # fmt: skip
     for name in zoo:
         assert EXPECT[name] in HYPOTHESES and name in zoo_doc, name
+
+
+def test_empty_split_refuses_extend(tmp_path, capsys):
+    code = cli(["synth", str(tmp_path / "x.safetensors"), "--preset", "kimi-k2-tp8-extend", "--fault",
+                "empty_split_merged"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "extend" in err and len(err.strip().splitlines()) == 1

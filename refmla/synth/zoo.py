@@ -132,6 +132,8 @@ def _empty_split_request(p: Planting, n: int) -> int:
        "the merge takes in: the request's output is NaN (aiter #3641, #4420, #4711)")  # fmt: skip
 def _empty_split_merged(p: Planting):
     t, n = p.t, p.spec.max_kv_splits
+    if "num_kv_splits" not in t:
+        raise ValueError(f"preset {p.spec.name} is an extend capture: splits are a decode kernel's")
     b = _empty_split_request(p, n)
     splits = t["num_kv_splits"].clone()
     splits[b] = n  # the kernel ran this request with the fixed maximum, as the capture records
