@@ -203,3 +203,17 @@ def test_empty_split_refuses_extend(tmp_path, capsys):
                 "empty_split_merged"])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 2 and "extend" in err and len(err.strip().splitlines()) == 1
+
+
+def test_offset_overflow_fp8_pool_wraps_at_its_own_slot(tmp_path, capsys):
+    """576-byte fp8 rows wrap a uint32 byte offset at slot 7456541, not bf16's 3728271; slots
+    between the two do not wrap (the int32 element offset would, and it is not what was planted)."""
+    spec = dataclasses.replace(preset("kimi-k2-tp8"), name="fp8", kv_dtype=torch.float8_e4m3fn, k_scale=0.5,
+                               v_scale=0.5)  # fmt: skip
+    obs, planted = replay(tmp_path, capsys, spec, "offset_overflow")
+    e = obs["explanation"]
+    assert e["first_wrapping_slot"] == planted["first_wrapping_slot"] == -(-(2**32) // 576) == 7456541
+    assert e["detail"]["offset"] == "slot * 576 * 1 bytes in uint32"
+    slot = e["detail"]["first_slot"]
+    off = slot * 576 % 2**32
+    assert slot == planted["first_slot"] and e["detail"]["reads"] == f"slots {off // 576} (from byte {off % 576}) and {off // 576 + 1}"
