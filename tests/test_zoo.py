@@ -217,3 +217,16 @@ def test_offset_overflow_fp8_pool_wraps_at_its_own_slot(tmp_path, capsys):
     slot = e["detail"]["first_slot"]
     off = slot * 576 % 2**32
     assert slot == planted["first_slot"] and e["detail"]["reads"] == f"slots {off // 576} (from byte {off % 576}) and {off // 576 + 1}"
+
+
+EXISTING = ["kv_range_missing", "kv_range_zero", "split_missing", "wrong_sm_scale", "head_misaligned", "logit_cap_mismatch"]
+
+
+@pytest.mark.parametrize("fault", EXISTING)
+@pytest.mark.parametrize("spec", [PAGE256, DSV3], ids=lambda s: s.name)
+def test_existing_faults_still_named_on_paged_presets(tmp_path, capsys, spec, fault):
+    """With the zoo's families in the search (the page families active at page_size > 1), the
+    contract's faults keep their hypothesis and request."""
+    obs, planted = replay(tmp_path, capsys, spec, fault)
+    if "request" in planted:
+        assert obs["explanation"]["request"] == planted["request"]
