@@ -230,3 +230,12 @@ def test_existing_faults_still_named_on_paged_presets(tmp_path, capsys, spec, fa
     obs, planted = replay(tmp_path, capsys, spec, fault)
     if "request" in planted:
         assert obs["explanation"]["request"] == planted["request"]
+
+
+def test_scale_faults_refuse_unscaled_inputs():
+    """faulty_output on inputs made without the fault's spec (k_scale 1) would plant nothing: refused."""
+    from refmla.synth import faulty_output, make_inputs
+
+    spec = preset("hostile")
+    with pytest.raises(ValueError, match="k_scale"):
+        faulty_output(spec, make_inputs(spec), "k_scale_twice")
