@@ -4,6 +4,8 @@
     inputs.py   q, a paged pool shuffled and poisoned with NaN, SGLang's metadata, the meta
     faults.py   the observed `out` under a planted fault, one registered function per fault
     benign.py   correct kernels that round their own way (expect=None): they must pass
+    zoo.py      faults taken from real bugs in real MLA kernels (pages, empty splits, 32-bit
+                offsets, fp8 scales, rope), each with the hypothesis that must name it
 
 The pool is paged: each request's pages are shuffled across the pool, every row no request
 attends (unused pages and the tail of each last page) is NaN, so a kernel that reads past its

@@ -184,4 +184,4 @@ def _logit_cap_mismatch(p: Planting):
 def describe(name: Optional[str] = None) -> str:
     """One line per fault (or the one named): `name  description`."""
     names = [name] if name else list(FAULTS)
-    return "\n".join(f"{n:<20} {DESCRIPTIONS[n]}" for n in names)
+    return "\n".join(f"{n:<22} {DESCRIPTIONS[n]}" for n in names)
