@@ -1,15 +1,23 @@
 """Hypotheses for a diverging output (docs/contract.md section 4): replay the reference under each,
 report the first, in the table's order, that brings the backend's error back to rounding noise.
 
+    last_page_read_full {"page", "rows_read", ...}    page_size > 1: the last page read as full
+    empty_split_merged  {"split", "num_kv_splits",    an empty split's NaN / zero-scratch partial merged in
+                         "went_in"}
     seq_len_off_by      {"delta": k}                  attended seq_len + k tokens, k in -4..4, k != 0
+    offset_overflow     {"first_slot", "position",    a 32-bit row offset wrapped: positions past the
+                         "offset", "reads"}           wrap read another slot's bytes, or zeros
+    last_page_len_swapped {"from_request", ...}       the last page's length from another request
     kv_range_missing    {"start", "end", "how"}       positions [start, end) dropped or read as zeros,
                                                       at page or split granularity
     split_missing       {"split": s}                  split s's partial left out of the merge
+    kv_scale_misapplied {"scale", "applied"}          fp8 k_scale / v_scale applied twice or not at all
     wrong_sm_scale      {"ratio": r}                  used r * sm_scale
     head_misaligned     {"mapping": "...", "heads"}   output head h holds reference head heads[h]
+    rope_mishandled     {"how"}                       q . k without its rope part, or parts swapped
     logit_cap_mismatch  {"logit_cap": c}              soft cap c applied (0: omitted)
 
-    verify captures only (verify.py, tried right after seq_len_off_by):
+    verify captures only (verify.py, tried right after last_page_len_swapped):
     draft_kv_missing    {"how", "drafts"}             the drafts' KV rows zeroed / not attended
     causal_alignment    {"alignment"}                 top-left causal, or none among the drafts
     mask_wrong_request  {"mask_of": b2}               the drafts see each other through b2's tree mask
@@ -29,7 +37,9 @@ The package (imports go down this list):
     ranges.py    block-sum algebra: every block-aligned range of a request scored at once
     scalars.py   screening a scalar on the worst request in fp32, the 1-D fit, whole-output recompute
     one module per family, each with NAME and ``search(s: Search) -> Optional[Explanation]``:
-    seq_len.py, kv_range.py, split.py, sm_scale.py, heads.py, logit_cap.py
+    seq_len.py, kv_range.py, split.py, sm_scale.py, heads.py, logit_cap.py, and the faults of real
+    MLA kernels (refmla/synth/zoo.py plants them): pages.py (two families), empty_split.py,
+    overflow.py, kv_scale.py, rope.py
 
 A new family is a module like those (its candidates through ``per_request`` when each failing
 request gets its own detail, ``global_hypothesis`` when one setting explains the whole output)
@@ -50,14 +60,20 @@ import torch
 
 from refmla.compare import Comparison
 from refmla.context import ReplayContext
-from refmla.hypotheses import heads, kv_range, logit_cap, seq_len, sm_scale, split, verify
+from refmla.hypotheses import (
+    empty_split, heads, kv_range, kv_scale, logit_cap, overflow, pages, rope, seq_len, sm_scale, split, verify,
+)
 from refmla.hypotheses.search import Search, SearchFn
 from refmla.results import Explanation
 from refmla.util import single_thread
 
 # The families in the order they are tried: the contract's order, simplest first.
 SEARCHES: dict[str, SearchFn] = {
+    pages.FULL: pages.search_full,
+    empty_split.NAME: empty_split.search,
     seq_len.NAME: seq_len.search,
+    overflow.NAME: overflow.search,
+    pages.SWAPPED: pages.search_swapped,
     # the speculative verify path (verify captures only; docs/contract.md section 4)
     "draft_kv_missing": verify.search_draft_kv,
     "causal_alignment": verify.search_causal,
@@ -65,8 +81,10 @@ SEARCHES: dict[str, SearchFn] = {
     "qlen_pow2_padding": verify.search_pow2,
     kv_range.NAME: kv_range.search,
     split.NAME: split.search,
+    kv_scale.NAME: kv_scale.search,
     sm_scale.NAME: sm_scale.search,
     heads.NAME: heads.search,
+    rope.NAME: rope.search,
     logit_cap.NAME: logit_cap.search,
 }
 HYPOTHESES = tuple(SEARCHES)

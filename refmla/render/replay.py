@@ -53,7 +53,8 @@ def shape_line(report: ReplayReport) -> str:
     where = "".join(f"  {word} {m[key]}" for word, key in (("layer", "layer_id"), ("rank", "tp_rank"), ("step", "step"))
                     if m.get(key) is not None)  # fmt: skip
     return (f"shape    {report.mode}  requests={s.requests} heads={s.heads} D={s.head_dim} Dv={s.v_head_dim} "
-            f"q={s.q_dtype} kv={s.kv_dtype} max_seq_len={s.max_seq_len}  produced by {m.get('backend')}{where}")  # fmt: skip
+            f"q={s.q_dtype} kv={s.kv_dtype} max_seq_len={s.max_seq_len}  produced by {m.get('backend')}"
+            f"{' (' + str(m['aiter_path']) + ' kernel)' if m.get('aiter_path') else ''}{where}")  # fmt: skip
 
 
 def backend_row(name: str, b: BackendEntry) -> list[str]:
@@ -63,7 +64,8 @@ def backend_row(name: str, b: BackendEntry) -> list[str]:
     if b.status == "pass":
         info = b.info or {}
         mask = f"custom_mask {info['custom_mask']}; " if info.get("custom_mask") else ""  # verify: Triton extend
-        note = clip(mask + (info.get("version") or ""), 70)
+        path = f"{info['path']} path; " if info.get("path") else ""
+        note = clip(mask + path + (info.get("version") or ""), 70)
     if b.explanation is not None:
         note = b.explanation.text()
     if b.splits is not None and b.splits.status in ("pass", "fail"):

@@ -4,6 +4,8 @@
     inputs.py   q, a paged pool shuffled and poisoned with NaN, SGLang's metadata, the meta
     faults.py   the observed `out` under a planted fault, one registered function per fault
     benign.py   correct kernels that round their own way (expect=None): they must pass
+    zoo.py      faults taken from real bugs in real MLA kernels (pages, empty splits, 32-bit
+                offsets, fp8 scales, rope), each with the hypothesis that must name it
 
 The pool is paged: each request's pages are shuffled across the pool, every row no request
 attends (unused pages and the tail of each last page) is NaN, so a kernel that reads past its
@@ -18,15 +20,17 @@ from typing import Any
 
 from refmla.capture import write_capture
 from refmla.schedule import MIN_BLOCK_KV
-from refmla.synth import benign  # noqa: F401  (registers the benign variants)
-from refmla.synth import verify_faults  # noqa: F401  (registers the verify faults)
-from refmla.synth.faults import EXPECT, FAULT_MODES, FAULTS, VERIFY_PRESET, faulty_output
+from refmla.synth import benign, verify_faults, zoo  # noqa: F401  (register the benign variants, the verify
+#                                                    faults and the zoo's faults)
+from refmla.synth.faults import EXPECT, FAULT_MODES, FAULTS, VERIFY_PRESET, faulty_output, spec_for
 from refmla.synth.inputs import make_inputs, make_meta
 from refmla.synth.spec import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE, PRESETS, SynthSpec, preset, yarn_sm_scale
 
 
 def synth_capture(path: Any, spec: SynthSpec, fault: str = "none") -> dict:
-    """Write a synthetic capture to ``path``; returns what was planted."""
+    """Write a synthetic capture to ``path``; returns what was planted (on the spec the fault needs:
+    refmla.synth.faults.spec_for)."""
+    spec = spec_for(spec, fault) if fault in FAULTS else spec
     t = make_inputs(spec)
     out, planted = faulty_output(spec, t, fault)
     t["out"] = out
@@ -37,7 +41,6 @@ def synth_capture(path: Any, spec: SynthSpec, fault: str = "none") -> dict:
 
 
 __all__ = [
-    "DEEPSEEK_V3_SCALE", "EXPECT", "FAULT_MODES", "FAULTS", "VERIFY_PRESET", "KIMI_K2_SCALE", "MIN_BLOCK_KV",
-    "PRESETS", "SynthSpec", "faulty_output",
-    "make_inputs", "make_meta", "preset", "synth_capture", "yarn_sm_scale",
+    "DEEPSEEK_V3_SCALE", "EXPECT", "FAULT_MODES", "FAULTS", "KIMI_K2_SCALE", "MIN_BLOCK_KV", "PRESETS", "SynthSpec",
+    "VERIFY_PRESET", "faulty_output", "make_inputs", "make_meta", "preset", "spec_for", "synth_capture", "yarn_sm_scale",
 ]  # fmt: skip

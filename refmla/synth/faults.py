@@ -70,14 +70,22 @@ DESCRIPTIONS: dict[str, str] = {}
 EXPECT: dict[str, Optional[str]] = {}  # name -> the hypothesis that must name it (None: must pass)
 FAULT_MODES: dict[str, Optional[str]] = {}  # name -> the capture mode it needs (None: any)
 VERIFY_PRESET: dict[str, str] = {}  # verify faults: the preset they are planted on by default
+SPEC_FOR: dict[str, Callable[[SynthSpec], SynthSpec]] = {}  # name -> the spec the fault needs (fp8 pool, ...)
 
 
 def fault(
-    name: str, description: str, expect: Optional[str] = "", mode: Optional[str] = None, preset: str = ""
+    name: str,
+    description: str,
+    expect: Optional[str] = "",
+    spec: Optional[Callable[[SynthSpec], SynthSpec]] = None,
+    mode: Optional[str] = None,
+    preset: str = "",
 ) -> Callable[[FaultFn], FaultFn]:
     """Register a fault. ``expect``: the hypothesis replay must name for it ("" means the fault's
-    own name; None means a correct kernel that must pass). ``mode``: the capture mode the fault
-    needs (None: any), with the preset it is meant for. tools/bench_diagnosis.py reads EXPECT."""
+    own name; None means a correct kernel that must pass). tools/bench_diagnosis.py reads EXPECT.
+    ``spec``: how a preset becomes one the fault can exist on (e.g. an fp8 pool), applied by
+    :func:`spec_for` (refmla.synth.synth_capture does). ``mode``: the capture mode the fault needs
+    (None: any), with the ``preset`` it is meant for (verify faults)."""
 
     def register(fn: FaultFn) -> FaultFn:
         FAULTS[name], DESCRIPTIONS[name] = fn, description
@@ -85,9 +93,16 @@ def fault(
         FAULT_MODES[name] = mode
         if preset:
             VERIFY_PRESET[name] = preset
+        if spec is not None:
+            SPEC_FOR[name] = spec
         return fn
 
     return register
+
+
+def spec_for(spec: SynthSpec, name: str) -> SynthSpec:
+    """The spec fault ``name`` is planted on: ``spec``, or what the fault needs made of it."""
+    return SPEC_FOR[name](spec) if name in SPEC_FOR else spec
 
 
 def faulty_output(spec: SynthSpec, t: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, dict]:
@@ -182,4 +197,4 @@ def _logit_cap_mismatch(p: Planting):
 def describe(name: Optional[str] = None) -> str:
     """One line per fault (or the one named): `name  description`."""
     names = [name] if name else list(FAULTS)
-    return "\n".join(f"{n:<20} {DESCRIPTIONS[n]}" for n in names)
+    return "\n".join(f"{n:<22} {DESCRIPTIONS[n]}" for n in names)
