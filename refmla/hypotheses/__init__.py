@@ -64,6 +64,9 @@ HYPOTHESES = tuple(SEARCHES)
 def explain_failure(ctx: ReplayContext, out: torch.Tensor, cmp: Comparison) -> Optional[Explanation]:
     """The simplest hypothesis that explains a failing output, or None.
 
+    The first family, in SEARCHES order, that explains every failing request; when none does, the
+    first that explains some of them (its ``unexplained_requests`` say which are left).
+
     out: the backend's output [R, H, Dv]; cmp: its comparison with the reference (ctx.compare).
     """
     t0 = time.perf_counter()
@@ -73,7 +76,13 @@ def explain_failure(ctx: ReplayContext, out: torch.Tensor, cmp: Comparison) -> O
         s = Search(ctx, out, cmp)
         if not s.failing:
             return None
-        found = next(explanations(s), None)
+        partial = None
+        for found in explanations(s):
+            if found.complete:
+                break
+            partial = partial or found  # a family that explains only some requests: kept in reserve
+        else:
+            found = partial
         if found is not None:
             found.seconds = round(time.perf_counter() - t0, 3)
     return found
