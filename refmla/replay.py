@@ -64,8 +64,10 @@ def replay_capture(cap: Capture, opts: ReplayOptions) -> ReplayReport:
     ctl = ctx.compare("control", ctx.control(cap.out_dtype))
     report.control = NoiseFloor(dtype_name(cap.out_dtype), ctl.max_abs_err, ctl.cos_diff)
     statuses = {n: b.status for n, b in report.backends.items()}
+    explained = {n: (b.explanation.hypothesis, b.explanation.detail) for n, b in report.backends.items()
+                 if b.status == "fail" and b.explanation is not None and b.explanation.complete}  # fmt: skip
     report.diagnosis, report.diagnosis_text, report.diagnosis_backends = diagnose(
-        statuses, produced_by=cap.meta.backend
+        statuses, produced_by=cap.meta.backend, explained=explained
     )
     report.verdict = "diverged" if any(s in ("fail", "error") for s in statuses.values()) else "agree"
     return report

@@ -88,7 +88,7 @@ def test_planted_fault_is_named(tmp_path, capsys, spec, fault, hypothesis, detai
 
 
 def test_hypotheses_in_contract_order():
-    assert HYPOTHESES == ("seq_len_off_by", "kv_range_missing", "split_missing", "wrong_sm_scale",
+    assert HYPOTHESES == ("numerics", "seq_len_off_by", "kv_range_missing", "split_missing", "wrong_sm_scale",
                           "head_misaligned", "logit_cap_mismatch")  # fmt: skip
 
 

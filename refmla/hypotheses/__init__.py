@@ -44,13 +44,14 @@ import torch
 
 from refmla.compare import Comparison
 from refmla.context import ReplayContext
-from refmla.hypotheses import heads, kv_range, logit_cap, seq_len, sm_scale, split
+from refmla.hypotheses import heads, kv_range, logit_cap, numerics, seq_len, sm_scale, split
 from refmla.hypotheses.search import Search, SearchFn
 from refmla.results import Explanation
 from refmla.util import single_thread
 
 # The families in the order they are tried: the contract's order, simplest first.
 SEARCHES: dict[str, SearchFn] = {
+    numerics.NAME: numerics.search,
     seq_len.NAME: seq_len.search,
     kv_range.NAME: kv_range.search,
     split.NAME: split.search,

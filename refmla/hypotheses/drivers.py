@@ -85,7 +85,18 @@ def confirmed(
         if cmp.passed:
             hits.append((cand, cmp, i))
     hits.sort(key=lambda h: (h[0].simplicity, h[0].score, h[2]))
-    return [(c, m) for c, m, _ in hits]
+    seen, out = set(), []
+    for c, m, _ in hits:  # one setting named twice (a named and a fitted ratio that agree) counts once
+        key = detail_key(c.detail)
+        if key not in seen:
+            seen.add(key)
+            out.append((c, m))
+    return out
+
+
+def detail_key(detail: dict[str, Any]) -> tuple:
+    """A detail, floats to 9 significant digits: two settings that are the same number are one."""
+    return tuple((k, float(f"{v:.9g}") if isinstance(v, float) else repr(v)) for k, v in sorted(detail.items()))
 
 
 def first_confirmed(

@@ -3,6 +3,7 @@
     spec.py     SynthSpec (the shapes, dtypes and scales of one capture) and the named presets
     inputs.py   q, a paged pool shuffled and poisoned with NaN, SGLang's metadata, the meta
     faults.py   the observed `out` under a planted fault, one registered function per fault
+    numerics.py correct kernels that round differently (registered in faults.py's registry)
 
 The pool is paged: each request's pages are shuffled across the pool, every row no request
 attends (unused pages and the tail of each last page) is NaN, so a kernel that reads past its
@@ -17,6 +18,7 @@ from typing import Any
 
 from refmla.capture import write_capture
 from refmla.schedule import MIN_BLOCK_KV
+from refmla.synth import numerics as _numerics  # noqa: F401  (registers the numerics faults)
 from refmla.synth.faults import FAULTS, faulty_output
 from refmla.synth.inputs import make_inputs, make_meta
 from refmla.synth.spec import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE, PRESETS, SynthSpec, preset, yarn_sm_scale
