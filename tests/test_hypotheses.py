@@ -323,3 +323,29 @@ def test_partial_explanation_names_unexplained_requests(tmp_path):
     assert e.request == 2 == cmp.worst["request"], cmp.worst
     assert e.explained_requests == [2] and e.unexplained_requests == [1] and not e.complete
     assert "request(s) 1 not explained" in e.text()
+
+
+def test_fp8_pool_zeroed_range_is_explained(tmp_path):
+    """Zeroing rows of an fp8 pool (no masked_fill for fp8) works: the range is named."""
+    spec = preset("kimi-k2-tp8", kv_dtype=torch.float8_e4m3fn, k_scale=0.5, v_scale=0.5)
+    path, planted = planted_case(tmp_path, spec, "kv_range_zero")
+    cap = read_capture(path)
+    ctx = ReplayContext(cap, ReplayOptions(backends=[]))
+    cmp = ctx.compare("observed", cap.out, row_mask=~ctx.empty_rows())
+    e = explain_failure(ctx, cap.out, cmp)
+    assert e.hypothesis == "kv_range_missing" and e.request == planted["request"]
+    assert (e.detail["start"], e.detail["end"]) == (planted["start"], planted["end"])
+
+
+def test_a_failing_search_does_not_crash_replay(tmp_path, capsys, monkeypatch):
+    import refmla.replay
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(refmla.replay, "explain_failure", broken)
+    path, _ = planted_case(tmp_path, KIMI, "seq_len_off_by")
+    code, report = replay_json(capsys, path)
+    obs = report["backends"]["observed"]
+    assert code == 1 and obs["status"] == "fail" and "explanation" not in obs
+    assert "boom" in obs["info"]["explanation_error"]

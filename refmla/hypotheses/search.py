@@ -180,8 +180,12 @@ class Search:
             kv64 = ref.gather(self.cap.kv_buffer, seq_rows, torch.float64)  # [S, D]
             kvs = ref.gather(self.cap.kv_buffer, seq_rows, self.cap.kv_buffer.dtype)  # stored dtype
         if zero is not None and bool(zero.any()):
-            kv64, kvs = kv64.clone(), kvs.clone()
-            kv64[zero], kvs[zero] = 0, 0
+            kv64 = kv64.clone()
+            kv64[zero] = 0
+            # fp8 has no masked_fill: write the zero bytes (+0.0 is all-zero bits in every float format)
+            raw = kvs.view(torch.uint8).clone() if kvs.dtype.itemsize == 1 else kvs.clone()
+            raw[zero] = 0
+            kvs = raw.view(kvs.dtype)
         return kv64, kvs
 
     # -- confirmation ------------------------------------------------------------------------
