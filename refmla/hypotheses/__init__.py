@@ -1,6 +1,8 @@
 """Hypotheses for a diverging output (docs/contract.md section 4): replay the reference under each,
 report the first, in the table's order, that brings the backend's error back to rounding noise.
 
+    numerics            {"variant": name}             the same attention with different rounding
+                                                      (a store, P, the lse, accumulation, a merge)
     seq_len_off_by      {"delta": k}                  attended seq_len + k tokens, k in -4..4, k != 0
     kv_range_missing    {"start", "end", "how"}       positions [start, end) dropped or read as zeros,
                                                       at page or split granularity
@@ -8,6 +10,10 @@ report the first, in the table's order, that brings the backend's error back to 
     wrong_sm_scale      {"ratio": r}                  used r * sm_scale
     head_misaligned     {"mapping": "...", "heads"}   output head h holds reference head heads[h]
     logit_cap_mismatch  {"logit_cap": c}              soft cap c applied (0: omitted)
+
+Within a family, every candidate that confirms counts: the simplest is reported, the others are
+listed as its ``alternatives`` (refmla.hypotheses.drivers). ``numerics`` comes first: its
+rounding variants must also fit the kernel's noise row by row, which a data fault never does.
 
 "Back to rounding noise" is the comparator itself (refmla.compare.compare, the replay's
 tolerance) against the reference *and the low-precision control* recomputed under the
