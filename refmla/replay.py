@@ -105,8 +105,11 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
     if res.attn_logits is not None and res.attn_lse is not None and ctx.cap.is_decode:
         entry.splits = compare_splits(ctx, res)
     if not cmp.passed and ctx.opts.explain:
+        notes: dict = {}
         try:
-            entry.explanation = explain_failure(ctx, res.out, cmp)
+            entry.explanation = explain_failure(ctx, res.out, cmp, notes)
+            if entry.explanation is None and notes.get("numerics_tried"):
+                entry.info["numerics_tried"] = notes["numerics_tried"]  # the rounding variants ruled out
         except Exception as e:  # a bug in a hypothesis must not hide the backend's verdict
             entry.info["explanation_error"] = f"hypothesis search failed: {error_text(e)}"
     entry.seconds = round(time.perf_counter() - t0, 3)

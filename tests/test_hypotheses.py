@@ -349,3 +349,12 @@ def test_a_failing_search_does_not_crash_replay(tmp_path, capsys, monkeypatch):
     obs = report["backends"]["observed"]
     assert code == 1 and obs["status"] == "fail" and "explanation" not in obs
     assert "boom" in obs["info"]["explanation_error"]
+
+
+def test_explanation_round_trips_through_json(tmp_path):
+    """The golden results read explanations back from JSON: the typed keys survive."""
+    from refmla.golden.result import explanation_from_json
+
+    _, e = confirming_deltas(dropped_last_token(tmp_path, 2))
+    back = explanation_from_json(json.loads(json.dumps(e.to_json())))
+    assert back.to_json() == e.to_json() and back.alternatives == e.alternatives

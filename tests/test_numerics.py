@@ -187,3 +187,23 @@ def test_sglang_triton_with_truncating_store_is_numerics(tmp_path, capsys):
     rounding toward zero: within ~1 ulp everywhere, failing on one row's cosine."""
     pytest.importorskip("triton")
     replay_rtz(capsys, rtz_capture(tmp_path, triton_out=True))
+
+
+def test_unexplained_failure_lists_the_numerics_ruled_out(tmp_path, capsys):
+    """Noise on one row: nothing explains it, and the report says which rounding variants were
+    tried, with their residuals, and that none fits."""
+    spec = preset("kimi-k2-tp8")
+    t = make_inputs(spec)
+    from refmla.synth import faulty_output
+
+    out, _ = faulty_output(spec, t, "none")
+    g = torch.Generator().manual_seed(0)
+    out[1, 3] += (0.05 * torch.randn(out.shape[-1], generator=g)).to(out.dtype)
+    t["out"] = out
+    write_capture(tmp_path / "noise.safetensors", t, make_meta(spec), compact=False)
+    code = cli(["replay", str(tmp_path / "noise.safetensors"), "--json", "--backend", "extend"])
+    obs = json.loads(capsys.readouterr().out)["backends"]["observed"]
+    assert code == 1 and obs["status"] == "fail" and "explanation" not in obs
+    tried = obs["info"]["numerics_tried"]
+    assert {t["variant"] for t in tried} >= {"out_round_toward_zero", "qk_accum_bf16", "merge_log2_as_ln"}
+    assert not any(t["confirmed"] for t in tried) and all(t["residual_ratio"] > 0 for t in tried)

@@ -44,7 +44,7 @@ best few.
 from __future__ import annotations
 
 import time
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -68,13 +68,17 @@ SEARCHES: dict[str, SearchFn] = {
 HYPOTHESES = tuple(SEARCHES)
 
 
-def explain_failure(ctx: ReplayContext, out: torch.Tensor, cmp: Comparison) -> Optional[Explanation]:
+def explain_failure(
+    ctx: ReplayContext, out: torch.Tensor, cmp: Comparison, notes: Optional[dict[str, Any]] = None
+) -> Optional[Explanation]:
     """The simplest hypothesis that explains a failing output, or None.
 
     The first family, in SEARCHES order, that explains every failing request; when none does, the
     first that explains some of them (its ``unexplained_requests`` say which are left).
 
     out: the backend's output [R, H, Dv]; cmp: its comparison with the reference (ctx.compare).
+    notes (optional): filled with what the search learnt besides the answer: ``numerics_tried``,
+    the numerics variants and their residuals (whatever explains the output).
     """
     t0 = time.perf_counter()
     if cmp.row_err is None or tuple(out.shape) != tuple(ctx.ref_out.shape):
@@ -90,6 +94,8 @@ def explain_failure(ctx: ReplayContext, out: torch.Tensor, cmp: Comparison) -> O
             partial = partial or found  # a family that explains only some requests: kept in reserve
         else:
             found = partial
+        if notes is not None and s.memo(numerics.TRIED, list):
+            notes["numerics_tried"] = s.memo(numerics.TRIED, list)
         if found is not None:
             found.seconds = round(time.perf_counter() - t0, 3)
     return found

@@ -41,6 +41,7 @@ from refmla.results import Alternative, Explanation
 from refmla.schedule import split_bounds
 
 NAME = "numerics"
+TRIED = "numerics.tried"  # Search.memo key: the trials as JSON, for explain_failure's notes
 DISTINCT = math.log(1.25)  # rows whose two controls' RMS errors differ by less do not vote
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -107,10 +108,11 @@ class Trial:
 def search(s: Search) -> Optional[Explanation]:
     if not s.failing:
         return None
-    tried, hits = [], []
+    tried: list[dict] = s.memo(TRIED, list)  # also read when another hypothesis answers
+    hits = []
     for i, v in enumerate(applicable(s)):
         trial, hit = try_variant(s, v)
-        tried.append(trial)
+        tried.append(trial.to_json())
         if hit is not None:
             hits.append(((KINDS.index(v.kind), -trial.fit, i), v, hit))
     if not hits:
@@ -118,7 +120,7 @@ def search(s: Search) -> Optional[Explanation]:
     hits.sort(key=lambda h: h[0])
     (_, v, cmp), rest = hits[0], [(w, c) for _, w, c in hits[1:]]
     alts = [Alternative(NAME, {"variant": w.name}, None, residual(c)) for w, c in rest]
-    extra = {"scope": "all requests", "why": v.description, "variants_tried": [t.to_json() for t in tried]}
+    extra = {"scope": "all requests", "why": v.description, "variants_tried": list(tried)}
     return explained(s, NAME, {"variant": v.name}, cmp, extra, alts)
 
 
