@@ -171,7 +171,7 @@ def replay_rtz(capsys, path):
     assert "different rounding (out_round_toward_zero); no data or metadata fault" in report["diagnosis_text"]
     e = obs["explanation"]
     assert e["hypothesis"] == "numerics" and e["detail"] == {"variant": "out_round_toward_zero"}
-    assert any(t["variant"] == "qk_accum_bf16" and not t["confirmed"] for t in e["variants_tried"])
+    assert any(t["variant"] == "out_through_fp16" and not t["confirmed"] for t in e["variants_tried"])
     assert cli(["replay", str(path), "--backend", "extend"]) == 1
     text = capsys.readouterr().out
     assert "diagnosis numerics" in text and "numerics(variant=out_round_toward_zero)" in text
@@ -207,3 +207,18 @@ def test_unexplained_failure_lists_the_numerics_ruled_out(tmp_path, capsys):
     tried = obs["info"]["numerics_tried"]
     assert {t["variant"] for t in tried} >= {"out_round_toward_zero", "qk_accum_bf16", "merge_log2_as_ln"}
     assert not any(t["confirmed"] for t in tried) and all(t["residual_ratio"] > 0 for t in tried)
+
+
+@pytest.mark.parametrize("ratio", [1.002, 1.005])
+def test_small_structured_fault_is_named_exactly_not_as_noise(tmp_path, ratio):
+    """sm_scale off by 0.2 %: its error is as large as bf16 accumulation noise, but the scale
+    reproduces it exactly, and is named (the accumulation variants come last)."""
+    from refmla.synth.faults import Planting
+
+    spec = preset("deepseek-v3-tp8")
+    t = make_inputs(spec)
+    t["out"] = Planting(spec, t).run(sm_scale=spec.sm_scale * ratio).to(spec.dtype)
+    write_capture(tmp_path / "scale.safetensors", t, make_meta(spec), compact=False)
+    cmp, e = explain(tmp_path / "scale.safetensors")
+    assert not cmp.passed and e.hypothesis == "wrong_sm_scale", e and e.text()
+    assert e.detail["ratio"] == pytest.approx(ratio, rel=2e-3)

@@ -13,7 +13,9 @@ report the first, in the table's order, that brings the backend's error back to 
 
 Within a family, every candidate that confirms counts: the simplest is reported, the others are
 listed as its ``alternatives`` (refmla.hypotheses.drivers). ``numerics`` comes first: its
-rounding variants must also fit the kernel's noise row by row, which a data fault never does.
+rounding variants must also fit the kernel's noise row by row, which a data fault does not; its
+accumulation variants, whose noise depends on the summation order and is judged by its size
+alone, come last (LATE).
 
 "Back to rounding noise" is the comparator itself (refmla.compare.compare, the replay's
 tolerance) against the reference *and the low-precision control* recomputed under the
@@ -66,6 +68,8 @@ SEARCHES: dict[str, SearchFn] = {
     logit_cap.NAME: logit_cap.search,
 }
 HYPOTHESES = tuple(SEARCHES)
+# Tried after all of SEARCHES: numerics' accumulation variants (judged by their noise's size only)
+LATE: tuple[SearchFn, ...] = (numerics.search_late,)
 
 
 def explain_failure(
@@ -104,7 +108,7 @@ def explain_failure(
 def explanations(s: Search) -> Iterator[Explanation]:
     """Each family's confirmed explanation, in SEARCHES order; lazily, so the first costs only
     the families before it."""
-    for search in SEARCHES.values():
+    for search in (*SEARCHES.values(), *LATE):
         found = search(s)
         if found is not None:
             yield found
