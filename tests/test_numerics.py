@@ -17,7 +17,8 @@ from refmla.hypotheses import explain_failure
 from refmla.hypotheses.numerics import BY_NAME
 from refmla.synth import SynthSpec, make_inputs, make_meta, preset, synth_capture
 from refmla.synth.faults import EXPECT, FAULTS
-from refmla.synth.numerics import MAY_AGREE, outlier_channel
+from refmla.synth import MAY_AGREE
+from refmla.synth.numerics import outlier_channel
 
 NUMERIC_FAULTS = [f for f in FAULTS if EXPECT[f] == "numerics"]
 BENIGN_NUMERIC = [f for f in FAULTS if f in BY_NAME and EXPECT[f] is None]

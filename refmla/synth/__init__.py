@@ -21,7 +21,7 @@ from refmla.capture import write_capture
 from refmla.schedule import MIN_BLOCK_KV
 from refmla.synth import benign  # noqa: F401  (registers the benign variants)
 from refmla.synth import numerics as _numerics  # noqa: F401  (registers the numerics faults)
-from refmla.synth.faults import EXPECT, FAULTS, faulty_output
+from refmla.synth.faults import EXPECT, FAULTS, MAY_AGREE, faulty_output
 from refmla.synth.inputs import make_inputs, make_meta
 from refmla.synth.spec import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE, PRESETS, SynthSpec, preset, yarn_sm_scale
 
@@ -38,6 +38,6 @@ def synth_capture(path: Any, spec: SynthSpec, fault: str = "none") -> dict:
 
 
 __all__ = [
-    "DEEPSEEK_V3_SCALE", "EXPECT", "FAULTS", "KIMI_K2_SCALE", "MIN_BLOCK_KV", "PRESETS", "SynthSpec", "faulty_output",
+    "DEEPSEEK_V3_SCALE", "EXPECT", "FAULTS", "MAY_AGREE", "KIMI_K2_SCALE", "MIN_BLOCK_KV", "PRESETS", "SynthSpec", "faulty_output",
     "make_inputs", "make_meta", "preset", "synth_capture", "yarn_sm_scale",
 ]  # fmt: skip

@@ -67,15 +67,22 @@ FaultFn = Callable[[Planting], tuple[torch.Tensor, dict]]
 FAULTS: dict[str, FaultFn] = {}  # name -> fn(planting) -> (out, what was planted)
 DESCRIPTIONS: dict[str, str] = {}
 EXPECT: dict[str, Optional[str]] = {}  # name -> the hypothesis that must name it (None: must pass)
+MAY_AGREE: set[str] = set()  # faults that may stay within the tolerance on some presets (agree is no miss)
 
 
-def fault(name: str, description: str, expect: Optional[str] = "") -> Callable[[FaultFn], FaultFn]:
+def fault(
+    name: str, description: str, expect: Optional[str] = "", may_agree: bool = False
+) -> Callable[[FaultFn], FaultFn]:
     """Register a fault. ``expect``: the hypothesis replay must name for it ("" means the fault's
-    own name; None means a correct kernel that must pass). tools/bench_diagnosis.py reads EXPECT."""
+    own name; None means a correct kernel that must pass). ``may_agree``: on some presets the
+    planted output stays within the tolerance, and ``agree`` is then right, not a miss.
+    tools/bench_diagnosis.py reads EXPECT and MAY_AGREE."""
 
     def register(fn: FaultFn) -> FaultFn:
         FAULTS[name], DESCRIPTIONS[name] = fn, description
         EXPECT[name] = name if expect == "" else expect
+        if may_agree:
+            MAY_AGREE.add(name)
         return fn
 
     return register
