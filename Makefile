@@ -12,7 +12,7 @@ PIP    := $(PY) -m pip install -q --disable-pip-version-check
 DEMO   ?= demo
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast bench golden clean
+.PHONY: demo test test-fast bench bench-diagnosis golden clean
 
 $(VENV)/.base: pyproject.toml
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
@@ -54,6 +54,10 @@ test-fast: $(VENV)/.test
 
 bench: $(VENV)/.test
 	$(PY) tools/bench_reference.py
+
+# every registered fault named with its detail, no false alarm on a correct kernel (BENCH_ARGS=--quick)
+bench-diagnosis: $(VENV)/.test
+	$(PY) tools/bench_diagnosis.py $(BENCH_ARGS)
 
 golden: $(VENV)/.test
 	$(VENV)/bin/refmla golden generate --out golden --suite quick

@@ -165,3 +165,10 @@ def test_flex_counts_as_an_offline_decode_path(statuses, name, about):
     from refmla.diagnosis import diagnose
 
     assert diagnose({"reference": "pass", **statuses})[::2] == (name, about)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answer")
+def test_flex_on_a_missing_gpu_is_skipped_with_the_reason(tmp_path):
+    rep = replay_file(_synth(tmp_path, "hostile"), ReplayOptions(backends=["flex"], device="cuda"))
+    entry = rep.backends["flex"]
+    assert entry.status == "skipped" and "GPU" in entry.reason

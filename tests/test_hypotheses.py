@@ -88,8 +88,9 @@ def test_planted_fault_is_named(tmp_path, capsys, spec, fault, hypothesis, detai
 
 
 def test_hypotheses_in_contract_order():
-    assert HYPOTHESES == ("numerics", "seq_len_off_by", "kv_range_missing", "split_missing", "wrong_sm_scale",
-                          "head_misaligned", "logit_cap_mismatch")  # fmt: skip
+    assert HYPOTHESES == ("numerics", "last_page_read_full", "empty_split_merged", "seq_len_off_by", "offset_overflow",
+                          "last_page_len_swapped", "kv_range_missing", "split_missing", "kv_scale_misapplied",
+                          "wrong_sm_scale", "head_misaligned", "rope_mishandled", "logit_cap_mismatch")  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["kimi-k2-tp8", "hostile", "kimi-k2-tp8-extend"])
@@ -348,7 +349,7 @@ def test_a_failing_search_does_not_crash_replay(tmp_path, capsys, monkeypatch):
     code, report = replay_json(capsys, path)
     obs = report["backends"]["observed"]
     assert code == 1 and obs["status"] == "fail" and "explanation" not in obs
-    assert "boom" in obs["info"]["explanation_error"]
+    assert "boom" in obs["info"]["explain_error"]
 
 
 def test_explanation_round_trips_through_json(tmp_path):

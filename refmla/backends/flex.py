@@ -222,10 +222,7 @@ def run_flex_mla(
 
         kwargs["return_aux"] = AuxRequest(lse=True)
     t0 = time.perf_counter()
-    with torch.no_grad():
-        res = fn(pk.q, pk.k, pk.v, **kwargs)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    res, note = _call(fn, pk, kwargs, device)
     seconds = time.perf_counter() - t0
     o, aux = (res[0], res[1]) if want_lse else (res, None)
     out = o[0, 0, : T * H].reshape(T, H, pk.Dv).to(out_dtype or q.dtype)  # [T, H, Dv]
@@ -237,9 +234,32 @@ def run_flex_mla(
         "padded_q_rows": pk.NQ, "padded_kv_rows": pk.NK, "block": BLOCK, "seconds": round(seconds, 3),
         "compiler": "inductor (C++)" if device.type == "cpu" else "inductor (Triton)",
     }  # fmt: skip
+    if note:
+        info["kernel_options"] = note
     if lse is None:
         info["lse"] = "not returned: Inductor's CPU flex_attention template does not support return_lse"
     return out, lse, info
+
+
+# On a GPU, 576-dim q.k tiles with flex's default block sizes may not fit in shared memory: the
+# call is retried once with small tiles (the math is the same; only the tiling changes).
+SMALL_TILES = {"BLOCK_M": 16, "BLOCK_N": 16, "num_stages": 1, "num_warps": 4}
+
+
+def _call(fn, pk: Packed, kwargs: dict, device: torch.device):
+    """(flex_attention's result, a note on the kernel options used or None)."""
+    with torch.no_grad():
+        try:
+            res = fn(pk.q, pk.k, pk.v, **kwargs)
+            note = None
+        except Exception as e:
+            if device.type != "cuda":
+                raise
+            res = fn(pk.q, pk.k, pk.v, **kwargs, kernel_options=dict(SMALL_TILES))
+            note = f"{SMALL_TILES} after the default tiles failed: {type(e).__name__}"
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return res, note
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,6 +301,8 @@ class FlexBackend(Backend):
         device = getattr(opts, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
         if torch.device(device).type == "cpu" and not _compiler_note()[0]:
             raise BackendUnavailable(_compiler_note()[1])
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise BackendUnavailable(f"device {device} asked for and no GPU is visible to torch")
         out, lse, info = run_flex_mla(
             cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices, kv_lora_rank=m.kv_lora_rank,
             sm_scale=m.sm_scale, logit_cap=m.logit_cap, k_scale=m.k_scale, v_scale=m.v_scale,
