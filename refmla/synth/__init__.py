@@ -18,7 +18,7 @@ from typing import Any
 from refmla.capture import write_capture
 from refmla.schedule import MIN_BLOCK_KV
 from refmla.synth.faults import FAULTS, faulty_output
-from refmla.synth.inputs import make_inputs, make_meta
+from refmla.synth.inputs import geometry_meta, make_inputs, make_meta
 from refmla.synth.spec import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE, PRESETS, SynthSpec, preset, yarn_sm_scale
 
 
@@ -35,5 +35,5 @@ def synth_capture(path: Any, spec: SynthSpec, fault: str = "none") -> dict:
 
 __all__ = [
     "DEEPSEEK_V3_SCALE", "FAULTS", "KIMI_K2_SCALE", "MIN_BLOCK_KV", "PRESETS", "SynthSpec", "faulty_output",
-    "make_inputs", "make_meta", "preset", "synth_capture", "yarn_sm_scale",
+    "geometry_meta", "make_inputs", "make_meta", "preset", "synth_capture", "yarn_sm_scale",
 ]  # fmt: skip
