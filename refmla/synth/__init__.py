@@ -3,6 +3,8 @@
     spec.py     SynthSpec (the shapes, dtypes and scales of one capture) and the named presets
     inputs.py   q, a paged pool shuffled and poisoned with NaN, SGLang's metadata, the meta
     faults.py   the observed `out` under a planted fault, one registered function per fault
+    disagg.py   a disaggregated pair: prefill and decode captures of the same requests, on other slots
+    disagg_faults.py  its faults (transfer, metadata, compute) and what `refmla disagg` must name
 
 The pool is paged: each request's pages are shuffled across the pool, every row no request
 attends (unused pages and the tail of each last page) is NaN, so a kernel that reads past its
