@@ -49,6 +49,8 @@ class DisaggSpec:
 DISAGG_PRESETS: dict[str, DisaggSpec] = {
     "disagg": DisaggSpec(),
     "disagg-tp2": DisaggSpec(name="disagg-tp2", ranks=(0, 1), fault_rank=1),
+    "disagg-small": DisaggSpec(name="disagg-small", base=SynthSpec(name="disagg-small", num_heads=2, page_size=16,
+                                                                   seq_lens=(70, 33, 100, 20), fault_request=2)),
     "disagg-page1": DisaggSpec(name="disagg-page1", base=SynthSpec(name="disagg-page1", num_heads=4, page_size=1,
                                                                    seq_lens=(130, 77, 64), fault_request=0)),
 }  # fmt: skip
