@@ -3,7 +3,8 @@
     plan      headers only: decode series by (layer, rank), each request's first decode capture
               and the prefill captures holding its rid (refmla.disagg.pairing)
     replay    every decode capture through every backend (refmla.batch.replay_many, ``jobs``
-              worker processes); each report carries its metadata checks (refmla.checks)
+              worker processes); each report carries its metadata checks (refmla.checks).
+              With ``jobs`` > 1 the diffs below run in this process meanwhile
     series    the decode captures of one (layer, rank) across steps (refmla.series.series_checks)
     diff-kv   each request's first decode capture against its prefill captures (refmla.diffkv.diff_kv)
     regions   the MR region-size check of every capture's pool geometry (refmla.regions)
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from refmla.batch import replay_many
@@ -27,6 +29,7 @@ from refmla.regions import check_region
 from refmla.render.progress import Progress
 from refmla.results import ReplayReport
 from refmla.series import series_checks
+from refmla.util import single_thread
 
 
 def run_disagg(prefill_paths: Sequence[str], decode_paths: Sequence[str], opts: ReplayOptions,
@@ -36,14 +39,17 @@ def run_disagg(prefill_paths: Sequence[str], decode_paths: Sequence[str], opts: 
     t0 = time.perf_counter()
     plan = plan_disagg([str(p) for p in prefill_paths], [str(p) for p in decode_paths])
     decode = [p for p in decode_paths if p in plan.decode]
-    t1 = time.perf_counter()
-    replays = replay_many(decode, opts, jobs=jobs)
-    t2 = time.perf_counter()
-    series = series_checks(decode) if len(decode) > 1 else {}
-    t3 = time.perf_counter()
-    diffs, entries = _run_diffs(plan)
-    t4 = time.perf_counter()
-    seconds.update(plan=t1 - t0, replay=t2 - t1, series=t3 - t2, diff_kv=t4 - t3)
+    seconds["plan"] = time.perf_counter() - t0
+    replay = _timed(seconds, "replay", replay_many, decode, opts, jobs=jobs)
+    if jobs > 1:  # the replay runs in worker processes: diff meanwhile in this one
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(replay)
+            diffs, entries = _timed(seconds, "diff_kv", _run_diffs, plan)()
+            replays = pending.result()
+    else:
+        replays = replay()
+        diffs, entries = _timed(seconds, "diff_kv", _run_diffs, plan)()
+    series = _timed(seconds, "series", series_checks, decode)() if len(decode) > 1 else {}
     report = _assemble(plan, replays, series, diffs, entries)
     report.prefill, report.decode = list(prefill_paths), list(decode_paths)
     seconds["total"] = time.perf_counter() - t0
@@ -51,8 +57,28 @@ def run_disagg(prefill_paths: Sequence[str], decode_paths: Sequence[str], opts: 
     return report
 
 
+def _timed(seconds: dict, stage: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` as a call of no arguments that records its wall time under ``stage``."""
+
+    def call():
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            seconds[stage] = time.perf_counter() - t
+
+    return call
+
+
 def _run_diffs(plan: DisaggPlan) -> tuple[list[DiffResult], dict[tuple, object]]:
-    """Every diff job; (rid, decode capture) -> that request's RequestDiff (or the error text)."""
+    """Every diff job; (rid, decode capture) -> that request's RequestDiff (or the error text).
+
+    One torch thread, as diff_kv_files: reading validates with many small index operations."""
+    with single_thread():
+        return _diffs(plan)
+
+
+def _diffs(plan: DisaggPlan) -> tuple[list[DiffResult], dict[tuple, object]]:
     read: dict[str, Capture] = {}
 
     def cap(path: str) -> Capture:
