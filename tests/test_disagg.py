@@ -48,6 +48,9 @@ def check_named(report, expect: dict) -> None:
         assert t.run is not None and t.run["start"] <= expect["position"] < t.run["end"]
         assert t.run.get("offset") == expect.get("offset")
         assert f"first position {expect['position']} (page {expect['page']})" in row.sentence
+        assert t.source_rid == expect.get("source_rid")
+        if expect.get("source_rid"):
+            assert f"holds the KV of request {expect['source_rid']}" in row.sentence
         if expect.get("zero_rows"):
             assert t.decode_zero_rows == t.mismatched_positions and "not landed" in row.sentence
     else:

@@ -46,6 +46,8 @@ def wrong(doc: dict, expect: dict) -> list[str]:
         got = (t["first_mismatch"], t["first_page"], run.get("offset"))
         if got != (expect["position"], expect["page"], expect.get("offset")):
             errs.append(f"transfer (position, page, offset) {got} != {(expect['position'], expect['page'], expect.get('offset'))}")
+    if expect.get("source_rid") and t["source_rid"] != expect["source_rid"]:
+        errs.append(f"source_rid {t['source_rid']} != {expect['source_rid']}")
     if expect.get("check") and expect["check"] not in row["metadata"]["checks"]:
         errs.append(f"metadata checks {row['metadata']['checks']} lack {expect['check']}")
     if expect["class"] == "compute" and (row["decode"]["step"], row["decode"]["diagnosis"]) != (expect["step"], expect["diagnosis"]):

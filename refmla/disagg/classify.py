@@ -53,8 +53,10 @@ def transfer_text(row: Row) -> str:
             text += f" shifted by {run['offset']:+d} position(s) (decode row j holds prefill row j{run['offset']:+d})"
         elif run.get("decode_zero_rows"):
             text += f" not landed ({run['decode_zero_rows']} all-zero rows)"
-        else:
+        elif t.source_rid is None:
             text += " holds other KV"
+    if t.source_rid is not None:
+        text += f" holds the KV of request {t.source_rid} (same positions)"
     elif t.decode_zero_rows:
         text += f", {t.decode_zero_rows} all-zero decode rows (not landed)"
     return text

@@ -23,6 +23,7 @@ from refmla.context import ReplayOptions
 from refmla.diffkv import DiffResult, diff_kv
 from refmla.disagg.cells import decode_cell, metadata_cell, request_index, transfer_cell
 from refmla.disagg.classify import classify, overall
+from refmla.disagg.foreign import foreign_source
 from refmla.disagg.pairing import DisaggPlan, plan_disagg
 from refmla.disagg.types import DisaggReport, Row
 from refmla.regions import check_region
@@ -100,11 +101,17 @@ def _diffs(plan: DisaggPlan) -> tuple[list[DiffResult], dict[tuple, object]]:
                 progress.step(job.decode)
                 continue
             diffs.append(result)
+            prefill = [cap(p) for p in job.prefill]
             for rid in job.rids:
                 try:
-                    entries[(rid, job.decode)] = result.request(rid)
+                    entry = result.request(rid)
                 except KeyError:
                     entries[(rid, job.decode)] = "not paired by diff-kv"
+                    continue
+                source = None
+                if not entry.faithful and entry.paired and (entry.first_run is None or entry.first_run.offset is None):
+                    source = foreign_source(entry, prefill, cap(job.decode))
+                entries[(rid, job.decode)] = (entry, source)
             progress.step(job.decode)
             read.pop(job.decode, None)  # a decode capture is diffed once
     finally:
@@ -134,7 +141,11 @@ def _row(plan, rid, layer, rank, reps, series, entries, region_of) -> Row:
     first = plan.first_capture.get((rid, layer, rank))
     holders = plan.prefill_of.get((rid, layer, rank), [])
     entry = entries.get((rid, first))
-    tcell = transfer_cell(entry if not isinstance(entry, str) else None, entry if isinstance(entry, str) else "")
+    if isinstance(entry, tuple):
+        tcell = transfer_cell(entry[0])
+        tcell.source_rid = entry[1]
+    else:
+        tcell = transfer_cell(None, entry or "")
     mine = [r for r in reps if request_index(r, rid) is not None]
     checks = [(p, region_of[p]) for p in [r.capture for r in mine] + holders if p in region_of]
     row = Row(rid, layer, rank, tcell, metadata_cell(rid, mine, series, checks), decode_cell(rid, mine),

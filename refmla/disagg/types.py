@@ -28,6 +28,7 @@ class TransferCell:
     decode_zero_rows: Optional[int] = None
     summary: Optional[str] = None
     note: Optional[str] = None
+    source_rid: Optional[str] = None  # the request whose prefill rows the first mismatching range holds
 
     @property
     def bad(self) -> bool:
@@ -37,7 +38,8 @@ class TransferCell:
         return {"status": self.status, "positions_compared": self.positions_compared,
                 "mismatched_positions": self.mismatched_positions, "first_mismatch": self.first_mismatch,
                 "first_page": self.first_page, "mismatched_pages": list(self.mismatched_pages), "run": self.run,
-                "decode_zero_rows": self.decode_zero_rows, "summary": self.summary, "note": self.note}  # fmt: skip
+                "decode_zero_rows": self.decode_zero_rows, "source_rid": self.source_rid, "summary": self.summary,
+                "note": self.note}  # fmt: skip
 
 
 @dataclass

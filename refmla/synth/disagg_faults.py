@@ -111,7 +111,7 @@ def _other_request(w: World, planted: Planted, spec) -> None:
     other = max((i for i in range(len(w.prompt)) if i != fr), key=lambda i: w.prompt[i])
     n = min(w.prompt[fr], w.prompt[other])
     w.d_pool[w.d_slots[fr][:n]] = w.p_pool[w.p_slots[other][:n]]
-    planted.detail["other_rid"] = w.rid(other)
+    planted.detail["source_rid"] = w.rid(other)
 
 
 def _nothing_arrives(w: World, planted: Planted, spec) -> None:
