@@ -88,7 +88,7 @@ def test_a_clean_pair_is_clean(pairs):
     assert any(len(r.prefill_captures) == 2 for r in report.rows)
 
 
-def test_cli_every_backend_json_and_text(pairs, capsys):
+def test_cli_every_backend_json_and_text(pairs, capsys, tmp_path):
     root, planted = pairs["kernel_dropped"]
     code = main(["disagg", str(root / "prefill"), str(root / "decode"), "--json", "--jobs", "2"])
     doc = json.loads(capsys.readouterr().out)
@@ -100,9 +100,11 @@ def test_cli_every_backend_json_and_text(pairs, capsys):
     assert len(doc["replays"]) == 4 and len(doc["diffs"]) == 2 and doc["classes"]["compute"] == 1
     assert {"plan", "replay", "series", "diff_kv", "total"} <= set(doc["seconds"])
     root, _ = pairs["run_shifted"]
-    assert main(["disagg", str(root / "prefill"), str(root / "decode"), "--backend", "extend"]) == 1
+    plots = tmp_path / "plots"
+    assert main(["disagg", str(root / "prefill"), str(root / "decode"), "--backend", "extend", "--plot", str(plots)]) == 1
     out = capsys.readouterr().out
     assert "shift +1" in out and "verdict  fault in the transfer" in out
+    assert list(plots.rglob("diffkv.*.png"))  # the mismatching diff-kv, drawn
 
 
 def test_an_unpaired_request_is_not_called_faithful(pairs, tmp_path):
