@@ -6,7 +6,8 @@ Precedence, the cause before its symptoms:
                per step): the decode side read the wrong rows, whatever the transfer did
     transfer   the decode rows differ from the prefill rows (diff-kv), or the KV region is over the
                MR limit (refmla.regions: MORI cannot register it, the KV never arrives)
-    metadata   any other metadata or series warning (zero / NaN rows, rows changed between steps)
+    metadata   any other metadata or series warning (zero / NaN rows, rows changed between steps),
+               or a decode capture that is invalid (nothing replayed)
     compute    a compute path diverges over KV that arrived intact and metadata that is right
     none       all three answers are clean
 """
@@ -33,6 +34,8 @@ def classify(row: Row) -> tuple[str, str]:
     if md.problems:
         _, f = md.problems[0]
         return "metadata", f"{where}: {f.check}: {f.message}"
+    if row.decode.verdict == "invalid":
+        return "metadata", f"{where}: the decode capture is invalid: {row.decode.diagnosis_text} ({row.decode.capture})"
     if row.decode.bad:
         d = row.decode
         expl = f"; {d.explanation}" if d.explanation else ""
