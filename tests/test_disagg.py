@@ -144,3 +144,54 @@ def test_usage_errors(capsys, tmp_path):
     assert "--decode" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     assert main(["disagg", str(tmp_path / "empty"), str(tmp_path / "empty")]) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Precedence of the classes, on hand-made rows (no capture needed)
+# ---------------------------------------------------------------------------------------------
+
+
+def _row(transfer="faithful", problems=(), decode="agree", region=None):
+    from refmla.disagg import DecodeCell, MetadataCell, Row, TransferCell
+    from refmla.results import Finding
+
+    t = TransferCell(transfer, 10, 3 if transfer == "mismatch" else 0, 4 if transfer == "mismatch" else None, 0)
+    md = MetadataCell(problems=[("c.safetensors", Finding(c, "warning", f"{c} message")) for c in problems],
+                      region=region, region_capture="c.safetensors" if region else None)
+    d = DecodeCell(decode, diagnosis="decode" if decode == "diverged" else None, diagnosis_text="text", step=3)
+    return Row("r0", 0, 1, t, md, d)
+
+
+@pytest.mark.parametrize("kw,want", [
+    ({}, "none"),
+    ({"decode": "diverged"}, "compute"),
+    ({"decode": "invalid"}, "metadata"),
+    ({"problems": ["zero_rows"], "decode": "diverged"}, "metadata"),
+    ({"transfer": "mismatch", "problems": ["zero_rows"], "decode": "diverged"}, "transfer"),
+    ({"transfer": "mismatch", "problems": ["req_to_token"]}, "metadata"),
+    ({"transfer": "not_paired"}, "none"),
+])  # fmt: skip
+def test_the_cause_comes_before_its_symptoms(kw, want):
+    from refmla.disagg import classify
+
+    fault, sentence = classify(_row(**kw))
+    assert fault == want and sentence.startswith("request r0 layer 0 rank 1")
+    if kw.get("transfer") == "not_paired":
+        assert "not checked" in sentence
+
+
+def test_a_region_finding_alone_is_a_transfer_fault():
+    from refmla.capture import parse_meta
+    from refmla.disagg import classify, overall
+    from refmla.regions import check_region
+
+    meta = parse_meta({"mode": "decode", "backend": "triton", "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                       "sm_scale": 0.1, "logit_cap": 0.0, "page_size": 1, "kv_pool_rows": 4_000_000,
+                       "kv_pool_row_bytes": 1152})  # fmt: skip
+    row = _row(region=check_region(meta))
+    row.fault, row.sentence = classify(row)
+    assert row.fault == "transfer" and "MR limit" in row.sentence and "4608000000" in row.sentence
+    assert overall([row], [])[0] == "transfer"
+    clean = _row()
+    clean.fault, clean.sentence = classify(clean)
+    assert overall([clean], ["region over"]) == ("transfer", "fault in the transfer: region over")
