@@ -94,6 +94,8 @@ def test_an_unexpected_error_names_the_file(tmp_path, monkeypatch):
     code, out, err = run_cli("diff-kv", a, a)
     assert code == 2 and error_lines(err) == [ln for ln in error_lines(err) if a in ln and "RuntimeError" in ln]
     assert len(error_lines(err)) == 1
+    code, out, err = run_cli("diff-kv", a, a, "--json")
+    assert code == 2 and json.loads(out)["ok"] is False and "kaboom" in json.loads(out)["error"]
 
 
 def test_a_crashing_hypothesis_search_does_not_crash_the_replay(tmp_path, monkeypatch):
