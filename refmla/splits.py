@@ -80,7 +80,8 @@ def compare_lse(ctx: ReplayContext, lse: torch.Tensor, out_dtype: torch.dtype, r
     row = int(torch.nonzero(rows).flatten()[r])
     check = LseCheck("fail" if bool(bad.any()) else "pass", compared_rows=int(rows.sum()),
                      max_abs_err=float(err.max()),
-                     worst={"row": row, "head": h, "actual": float(got[r, h]), "expected": float(want[r, h])})  # fmt: skip
+                     worst={"row": row, "head": h, "actual": float(got[r, h]),
+                            "expected": float(want[r, h])})  # fmt: skip
     if bool(bad.any()):
         nonfinite = int((bad & ~torch.isfinite(got)).sum())
         check.reason = (f"{int(bad.sum())} of {got.numel()} values off (row {row} head {h}: "

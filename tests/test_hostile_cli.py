@@ -83,6 +83,13 @@ def test_jobs_must_be_a_positive_integer(mixed, value):
     assert code == 2 and len(error_lines(err)) == 1 and "--jobs" in err and out == ""
 
 
+@pytest.mark.parametrize("option,value", [("--k", "nan"), ("--ulps", "-1"), ("--cos", "inf"), ("--k", "x")])
+def test_tolerance_options_must_be_finite_and_non_negative(mixed, option, value):
+    """A NaN tolerance would judge nothing (every comparison false): a usage error, not a replay."""
+    code, out, err = run_cli("replay", str(mixed / "a-good.safetensors"), f"{option}={value}")
+    assert code == 2 and len(error_lines(err)) == 1 and option in err and out == ""
+
+
 def test_an_unexpected_error_names_the_file(tmp_path, monkeypatch):
     import refmla.cli.diffkv as cli_diffkv
 
