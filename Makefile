@@ -23,7 +23,8 @@ $(VENV)/.base: pyproject.toml
 	$(PIP) -e . numpy safetensors
 	@touch $@
 
-# SGLang's kernel modules, importable on CPU: the wheel pins a CUDA torch, so --no-deps + a light list
+# SGLang's decode and extend kernel modules, importable on CPU: the wheel pins a CUDA torch, so --no-deps
+# + a light list of what they import (.ci/run checks `make demo` alone gets both usable)
 # (skipped where sglang already imports, e.g. an SGLang ROCm image: its triton must not be replaced)
 $(VENV)/.kernels: $(VENV)/.base tools/requirements-sglang-cpu.txt tools/requirements-sglang-nodeps.txt
 	@if $(PY) -c "import sglang, triton" 2>/dev/null; then \

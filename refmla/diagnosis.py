@@ -2,9 +2,11 @@
 
     null                  every backend agrees with the reference
     observed              only the production output diverges; the offline paths agree on the
-                          captured inputs (state, KV transfer, graph replay, capture-time metadata)
+                          captured inputs (state, KV transfer, graph replay, capture-time metadata);
+                          when the capture names an aiter path (persistent, gluon, ...) that was
+                          not replayed, the sentence names that kernel instead of the state
     observed_unconfirmed  the production output diverges and no offline path ran to tell why
-    decode                a decode kernel (triton, aiter) diverges while the extend baseline agrees
+    decode                a decode kernel (triton, aiter, flex) diverges while the extend baseline agrees
     extend                the extend baseline diverges while the decode kernels agree
     shared_input          decode and extend both diverge (the inputs they share, the meta, or the
                           reference's assumptions)
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-DECODE_KERNELS = ("triton", "aiter")
+DECODE_KERNELS = ("triton", "aiter", "flex")  # offline decode paths (flex: an independent compiled kernel)
 EXTEND = "extend"
 
 SENTENCES = {
@@ -51,13 +53,42 @@ SENTENCES = {
 }
 
 
+UNREPLAYED = (
+    "only the production output diverges, and production ran aiter's {path} kernel, not replayed here: "
+    "{reason}. The offline paths that ran ({agree}) are other kernels, so this is not evidence of a "
+    "state or transfer problem: replay that path (docs/aiter.md) before suspecting the state"
+)
+
+
+def unreplayed_path(recorded: Optional[str], status: Optional[str], info: Optional[dict],
+                    reason: Optional[str]) -> Optional[str]:  # fmt: skip
+    """Why the aiter path production ran was not replayed, or None when it was (or none is recorded).
+
+    recorded: the capture's meta ``aiter_path``; status / info / reason: the aiter backend's entry
+    (status None when the aiter backend was not run).
+    """
+    if not recorded:
+        return None
+    if status is None:
+        return "the aiter backend was not run (add --backend aiter)"
+    if status in ("skipped", "error"):
+        return reason or status
+    ran = (info or {}).get("path")
+    if ran != recorded:
+        return f"the aiter backend replayed the {ran or 'unknown'} path instead"
+    return None
+
+
 def diagnose(
-    statuses: dict[str, str], invalid: bool = False, produced_by: Optional[str] = None
-) -> tuple[Optional[str], str, list[str]]:
+    statuses: dict[str, str], invalid: bool = False, produced_by: Optional[str] = None,
+    unreplayed: Optional[tuple[str, str]] = None,
+) -> tuple[Optional[str], str, list[str]]:  # fmt: skip
     """(machine name, sentence, backends it is about) from each backend's status.
 
     statuses: backend name -> "pass" | "fail" | "skipped" | "error". produced_by: the capture's
     meta backend (optional), to say whether the production kernel itself was replayed.
+    unreplayed: (aiter path production ran, why it was not replayed) from :func:`unreplayed_path`;
+    an ``observed`` divergence then names that kernel instead of suggesting state or transfer.
     """
     if invalid:
         return "metadata", SENTENCES["metadata"], []
@@ -89,8 +120,14 @@ def diagnose(
     if observed_bad:
         agree = decode_ok + ([EXTEND] if extend == "pass" else [])
         if not agree:
-            return (*_say("observed_unconfirmed"), ["observed"])
+            name, sentence = _say("observed_unconfirmed")
+            if unreplayed is not None:
+                sentence += f"; production ran aiter's {unreplayed[0]} kernel, not replayed here: {unreplayed[1]}"
+            return name, sentence, ["observed"]
         what = " and ".join(agree)
+        if unreplayed is not None:
+            path, reason = unreplayed
+            return "observed", UNREPLAYED.format(path=path, reason=reason.rstrip("."), agree=what), ["observed"]
         what = f"the offline paths ({what}) agree" if len(agree) > 1 else f"the offline path ({what}) agrees"
         name, sentence = _say("observed", agree=what)
         if produced_by in DECODE_KERNELS and produced_by not in decode_ok:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from refmla.backends import NAMES, BackendUnavailable, get_backend
+from refmla.backends import ALL_NAMES, NAMES, BackendUnavailable, get_backend
 from refmla.capture import Capture, CaptureError, read_capture
 from refmla.checks import check_capture
 from refmla.compare import judged_dtype
 from refmla.context import ReplayContext, ReplayOptions
-from refmla.diagnosis import diagnose
+from refmla.diagnosis import diagnose, unreplayed_path
 from refmla.hypotheses import explain_failure
 from refmla.results import PART_NAMES, BackendEntry, MetadataReport, NoiseFloor, ReplayReport, Shape
 from refmla.splits import compare_lse, compare_splits
@@ -41,11 +41,11 @@ def invalid_report(path: str, e: Exception) -> ReplayReport:
 
 
 def backend_names(opts: ReplayOptions) -> list[str]:
-    """reference and observed always; then the named backends, or all others."""
+    """reference and observed always; then the named backends, or all others but the opt-in ones."""
     chosen = NAMES[2:] if opts.backends is None else [n for n in opts.backends if n not in NAMES[:2]]
     for n in chosen:
-        if n not in NAMES:
-            raise KeyError(f"unknown backend {n!r}; choose from {', '.join(NAMES)}")
+        if n not in ALL_NAMES:
+            raise KeyError(f"unknown backend {n!r}; choose from {', '.join(ALL_NAMES)}")
     return ["reference", "observed", *dict.fromkeys(chosen)]
 
 
@@ -66,7 +66,7 @@ def replay_capture(cap: Capture, opts: ReplayOptions) -> ReplayReport:
     report.control = NoiseFloor(dtype_name(cap.out_dtype), ctl.max_abs_err, ctl.cos_diff)
     statuses = {n: b.status for n, b in report.backends.items()}
     report.diagnosis, report.diagnosis_text, report.diagnosis_backends = diagnose(
-        statuses, produced_by=cap.meta.backend
+        statuses, produced_by=cap.meta.backend, unreplayed=_unreplayed(cap, report.backends)
     )
     report.diagnosis_text += parts_sentence(report.backends)
     report.verdict = "diverged" if any(s in ("fail", "error") for s in statuses.values()) else "agree"
@@ -78,6 +78,15 @@ def parts_sentence(entries: dict[str, BackendEntry]) -> str:
     said = [f"{name} " + ", ".join(PART_NAMES[p] for p in e.failed_parts)
             for name, e in entries.items() if e.failed_parts]  # fmt: skip
     return f"; failing parts: {'; '.join(said)}" if said else ""
+
+
+def _unreplayed(cap: Capture, backends: dict[str, BackendEntry]):
+    """(aiter path production ran, why not replayed) or None: see refmla.diagnosis.unreplayed_path."""
+    recorded = cap.meta.extra.get("aiter_path") if cap.meta.backend == "aiter" else None
+    entry = backends.get("aiter")
+    why = unreplayed_path(recorded, entry.status if entry else None, entry.info if entry else None,
+                          entry.reason if entry else None)  # fmt: skip
+    return (str(recorded), why) if why else None
 
 
 def shape_of(cap: Capture) -> Shape:
@@ -107,6 +116,9 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
     mask = None if res.defines_empty_rows else ~ctx.empty_rows()
     cmp = ctx.compare(name, res.out, row_mask=mask)
     entry = BackendEntry.judged(cmp, info={"version": why, **res.info})
+    if res.findings:  # a finding is never a pass (e.g. aiter's rebuilt persistent metadata differs)
+        entry.status = "fail"
+        entry.reason = "; ".join([r for r in (entry.reason,) if r] + [f.message for f in res.findings])
     if mask is not None and not bool(mask.all()):
         entry.info["not_compared"] = "rows of zero-length requests (this path leaves them undefined)"
     if res.attn_logits is not None and res.attn_lse is not None and ctx.cap.is_decode:

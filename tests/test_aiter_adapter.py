@@ -121,7 +121,7 @@ def test_positional_order_differs_between_releases(standin, tmp_path):
 
 def test_head_padding_slice_bug_is_caught_and_explained(standin, tmp_path, monkeypatch):
     """repeat_interleave to 16 then o[:, :H]: the comparator fails it and names head_misaligned."""
-    import refmla.backends.aiter as adapter
+    import refmla.backends.aiter.heads as adapter
 
     def buggy(q):
         f = 16 // q.shape[1]
@@ -139,7 +139,7 @@ def test_head_padding_slice_bug_is_caught_and_explained(standin, tmp_path, monke
 
 def test_buggy_decode_kernel_is_diagnosed_decode(standin, tmp_path, monkeypatch):
     """aiter wrong, extend right, production output right: the decode compute path is named."""
-    import refmla.backends.aiter as adapter
+    import refmla.backends.aiter.heads as adapter
     from refmla.replay import replay_capture
 
     monkeypatch.setenv("REFMLA_EXTEND_IMPL", "torch")

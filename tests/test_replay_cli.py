@@ -5,7 +5,7 @@ import json
 import pytest
 
 from refmla.cli import main
-from refmla.synth import FAULTS, preset, synth_capture
+from refmla.synth import EXPECT, FAULTS, preset, synth_capture
 
 CONTRACT_BACKEND_KEYS = {"status", "reason", "max_abs_err", "cos_diff", "worst"}
 
@@ -30,7 +30,7 @@ def test_clean_capture_agrees(tmp_path, capsys, name):
         assert CONTRACT_BACKEND_KEYS <= b.keys(), name
 
 
-@pytest.mark.parametrize("fault", [f for f in FAULTS if f != "none"])
+@pytest.mark.parametrize("fault", [f for f in FAULTS if EXPECT[f] is not None])
 def test_planted_fault_diverges_at_the_right_request(tmp_path, capsys, fault):
     spec = preset("kimi-k2-tp8")
     path = tmp_path / f"{fault}.safetensors"
@@ -72,7 +72,7 @@ def test_unknown_preset_or_fault_is_a_usage_error(tmp_path, capsys):
 def test_doctor_lists_every_backend(capsys):
     assert main(["doctor", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [r["backend"] for r in rows] == ["reference", "observed", "triton", "aiter", "extend"]
+    assert [r["backend"] for r in rows] == ["reference", "observed", "triton", "aiter", "extend", "flex"]
     assert all(isinstance(r["usable"], bool) and r["detail"] for r in rows)
 
 

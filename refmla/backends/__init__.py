@@ -5,6 +5,11 @@
     triton     SGLang's Triton MLA decode kernel, imported from the installed SGLang
     aiter      aiter's MLA decode kernel (ROCm only)
     extend     the local-extend baseline: the same token computed the prefill/extend way
+    flex       PyTorch's flex_attention compiled by Inductor: an independent kernel (opt-in, see below)
+
+NAMES run by default; OPT_IN backends run only when named (``--backend flex``): flex compiles
+for seconds per shape on first use, which a default replay (make demo, the tests) should not pay.
+ALL_NAMES is every name a user may ask for.
 
 A backend module is imported only when its name is asked for, so a missing optional package
 makes that one backend unavailable (with the reason), never the tool.
@@ -17,6 +22,8 @@ import importlib
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 
 NAMES = ("reference", "observed", "triton", "aiter", "extend")
+OPT_IN = ("flex",)
+ALL_NAMES = NAMES + OPT_IN
 
 _WHERE = {
     "reference": "refmla.backends.reference:ReferenceBackend",
@@ -24,6 +31,7 @@ _WHERE = {
     "triton": "refmla.backends.triton:TritonBackend",
     "aiter": "refmla.backends.aiter:AiterBackend",
     "extend": "refmla.backends.extend.backend:ExtendBackend",
+    "flex": "refmla.backends.flex:FlexBackend",
 }
 
 
@@ -46,7 +54,7 @@ _CACHE: dict[str, Backend] = {}
 def get_backend(name: str) -> Backend:
     """The backend called ``name``. Raises KeyError for a name that is not a backend."""
     if name not in _WHERE:
-        raise KeyError(f"unknown backend {name!r}; choose from {', '.join(NAMES)}")
+        raise KeyError(f"unknown backend {name!r}; choose from {', '.join(ALL_NAMES)}")
     if name not in _CACHE:
         module, cls = _WHERE[name].split(":")
         try:
@@ -56,4 +64,4 @@ def get_backend(name: str) -> Backend:
     return _CACHE[name]
 
 
-__all__ = ["NAMES", "Backend", "BackendResult", "BackendUnavailable", "get_backend"]
+__all__ = ["ALL_NAMES", "NAMES", "OPT_IN", "Backend", "BackendResult", "BackendUnavailable", "get_backend"]

@@ -16,6 +16,19 @@ class BackendUnavailable(Exception):
 
 
 @dataclass
+class Finding:
+    """Something a backend found wrong besides its output (e.g. rebuilt kernel metadata that differs
+    from production's). A replay with a finding is never a pass: docs/contract.md section 3."""
+
+    kind: str  # machine name, e.g. "aiter_metadata_mismatch"
+    message: str  # one sentence for people
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "message": self.message, "detail": self.detail}
+
+
+@dataclass
 class BackendResult:
     out: torch.Tensor  # [B, H, Dv] decode, [T, H, Dv] extend, the backend's own dtype
     lse: Optional[torch.Tensor] = None  # [B, H] natural log of the scaled logits' sum-exp
@@ -25,6 +38,7 @@ class BackendResult:
     info: dict[str, Any] = field(default_factory=dict)  # version, module path, device, notes
     # False when the kernel leaves rows of zero-length requests undefined (not compared).
     defines_empty_rows: bool = True
+    findings: list[Finding] = field(default_factory=list)  # each one fails the backend (never a pass)
 
 
 class Backend:

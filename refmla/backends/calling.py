@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 
@@ -21,24 +22,54 @@ class KernelSignatureError(TypeError):
 
 
 def find_function(module_paths: Sequence[str], attr: str, what: str) -> tuple[Callable, str]:
-    """(function, module path) of the first module in ``module_paths`` that defines ``attr``."""
-    tried = []
+    """(function, module path) of the first module in ``module_paths`` that defines ``attr``.
+
+    Raises KernelNotFound naming what went wrong at each path, the first real cause first: a path
+    whose import fails the same way as an earlier one says so instead of repeating it.
+    """
+    tried, causes = [], []
     for name in module_paths:
         try:
-            mod = importlib.import_module(name)
+            mod = _import_cleanly(name)
         except ModuleNotFoundError as e:
             missing_path = e.name and name.startswith(e.name)  # else one of its imports is missing
-            tried.append(f"{name}: not in this release" if missing_path else f"{name}: import failed: {e}")
-            continue
+            cause = "not in this release" if missing_path else f"import failed: {e}"
         except Exception as e:
-            tried.append(f"{name}: import failed: {type(e).__name__}: {e}")
-            continue
-        fn = getattr(mod, attr, None)
-        if fn is None:
-            tried.append(f"{name}: has no {attr}")
-            continue
-        return fn, name
+            cause = f"import failed: {type(e).__name__}: {e}"
+        else:
+            fn = getattr(mod, attr, None)
+            if fn is not None:
+                return fn, name
+            cause = f"has no {attr}"
+        repeated = cause.startswith("import failed") and cause in causes
+        tried.append(f"{name}: " + ("import failed the same way" if repeated else cause))
+        causes.append(cause)
     raise KernelNotFound(f"{what} not found: " + "; ".join(tried))
+
+
+def _import_cleanly(name: str):
+    """importlib.import_module(name), with no half-imported modules of its package before or after.
+
+    When a package's ``__init__`` fails (say a third-party module it imports is missing), Python
+    removes the package but keeps the submodules it had already imported. Such orphans, left by
+    this import or by an earlier ``import pkg`` anywhere in the process, break the next import from
+    the package with a side effect (``KeyError: 'pkg'``: a namespace subpackage looking up its
+    missing parent) instead of the real cause. They cannot be used, so they are dropped.
+    """
+    root = name.partition(".")[0]
+    _drop_orphans(root)
+    try:
+        return importlib.import_module(name)
+    except Exception:
+        _drop_orphans(root)
+        raise
+
+
+def _drop_orphans(root: str) -> None:
+    """Remove ``root``'s submodules from sys.modules when ``root`` itself is not imported."""
+    if root not in sys.modules:
+        for orphan in [m for m in sys.modules if m.startswith(root + ".")]:
+            del sys.modules[orphan]
 
 
 # values that change the result: a kernel without a parameter for them cannot be used when they

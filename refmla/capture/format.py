@@ -27,6 +27,9 @@ TENSORS = {
     "q": True, "kv_buffer": True, "kv_indptr": True, "kv_indices": True, "seq_lens": True,
     "num_kv_splits": False, "out": False, "lse": False, "attn_logits": False, "attn_lse": False,
     "req_to_token": False, "orig_kv_indices": False, "qo_indptr": False,
+    # aiter's persistent work buffers as production's kernel read them (docs/contract.md section 1)
+    "aiter_work_indptr": False, "aiter_work_info_set": False, "aiter_reduce_indptr": False,
+    "aiter_reduce_final_map": False, "aiter_reduce_partial_map": False,
 }  # fmt: skip
 
 
@@ -209,6 +212,11 @@ class Capture:
     req_to_token: Optional[torch.Tensor] = None  # [B, M]
     orig_kv_indices: Optional[torch.Tensor] = None  # like kv_indices
     qo_indptr: Optional[torch.Tensor] = None  # [B + 1], extend only
+    aiter_work_indptr: Optional[torch.Tensor] = None  # [cu + 1] int32, aiter persistent path
+    aiter_work_info_set: Optional[torch.Tensor] = None  # [works, 8]
+    aiter_reduce_indptr: Optional[torch.Tensor] = None  # [tiles + 1]
+    aiter_reduce_final_map: Optional[torch.Tensor] = None  # [tiles, 2]
+    aiter_reduce_partial_map: Optional[torch.Tensor] = None  # [partials]
     warnings: list = field(default_factory=list)
 
     @property

@@ -15,7 +15,12 @@ import torch
 from refmla.capture.format import FLOAT_DTYPES, INDEX_DTYPES, MAX_KV_SPLITS, Capture, CaptureError
 from refmla.util import dtype_name, request_label
 
-INDEX_TENSORS = ("kv_indptr", "kv_indices", "seq_lens", "num_kv_splits", "req_to_token", "orig_kv_indices", "qo_indptr")
+AITER_BUFFERS = {  # aiter's persistent work buffers: name -> trailing shape (None: 1-D)
+    "aiter_work_indptr": None, "aiter_work_info_set": 8, "aiter_reduce_indptr": None,
+    "aiter_reduce_final_map": 2, "aiter_reduce_partial_map": None,
+}  # fmt: skip
+INDEX_TENSORS = ("kv_indptr", "kv_indices", "seq_lens", "num_kv_splits", "req_to_token", "orig_kv_indices",
+                 "qo_indptr", *AITER_BUFFERS)  # fmt: skip
 FLOAT_TENSORS = ("q", "kv_buffer", "out", "lse", "attn_logits", "attn_lse")
 KNOWN_BACKENDS = ("triton", "aiter", "unknown")
 # q and the pool in what a kernel reads (docs/contract.md section 1): no fp64, no integers
@@ -165,6 +170,15 @@ def check_optional_shapes(cap: Capture, warnings: list[str]) -> None:
         _shape(cap, "orig_kv_indices", cap.orig_kv_indices, (cap.kv_indices.shape[0],))
 
 
+def check_aiter_buffers(cap: Capture, warnings: list[str]) -> None:
+    """aiter's persistent work buffers, when captured: 1-D, or [?, 8] / [?, 2] (their tails are
+    whatever torch.empty held: only their shapes are checked here)."""
+    for name, cols in AITER_BUFFERS.items():
+        t = getattr(cap, name)
+        if t is not None:
+            _shape(cap, name, t, (None,) if cols is None else (None, cols))
+
+
 def check_qo_indptr(cap: Capture, warnings: list[str]) -> None:
     """Extend: [B + 1] from 0, monotone, ending at q's token count, no request with more new
     tokens than its length. Decode: ignored (warned)."""
@@ -229,6 +243,7 @@ CHECKS: tuple[Check, ...] = (
     check_kv_indices,
     check_num_kv_splits,
     check_optional_shapes,
+    check_aiter_buffers,
     check_qo_indptr,
     check_page_size,
     check_meta_lists,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from refmla.backends import NAMES
+from refmla.backends import ALL_NAMES
 from refmla.batch import replay_many
 from refmla.cli.common import (
     UsageError,
@@ -26,7 +26,8 @@ from refmla.series import attach_series
 def add_parser(sub) -> None:
     r = sub.add_parser("replay", help="replay captures through the backends, compare with the reference")
     r.add_argument("captures", nargs="+", metavar="CAPTURE", help="capture files or directories")
-    r.add_argument("--backend", action="append", choices=NAMES, help="run only these (repeatable)")
+    r.add_argument("--backend", action="append", choices=ALL_NAMES,
+                   help="run only these (repeatable); flex runs only when named")
     r.add_argument("--json", action="store_true", help="JSON report on stdout")
     r.add_argument("--k", type=nonneg_float, default=2.0, help="allowed multiple of the control's error (2)")
     r.add_argument("--ulps", type=nonneg_float, default=1.0, help="plus this many output-dtype ulps (1)")

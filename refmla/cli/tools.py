@@ -8,7 +8,7 @@ import platform
 
 import torch
 
-from refmla.backends import NAMES, get_backend
+from refmla.backends import ALL_NAMES, get_backend
 from refmla.cli.common import EXIT_OK, UsageError, print_json
 from refmla.golden import generate
 from refmla.synth import FAULTS, preset, synth_capture
@@ -51,7 +51,7 @@ def synth(args) -> int:
 
 def doctor(args) -> int:
     rows = []
-    for name in NAMES:
+    for name in ALL_NAMES:
         ok, why = get_backend(name).availability()
         rows.append({"backend": name, "usable": ok, "detail": why})
     if args.json:

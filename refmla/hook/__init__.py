@@ -27,6 +27,7 @@ call that passes the filters. The rest are torch-free, as they run at interprete
     filters.py        before the kernel: the cheap filters (layer, rank, EVERY, mode, MIN_SEQ_LEN)
     kernel_probes.py  notes from inside SGLang's kernel module (gfx950 forced splits, Lean)
     tensors.py        (torch) pool rows gathered, slots renumbered, unwritten splits blanked
+    aiter_meta.py     (torch) the aiter path production ran (meta) and its persistent work buffers
     meta.py           (torch) the meta providers and their assembly
     modes.py          (torch) one reader per capture mode (decode, extend): indices, kernel state
     extract.py        (torch) after the kernel: guards, reader, pool, budget, host copy, write

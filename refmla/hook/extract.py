@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from refmla.hook import meta as meta_providers
+from refmla.hook.aiter_meta import aiter_buffers
 from refmla.hook.call import Call, CallContext, Skip
 from refmla.hook.modes import READERS
 from refmla.hook.tensors import blank_empty_splits, gather_rows, referenced_rows, remap_req_to_token
@@ -45,6 +46,10 @@ def after(state: HookState, call: Call, backend_obj: Any, result: Any) -> None:
         return
     tensors = host_tensors(ctx, rows)
     meta = meta_providers.assemble(ctx, reader.meta)
+    buffers, why_not = aiter_buffers(ctx)  # aiter's persistent work buffers, when small
+    tensors.update(buffers)
+    if why_not:
+        meta["aiter_buffers"] = why_not
     name = capture_name(mode=call.mode, rank=call.rank, layer=call.layer_id, step=call.step,
                         backend=call.backend, pid=os.getpid())  # fmt: skip
     state.write(name, tensors, meta)

@@ -7,17 +7,21 @@ runs (:func:`start_notes`) and hands it to the call afterwards (:func:`take_note
 looks these helpers up in its module at call time, so wrapping the module attributes sees every
 call.
 
-To probe another kernel (e.g. which aiter MLA path SGLang dispatched: persistent, non-persistent,
-gluon), add ``{attribute: factory}`` for its module to :data:`KERNEL_PROBES`; a factory takes
-the original function and returns the noting wrapper.
+To probe another kernel, add ``{attribute: factory}`` for its module to :data:`KERNEL_PROBES`; a
+factory takes the original function and returns the noting wrapper. The aiter probes note which
+MLA decode path SGLang's aiter backend dispatched (``mla_decode_fwd`` with or without the
+persistent buffers, ``mla_gluon_decode``, aiter's own persistent gate) and the metadata calls
+(refmla.hook.aiter_meta reads the notes). A probe never raises into the server and never syncs
+the device: tensors are kept by reference and read after the call.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Any, Callable, Optional
 
-from refmla.hook.sglang_paths import DECODE_KERNEL_MODULES, MARK
+from refmla.hook.sglang_paths import AITER_PROBED_MODULES, DECODE_KERNEL_MODULES, MARK
 
 _TLS = threading.local()  # per-thread notes from the kernel probes of the current call
 
@@ -64,11 +68,121 @@ def _lean_probe(lean: Callable) -> Callable:
     return decode_lean_attention_fwd
 
 
-# backend -> (kernel modules, {attribute: probe factory}); probed in this order
+# -- aiter: which MLA decode path ran (refmla.hook.aiter_meta turns the notes into meta) --------
+
+# the latest metadata calls: SGLang builds the persistent buffers in init_forward_metadata, once
+# per batch and before forward_decode, so outside the per-call notes; matched to the kernel call
+# by the identity of the buffers it passes
+_LAST_METADATA: dict[str, dict] = {}
+
+
+def _plain(v: Any) -> Any:
+    """A JSON-able stand-in for an argument, without importing torch (tensors by shape and dtype)."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    shape = getattr(v, "shape", None)
+    if shape is not None:
+        return f"tensor{list(shape)} {str(getattr(v, 'dtype', '?')).replace('torch.', '')}"
+    return str(v).replace("torch.", "")
+
+
+def _bind(fn: Callable) -> Callable[[tuple, dict], dict]:
+    """(args, kwargs) -> {parameter name: value} by ``fn``'s signature (positional names as given)."""
+    try:
+        names = [p for p in inspect.signature(fn).parameters]
+    except (TypeError, ValueError):
+        names = []
+    return lambda args, kwargs: {**{(names[i] if i < len(names) else f"arg{i}"): a for i, a in enumerate(args)}, **kwargs}
+
+
+def _metadata_probe(name: str) -> Callable[[Callable], Callable]:
+    """``get_mla_metadata_info_v1`` / ``get_mla_metadata_v1``: their arguments, kept until the next call."""
+
+    def factory(fn: Callable) -> Callable:
+        bind = _bind(fn)
+
+        def probe(*args, **kwargs):
+            try:
+                bound = bind(args, kwargs)
+                _LAST_METADATA[name] = {"args": {k: _plain(v) for k, v in bound.items()},
+                                        "ids": {id(v) for v in bound.values() if hasattr(v, "shape")}}  # fmt: skip
+            except Exception:
+                pass  # a probe never raises into the server
+            return fn(*args, **kwargs)
+
+        return probe
+
+    return factory
+
+
+_KERNEL_TENSORS = ("q_scale", "kv_scale", "work_meta_data", "work_indptr", "work_info_set", "reduce_indptr",
+                   "reduce_final_map", "reduce_partial_map")  # fmt: skip
+
+
+def _mla_decode_probe(fn: Callable) -> Callable:
+    """``mla_decode_fwd``: its scalar arguments, q / KV dtypes and heads, and references to the scales
+    and persistent buffers (read on the host after the call: no device sync here)."""
+    bind = _bind(fn)
+
+    def mla_decode_fwd(*args, **kwargs):
+        notes = _open_notes()
+        if notes is not None:
+            try:
+                b = bind(args, kwargs)
+                q, kv = b.get("q"), b.get("kv_buffer")
+                notes["aiter_kernel_call"] = {k: _plain(v) for k, v in b.items() if not hasattr(v, "shape")}
+                notes["aiter_q"] = (_plain(getattr(q, "dtype", None)), int(q.shape[1]) if q is not None else None)
+                notes["aiter_kv_dtype"] = _plain(getattr(kv, "dtype", None))
+                notes["aiter_kernel_tensors"] = {k: b[k] for k in _KERNEL_TENSORS if b.get(k) is not None}
+                meta = _LAST_METADATA.get("get_mla_metadata_v1")
+                if meta is not None and id(b.get("work_info_set")) in meta["ids"]:
+                    notes["aiter_metadata_call"] = meta["args"]
+                    info = _LAST_METADATA.get("get_mla_metadata_info_v1")
+                    if info is not None:
+                        notes["aiter_metadata_info_call"] = info["args"]
+            except Exception:
+                pass
+        return fn(*args, **kwargs)
+
+    return mla_decode_fwd
+
+
+def _gluon_probe(fn: Callable) -> Callable:
+    """``mla_gluon_decode`` (SGLang's wrapper of aiter's Gluon kernel): it ran, with which kv_scale."""
+
+    def mla_gluon_decode(*args, **kwargs):
+        notes = _open_notes()
+        if notes is not None:
+            notes["aiter_gluon"] = {k: _plain(v) for k, v in kwargs.items() if not hasattr(v, "shape") and k != "layer"}
+        return fn(*args, **kwargs)
+
+    return mla_gluon_decode
+
+
+def _gate_probe(fn: Callable) -> Callable:
+    """aiter's ``_use_persistent_mla_decode``: False means aiter itself fell back to non-persistent."""
+
+    def _use_persistent_mla_decode(*args, **kwargs):
+        kept = fn(*args, **kwargs)
+        notes = _open_notes()
+        if notes is not None:
+            notes["aiter_gate_persistent"] = bool(kept)
+        return kept
+
+    return _use_persistent_mla_decode
+
+
+# backend -> (kernel modules, {attribute: probe factory}); each module gets the attributes it has
 KERNEL_PROBES: dict[str, tuple[tuple[str, ...], dict[str, Callable[[Callable], Callable]]]] = {
     "triton": (DECODE_KERNEL_MODULES, {"_mla_launch_plan": _launch_plan_probe,
                                        "_decode_lean_attention_fwd": _lean_probe}),  # fmt: skip
-}
+    "aiter": (AITER_PROBED_MODULES, {
+        "mla_decode_fwd": _mla_decode_probe, "mla_gluon_decode": _gluon_probe,
+        "get_mla_metadata_v1": _metadata_probe("get_mla_metadata_v1"),
+        "get_mla_metadata_info_v1": _metadata_probe("get_mla_metadata_info_v1"),
+        "_use_persistent_mla_decode": _gate_probe,
+    }),
+}  # fmt: skip
 
 
 def probe_module(module: Any, probes: dict[str, Callable[[Callable], Callable]],
@@ -79,6 +193,7 @@ def probe_module(module: Any, probes: dict[str, Callable[[Callable], Callable]],
         if not callable(original) or getattr(original, MARK, None) is not None:
             continue
         wrapper = make(original)
+        wrapper.__wrapped__ = original  # inspect.signature(wrapper) is the original's: keyword callers still work
         setattr(wrapper, MARK, original)
         setattr(module, attr, wrapper)
         record(module, attr, original)

@@ -9,7 +9,7 @@ new providers appended here, for example:
   disaggregation backend, ``SGLANG_MORI_MAX_MR_BYTES``): a ``pool_geometry_meta`` reading
   ``ctx.pool`` / ``ctx.k_buf`` and the environment;
 * which aiter kernel path SGLang dispatched (persistent / non-persistent / gluon, head padding,
-  the env vars): extend :func:`aiter_meta`, with notes from a probe in
+  the env vars) is :func:`refmla.hook.aiter_meta.aiter_path_meta`, from the probes in
   :mod:`refmla.hook.kernel_probes` (``ctx.call.kernel_notes``).
 
 Keys the contract does not name go to ``Capture.meta.extra`` when read back (docs/contract.md).
@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from refmla.hook.aiter_meta import aiter_path_meta
 from refmla.hook.call import CallContext
 from refmla.hook.runtime import versions
 from refmla.util import dtype_name
@@ -127,7 +128,7 @@ def rids_meta(ctx: CallContext) -> dict[str, Any]:
 
 
 META_PROVIDERS: tuple[MetaProvider, ...] = (
-    attention_meta, origin_meta, notes_meta, seq_lens_meta, aiter_meta, rids_meta,
+    attention_meta, origin_meta, notes_meta, seq_lens_meta, aiter_meta, rids_meta, aiter_path_meta,
 )  # fmt: skip
 
 

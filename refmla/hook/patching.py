@@ -64,9 +64,20 @@ def _targets(cfg: HookConfig) -> dict[str, Callable[[Any], None]]:
             targets[module] = _make_backend_patcher(backend, cls_name)
     for backend, (modules, probes) in kernel_probes.KERNEL_PROBES.items():
         if backend in cfg.backends:
-            for module in modules:
-                targets[module] = _make_kernel_patcher(probes)
+            for module in modules:  # a backend's own module may be probed too: run both patchers
+                targets[module] = _chain(targets.get(module), _make_kernel_patcher(probes))
     return targets
+
+
+def _chain(first: Optional[Callable[[Any], None]], then: Callable[[Any], None]) -> Callable[[Any], None]:
+    if first is None:
+        return then
+
+    def both(module) -> None:
+        first(module)
+        then(module)
+
+    return both
 
 
 def install(cfg: HookConfig) -> HookState:

@@ -7,6 +7,7 @@ Checked against SGLang 0.5.23; older paths are kept as fall-backs, newest first 
 | Triton backend | ``sglang.srt.layers.attention.triton_backend`` | ``TritonAttnBackend`` |
 | aiter backend | ``sglang.srt.layers.attention.aiter_backend`` | ``AiterAttnBackend`` |
 | Triton decode kernel | ``sglang.kernels.ops.attention.decode_attention`` (0.5.16+), ``sglang.srt.layers.attention.triton_ops.decode_attention`` (before) | ``_mla_launch_plan``, ``_decode_lean_attention_fwd`` (probed, optional), ``_MIN_BLOCK_KV`` |
+| aiter MLA entry points | ``sglang.srt.layers.attention.aiter_backend``, ``aiter.mla`` | ``mla_decode_fwd``, ``mla_gluon_decode``, ``get_mla_metadata_v1``, ``get_mla_metadata_info_v1``, ``_use_persistent_mla_decode`` (probed, each optional) |
 | graph-capture flag | ``sglang.srt.model_executor.runner_utils.capture_mode`` (0.5.x), ``sglang.srt.model_executor.cuda_graph_runner`` (0.4.x) | ``get_is_capture_mode`` |
 
 ``forward_decode`` and ``forward_extend`` take ``(q, k, v, layer, forward_batch,
@@ -25,6 +26,10 @@ BACKEND_CLASSES: dict[str, tuple[tuple[str, str], ...]] = {
     "triton": (("sglang.srt.layers.attention.triton_backend", "TritonAttnBackend"),),
     "aiter": (("sglang.srt.layers.attention.aiter_backend", "AiterAttnBackend"),),
 }
+# modules whose aiter MLA entry points are probed (refmla.hook.kernel_probes): SGLang's backend module
+# (it calls mla_decode_fwd, mla_gluon_decode, get_mla_metadata_*_v1 through its globals) and aiter.mla
+# (its _use_persistent_mla_decode gate)
+AITER_PROBED_MODULES = ("sglang.srt.layers.attention.aiter_backend", "aiter.mla")
 DECODE_KERNEL_MODULES = (
     "sglang.kernels.ops.attention.decode_attention",
     "sglang.srt.layers.attention.triton_ops.decode_attention",

@@ -3,6 +3,7 @@
     spec.py     SynthSpec (the shapes, dtypes and scales of one capture) and the named presets
     inputs.py   q, a paged pool shuffled and poisoned with NaN, SGLang's metadata, the meta
     faults.py   the observed `out` under a planted fault, one registered function per fault
+    benign.py   correct kernels that round their own way (expect=None): they must pass
 
 The pool is paged: each request's pages are shuffled across the pool, every row no request
 attends (unused pages and the tail of each last page) is NaN, so a kernel that reads past its
@@ -17,7 +18,8 @@ from typing import Any
 
 from refmla.capture import write_capture
 from refmla.schedule import MIN_BLOCK_KV
-from refmla.synth.faults import FAULTS, faulty_output
+from refmla.synth import benign  # noqa: F401  (registers the benign variants)
+from refmla.synth.faults import EXPECT, FAULTS, faulty_output
 from refmla.synth.inputs import make_inputs, make_meta
 from refmla.synth.spec import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE, PRESETS, SynthSpec, preset, yarn_sm_scale
 
@@ -34,6 +36,6 @@ def synth_capture(path: Any, spec: SynthSpec, fault: str = "none") -> dict:
 
 
 __all__ = [
-    "DEEPSEEK_V3_SCALE", "FAULTS", "KIMI_K2_SCALE", "MIN_BLOCK_KV", "PRESETS", "SynthSpec", "faulty_output",
+    "DEEPSEEK_V3_SCALE", "EXPECT", "FAULTS", "KIMI_K2_SCALE", "MIN_BLOCK_KV", "PRESETS", "SynthSpec", "faulty_output",
     "make_inputs", "make_meta", "preset", "synth_capture", "yarn_sm_scale",
 ]  # fmt: skip

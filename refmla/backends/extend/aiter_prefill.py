@@ -6,14 +6,16 @@ from typing import Optional
 
 import torch
 
-from refmla.backends import aiter as aiter_backend  # by attribute: a test may patch its pad_heads
+from refmla.backends.aiter import heads as aiter_heads  # by attribute: a test may patch its pad_heads
+from refmla.backends.aiter.indices import kernel_kwargs
+from refmla.backends.aiter.probe import locate_aiter
 from refmla.backends.base import BackendUnavailable
 from refmla.backends.extend.inputs import ExtendInputs
 
 
 def run_aiter_prefill(cap, inp: ExtendInputs, out_dtype: torch.dtype, device: Optional[str] = None):
     """aiter.mla.mla_prefill_fwd over the whole sequence (new tokens read from the cache, page size 1)."""
-    mla, version, standin = aiter_backend.locate_aiter()
+    mla, version, standin = locate_aiter()
     fn = getattr(mla, "mla_prefill_fwd", None)
     if fn is None:
         raise BackendUnavailable(f"aiter {version} has no mla.mla_prefill_fwd")
@@ -22,7 +24,7 @@ def run_aiter_prefill(cap, inp: ExtendInputs, out_dtype: torch.dtype, device: Op
     T, _, D = inp.q_extend.shape
     B = cap.batch_size
     # as for decode: 16 heads at least
-    q_in, unpad, pad_how = aiter_backend.pad_heads(inp.q_extend.to(dev).contiguous())
+    q_in, unpad, pad_how = aiter_heads.pad_heads(inp.q_extend.to(dev).contiguous())
     o = torch.empty(T, q_in.shape[1], m.kv_lora_rank, dtype=out_dtype, device=dev)
     values = dict(
         q=q_in, kv_buffer=cap.kv_buffer.to(dev).view(-1, 1, 1, D), o=o,
@@ -31,7 +33,7 @@ def run_aiter_prefill(cap, inp: ExtendInputs, out_dtype: torch.dtype, device: Op
         kv_last_page_lens=torch.ones(B, dtype=torch.int32, device=dev),
         max_seqlen_q=inp.max_len_extend, sm_scale=float(m.sm_scale), logit_cap=float(m.logit_cap),
     )  # fmt: skip
-    fn(**aiter_backend.kernel_kwargs(fn, values))
+    fn(**kernel_kwargs(fn, values))
     return unpad(o).cpu(), {"kernel": "aiter.mla.mla_prefill_fwd", "aiter_version": version, "stand_in": standin,
                             "head_padding": pad_how}  # fmt: skip
 

@@ -10,6 +10,8 @@ computed with refmla's fp64 reference, into ``o``:
                      int; page_size == kv_buffer.shape[1], nhead_kv == 1 (v0.1.11 signature, where
                      page_size and nhead_kv come before sm_scale). Position j of request b is slot
                      kv_indices[kv_indptr[b] + j // P] * P + j % P of the flattened pool.
+                     Persistent mode (work_meta_data given): aiter.ops.attention.check_persistent
+                     (the six buffers filled by get_mla_metadata_v1 for this batch and heads).
     mla_decode_fwd_v0_1_10   the same before v0.1.11: no page_size / nhead_kv (read from the shape)
     mla_prefill_fwd  the same arguments, qo_indptr over several new tokens, causal bottom-right
 """
@@ -18,16 +20,13 @@ from __future__ import annotations
 
 import torch
 
+from aiter.ops.attention import ContractViolation, check_persistent
 from refmla import reference as ref
 from refmla.paged import page_to_token
 
 CALLS: list[dict] = []  # one record per call, newest last
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 O_DTYPES = (torch.bfloat16, torch.float16)
-
-
-class ContractViolation(Exception):
-    """An argument the real aiter would misread."""
 
 
 def _need(ok: bool, what: str) -> None:
@@ -149,15 +148,30 @@ def mla_decode_fwd(
     return_logits=False,
     return_lse=False,
 ):
-    """v0.1.11 and later: page_size and nhead_kv before sm_scale."""
+    """v0.1.11 and later: page_size and nhead_kv before sm_scale; persistent when work_meta_data is given."""
     if sm_scale is None:
         sm_scale = 1.0 / (q.shape[-1] ** 0.5)
     facts = _check(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q,
                    page_size, nhead_kv, sm_scale, logit_cap, q_scale, kv_scale, decode=True)  # fmt: skip
-    CALLS.append({"fn": "mla_decode_fwd", "signature": "v0.1.11", "q": q, "kv_buffer_shape": list(kv_buffer.shape),
-                  "kv_indices": kv_indices, "kv_last_page_lens": kv_last_page_lens, **facts})  # fmt: skip
+    buffers = dict(work_meta_data=work_meta_data, work_indptr=work_indptr, work_info_set=work_info_set,
+                   reduce_indptr=reduce_indptr, reduce_final_map=reduce_final_map,
+                   reduce_partial_map=reduce_partial_map)  # fmt: skip
+    mode, plan = "non_persistent", None
+    if work_meta_data is not None:
+        mode = "persistent"
+        plan = check_persistent(q, qo_indptr, kv_indptr, kv_last_page_lens, buffers, intra_batch_mode, num_kv_splits)
+    fp8_q = q.dtype.itemsize == 1
+    _need(not fp8_q or q_scale is not None, "an fp8 q needs q_scale")
+    _need(kv_buffer.dtype.itemsize != 1 or kv_scale is not None, "an fp8 kv_buffer needs kv_scale")
+    CALLS.append({"fn": "mla_decode_fwd", "signature": "v0.1.11", "mode": mode, "q": q,
+                  "kv_buffer_shape": list(kv_buffer.shape), "kv_indices": kv_indices,
+                  "kv_last_page_lens": kv_last_page_lens, "intra_batch_mode": intra_batch_mode,
+                  "num_kv_splits": num_kv_splits, "q_scale": q_scale, "kv_scale": kv_scale,
+                  "buffer_shapes": {k: list(v.shape) for k, v in buffers.items() if v is not None},
+                  "metadata": plan, **facts})  # fmt: skip
+    q_math = q.double() * float(q_scale) if fp8_q else q
     _semantics(
-        q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, page_size, sm_scale, kv_scale, True
+        q_math, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, page_size, sm_scale, kv_scale, True
     )
     return o.view(o.shape[0], 1, o.shape[1], o.shape[2]), None
 

@@ -1,0 +1,1 @@
+"""STAND-IN (tests only): aiter.ops."""

@@ -1,0 +1,69 @@
+"""tools/bench_diagnosis.py: the judging (named, detail, false alarm) and one small end-to-end run."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "tools" / "bench_diagnosis.py"
+_spec = importlib.util.spec_from_file_location("bench_diagnosis", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["bench_diagnosis"] = bench  # dataclasses look their module up by name
+_spec.loader.exec_module(bench)
+
+
+def _row(expect, verdict, hypothesis=None, planted=None, explained=None):
+    row = bench.Row(preset="p", page_size=1, fault="f", expect=expect, status="error", verdict=verdict,
+                    hypothesis=hypothesis, planted=planted or {}, explained=explained or {})  # fmt: skip
+    bench.judge(row)
+    return row
+
+
+def test_detail_compares_shared_keys_only():
+    assert bench.compare_detail({"fault": "x", "request": 2, "delta": -1}, {"request": 2, "delta": -1}) == (
+        True, ["request", "delta"])  # fmt: skip
+    assert bench.compare_detail({"request": 2, "delta": -1}, {"request": 2, "delta": -3})[0] is False
+    assert bench.compare_detail({"ratio": 0.5515}, {"ratio": 0.5514927}) == (True, ["ratio"])
+    assert bench.compare_detail({"ratio": 0.55}, {"ratio": 0.60})[0] is False
+    assert bench.compare_detail({"split": 1}, {"delta": 1}) == (None, [])
+    # a planted head mapping (a list) against the explanation's sentence and its list of heads
+    assert bench.compare_detail({"mapping": [0, 0, 1]}, {"mapping": "padding ...", "heads": [0, 0, 1]})[0] is True
+    assert bench.compare_detail({"mapping": [0, 0, 1]}, {"mapping": "padding ...", "heads": [0, 1, 1]})[0] is False
+
+
+@pytest.mark.parametrize(
+    "expect, verdict, hyp, status",
+    [
+        (None, "agree", None, "pass"),
+        (None, "diverged", "seq_len_off_by", "false_alarm"),
+        (None, "diverged", None, "false_alarm"),
+        ("seq_len_off_by", "diverged", "seq_len_off_by", "named"),
+        ("seq_len_off_by", "diverged", "kv_range_missing", "wrong"),
+        ("seq_len_off_by", "diverged", None, "missed"),
+        ("seq_len_off_by", "agree", None, "missed"),
+    ],
+)
+def test_judge(expect, verdict, hyp, status):
+    assert _row(expect, verdict, hyp).status == status
+
+
+def test_a_wrong_detail_or_a_false_alarm_fails_the_summary():
+    good = _row("seq_len_off_by", "diverged", "seq_len_off_by", {"delta": -1}, {"delta": -1})
+    wrong_detail = _row("seq_len_off_by", "diverged", "seq_len_off_by", {"delta": -1}, {"delta": -3})
+    alarm = _row(None, "diverged", "wrong_sm_scale")
+    assert bench.summary([good])[1] is True
+    assert bench.summary([good, wrong_detail])[1] is False
+    line, ok = bench.summary([good, alarm])
+    assert not ok and "1 false alarms" in line
+
+
+def test_a_small_run_end_to_end(capsys):
+    code = bench.main(["--preset", "hostile", "--page-size", "16", "--fault", "none", "--fault", "kv_range_zero",
+                       "--fault", "benign_splits_16"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "2/2 named" not in out  # one fault, two correct kernels
+    assert "1/1 named, 0 false alarms (2 correct kernels" in out, out
+    assert code == 0

@@ -1,0 +1,97 @@
+"""No false alarm on a correct kernel that is not SGLang's (refmla/synth/benign.py).
+
+Each benign variant writes a capture whose ``out`` a correct kernel computed with its own
+rounding: another split count, aiter's fp32 einsum reference, compiled flex_attention. Replay
+must agree (exit 0) on every preset. The variants must also really differ from the control the
+tolerance is built on, or these tests would prove nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refmla import reference as ref
+from refmla.backends import get_backend
+from refmla.capture import read_capture
+from refmla.context import ReplayOptions
+from refmla.replay import replay_file
+from refmla.synth import EXPECT, FAULTS, PRESETS, make_inputs, preset, synth_capture
+from refmla.synth.benign import MAX_SPLITS, fp32_einsum
+
+BENIGN = [f for f in FAULTS if EXPECT[f] is None and f != "benign_flex"]  # none, splits, fp32 einsum
+FLEX_OK, FLEX_WHY = get_backend("flex").availability()
+
+
+def _agree(tmp_path, name: str, fault: str):
+    path = tmp_path / f"{name}-{fault}.safetensors"
+    try:
+        synth_capture(path, preset(name), fault)
+    except ValueError as e:  # e.g. no split schedule in an extend capture
+        pytest.skip(f"{fault} cannot be planted on {name}: {e}")
+    rep = replay_file(path, ReplayOptions(backends=[]))
+    obs = rep.backends["observed"]
+    assert obs.status == "pass", f"false alarm: {obs.reason}"
+    assert rep.verdict == "agree" and rep.exit_code == 0
+    return path
+
+
+def test_every_split_count_and_the_einsum_are_registered_as_correct():
+    assert {f"benign_splits_{n}" for n in range(1, MAX_SPLITS + 1)} | {"benign_fp32_einsum", "benign_flex"} <= {
+        f for f in FAULTS if EXPECT[f] is None
+    }
+
+
+FAST = ["none", "benign_splits_1", "benign_splits_2", f"benign_splits_{MAX_SPLITS}", "benign_fp32_einsum"]
+
+
+@pytest.mark.parametrize("fault", FAST)
+def test_benign_variant_agrees_on_the_hostile_preset(tmp_path, fault):
+    _agree(tmp_path, "hostile", fault)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("fault", BENIGN)
+def test_benign_variant_agrees_on_every_preset(tmp_path, name, fault):
+    _agree(tmp_path, name, fault)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FLEX_OK, reason=f"flex unavailable: {FLEX_WHY}")
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_flex_capture_agrees_on_every_preset(tmp_path, name):
+    _agree(tmp_path, name, "benign_flex")
+
+
+@pytest.mark.parametrize("fault", ["benign_splits_1", "benign_splits_16", "benign_fp32_einsum"])
+def test_a_benign_output_is_not_the_control_itself(tmp_path, fault):
+    """The variant rounds differently from the control (the ``none`` capture): a real test."""
+    a, b = tmp_path / "none.safetensors", tmp_path / "v.safetensors"
+    synth_capture(a, preset("kimi-k2-tp8"), "none")
+    synth_capture(b, preset("kimi-k2-tp8"), fault)
+    out_a, out_b = read_capture(a).out, read_capture(b).out
+    assert out_a.dtype == out_b.dtype == torch.bfloat16
+    assert int((out_a != out_b).sum()) > 100
+
+
+@pytest.mark.parametrize("name", ["hostile", "kimi-k2-tp8-extend"])
+def test_fp32_einsum_is_the_reference_to_fp32_precision(name):
+    """aiter's style computes the same attention (causal extend and zero-length requests included)."""
+    spec = preset(name)
+    t = make_inputs(spec)
+    sc = dict(kv_lora_rank=spec.kv_lora_rank, sm_scale=spec.sm_scale)
+    out = fp32_einsum(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], t.get("qo_indptr"), **sc,
+                      out_dtype=torch.float32)  # fmt: skip
+    args = (t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"])
+    if "qo_indptr" in t:
+        want = ref.mla_extend_ref(*args, t["qo_indptr"], **sc)[0]
+    else:
+        want = ref.mla_decode_ref(*args, **sc)[0]
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-4)
+
+
+def test_more_splits_than_the_capture_allows_is_not_planted(tmp_path):
+    with pytest.raises(ValueError, match="max_kv_splits"):
+        synth_capture(tmp_path / "x.safetensors", preset("hostile", max_kv_splits=4), "benign_splits_5")

@@ -1,0 +1,167 @@
+"""The ``flex`` backend: PyTorch's flex_attention compiled by Inductor, an independent correct kernel.
+
+Fast tests check the packing (positions, the block mask from block ranges) without compiling;
+the slow ones compile (seconds per shape bucket) and replay every preset through ``flex``: a
+correct kernel that is not SGLang's must pass, and the same kernel fed wrong data must not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from refmla.backends import NAMES, OPT_IN, get_backend
+from refmla.backends.flex import BLOCK, Packed, bucket, run_flex_mla
+from refmla.capture import read_capture
+from refmla.context import ReplayContext, ReplayOptions
+from refmla.replay import backend_names, replay_file
+from refmla.synth import PRESETS, preset, synth_capture
+
+FLEX_OK, FLEX_WHY = get_backend("flex").availability()
+needs_flex = pytest.mark.skipif(not FLEX_OK, reason=f"flex unavailable: {FLEX_WHY}")
+
+
+def test_flex_is_opt_in_and_named():
+    assert "flex" in OPT_IN and "flex" not in NAMES
+    assert "flex" not in backend_names(ReplayOptions())
+    assert backend_names(ReplayOptions(backends=["flex"])) == ["reference", "observed", "flex"]
+
+
+def test_bucket_is_a_power_of_two_of_at_least_one_block():
+    assert [bucket(n) for n in (0, 1, 128, 129, 1925, 4096)] == [BLOCK, BLOCK, 128, 256, 2048, 4096]
+
+
+def _packed(spec):
+    from refmla.synth import make_inputs
+
+    t = make_inputs(spec)
+    pk = Packed(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], t.get("qo_indptr"),
+                spec.kv_lora_rank, 1.0, 1.0, "cpu")  # fmt: skip
+    return t, pk
+
+
+def _dense_mask(pk):
+    qi = torch.arange(pk.NQ)[:, None]
+    ki = torch.arange(pk.NK)[None, :]
+    return (pk.kdoc[ki] == pk.qdoc[qi]) & (pk.kpos[ki] <= pk.qpos[qi])  # [NQ, NK]
+
+
+@pytest.mark.parametrize("name", ["hostile", "kimi-k2-tp8-extend", "deepseek-v3-tp8"])
+def test_packing_attends_exactly_each_requests_rows(name):
+    """Row r = t * H + h attends the gathered rows of its request, causally in extend; the
+    packed K holds kv_buffer[kv_indices] in order; no padding row is attended."""
+    spec = preset(name)
+    t, pk = _packed(spec)
+    mask = _dense_mask(pk)
+    lens = (t["kv_indptr"][1:] - t["kv_indptr"][:-1]).tolist()
+    qo = t.get("qo_indptr", torch.arange(len(lens) + 1)).tolist()
+    H, start = spec.num_heads, 0
+    for b, L in enumerate(lens):
+        n = qo[b + 1] - qo[b]
+        for i, tok in enumerate(range(qo[b], qo[b + 1])):
+            want = torch.zeros(pk.NK, dtype=torch.bool)
+            want[start : start + L - n + i + 1] = True  # positions 0 .. L - n + i
+            for h in range(H):
+                assert torch.equal(mask[tok * H + h], want), (b, tok, h)
+        start += L
+    assert not mask[qo[-1] * H :].any()  # padded query rows read nothing
+    rows = t["kv_buffer"][t["kv_indices"].long(), 0]
+    assert torch.equal(pk.k[0, 0, : pk.nnz], rows) and not pk.k[0, 0, pk.nnz :].any()
+
+
+@pytest.mark.parametrize("name", ["hostile", "kimi-k2-tp8-extend", "kimi-k2-tp8-page256"])
+def test_block_mask_covers_every_attended_block(name):
+    """The block ranges (built without a dense mask) include every block the dense mask touches."""
+    _, pk = _packed(preset(name))
+    bm = pk.block_mask()
+    dense = _dense_mask(pk).reshape(pk.NQ // BLOCK, BLOCK, pk.NK // BLOCK, BLOCK).any(dim=(1, 3))
+    counts, idx = bm.kv_num_blocks[0, 0], bm.kv_indices[0, 0]
+    listed = torch.zeros_like(dense)
+    for i in range(dense.shape[0]):
+        listed[i, idx[i, : counts[i]].long()] = True
+    assert bool((listed | ~dense).all())
+
+
+# --------------------------------------------------------------------------------------------
+# Compiled (slow: Inductor compiles each shape bucket once per process)
+# --------------------------------------------------------------------------------------------
+
+VARIANTS = {
+    **{n: {} for n in PRESETS},
+    "kimi-k2-tp8-fp8": dict(base="kimi-k2-tp8", kv_dtype=torch.float8_e4m3fn, k_scale=0.5, v_scale=0.5),
+    "hostile-cap": dict(base="hostile", logit_cap=30.0),
+}
+
+
+def _synth(tmp_path, name: str, fault: str = "none"):
+    over = dict(VARIANTS[name])
+    spec = dataclasses.replace(preset(over.pop("base", name), **over), name=name)
+    path = tmp_path / f"{name}.safetensors"
+    synth_capture(path, spec, fault)
+    return path
+
+
+@needs_flex
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_flex_passes_every_preset(tmp_path, name):
+    rep = replay_file(_synth(tmp_path, name), ReplayOptions(backends=["flex"]))
+    entry = rep.backends["flex"]
+    assert entry.status == "pass", entry.reason
+    assert rep.verdict == "agree" and rep.exit_code == 0
+    assert entry.max_abs_err > 0  # a bf16 kernel, not the reference itself
+    assert entry.info["compute_dtype"] == "bfloat16"
+
+
+@needs_flex
+@pytest.mark.slow
+def test_flex_zero_length_requests_are_zero(tmp_path):
+    cap = read_capture(_synth(tmp_path, "hostile"))
+    m = cap.meta
+    out, lse, _ = run_flex_mla(cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices, kv_lora_rank=m.kv_lora_rank,
+                               sm_scale=m.sm_scale, device="cpu")  # fmt: skip
+    empty = cap.seq_lens == 0
+    assert bool(empty.any()) and torch.equal(out[empty], torch.zeros_like(out[empty]))
+    assert torch.isfinite(out).all()
+
+
+@needs_flex
+@pytest.mark.slow
+@pytest.mark.parametrize("wrong", ["sm_scale", "last_token", "cap"])
+def test_flex_fed_wrong_data_fails(tmp_path, wrong):
+    """The comparison is not blind to flex: the same kernel on wrong inputs is caught."""
+    cap = read_capture(_synth(tmp_path, "kimi-k2-tp8"))
+    ctx = ReplayContext(cap, ReplayOptions(backends=[]))
+    m, b = cap.meta, 2
+    indptr, idx = cap.kv_indptr.clone(), cap.kv_indices
+    kw = dict(kv_lora_rank=m.kv_lora_rank, sm_scale=m.sm_scale, logit_cap=m.logit_cap)
+    if wrong == "sm_scale":
+        kw["sm_scale"] = m.sm_scale * 1.02
+    elif wrong == "cap":
+        kw["logit_cap"] = 5.0
+    else:  # request b's last token dropped
+        end = int(indptr[b + 1])
+        idx = torch.cat([idx[: end - 1], idx[end:]])
+        indptr[b + 1 :] -= 1
+    out, _, _ = run_flex_mla(cap.q, cap.kv_buffer, indptr, idx, out_dtype=cap.out_dtype, device="cpu", **kw)
+    cmp = ctx.compare("flex", out)
+    assert not cmp.passed
+    if wrong == "last_token":
+        assert cmp.worst["request"] == b
+
+
+@pytest.mark.parametrize(
+    "statuses,name,about",
+    [
+        ({"observed": "fail", "flex": "pass"}, "observed", ["observed"]),
+        ({"observed": "pass", "flex": "fail"}, "decode", ["flex"]),
+        ({"observed": "pass", "flex": "fail", "extend": "fail"}, "shared_input", ["flex", "extend"]),
+    ],
+)
+def test_flex_counts_as_an_offline_decode_path(statuses, name, about):
+    """A failing flex is never left undiagnosed; a passing flex clears the offline decode path."""
+    from refmla.diagnosis import diagnose
+
+    assert diagnose({"reference": "pass", **statuses})[::2] == (name, about)
