@@ -3,6 +3,7 @@
 Layout (the folder tree is the architecture; imports go down this list, never up):
 
     util.py         small idioms every layer uses (the bottom)
+    atomic.py       atomic file writes for every writer: refuse non-regular targets, O_TMPFILE, sweep
     schedule.py     SGLang's split-KV schedule (split bounds, num_kv_splits, max_kv_splits)
     paged.py        index conventions: SGLang token slots <-> aiter pages
     pool.py         pool rows by their bytes: zero / NaN rows, row-by-row comparison
@@ -20,8 +21,10 @@ Layout (the folder tree is the architecture; imports go down this list, never up
     replay.py       capture -> backends -> comparison -> ReplayReport
     series.py       one layer and rank across decode steps
     batch.py        many captures, serial or in worker processes, with the same result
+    regions.py      the MR region-size check of a capture's pool geometry (meta only)
     inspection.py   `refmla inspect` entries
     diffkv/         prefill vs decode KV rows, bit for bit (transfer fidelity)
+    disagg/         `refmla disagg`: diffkv + checks + series + replay per (request, layer, rank)
     golden/         the golden suite: deterministic cases, build, check
     synth/          synthetic captures with planted faults
     plots.py        pictures of a replay or a diff-kv (matplotlib, optional)

@@ -10,6 +10,9 @@
     extend                the extend baseline diverges while the decode kernels agree
     shared_input          decode and extend both diverge (the inputs they share, the meta, or the
                           reference's assumptions)
+    numerics              every failing backend is explained by a numerics variant: the kernel
+                          computes the same attention with different rounding (named); no data
+                          or metadata fault
     backend_error         a backend crashed and nothing diverged
     metadata              the capture's metadata is invalid; nothing was replayed
     verify                (verify captures) a verify path (aiter max_seqlen_q > 1, the Triton extend
@@ -25,7 +28,7 @@ output stands for the decode path (it is what the production decode kernel wrote
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 DECODE_KERNELS = ("triton", "aiter", "flex")  # offline decode paths (flex: an independent compiled kernel)
 EXTEND = "extend"
@@ -74,7 +77,12 @@ SENTENCES = {
         "verify ({verify}) and plain decode ({decode}) both diverge over the same KV: suspect the KV or the "
         "inputs they share (transfer, meta), not one kernel"
     ),
+    "numerics": (
+        "the kernel computes the same attention with different rounding ({variants}); no data or "
+        "metadata fault ({bad} outside the tolerance only through rounding)"
+    ),
 }
+NUMERICS = "numerics"  # the hypothesis family whose explanations make the diagnosis ``numerics``
 
 # verify captures: which backend stands for which path over the same KV
 VERIFY_PATHS = {"extend": "verify", "aiter": "verify", "triton_decode_per_query": "plain decode",
@@ -109,18 +117,24 @@ def unreplayed_path(recorded: Optional[str], status: Optional[str], info: Option
 
 def diagnose(
     statuses: dict[str, str], invalid: bool = False, produced_by: Optional[str] = None,
+    explained: Optional[Mapping[str, tuple[str, Mapping[str, Any]]]] = None,
     unreplayed: Optional[tuple[str, str]] = None,
 ) -> tuple[Optional[str], str, list[str]]:  # fmt: skip
     """(machine name, sentence, backends it is about) from each backend's status.
 
     statuses: backend name -> "pass" | "fail" | "skipped" | "error". produced_by: the capture's
     meta backend (optional), to say whether the production kernel itself was replayed.
+    explained (optional): failing backend -> (hypothesis, detail) of its explanation; when every
+    failing backend is explained by ``numerics``, the class is ``numerics``.
     unreplayed: (aiter path production ran, why it was not replayed) from :func:`unreplayed_path`;
     an ``observed`` divergence then names that kernel instead of suggesting state or transfer.
     """
     if invalid:
         return "metadata", SENTENCES["metadata"], []
     failed = [n for n, s in statuses.items() if s == "fail"]
+    numeric = numeric_variants(failed, explained or {})
+    if numeric:
+        return (*_say("numerics", variants=", ".join(numeric), bad=", ".join(failed)), failed)
     ran = {n for n, s in statuses.items() if s in ("pass", "fail")}
     decode_ran = [n for n in DECODE_KERNELS if n in ran]
     decode_bad = [n for n in decode_ran if n in failed]
@@ -169,14 +183,22 @@ def diagnose(
     return None, SENTENCES[None], []
 
 
+def numeric_variants(failed: list[str], explained: Mapping[str, tuple[str, Mapping[str, Any]]]) -> list[str]:
+    """The variants (in order, once each) when every failing backend's explanation is numeric, else []."""
+    if not failed or any(explained.get(n, ("", {}))[0] != NUMERICS for n in failed):
+        return []
+    return list(dict.fromkeys(str(explained[n][1].get("variant")) for n in failed))
+
+
 def _say(name: Optional[str], **fields: str) -> tuple[Optional[str], str]:
     return name, SENTENCES[name].format(**fields)
 
 
 def diagnose_verify(
-    statuses: dict[str, str], produced_by: Optional[str] = None
+    statuses: dict[str, str], produced_by: Optional[str] = None, **rest: Any
 ) -> tuple[Optional[str], str, list[str]]:
     """:func:`diagnose` for a verify capture: verify paths against the plain decode over the same KV.
+    ``rest`` (unreplayed, explained) goes to :func:`diagnose` when neither path diverges.
 
     The production output (``observed``) is the verify path's witness when no offline verify path ran.
     """
@@ -199,7 +221,7 @@ def diagnose_verify(
     if d:
         agree = ", ".join(ok["verify"]) or ("the production output" if statuses.get("observed") == "pass" else "none ran")
         return "decode", SENTENCES["verify_decode"].format(bad=", ".join(d), agree=agree), d
-    return diagnose(statuses, produced_by=produced_by)
+    return diagnose(statuses, produced_by=produced_by, **rest)
 
 
 def verify_table(entries: dict) -> list[dict]:

@@ -1,6 +1,8 @@
 """Hypotheses for a diverging output (docs/contract.md section 4): replay the reference under each,
 report the first, in the table's order, that brings the backend's error back to rounding noise.
 
+    numerics            {"variant": name}             the same attention with different rounding
+                                                      (a store, P, the lse, accumulation, a merge)
     last_page_read_full {"page", "rows_read", ...}    page_size > 1: the last page read as full
     empty_split_merged  {"split", "num_kv_splits",    an empty split's NaN / zero-scratch partial merged in
                          "went_in"}
@@ -22,6 +24,12 @@ report the first, in the table's order, that brings the backend's error back to 
     causal_alignment    {"alignment"}                 top-left causal, or none among the drafts
     mask_wrong_request  {"mask_of": b2}               the drafts see each other through b2's tree mask
     qlen_pow2_padding   {"qlen", "padded_to", "reads"} qlen padded to a power of two: wrong queries / rows
+
+Within a family, every candidate that confirms counts: the simplest is reported, the others are
+listed as its ``alternatives`` (refmla.hypotheses.drivers). ``numerics`` comes first: its
+rounding variants must also fit the kernel's noise row by row, which a data fault does not; its
+accumulation variants, whose noise depends on the summation order and is judged by its size
+alone, come last (LATE).
 
 "Back to rounding noise" is the comparator itself (refmla.compare.compare, the replay's
 tolerance) against the reference *and the low-precision control* recomputed under the
@@ -54,14 +62,15 @@ best few.
 from __future__ import annotations
 
 import time
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 from refmla.compare import Comparison
 from refmla.context import ReplayContext
 from refmla.hypotheses import (
-    empty_split, heads, kv_range, kv_scale, logit_cap, overflow, pages, rope, seq_len, sm_scale, split, verify,
+    empty_split, heads, kv_range, kv_scale, logit_cap, numerics, overflow, pages, rope, seq_len, sm_scale, split,
+    verify,
 )
 from refmla.hypotheses.search import Search, SearchFn
 from refmla.results import Explanation
@@ -69,6 +78,7 @@ from refmla.util import single_thread
 
 # The families in the order they are tried: the contract's order, simplest first.
 SEARCHES: dict[str, SearchFn] = {
+    numerics.NAME: numerics.search,
     pages.FULL: pages.search_full,
     empty_split.NAME: empty_split.search,
     seq_len.NAME: seq_len.search,
@@ -88,12 +98,21 @@ SEARCHES: dict[str, SearchFn] = {
     logit_cap.NAME: logit_cap.search,
 }
 HYPOTHESES = tuple(SEARCHES)
+# Tried after all of SEARCHES: numerics' accumulation variants (judged by their noise's size only)
+LATE: tuple[SearchFn, ...] = (numerics.search_late,)
 
 
-def explain_failure(ctx: ReplayContext, out: torch.Tensor, cmp: Comparison) -> Optional[Explanation]:
+def explain_failure(
+    ctx: ReplayContext, out: torch.Tensor, cmp: Comparison, notes: Optional[dict[str, Any]] = None
+) -> Optional[Explanation]:
     """The simplest hypothesis that explains a failing output, or None.
 
+    The first family, in SEARCHES order, that explains every failing request; when none does, the
+    first that explains some of them (its ``unexplained_requests`` say which are left).
+
     out: the backend's output [R, H, Dv]; cmp: its comparison with the reference (ctx.compare).
+    notes (optional): filled with what the search learnt besides the answer: ``numerics_tried``,
+    the numerics variants and their residuals (whatever explains the output).
     """
     t0 = time.perf_counter()
     if cmp.row_err is None or tuple(out.shape) != tuple(ctx.ref_out.shape):
@@ -102,7 +121,15 @@ def explain_failure(ctx: ReplayContext, out: torch.Tensor, cmp: Comparison) -> O
         s = Search(ctx, out, cmp)
         if not s.failing:
             return None
-        found = next(explanations(s), None)
+        partial = None
+        for found in explanations(s):
+            if found.complete:
+                break
+            partial = partial or found  # a family that explains only some requests: kept in reserve
+        else:
+            found = partial
+        if notes is not None and s.memo(numerics.TRIED, list):
+            notes["numerics_tried"] = s.memo(numerics.TRIED, list)
         if found is not None:
             found.seconds = round(time.perf_counter() - t0, 3)
     return found
@@ -111,7 +138,7 @@ def explain_failure(ctx: ReplayContext, out: torch.Tensor, cmp: Comparison) -> O
 def explanations(s: Search) -> Iterator[Explanation]:
     """Each family's confirmed explanation, in SEARCHES order; lazily, so the first costs only
     the families before it."""
-    for search in SEARCHES.values():
+    for search in (*SEARCHES.values(), *LATE):
         found = search(s)
         if found is not None:
             yield found

@@ -71,6 +71,7 @@ EXPECT: dict[str, Optional[str]] = {}  # name -> the hypothesis that must name i
 FAULT_MODES: dict[str, Optional[str]] = {}  # name -> the capture mode it needs (None: any)
 VERIFY_PRESET: dict[str, str] = {}  # verify faults: the preset they are planted on by default
 SPEC_FOR: dict[str, Callable[[SynthSpec], SynthSpec]] = {}  # name -> the spec the fault needs (fp8 pool, ...)
+MAY_AGREE: set[str] = set()  # faults that may stay within the tolerance on some presets (agree is no miss)
 
 
 def fault(
@@ -78,14 +79,17 @@ def fault(
     description: str,
     expect: Optional[str] = "",
     spec: Optional[Callable[[SynthSpec], SynthSpec]] = None,
+    may_agree: bool = False,
     mode: Optional[str] = None,
     preset: str = "",
 ) -> Callable[[FaultFn], FaultFn]:
     """Register a fault. ``expect``: the hypothesis replay must name for it ("" means the fault's
-    own name; None means a correct kernel that must pass). tools/bench_diagnosis.py reads EXPECT.
-    ``spec``: how a preset becomes one the fault can exist on (e.g. an fp8 pool), applied by
-    :func:`spec_for` (refmla.synth.synth_capture does). ``mode``: the capture mode the fault needs
-    (None: any), with the ``preset`` it is meant for (verify faults)."""
+    own name; None means a correct kernel that must pass). tools/bench_diagnosis.py reads EXPECT
+    and MAY_AGREE. ``spec``: how a preset becomes one the fault can exist on (e.g. an fp8 pool),
+    applied by :func:`spec_for` (refmla.synth.synth_capture does). ``may_agree``: on some presets
+    the planted output stays within the tolerance, and ``agree`` is then right, not a miss.
+    ``mode``: the capture mode the fault needs (None: any), with the ``preset`` it is meant for
+    (verify faults)."""
 
     def register(fn: FaultFn) -> FaultFn:
         FAULTS[name], DESCRIPTIONS[name] = fn, description
@@ -95,6 +99,8 @@ def fault(
             VERIFY_PRESET[name] = preset
         if spec is not None:
             SPEC_FOR[name] = spec
+        if may_agree:
+            MAY_AGREE.add(name)
         return fn
 
     return register
