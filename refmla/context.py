@@ -45,7 +45,7 @@ class ReplayContext:
             splits = c.num_kv_splits if c.is_decode else None  # the production split schedule
             self._controls[out_dtype] = mla_control(
                 c.q, c.kv_buffer, c.kv_indptr, c.kv_indices, **c.scales(), out_dtype=out_dtype,
-                qo_indptr=qo, num_kv_splits=splits,
+                qo_indptr=qo, num_kv_splits=splits, **c.mask_args(),
             )  # fmt: skip
         return self._controls[out_dtype][0]
 
@@ -69,9 +69,13 @@ class ReplayContext:
         """[R] True where the row's request attends no token."""
         return (self.cap.seq_lens.long() == 0)[self.cap.request_of_row()]
 
-    def compare(self, name: str, out: torch.Tensor, row_mask: Optional[torch.Tensor] = None) -> Comparison:
+    def compare(
+        self, name: str, out: torch.Tensor, row_mask: Optional[torch.Tensor] = None, control: Optional[torch.Tensor] = None
+    ) -> Comparison:
+        """``out`` against the reference; ``control``: a backend's own noise floor (BackendResult.control)."""
         dtype = judged_dtype(out.dtype)
+        ctl = self.control(dtype) if control is None else control.to(dtype)
         return compare(
-            name, out, self.ref_out, self.control(dtype), out_dtype=dtype, tol=self.opts.tol,
+            name, out, self.ref_out, ctl, out_dtype=dtype, tol=self.opts.tol,
             row_mask=row_mask, request_of_row=self.cap.request_of_row(),
         )  # fmt: skip

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from refmla.reference import Scales, gather, mla_decode_split_ref, request_rows
+from refmla.reference import Scales, gather, mla_decode_split_ref, request_rows, verify_visibility
 from refmla.schedule import split_bounds
 
 STORES = ("nearest_even", "toward_zero", "half_away", "via_fp16")  # fp32 result -> output dtype
@@ -158,11 +158,14 @@ def mla_control(
     qo_indptr: torch.Tensor | None = None,
     num_kv_splits: torch.Tensor | None = None,
     rounding: Rounding = STANDARD,
+    custom_mask: torch.Tensor | None = None,
+    mask_indptr: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Low-precision control for decode (qo_indptr None) or extend: out in out_dtype, lse fp32.
+    """Low-precision control for decode (qo_indptr None), extend or verify: out in out_dtype, lse fp32.
 
     With ``num_kv_splits`` (decode), each request follows the production split schedule: fp32
-    partials per split, merged in fp32, then rounded -- the split kernels' rounding points.
+    partials per split, merged in fp32, then rounded -- the split kernels' rounding points. With a
+    verify ``custom_mask`` (refmla.reference.verify_visibility), each token sees its mask's positions.
     """
     sc = Scales(kv_lora_rank, sm_scale, logit_cap, k_scale, v_scale)
     T, H = q.shape[0], q.shape[1]
@@ -174,9 +177,12 @@ def mla_control(
         q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
         kv = gather(kv_buffer, request_rows(kv_indptr, kv_indices, b), kv_buffer.dtype)  # [L, D]
         prefix = kv.shape[0] - (q1 - q0)
+        vis = None if custom_mask is None else verify_visibility(kv.shape[0], q1 - q0, b, custom_mask, mask_indptr)
         for i, t in enumerate(range(q0, q1)):
             if num_kv_splits is not None:
                 out[t], lse[t] = attend_control_split(q[t], kv, sc, out_dtype, int(num_kv_splits[b]), rounding)
+            elif vis is not None:
+                out[t], lse[t] = attend_control(q[t], kv[vis[i].to(kv.device)], sc, out_dtype, rounding)
             else:
                 out[t], lse[t] = attend_control(q[t], kv[: prefix + i + 1], sc, out_dtype, rounding)
     return out, lse

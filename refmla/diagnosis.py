@@ -15,6 +15,12 @@
                           or metadata fault
     backend_error         a backend crashed and nothing diverged
     metadata              the capture's metadata is invalid; nothing was replayed
+    verify                (verify captures) a verify path (aiter max_seqlen_q > 1, the Triton extend
+                          with the mask) diverges while the plain decode over the same KV agrees
+
+Verify captures (:func:`diagnose_verify`) ask the seed's question -- over the same KV, does the
+verify path or the plain-decode path diverge? -- and answer it with ``verify``, ``decode`` (the
+plain decode per query diverges while verify agrees), ``shared_input`` (both), or the classes above.
 
 "Decode diverges" counts the offline decode kernels; when none ran, the observed production
 output stands for the decode path (it is what the production decode kernel wrote).
@@ -53,12 +59,34 @@ SENTENCES = {
         "sm_scale or other meta) or the reference's assumptions"
     ),
     "backend_error": "a backend raised an error ({bad}); see its reason",
+    "verify": (
+        "the verify path diverges ({bad}) while the plain decode over the same KV agrees ({agree}): "
+        "the multi-token verify kernel computes this input wrongly"
+    ),
+    "verify_alone": "the verify path diverges ({bad}); no plain-decode path ran over the same KV to compare",
+    "verify_observed": (
+        "the production verify output diverges while the plain decode over the same captured KV agrees ({agree}); "
+        "no offline verify kernel ran here, so the verify kernel and the state at kernel time (KV not yet "
+        "written, graph replay) are both suspects: replay where aiter / the Triton extend runs"
+    ),
+    "verify_decode": (
+        "the plain-decode path diverges over the same KV ({bad}) while the verify path agrees ({agree}): "
+        "the decode kernel computes this KV wrongly (verify fine, plain decode not)"
+    ),
+    "verify_shared": (
+        "verify ({verify}) and plain decode ({decode}) both diverge over the same KV: suspect the KV or the "
+        "inputs they share (transfer, meta), not one kernel"
+    ),
     "numerics": (
         "the kernel computes the same attention with different rounding ({variants}); no data or "
         "metadata fault ({bad} outside the tolerance only through rounding)"
     ),
 }
 NUMERICS = "numerics"  # the hypothesis family whose explanations make the diagnosis ``numerics``
+
+# verify captures: which backend stands for which path over the same KV
+VERIFY_PATHS = {"extend": "verify", "aiter": "verify", "triton_decode_per_query": "plain decode",
+                "aiter_decode_per_query": "plain decode"}  # fmt: skip
 
 
 UNREPLAYED = (
@@ -164,3 +192,44 @@ def numeric_variants(failed: list[str], explained: Mapping[str, tuple[str, Mappi
 
 def _say(name: Optional[str], **fields: str) -> tuple[Optional[str], str]:
     return name, SENTENCES[name].format(**fields)
+
+
+def diagnose_verify(
+    statuses: dict[str, str], produced_by: Optional[str] = None, **rest: Any
+) -> tuple[Optional[str], str, list[str]]:
+    """:func:`diagnose` for a verify capture: verify paths against the plain decode over the same KV.
+    ``rest`` (unreplayed, explained) goes to :func:`diagnose` when neither path diverges.
+
+    The production output (``observed``) is the verify path's witness when no offline verify path ran.
+    """
+    ran = {n for n, s in statuses.items() if s in ("pass", "fail")}
+    paths = {p: [n for n, q in VERIFY_PATHS.items() if q == p and n in ran] for p in ("verify", "plain decode")}
+    bad = {p: [n for n in ns if statuses[n] == "fail"] for p, ns in paths.items()}
+    ok = {p: [n for n in ns if statuses[n] == "pass"] for p, ns in paths.items()}
+    if statuses.get("observed") == "fail" and not paths["verify"]:
+        bad["verify"] = ["observed"]
+    v, d = bad["verify"], bad["plain decode"]
+    if v and d:
+        sentence = SENTENCES["verify_shared"].format(verify=", ".join(v), decode=", ".join(d))
+        return "shared_input", sentence, v + d
+    if v == ["observed"] and ok["plain decode"]:
+        return "verify", SENTENCES["verify_observed"].format(agree=", ".join(ok["plain decode"])), v
+    if v:
+        if ok["plain decode"]:
+            return "verify", SENTENCES["verify"].format(bad=", ".join(v), agree=", ".join(ok["plain decode"])), v
+        return "verify", SENTENCES["verify_alone"].format(bad=", ".join(v)), v
+    if d:
+        agree = ", ".join(ok["verify"]) or ("the production output" if statuses.get("observed") == "pass" else "none ran")
+        return "decode", SENTENCES["verify_decode"].format(bad=", ".join(d), agree=agree), d
+    return diagnose(statuses, produced_by=produced_by, **rest)
+
+
+def verify_table(entries: dict) -> list[dict]:
+    """One row per path over the same KV: path, backend, status, max_abs_err, reason (skipped / failed)."""
+    rows = []
+    for name, path in [("observed", "verify (production)"), *VERIFY_PATHS.items()]:
+        e = entries.get(name)
+        if e is not None:
+            rows.append({"path": path, "backend": name, "status": e.status, "max_abs_err": e.max_abs_err,
+                         "reason": e.reason})  # fmt: skip
+    return rows

@@ -227,6 +227,64 @@ def mla_extend_ref(
 
 
 # --------------------------------------------------------------------------------------------
+# Verify (speculative): several query tokens per request, causal bottom-right or a tree mask
+# --------------------------------------------------------------------------------------------
+
+
+def verify_visibility(
+    L: int, n: int, b: int = 0, custom_mask: torch.Tensor | None = None, mask_indptr: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[n, L] bool: which positions each of request b's n query tokens sees.
+
+    Without a mask, causal bottom-right: query i sees positions [0, L - n + i]. With SGLang's
+    ``custom_mask`` (request b's row-major [n, L] mask at ``mask_indptr[b]``), exactly its True entries.
+    """
+    if custom_mask is None:
+        return torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None]  # [n, L]
+    start = int(mask_indptr[b])
+    return (custom_mask[start : start + n * L] != 0).view(n, L).cpu()  # [n, L]
+
+
+def mla_verify_ref(
+    q: torch.Tensor,
+    kv_buffer: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    custom_mask: torch.Tensor | None = None,
+    mask_indptr: torch.Tensor | None = None,
+    *,
+    kv_lora_rank: int,
+    sm_scale: float,
+    logit_cap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    accum_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify: q [T, H, D], request b's n_b query tokens q[qo_indptr[b]:qo_indptr[b+1]] are its last
+    n_b positions (the drafts, their KV already in the pool). Query i sees what
+    :func:`verify_visibility` says: causal bottom-right, or the tree mask. out [T, H, Dv], lse [T, H]."""
+    sc = Scales(kv_lora_rank, sm_scale, logit_cap, k_scale, v_scale)
+    if custom_mask is None:
+        return mla_extend_ref(q, kv_buffer, kv_indptr, kv_indices, qo_indptr, **_kw(sc), accum_dtype=accum_dtype)
+    T, H, _ = q.shape
+    out = torch.zeros(T, H, kv_lora_rank, dtype=accum_dtype, device=q.device)  # [T, H, Dv]
+    lse = torch.full((T, H), -math.inf, dtype=accum_dtype, device=q.device)  # [T, H]
+    for b in range(len(qo_indptr) - 1):
+        q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
+        kv = gather(kv_buffer, request_rows(kv_indptr, kv_indices, b), accum_dtype)  # [L, D]
+        vis = verify_visibility(kv.shape[0], q1 - q0, b, custom_mask, mask_indptr)  # [n, L]
+        for i, t in enumerate(range(q0, q1)):
+            out[t], lse[t] = attend(q[t].to(accum_dtype), kv[vis[i].to(kv.device)], sc)
+    return out, lse
+
+
+def _kw(sc: Scales) -> dict:
+    return dict(kv_lora_rank=sc.kv_lora_rank, sm_scale=sc.sm_scale, logit_cap=sc.logit_cap,
+                k_scale=sc.k_scale, v_scale=sc.v_scale)  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
 # aiter's page-level convention
 # --------------------------------------------------------------------------------------------
 

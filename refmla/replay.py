@@ -12,12 +12,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from refmla.backends import ALL_NAMES, NAMES, BackendUnavailable, get_backend
+from refmla.backends import ALL_NAMES, NAMES, VERIFY_ONLY, BackendUnavailable, get_backend
 from refmla.capture import Capture, CaptureError, read_capture
 from refmla.checks import check_capture
 from refmla.compare import judged_dtype
 from refmla.context import ReplayContext, ReplayOptions
-from refmla.diagnosis import diagnose, unreplayed_path
+from refmla.diagnosis import diagnose, diagnose_verify, unreplayed_path, verify_table
 from refmla.hypotheses import explain_failure
 from refmla.results import PART_NAMES, BackendEntry, MetadataReport, NoiseFloor, ReplayReport, Shape
 from refmla.splits import compare_lse, compare_splits
@@ -40,9 +40,11 @@ def invalid_report(path: str, e: Exception) -> ReplayReport:
                         metadata=MetadataReport.invalid(str(e)))  # fmt: skip
 
 
-def backend_names(opts: ReplayOptions) -> list[str]:
-    """reference and observed always; then the named backends, or all others but the opt-in ones."""
-    chosen = NAMES[2:] if opts.backends is None else [n for n in opts.backends if n not in NAMES[:2]]
+def backend_names(opts: ReplayOptions, mode: str = "verify") -> list[str]:
+    """reference and observed always; then the named backends, or all others but the opt-in ones (the
+    verify-only per-query decode paths only for a verify capture)."""
+    default = [n for n in NAMES[2:] if mode == "verify" or n not in VERIFY_ONLY]
+    chosen = default if opts.backends is None else [n for n in opts.backends if n not in NAMES[:2]]
     for n in chosen:
         if n not in ALL_NAMES:
             raise KeyError(f"unknown backend {n!r}; choose from {', '.join(ALL_NAMES)}")
@@ -60,17 +62,19 @@ def replay_capture(cap: Capture, opts: ReplayOptions) -> ReplayReport:
         report.diagnosis, report.diagnosis_text, _ = diagnose({}, invalid=True)
         return report
     ctx = ReplayContext(cap, opts)
-    for name in backend_names(opts):
+    for name in backend_names(opts, cap.meta.mode):
         report.backends[name] = run_backend(name, ctx)
     ctl = ctx.compare("control", ctx.control(cap.out_dtype))
     report.control = NoiseFloor(dtype_name(cap.out_dtype), ctl.max_abs_err, ctl.cos_diff)
     statuses = {n: b.status for n, b in report.backends.items()}
     explained = {n: (b.explanation.hypothesis, b.explanation.detail) for n, b in report.backends.items()
                  if b.status == "fail" and b.explanation is not None and b.explanation.complete}  # fmt: skip
-    report.diagnosis, report.diagnosis_text, report.diagnosis_backends = diagnose(
-        statuses, produced_by=cap.meta.backend, unreplayed=_unreplayed(cap, report.backends),
-        explained=explained,
+    how = diagnose_verify if cap.is_verify else diagnose
+    report.diagnosis, report.diagnosis_text, report.diagnosis_backends = how(
+        statuses, produced_by=cap.meta.backend, unreplayed=_unreplayed(cap, report.backends), explained=explained,
     )
+    if cap.is_verify:
+        report.verify_vs_decode = verify_table(report.backends)
     report.diagnosis_text += parts_sentence(report.backends)
     report.verdict = "diverged" if any(s in ("fail", "error") for s in statuses.values()) else "agree"
     return report
@@ -117,7 +121,7 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
     except Exception as e:  # a kernel that crashes is a finding, not a crash of refmla
         return BackendEntry("error", reason=error_text(e))
     mask = None if res.defines_empty_rows else ~ctx.empty_rows()
-    cmp = ctx.compare(name, res.out, row_mask=mask)
+    cmp = ctx.compare(name, res.out, row_mask=mask, control=res.control)
     entry = BackendEntry.judged(cmp, info={"version": why, **res.info})
     if res.findings:  # a finding is never a pass (e.g. aiter's rebuilt persistent metadata differs)
         entry.status = "fail"

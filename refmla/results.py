@@ -275,6 +275,7 @@ class ReplayReport:
     diagnosis_backends: Optional[list[str]] = None
     error: Optional[str] = None  # an unreadable capture: why, in one line
     series: Optional[list[Finding]] = None  # findings against the previous capture of its series
+    verify_vs_decode: Optional[list[dict]] = None  # verify captures: each path over the same KV (diagnosis.verify_table)
 
     @property
     def exit_code(self) -> int:
@@ -299,6 +300,8 @@ class ReplayReport:
         d["backends"] = {n: b.to_json() for n, b in self.backends.items()}
         if self.series is not None:
             d["series"] = [f.to_json() for f in self.series]
+        if self.verify_vs_decode is not None:
+            d["verify_vs_decode"] = self.verify_vs_decode
         return d
 
 

@@ -416,6 +416,96 @@ def test_config_from_env():
             HookConfig.from_env({"REFMLA_CAPTURE_DIR": "/tmp/x", "REFMLA_CAPTURE_" + key: bad})
 
 
+# ---------------------------------------------------------------------------------------------
+# Speculative verify (issue 13): SGLang's real TritonAttnBackend in target_verify, on CPU
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("topk,n", [(1, 4), (2, 3)])
+def test_verify_capture_replays(T, hook, topk, n):
+    """target_verify through SGLang's Triton extend kernel with its custom_mask (chain or the kit's
+    tree): captured as mode verify, replayed through reference, extend (the same kernel with the
+    captured mask) and the per-query plain decode; all agree, and the mask is what the kernel read."""
+    from refmla.capture import read_capture
+
+    fx = T.build(T.Case(mode="verify", prefix_lens=(40, 70, 17), extend_lens=(n,) * 3, topk=topk))
+    state = hook(modes=frozenset({"verify"}))
+    served = T.attention_call(fx)  # [T, H * Dv]
+
+    (path,) = _captures(state)
+    cap = read_capture(path)
+    m = cap.meta
+    assert m.mode == "verify" and m.extra["forward_mode"] == "TARGET_VERIFY" and m.extra["verify_kind"] == "target_verify"
+    assert (m.draft_token_num, m.topk) == (n, topk)
+    assert cap.qo_indptr.tolist() == [0, n, 2 * n, 3 * n]
+    assert cap.seq_lens.tolist() == [40 + n, 70 + n, 17 + n]  # prefix + drafts, as aiter's kv_lens
+    assert cap.custom_mask is not None and cap.custom_mask.numel() == n * sum(cap.seq_lens.tolist())
+    spec_mask = fx.forward_batch.spec_info.custom_mask.cpu()
+    assert torch.equal(cap.custom_mask, spec_mask[: cap.custom_mask.numel()].bool())
+    assert torch.equal(cap.out.reshape(served.shape), served)
+
+    patching.uninstall()
+    replay = pytest.importorskip("refmla.replay")
+    opts = ReplayOptions(backends=["extend", "triton_decode_per_query"])
+    report = replay.replay_file(str(path), opts).to_json()
+    assert report["verdict"] == "agree", json.dumps(json_safe(report), indent=1)[:3000]
+    for name in ("observed", "extend", "triton_decode_per_query"):
+        assert report["backends"][name]["status"] == "pass", name
+    assert report["backends"]["extend"]["info"]["custom_mask"] == "capture"
+
+
+def test_verify_not_captured_when_only_extend_is_asked(T, hook):
+    fx = T.build(T.Case(mode="verify", prefix_lens=(20,), extend_lens=(2,)))
+    state = hook(modes=frozenset({"extend"}))
+    T.attention_call(fx)
+    assert _captures(state) == []
+
+
+def test_aiter_verify_reader_takes_its_whole_sequence_metadata():
+    """AiterAttnBackend's target_verify metadata (init_forward_metadata) already covers
+    seq_lens + draft_token_num with qo_indptr in steps of draft_token_num: read as it is. (Its
+    forward_extend needs aiter's kernels to run, so the reader is driven with that metadata here.)"""
+    from types import SimpleNamespace
+
+    from refmla.hook.call import Call, CallContext, Skip
+    from refmla.hook.modes import READERS
+
+    n, lens = 3, torch.tensor([10, 4])
+    kv_indptr = torch.tensor([0, 10, 14], dtype=torch.int32)
+    md = SimpleNamespace(kv_indptr=kv_indptr, kv_indices=torch.arange(100, 114), qo_indptr=torch.tensor([0, 3, 6]),
+                         custom_mask=None, mask_indptr=None)  # fmt: skip
+    fb = SimpleNamespace(batch_size=2, spec_info=SimpleNamespace(topk=1, draft_token_num=n))
+    call = Call(backend="aiter", mode="verify", layer=None, forward_batch=fb, layer_id=0, step=0, rank=0)
+    ctx = CallContext(call=call, backend=None, md=md, pool=None, heads=1, qk_head_dim=576, kv_lora_rank=512,
+                      q=torch.zeros(6, 1, 576), out=torch.zeros(6, 1, 512))  # fmt: skip
+    idx = READERS["verify"].indices(ctx)
+    assert idx.kv_indptr.tolist() == [0, 10, 14] and idx.qo_indptr.tolist() == [0, 3, 6]
+    assert torch.equal(idx.kv_indices, torch.arange(100, 114)) and ctx.custom_mask is None
+    assert (idx.kv_indptr[1:] - idx.kv_indptr[:-1]).tolist() == lens.tolist()
+    fb.spec_info.topk = 2  # a tree on aiter: no mask to capture, so not captured
+    with pytest.raises(Skip, match="topk > 1"):
+        READERS["verify"].indices(ctx)
+
+
+def test_draft_extend_capture_replays(T, hook):
+    """The draft model's DRAFT_EXTEND_V2 pass (the accepted tokens, causal, no mask): mode verify."""
+    from refmla.capture import read_capture
+
+    fx = T.build(T.Case(mode="draft_extend", prefix_lens=(40, 70), extend_lens=(3, 3)))
+    state = hook(modes=frozenset({"verify"}))
+    served = T.attention_call(fx)
+
+    (path,) = _captures(state)
+    cap = read_capture(path)
+    assert cap.meta.mode == "verify" and cap.meta.extra["verify_kind"] == "draft_extend"
+    assert cap.custom_mask is None and cap.qo_indptr.tolist() == [0, 3, 6]
+    assert torch.equal(cap.out.reshape(served.shape), served)
+    patching.uninstall()
+    replay = pytest.importorskip("refmla.replay")
+    report = replay.replay_file(str(path), ReplayOptions(backends=["triton_decode_per_query"])).to_json()
+    assert report["verdict"] == "agree", json.dumps(json_safe(report), indent=1)[:3000]
+
+
 def test_capture_records_the_pool_geometry(T, hook, monkeypatch):
     """Rows, row bytes and layers per registered buffer as SGLang's MLATokenToKVPool allocated them
     (what MORI registers: get_contiguous_buf_infos), and SGLANG_MORI_MAX_MR_BYTES from the env."""

@@ -89,7 +89,8 @@ def test_planted_fault_is_named(tmp_path, capsys, spec, fault, hypothesis, detai
 
 def test_hypotheses_in_contract_order():
     assert HYPOTHESES == ("numerics", "last_page_read_full", "empty_split_merged", "seq_len_off_by", "offset_overflow",
-                          "last_page_len_swapped", "kv_range_missing", "split_missing", "kv_scale_misapplied",
+                          "last_page_len_swapped", "draft_kv_missing", "causal_alignment", "mask_wrong_request",
+                          "qlen_pow2_padding", "kv_range_missing", "split_missing", "kv_scale_misapplied",
                           "wrong_sm_scale", "head_misaligned", "rope_mishandled", "logit_cap_mismatch")  # fmt: skip
 
 

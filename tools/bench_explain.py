@@ -27,7 +27,7 @@ import torch
 from refmla.capture import read_capture
 from refmla.hypotheses import explain_failure
 from refmla.context import ReplayContext, ReplayOptions
-from refmla.synth import EXPECT, FAULTS, preset, synth_capture
+from refmla.synth import EXPECT, FAULT_MODES, FAULTS, preset, synth_capture
 
 
 def bench_case(spec, fault: str, repeat: int, folder: Path) -> dict:
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    faults = args.fault or [f for f in FAULTS if EXPECT[f] is not None]  # the benign ones must pass: not searched
+    faults = args.fault or [f for f in FAULTS if EXPECT[f] is not None and FAULT_MODES[f] is None]  # decode faults
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; capture {args.requests} requests x "
           f"{args.tokens} tokens x {args.heads} heads, bf16, fault on request 2", file=sys.stderr)  # fmt: skip
     rows = []

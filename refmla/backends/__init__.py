@@ -5,6 +5,10 @@
     triton     SGLang's Triton MLA decode kernel, imported from the installed SGLang
     aiter      aiter's MLA decode kernel (ROCm only)
     extend     the local-extend baseline: the same token computed the prefill/extend way
+               (verify captures: SGLang's Triton extend kernel with the tree / causal custom_mask)
+    triton_decode_per_query, aiter_decode_per_query
+               verify captures only: each verify query as a one-token decode over the positions
+               it sees (refmla.backends.per_query), the plain-decode path over the same KV
     flex       PyTorch's flex_attention compiled by Inductor: an independent kernel (opt-in, see below)
 
 NAMES run by default; OPT_IN backends run only when named (``--backend flex``): flex compiles
@@ -21,16 +25,20 @@ import importlib
 
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 
-NAMES = ("reference", "observed", "triton", "aiter", "extend")
+_FIRST = ("reference", "observed", "triton", "aiter", "extend")
+VERIFY_ONLY = ("triton_decode_per_query", "aiter_decode_per_query")  # left out of other modes' default list
+NAMES = _FIRST + VERIFY_ONLY
 OPT_IN = ("flex",)
-ALL_NAMES = NAMES + OPT_IN
+ALL_NAMES = _FIRST + OPT_IN + VERIFY_ONLY  # every name, in the order they were added
 
 _WHERE = {
     "reference": "refmla.backends.reference:ReferenceBackend",
     "observed": "refmla.backends.reference:ObservedBackend",
     "triton": "refmla.backends.triton:TritonBackend",
-    "aiter": "refmla.backends.aiter:AiterBackend",
+    "aiter": "refmla.backends.aiter_verify:AiterVerifyBackend",  # AiterBackend, plus verify (max_seqlen_q > 1)
     "extend": "refmla.backends.extend.backend:ExtendBackend",
+    "triton_decode_per_query": "refmla.backends.per_query:TritonDecodePerQueryBackend",
+    "aiter_decode_per_query": "refmla.backends.per_query:AiterDecodePerQueryBackend",
     "flex": "refmla.backends.flex:FlexBackend",
 }
 
@@ -64,4 +72,4 @@ def get_backend(name: str) -> Backend:
     return _CACHE[name]
 
 
-__all__ = ["ALL_NAMES", "NAMES", "OPT_IN", "Backend", "BackendResult", "BackendUnavailable", "get_backend"]
+__all__ = ["ALL_NAMES", "NAMES", "OPT_IN", "VERIFY_ONLY", "Backend", "BackendResult", "BackendUnavailable", "get_backend"]

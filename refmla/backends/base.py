@@ -38,6 +38,10 @@ class BackendResult:
     info: dict[str, Any] = field(default_factory=dict)  # version, module path, device, notes
     # False when the kernel leaves rows of zero-length requests undefined (not compared).
     defines_empty_rows: bool = True
+    # The noise floor at this path's own rounding points when they differ from the capture's (a
+    # split schedule the capture does not carry: the per-query decode of a verify capture); None:
+    # the replay's control (refmla.context.ReplayContext.control).
+    control: Optional[torch.Tensor] = None
     findings: list[Finding] = field(default_factory=list)  # each one fails the backend (never a pass)
 
 

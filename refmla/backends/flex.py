@@ -298,6 +298,8 @@ class FlexBackend(Backend):
 
     def run(self, cap, opts) -> BackendResult:
         m = cap.meta
+        if cap.is_verify and cap.mask_args()["custom_mask"] is not None:  # a chain verify is causal: runs
+            raise BackendUnavailable("flex: a verify tree custom_mask is not modelled (causal only)")
         device = getattr(opts, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
         if torch.device(device).type == "cpu" and not _compiler_note()[0]:
             raise BackendUnavailable(_compiler_note()[1])

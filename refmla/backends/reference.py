@@ -13,6 +13,9 @@ def reference_output(cap, accum_dtype: torch.dtype = torch.float64) -> tuple[tor
     args = (cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices)
     if cap.is_decode:
         return ref.mla_decode_ref(*args, **cap.scales(), accum_dtype=accum_dtype)
+    if cap.is_verify:
+        return ref.mla_verify_ref(*args, cap.qo_indptr, **cap.mask_args(), **cap.scales(),
+                                  accum_dtype=accum_dtype)  # fmt: skip
     return ref.mla_extend_ref(*args, cap.qo_indptr, **cap.scales(), accum_dtype=accum_dtype)
 
 

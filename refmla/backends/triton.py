@@ -338,7 +338,8 @@ class TritonBackend(Backend):
     def run(self, cap, opts) -> BackendResult:
         m = cap.meta
         if m.mode != "decode":
-            raise BackendUnavailable("decode kernel; capture is extend mode")
+            why = "; see triton_decode_per_query" if m.mode == "verify" else ""
+            raise BackendUnavailable(f"decode kernel; capture is {m.mode} mode{why}")
         ok, why = self.availability()
         if not ok:
             raise BackendUnavailable(why)

@@ -27,10 +27,14 @@ TENSORS = {
     "q": True, "kv_buffer": True, "kv_indptr": True, "kv_indices": True, "seq_lens": True,
     "num_kv_splits": False, "out": False, "lse": False, "attn_logits": False, "attn_lse": False,
     "req_to_token": False, "orig_kv_indices": False, "qo_indptr": False,
+    "custom_mask": False, "mask_indptr": False,
     # aiter's persistent work buffers as production's kernel read them (docs/contract.md section 1)
     "aiter_work_indptr": False, "aiter_work_info_set": False, "aiter_reduce_indptr": False,
     "aiter_reduce_final_map": False, "aiter_reduce_partial_map": False,
 }  # fmt: skip
+
+MODES = ("decode", "extend", "verify")  # verify: speculative target-verify / draft-extend (several queries)
+MASK_DTYPES = {torch.bool, torch.uint8, torch.int8}  # custom_mask as SGLang keeps it (bool) or its int8 buffer
 
 
 class CaptureError(Exception):
@@ -48,7 +52,7 @@ class CaptureError(Exception):
 
 @dataclass
 class CaptureMeta:
-    mode: str  # "decode" (one query token per request) or "extend"
+    mode: str  # "decode" (one query token per request), "extend" or "verify" (speculative, see MODES)
     backend: str  # production backend that produced `out`: triton | aiter | unknown
     kv_lora_rank: int  # Dv, latent (value) width
     qk_rope_head_dim: int  # rope width; D = kv_lora_rank + qk_rope_head_dim
@@ -64,6 +68,8 @@ class CaptureMeta:
     rids: Optional[list] = None
     sglang_version: Optional[str] = None
     aiter_version: Optional[str] = None
+    draft_token_num: Optional[int] = None  # verify: query tokens per request in SGLang's target_verify
+    topk: Optional[int] = None  # verify: EAGLE topk (1: a chain, > 1: a tree with custom_mask)
     # the production pool's geometry (docs/contract.md section 1, "pool geometry"; refmla.regions)
     kv_pool_rows: Optional[int] = None  # rows of one registered KV buffer (SGLang: max_total_num_tokens + page_size)
     kv_pool_row_bytes: Optional[int] = None  # bytes of one row of one layer (kv_cache_dim x element size)
@@ -106,6 +112,7 @@ META_KEYS = {
     "kv_pool_rows": (int, False), "kv_pool_row_bytes": (int, False), "kv_pool_layers_per_buffer": (int, False),
     "kv_pool_layers": (int, False), "kv_pool_size": (int, False), "disagg_mode": (str, False),
     "disagg_transfer_backend": (str, False), "mori_max_mr_bytes": (int, False),
+    "draft_token_num": (int, False), "topk": (int, False),
 }  # fmt: skip
 GEOMETRY_KEYS = ("kv_pool_rows", "kv_pool_row_bytes", "kv_pool_layers_per_buffer")  # what refmla.regions needs
 
@@ -152,8 +159,8 @@ def _bad_key(path: Any, key: str, message: str) -> CaptureError:
 
 
 def _check_mode(kw: dict, path: Any) -> None:
-    if kw["mode"] not in ("decode", "extend"):
-        raise _bad_key(path, "mode", f"must be 'decode' or 'extend', got {kw['mode']!r}")
+    if kw["mode"] not in MODES:
+        raise _bad_key(path, "mode", f"must be one of {', '.join(MODES)}, got {kw['mode']!r}")
 
 
 def _check_widths(kw: dict, path: Any) -> None:
@@ -191,6 +198,12 @@ def _check_ids(kw: dict, path: Any) -> None:
             raise _bad_key(path, key, f"must be in [0, 2**63), got {value}")
 
 
+def _check_verify_keys(kw: dict, path: Any) -> None:
+    for key in ("draft_token_num", "topk"):
+        if kw.get(key) is not None and kw[key] < 1:
+            raise _bad_key(path, key, f"must be >= 1, got {kw[key]}")
+
+
 def _check_geometry(kw: dict, path: Any) -> None:
     for key in (*GEOMETRY_KEYS, "kv_pool_layers", "mori_max_mr_bytes"):
         if kw.get(key) is not None and kw[key] < 1:
@@ -207,6 +220,7 @@ META_CHECKS: tuple[Callable[[dict, Any], None], ...] = (
     _check_sizes,
     _check_ids,
     _check_geometry,
+    _check_verify_keys,
 )
 
 
@@ -233,7 +247,9 @@ class Capture:
     attn_lse: Optional[torch.Tensor] = None  # [B, H, S]
     req_to_token: Optional[torch.Tensor] = None  # [B, M]
     orig_kv_indices: Optional[torch.Tensor] = None  # like kv_indices
-    qo_indptr: Optional[torch.Tensor] = None  # [B + 1], extend only
+    qo_indptr: Optional[torch.Tensor] = None  # [B + 1], extend and verify
+    custom_mask: Optional[torch.Tensor] = None  # [sum_b n_b * L_b] verify: request b's [n_b, L_b] mask, row-major
+    mask_indptr: Optional[torch.Tensor] = None  # [B + 1] verify: request b's mask is custom_mask[mask_indptr[b]:...]
     aiter_work_indptr: Optional[torch.Tensor] = None  # [cu + 1] int32, aiter persistent path
     aiter_work_info_set: Optional[torch.Tensor] = None  # [works, 8]
     aiter_reduce_indptr: Optional[torch.Tensor] = None  # [tiles + 1]
@@ -252,6 +268,15 @@ class Capture:
     @property
     def is_decode(self) -> bool:
         return self.meta.mode == "decode"
+
+    @property
+    def is_verify(self) -> bool:
+        return self.meta.mode == "verify"
+
+    def mask_args(self) -> dict[str, Optional[torch.Tensor]]:
+        """custom_mask / mask_indptr as keyword arguments: the verify tree mask, None otherwise."""
+        on = self.is_verify and self.custom_mask is not None
+        return {"custom_mask": self.custom_mask if on else None, "mask_indptr": self.mask_indptr if on else None}
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {n: getattr(self, n) for n in TENSORS if getattr(self, n) is not None}
@@ -293,7 +318,9 @@ __all__ = [
     "FLOAT_DTYPES",
     "GEOMETRY_KEYS",
     "INDEX_DTYPES",
+    "MASK_DTYPES",
     "META_CHECKS",
+    "MODES",
     "META_KEYS",
     "MAX_KV_SPLITS",
     "MAX_PAGE_SIZE",

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from refmla.capture.format import FLOAT_DTYPES, INDEX_DTYPES, MAX_KV_SPLITS, Capture, CaptureError
+from refmla.capture.format import FLOAT_DTYPES, INDEX_DTYPES, MASK_DTYPES, MAX_KV_SPLITS, Capture, CaptureError
 from refmla.util import dtype_name, request_label
 
 AITER_BUFFERS = {  # aiter's persistent work buffers: name -> trailing shape (None: 1-D)
@@ -20,7 +20,7 @@ AITER_BUFFERS = {  # aiter's persistent work buffers: name -> trailing shape (No
     "aiter_reduce_final_map": 2, "aiter_reduce_partial_map": None,
 }  # fmt: skip
 INDEX_TENSORS = ("kv_indptr", "kv_indices", "seq_lens", "num_kv_splits", "req_to_token", "orig_kv_indices",
-                 "qo_indptr", *AITER_BUFFERS)  # fmt: skip
+                 "qo_indptr", "mask_indptr", *AITER_BUFFERS)  # fmt: skip
 FLOAT_TENSORS = ("q", "kv_buffer", "out", "lse", "attn_logits", "attn_lse")
 KNOWN_BACKENDS = ("triton", "aiter", "unknown")
 # q and the pool in what a kernel reads (docs/contract.md section 1): no fp64, no integers
@@ -72,6 +72,8 @@ def check_dtypes(cap: Capture, warnings: list[str]) -> None:
         t = getattr(cap, name)
         if t.dtype not in INPUT_DTYPES:
             raise _err(cap, name, f"dtype {dtype_name(t.dtype)} is not a kernel input dtype (bf16, fp16, fp32, fp8)")
+    if cap.custom_mask is not None and cap.custom_mask.dtype not in MASK_DTYPES:
+        raise _err(cap, "custom_mask", f"dtype {dtype_name(cap.custom_mask.dtype)} not allowed here (bool, uint8, int8)")
 
 
 def check_core_shapes(cap: Capture, warnings: list[str]) -> None:
@@ -180,14 +182,14 @@ def check_aiter_buffers(cap: Capture, warnings: list[str]) -> None:
 
 
 def check_qo_indptr(cap: Capture, warnings: list[str]) -> None:
-    """Extend: [B + 1] from 0, monotone, ending at q's token count, no request with more new
-    tokens than its length. Decode: ignored (warned)."""
+    """Extend / verify: [B + 1] from 0, monotone, ending at q's token count, no request with more
+    new tokens than its length. Decode: ignored (warned)."""
     if cap.is_decode:
         if cap.qo_indptr is not None:
             warnings.append("qo_indptr is ignored in decode mode")
         return
     if cap.qo_indptr is None:
-        raise _err(cap, "qo_indptr", "missing (required in extend mode)")
+        raise _err(cap, "qo_indptr", f"missing (required in {cap.meta.mode} mode)")
     B, T = cap.batch_size, cap.q.shape[0]
     _shape(cap, "qo_indptr", cap.qo_indptr, (B + 1,))
     qo = cap.qo_indptr.long()
@@ -232,6 +234,73 @@ def warn_backend_name(cap: Capture, warnings: list[str]) -> None:
         warnings.append(f"meta backend {cap.meta.backend!r} is not one of triton, aiter, unknown")
 
 
+def check_verify(cap: Capture, warnings: list[str]) -> None:
+    """Verify: every request verifies at least one token; ``draft_token_num`` (when given) is every
+    request's query count, as in SGLang's target_verify; ``topk`` > 1 (a tree) needs a custom_mask."""
+    if not cap.is_verify:
+        return
+    qo = cap.qo_indptr.long()
+    qlen = qo[1:] - qo[:-1]
+    if bool((qlen < 1).any()):
+        b = _first(qlen < 1)
+        raise _err(cap, "qo_indptr", f"{request_label(b)} has no query token (verify needs at least one)")
+    n = cap.meta.draft_token_num
+    if n is not None and bool((qlen != n).any()):
+        b = _first(qlen != n)
+        raise _err(cap, "qo_indptr", f"{request_label(b)} has {int(qlen[b])} query tokens but meta draft_token_num is {n}")
+    if (cap.meta.topk or 1) > 1 and cap.custom_mask is None:
+        raise _err(cap, "custom_mask", f"missing: meta topk {cap.meta.topk} > 1 is a tree, which needs its mask")
+
+
+def check_custom_mask(cap: Capture, warnings: list[str]) -> None:
+    """Verify: custom_mask and mask_indptr together; mask_indptr [B + 1] from 0 in steps of
+    n_b * L_b (request b's row-major [n_b, L_b] mask over its whole sequence), ending at the
+    mask's length; each query sees itself. Other modes: ignored (warned)."""
+    mask, mptr = cap.custom_mask, cap.mask_indptr
+    if mask is None and mptr is None:
+        return
+    if not cap.is_verify:
+        warnings.append(f"custom_mask / mask_indptr are ignored in {cap.meta.mode} mode")
+        return
+    if mask is None or mptr is None:
+        missing = "custom_mask" if mask is None else "mask_indptr"
+        raise _err(cap, missing, "missing: custom_mask and mask_indptr come together")
+    B = cap.batch_size
+    _shape(cap, "custom_mask", mask, (None,))
+    _shape(cap, "mask_indptr", mptr, (B + 1,))
+    qo, seq, m = cap.qo_indptr.long(), cap.seq_lens.long(), mptr.long()
+    want = (qo[1:] - qo[:-1]) * seq  # [B] n_b * L_b
+    if int(m[0]) != 0:
+        raise _err(cap, "mask_indptr", f"mask_indptr[0]={int(m[0])}, expected 0")
+    sizes = m[1:] - m[:-1]
+    if not torch.equal(sizes, want):
+        b = _first(sizes != want)
+        raise _err(cap, "mask_indptr", f"{request_label(b)}: {int(sizes[b])} mask entries, expected n*L = "
+                                       f"{int(qo[b + 1] - qo[b])}*{int(seq[b])} = {int(want[b])}")  # fmt: skip
+    if int(m[-1]) != mask.shape[0]:
+        raise _err(cap, "custom_mask", f"length {mask.shape[0]} != mask_indptr[-1]={int(m[-1])}")
+    _check_mask_rows(cap, warnings, qo, seq, m)
+
+
+def _check_mask_rows(cap: Capture, warnings: list[str], qo, seq, m) -> None:
+    """Query i of request b must see itself (position L - n + i); prefix columns the kernels ignore
+    (SGLang's skip_prefix_custom_mask) should be all True: warned, the reference uses them as given."""
+    mask = cap.custom_mask != 0
+    hidden_prefix = []
+    for b in range(cap.batch_size):
+        n, L = int(qo[b + 1] - qo[b]), int(seq[b])
+        rows = mask[int(m[b]) : int(m[b + 1])].view(n, L)  # [n, L]
+        diag = rows[torch.arange(n), torch.arange(L - n, L)]  # [n]
+        if not bool(diag.all()):
+            i = _first(~diag)
+            raise _err(cap, "custom_mask", f"{request_label(b)}: query {i} does not see its own position {L - n + i}")
+        if not bool(rows[:, : L - n].all()):
+            hidden_prefix.append(b)
+    if hidden_prefix:
+        warnings.append(f"custom_mask hides prefix positions of requests {hidden_prefix[:8]}: SGLang's Triton "
+                        "kernel ignores prefix columns (skip_prefix_custom_mask); the reference applies them")  # fmt: skip
+
+
 Check = Callable[[Capture, list], None]
 
 # run in this order: each relies on the ones before it
@@ -247,6 +316,8 @@ CHECKS: tuple[Check, ...] = (
     check_qo_indptr,
     check_page_size,
     check_meta_lists,
+    check_verify,
+    check_custom_mask,
     warn_q_values,
     warn_backend_name,
 )

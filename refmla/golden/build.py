@@ -142,7 +142,67 @@ class Builder:
     meta: Callable[[GoldenCase, Tolerance], dict[str, Any]]  # the capture meta, meta["golden"] included
 
 
-BUILDERS: dict[str, Builder] = {"decode": Builder(build_inputs, reference_tensors, decode_meta)}  # by case.mode
+# --------------------------------------------------------------------------------------------
+# Verify: draft_token_num query tokens per request, causal bottom-right or a tree mask
+# --------------------------------------------------------------------------------------------
+
+
+def tree_mask(case: GoldenCase) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's layout for a complete topk-ary draft tree (token i's parent (i - 1) // topk): request
+    b's row-major [n, L_b] bool mask (prefix all True, a draft sees its ancestors and itself),
+    flattened; mask_indptr [B + 1] int64."""
+    n, parts = case.draft_token_num, []
+    for L in case.seq_lens:
+        m = torch.zeros(n, L, dtype=torch.bool)
+        m[:, : L - n] = True
+        for i in range(n):
+            j = i
+            while j >= 0:
+                m[i, L - n + j] = True
+                j = (j - 1) // case.topk if j > 0 else -1
+        parts.append(m.reshape(-1))
+    indptr = torch.zeros(len(parts) + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(torch.tensor([n * L for L in case.seq_lens], dtype=torch.int64), 0)
+    return torch.cat(parts), indptr
+
+
+def verify_inputs(case: GoldenCase) -> Tensors:
+    """The decode inputs with draft_token_num query rows per request, qo_indptr, and the tree mask."""
+    t = build_inputs(case)
+    B, H, n = len(case.seq_lens), case.num_heads, case.draft_token_num
+    D = t["q"].shape[-1]
+    t["q"] = grid_normal(case.seed, "q", (B * n, H, D), DTYPES[case.dtype], case.q_scale_exp)  # [T, H, D]
+    t["qo_indptr"] = torch.arange(B + 1, dtype=torch.int32) * n  # [B + 1], SGLang's target_verify steps
+    del t["num_kv_splits"]  # no split schedule in the verify kernels' file
+    if case.topk > 1:
+        t["custom_mask"], t["mask_indptr"] = tree_mask(case)
+    return t
+
+
+def verify_reference(t: Tensors, case: GoldenCase, kv_lora_rank: int = KV_LORA_RANK) -> Tensors:
+    """out [T, H, Dv] and lse [T, H]: the fp64 verify reference, stored fp32."""
+    out, lse = ref.mla_verify_ref(
+        t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], t["qo_indptr"], t.get("custom_mask"),
+        t.get("mask_indptr"), kv_lora_rank=kv_lora_rank, sm_scale=case.sm_scale, logit_cap=case.logit_cap,
+        k_scale=case.k_scale, v_scale=case.v_scale,
+    )  # fmt: skip
+    return {"out": out.to(torch.float32), "lse": lse.to(torch.float32)}
+
+
+def verify_meta(case: GoldenCase, tol: Tolerance) -> dict[str, Any]:
+    """The capture meta of a verify golden file, meta["golden"] included."""
+    meta = decode_meta(case, tol)
+    meta.update(mode="verify", draft_token_num=case.draft_token_num, topk=case.topk)
+    meta["golden"] = golden_meta_block(case, tol, {
+        "out": "fp64 verify reference (refmla.reference.mla_verify_ref) rounded to fp32; not a production output",
+    })  # fmt: skip
+    return meta
+
+
+BUILDERS: dict[str, Builder] = {  # by case.mode
+    "decode": Builder(build_inputs, reference_tensors, decode_meta),
+    "verify": Builder(verify_inputs, verify_reference, verify_meta),
+}
 
 
 def golden_meta_block(case: GoldenCase, tol: Tolerance, tensors: dict[str, str]) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """The golden cases: one small dataclass per case, the quick suite (in golden/) and the full one.
 
-A case says its ``mode``; :mod:`refmla.golden.build` picks the builder of that mode. Every case
-today is ``decode`` (one query token per request); a new mode (e.g. speculative verify: several
-query tokens per request) adds its builder there and its fields here.
+A case says its ``mode``; :mod:`refmla.golden.build` picks the builder of that mode: ``decode``
+(one query token per request) or ``verify`` (speculative verify: ``draft_token_num`` query tokens
+per request, the last positions of ``seq_lens``; a tree mask when ``topk`` > 1).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from typing import Any, Optional, Union
 from refmla.golden.determinism import hashed_lengths
 from refmla.synth import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE
 
-MODES = ("decode",)  # what a case can be; refmla.golden.build has one builder per mode
+MODES = ("decode", "verify")  # what a case can be; refmla.golden.build has one builder per mode
 NO_MSCALE_SCALE = 192**-0.5  # qk_head_dim**-0.5, a model without yarn rope scaling
 INT32_POOL_ROWS = 2**31 // 576  # pool rows past which a 32-bit element offset (row * 576) overflows
 
 # Fields added after the committed goldens, with their defaults. ``params()`` leaves a field out
 # while it holds this default, so that the files of every older case keep their bytes.
-ADDED_FIELDS: dict[str, Any] = {"mode": "decode"}
+ADDED_FIELDS: dict[str, Any] = {"mode": "decode", "draft_token_num": 0, "topk": 1}
 
 
 @dataclass
@@ -42,6 +42,8 @@ class GoldenCase:
     free_pages: int = 2  # pages no request uses, all NaN, shuffled in among the used ones
     pool_base_row: int = 0  # > 0: check() moves the pool to rows base.. of a NaN pool (int32 overflow)
     seed: int = 0
+    draft_token_num: int = 0  # verify: query tokens per request (the last positions of each seq_len)
+    topk: int = 1  # verify: > 1 a complete topk-ary draft tree as SGLang's custom_mask
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -56,6 +58,8 @@ class GoldenCase:
             raise ValueError(f"{self.name}: {len(self.num_kv_splits)} num_kv_splits for {len(self.seq_lens)} requests")
         if max(self.num_kv_splits) > self.max_kv_splits or min(self.num_kv_splits) < 1:
             raise ValueError(f"{self.name}: num_kv_splits must lie in 1..max_kv_splits={self.max_kv_splits}")
+        if (self.mode == "verify") != (self.draft_token_num > 0) or min(self.seq_lens) < self.draft_token_num:
+            raise ValueError(f"{self.name}: a verify case needs 1 <= draft_token_num <= every seq_len, decode none")
 
     @property
     def splits(self) -> tuple[int, ...]:
@@ -102,6 +106,14 @@ QUICK: dict[str, GoldenCase] = {c.name: c for c in [
        k_scale=0.8125, v_scale=1.375, seed=9),
     _C("kimi-h8-batch64-varlen", "batch 64 of 0..24 tokens, zero-length requests inside the batch",
        seq_lens=hashed_lengths(10, 64, 24, zeros=(0, 17, 63)), num_heads=8, num_kv_splits=1, free_pages=16, seed=10),
+    # speculative verify (MTP / EAGLE): qlen 2, 3 (not a power of two) and 4 (a topk-2 tree)
+    _C("kimi-h8-verify-q2-page16", "MTP verify, 2 query tokens per request (1 draft step), 16-token pages",
+       seq_lens=(34, 257, 2), mode="verify", draft_token_num=2, num_heads=8, page_size=16, seed=11),
+    _C("kimi-h8-verify-q3", "MTP verify, 3 query tokens (qlen not a power of two: aiter #2720's class)",
+       seq_lens=(300, 33, 5), mode="verify", draft_token_num=3, num_heads=8, seed=12),
+    _C("dsv3-h16-verify-q4-tree", "EAGLE topk 2: 4 draft tokens as a tree, SGLang's custom_mask",
+       seq_lens=(130, 64, 100), mode="verify", draft_token_num=4, topk=2, num_heads=16, page_size=64,
+       sm_scale=DEEPSEEK_V3_SCALE, seed=13),
 ]}  # fmt: skip
 
 FULL_ONLY: dict[str, GoldenCase] = {c.name: c for c in [

@@ -38,10 +38,10 @@ call that passes the filters. The rest are torch-free, as they run at interprete
 
 Where to extend it (each without touching the rest):
 
-* another forward mode, e.g. speculative ``target_verify`` / ``draft_extend`` (several query
-  tokens per request, ``qo_indptr``, a custom tree mask): a :class:`~refmla.hook.modes.ModeReader`
-  in ``modes.READERS`` under the mode's name, and :func:`refmla.hook.filters.forward_kind`
-  returning that name (it now returns ``target_verify`` only to skip it, via ``filters.NOT_CAPTURED``);
+* another forward mode: a :class:`~refmla.hook.modes.ModeReader` in ``modes.READERS`` under the
+  mode's name, and :func:`refmla.hook.filters.forward_kind` returning that name, as ``verify``
+  does for speculative ``target_verify`` / ``draft_extend`` (several query tokens per request,
+  ``qo_indptr``, SGLang's ``custom_mask`` + ``mask_indptr``);
 * another meta group, e.g. KV pool geometry (pool row count, bytes per row, layers per registered
   buffer, disaggregation backend, ``SGLANG_MORI_MAX_MR_BYTES``): a provider (``CallContext ->
   dict``) appended to ``meta.META_PROVIDERS``, or to a mode reader's ``meta`` when mode-only;

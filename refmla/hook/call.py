@@ -25,7 +25,7 @@ class Skip(Exception):
 @dataclass
 class Call:
     backend: str  # "triton" | "aiter"
-    mode: str  # the capture mode: "decode" | "extend" (a key of refmla.hook.modes.READERS)
+    mode: str  # the capture mode: "decode" | "extend" | "verify" (a key of refmla.hook.modes.READERS)
     layer: Any  # SGLang's RadixAttention layer
     forward_batch: Any  # SGLang's ForwardBatch
     layer_id: int
@@ -68,6 +68,8 @@ class CallContext:
     num_kv_splits: Any = None  # [B] int32 host, the split counts the kernel used (Triton decode)
     attn_logits: Any = None  # [B, H, S, Dv] device view of the stage-1 partials (Triton decode)
     attn_lse: Any = None  # [B, H, S] device view
+    custom_mask: Any = None  # verify: [sum n_b * L_b] bool host, SGLang's tree mask as the kernel read it
+    mask_indptr: Any = None  # verify: [B + 1] int64 host, from 0
     notes: dict = field(default_factory=dict)  # extra meta keys found on the way
 
     @property

@@ -122,7 +122,7 @@ def add_capture_parser(subparsers) -> argparse.ArgumentParser:
     )
     r.add_argument("--out", default="refmla-captures", help="output folder (REFMLA_CAPTURE_DIR; default ./refmla-captures)")
     r.add_argument("--layers", default="all", help="layer ids, e.g. 0,3,10-12 (default all)")
-    r.add_argument("--modes", default="decode", help="decode, extend or decode,extend (default decode)")
+    r.add_argument("--modes", default="decode", help="any of decode, extend, verify, comma-separated (default decode)")
     r.add_argument("--min-seq-len", type=int, default=64, help="capture only calls whose longest request has this many tokens (64)")
     r.add_argument("--ranks", default="all", help="TP ranks that capture, e.g. 0 (default all)")
     r.add_argument("--backends", default="triton,aiter", help="SGLang backends to wrap (default triton,aiter)")

@@ -8,7 +8,7 @@ inherit the environment and nothing else).
 | --- | --- | --- |
 | ``REFMLA_CAPTURE_DIR`` | unset | output folder; **setting it enables the hook**, unset = hook off, nothing patched |
 | ``REFMLA_CAPTURE_LAYERS`` | ``all`` | layer ids to capture: ``all`` or a list such as ``0,3,10-12`` |
-| ``REFMLA_CAPTURE_MODES`` | ``decode`` | ``decode``, ``extend`` or ``decode,extend`` (extend = prefill / chunked prefill) |
+| ``REFMLA_CAPTURE_MODES`` | ``decode`` | any of ``decode``, ``extend``, ``verify``, comma-separated (extend = prefill / chunked prefill; verify = speculative target_verify / draft_extend) |
 | ``REFMLA_CAPTURE_MIN_SEQ_LEN`` | ``64`` | capture a call only when its longest request attends at least this many tokens (skips SGLang's warm-up request and short probes); ``0`` captures everything |
 | ``REFMLA_CAPTURE_RANKS`` | ``all`` | TP ranks that capture: ``all`` or a list such as ``0`` or ``0,4-7`` |
 | ``REFMLA_CAPTURE_BACKENDS`` | ``triton,aiter`` | which SGLang attention backends to wrap |
@@ -31,7 +31,7 @@ from typing import Mapping, Optional
 ENV_PREFIX = "REFMLA_CAPTURE_"
 ENV_DIR = ENV_PREFIX + "DIR"
 
-MODES = ("decode", "extend")
+MODES = ("decode", "extend", "verify")
 BACKENDS = ("triton", "aiter")
 
 
@@ -102,7 +102,7 @@ def _parse_nonneg_int(text: str, name: str, minimum: int = 0) -> int:
 class HookConfig:
     out_dir: str  # REFMLA_CAPTURE_DIR: where the capture files go
     layers: Optional[frozenset[int]] = None  # None = every layer
-    modes: frozenset[str] = frozenset({"decode"})  # decode and/or extend
+    modes: frozenset[str] = frozenset({"decode"})  # any of decode, extend, verify
     min_seq_len: int = 64  # longest request of the call must attend at least this many tokens
     ranks: Optional[frozenset[int]] = None  # None = every TP rank
     backends: frozenset[str] = frozenset(BACKENDS)  # SGLang backends to wrap

@@ -115,7 +115,7 @@ def estimate_bytes(ctx: CallContext, rows: torch.Tensor) -> int:
     return (q.numel() * q.element_size() + out.numel() * out.element_size()
             + rows.numel() * ctx.qk_head_dim * k_buf.element_size() + 8 * (3 * n_idx + 3 * B + 2)
             + (ctx.req_to_token.numel() * 8 if ctx.req_to_token is not None else 0)
-            + partials + 4096)  # fmt: skip
+            + partials + (ctx.custom_mask.numel() if ctx.custom_mask is not None else 0) + 4096)  # fmt: skip
 
 
 def host_tensors(ctx: CallContext, rows: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -136,6 +136,8 @@ def host_tensors(ctx: CallContext, rows: torch.Tensor) -> dict[str, torch.Tensor
         tensors["qo_indptr"] = idx.qo_indptr
     if ctx.num_kv_splits is not None:
         tensors["num_kv_splits"] = ctx.num_kv_splits
+    if ctx.custom_mask is not None:
+        tensors["custom_mask"], tensors["mask_indptr"] = ctx.custom_mask, ctx.mask_indptr
     if ctx.attn_logits is not None:
         al = ctx.attn_logits.detach().to("cpu", torch.float32).clone()
         ae = ctx.attn_lse.detach().to("cpu", torch.float32).clone()

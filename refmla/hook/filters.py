@@ -20,22 +20,28 @@ GRAPH_NOTE = (
     "with --disable-cuda-graph to capture decode."
 )
 
-# forward kinds the wrapped methods also serve, with why they are not captured (yet)
-NOT_CAPTURED = {
-    "target_verify": "target-verify (speculative) extend: its tree mask is not in refmla.capture/1",
-}
+# forward kinds the wrapped methods also serve, with why they are not captured (none today: the
+# speculative target_verify / draft_extend passes are captured in mode "verify")
+NOT_CAPTURED: dict[str, str] = {}
+
+# SGLang ForwardMode names of the speculative passes that run through forward_extend
+VERIFY_FORWARD_MODES = ("TARGET_VERIFY", "DRAFT_EXTEND", "DRAFT_EXTEND_V2")
 
 
 def forward_kind(mode: str, forward_mode: Any) -> str:
     """The capture mode of a call to the ``mode`` method, refined by SGLang's ForwardMode.
 
     ``forward_extend`` also runs speculative decoding's target-verify pass (several query tokens
-    per request and a tree mask); that call is told apart here so it can be skipped, or, once a
-    reader exists for it in :data:`refmla.hook.modes.READERS`, captured under its own mode.
+    per request, the drafts' KV in the pool, a tree mask) and the draft model's draft-extend pass;
+    both are captured as mode ``verify`` (:data:`refmla.hook.modes.READERS`).
     """
     fm = forward_mode
-    if mode == "extend" and fm is not None and hasattr(fm, "is_target_verify") and fm.is_target_verify():
-        return "target_verify"
+    if mode in ("extend", "verify"):  # both wrap forward_extend
+        if fm is not None and hasattr(fm, "is_target_verify") and fm.is_target_verify():
+            return "verify"
+        if str(getattr(fm, "name", "")) in VERIFY_FORWARD_MODES:
+            return "verify"
+        return "extend"
     return mode
 
 
@@ -58,6 +64,8 @@ def before(state: HookState, backend: str, mode: str, layer, forward_batch) -> O
     kind = forward_kind(mode, getattr(forward_batch, "forward_mode", None))
     if kind in NOT_CAPTURED:
         state.skip(NOT_CAPTURED[kind])
+        return None
+    if kind not in cfg.modes:  # forward_extend serves extend and verify: only the kinds asked for
         return None
     if cfg.min_seq_len > 0:
         longest = longest_seq_len(forward_batch)

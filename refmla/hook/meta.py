@@ -128,6 +128,24 @@ def rids_meta(ctx: CallContext) -> dict[str, Any]:
     return {}
 
 
+def verify_meta(ctx: CallContext) -> dict[str, Any]:
+    """verify: ``verify_kind`` (target_verify / draft_extend), and from ``spec_info``
+    ``draft_token_num`` (target_verify, when every request has that many queries) and ``topk``."""
+    fb = ctx.forward_batch
+    fm = getattr(fb, "forward_mode", None)
+    target = bool(fm is not None and hasattr(fm, "is_target_verify") and fm.is_target_verify())
+    out: dict[str, Any] = {"verify_kind": "target_verify" if target else "draft_extend"}
+    spec = getattr(fb, "spec_info", None)
+    qo = ctx.idx.qo_indptr if ctx.idx is not None else None
+    n = getattr(spec, "draft_token_num", None)
+    if target and isinstance(n, int) and qo is not None and bool(((qo[1:] - qo[:-1]) == n).all()):
+        out["draft_token_num"] = n
+    topk = getattr(spec, "topk", None)
+    if isinstance(topk, int) and topk >= 1:
+        out["topk"] = topk
+    return out
+
+
 def pool_geometry_meta(ctx: CallContext) -> dict[str, Any]:
     """What decides the size of a registered KV region (refmla.regions): rows, row bytes, layers per
     buffer, the pool's capacity, the disaggregation mode and backend, SGLANG_MORI_MAX_MR_BYTES."""

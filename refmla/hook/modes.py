@@ -10,9 +10,10 @@ A :class:`ModeReader` has three parts, run by :func:`refmla.hook.extract.after` 
   call's new K);
 * ``meta``: meta providers of this mode only (see :mod:`refmla.hook.meta`).
 
-To capture another mode (speculative ``target_verify`` / ``draft_extend``: several query
-tokens per request, ``qo_indptr``, a custom tree mask), add a reader here under that mode's name
-and let :func:`refmla.hook.filters.forward_kind` return it instead of skipping it.
+Another mode is a reader here under that mode's name, returned by
+:func:`refmla.hook.filters.forward_kind`. ``verify`` (speculative ``target_verify`` and
+``draft_extend``: several query tokens per request, ``qo_indptr``, SGLang's ``custom_mask`` +
+``mask_indptr``) is one.
 
 The torch side of the hook (imported on the first captured call, never at start-up).
 """
@@ -25,7 +26,7 @@ from typing import Callable
 import torch
 
 from refmla.hook.call import CallContext, Indices, Skip
-from refmla.hook.meta import MetaProvider, triton_decode_meta
+from refmla.hook.meta import MetaProvider, triton_decode_meta, verify_meta
 from refmla.hook.tensors import gather_rows
 
 
@@ -98,9 +99,14 @@ def extend_indices(ctx: CallContext) -> Indices:
     each request's new-token slots (``forward_batch.out_cache_loc``, where the call wrote them)
     follow its prefix.
     """
+    if getattr(ctx.md, "custom_mask", None) is not None:
+        raise Skip("extend with a custom mask outside a speculative pass: not in refmla.capture/1")
+    return prefix_and_new(ctx)
+
+
+def prefix_and_new(ctx: CallContext) -> Indices:
+    """extend_indices without the mask check: the Triton layout of extend and verify alike."""
     md, fb, T = ctx.md, ctx.forward_batch, ctx.q.shape[0]
-    if getattr(md, "custom_mask", None) is not None:
-        raise Skip("extend with a custom mask (speculative tree): not in refmla.capture/1")
     qo = getattr(md, "qo_indptr", None)
     if qo is None or getattr(md, "kv_indices", None) is None or md.kv_indices.dim() != 1:
         raise Skip("extend metadata without token-level qo_indptr / kv_indices")
@@ -146,7 +152,60 @@ def check_new_rows(ctx: CallContext) -> None:
         raise Skip("extend: the pool does not hold this call's new K (written elsewhere or later)")
 
 
+# ---------------------------------------------------------------------------------------------
+# verify: speculative target_verify / draft_extend, the drafts' KV in the pool, a tree mask
+# ---------------------------------------------------------------------------------------------
+
+
+def verify_indices(ctx: CallContext) -> Indices:
+    """Triton: the prefix from the metadata, then the drafts' slots (``out_cache_loc``), as extend;
+    plus ``custom_mask`` / ``mask_indptr`` as the kernel read them. aiter: its metadata already
+    covers ``seq_lens + draft_token_num`` (whole sequences) with ``qo_indptr``."""
+    idx = aiter_verify_indices(ctx) if ctx.call.backend == "aiter" else prefix_and_new(ctx)
+    qlen = idx.qo_indptr[1:] - idx.qo_indptr[:-1]
+    lens = idx.kv_indptr[1:] - idx.kv_indptr[:-1]
+    if bool((qlen > lens).any()) or bool((qlen < 1).any()):
+        raise Skip("verify: a request with no query token or more queries than positions")
+    read_mask(ctx, idx.qo_indptr, lens)
+    return idx
+
+
+def aiter_verify_indices(ctx: CallContext) -> Indices:
+    md, T = ctx.md, ctx.q.shape[0]
+    B = int(ctx.forward_batch.batch_size)
+    qo = getattr(md, "qo_indptr", None)
+    if qo is None or getattr(md, "kv_indices", None) is None or md.kv_indptr.shape[0] < B + 1:
+        raise Skip("aiter verify metadata without qo_indptr / kv_indptr / kv_indices")
+    qo_indptr = qo[: B + 1].to("cpu", torch.int64)
+    if int(qo_indptr[-1] - qo_indptr[0]) != T:
+        raise Skip(f"qo_indptr covers {int(qo_indptr[-1] - qo_indptr[0])} tokens, q has {T}")
+    kv_indptr = md.kv_indptr[: B + 1].to("cpu", torch.int64)
+    kv_indices = md.kv_indices[int(kv_indptr[0]) : int(kv_indptr[-1])].to("cpu", torch.int64)
+    return Indices(kv_indptr - kv_indptr[0], kv_indices, qo_indptr - qo_indptr[0], B)
+
+
+def read_mask(ctx: CallContext, qo_indptr: torch.Tensor, lens: torch.Tensor) -> None:
+    """SGLang's ``custom_mask`` (request b's row-major [n_b, L_b] block at ``mask_indptr[b]``) to
+    the host, checked against the indices; a chain without a mask (aiter) leaves both None."""
+    mask, mptr = getattr(ctx.md, "custom_mask", None), getattr(ctx.md, "mask_indptr", None)
+    if mask is None:
+        spec = getattr(ctx.forward_batch, "spec_info", None)
+        if int(getattr(spec, "topk", 1) or 1) > 1 and ctx.call.backend == "aiter":
+            raise Skip("aiter verify with topk > 1: the kernel takes no tree mask, refmla cannot say what it saw")
+        return
+    if mptr is None:
+        raise Skip("verify: custom_mask without mask_indptr")
+    B = lens.shape[0]
+    mptr = mptr[: B + 1].to("cpu", torch.int64)
+    want = (qo_indptr[1:] - qo_indptr[:-1]) * lens  # [B] n_b * L_b
+    if not torch.equal(mptr[1:] - mptr[:-1], want):
+        raise Skip("verify: mask_indptr does not step by n * (prefix + n) per request")
+    ctx.custom_mask = mask[int(mptr[0]) : int(mptr[-1])].to("cpu").bool()
+    ctx.mask_indptr = mptr - mptr[0]
+
+
 READERS: dict[str, ModeReader] = {
     "decode": ModeReader(indices=decode_indices, kernel=decode_kernel, meta=(triton_decode_meta,)),
     "extend": ModeReader(indices=extend_indices, kernel=extend_kernel),
+    "verify": ModeReader(indices=verify_indices, kernel=extend_kernel, meta=(verify_meta,)),
 }

@@ -38,7 +38,8 @@ CAPTURE_MODE_PROBES = (
     ("sglang.srt.model_executor.runner_utils.capture_mode", "get_is_capture_mode"),
     ("sglang.srt.model_executor.cuda_graph_runner", "get_is_capture_mode"),
 )
-METHODS = {"decode": "forward_decode", "extend": "forward_extend"}  # capture mode -> method wrapped
+# capture mode -> method wrapped; speculative verify passes run through forward_extend too
+METHODS = {"decode": "forward_decode", "extend": "forward_extend", "verify": "forward_extend"}
 MARK = "__refmla_hook__"  # set on every function the hook puts into SGLang; holds the original
 
 

@@ -35,6 +35,7 @@ from refmla.backends.cpu_compat import torchvision_cpu_shim
 from refmla.hook.sglang_paths import CAPTURE_MODE_PROBES
 
 KIT = "sglang.test.kits.attention_unittest.attention_methods.mla_attention"
+VERIFY_KIT = "sglang.test.kits.attention_unittest.runner_modes.speculative_target_verify_runner"
 
 
 class Unavailable(RuntimeError):
@@ -68,7 +69,8 @@ def kit():
 
 @dataclass
 class Case:
-    mode: str = "decode"  # decode | extend
+    mode: str = "decode"  # decode | extend | verify (target_verify: extend_lens = draft_token_num each) | draft_extend
+    topk: int = 1  # verify: 1 a chain; 2 the kit's tree (draft_token_num 3 only)
     num_heads: int = 16  # DeepSeek-V3 at TP8 has 16 query heads per rank
     prefix_lens: tuple = (70, 37)  # tokens already cached per request
     extend_lens: tuple = ()  # extend: new tokens per request
@@ -102,15 +104,61 @@ def build(case: Case) -> Any:
             ok, note = install_bf16_dot_fix()
             if not ok:
                 raise Unavailable(note)
-    mode = ForwardMode.DECODE if case.mode == "decode" else ForwardMode.EXTEND
+    modes = {"decode": ForwardMode.DECODE, "extend": ForwardMode.EXTEND, "verify": ForwardMode.TARGET_VERIFY,
+             "draft_extend": getattr(ForwardMode, "DRAFT_EXTEND_V2", None)}  # fmt: skip
+    if modes[case.mode] is None:
+        raise Unavailable(f"this SGLang has no ForwardMode for {case.mode}")
     kcase = K.MLAAttentionCase(
-        name=case.name, backend="triton", forward_mode=mode, num_heads=case.num_heads,
+        name=case.name, backend="triton", forward_mode=modes[case.mode], num_heads=case.num_heads,
         page_size=case.page_size, prefix_lens=tuple(case.prefix_lens), extend_lens=tuple(case.extend_lens),
     )  # fmt: skip
-    return K.build_mla_attention_fixture(
+    fixture = K.build_mla_attention_fixture(
         _Skipper(), kcase, kv_lora_rank=case.kv_lora_rank, qk_rope_head_dim=case.qk_rope_head_dim,
         hidden_size=64, max_context_len=case.max_context_len, dtype=dtype, device="cpu",
     )  # fmt: skip
+    if case.mode == "verify":
+        make_verify_batch(fixture, kcase, case.topk)
+    elif case.mode == "draft_extend":
+        make_draft_extend_batch(fixture, kcase)
+    return fixture
+
+
+def make_draft_extend_batch(fixture, kcase) -> None:
+    """A DRAFT_EXTEND_V2 batch as production has it before init_forward_metadata: seq_lens = prefix +
+    accepted tokens, spec_info an EagleDraftExtendInput. (The kit's draft-extend runner does the
+    same but imports SGLang's scheduler, which needs setproctitle; this builds the two fields.)"""
+    import torch
+
+    try:
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+        from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
+    except Exception as e:
+        raise Unavailable(f"EagleDraftExtendInput not importable: {type(e).__name__}: {e}") from e
+    fb, lens = fixture.forward_batch, list(kcase.input_lens)
+    seq = [p + n for p, n in zip(kcase.prefix_lens, lens)]
+    fb.seq_lens = torch.tensor(seq, dtype=torch.int32)
+    fb.seq_lens_cpu, fb.seq_lens_sum = fb.seq_lens.clone(), sum(seq)
+    accept = torch.tensor(lens, dtype=torch.int32)
+    spec = EagleDraftExtendInput(
+        hidden_states=None, num_correct_drafts=accept - 1, num_accept_tokens=accept, num_accept_tokens_cpu=lens,
+        input_ids=fb.input_ids, seq_lens=fb.seq_lens, seq_lens_cpu=fb.seq_lens_cpu,
+        req_pool_indices=fb.req_pool_indices, positions=fb.positions, capture_hidden_mode=CaptureHiddenMode.LAST,
+        num_tokens_per_req=max(lens), num_tokens_for_logprob_per_req=1,
+    )  # fmt: skip
+    spec.extend_seq_lens_tensor, spec.extend_seq_lens_cpu = accept.clone(), lens
+    fb.spec_info = spec
+
+
+def make_verify_batch(fixture, kcase, topk: int) -> None:
+    """The kit's target_verify batch: seq_lens = the prefixes, spec_info an EagleVerifyInput with
+    SGLang's custom_mask (the kit's own helpers, imported)."""
+    try:
+        V = importlib.import_module(VERIFY_KIT)
+    except Exception as e:
+        raise Unavailable(f"{VERIFY_KIT} not importable: {type(e).__name__}: {e}") from e
+    fb = fixture.forward_batch
+    V._prepare_target_verify_batch(fb, kcase, "cpu")
+    fb.spec_info = V._make_spec_verify_input(kcase, fb, topk=topk, device="cpu", spec_kind="eagle")
 
 
 def run(fixture) -> Any:

@@ -19,6 +19,12 @@ report the first, in the table's order, that brings the backend's error back to 
     rope_mishandled     {"how"}                       q . k without its rope part, or parts swapped
     logit_cap_mismatch  {"logit_cap": c}              soft cap c applied (0: omitted)
 
+    verify captures only (verify.py, tried right after last_page_len_swapped):
+    draft_kv_missing    {"how", "drafts"}             the drafts' KV rows zeroed / not attended
+    causal_alignment    {"alignment"}                 top-left causal, or none among the drafts
+    mask_wrong_request  {"mask_of": b2}               the drafts see each other through b2's tree mask
+    qlen_pow2_padding   {"qlen", "padded_to", "reads"} qlen padded to a power of two: wrong queries / rows
+
 Within a family, every candidate that confirms counts: the simplest is reported, the others are
 listed as its ``alternatives`` (refmla.hypotheses.drivers). ``numerics`` comes first: its
 rounding variants must also fit the kernel's noise row by row, which a data fault does not; its
@@ -64,6 +70,7 @@ from refmla.compare import Comparison
 from refmla.context import ReplayContext
 from refmla.hypotheses import (
     empty_split, heads, kv_range, kv_scale, logit_cap, numerics, overflow, pages, rope, seq_len, sm_scale, split,
+    verify,
 )
 from refmla.hypotheses.search import Search, SearchFn
 from refmla.results import Explanation
@@ -77,6 +84,11 @@ SEARCHES: dict[str, SearchFn] = {
     seq_len.NAME: seq_len.search,
     overflow.NAME: overflow.search,
     pages.SWAPPED: pages.search_swapped,
+    # the speculative verify path (verify captures only; docs/contract.md section 4)
+    "draft_kv_missing": verify.search_draft_kv,
+    "causal_alignment": verify.search_causal,
+    "mask_wrong_request": verify.search_mask,
+    "qlen_pow2_padding": verify.search_pow2,
     kv_range.NAME: kv_range.search,
     split.NAME: split.search,
     kv_scale.NAME: kv_scale.search,

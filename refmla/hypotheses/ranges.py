@@ -103,7 +103,7 @@ def block_sums(s: Search, b: int, sc: ref.Scales) -> Optional[BlockSums]:
     S = r.raw * sc.sm_scale  # [T, H, L]
     if sc.logit_cap > 0:
         S = sc.logit_cap * torch.tanh(S / sc.logit_cap)
-    visible = torch.arange(r.L)[None, :] < r.vis[:, None]  # [T, L]
+    visible = r.visible()  # [T, L]
     S = S.masked_fill(~visible[:, None, :], -math.inf)
     m = S.amax(-1)  # [T, H]
     P = torch.exp(S - m[..., None]).reshape(T * H, r.L)  # [TH, L]

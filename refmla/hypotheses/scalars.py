@@ -93,7 +93,7 @@ def worst_rows(s: Search) -> WorstRows:
 
 def _worst_rows(s: Search) -> WorstRows:
     r = s.req(s.worst_request)
-    visible = torch.arange(r.L)[None, :] < r.vis[:, None]  # [T, L]
+    visible = r.visible()  # [T, L]
     logits = r.raw.float().masked_fill(~visible[:, None, :], -math.inf)  # [T, H, L]
     values = r.kv64[:, : s.sc.kv_lora_rank].float() * s.sc.v_scale  # [L, Dv]
     ratio = s.row_ratio(s.o64[r.rows], s.ref[r.rows], r.rows).flatten()  # [T * H]
@@ -154,7 +154,7 @@ def full_under(s: Search, sc: ref.Scales, q: Optional[torch.Tensor] = None) -> t
     if cap.is_decode:
         exp = ref.mla_decode_ref(*args, **kw)[0]
     else:
-        exp = ref.mla_extend_ref(*args, qo, **kw)[0]
+        exp = ref.mla_verify_ref(*args, qo, **cap.mask_args(), **kw)[0]
     splits = cap.num_kv_splits if cap.is_decode else None  # as ReplayContext.control
-    ctl = mla_control(*args, **kw, out_dtype=s.dtype, qo_indptr=qo, num_kv_splits=splits)[0]
+    ctl = mla_control(*args, **kw, out_dtype=s.dtype, qo_indptr=qo, num_kv_splits=splits, **cap.mask_args())[0]
     return exp, ctl

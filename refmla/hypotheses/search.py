@@ -34,6 +34,12 @@ class Req:
     raw: torch.Tensor  # [T, H, L] q . k * k_scale (no sm_scale, no cap)
     vis: torch.Tensor  # [T] positions each token attends (decode: L)
     kvs: Optional[torch.Tensor] = None  # [L, D] in the stored dtype, gathered on first use
+    tree: Optional[torch.Tensor] = None  # [T, L] verify: the custom mask's visibility (None: causal)
+
+    def visible(self) -> torch.Tensor:
+        """[T, L] bool: the positions each token attends (causal bottom-right, and the tree mask)."""
+        vis = torch.arange(self.L)[None, :] < self.vis[:, None]  # [T, L]
+        return vis if self.tree is None else vis & self.tree
 
     @property
     def T(self) -> int:
@@ -131,7 +137,10 @@ class Search:
             kv64 = ref.gather(cap.kv_buffer, pool_rows, torch.float64)  # [L, D]
             raw = torch.einsum("thd,ld->thl", q64, kv64) * self.sc.k_scale  # [T, H, L]
             vis = torch.arange(T) + (L - T + 1)  # token t sees L - T + t + 1 positions
-            self._reqs[b] = Req(b, rows, pool_rows, q64, kv64, raw, vis)
+            tree = None
+            if cap.mask_args()["custom_mask"] is not None:
+                tree = ref.verify_visibility(L, T, b, **cap.mask_args())  # [T, L]
+            self._reqs[b] = Req(b, rows, pool_rows, q64, kv64, raw, vis, tree=tree)
         return self._reqs[b]
 
     def memo(self, key: str, build: Callable[[], V]) -> V:
@@ -175,6 +184,8 @@ class Search:
         ctl = torch.empty(r.T, H, Dv, dtype=self.dtype)
         for t in range(r.T):
             sel = torch.arange(int(vis[t]))
+            if r.tree is not None:  # positions past the request's end (seq_len_off_by k > 0) stay visible
+                sel = sel[torch.cat([r.tree[t], torch.ones(max(0, len(sel) - r.L), dtype=torch.bool)])[sel]]
             if keep is not None:
                 sel = sel[keep[sel]]
             exp[t] = ref.attend(r.q64[t], kv64[sel], sc)[0]

@@ -35,7 +35,17 @@ def render(report: ReplayReport) -> str:
     for name, b in report.backends.items():
         if b.status == "fail" and b.explanation is not None:
             lines.append(f"  {name}: {b.explanation.text()}")
+    if report.verify_vs_decode:
+        lines += ["", "verify vs plain decode over the same KV", verify_paths_table(report.verify_vs_decode)]
     return "\n".join(lines)
+
+
+def verify_paths_table(rows: list[dict]) -> str:
+    """The verify capture's paths over the same KV (refmla.diagnosis.verify_table), one line each."""
+    body = [[r["path"], r["backend"], r["status"].upper() if r["status"] == "fail" else r["status"],
+             fmt(r["max_abs_err"]) if r["max_abs_err"] is not None else "-",
+             (r["reason"] or "")[:70] if r["status"] != "pass" else ""] for r in rows]  # fmt: skip
+    return table(body, ["path", "backend", "status", "max_abs_err", "note"])
 
 
 def shape_line(report: ReplayReport) -> str:
@@ -53,7 +63,9 @@ def backend_row(name: str, b: BackendEntry) -> list[str]:
     note = b.reason or ""
     if b.status == "pass":
         info = b.info or {}
-        note = clip((f"{info['path']} path; " if info.get("path") else "") + (info.get("version") or ""), 70)
+        mask = f"custom_mask {info['custom_mask']}; " if info.get("custom_mask") else ""  # verify: Triton extend
+        path = f"{info['path']} path; " if info.get("path") else ""
+        note = clip(mask + path + (info.get("version") or ""), 70)
     if b.explanation is not None:
         note = b.explanation.text()
     if b.splits is not None and b.splits.status in ("pass", "fail"):

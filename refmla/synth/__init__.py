@@ -23,9 +23,10 @@ from typing import Any
 
 from refmla.capture import write_capture
 from refmla.schedule import MIN_BLOCK_KV
-from refmla.synth import benign, zoo  # noqa: F401  (register the benign variants and the zoo's faults)
+from refmla.synth import benign, verify_faults, zoo  # noqa: F401  (register the benign variants, the verify
+#                                                    faults and the zoo's faults)
 from refmla.synth import numerics as _numerics  # noqa: F401  (registers the numerics faults)
-from refmla.synth.faults import EXPECT, FAULTS, MAY_AGREE, faulty_output, spec_for
+from refmla.synth.faults import EXPECT, FAULT_MODES, FAULTS, MAY_AGREE, VERIFY_PRESET, faulty_output, spec_for
 from refmla.synth.inputs import geometry_meta, make_inputs, make_meta
 from refmla.synth.spec import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE, PRESETS, SynthSpec, preset, yarn_sm_scale
 
@@ -44,6 +45,7 @@ def synth_capture(path: Any, spec: SynthSpec, fault: str = "none") -> dict:
 
 
 __all__ = [
-    "DEEPSEEK_V3_SCALE", "EXPECT", "FAULTS", "KIMI_K2_SCALE", "MAY_AGREE", "MIN_BLOCK_KV", "PRESETS", "SynthSpec",
-    "faulty_output", "geometry_meta", "make_inputs", "make_meta", "preset", "spec_for", "synth_capture", "yarn_sm_scale",
+    "DEEPSEEK_V3_SCALE", "EXPECT", "FAULT_MODES", "FAULTS", "KIMI_K2_SCALE", "MAY_AGREE", "MIN_BLOCK_KV", "PRESETS",
+    "SynthSpec", "VERIFY_PRESET", "faulty_output", "geometry_meta", "make_inputs", "make_meta", "preset", "spec_for",
+    "synth_capture", "yarn_sm_scale",
 ]  # fmt: skip

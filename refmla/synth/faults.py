@@ -51,7 +51,8 @@ class Planting:
         args = {**self.scales, **scales}
         if t.get("qo_indptr") is None:
             return ref.mla_decode_ref(q, kvb, indptr, idx, **args)[0]
-        return ref.mla_extend_ref(q, kvb, indptr, idx, t["qo_indptr"], **args)[0]
+        return ref.mla_verify_ref(q, kvb, indptr, idx, t["qo_indptr"], t.get("custom_mask"), t.get("mask_indptr"),
+                                  **args)[0]  # fmt: skip
 
     def without(self, b: int, start: int, end: int) -> torch.Tensor:
         """The reference with positions [start, end) of request b dropped from its sequence."""
@@ -67,23 +68,35 @@ FaultFn = Callable[[Planting], tuple[torch.Tensor, dict]]
 FAULTS: dict[str, FaultFn] = {}  # name -> fn(planting) -> (out, what was planted)
 DESCRIPTIONS: dict[str, str] = {}
 EXPECT: dict[str, Optional[str]] = {}  # name -> the hypothesis that must name it (None: must pass)
+FAULT_MODES: dict[str, Optional[str]] = {}  # name -> the capture mode it needs (None: any)
+VERIFY_PRESET: dict[str, str] = {}  # verify faults: the preset they are planted on by default
 SPEC_FOR: dict[str, Callable[[SynthSpec], SynthSpec]] = {}  # name -> the spec the fault needs (fp8 pool, ...)
 MAY_AGREE: set[str] = set()  # faults that may stay within the tolerance on some presets (agree is no miss)
 
 
 def fault(
-    name: str, description: str, expect: Optional[str] = "", spec: Optional[Callable[[SynthSpec], SynthSpec]] = None,
+    name: str,
+    description: str,
+    expect: Optional[str] = "",
+    spec: Optional[Callable[[SynthSpec], SynthSpec]] = None,
     may_agree: bool = False,
+    mode: Optional[str] = None,
+    preset: str = "",
 ) -> Callable[[FaultFn], FaultFn]:
     """Register a fault. ``expect``: the hypothesis replay must name for it ("" means the fault's
     own name; None means a correct kernel that must pass). tools/bench_diagnosis.py reads EXPECT
     and MAY_AGREE. ``spec``: how a preset becomes one the fault can exist on (e.g. an fp8 pool),
     applied by :func:`spec_for` (refmla.synth.synth_capture does). ``may_agree``: on some presets
-    the planted output stays within the tolerance, and ``agree`` is then right, not a miss."""
+    the planted output stays within the tolerance, and ``agree`` is then right, not a miss.
+    ``mode``: the capture mode the fault needs (None: any), with the ``preset`` it is meant for
+    (verify faults)."""
 
     def register(fn: FaultFn) -> FaultFn:
         FAULTS[name], DESCRIPTIONS[name] = fn, description
         EXPECT[name] = name if expect == "" else expect
+        FAULT_MODES[name] = mode
+        if preset:
+            VERIFY_PRESET[name] = preset
         if spec is not None:
             SPEC_FOR[name] = spec
         if may_agree:
@@ -115,7 +128,8 @@ def faulty_output(spec: SynthSpec, t: dict[str, torch.Tensor], name: str) -> tup
 def _none(p: Planting):
     t = p.t
     out, _ = mla_control(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], **p.scales, out_dtype=p.spec.dtype,
-                         qo_indptr=t.get("qo_indptr"), num_kv_splits=t.get("num_kv_splits"))  # fmt: skip
+                         qo_indptr=t.get("qo_indptr"), num_kv_splits=t.get("num_kv_splits"),
+                         custom_mask=t.get("custom_mask"), mask_indptr=t.get("mask_indptr"))  # fmt: skip
     return out, {}
 
 

@@ -31,17 +31,52 @@ def make_inputs(spec: SynthSpec) -> dict[str, torch.Tensor]:
     kv_buffer = pool.to(spec.kv_dtype)
     kv_indptr = torch.zeros(B + 1, dtype=torch.int32)
     kv_indptr[1:] = torch.cumsum(lens, 0)
-    T = B if spec.new_tokens == 0 else spec.new_tokens * B
+    per = spec.draft_token_num or spec.new_tokens  # query tokens per request (0: decode)
+    T = B if per == 0 else per * B
     q = (torch.randn(T, H, D, generator=g) * 1.0).to(spec.dtype)  # [T, H, D]
     t = {
         "q": q, "kv_buffer": kv_buffer, "kv_indptr": kv_indptr,
         "kv_indices": torch.cat(kv_indices).to(torch.int32), "seq_lens": lens.to(torch.int32),
     }  # fmt: skip
-    if spec.new_tokens:
-        t["qo_indptr"] = torch.arange(B + 1, dtype=torch.int32) * spec.new_tokens
+    if per:
+        t["qo_indptr"] = torch.arange(B + 1, dtype=torch.int32) * per
     else:
         t["num_kv_splits"] = torch.tensor(spec.num_kv_splits, dtype=torch.int32)
+    if spec.draft_token_num and spec.topk > 1:
+        t["custom_mask"], t["mask_indptr"] = tree_mask(spec, g)
     return t
+
+
+def tree_parents(n: int, topk: int, g: torch.Generator) -> list[int]:
+    """A draft tree of n tokens: token 0 the verified root, each later token a child of an earlier
+    one with at most ``topk`` children per node (EAGLE's shape), drawn from ``g``."""
+    parents, children = [-1], [0] * n
+    for i in range(1, n):
+        open_nodes = [j for j in range(i) if children[j] < topk]
+        j = open_nodes[int(torch.randint(len(open_nodes), (1,), generator=g))]
+        parents.append(j)
+        children[j] += 1
+    return parents
+
+
+def tree_mask(spec: SynthSpec, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's layout: request b's row-major [n, L_b] bool mask (prefix all True, draft i sees its
+    ancestors and itself), flattened and concatenated; mask_indptr [B + 1] int32."""
+    n, parts = spec.draft_token_num, []
+    for L in spec.seq_lens:
+        parents = tree_parents(n, spec.topk, g)
+        m = torch.zeros(n, L, dtype=torch.bool)
+        m[:, : L - n] = True
+        for i in range(n):
+            j = i
+            while j >= 0:
+                m[i, L - n + j] = True
+                j = parents[j]
+        parts.append(m.reshape(-1))
+    sizes = torch.tensor([n * L for L in spec.seq_lens], dtype=torch.int64)
+    indptr = torch.zeros(len(sizes) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(sizes, 0)
+    return torch.cat(parts), indptr
 
 
 def geometry_meta(spec: SynthSpec) -> dict[str, Any]:
@@ -54,12 +89,13 @@ def geometry_meta(spec: SynthSpec) -> dict[str, Any]:
 
 
 def make_meta(spec: SynthSpec) -> dict[str, Any]:
+    verify = {"draft_token_num": spec.draft_token_num, "topk": spec.topk} if spec.draft_token_num else {}
     return {**geometry_meta(spec),
-        "mode": "extend" if spec.new_tokens else "decode", "backend": "triton",
+        "mode": "verify" if spec.draft_token_num else "extend" if spec.new_tokens else "decode", "backend": "triton",
         "kv_lora_rank": spec.kv_lora_rank, "qk_rope_head_dim": spec.qk_rope_head_dim,
         "sm_scale": spec.sm_scale, "logit_cap": spec.logit_cap, "page_size": spec.page_size,
         "k_scale": spec.k_scale, "v_scale": spec.v_scale, "max_kv_splits": spec.max_kv_splits,
         "layer_id": 0, "tp_rank": 0, "step": 0,
         "rids": [f"{spec.name}-{b}" for b in range(len(spec.seq_lens))],
-        "synth": {"preset": spec.name, "seed": spec.seed}, **spec.extra_meta,
+        "synth": {"preset": spec.name, "seed": spec.seed}, **verify, **spec.extra_meta,
     }  # fmt: skip

@@ -38,6 +38,8 @@ class SynthSpec:
     num_kv_splits: Optional[tuple] = None  # per request; None: min(max_kv_splits, max(1, L // 128))
     max_kv_splits: int = 16
     new_tokens: int = 0  # > 0: an extend capture with this many new tokens per request
+    draft_token_num: int = 0  # > 0: a verify capture, this many query tokens per request (the last positions)
+    topk: int = 1  # verify: EAGLE topk; > 1 writes a tree custom_mask (a random tree per request)
     free_pages: int = 3  # unused, poisoned pages in the pool
     fault_request: int = 2  # the request a per-request fault hits
     seed: int = 0
@@ -64,6 +66,18 @@ PRESETS: dict[str, SynthSpec] = {
                          fault_request=3, seed=7),
     "kimi-k2-tp8-extend": SynthSpec(name="kimi-k2-tp8-extend", seq_lens=(300, 129, 40), new_tokens=3,
                                     fault_request=0),
+    # speculative verify (MTP, EAGLE topk 1: a chain). SGLang's target_verify gives every request
+    # draft_token_num = speculative_num_steps + 1 query tokens: 1, 2 and 3 draft steps are qlen 2, 3, 4.
+    # The main preset is qlen 3 (not a power of two: aiter issue #2720's class); seq_lens include the drafts.
+    "kimi-k2-tp8-mtp": SynthSpec(name="kimi-k2-tp8-mtp", seq_lens=(611, 258, 1027, 35), draft_token_num=3,
+                                 fault_request=2, extra_meta={"backend": "aiter"}),
+    "kimi-k2-tp8-mtp1": SynthSpec(name="kimi-k2-tp8-mtp1", seq_lens=(300, 34, 129), draft_token_num=2,
+                                  fault_request=0, extra_meta={"backend": "aiter"}),
+    "kimi-k2-tp8-mtp3": SynthSpec(name="kimi-k2-tp8-mtp3", seq_lens=(300, 36, 129), draft_token_num=4,
+                                  fault_request=0, extra_meta={"backend": "aiter"}),
+    # EAGLE with topk 2: draft_token_num 4 tokens per request form a tree, a custom_mask per request
+    "kimi-k2-tp8-eagle-tree": SynthSpec(name="kimi-k2-tp8-eagle-tree", seq_lens=(300, 133, 516), draft_token_num=4,
+                                        topk=2, fault_request=0, page_size=16, seed=3),
 }  # fmt: skip
 
 

@@ -56,7 +56,8 @@ class _Judge:
             qo = None if cap.is_decode else cap.qo_indptr
             args = (cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices)
             expected = reference_output(cap)[0]
-            self.truth = (expected, mla_control(*args, **cap.scales(), out_dtype=self.out_dtype, qo_indptr=qo)[0])
+            control = mla_control(*args, **cap.scales(), out_dtype=self.out_dtype, qo_indptr=qo, **cap.mask_args())[0]
+            self.truth = (expected, control)
         expected, control = self.truth
         rows = cap.request_of_row()
         cmp = compare(name, out, expected, control, out_dtype=self.out_dtype, request_of_row=rows, **self.kw)
@@ -117,6 +118,8 @@ class ExtendBackend(Backend):
             "new_tokens": "positions L-n..L-1 as k_extend/v_extend (dequantized cache rows), causal bottom-right",
             "new_tokens_per_request": "1 (decode step as a one-token extend)" if cap.is_decode else "qo_indptr",
         }
+        if inp.custom_mask is not None:
+            info["custom_mask"] = inp.mask_source
         torch_full = scatter_rows(t_out, inp)
         if tri is not None:
             o, lse, tinfo = tri

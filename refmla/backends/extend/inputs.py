@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -21,6 +22,9 @@ class ExtendInputs:
     prefix_indices: torch.Tensor  # [sum(L_b - n_b)] int64 token slots of the prefixes, position order
     out_rows: torch.Tensor  # [T] which row of the capture's `out` each new token is
     num_rows: int  # rows of the capture's `out` (decode: B; extend: T)
+    custom_mask: Optional[torch.Tensor] = None  # verify: SGLang's [sum n_b * L_b] mask (see verify_mask)
+    mask_indptr: Optional[torch.Tensor] = None  # verify: [B + 1]
+    mask_source: Optional[str] = None  # "capture" | "causal (built: a chain's mask)" | None
 
     @property
     def max_len_extend(self) -> int:
@@ -74,6 +78,7 @@ def as_extend(cap) -> ExtendInputs:
     out_rows = torch.tensor([r for rs in rows_of_b for r in rs], dtype=torch.int64)
     kv_new = cap.kv_buffer[:, 0].index_select(0, new_rows)  # [T, D] stored dtype
     qd = cap.q.dtype if cap.q.dtype.itemsize >= 2 else torch.bfloat16
+    mask, mask_indptr, mask_source = verify_mask(cap, n, lens)
     return ExtendInputs(
         q_extend=cap.q.index_select(0, out_rows),
         k_extend=dequant_rows(kv_new, m.k_scale, qd)[:, None, :],
@@ -83,7 +88,26 @@ def as_extend(cap) -> ExtendInputs:
         prefix_indices=torch.cat(prefix) if prefix else empty,
         out_rows=out_rows,
         num_rows=num_rows,
+        custom_mask=mask,
+        mask_indptr=mask_indptr,
+        mask_source=mask_source,
     )
+
+
+def verify_mask(cap, n: torch.Tensor, lens: torch.Tensor):
+    """(custom_mask, mask_indptr, source) for a verify capture, None otherwise.
+
+    The capture's tree mask when it has one; for a chain (no mask in the capture, e.g. made on
+    aiter), the causal bottom-right mask in SGLang's layout, which is what SGLang's Triton backend
+    hands its extend kernel in target_verify (spec_info.custom_mask), so the masked path runs.
+    """
+    if not getattr(cap, "is_verify", False):
+        return None, None, None
+    if cap.custom_mask is not None:
+        return cap.custom_mask.bool(), cap.mask_indptr.long(), "capture"
+    parts = [ref.verify_visibility(int(L), int(k)).reshape(-1) for L, k in zip(lens.tolist(), n.tolist())]
+    mask = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
+    return mask, _indptr(n * lens), "causal (built: a chain's mask)"
 
 
 def scatter_rows(x: torch.Tensor, inp: ExtendInputs, fill: float = 0.0) -> torch.Tensor:
@@ -93,4 +117,4 @@ def scatter_rows(x: torch.Tensor, inp: ExtendInputs, fill: float = 0.0) -> torch
     return out
 
 
-__all__ = ["ExtendInputs", "as_extend", "dequant_rows", "scatter_rows"]
+__all__ = ["ExtendInputs", "as_extend", "dequant_rows", "scatter_rows", "verify_mask"]

@@ -46,6 +46,9 @@ def mla_extend_local(
             s_pre = logit_cap * torch.tanh(s_pre / logit_cap)
             s_new = logit_cap * torch.tanh(s_new / logit_cap)
         causal = torch.ones(n, n, dtype=torch.bool).tril()  # token i sees new tokens 0..i
+        if inp.custom_mask is not None:  # verify: the mask's draft columns (prefix columns: all, as the kernel)
+            L = pre.shape[0] + n
+            causal = ref.verify_visibility(L, n, b, inp.custom_mask, inp.mask_indptr)[:, L - n :]  # [n, n]
         s_new = s_new.masked_fill(~causal[:, None, :], -math.inf)
         m = torch.maximum(
             s_pre.amax(-1) if s_pre.shape[-1] else torch.full((n, H), -math.inf), s_new.amax(-1)

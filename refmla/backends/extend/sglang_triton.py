@@ -102,6 +102,8 @@ def run_triton_extend(
         "page_size_passed": 1,  # token slots: the kernel's page arithmetic is the identity on them
         "kernel_seconds": round(seconds, 3),
     }
+    if inp.custom_mask is not None:
+        info["custom_mask"] = inp.mask_source
     if interpreted and kv_buffer.dtype.itemsize == 1:
         info["note"] = "fp8 pool in the Triton interpreter: its fp8 conversions are not verified by refmla"
     return o.cpu(), (lse.cpu() if lse is not None else None), info
@@ -133,7 +135,9 @@ def _kernel_values(
         q_extend=inp.q_extend.to(dev).contiguous(), k_extend=inp.k_extend.to(dev).contiguous(),
         v_extend=inp.v_extend.to(dev).contiguous(), o_extend=o, k_buffer=kvb, v_buffer=kvb[..., :Dv],
         qo_indptr=inp.qo_indptr.to(dev, torch.int32), kv_indptr=inp.prefix_indptr.to(dev, i32),
-        kv_indices=inp.prefix_indices.to(dev, i32), custom_mask=None, is_causal=True, mask_indptr=None,
+        kv_indices=inp.prefix_indices.to(dev, i32), is_causal=True,
+        custom_mask=None if inp.custom_mask is None else inp.custom_mask.to(dev).contiguous(),
+        mask_indptr=None if inp.mask_indptr is None else inp.mask_indptr.to(dev, torch.int64),
         max_len_extend=inp.max_len_extend, k_scale=scales["k_scale"], v_scale=scales["v_scale"],
         sm_scale=scales["sm_scale"], logit_cap=scales["logit_cap"], lse_extend=lse, page_size=1,
     )  # fmt: skip

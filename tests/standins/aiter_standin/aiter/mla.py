@@ -7,7 +7,8 @@ computed with refmla's fp64 reference, into ``o``:
     mla_decode_fwd   q [S, Hk, D] (Hk a multiple of 16 in 16..128), kv_buffer [pages, page_size, 1, D],
                      o [S, Hk, Dv]; qo_indptr (one token per request: arange), kv_indptr over pages,
                      kv_indices page ids, kv_last_page_lens (1..page_size), all int32; max_seqlen_q an
-                     int; page_size == kv_buffer.shape[1], nhead_kv == 1 (v0.1.11 signature, where
+                     int (> 1: MTP verify, qo_indptr over several tokens, causal bottom-right inside
+                     each request, as mla_prefill_fwd); page_size == kv_buffer.shape[1], nhead_kv == 1 (v0.1.11 signature, where
                      page_size and nhead_kv come before sm_scale). Position j of request b is slot
                      kv_indices[kv_indptr[b] + j // P] * P + j % P of the flattened pool.
                      Persistent mode (work_meta_data given): aiter.ops.attention.check_persistent
@@ -152,7 +153,7 @@ def mla_decode_fwd(
     if sm_scale is None:
         sm_scale = 1.0 / (q.shape[-1] ** 0.5)
     facts = _check(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q,
-                   page_size, nhead_kv, sm_scale, logit_cap, q_scale, kv_scale, decode=True)  # fmt: skip
+                   page_size, nhead_kv, sm_scale, logit_cap, q_scale, kv_scale, decode=max_seqlen_q == 1)  # fmt: skip
     buffers = dict(work_meta_data=work_meta_data, work_indptr=work_indptr, work_info_set=work_info_set,
                    reduce_indptr=reduce_indptr, reduce_final_map=reduce_final_map,
                    reduce_partial_map=reduce_partial_map)  # fmt: skip
@@ -170,9 +171,8 @@ def mla_decode_fwd(
                   "buffer_shapes": {k: list(v.shape) for k, v in buffers.items() if v is not None},
                   "metadata": plan, **facts})  # fmt: skip
     q_math = q.double() * float(q_scale) if fp8_q else q
-    _semantics(
-        q_math, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, page_size, sm_scale, kv_scale, True
-    )
+    _semantics(q_math, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, page_size, sm_scale,
+               kv_scale, max_seqlen_q == 1)  # max_seqlen_q > 1: MTP verify, causal bottom-right inside each request
     return o.view(o.shape[0], 1, o.shape[1], o.shape[2]), None
 
 
@@ -194,10 +194,11 @@ def mla_decode_fwd_v0_1_10(
         sm_scale = 1.0 / (q.shape[-1] ** 0.5)
     page_size, nhead_kv = kv_buffer.shape[1], kv_buffer.shape[2]
     facts = _check(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q,
-                   page_size, nhead_kv, sm_scale, logit_cap, None, None, decode=True)  # fmt: skip
+                   page_size, nhead_kv, sm_scale, logit_cap, None, None, decode=max_seqlen_q == 1)  # fmt: skip
     CALLS.append({"fn": "mla_decode_fwd", "signature": "v0.1.10", "q": q, "kv_buffer_shape": list(kv_buffer.shape),
                   "kv_indices": kv_indices, "kv_last_page_lens": kv_last_page_lens, **facts})  # fmt: skip
-    _semantics(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, page_size, sm_scale, None, True)
+    _semantics(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, page_size, sm_scale, None,
+               max_seqlen_q == 1)
     return o.view(o.shape[0], 1, o.shape[1], o.shape[2]), None
 
 
