@@ -49,6 +49,11 @@ class ReplayContext:
             )  # fmt: skip
         return self._controls[out_dtype][0]
 
+    def control_lse(self, out_dtype: torch.dtype) -> torch.Tensor:
+        """The low-precision control's lse [R, H] (fp32), of the same run as :meth:`control`."""
+        self.control(out_dtype)
+        return self._controls[out_dtype][1]
+
     def split_reference(self, num_kv_splits: torch.Tensor, S: int, control: bool = False):
         """(attn_logits, attn_lse, valid) of the split schedule, reference or control."""
         key = (tuple(num_kv_splits.tolist()), S, control)

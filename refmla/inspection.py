@@ -13,7 +13,7 @@ from refmla.capture import CaptureError, read_capture
 from refmla.checks import check_capture
 from refmla.results import Finding, MetadataReport
 from refmla.series import series_checks
-from refmla.util import dtype_name
+from refmla.util import dtype_name, error_text
 
 
 @dataclass
@@ -45,12 +45,16 @@ class InspectEntry:
 
 
 def inspect_one(path: str) -> InspectEntry:
+    """One capture's entry; never raises: an unreadable capture, or one refmla fails on, is invalid."""
     try:
         cap = read_capture(path)
+        tensors = {n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for n, t in cap.tensors().items()}
+        return InspectEntry(cap.path, check_capture(cap), meta=cap.meta.to_json(), tensors=tensors)
     except CaptureError as e:
         return InspectEntry(str(path), MetadataReport.invalid(str(e)), error=str(e))
-    tensors = {n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for n, t in cap.tensors().items()}
-    return InspectEntry(cap.path, check_capture(cap), meta=cap.meta.to_json(), tensors=tensors)
+    except Exception as e:  # one bad file must not end the run
+        err = str(CaptureError(path, "inspect", error_text(e)))
+        return InspectEntry(str(path), MetadataReport.invalid(err), error=err)
 
 
 def inspect_captures(paths: Sequence[str]) -> list[InspectEntry]:

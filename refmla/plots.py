@@ -14,6 +14,8 @@ global state, safe in worker processes.
 
 from __future__ import annotations
 
+import io
+
 import math
 from pathlib import Path
 from typing import Any, Optional
@@ -29,6 +31,7 @@ except ImportError as e:  # the CLI turns this into one line and exit 2
 import torch
 
 from refmla import reference as ref
+from refmla.atomic import make_dir, write_bytes
 from refmla.backends import get_backend
 from refmla.capture import CaptureError, read_capture
 from refmla.compare import Tolerance
@@ -42,9 +45,11 @@ MAX_PAGE_SHADES = 400  # shade alternate pages only when there are at most this 
 
 
 def _save(fig: Figure, path: Path) -> Path:
+    """The PNG rendered in memory, then written atomically (refmla.atomic)."""
     FigureCanvasAgg(fig)
-    fig.savefig(str(path), dpi=110)
-    return path
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
+    return write_bytes(path, buf.getbuffer(), make_parents=True)
 
 
 def _stems(paths: list[str]) -> list[str]:
@@ -70,7 +75,7 @@ def plot_replay(reports: list[ReplayReport], out_dir: Any) -> list[Path]:
     production output and re-run for backends whose status is ``fail``. Invalid captures are skipped.
     """
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(out_dir)
     written: list[Path] = []
     for report, stem in zip(reports, _stems([r.capture for r in reports])):
         if not report.backends:
@@ -238,7 +243,7 @@ def plot_diff_kv(result: DiffResult, out_dir: Any) -> list[Path]:
     """One lane per request: compared positions (grey), mismatched ranges (red), transfer runs
     holding mismatches (outlined). Requests with mismatches come first; at most 96 lanes."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(out_dir)
     reqs = [e for e in result.requests if e.positions_compared]
     reqs.sort(key=lambda e: e.mismatched_positions == 0)
     reqs = reqs[:96]

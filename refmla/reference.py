@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from refmla.paged import page_to_token
-from refmla.schedule import split_bounds
+from refmla.schedule import nonempty_splits_batch, split_bounds
 
 
 @dataclass(frozen=True)
@@ -152,13 +152,15 @@ def mla_decode_split_ref(
 
     Returns attn_logits [B, H, S, Dv] (each split's normalized output, v_scale applied),
     attn_lse [B, H, S] and valid [B, S] (False for empty splits, whose partials are 0 / -inf).
-    S = max_kv_splits, or max(num_kv_splits) when not given. ``attend_fn(q [H, D], kv [L, D], sc)``
+    S = max_kv_splits, or the most splits that hold a token (at least 1) when not given.
+    ``attend_fn(q [H, D], kv [L, D], sc)``
     replaces :func:`attend` per split, on the inputs in their stored dtypes (the low-precision
     control passes its own: refmla.control.mla_decode_split_control).
     """
     sc = Scales(kv_lora_rank, sm_scale, logit_cap, k_scale, v_scale)
     B, H, _ = q.shape
-    S = int(max_kv_splits) if max_kv_splits else int(num_kv_splits.max()) if B else 1
+    lens = (kv_indptr[1:] - kv_indptr[:-1]).long()  # [B]
+    S = int(max_kv_splits) if max_kv_splits else max(int(nonempty_splits_batch(lens, num_kv_splits).max()) if B else 1, 1)
     parts = torch.zeros(B, H, S, kv_lora_rank, dtype=accum_dtype, device=q.device)
     lses = torch.full((B, H, S), -math.inf, dtype=accum_dtype, device=q.device)
     valid = torch.zeros(B, S, dtype=torch.bool)

@@ -15,11 +15,12 @@ from typing import Any
 from refmla.backends import ALL_NAMES, NAMES, BackendUnavailable, get_backend
 from refmla.capture import Capture, CaptureError, read_capture
 from refmla.checks import check_capture
+from refmla.compare import judged_dtype
 from refmla.context import ReplayContext, ReplayOptions
 from refmla.diagnosis import diagnose, unreplayed_path
 from refmla.hypotheses import explain_failure
-from refmla.results import BackendEntry, MetadataReport, NoiseFloor, ReplayReport, Shape
-from refmla.splits import compare_splits
+from refmla.results import PART_NAMES, BackendEntry, MetadataReport, NoiseFloor, ReplayReport, Shape
+from refmla.splits import compare_lse, compare_splits
 from refmla.util import dtype_name, error_text
 
 
@@ -67,6 +68,7 @@ def replay_capture(cap: Capture, opts: ReplayOptions) -> ReplayReport:
     report.diagnosis, report.diagnosis_text, report.diagnosis_backends = diagnose(
         statuses, produced_by=cap.meta.backend, unreplayed=_unreplayed(cap, report.backends)
     )
+    report.diagnosis_text += parts_sentence(report.backends)
     report.verdict = "diverged" if any(s in ("fail", "error") for s in statuses.values()) else "agree"
     return report
 
@@ -78,6 +80,13 @@ def _unreplayed(cap: Capture, backends: dict[str, BackendEntry]):
     why = unreplayed_path(recorded, entry.status if entry else None, entry.info if entry else None,
                           entry.reason if entry else None)  # fmt: skip
     return (str(recorded), why) if why else None
+
+
+def parts_sentence(entries: dict[str, BackendEntry]) -> str:
+    """"; failing parts: observed lse, split partials" when a part besides ``out`` failed, else ""."""
+    said = [f"{name} " + ", ".join(PART_NAMES[p] for p in e.failed_parts)
+            for name, e in entries.items() if e.failed_parts]  # fmt: skip
+    return f"; failing parts: {'; '.join(said)}" if said else ""
 
 
 def shape_of(cap: Capture) -> Shape:
@@ -114,8 +123,14 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
         entry.info["not_compared"] = "rows of zero-length requests (this path leaves them undefined)"
     if res.attn_logits is not None and res.attn_lse is not None and ctx.cap.is_decode:
         entry.splits = compare_splits(ctx, res)
+    if res.lse is not None:
+        entry.lse = compare_lse(ctx, res.lse, judged_dtype(res.out.dtype), row_mask=mask)
+    entry.judge_parts()  # a failing lse or split partial fails the backend
     if not cmp.passed and ctx.opts.explain:
-        entry.explanation = explain_failure(ctx, res.out, cmp)
+        try:
+            entry.explanation = explain_failure(ctx, res.out, cmp)
+        except Exception as e:  # the search is an aid: its failure must not cost the replay
+            entry.info["explain_error"] = error_text(e)
     entry.seconds = round(time.perf_counter() - t0, 3)
     return entry
 

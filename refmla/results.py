@@ -100,6 +100,20 @@ class SplitCheck:
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
+@dataclass
+class LseCheck:
+    """A backend's log-sum-exp [R, H] against the reference's (the production ``lse`` for observed)."""
+
+    status: str  # "pass" | "fail"
+    reason: Optional[str] = None
+    compared_rows: Optional[int] = None
+    max_abs_err: Optional[float] = None
+    worst: Optional[dict] = None  # row, head, actual, expected
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
 # --------------------------------------------------------------------------------------------
 # One backend's entry, one capture's report
 # --------------------------------------------------------------------------------------------
@@ -119,6 +133,21 @@ class BackendEntry:
     splits: Optional[SplitCheck] = None
     explanation: Optional[Explanation] = None
     seconds: Optional[float] = None
+    lse: Optional[LseCheck] = None
+    failed_parts: Optional[list[str]] = None  # which outputs failed: "out", "lse", "attn_logits"
+
+    def judge_parts(self) -> None:
+        """A failing part (lse, split partials) fails the entry, whatever ``out`` did: set
+        ``failed_parts``, and ``status`` / ``reason`` when only a part failed."""
+        parts = [("out", self.status == "fail", self.reason)]
+        parts += [(name, c is not None and c.status == "fail", c.reason if c is not None else None)
+                  for name, c in (("lse", self.lse), ("attn_logits", self.splits))]  # fmt: skip
+        failed = [name for name, bad, _ in parts if bad]
+        if failed in ([], ["out"]):  # nothing beyond the output's own verdict
+            return
+        self.failed_parts = failed
+        self.reason = "; ".join(f"{PART_NAMES[name]}: {why or 'fail'}" for name, bad, why in parts if bad)
+        self.status = "fail"
 
     @classmethod
     def judged(cls, cmp: Comparison, info: dict) -> "BackendEntry":
@@ -143,7 +172,14 @@ class BackendEntry:
             d["explanation"] = self.explanation.to_json()
         if self.seconds is not None:
             d["seconds"] = self.seconds
+        if self.lse is not None:
+            d["lse"] = self.lse.to_json()
+        if self.failed_parts is not None:
+            d["failed_parts"] = list(self.failed_parts)
         return d
+
+
+PART_NAMES = {"out": "output", "lse": "lse", "attn_logits": "split partials"}
 
 
 @dataclass

@@ -33,9 +33,12 @@ def split_len(seq_len: int, num_splits: int, min_block: int = MIN_BLOCK_KV) -> i
 
 
 def split_bounds(seq_len: int, num_splits: int, min_block: int = MIN_BLOCK_KV) -> list[tuple[int, int]]:
-    """[start, end) of each split s < num_splits; trailing splits may be empty (start >= end)."""
+    """[start, end) of each split that holds a token, in order (entry s is split s).
+
+    The ``num_splits - len(result)`` trailing splits are empty and left out, so the list (and the
+    work of every caller) is bounded by ``seq_len / min_block`` whatever ``num_splits`` says."""
     per = split_len(seq_len, num_splits, min_block)
-    return [(s * per, min((s + 1) * per, seq_len)) for s in range(max(int(num_splits), 1))]
+    return [(s * per, min((s + 1) * per, seq_len)) for s in range(nonempty_splits(seq_len, num_splits, min_block))]
 
 
 def nonempty_splits(seq_len: int, num_splits: int, min_block: int = MIN_BLOCK_KV) -> int:

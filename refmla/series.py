@@ -16,6 +16,8 @@ plain array of report objects.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from typing import Optional, Sequence
 
 import torch
@@ -31,10 +33,13 @@ def _header(path: str) -> Optional[dict]:
     try:
         from safetensors import safe_open
 
+        if not stat.S_ISREG(os.stat(path).st_mode):  # never open a FIFO or a device
+            return None
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            return json.loads((f.metadata() or {})["meta"])
+            meta = json.loads((f.metadata() or {})["meta"])
     except Exception:
         return None
+    return meta if isinstance(meta, dict) else None
 
 
 def group_series(paths: Sequence[str]) -> dict[tuple, list[str]]:

@@ -1,10 +1,12 @@
-"""A kernel's stage-1 split partials against the split reference (decode with SGLang's split schedule).
+"""The parts of a kernel's result besides ``out``: its stage-1 split partials against the split
+reference (decode with SGLang's split schedule), and its lse against the reference's.
 
 Each non-empty split s of request b has a normalized partial [H, Dv] and an lse [H]; the reference
 computes the same split in fp64 and the control at the kernel's rounding points (fp32 partials), so
 the partials are judged like an output: per (split, head) row, k times the control's error plus an
 ulp of the value dtype (P.V ran on probabilities rounded to it). The lse must agree within k times
-the control's lse error plus 1e-5 relative.
+the control's lse error plus 1e-5 relative; so must a backend's final lse (the production ``lse``
+for ``observed``), row by row against the reference and the control.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 
 from refmla.compare import compare
 from refmla.context import ReplayContext
-from refmla.results import SplitCheck
+from refmla.results import LseCheck, SplitCheck
 from refmla.schedule import nonempty_splits
 
 
@@ -55,4 +57,36 @@ def compare_splits(ctx: ReplayContext, res) -> SplitCheck:
     elif bool(lse_bad.any()):
         r, h = (int(i) for i in torch.nonzero(lse_bad)[0])
         check.reason = f"lse of request {int(b_idx[r])} split {int(s_idx[r])} head {h} off by {lse_err[r, h].item():.3g}"
+    return check
+
+
+def compare_lse(ctx: ReplayContext, lse: torch.Tensor, out_dtype: torch.dtype, row_mask=None) -> LseCheck:
+    """A backend's lse [R, H] against the reference's: within k times the control's lse error plus
+    1e-5 * (1 + |lse|), NaN / Inf anywhere the reference is finite failing. ``row_mask`` [R]: rows
+    compared (the others are zero-length requests the kernel leaves undefined)."""
+    ref_lse = ctx.ref_lse.double()  # [R, H]
+    rows = torch.ones(ref_lse.shape[0], dtype=torch.bool) if row_mask is None else row_mask.cpu()
+    got = lse.detach().double().cpu()[rows]  # [r, H]
+    want, ctl = ref_lse[rows], ctx.control_lse(out_dtype).double().cpu()[rows]
+    if got.numel() == 0:
+        return LseCheck("pass", compared_rows=0)
+    err = (got - want).abs()
+    same_inf = torch.isinf(got) & (got == want)  # an empty row's -inf on both sides
+    err = torch.where(same_inf, torch.zeros_like(err), err)
+    # one lse per (row, head): the control's error on a single value can be 0 by chance, so the noise
+    # floor is its worst error over the row's heads (as out's is the worst over a row's elements)
+    ctl_err = (ctl - want).abs().nan_to_num(0.0).amax(dim=-1, keepdim=True)  # [r, 1]
+    allowed = ctx.opts.tol.k * ctl_err + 1e-5 * (1 + want.abs().nan_to_num(0.0))
+    bad = ~(err <= allowed)  # NaN err fails
+    ratio = torch.where(bad & ~torch.isfinite(err), torch.full_like(err, torch.inf), err / allowed)
+    r, h = divmod(int(ratio.argmax()), ratio.shape[1])
+    row = int(torch.nonzero(rows).flatten()[r])
+    check = LseCheck("fail" if bool(bad.any()) else "pass", compared_rows=int(rows.sum()),
+                     max_abs_err=float(err.max()),
+                     worst={"row": row, "head": h, "actual": float(got[r, h]), "expected": float(want[r, h])})  # fmt: skip
+    if bool(bad.any()):
+        nonfinite = int((bad & ~torch.isfinite(got)).sum())
+        check.reason = (f"{int(bad.sum())} of {got.numel()} values off (row {row} head {h}: "
+                        f"{float(got[r, h]):.6g} vs {float(want[r, h]):.6g})"
+                        + (f", {nonfinite} NaN/Inf" if nonfinite else ""))  # fmt: skip
     return check

@@ -162,3 +162,10 @@ def test_probes_never_raise_into_the_server():
         assert mod.mla_decode_fwd(object(), object(), q=object(), work_info_set=object()) == 42
     finally:
         kernel_probes.clear_notes()
+
+
+def test_probes_note_nothing_outside_a_captured_call(sglang_module, standin):
+    kernel_probes.start_notes()
+    kernel_probes.clear_notes()  # the wrapper's finally: the call is over
+    sglang_module.get_mla_metadata_info_v1(2, 1, 16, torch.bfloat16, torch.bfloat16, is_sparse=False)
+    assert kernel_probes.take_notes() == {} and kernel_probes._open_notes() is None

@@ -295,3 +295,46 @@ def test_persist_env_picks_the_path_of_an_unrecorded_capture(standin, tmp_path, 
     assert entry["info"]["production_path"]["source"].startswith(f"SGLANG_AITER_MLA_PERSIST={persist}")
     if want == "persistent":
         assert entry["info"]["num_kv_splits"] == 64
+
+
+def test_status_lists_the_paths_this_aiter_can_replay(standin, monkeypatch):
+    import aiter
+
+    from refmla.backends.aiter import aiter_status
+
+    assert aiter_status()[1].endswith("paths: persistent, non_persistent, gluon")
+    monkeypatch.delattr(aiter, "get_mla_metadata_v1")
+    assert aiter_status()[1].endswith("paths: non_persistent, gluon")
+
+
+def test_metadata_compare_reads_only_the_used_part():
+    """Tails of torch.empty buffers differ run to run: never a finding; the used part is, in any index dtype."""
+    from refmla.backends.aiter.metadata import compare_buffers
+
+    i32 = dict(dtype=torch.int32)
+    rebuilt = {"work_indptr": torch.tensor([0, 2, 3], **i32), "work_info_set": torch.arange(40, **i32).reshape(5, 8),
+               "reduce_indptr": torch.tensor([0, 2], **i32), "reduce_final_map": torch.tensor([[0, 0]], **i32),
+               "reduce_partial_map": torch.tensor([0, 1, 99, 98], **i32)}  # fmt: skip
+    prod = {k: v.clone().long() for k, v in rebuilt.items()}
+    prod["work_info_set"][3:] = -1  # beyond work_indptr[-1] = 3
+    prod["reduce_partial_map"][2:] = 12345  # beyond reduce_indptr[-1] = 2
+    assert compare_buffers(prod, rebuilt) == []
+    prod["work_info_set"][2, 5] += 1
+    (f,) = compare_buffers(prod, rebuilt)
+    assert (f.detail["buffer"], f.detail["first_row"], f.detail["rows_differing"]) == ("work_info_set", 2, 1)
+
+
+def test_gluon_forced_on_too_many_heads_is_skipped(standin, tmp_path, monkeypatch):
+    monkeypatch.setenv("REFMLA_AITER_PATH", "gluon")
+    entry = replay_aiter(aiter_capture(tmp_path, heads=32, path=None))
+    assert entry["status"] == "skipped" and "(gluon path)" in entry["reason"] and "32 heads" in entry["reason"]
+
+
+def test_fp8_kv_observed_divergence_is_explained_not_invalid(tmp_path):
+    """An fp8-KV deployment (the persistent kernel's case): the hypothesis search zeroes fp8 rows too."""
+    _forget_aiter()
+    cap = aiter_capture(tmp_path, heads=16, kv_dtype=FP8, fault="kv_range_zero", seq_lens=(37, 130, 300, 64, 1))
+    report = replay_capture(cap, ReplayOptions(backends=["aiter"])).to_json()
+    assert report["verdict"] == "diverged" and report["diagnosis"] == "observed_unconfirmed"
+    assert report["backends"]["observed"]["explanation"]["hypothesis"] == "kv_range_missing"
+    assert "production ran aiter's persistent kernel, not replayed here" in report["diagnosis_text"]

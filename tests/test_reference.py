@@ -97,10 +97,22 @@ def test_head_dims_come_from_arguments_not_constants():
 def test_split_schedule_is_sglangs(L, n):
     bounds = split_bounds(L, n)
     per = math.ceil(math.ceil(L / n) / 32) * 32
-    assert len(bounds) == n
+    assert len(bounds) == min(n, math.ceil(L / per)), "exactly the splits that hold a token"
+    assert all(e > s for s, e in bounds)
     assert all(s == i * per and e == min((i + 1) * per, L) for i, (s, e) in enumerate(bounds))
     covered = [p for s, e in bounds for p in range(s, max(s, e))]
     assert covered == list(range(L)), "splits must tile [0, L) in order, without overlap"
+
+
+def test_split_bounds_work_is_bounded_by_the_sequence_not_the_count():
+    """num_kv_splits = 2**31 - 1 (hostile capture) must not build 2**31 tuples."""
+    import time
+
+    t0 = time.perf_counter()
+    bounds = split_bounds(100, 2**31 - 1)
+    assert time.perf_counter() - t0 < 0.5
+    assert bounds == [(0, 32), (32, 64), (64, 96), (96, 100)]
+    assert split_bounds(0, 10**8) == []
 
 
 def test_split_merge_equals_unsplit_including_trailing_empty_splits():

@@ -342,6 +342,9 @@ class TritonBackend(Backend):
         ok, why = self.availability()
         if not ok:
             raise BackendUnavailable(why)
+        why = unsupported_shape(m.kv_lora_rank, m.qk_rope_head_dim)
+        if why:
+            raise BackendUnavailable(why)
         device = _device(opts)
         splits, max_kv, source = _num_kv_splits(cap, opts)
         try:
@@ -361,6 +364,21 @@ class TritonBackend(Backend):
             num_kv_splits=splits.to(torch.int32).cpu(), info=info,
             defines_empty_rows=False,  # stage 2 divides 0 by 0 for a request with no tokens: NaN
         )  # fmt: skip
+
+
+# SGLang's grouped MLA kernel splits the head dim into a latent block and a rope block only for
+# these (Lk, Lv); any other Lk is one next_power_of_2(Lk) block, which works only without rope
+# (Lk == Lv): decode_attention_fwd_grouped in sglang.kernels.ops.attention.decode_attention (0.5.23).
+ROPE_SPLIT_SHAPES = {(576, 512), (288, 256)}
+
+
+def unsupported_shape(kv_lora_rank: int, qk_rope_head_dim: int) -> Optional[str]:
+    """The kernel's constraint a (value dim, rope dim) breaks, or None when it can run it."""
+    Lk, Lv = kv_lora_rank + qk_rope_head_dim, kv_lora_rank
+    if qk_rope_head_dim == 0 or (Lk, Lv) in ROPE_SPLIT_SHAPES:
+        return None
+    return (f"SGLang's Triton MLA decode kernel supports a rope part only as 512 + 64 or 256 + 32 "
+            f"(or no rope); this capture has {Lv} + {qk_rope_head_dim}")  # fmt: skip
 
 
 def _device(opts) -> torch.device:
@@ -399,4 +417,5 @@ __all__ = [
     "build_kernel_kwargs",
     "locate_decode_kernel",
     "run_triton_decode",
+    "unsupported_shape",
 ]

@@ -76,6 +76,16 @@ class CaptureMeta:
         return {**self.extra, **d}
 
 
+# The sane ranges validation enforces (docs/contract.md section 1, "Bounds"). sm_scale: the real
+# ones are 1/sqrt(D) times a yarn mscale**2, 0.04..0.3 for DeepSeek-V3 / Kimi-K2; 1e-6..1e3 admits
+# any head dim up to 1e12 and any mscale a model uses, while keeping scale * logit finite in fp32.
+# k_scale / v_scale: fp8 dequant scales are amax / 448 (or / 240), 1e-9..1e9 covers any amax.
+SCALE_RANGE = {"sm_scale": (1e-6, 1e3), "k_scale": (1e-9, 1e9), "v_scale": (1e-9, 1e9)}
+MAX_PAGE_SIZE = 1 << 16  # SGLang / aiter page sizes are 1..256
+# SGLang's max_kv_splits is max(--triton-attention-num-kv-splits, min(npow2(CUs), npow2(ctx / 32))):
+# 256 on MI355X, 512 on the largest GPU; the stage-1 buffer is [B, H, max_kv_splits, Dv + 1] fp32.
+MAX_KV_SPLITS = 1 << 12
+
 # key -> (type, required); int keys accept integral floats, float keys accept ints
 META_KEYS = {
     "mode": (str, True), "backend": (str, True), "kv_lora_rank": (int, True),
@@ -145,13 +155,27 @@ def _check_scales(kw: dict, path: Any) -> None:
     for key in ("sm_scale", "k_scale", "v_scale"):
         if key in kw and not (math.isfinite(kw[key]) and kw[key] > 0):
             raise _bad_key(path, key, f"must be finite and > 0, got {kw[key]}")
+        lo, hi = SCALE_RANGE[key]
+        if key in kw and not lo <= kw[key] <= hi:
+            raise _bad_key(path, key, f"{kw[key]:g} is outside the sane range [{lo:g}, {hi:g}]")
     if not (math.isfinite(kw["logit_cap"]) and kw["logit_cap"] >= 0):
         raise _bad_key(path, "logit_cap", f"must be finite and >= 0, got {kw['logit_cap']}")
 
 
-def _check_max_kv_splits(kw: dict, path: Any) -> None:
-    if kw.get("max_kv_splits") is not None and kw["max_kv_splits"] < 1:
-        raise _bad_key(path, "max_kv_splits", f"must be >= 1, got {kw['max_kv_splits']}")
+def _check_sizes(kw: dict, path: Any) -> None:
+    """page_size and max_kv_splits: >= 1 and at most their sane ceilings (sizes work depends on)."""
+    for key, ceiling in (("page_size", MAX_PAGE_SIZE), ("max_kv_splits", MAX_KV_SPLITS)):
+        value = kw.get(key)
+        if value is not None and not 1 <= value <= ceiling:
+            raise _bad_key(path, key, f"must be in [1, {ceiling}], got {value}")
+
+
+def _check_ids(kw: dict, path: Any) -> None:
+    """layer_id, tp_rank, step: non-negative and within int64 (they are grouped and sorted on)."""
+    for key in ("layer_id", "tp_rank", "step"):
+        value = kw.get(key)
+        if value is not None and not 0 <= value < 2**63:
+            raise _bad_key(path, key, f"must be in [0, 2**63), got {value}")
 
 
 # bounds on the coerced values, run in order; each raises CaptureError naming the key
@@ -159,7 +183,8 @@ META_CHECKS: tuple[Callable[[dict, Any], None], ...] = (
     _check_mode,
     _check_widths,
     _check_scales,
-    _check_max_kv_splits,
+    _check_sizes,
+    _check_ids,
 )
 
 
@@ -247,6 +272,9 @@ __all__ = [
     "INDEX_DTYPES",
     "META_CHECKS",
     "META_KEYS",
+    "MAX_KV_SPLITS",
+    "MAX_PAGE_SIZE",
+    "SCALE_RANGE",
     "TENSORS",
     "Capture",
     "CaptureError",

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +48,14 @@ def read_capture(path: Any) -> Capture:
 
 
 def _check_file(path: Path) -> None:
-    if not path.exists():
-        raise CaptureError(path, "file", "no such file")
-    if not path.is_file():
+    """A regular file, found by stat alone: a FIFO or a device is never opened (it could block)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise CaptureError(path, "file", "no such file") from None
+    except OSError as e:
+        raise CaptureError(path, "file", f"cannot stat ({e.strerror or type(e).__name__})") from None
+    if not stat.S_ISREG(mode):
         raise CaptureError(path, "file", "not a regular file")
 
 

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from refmla.capture.format import FLOAT_DTYPES, INDEX_DTYPES, Capture, CaptureError
+from refmla.capture.format import FLOAT_DTYPES, INDEX_DTYPES, MAX_KV_SPLITS, Capture, CaptureError
 from refmla.util import dtype_name, request_label
 
 AITER_BUFFERS = {  # aiter's persistent work buffers: name -> trailing shape (None: 1-D)
@@ -23,6 +23,8 @@ INDEX_TENSORS = ("kv_indptr", "kv_indices", "seq_lens", "num_kv_splits", "req_to
                  "qo_indptr", *AITER_BUFFERS)  # fmt: skip
 FLOAT_TENSORS = ("q", "kv_buffer", "out", "lse", "attn_logits", "attn_lse")
 KNOWN_BACKENDS = ("triton", "aiter", "unknown")
+# q and the pool in what a kernel reads (docs/contract.md section 1): no fp64, no integers
+INPUT_DTYPES = FLOAT_DTYPES - {torch.float64}
 
 
 def validate(cap: Capture) -> list[str]:
@@ -60,12 +62,16 @@ def _first(mask: torch.Tensor) -> int:
 
 
 def check_dtypes(cap: Capture, warnings: list[str]) -> None:
-    """Index tensors int32 / int64, value tensors floating point (fp8 included)."""
+    """Index tensors int32 / int64, value tensors floating point; q and kv_buffer bf16 / fp16 / fp32 / fp8."""
     for names, allowed in ((INDEX_TENSORS, INDEX_DTYPES), (FLOAT_TENSORS, FLOAT_DTYPES)):
         for name in names:
             t = getattr(cap, name)
             if t is not None and t.dtype not in allowed:
                 raise _err(cap, name, f"dtype {dtype_name(t.dtype)} not allowed here")
+    for name in ("q", "kv_buffer"):
+        t = getattr(cap, name)
+        if t.dtype not in INPUT_DTYPES:
+            raise _err(cap, name, f"dtype {dtype_name(t.dtype)} is not a kernel input dtype (bf16, fp16, fp32, fp8)")
 
 
 def check_core_shapes(cap: Capture, warnings: list[str]) -> None:
@@ -77,6 +83,8 @@ def check_core_shapes(cap: Capture, warnings: list[str]) -> None:
         raise _err(cap, "kv_indptr", "empty; expected [B + 1] entries")
     _shape(cap, "q", cap.q, (None, None, D))
     T = cap.q.shape[0]
+    if cap.q.shape[1] < 1:
+        raise _err(cap, "q", f"shape {list(cap.q.shape)} has no heads; expected [T, H >= 1, {D}]")
     if cap.is_decode and T != B:
         raise _err(cap, "q", f"has {T} requests but kv_indptr describes {B}")
     _shape(cap, "kv_buffer", cap.kv_buffer, (None, 1, D))
@@ -122,7 +130,10 @@ def check_kv_indices(cap: Capture, warnings: list[str]) -> None:
 
 
 def check_num_kv_splits(cap: Capture, warnings: list[str]) -> None:
-    """When captured: [B], every count >= 1."""
+    """When captured: [B], every count in [1, max_kv_splits] (meta; else the ceiling MAX_KV_SPLITS).
+
+    A count above ceil(seq_len / 32) is legal (its trailing splits are empty: SGLang's static
+    schedule does it); work follows the splits that hold tokens, never the count itself."""
     splits, B = cap.num_kv_splits, cap.batch_size
     if splits is None:
         return
@@ -130,6 +141,11 @@ def check_num_kv_splits(cap: Capture, warnings: list[str]) -> None:
     if B and int(splits.min()) < 1:
         b = _first(splits < 1)
         raise _err(cap, "num_kv_splits", f"num_kv_splits[{b}]={int(splits[b])} must be >= 1")
+    ceiling = cap.meta.max_kv_splits or MAX_KV_SPLITS
+    what = "meta max_kv_splits" if cap.meta.max_kv_splits else "the ceiling on max_kv_splits"
+    if B and int(splits.max()) > ceiling:
+        b = _first(splits > ceiling)
+        raise _err(cap, "num_kv_splits", f"num_kv_splits[{b}]={int(splits[b])} exceeds {what} ({ceiling})")
 
 
 def check_optional_shapes(cap: Capture, warnings: list[str]) -> None:
@@ -142,6 +158,9 @@ def check_optional_shapes(cap: Capture, warnings: list[str]) -> None:
         _shape(cap, "lse", cap.lse, (rows, H))
     if cap.attn_logits is not None:
         _shape(cap, "attn_logits", cap.attn_logits, (B, H, None, Dv))
+        S, ceiling = cap.attn_logits.shape[2], cap.meta.max_kv_splits or MAX_KV_SPLITS
+        if S > ceiling:
+            raise _err(cap, "attn_logits", f"{S} splits exceed max_kv_splits ({ceiling})")
     if cap.attn_lse is not None:
         S = cap.attn_logits.shape[2] if cap.attn_logits is not None else None
         _shape(cap, "attn_lse", cap.attn_lse, (B, H, S))
@@ -182,6 +201,21 @@ def check_qo_indptr(cap: Capture, warnings: list[str]) -> None:
         raise _err(cap, "qo_indptr", f"{request_label(b)} has {int(qlen[b])} new tokens but seq_len {int(seq[b])}")
 
 
+def check_page_size(cap: Capture, warnings: list[str]) -> None:
+    """meta page_size within the pool: a pool that is not compacted (no orig_kv_indices) holds
+    whole pages, so at least one page of rows."""
+    N, P = cap.kv_buffer.shape[0], cap.meta.page_size
+    if cap.orig_kv_indices is None and N > 0 and P > N:
+        raise CaptureError(cap.path, "meta key 'page_size'", f"{P} is larger than the pool (kv_buffer has {N} rows)")
+
+
+def check_meta_lists(cap: Capture, warnings: list[str]) -> None:
+    """Per-request lists in meta (rids) have one entry per request."""
+    rids, B = cap.meta.rids, cap.batch_size
+    if rids is not None and len(rids) != B:
+        raise CaptureError(cap.path, "meta key 'rids'", f"has {len(rids)} entries for {B} requests")
+
+
 def warn_q_values(cap: Capture, warnings: list[str]) -> None:
     """fp8 q (no q scale in the format) and NaN / Inf in q: replayed, with a warning."""
     if cap.q.dtype.itemsize == 1:
@@ -211,6 +245,8 @@ CHECKS: tuple[Check, ...] = (
     check_optional_shapes,
     check_aiter_buffers,
     check_qo_indptr,
+    check_page_size,
+    check_meta_lists,
     warn_q_values,
     warn_backend_name,
 )

@@ -1,19 +1,19 @@
 """Writing a capture: compact the pool, validate, write atomically, sort the header.
 
 A file on disk is always a readable capture: the tensors and meta are validated before anything
-is written, and the file appears under its name only once complete (temp file + rename).
+is written, and the file appears under its name only once complete (refmla.atomic).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
 from refmla import CAPTURE_FORMAT
+from refmla.atomic import write_bytes
 from refmla.capture.format import TENSORS, Capture, CaptureError, parse_meta
 from refmla.capture.validation import validate
 
@@ -91,33 +91,22 @@ def write_capture(
 
 
 def _write_atomic(path: Path, tensors: dict[str, torch.Tensor], header: dict[str, str]) -> None:
-    """safetensors file at ``path`` via a temp file in the same folder, fsync'd, then renamed."""
-    from safetensors.torch import save_file
+    """The safetensors bytes, header metadata sorted, written by :func:`refmla.atomic.write_bytes`."""
+    from safetensors.torch import save
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        save_file(tensors, str(tmp), metadata=header)
-        _sort_header_metadata(tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    write_bytes(path, sorted_header(save(tensors, metadata=header)), make_parents=True)
 
 
-def _sort_header_metadata(path: Path) -> None:
-    """Sort the safetensors ``__metadata__`` keys in place (same length, same meaning), so the same
-    capture is the same bytes: safetensors writes them from a hash map, in any order."""
-    with open(path, "r+b") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-        header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
-        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-        if len(text) <= n:  # a reordering of the same keys never grows; keep the file if it would
-            f.seek(8)
-            f.write(text + b" " * (n - len(text)))
+def sorted_header(data: bytes) -> list:
+    """The same safetensors bytes (as chunks, without copying the tensors) with the ``__metadata__`` keys sorted (same length, same meaning),
+    so the same capture is the same bytes: safetensors writes them from a hash map, in any order."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(text) > n:  # a reordering of the same keys never grows; keep the bytes if it would
+        return [data]
+    return [data[:8], text + b" " * (n - len(text)), memoryview(data)[8 + n :]]
 
 
 __all__ = ["compact_pool", "write_capture"]

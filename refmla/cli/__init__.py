@@ -23,13 +23,22 @@ from refmla import __version__
 from refmla.backends.triton_interp import ensure_interpreter
 from refmla.capture import CaptureError
 from refmla.cli import diffkv, inspect, replay, tools
-from refmla.cli.common import EXIT_INVALID, UsageError
+from refmla.atomic import WriteError
+from refmla.cli.common import EXIT_INVALID, UsageError, describe_inputs
 from refmla.hook.cli import add_capture_parser
-from refmla.util import error_text
+from refmla.util import error_text, first_line
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the contract's usage error: one line on stderr, exit 2 (subcommands inherit it)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        print(f"refmla: error: {self.prog}: {first_line(message)} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(EXIT_INVALID)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="refmla", description="Replay and check absorbed-MLA decode captures.")
+    p = Parser(prog="refmla", description="Replay and check absorbed-MLA decode captures.")
     p.add_argument("--version", action="version", version=f"refmla {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     replay.add_parser(sub)
@@ -45,15 +54,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (CaptureError, UsageError) as e:
-        print(f"refmla: error: {e}", file=sys.stderr)
+    except (CaptureError, UsageError, WriteError) as e:
+        print(f"refmla: error: {first_line(e)}", file=sys.stderr)
         return EXIT_INVALID
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # never a traceback for the user; REFMLA_DEBUG=1 shows it
         if os.environ.get("REFMLA_DEBUG"):
             raise
-        print(f"refmla: error: {error_text(e)} (set REFMLA_DEBUG=1 for the traceback)", file=sys.stderr)
+        where = describe_inputs(args)
+        where = f"{where}: " if where else ""
+        print(f"refmla: error: {where}{error_text(e)} (set REFMLA_DEBUG=1 for the traceback)", file=sys.stderr)
         return EXIT_INVALID
 
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import stat
+import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
-from refmla.util import json_safe
+from refmla.util import first_line, json_safe
 
 EXIT_OK, EXIT_DIVERGED, EXIT_INVALID = 0, 1, 2
 
@@ -15,14 +19,22 @@ class UsageError(Exception):
     """Bad input that is not a capture file (a path, an option): exit 2 with one line."""
 
 
+def is_dir(path: Any) -> bool:
+    """os.path.isdir that never raises (a name too long, a permission denied: not a directory)."""
+    try:
+        return stat.S_ISDIR(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
 def expand_captures(paths: Sequence[str]) -> list[str]:
-    """Files as given; directories -> every *.safetensors regular file inside, sorted. Missing paths
-    stay (they are reported as invalid captures)."""
+    """Files as given; directories -> every ``*.safetensors`` entry inside that is not a directory,
+    sorted: a FIFO, a device or a dangling link named so is listed (and reported invalid, never
+    opened), not skipped. Missing paths stay (they are reported as invalid captures)."""
     out: list[str] = []
     for p in paths:
-        path = Path(p)
-        if path.is_dir():
-            found = sorted(str(f) for f in path.rglob("*.safetensors") if f.is_file())
+        if is_dir(p):
+            found = sorted(str(f) for f in Path(p).rglob("*.safetensors") if not is_dir(f))
             if not found:
                 raise UsageError(f"{p}: directory holds no *.safetensors captures")
             out += found
@@ -33,7 +45,37 @@ def expand_captures(paths: Sequence[str]) -> list[str]:
 
 def single_file(args_paths: Sequence[str]) -> bool:
     """One path given, and it is not a directory: the JSON is one object, not an array."""
-    return len(args_paths) == 1 and not Path(args_paths[0]).is_dir()
+    return len(args_paths) == 1 and not is_dir(args_paths[0])
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (``--jobs``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def describe_inputs(args: argparse.Namespace) -> str:
+    """The files a command was given, for the one line of an unexpected error: "F", "F (and 3 more)"."""
+    paths: list[str] = []
+    for name in ("captures", "prefill", "decode", "out", "path"):
+        value = getattr(args, name, None)
+        paths += [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)] if value else []
+    if not paths:
+        return ""
+    return paths[0] + (f" (and {len(paths) - 1} more)" if len(paths) > 1 else "")
+
+
+def report_invalid(capture: str, error: Optional[str], errors: Sequence[str]) -> None:
+    """The one stderr line of an unusable capture among several, naming the file."""
+    line = first_line(error or "; ".join(errors) or "invalid")
+    if not line.startswith(str(capture)):
+        line = f"{capture}: {line}"
+    print(f"refmla: error: {line}", file=sys.stderr)
 
 
 def print_json(obj: Any) -> None:

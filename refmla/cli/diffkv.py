@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from refmla.cli.common import EXIT_DIVERGED, EXIT_OK, need_matplotlib, print_json
+from refmla.capture import CaptureError
+from refmla.cli.common import EXIT_DIVERGED, EXIT_INVALID, EXIT_OK, need_matplotlib, print_json
 from refmla.diffkv import diff_kv_files, render_diff
 
 
@@ -20,7 +21,13 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     if args.plot:
         need_matplotlib()  # one line, exit 2, before anything is read
-    result = diff_kv_files(args.prefill, args.decode)
+    try:
+        result = diff_kv_files(args.prefill, args.decode)
+    except CaptureError as e:  # --json: still one JSON document on stdout, then the one stderr line
+        if args.json:
+            print_json({"ok": False, "error": str(e), "requests": [], "prefill": list(args.prefill),
+                        "decode": args.decode})  # fmt: skip
+        raise
     if args.plot:
         from refmla.plots import plot_diff_kv  # matplotlib is optional: imported only when asked for
 
@@ -31,4 +38,7 @@ def run(args) -> int:
         print_json(result)
     else:
         print(render_diff(result))
+    if result.error is not None:
+        print(f"refmla: error: {args.decode}: {result.error}", file=sys.stderr)
+        return EXIT_INVALID
     return EXIT_OK if result.ok else EXIT_DIVERGED

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from refmla.capture import read_capture
-from refmla.cli.common import expand_captures, print_json, single_file
+from refmla.cli.common import expand_captures, print_json, report_invalid, single_file
 from refmla.inspection import inspect_captures, inspect_exit_code
 from refmla.render.inspect import render_inspect
 
@@ -20,6 +20,9 @@ def run(args) -> int:
     if single_file(args.captures):
         read_capture(paths[0])  # one file: a bad one is exit 2 with one line
     entries = inspect_captures(paths)  # several: also the series checks
+    for e in entries:  # each unusable capture: one line on stderr (exit 2); the others are still reported
+        if not e.metadata.ok:
+            report_invalid(e.capture, e.error, e.metadata.errors)
     if args.json:
         print_json(entries[0] if len(entries) == 1 else entries)
     else:

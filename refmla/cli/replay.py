@@ -6,7 +6,7 @@ import sys
 
 from refmla.backends import ALL_NAMES
 from refmla.batch import replay_many
-from refmla.cli.common import UsageError, expand_captures, need_matplotlib, print_json, single_file
+from refmla.cli.common import UsageError, expand_captures, need_matplotlib, positive_int, print_json, report_invalid, single_file
 from refmla.compare import Tolerance
 from refmla.context import ReplayOptions
 from refmla.render.replay import render, summary_table
@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
     r.add_argument("--cos", type=float, default=1e-5, help="cosine-difference ceiling (1e-5)")
     r.add_argument("--device", default=None, help="device for kernels (default: cuda if present, else cpu)")
     r.add_argument("--cu-count", type=int, default=256, help="CUs for computing num_kv_splits (MI355X: 256)")
-    r.add_argument("--jobs", type=int, default=1, help="replay captures in parallel processes")
+    r.add_argument("--jobs", type=positive_int, default=1, help="replay captures in parallel processes")
     r.add_argument("--plot", metavar="DIR", default=None, help="write PNG plots to DIR")
     r.add_argument("--no-explain", action="store_true", help="skip the hypothesis search")
     r.set_defaults(func=run)
@@ -49,7 +49,7 @@ def run(args) -> int:
     reports = replay_many(paths, opts, jobs=args.jobs)
     for r in reports:  # each unusable capture: one line on stderr (exit 2); the others are still reported
         if r.verdict == "invalid":
-            print(f"refmla: error: {r.error or '; '.join(r.metadata.errors)}", file=sys.stderr)
+            report_invalid(r.capture, r.error, r.metadata.errors)
     if len(reports) > 1:
         attach_series(reports)  # each report gets its findings against the previous step
     if args.plot:

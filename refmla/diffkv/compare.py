@@ -163,12 +163,16 @@ def _compare(plan: _Plan, prefill: list[Capture], decode: Capture) -> _Compared:
 # --------------------------------------------------------------------------------------------
 
 
+NOTHING_COMPARED = "nothing_compared"  # a paired request of which neither side holds a position both hold
+
+
 def _request_diff(p: _Planned, cmp: _Compared, prefill: list[Capture], decode: Capture, phys: bool) -> RequestDiff:
     r, n, P = p.req, p.n, decode.meta.page_size
     m = cmp.mism[p.off : p.off + n]
     pos = torch.nonzero(m).flatten()  # [k] mismatched positions of this request
     k = int(pos.numel())
-    e = RequestDiff(request=r.label, rid=r.rid, status="mismatch" if k else "match", positions_compared=n,
+    status = "mismatch" if k else "match" if n else NOTHING_COMPARED  # 0 positions is not a match
+    e = RequestDiff(request=r.label, rid=r.rid, status=status, positions_compared=n,
                     mismatched_positions=k, first_mismatch=int(pos[0]) if k else None,
                     mismatched_pages=torch.unique(pos // P).tolist(),
                     positions_prefill=max(s.length for s in r.sources),
@@ -279,7 +283,8 @@ def _result(entries: list[RequestDiff], pairing: Pairing, prefill: list[Capture]
     if not phys:
         notes.append("no orig_kv_indices on both sides: mismatches are not grouped into transfer runs")
     return DiffResult(
-        ok=mismatched == 0,
+        ok=mismatched == 0 and total > 0,
+        error=None if total else "nothing compared: no position is held by both sides of any paired request",
         requests=entries,
         prefill=[c.path for c in prefill],
         decode=decode.path,

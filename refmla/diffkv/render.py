@@ -67,7 +67,9 @@ def _runs(result: DiffResult) -> list[str]:
 
 
 def _verdict(result: DiffResult) -> list[str]:
-    if result.ok:
+    if result.error is not None:
+        lines = [f"verdict  NOTHING COMPARED: {result.error}"]
+    elif result.ok:
         lines = [f"verdict  match: {result.positions_compared} positions of {result.paired_requests} "
                  "request(s) identical"]  # fmt: skip
     else:

@@ -187,7 +187,7 @@ class RequestDiff:
 class DiffResult:
     """A diff-kv of prefill capture(s) against one decode capture."""
 
-    ok: bool  # no compared position mismatched
+    ok: bool  # positions were compared and none mismatched
     requests: list[RequestDiff]  # paired ones in decode order, then the unpaired
     prefill: list[str]  # paths
     decode: str
@@ -203,6 +203,7 @@ class DiffResult:
     decode_only: list[Label]
     notes: list[str] = field(default_factory=list)
     plots: Optional[list[str]] = None  # files written by ``refmla diff-kv --plot``
+    error: Optional[str] = None  # why nothing could be compared (exit 2): then ``ok`` is false
 
     def request(self, label: Label) -> RequestDiff:
         """The entry of one request by its rid (or index when paired by order); KeyError if none."""
@@ -221,4 +222,6 @@ class DiffResult:
              "notes": list(self.notes)}  # fmt: skip
         if self.plots is not None:
             d["plots"] = list(self.plots)
+        if self.error is not None:
+            d["error"] = self.error
         return d

@@ -38,6 +38,7 @@ from typing import Any, Callable, Union
 import torch
 
 from refmla import reference as ref
+from refmla.atomic import WriteError, check_target, make_dir, write_text
 from refmla.capture import write_capture
 from refmla.compare import Tolerance
 from refmla.golden.cases import SUITES, GoldenCase
@@ -185,18 +186,24 @@ def generate(out_dir: PathLike, suite: str = "quick") -> dict[str, Any]:
     """
     if suite not in SUITES:
         raise KeyError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_dir(out_dir)
+    check_target(out / MANIFEST)
+    try:  # the suite is being rewritten: incomplete until the new manifest lands, last
+        (out / MANIFEST).unlink(missing_ok=True)
+    except OSError as e:
+        raise WriteError(out / MANIFEST, e.strerror or type(e).__name__) from None
     cases = [write_case(case, out) for case in SUITES[suite].values()]
     manifest = {"format": "refmla.golden.manifest/1", "generator": GENERATOR, "suite": suite,
                 "capture_format": "refmla.capture/1", "cases": cases}  # fmt: skip
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    write_text(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 
 def load_manifest(golden_dir: PathLike) -> dict[str, Any]:
-    """The manifest of a golden directory; FileNotFoundError names what is missing."""
+    """The manifest of a golden directory; FileNotFoundError names what is missing. ``generate``
+    writes the manifest last, so a directory without one is an incomplete (or interrupted) suite."""
     path = Path(golden_dir) / MANIFEST
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no golden manifest (refmla golden generate --out {golden_dir})")
+        raise FileNotFoundError(f"{path}: no golden manifest: the suite is incomplete (an interrupted "
+                                f"generate?); run refmla golden generate --out {golden_dir}")  # fmt: skip
     return json.loads(path.read_text())

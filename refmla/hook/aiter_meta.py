@@ -71,8 +71,8 @@ def _sglang_state(backend: Any) -> dict[str, Any]:
 
 
 def aiter_path_meta(ctx: CallContext) -> dict[str, Any]:
-    """The aiter path meta group (docs/contract.md section 1); empty for other backends."""
-    if ctx.call.backend != "aiter":
+    """The aiter path meta group (docs/contract.md section 1); empty for other backends and modes."""
+    if ctx.call.backend != "aiter" or ctx.call.mode != "decode":
         return {}
     notes, backend = ctx.call.kernel_notes or {}, ctx.backend
     path, how = _path(notes, backend, ctx.md)
@@ -108,7 +108,7 @@ def aiter_path_meta(ctx: CallContext) -> dict[str, Any]:
 
 def aiter_buffers(ctx: CallContext) -> tuple[dict[str, torch.Tensor], Optional[str]]:
     """({"aiter_<name>": host copy} of the persistent work buffers the kernel read, why not or None)."""
-    if ctx.call.backend != "aiter":
+    if ctx.call.backend != "aiter" or ctx.call.mode != "decode":
         return {}, None
     found = (ctx.call.kernel_notes or {}).get("aiter_kernel_tensors") or {}
     bufs = {n: found.get(n) for n in CAPTURED_BUFFERS}

@@ -35,7 +35,8 @@ def take_notes() -> dict:
 
 
 def clear_notes() -> None:
-    _TLS.notes = {}
+    """Close the notes: probes outside a captured call note nothing (and keep no tensor alive)."""
+    _TLS.notes = None
 
 
 def _open_notes() -> Optional[dict]:

@@ -44,18 +44,26 @@ import torch
 
 from refmla.compare import Comparison
 from refmla.context import ReplayContext
-from refmla.hypotheses import heads, kv_range, logit_cap, seq_len, sm_scale, split
+from refmla.hypotheses import (
+    empty_split, heads, kv_range, kv_scale, logit_cap, overflow, pages, rope, seq_len, sm_scale, split,
+)
 from refmla.hypotheses.search import Search, SearchFn
 from refmla.results import Explanation
 from refmla.util import single_thread
 
 # The families in the order they are tried: the contract's order, simplest first.
 SEARCHES: dict[str, SearchFn] = {
+    pages.FULL: pages.search_full,
+    empty_split.NAME: empty_split.search,
     seq_len.NAME: seq_len.search,
+    overflow.NAME: overflow.search,
+    pages.SWAPPED: pages.search_swapped,
     kv_range.NAME: kv_range.search,
     split.NAME: split.search,
+    kv_scale.NAME: kv_scale.search,
     sm_scale.NAME: sm_scale.search,
     heads.NAME: heads.search,
+    rope.NAME: rope.search,
     logit_cap.NAME: logit_cap.search,
 }
 HYPOTHESES = tuple(SEARCHES)

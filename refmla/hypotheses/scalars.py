@@ -140,10 +140,10 @@ def fit_1d(s: Search, f: Callable[[float], torch.Tensor], lo: float, hi: float, 
     return math.exp((a + c) / 2)
 
 
-def full_under(s: Search, sc: ref.Scales) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference (fp64) and control of the whole capture under other scales."""
+def full_under(s: Search, sc: ref.Scales, q: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference (fp64) and control of the whole capture under other scales (and another q)."""
     cap = s.cap
-    args = (cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices)
+    args = (cap.q if q is None else q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices)
     kw = dataclasses.asdict(sc)
     qo = None if cap.is_decode else cap.qo_indptr
     if cap.is_decode:

@@ -153,9 +153,22 @@ class Search:
         seq_rows [S] pool rows in position order; token t attends positions [0, vis[t]) that are in
         ``keep`` (default all), rows in ``zero`` read as all-zero.
         """
+        kv64, kvs = self._sequence(self.req(b), seq_rows, zero)
+        return self.attend_kv(b, kv64, kvs, vis, keep, sc)
+
+    def attend_kv(
+        self,
+        b: int,
+        kv64: torch.Tensor,
+        kvs: torch.Tensor,
+        vis: torch.Tensor,
+        keep: Optional[torch.Tensor] = None,
+        sc: Optional[ref.Scales] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`attend_rows` over given rows: kv64 [S, D] fp64 and kvs [S, D] in the stored dtype
+        (the same values), e.g. rows a kernel read from somewhere else than the request's slots."""
         sc = sc or self.sc
         r = self.req(b)
-        kv64, kvs = self._sequence(r, seq_rows, zero)
         H, Dv = r.q64.shape[1], sc.kv_lora_rank
         exp = torch.empty(r.T, H, Dv, dtype=torch.float64)
         ctl = torch.empty(r.T, H, Dv, dtype=self.dtype)
@@ -180,7 +193,8 @@ class Search:
             kvs = ref.gather(self.cap.kv_buffer, seq_rows, self.cap.kv_buffer.dtype)  # stored dtype
         if zero is not None and bool(zero.any()):
             kv64, kvs = kv64.clone(), kvs.clone()
-            kv64[zero], kvs[zero] = 0, 0
+            kv64[zero] = 0
+            bits(kvs)[zero] = 0  # all-zero bits are +0.0 in every float dtype (fp8 has no masked_fill)
         return kv64, kvs
 
     # -- confirmation ------------------------------------------------------------------------
@@ -193,6 +207,12 @@ class Search:
         mask = None if self.mask is None else self.mask[rows]
         return compare("hypothesis", self.out[rows], expected, control, out_dtype=self.dtype, tol=self.tol,
                        row_mask=mask, request_of_row=self.req_of_row[rows])  # fmt: skip
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its width (the same storage): what writes and byte-level reads
+    use, since fp8 tensors support neither masked_fill nor index_put."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 SearchFn = Callable[[Search], Optional[Explanation]]  # one family's search: its explanation, or None

@@ -43,7 +43,8 @@ def shape_line(report: ReplayReport) -> str:
     where = "".join(f"  {word} {m[key]}" for word, key in (("layer", "layer_id"), ("rank", "tp_rank"), ("step", "step"))
                     if m.get(key) is not None)  # fmt: skip
     return (f"shape    {report.mode}  requests={s.requests} heads={s.heads} D={s.head_dim} Dv={s.v_head_dim} "
-            f"q={s.q_dtype} kv={s.kv_dtype} max_seq_len={s.max_seq_len}  produced by {m.get('backend')}{where}")  # fmt: skip
+            f"q={s.q_dtype} kv={s.kv_dtype} max_seq_len={s.max_seq_len}  produced by {m.get('backend')}"
+            f"{' (' + str(m['aiter_path']) + ' kernel)' if m.get('aiter_path') else ''}{where}")  # fmt: skip
 
 
 def backend_row(name: str, b: BackendEntry) -> list[str]:
@@ -51,7 +52,8 @@ def backend_row(name: str, b: BackendEntry) -> list[str]:
     where = f"req {w['request']} head {w['head']}" if w.get("request") is not None else "-"
     note = b.reason or ""
     if b.status == "pass":
-        note = clip((b.info or {}).get("version") or "", 70)
+        info = b.info or {}
+        note = clip((f"{info['path']} path; " if info.get("path") else "") + (info.get("version") or ""), 70)
     if b.explanation is not None:
         note = b.explanation.text()
     if b.splits is not None and b.splits.status in ("pass", "fail"):

@@ -18,14 +18,16 @@ from typing import Any
 
 from refmla.capture import write_capture
 from refmla.schedule import MIN_BLOCK_KV
-from refmla.synth import benign  # noqa: F401  (registers the benign variants)
-from refmla.synth.faults import EXPECT, FAULTS, faulty_output
+from refmla.synth import benign, zoo  # noqa: F401  (register the benign variants and the zoo's faults)
+from refmla.synth.faults import EXPECT, FAULTS, faulty_output, spec_for
 from refmla.synth.inputs import make_inputs, make_meta
 from refmla.synth.spec import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE, PRESETS, SynthSpec, preset, yarn_sm_scale
 
 
 def synth_capture(path: Any, spec: SynthSpec, fault: str = "none") -> dict:
-    """Write a synthetic capture to ``path``; returns what was planted."""
+    """Write a synthetic capture to ``path``; returns what was planted (on the spec the fault needs:
+    refmla.synth.faults.spec_for)."""
+    spec = spec_for(spec, fault) if fault in FAULTS else spec
     t = make_inputs(spec)
     out, planted = faulty_output(spec, t, fault)
     t["out"] = out
@@ -37,5 +39,5 @@ def synth_capture(path: Any, spec: SynthSpec, fault: str = "none") -> dict:
 
 __all__ = [
     "DEEPSEEK_V3_SCALE", "EXPECT", "FAULTS", "KIMI_K2_SCALE", "MIN_BLOCK_KV", "PRESETS", "SynthSpec", "faulty_output",
-    "make_inputs", "make_meta", "preset", "synth_capture", "yarn_sm_scale",
+    "make_inputs", "make_meta", "preset", "spec_for", "synth_capture", "yarn_sm_scale",
 ]  # fmt: skip

@@ -67,18 +67,30 @@ FaultFn = Callable[[Planting], tuple[torch.Tensor, dict]]
 FAULTS: dict[str, FaultFn] = {}  # name -> fn(planting) -> (out, what was planted)
 DESCRIPTIONS: dict[str, str] = {}
 EXPECT: dict[str, Optional[str]] = {}  # name -> the hypothesis that must name it (None: must pass)
+SPEC_FOR: dict[str, Callable[[SynthSpec], SynthSpec]] = {}  # name -> the spec the fault needs (fp8 pool, ...)
 
 
-def fault(name: str, description: str, expect: Optional[str] = "") -> Callable[[FaultFn], FaultFn]:
+def fault(
+    name: str, description: str, expect: Optional[str] = "", spec: Optional[Callable[[SynthSpec], SynthSpec]] = None
+) -> Callable[[FaultFn], FaultFn]:
     """Register a fault. ``expect``: the hypothesis replay must name for it ("" means the fault's
-    own name; None means a correct kernel that must pass). tools/bench_diagnosis.py reads EXPECT."""
+    own name; None means a correct kernel that must pass). tools/bench_diagnosis.py reads EXPECT.
+    ``spec``: how a preset becomes one the fault can exist on (e.g. an fp8 pool), applied by
+    :func:`spec_for` (refmla.synth.synth_capture does)."""
 
     def register(fn: FaultFn) -> FaultFn:
         FAULTS[name], DESCRIPTIONS[name] = fn, description
         EXPECT[name] = name if expect == "" else expect
+        if spec is not None:
+            SPEC_FOR[name] = spec
         return fn
 
     return register
+
+
+def spec_for(spec: SynthSpec, name: str) -> SynthSpec:
+    """The spec fault ``name`` is planted on: ``spec``, or what the fault needs made of it."""
+    return SPEC_FOR[name](spec) if name in SPEC_FOR else spec
 
 
 def faulty_output(spec: SynthSpec, t: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, dict]:

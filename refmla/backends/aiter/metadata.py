@@ -117,7 +117,7 @@ def build_metadata(path: AiterPath, qo_indptr: torch.Tensor, kv_indptr: torch.Te
 
 def used(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The part of each captured / rebuilt buffer a kernel reads (module docstring), on the host."""
-    b = {k: v.detach().to("cpu") for k, v in buffers.items() if v is not None and k in CAPTURED}
+    b = {k: v.detach().to("cpu", torch.int64) for k, v in buffers.items() if v is not None and k in CAPTURED}
     out = {}
     if "work_indptr" in b:
         out["work_indptr"] = b["work_indptr"].reshape(-1)

@@ -50,17 +50,36 @@ def _aiter_version(aiter) -> str:
         return "unknown"
 
 
-def aiter_status() -> tuple[bool, str]:
-    """(usable here, version or reason). Never raises."""
+def available_paths(mla: Any) -> list[str]:
+    """The decode paths (refmla.backends.aiter.paths) this aiter has the functions for. Never raises."""
+    import importlib.util
+    import inspect
+
+    paths = ["non_persistent"]
     try:
-        _, version, standin = locate_aiter()
+        aiter = importlib.import_module("aiter")
+        takes_work = "work_meta_data" in inspect.signature(mla.mla_decode_fwd).parameters
+        if takes_work and callable(getattr(aiter, "get_mla_metadata_v1", None)):
+            paths.insert(0, "persistent")
+        if importlib.util.find_spec("aiter.ops.triton.gluon.mla_gluon") is not None:
+            paths.append("gluon")
+    except Exception:
+        pass
+    return paths
+
+
+def aiter_status() -> tuple[bool, str]:
+    """(usable here, version or reason; with the decode paths it can replay). Never raises."""
+    try:
+        mla, version, standin = locate_aiter()
     except BackendUnavailable as e:
         return False, str(e)
+    paths = "paths: " + ", ".join(available_paths(mla))
     if standin:
-        return True, f"STAND-IN aiter {version} (tests only: computes the reference, not a kernel)"
+        return True, f"STAND-IN aiter {version} (tests only: computes the reference, not a kernel); {paths}"
     if not (torch.cuda.is_available() and getattr(torch.version, "hip", None)):
         return False, f"aiter {version} found but no ROCm GPU (torch {torch.__version__})"
-    return True, f"aiter {version} aiter.mla.mla_decode_fwd on {torch.cuda.get_device_name(0)}"
+    return True, f"aiter {version} aiter.mla.mla_decode_fwd on {torch.cuda.get_device_name(0)}; {paths}"
 
 
-__all__ = ["aiter_status", "locate_aiter"]
+__all__ = ["aiter_status", "available_paths", "locate_aiter"]

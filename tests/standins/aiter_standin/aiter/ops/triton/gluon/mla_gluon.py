@@ -26,7 +26,7 @@ def mla_gluon(q_nope, q_pe, kv_c, o, page_table, seq_info, sm_scale, k_pe=None, 
     _need(q_nope.dim() == 3 and q_pe.dim() == 3, "decode: q_nope / q_pe must be [B, H, *]")
     B, H, Dv = q_nope.shape
     D = Dv + q_pe.shape[2]
-    _need(H <= 16, f"{H} heads: the bh16 regimes take at most 16")
+    assert H <= 16, f"mla_gluon: {H} heads, the bh16 regimes take at most 16"  # aiter asserts its regimes
     _need(kv_c.dim() == 2 and kv_c.shape[1] == D, f"kv_c must be [N, {D}] (shared nope + rope), got {list(kv_c.shape)}")
     _need(k_pe is None and kv_pe_offset == Dv, f"shared buffer: k_pe None and kv_pe_offset {Dv}, got {kv_pe_offset}")
     _need(not use_2d_view, "SGLang passes 1-D kv_indices / kv_indptr: use_2d_view must be False")

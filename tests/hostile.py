@@ -1,0 +1,57 @@
+"""Builders for hostile-input tests: a small valid capture as tensors + meta, and the CLI run in-process."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from typing import Optional
+
+import torch
+
+from helpers import raw_write
+from refmla.synth import SynthSpec, faulty_output, make_inputs, make_meta
+
+SMALL = SynthSpec(name="small", num_heads=2, seq_lens=(40, 7), max_kv_splits=4, num_kv_splits=(2, 1), free_pages=1)
+
+
+def small_capture(spec: SynthSpec = SMALL) -> tuple[dict, dict]:
+    """(tensors, meta) of a small clean decode capture whose `out` a correct kernel would write."""
+    t = make_inputs(spec)
+    t["out"], _ = faulty_output(spec, t, "none")
+    return t, make_meta(spec)
+
+
+def write_small(path, mutate=None, spec: SynthSpec = SMALL):
+    """A small capture written without validation, after ``mutate(tensors, meta)``."""
+    t, m = small_capture(spec)
+    if mutate is not None:
+        mutate(t, m)
+    raw_write(path, t, m)
+    return path
+
+
+def run_cli(*argv: str, stdin: Optional[str] = None) -> tuple[int, str, str]:
+    """refmla's main in-process: (exit code, stdout, stderr); SystemExit (argparse) becomes its code."""
+    from refmla.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 2
+    return code, out.getvalue(), err.getvalue()
+
+
+def error_lines(err: str) -> list[str]:
+    return [ln for ln in err.splitlines() if ln.strip()]
+
+
+def set_tensor(name: str, value: torch.Tensor):
+    def mutate(t, m):
+        t[name] = value
+
+    return mutate
+
+
+__all__ = ["SMALL", "error_lines", "run_cli", "set_tensor", "small_capture", "write_small"]

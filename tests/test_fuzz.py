@@ -1,0 +1,212 @@
+"""Issue 12: a seeded fuzz campaign over the capture format, in the suite.
+
+Byte-level mutations of a small synthetic capture's file (flips, truncations, header length and
+header text edits) and semantic ones written through the safetensors API (tensor shapes, dtypes and
+values, meta keys and their types), each run in-process through the CLI's ``main`` (replay; inspect
+and diff-kv on some). Every run must end with an exit code in {0, 1, 2}, exactly one stderr line
+when it is 2, no traceback, within a time and memory bound.
+
+``REFMLA_FUZZ_CASES`` (default 300) sets the number of cases, ``REFMLA_FUZZ_SEED`` (default 12) the
+seed: e.g. ``REFMLA_FUZZ_CASES=3000 pytest tests/test_fuzz.py`` for a long campaign.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import resource
+import time
+
+import pytest
+import torch
+
+from helpers import raw_write
+from hostile import error_lines, run_cli, small_capture
+
+CASES = int(os.environ.get("REFMLA_FUZZ_CASES", "300"))
+SEED = int(os.environ.get("REFMLA_FUZZ_SEED", "12"))
+CASE_SECONDS = 20.0  # one case (all its commands) on a loaded 2-core machine
+RSS_GROWTH_KIB = 1 << 20  # 1 GiB of peak RSS over the whole campaign
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int32, torch.int64, torch.int8,
+          torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]  # fmt: skip
+WEIRD_NUMBERS = [0, -1, 1, 2, 7, 31, 32, 33, 2**31 - 1, 2**31, 2**63 - 1, -(2**63), 10**8, 10**40]
+WEIRD_FLOATS = [0.0, -0.0, 1e-308, 1e-7, 1e308, math.inf, -math.inf, math.nan, -1.0, 1.5]
+WEIRD_VALUES = WEIRD_NUMBERS + WEIRD_FLOATS + ["", "x" * 300, "decode", "extend", None, True, [], [1, 2], {"a": 1}]
+
+
+def _base() -> tuple[dict, dict]:
+    """A small decode capture with every optional tensor production stores."""
+    from refmla import reference as ref
+
+    t, m = small_capture()
+    sc = dict(kv_lora_rank=512, sm_scale=m["sm_scale"], logit_cap=m["logit_cap"], k_scale=m["k_scale"])
+    args = (t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"])
+    t["lse"] = ref.mla_decode_ref(*args, **sc, v_scale=m["v_scale"])[1].float()
+    parts, lses, _ = ref.mla_decode_split_ref(*args, t["num_kv_splits"], **sc, max_kv_splits=m["max_kv_splits"])
+    t["attn_logits"], t["attn_lse"] = parts.float(), lses.float()
+    return t, m
+
+
+# --- semantic mutations (through the safetensors API) -------------------------------------------
+
+
+def _tensor_values(rng: random.Random, t: dict, m: dict) -> str:
+    name = rng.choice(sorted(t))
+    x = t[name].clone()
+    flat = x.view(-1) if x.is_contiguous() else x.reshape(-1)
+    if flat.numel():
+        i = rng.randrange(flat.numel())
+        if x.dtype.is_floating_point:
+            v = rng.choice(WEIRD_FLOATS + [float(flat[i]) + rng.choice([0.5, -3.0, 1e4])])
+            flat[i] = torch.tensor(v, dtype=torch.float64).to(x.dtype)  # overflows to inf, as a writer would
+        else:
+            flat[i] = max(min(rng.choice(WEIRD_NUMBERS), torch.iinfo(x.dtype).max), torch.iinfo(x.dtype).min)
+    t[name] = x
+    return f"value of {name}"
+
+
+def _tensor_shape(rng: random.Random, t: dict, m: dict) -> str:
+    name = rng.choice(sorted(t))
+    x = t[name]
+    how = rng.choice(["slice", "unsqueeze", "flatten", "empty", "grow"])
+    if how == "slice" and x.dim():
+        d = rng.randrange(x.dim())
+        t[name] = x.narrow(d, 0, rng.randrange(x.shape[d] + 1)).contiguous()
+    elif how == "unsqueeze":
+        t[name] = x.unsqueeze(rng.randrange(x.dim() + 1))
+    elif how == "flatten":
+        t[name] = x.reshape(-1)
+    elif how == "empty":
+        t[name] = x.reshape(-1)[:0]
+    else:
+        t[name] = torch.cat([x, x[:1]]) if x.dim() and x.shape[0] else x
+    return f"shape of {name} ({how})"
+
+
+def _tensor_dtype(rng: random.Random, t: dict, m: dict) -> str:
+    name = rng.choice(sorted(t))
+    dtype = rng.choice(DTYPES)
+    t[name] = t[name].float().nan_to_num(0.0).clamp(-100, 100).to(dtype)
+    return f"dtype of {name} -> {dtype}"
+
+
+def _tensor_set(rng: random.Random, t: dict, m: dict) -> str:
+    name = rng.choice(sorted(t))
+    if rng.random() < 0.7:
+        del t[name]
+        return f"drop {name}"
+    t["unknown_" + name] = t[name].clone()
+    return f"extra tensor next to {name}"
+
+
+def _meta_value(rng: random.Random, t: dict, m: dict) -> str:
+    key = rng.choice(sorted(m) + ["max_kv_splits", "k_scale", "rids"])
+    value = rng.choice(WEIRD_VALUES)
+    if key == "rids" and rng.random() < 0.5:
+        value = [rng.choice(WEIRD_VALUES) for _ in range(rng.randrange(4))]
+    m[key] = value
+    return f"meta {key} = {str(value)[:40]}"
+
+
+def _meta_drop(rng: random.Random, t: dict, m: dict) -> str:
+    key = rng.choice(sorted(m))
+    del m[key]
+    return f"drop meta {key}"
+
+
+def _splits(rng: random.Random, t: dict, m: dict) -> str:
+    n = [rng.choice(WEIRD_NUMBERS[:12]) for _ in range(rng.choice([1, 2, 2, 3]))]
+    t["num_kv_splits"] = torch.tensor([max(min(v, 2**31 - 1), -(2**31)) for v in n], dtype=torch.int32)
+    if rng.random() < 0.5:
+        m.pop("max_kv_splits", None)
+    return f"num_kv_splits = {n}"
+
+
+SEMANTIC = [_tensor_values, _tensor_values, _tensor_shape, _tensor_dtype, _tensor_set, _meta_value, _meta_value,
+            _meta_drop, _splits]  # fmt: skip
+
+
+def semantic_case(rng: random.Random, base: tuple[dict, dict], path) -> str:
+    t = {k: v.clone() for k, v in base[0].items()}
+    m = json.loads(json.dumps(base[1]))
+    done = [rng.choice(SEMANTIC)(rng, t, m) for _ in range(rng.choice([1, 1, 2, 3]))]
+    meta_text = json.dumps(m, allow_nan=True) if rng.random() < 0.95 else json.dumps(list(m))
+    raw_write(path, t, meta_text)
+    return "; ".join(done)
+
+
+# --- byte-level mutations -----------------------------------------------------------------------
+
+
+def byte_case(rng: random.Random, data: bytes, path) -> str:
+    b = bytearray(data)
+    n = int.from_bytes(b[:8], "little")
+    how = rng.choice(["flip", "flip_header", "truncate", "append", "length", "header_text", "zero"])
+    if how == "flip":
+        for _ in range(rng.randrange(1, 16)):
+            b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+    elif how == "flip_header":
+        for _ in range(rng.randrange(1, 4)):
+            b[8 + rng.randrange(n)] = rng.randrange(32, 127)
+    elif how == "truncate":
+        del b[rng.randrange(len(b)) :]
+    elif how == "append":
+        b += bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+    elif how == "length":
+        b[:8] = rng.choice([0, 1, n - 1, n + 8, len(b), 2**63, 2**64 - 1]).to_bytes(8, "little")
+    elif how == "header_text":  # valid JSON, wrong meaning: shapes, offsets, dtypes
+        header = json.loads(b[8 : 8 + n])
+        name = rng.choice([k for k in header if k != "__metadata__"])
+        field = rng.choice(["shape", "data_offsets", "dtype"])
+        header[name][field] = rng.choice([[0], [2**40], [-1, 3], "F64", "I8", [0, 2**62], [5, 1], "BOGUS"])
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        b = bytearray(len(text).to_bytes(8, "little")) + text + b[8 + n :]
+    else:
+        start = rng.randrange(8 + n, len(b))
+        b[start : start + rng.randrange(1, 4096)] = bytes(min(4096, len(b) - start))[: len(b[start : start + 4096])]
+    path.write_bytes(bytes(b))
+    return f"bytes: {how}"
+
+
+# --- the campaign -------------------------------------------------------------------------------
+
+
+def _check_run(what: str, code, out: str, err: str) -> None:
+    assert code in (0, 1, 2), f"{what}: exit {code}"
+    assert "Traceback" not in err and "Traceback" not in out, f"{what}: traceback\n{err}"
+    if code == 2:
+        lines = error_lines(err)
+        assert len(lines) == 1 and lines[0].startswith("refmla: error: "), f"{what}: stderr {lines}"
+
+
+def test_fuzz_the_capture_format(tmp_path):
+    rng = random.Random(SEED)
+    base = _base()
+    good = tmp_path / "base.safetensors"
+    raw_write(good, *base)
+    data = good.read_bytes()
+    assert run_cli("replay", str(good), "--backend", "reference")[0] == 0, "the base capture must agree"
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    codes = {0: 0, 1: 0, 2: 0}
+    t_all = time.perf_counter()
+    for i in range(CASES):
+        path = tmp_path / f"case{i % 8}.safetensors"
+        what = byte_case(rng, data, path) if rng.random() < 0.4 else semantic_case(rng, base, path)
+        what = f"case {i} (seed {SEED}): {what}"
+        t0 = time.perf_counter()
+        code, out, err = run_cli("replay", str(path), "--backend", "reference", *(["--json"] if i % 2 else []))
+        _check_run(what + " [replay]", code, out, err)
+        codes[code] += 1
+        if i % 3 == 0:
+            _check_run(what + " [inspect]", *run_cli("inspect", str(path), "--json"))
+        if i % 7 == 0:
+            _check_run(what + " [diff-kv]", *run_cli("diff-kv", str(good), str(path), "--json"))
+        assert time.perf_counter() - t0 < CASE_SECONDS, f"{what}: too slow"
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
+    assert grown < RSS_GROWTH_KIB, f"peak RSS grew by {grown} KiB"
+    assert codes[2] > CASES // 4 and codes[0] + codes[1] > CASES // 20, f"a campaign that tests both sides: {codes}"
+    print(f"fuzz: {CASES} cases, exit codes {codes}, {time.perf_counter() - t_all:.1f} s")
