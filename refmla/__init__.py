@@ -20,8 +20,10 @@ Layout (the folder tree is the architecture; imports go down this list, never up
     replay.py       capture -> backends -> comparison -> ReplayReport
     series.py       one layer and rank across decode steps
     batch.py        many captures, serial or in worker processes, with the same result
+    regions.py      the MR region-size check of a capture's pool geometry (meta only)
     inspection.py   `refmla inspect` entries
     diffkv/         prefill vs decode KV rows, bit for bit (transfer fidelity)
+    disagg/         `refmla disagg`: diffkv + checks + series + replay per (request, layer, rank)
     golden/         the golden suite: deterministic cases, build, check
     synth/          synthetic captures with planted faults
     plots.py        pictures of a replay or a diff-kv (matplotlib, optional)

@@ -6,21 +6,104 @@ the latent part of q to a narrower pool's dtype (the Triton kernel's ``q.to(K dt
 accumulates dots in fp32, rounds the probabilities to the value dtype before P.V, keeps the sums
 in fp32 and rounds the output to the output dtype. With a split schedule, each split's partial is
 fp32 and the merge is fp32, as the split kernels do.
+
+:class:`Rounding` moves those rounding points (a kernel that stores toward zero, accumulates P.V
+in bf16, merges its splits with the wrong base, ...): the numerics hypotheses recompute the
+control under it (refmla.hypotheses.numerics) and refmla synth plants it (refmla.synth.numerics).
+The default, STANDARD, is the control described above, bit for bit.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from refmla.reference import Scales, gather, mla_decode_split_ref, request_rows
 from refmla.schedule import split_bounds
 
+STORES = ("nearest_even", "toward_zero", "half_away", "via_fp16")  # fp32 result -> output dtype
+MERGES = ("ln", "log2_as_ln", "ln_as_log2", "unnormalized")  # how split partials are merged
+QK_CHUNK = 64  # dims summed in fp32 before a narrow q.k accumulator rounds (the rope part is one chunk)
+PV_BLOCK = 32  # positions summed in fp32 before a narrow P.V accumulator rounds (Triton's BLOCK_N)
+LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """Where a kernel rounds, and how it merges split partials; the defaults are the control's.
+
+    qk_accum / pv_accum: q.k / P.V summed in this dtype, QK_CHUNK dims / PV_BLOCK positions at a
+    time (None: fp32). p_dtype: probabilities rounded to it before P.V (None: the value dtype,
+    fp32: kept). store: how the fp32 result becomes the output dtype (STORES). split_lse: the
+    split partials' lse stored in this dtype before the merge. merge (MERGES): ``log2_as_ln`` lse
+    stored in log2 units but merged with exp; ``ln_as_log2`` natural lse merged with exp2;
+    ``unnormalized`` partials stored without their 1 / sum(p).
+    """
+
+    qk_accum: Optional[torch.dtype] = None
+    p_dtype: Optional[torch.dtype] = None
+    pv_accum: Optional[torch.dtype] = None
+    store: str = "nearest_even"
+    split_lse: Optional[torch.dtype] = None
+    merge: str = "ln"
+
+    @property
+    def standard_merge(self) -> bool:
+        return self.merge == "ln" and self.split_lse is None
+
+
+STANDARD = Rounding()
+
+
+def store_as(x: torch.Tensor, dtype: torch.dtype, how: str = "nearest_even") -> torch.Tensor:
+    """fp32 (or fp64) ``x`` stored in ``dtype``: to nearest even (``.to``), toward zero, to nearest
+    with ties away from zero, or through fp16 first (STORES)."""
+    y = x.to(dtype)
+    if how == "nearest_even" or not dtype.is_floating_point or dtype.itemsize >= x.dtype.itemsize:
+        return y
+    if how == "via_fp16":
+        return x.to(torch.float16).to(dtype)
+    lo = torch.where(y.double().abs() > x.double().abs(), _toward_zero(y), y)  # |lo| <= |x|
+    if how == "toward_zero":
+        return lo
+    hi = torch.where(lo.double() == x.double(), lo, _away_from_zero(lo, x))
+    tie = (x.double() - lo.double()).abs() == (hi.double() - x.double()).abs()
+    return torch.where(tie & torch.isfinite(x), hi, y)  # half_away
+
+
+def _bits(y: torch.Tensor) -> torch.Tensor:
+    return y.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[y.dtype.itemsize])
+
+
+def _toward_zero(y: torch.Tensor) -> torch.Tensor:
+    """One ulp toward zero (finite non-zero values; sign-magnitude bits: the magnitude minus one)."""
+    ok = torch.isfinite(y) & (y != 0)
+    return torch.where(ok, (_bits(y) - 1).view(y.dtype), y)
+
+
+def _away_from_zero(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """One ulp away from zero, with the sign of ``like`` where ``y`` is zero."""
+    z = torch.where(y == 0, torch.zeros_like(y).copysign(like.to(y.dtype)), y)
+    nxt = (_bits(z) + 1).view(y.dtype)
+    return torch.where(torch.isfinite(y), nxt, y)
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor, accum: Optional[torch.dtype], chunk: int) -> torch.Tensor:
+    """a [M, K] @ b [K, N] in fp32, or summed in ``accum`` ``chunk`` of K at a time (rounded after each)."""
+    if accum is None:
+        return a @ b
+    acc = torch.zeros(a.shape[0], b.shape[1], dtype=accum)
+    for c in range(0, a.shape[1], chunk):
+        acc = (acc.float() + a[:, c : c + chunk] @ b[c : c + chunk]).to(accum)
+    return acc.float()
+
 
 
 def attend_control(
-    q: torch.Tensor, kv: torch.Tensor, sc: Scales, out_dtype: torch.dtype
+    q: torch.Tensor, kv: torch.Tensor, sc: Scales, out_dtype: torch.dtype, rnd: Rounding = STANDARD
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same math at the kernel's rounding points, for one request.
 
@@ -28,25 +111,36 @@ def attend_control(
     fp32 q) rounds the latent part of q to the pool dtype (the Triton kernel's
     ``q.to(K_Buffer.dtype)``; the rope part meets K upcast instead); dots accumulate in fp32; the
     probabilities are rounded to the value dtype before P.V; the sum stays fp32; the output is
-    rounded to ``out_dtype``. Returns out [H, Dv] in out_dtype and lse [H] in fp32.
+    rounded to ``out_dtype``. Returns out [H, Dv] in out_dtype and lse [H] in fp32. ``rnd`` moves
+    the rounding points (:class:`Rounding`).
     """
+    o, lse, _ = _attend32(q, kv, sc, rnd)
+    return store_as(o, out_dtype, rnd.store), lse
+
+
+def _attend32(q: torch.Tensor, kv: torch.Tensor, sc: Scales, rnd: Rounding) -> tuple[torch.Tensor, ...]:
+    """attend_control before the store: out [H, Dv] fp32, lse [H] and the softmax sum [H] fp32."""
     H, Dv = q.shape[0], sc.kv_lora_rank
-    if kv.shape[0] == 0:
-        return q.new_zeros(H, Dv, dtype=out_dtype), q.new_full((H,), -math.inf, dtype=torch.float32)
     f32 = torch.float32
+    if kv.shape[0] == 0:
+        return q.new_zeros(H, Dv, dtype=f32), q.new_full((H,), -math.inf, dtype=f32), q.new_zeros(H, dtype=f32)
     q_nope, q_pe = q[:, :Dv], q[:, Dv:]  # [H, Dv], [H, Dr]
     if kv.dtype.itemsize < q.dtype.itemsize:  # narrower pool: the dot runs in the pool dtype
         q_nope = q_nope.to(kv.dtype)
     k32 = kv.to(f32)  # [L, D]
-    s = q_nope.to(f32) @ k32[:, :Dv].T + q_pe.to(f32) @ k32[:, Dv:].T  # [H, L]
+    if rnd.qk_accum is None:
+        s = q_nope.to(f32) @ k32[:, :Dv].T + q_pe.to(f32) @ k32[:, Dv:].T  # [H, L]
+    else:
+        s = _dot(torch.cat([q_nope.to(f32), q_pe.to(f32)], -1), k32.T, rnd.qk_accum, QK_CHUNK)
     s = s * (sc.sm_scale * sc.k_scale)
     if sc.logit_cap > 0:
         s = sc.logit_cap * torch.tanh(s / sc.logit_cap)
     m = s.max(dim=-1, keepdim=True).values  # [H, 1]
     p = torch.exp(s - m)  # [H, L] fp32
     l = p.sum(dim=-1, keepdim=True)  # [H, 1] fp32, from the unrounded probabilities
-    acc = p.to(kv.dtype).to(f32) @ k32[:, :Dv]  # [H, Dv], P rounded to the value dtype
-    return (acc / l * sc.v_scale).to(out_dtype), (m + torch.log(l))[:, 0]
+    pr = p.to(rnd.p_dtype or kv.dtype).to(f32)  # P rounded to the value dtype
+    acc = _dot(pr, k32[:, :Dv], rnd.pv_accum, PV_BLOCK)  # [H, Dv]
+    return acc / l * sc.v_scale, (m + torch.log(l))[:, 0], l[:, 0]
 
 
 def mla_control(
@@ -63,6 +157,7 @@ def mla_control(
     v_scale: float = 1.0,
     qo_indptr: torch.Tensor | None = None,
     num_kv_splits: torch.Tensor | None = None,
+    rounding: Rounding = STANDARD,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Low-precision control for decode (qo_indptr None) or extend: out in out_dtype, lse fp32.
 
@@ -81,25 +176,48 @@ def mla_control(
         prefix = kv.shape[0] - (q1 - q0)
         for i, t in enumerate(range(q0, q1)):
             if num_kv_splits is not None:
-                out[t], lse[t] = attend_control_split(q[t], kv, sc, out_dtype, int(num_kv_splits[b]))
+                out[t], lse[t] = attend_control_split(q[t], kv, sc, out_dtype, int(num_kv_splits[b]), rounding)
             else:
-                out[t], lse[t] = attend_control(q[t], kv[: prefix + i + 1], sc, out_dtype)
+                out[t], lse[t] = attend_control(q[t], kv[: prefix + i + 1], sc, out_dtype, rounding)
     return out, lse
 
 
 def attend_control_split(
-    q: torch.Tensor, kv: torch.Tensor, sc: Scales, out_dtype: torch.dtype, num_splits: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, kv: torch.Tensor, sc: Scales, out_dtype: torch.dtype, num_splits: int,
+    rnd: Rounding = STANDARD,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """attend_control over SGLang's split schedule: fp32 partials [S, H, Dv], an fp32 merge."""
     bounds = [(s, e) for s, e in split_bounds(kv.shape[0], num_splits) if e > s]
     if len(bounds) <= 1:
-        return attend_control(q, kv, sc, out_dtype)
-    parts = [attend_control(q, kv[s:e], sc, torch.float32) for s, e in bounds]
-    outs = torch.stack([o for o, _ in parts])  # [S, H, Dv] fp32
-    lses = torch.stack([l for _, l in parts])  # [S, H] fp32
+        return attend_control(q, kv, sc, out_dtype, rnd)
+    parts = [_attend32(q, kv[s:e], sc, rnd) for s, e in bounds]
+    outs = torch.stack([o for o, _, _ in parts])  # [S, H, Dv] fp32
+    lses = torch.stack([l for _, l, _ in parts])  # [S, H] fp32
     lse = torch.logsumexp(lses, dim=0)  # [H]
+    if not rnd.standard_merge:
+        sums = torch.stack([z for _, _, z in parts])  # [S, H]
+        return store_as(merge_partials(outs, lses, sums, rnd), out_dtype, rnd.store), lse
     w = torch.exp(lses - lse)  # [S, H]
-    return (w[..., None] * outs).sum(dim=0).to(out_dtype), lse
+    return store_as((w[..., None] * outs).sum(dim=0), out_dtype, rnd.store), lse
+
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor, sums: torch.Tensor, rnd: Rounding) -> torch.Tensor:
+    """Split partials merged as a kernel under ``rnd`` merges them (fp32 or fp64, as given).
+
+    outs [S, H, Dv] normalized partials, lses [S, H], sums [S, H] each partial's sum of p (its
+    normalization, for ``unnormalized``) -> [H, Dv].
+    """
+    if rnd.split_lse is not None:
+        lses = lses.to(rnd.split_lse).to(lses.dtype)
+    if rnd.merge == "unnormalized":
+        outs = outs * sums[..., None]
+    d = lses - lses.amax(dim=0)
+    if rnd.merge == "log2_as_ln":  # lse stored as log2, merged with exp
+        d = d * LOG2E
+    elif rnd.merge == "ln_as_log2":  # natural lse merged with exp2
+        d = d * LN2
+    w = torch.exp(d)  # [S, H]
+    return (w[..., None] * outs).sum(dim=0) / w.sum(dim=0)[..., None]
 
 
 def mla_decode_split_control(q, kv_buffer, kv_indptr, kv_indices, num_kv_splits, **kw):

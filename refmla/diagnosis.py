@@ -10,6 +10,9 @@
     extend                the extend baseline diverges while the decode kernels agree
     shared_input          decode and extend both diverge (the inputs they share, the meta, or the
                           reference's assumptions)
+    numerics              every failing backend is explained by a numerics variant: the kernel
+                          computes the same attention with different rounding (named); no data
+                          or metadata fault
     backend_error         a backend crashed and nothing diverged
     metadata              the capture's metadata is invalid; nothing was replayed
 
@@ -19,7 +22,7 @@ output stands for the decode path (it is what the production decode kernel wrote
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 DECODE_KERNELS = ("triton", "aiter", "flex")  # offline decode paths (flex: an independent compiled kernel)
 EXTEND = "extend"
@@ -50,7 +53,12 @@ SENTENCES = {
         "sm_scale or other meta) or the reference's assumptions"
     ),
     "backend_error": "a backend raised an error ({bad}); see its reason",
+    "numerics": (
+        "the kernel computes the same attention with different rounding ({variants}); no data or "
+        "metadata fault ({bad} outside the tolerance only through rounding)"
+    ),
 }
+NUMERICS = "numerics"  # the hypothesis family whose explanations make the diagnosis ``numerics``
 
 
 UNREPLAYED = (
@@ -81,18 +89,24 @@ def unreplayed_path(recorded: Optional[str], status: Optional[str], info: Option
 
 def diagnose(
     statuses: dict[str, str], invalid: bool = False, produced_by: Optional[str] = None,
+    explained: Optional[Mapping[str, tuple[str, Mapping[str, Any]]]] = None,
     unreplayed: Optional[tuple[str, str]] = None,
 ) -> tuple[Optional[str], str, list[str]]:  # fmt: skip
     """(machine name, sentence, backends it is about) from each backend's status.
 
     statuses: backend name -> "pass" | "fail" | "skipped" | "error". produced_by: the capture's
     meta backend (optional), to say whether the production kernel itself was replayed.
+    explained (optional): failing backend -> (hypothesis, detail) of its explanation; when every
+    failing backend is explained by ``numerics``, the class is ``numerics``.
     unreplayed: (aiter path production ran, why it was not replayed) from :func:`unreplayed_path`;
     an ``observed`` divergence then names that kernel instead of suggesting state or transfer.
     """
     if invalid:
         return "metadata", SENTENCES["metadata"], []
     failed = [n for n, s in statuses.items() if s == "fail"]
+    numeric = numeric_variants(failed, explained or {})
+    if numeric:
+        return (*_say("numerics", variants=", ".join(numeric), bad=", ".join(failed)), failed)
     ran = {n for n, s in statuses.items() if s in ("pass", "fail")}
     decode_ran = [n for n in DECODE_KERNELS if n in ran]
     decode_bad = [n for n in decode_ran if n in failed]
@@ -139,6 +153,13 @@ def diagnose(
     if errored:
         return (*_say("backend_error", bad=", ".join(errored)), errored)
     return None, SENTENCES[None], []
+
+
+def numeric_variants(failed: list[str], explained: Mapping[str, tuple[str, Mapping[str, Any]]]) -> list[str]:
+    """The variants (in order, once each) when every failing backend's explanation is numeric, else []."""
+    if not failed or any(explained.get(n, ("", {}))[0] != NUMERICS for n in failed):
+        return []
+    return list(dict.fromkeys(str(explained[n][1].get("variant")) for n in failed))
 
 
 def _say(name: Optional[str], **fields: str) -> tuple[Optional[str], str]:

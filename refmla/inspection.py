@@ -1,6 +1,8 @@
 """`refmla inspect`: what a capture holds (shapes, dtypes, meta) and what its metadata checks found.
 
-One entry per capture; with several captures each readable one also gets its series findings
+One entry per capture, with the MR region-size check of its pool geometry (refmla.regions: a
+``finding`` exits 1, a ``warning`` -- within 5 % below the limit -- is reported and exits 0, a
+capture without geometry is ``not_recorded``); with several captures each readable one also gets its series findings
 (refmla.series) against the previous capture of its layer and rank.
 """
 
@@ -11,6 +13,7 @@ from typing import Any, Optional, Sequence
 
 from refmla.capture import CaptureError, read_capture
 from refmla.checks import check_capture
+from refmla.regions import RegionCheck, check_region
 from refmla.results import Finding, MetadataReport
 from refmla.series import series_checks
 from refmla.util import dtype_name, error_text
@@ -24,13 +27,15 @@ class InspectEntry:
     tensors: dict[str, dict] = field(default_factory=dict)  # name -> {"shape", "dtype"}
     error: Optional[str] = None  # unreadable: why, in one line
     series: Optional[list[Finding]] = None
+    region: Optional[RegionCheck] = None  # the MR region-size check (readable captures)
 
     @property
     def exit_code(self) -> int:
-        """2 invalid, 1 any warning (metadata or series), else 0."""
+        """2 invalid, 1 any warning (metadata or series) or a region finding, else 0."""
         if not self.metadata.ok:
             return 2
-        return 1 if self.metadata.warnings or any(f.severity == "warning" for f in self.series or []) else 0
+        region_bad = self.region is not None and self.region.is_finding
+        return 1 if self.metadata.warnings or region_bad or any(f.severity == "warning" for f in self.series or []) else 0
 
     def to_json(self) -> dict:
         d: dict[str, Any] = {"capture": self.capture}
@@ -41,6 +46,8 @@ class InspectEntry:
         d["metadata"] = self.metadata.to_json()
         if self.series is not None:
             d["series"] = [f.to_json() for f in self.series]
+        if self.region is not None:
+            d["region"] = self.region.to_json()
         return d
 
 
@@ -49,7 +56,8 @@ def inspect_one(path: str) -> InspectEntry:
     try:
         cap = read_capture(path)
         tensors = {n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for n, t in cap.tensors().items()}
-        return InspectEntry(cap.path, check_capture(cap), meta=cap.meta.to_json(), tensors=tensors)
+        return InspectEntry(cap.path, check_capture(cap), meta=cap.meta.to_json(), tensors=tensors,
+                            region=check_region(cap.meta))  # fmt: skip
     except CaptureError as e:
         return InspectEntry(str(path), MetadataReport.invalid(str(e)), error=str(e))
     except Exception as e:  # one bad file must not end the run

@@ -65,8 +65,11 @@ def replay_capture(cap: Capture, opts: ReplayOptions) -> ReplayReport:
     ctl = ctx.compare("control", ctx.control(cap.out_dtype))
     report.control = NoiseFloor(dtype_name(cap.out_dtype), ctl.max_abs_err, ctl.cos_diff)
     statuses = {n: b.status for n, b in report.backends.items()}
+    explained = {n: (b.explanation.hypothesis, b.explanation.detail) for n, b in report.backends.items()
+                 if b.status == "fail" and b.explanation is not None and b.explanation.complete}  # fmt: skip
     report.diagnosis, report.diagnosis_text, report.diagnosis_backends = diagnose(
-        statuses, produced_by=cap.meta.backend, unreplayed=_unreplayed(cap, report.backends)
+        statuses, produced_by=cap.meta.backend, unreplayed=_unreplayed(cap, report.backends),
+        explained=explained,
     )
     report.diagnosis_text += parts_sentence(report.backends)
     report.verdict = "diverged" if any(s in ("fail", "error") for s in statuses.values()) else "agree"
@@ -127,8 +130,11 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
         entry.lse = compare_lse(ctx, res.lse, judged_dtype(res.out.dtype), row_mask=mask)
     entry.judge_parts()  # a failing lse or split partial fails the backend
     if not cmp.passed and ctx.opts.explain:
+        notes: dict = {}
         try:
-            entry.explanation = explain_failure(ctx, res.out, cmp)
+            entry.explanation = explain_failure(ctx, res.out, cmp, notes)
+            if entry.explanation is None and notes.get("numerics_tried"):
+                entry.info["numerics_tried"] = notes["numerics_tried"]  # the rounding variants ruled out
         except Exception as e:  # the search is an aid: its failure must not cost the replay
             entry.info["explain_error"] = error_text(e)
     entry.seconds = round(time.perf_counter() - t0, 3)

@@ -59,6 +59,25 @@ class MetadataReport:
 
 
 @dataclass
+class Alternative:
+    """Another setting that also brings the output back to rounding noise: the report names the
+    simplest, and lists these so nobody chases a detail the data cannot tell apart."""
+
+    hypothesis: str
+    detail: dict[str, Any]
+    request: Optional[int] = None  # the request it explains (per-request hypotheses)
+    residual_ratio: Optional[float] = None  # worst (row, head) error / allowed under it
+
+    def to_json(self) -> dict:
+        d: dict[str, Any] = {"hypothesis": self.hypothesis, "detail": self.detail}
+        if self.request is not None:
+            d["request"] = self.request
+        if self.residual_ratio is not None:
+            d["residual_ratio"] = self.residual_ratio
+        return d
+
+
+@dataclass
 class Explanation:
     """The simplest hypothesis that brings a failing output back to rounding noise (contract section 4)."""
 
@@ -70,19 +89,45 @@ class Explanation:
     heads: list[int] = field(default_factory=list)  # heads of the worst request that failed
     extra: dict[str, Any] = field(default_factory=dict)  # scope, other requests, notes, granularity, ...
     seconds: Optional[float] = None  # time the search took
+    alternatives: list[Alternative] = field(default_factory=list)  # other settings that also confirm
+    explained_requests: Optional[list[int]] = None  # per-request hypotheses: the failing requests it explains
+    unexplained_requests: Optional[list[int]] = None  # ... and those it does not (a partial explanation)
+
+    @property
+    def complete(self) -> bool:
+        """Explains every failing request (always, for whole-output hypotheses)."""
+        return not self.unexplained_requests
 
     def text(self) -> str:
         detail = ", ".join(f"{k}={v}" for k, v in self.detail.items())
         who = f" request {self.request}" if self.request is not None else ""
-        return f"explained by {self.hypothesis}({detail}){who}"
+        line = f"explained by {self.hypothesis}({detail}){who}"
+        same = [a for a in self.alternatives if a.request in (None, self.request)]
+        if same:
+            line += f"; {alternatives_text(self.detail, same)} also fit within noise"
+        if self.unexplained_requests:
+            line += f"; request(s) {', '.join(map(str, self.unexplained_requests))} not explained"
+        return line
 
     def to_json(self) -> dict:
         d = {"hypothesis": self.hypothesis, "request": self.request, "detail": self.detail,
              "max_abs_err": self.max_abs_err, "residual_ratio": self.residual_ratio, "heads": self.heads,
-             **self.extra}  # fmt: skip
+             **self.extra, "alternatives": [a.to_json() for a in self.alternatives]}  # fmt: skip
+        if self.explained_requests is not None:
+            d["explained_requests"] = list(self.explained_requests)
+            d["unexplained_requests"] = list(self.unexplained_requests or [])
         if self.seconds is not None:
             d["seconds"] = self.seconds
         return d
+
+
+def alternatives_text(detail: dict[str, Any], alts: list[Alternative]) -> str:
+    """``-2, -3`` when the details share one key with the explanation's (``delta -1; -2, -3 also
+    fit``), else each alternative spelled out."""
+    keys = list(detail)
+    if len(keys) == 1 and all(list(a.detail) == keys for a in alts):
+        return f"{keys[0]} " + ", ".join(str(a.detail[keys[0]]) for a in alts)
+    return ", ".join(f"{a.hypothesis}({', '.join(f'{k}={v}' for k, v in a.detail.items())})" for a in alts)
 
 
 @dataclass

@@ -70,6 +70,9 @@ def series_checks(paths: Sequence[str]) -> dict[str, list[Finding]]:
     """
     found: dict[str, list[Finding]] = {}
     for group in group_series(paths).values():
+        if len(group) == 1:  # nothing to compare it with: not even read
+            found[group[0]] = []
+            continue
         prev: Optional[Capture] = None
         for p in group:
             try:

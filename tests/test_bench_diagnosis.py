@@ -67,3 +67,14 @@ def test_a_small_run_end_to_end(capsys):
     assert "2/2 named" not in out  # one fault, two correct kernels
     assert "1/1 named, 0 false alarms (2 correct kernels" in out, out
     assert code == 0
+
+
+def test_a_rounding_change_within_tolerance_is_not_a_miss():
+    """A numerics fault that may stay within the tolerance (MAY_AGREE) and agrees is n/a, not missed;
+    one that must diverge and agrees is missed."""
+    row = bench.Row(preset="p", page_size=1, fault="pv_accum_bf16", expect="numerics", status="error", verdict="agree")
+    bench.judge(row)
+    assert row.status == "n/a" and row.ok
+    row = bench.Row(preset="p", page_size=1, fault="qk_accum_bf16", expect="numerics", status="error", verdict="agree")
+    bench.judge(row)
+    assert row.status == "missed"

@@ -414,3 +414,25 @@ def test_config_from_env():
     for key, bad in (("LAYERS", "3-1"), ("MODES", "prefill"), ("MAX_FILES", "-1"), ("MAX_BYTES", "lots")):
         with pytest.raises(ConfigError, match="REFMLA_CAPTURE_" + key):
             HookConfig.from_env({"REFMLA_CAPTURE_DIR": "/tmp/x", "REFMLA_CAPTURE_" + key: bad})
+
+
+def test_capture_records_the_pool_geometry(T, hook, monkeypatch):
+    """Rows, row bytes and layers per registered buffer as SGLang's MLATokenToKVPool allocated them
+    (what MORI registers: get_contiguous_buf_infos), and SGLANG_MORI_MAX_MR_BYTES from the env."""
+    from refmla.capture import read_capture
+    from refmla.regions import check_region
+
+    monkeypatch.setenv("SGLANG_MORI_MAX_MR_BYTES", str(1 << 20))
+    fx = T.build(T.Case(mode="decode", prefix_lens=(70, 37)))
+    state = hook()
+    T.attention_call(fx)
+    (path,) = _captures(state)
+    m = read_capture(path).meta
+    pool = fx.runner.token_to_kv_pool
+    _, data_lens, item_lens = pool.get_contiguous_buf_infos()  # what the transfer engine registers
+    assert m.kv_pool_rows * m.kv_pool_row_bytes * m.kv_pool_layers_per_buffer == max(data_lens)
+    assert m.kv_pool_row_bytes * m.page_size == item_lens[0]
+    assert (m.kv_pool_rows, m.kv_pool_size, m.kv_pool_layers) == (pool.size + pool.page_size, pool.size, pool.layer_num)
+    assert m.mori_max_mr_bytes == 1 << 20
+    r = check_region(m)
+    assert r.region_bytes == max(data_lens) and r.status == ("finding" if max(data_lens) >= 1 << 20 else "ok")

@@ -88,7 +88,7 @@ def test_planted_fault_is_named(tmp_path, capsys, spec, fault, hypothesis, detai
 
 
 def test_hypotheses_in_contract_order():
-    assert HYPOTHESES == ("last_page_read_full", "empty_split_merged", "seq_len_off_by", "offset_overflow",
+    assert HYPOTHESES == ("numerics", "last_page_read_full", "empty_split_merged", "seq_len_off_by", "offset_overflow",
                           "last_page_len_swapped", "kv_range_missing", "split_missing", "kv_scale_misapplied",
                           "wrong_sm_scale", "head_misaligned", "rope_mishandled", "logit_cap_mismatch")  # fmt: skip
 
@@ -224,3 +224,138 @@ def test_one_token_too_many(tmp_path, source):
     assert torch.isnan(cap.out[r]).all() == (source == "page_tail")
     e = explain_failure(ctx, cap.out, cmp)
     assert (e.hypothesis, e.request, e.detail) == ("seq_len_off_by", r, {"delta": 1})
+
+
+# --------------------------------------------------------------------------------------------
+# The simplest explanation, and the alternatives that fit as well (issue 11, part 1)
+# --------------------------------------------------------------------------------------------
+
+SHORT = preset("kimi-k2-tp8", seq_lens=(611, 257, 300, 33))  # request 2 has 300 tokens
+
+
+def dropped_last_token(tmp_path, light_tail: int):
+    """Request 2 (300 tokens) computed without its last token; the ``light_tail`` tokens before it
+    get rows 20x smaller (logits near 0: next to no softmax weight), so dropping them too fits."""
+    t = make_inputs(SHORT)
+    ptr = t["kv_indptr"].long()
+    rows = t["kv_indices"][ptr[2] : ptr[3]].long()
+    if light_tail:
+        tail = rows[-1 - light_tail : -1]
+        t["kv_buffer"][tail] = (t["kv_buffer"][tail].double() * 0.05).to(t["kv_buffer"].dtype)
+    t["out"], planted = faulty_output(SHORT, t, "seq_len_off_by")
+    assert planted == {"fault": "seq_len_off_by", "request": 2, "delta": -1}
+    path = tmp_path / f"tail{light_tail}.safetensors"
+    write_capture(path, t, make_meta(SHORT), compact=False)
+    return path
+
+
+def confirming_deltas(path) -> tuple[list[int], object]:
+    """Every delta the comparator passes on request 2's rows (the search's own candidates), and
+    the search's explanation."""
+    from refmla.hypotheses import seq_len
+    from refmla.hypotheses.search import Search
+
+    cap = read_capture(path)
+    ctx = ReplayContext(cap, ReplayOptions(backends=[]))
+    cmp = ctx.compare("observed", cap.out, row_mask=~ctx.empty_rows())
+    assert not cmp.passed and cmp.worst["request"] == 2
+    s = Search(ctx, cap.out, cmp)
+    ok = [c.detail["delta"] for c in seq_len.find_seq_len(s, 2) if s.confirm(c.expected, c.control, s.rows_of(2)).passed]
+    return sorted(ok, key=abs), explain_failure(ctx, cap.out, cmp)
+
+
+@pytest.mark.parametrize("light_tail", [0, 2])
+def test_dropped_last_token_reports_delta_minus_one(tmp_path, light_tail):
+    ok, e = confirming_deltas(dropped_last_token(tmp_path, light_tail))
+    assert -1 in ok
+    if light_tail:
+        assert {-2, -3} <= set(ok)  # the premise: the light tokens cannot be told apart
+    assert e.hypothesis == "seq_len_off_by" and e.detail == {"delta": -1} and e.request == 2
+    alts = [a.detail["delta"] for a in e.alternatives]
+    assert sorted(alts, key=abs) == [d for d in ok if d != -1]
+    assert all(a.hypothesis == "seq_len_off_by" and a.request == 2 and a.residual_ratio <= 1 for a in e.alternatives)
+    assert e.explained_requests == [2] and e.unexplained_requests == []
+    j = e.to_json()
+    assert [a["detail"] for a in j["alternatives"]] == [{"delta": d} for d in alts]
+    if light_tail:
+        assert "; delta -2, -3 also fit within noise" in e.text()
+
+
+def test_replay_json_lists_alternatives(tmp_path, capsys):
+    code, report = replay_json(capsys, dropped_last_token(tmp_path, 2))
+    e = report["backends"]["observed"]["explanation"]
+    assert code == 1 and e["detail"] == {"delta": -1}
+    assert {"hypothesis": "seq_len_off_by", "detail": {"delta": -2}} in [
+        {k: a[k] for k in ("hypothesis", "detail")} for a in e["alternatives"]
+    ]
+    assert e["explained_requests"] == [2] and e["unexplained_requests"] == []
+
+
+def test_simplest_beats_best_screening(tmp_path):
+    """The candidate that screens best is not the one reported when a simpler one also confirms."""
+    from refmla.hypotheses import seq_len
+    from refmla.hypotheses.drivers import confirmed
+    from refmla.hypotheses.search import Search
+
+    cap = read_capture(dropped_last_token(tmp_path, 2))
+    ctx = ReplayContext(cap, ReplayOptions(backends=[]))
+    s = Search(ctx, cap.out, ctx.compare("observed", cap.out, row_mask=~ctx.empty_rows()))
+    cands = list(seq_len.find_seq_len(s, 2))
+    for c in cands:  # screening now favours the largest |delta|
+        c.score = 1.0 / (1 + abs(c.detail["delta"]))
+    hits = confirmed(s, iter(sorted(cands, key=lambda c: c.score)), s.rows_of(2), limit=None)
+    assert [c.detail["delta"] for c, _ in hits][:3] == [-1, -2, -3]
+
+
+def test_partial_explanation_names_unexplained_requests(tmp_path):
+    """Request 2 dropped its last token, request 1 got noise: seq_len_off_by explains request 2
+    only, and says so; no family explains both."""
+    t = make_inputs(SHORT)
+    out, _ = faulty_output(SHORT, t, "seq_len_off_by")
+    g = torch.Generator().manual_seed(1)
+    out[1, 3] += (0.006 * torch.randn(out.shape[-1], generator=g)).to(out.dtype)
+    t["out"] = out
+    write_capture(tmp_path / "partial.safetensors", t, make_meta(SHORT), compact=False)
+    cap = read_capture(tmp_path / "partial.safetensors")
+    ctx = ReplayContext(cap, ReplayOptions(backends=[]))
+    cmp = ctx.compare("observed", cap.out, row_mask=~ctx.empty_rows())
+    e = explain_failure(ctx, cap.out, cmp)
+    assert e is not None and e.hypothesis == "seq_len_off_by" and e.detail == {"delta": -1}
+    assert e.request == 2 == cmp.worst["request"], cmp.worst
+    assert e.explained_requests == [2] and e.unexplained_requests == [1] and not e.complete
+    assert "request(s) 1 not explained" in e.text()
+
+
+def test_fp8_pool_zeroed_range_is_explained(tmp_path):
+    """Zeroing rows of an fp8 pool (no masked_fill for fp8) works: the range is named."""
+    spec = preset("kimi-k2-tp8", kv_dtype=torch.float8_e4m3fn, k_scale=0.5, v_scale=0.5)
+    path, planted = planted_case(tmp_path, spec, "kv_range_zero")
+    cap = read_capture(path)
+    ctx = ReplayContext(cap, ReplayOptions(backends=[]))
+    cmp = ctx.compare("observed", cap.out, row_mask=~ctx.empty_rows())
+    e = explain_failure(ctx, cap.out, cmp)
+    assert e.hypothesis == "kv_range_missing" and e.request == planted["request"]
+    assert (e.detail["start"], e.detail["end"]) == (planted["start"], planted["end"])
+
+
+def test_a_failing_search_does_not_crash_replay(tmp_path, capsys, monkeypatch):
+    import refmla.replay
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(refmla.replay, "explain_failure", broken)
+    path, _ = planted_case(tmp_path, KIMI, "seq_len_off_by")
+    code, report = replay_json(capsys, path)
+    obs = report["backends"]["observed"]
+    assert code == 1 and obs["status"] == "fail" and "explanation" not in obs
+    assert "boom" in obs["info"]["explain_error"]
+
+
+def test_explanation_round_trips_through_json(tmp_path):
+    """The golden results read explanations back from JSON: the typed keys survive."""
+    from refmla.golden.result import explanation_from_json
+
+    _, e = confirming_deltas(dropped_last_token(tmp_path, 2))
+    back = explanation_from_json(json.loads(json.dumps(e.to_json())))
+    assert back.to_json() == e.to_json() and back.alternatives == e.alternatives

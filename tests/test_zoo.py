@@ -196,3 +196,46 @@ def test_zoo_faults_registered_with_their_hypothesis():
            "v_scale_missing", "rope_ignored", "rope_swapped"]  # fmt: skip
     for name in zoo:
         assert EXPECT[name] in HYPOTHESES and name in zoo_doc, name
+
+
+def test_empty_split_refuses_extend(tmp_path, capsys):
+    code = cli(["synth", str(tmp_path / "x.safetensors"), "--preset", "kimi-k2-tp8-extend", "--fault",
+                "empty_split_merged"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "extend" in err and len(err.strip().splitlines()) == 1
+
+
+def test_offset_overflow_fp8_pool_wraps_at_its_own_slot(tmp_path, capsys):
+    """576-byte fp8 rows wrap a uint32 byte offset at slot 7456541, not bf16's 3728271; slots
+    between the two do not wrap (the int32 element offset would, and it is not what was planted)."""
+    spec = dataclasses.replace(preset("kimi-k2-tp8"), name="fp8", kv_dtype=torch.float8_e4m3fn, k_scale=0.5,
+                               v_scale=0.5)  # fmt: skip
+    obs, planted = replay(tmp_path, capsys, spec, "offset_overflow")
+    e = obs["explanation"]
+    assert e["first_wrapping_slot"] == planted["first_wrapping_slot"] == -(-(2**32) // 576) == 7456541
+    assert e["detail"]["offset"] == "slot * 576 * 1 bytes in uint32"
+    slot = e["detail"]["first_slot"]
+    off = slot * 576 % 2**32
+    assert slot == planted["first_slot"] and e["detail"]["reads"] == f"slots {off // 576} (from byte {off % 576}) and {off // 576 + 1}"
+
+
+EXISTING = ["kv_range_missing", "kv_range_zero", "split_missing", "wrong_sm_scale", "head_misaligned", "logit_cap_mismatch"]
+
+
+@pytest.mark.parametrize("fault", EXISTING)
+@pytest.mark.parametrize("spec", [PAGE256, DSV3], ids=lambda s: s.name)
+def test_existing_faults_still_named_on_paged_presets(tmp_path, capsys, spec, fault):
+    """With the zoo's families in the search (the page families active at page_size > 1), the
+    contract's faults keep their hypothesis and request."""
+    obs, planted = replay(tmp_path, capsys, spec, fault)
+    if "request" in planted:
+        assert obs["explanation"]["request"] == planted["request"]
+
+
+def test_scale_faults_refuse_unscaled_inputs():
+    """faulty_output on inputs made without the fault's spec (k_scale 1) would plant nothing: refused."""
+    from refmla.synth import faulty_output, make_inputs
+
+    spec = preset("hostile")
+    with pytest.raises(ValueError, match="k_scale"):
+        faulty_output(spec, make_inputs(spec), "k_scale_twice")

@@ -14,6 +14,7 @@ writes atomically (temp file + rename).
 from refmla.capture.format import (
     CAPTURE_FORMAT,
     FLOAT_DTYPES,
+    GEOMETRY_KEYS,
     INDEX_DTYPES,
     META_CHECKS,
     META_KEYS,
@@ -28,6 +29,7 @@ from refmla.capture.validation import CHECKS, validate
 from refmla.capture.write import compact_pool, write_capture
 
 __all__ = [
+    "GEOMETRY_KEYS",
     "CAPTURE_FORMAT",
     "CHECKS",
     "FLOAT_DTYPES",

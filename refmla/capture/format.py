@@ -64,6 +64,15 @@ class CaptureMeta:
     rids: Optional[list] = None
     sglang_version: Optional[str] = None
     aiter_version: Optional[str] = None
+    # the production pool's geometry (docs/contract.md section 1, "pool geometry"; refmla.regions)
+    kv_pool_rows: Optional[int] = None  # rows of one registered KV buffer (SGLang: max_total_num_tokens + page_size)
+    kv_pool_row_bytes: Optional[int] = None  # bytes of one row of one layer (kv_cache_dim x element size)
+    kv_pool_layers_per_buffer: Optional[int] = None  # layers one registered buffer holds (MLATokenToKVPool: 1)
+    kv_pool_layers: Optional[int] = None  # layers of the pool on this rank
+    kv_pool_size: Optional[int] = None  # the pool's token capacity (SGLang's max_total_num_tokens)
+    disagg_mode: Optional[str] = None  # "prefill" | "decode" | "null"
+    disagg_transfer_backend: Optional[str] = None  # "mori" | "mooncake" | "nixl" | ...
+    mori_max_mr_bytes: Optional[int] = None  # SGLANG_MORI_MAX_MR_BYTES, when it was set
     extra: dict = field(default_factory=dict)  # keys this version does not know, kept as given
 
     @property
@@ -94,7 +103,11 @@ META_KEYS = {
     "max_kv_splits": (int, False), "layer_id": (int, False), "tp_rank": (int, False),
     "step": (int, False), "rids": (list, False), "sglang_version": (str, False),
     "aiter_version": (str, False),
+    "kv_pool_rows": (int, False), "kv_pool_row_bytes": (int, False), "kv_pool_layers_per_buffer": (int, False),
+    "kv_pool_layers": (int, False), "kv_pool_size": (int, False), "disagg_mode": (str, False),
+    "disagg_transfer_backend": (str, False), "mori_max_mr_bytes": (int, False),
 }  # fmt: skip
+GEOMETRY_KEYS = ("kv_pool_rows", "kv_pool_row_bytes", "kv_pool_layers_per_buffer")  # what refmla.regions needs
 
 
 def parse_meta(raw: Mapping[str, Any], path: Any = "<meta>") -> CaptureMeta:
@@ -178,6 +191,14 @@ def _check_ids(kw: dict, path: Any) -> None:
             raise _bad_key(path, key, f"must be in [0, 2**63), got {value}")
 
 
+def _check_geometry(kw: dict, path: Any) -> None:
+    for key in (*GEOMETRY_KEYS, "kv_pool_layers", "mori_max_mr_bytes"):
+        if kw.get(key) is not None and kw[key] < 1:
+            raise _bad_key(path, key, f"must be >= 1, got {kw[key]}")
+    if kw.get("kv_pool_size") is not None and kw["kv_pool_size"] < 0:
+        raise _bad_key(path, "kv_pool_size", f"must be >= 0, got {kw['kv_pool_size']}")
+
+
 # bounds on the coerced values, run in order; each raises CaptureError naming the key
 META_CHECKS: tuple[Callable[[dict, Any], None], ...] = (
     _check_mode,
@@ -185,6 +206,7 @@ META_CHECKS: tuple[Callable[[dict, Any], None], ...] = (
     _check_scales,
     _check_sizes,
     _check_ids,
+    _check_geometry,
 )
 
 
@@ -269,6 +291,7 @@ class Capture:
 __all__ = [
     "CAPTURE_FORMAT",
     "FLOAT_DTYPES",
+    "GEOMETRY_KEYS",
     "INDEX_DTYPES",
     "META_CHECKS",
     "META_KEYS",

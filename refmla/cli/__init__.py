@@ -5,6 +5,7 @@ One module per command group, each adding its parser:
     replay.py    refmla replay
     inspect.py   refmla inspect
     diffkv.py    refmla diff-kv
+    disagg.py    refmla disagg
     tools.py     refmla synth / doctor / golden generate
     (refmla.hook.cli: refmla capture run)
 
@@ -22,8 +23,8 @@ from typing import Optional, Sequence
 from refmla import __version__
 from refmla.backends.triton_interp import ensure_interpreter
 from refmla.capture import CaptureError
-from refmla.cli import diffkv, inspect, replay, tools
 from refmla.atomic import WriteError
+from refmla.cli import diffkv, disagg, inspect, replay, tools
 from refmla.cli.common import EXIT_INVALID, UsageError, describe_inputs
 from refmla.hook.cli import add_capture_parser
 from refmla.util import error_text, first_line
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_parser(sub)
     inspect.add_parser(sub)
     diffkv.add_parser(sub)
+    disagg.add_parser(sub)
     tools.add_parsers(sub)
     add_capture_parser(sub)
     return p

@@ -12,6 +12,8 @@ from refmla.backends import ALL_NAMES, get_backend
 from refmla.cli.common import EXIT_OK, UsageError, print_json
 from refmla.golden import generate
 from refmla.synth import FAULTS, preset, synth_capture
+from refmla.synth.disagg import DISAGG_PRESETS, disagg_preset, synth_disagg
+from refmla.synth.disagg_faults import DISAGG_FAULTS
 
 
 def add_parsers(sub) -> None:
@@ -21,6 +23,13 @@ def add_parsers(sub) -> None:
     s.add_argument("--fault", default="none")
     s.add_argument("--seed", type=int, default=None)
     s.set_defaults(func=synth)
+
+    sd = sub.add_parser("synth-disagg", help="write a synthetic prefill/decode pair (OUT/prefill, OUT/decode)")
+    sd.add_argument("out")
+    sd.add_argument("--preset", default="disagg", choices=list(DISAGG_PRESETS))
+    sd.add_argument("--fault", default="none", choices=list(DISAGG_FAULTS))
+    sd.add_argument("--seed", type=int, default=None)
+    sd.set_defaults(func=synth_disagg_cmd)
 
     dr = sub.add_parser("doctor", help="which backends are usable here, with versions and why not")
     dr.add_argument("--json", action="store_true")
@@ -46,6 +55,17 @@ def synth(args) -> int:
     except ValueError as e:
         raise UsageError(f"{args.out}: {e}") from None
     print(f"wrote {args.out} (preset {spec.name}, planted {json.dumps(planted)})")
+    return EXIT_OK
+
+
+def synth_disagg_cmd(args) -> int:
+    spec = disagg_preset(args.preset)
+    if args.seed is not None:
+        import dataclasses
+
+        spec = dataclasses.replace(spec, base=dataclasses.replace(spec.base, seed=args.seed))
+    planted = synth_disagg(args.out, spec, args.fault)
+    print(f"wrote {args.out}/prefill and {args.out}/decode (preset {spec.name}, planted {json.dumps(planted)})")
     return EXIT_OK
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from refmla.compare import Comparison
-from refmla.results import BackendEntry, Explanation, SplitCheck
+from refmla.results import Alternative, BackendEntry, Explanation, SplitCheck
 
 
 @dataclass
@@ -121,4 +121,9 @@ def comparison_from_json(d: dict[str, Any], name: str) -> Optional[Comparison]:
 
 def explanation_from_json(d: dict[str, Any]) -> Explanation:
     named = {k: d[k] for k in _EXPLANATION_KEYS if k in d}
-    return Explanation(**named, extra={k: v for k, v in d.items() if k not in _EXPLANATION_KEYS})
+    typed = {"alternatives", "explained_requests", "unexplained_requests"}
+    alts = [Alternative(a["hypothesis"], a["detail"], a.get("request"), a.get("residual_ratio"))
+            for a in d.get("alternatives") or []]  # fmt: skip
+    return Explanation(**named, extra={k: v for k, v in d.items() if k not in _EXPLANATION_KEYS and k not in typed},
+                       alternatives=alts, explained_requests=d.get("explained_requests"),
+                       unexplained_requests=d.get("unexplained_requests"))  # fmt: skip

@@ -6,8 +6,8 @@ and returns a dict of meta keys (empty when it has nothing to say); :func:`assem
 new providers appended here, for example:
 
 * KV pool geometry (pool row count, bytes per row, layers per registered buffer, the
-  disaggregation backend, ``SGLANG_MORI_MAX_MR_BYTES``): a ``pool_geometry_meta`` reading
-  ``ctx.pool`` / ``ctx.k_buf`` and the environment;
+  disaggregation backend, ``SGLANG_MORI_MAX_MR_BYTES``): :func:`pool_geometry_meta`, reading
+  ``ctx.pool`` / ``ctx.k_buf``, the server args and the environment (:mod:`refmla.hook.geometry`);
 * which aiter kernel path SGLang dispatched (persistent / non-persistent / gluon, head padding,
   the env vars) is :func:`refmla.hook.aiter_meta.aiter_path_meta`, from the probes in
   :mod:`refmla.hook.kernel_probes` (``ctx.call.kernel_notes``).
@@ -25,6 +25,7 @@ import torch
 
 from refmla.hook.aiter_meta import aiter_path_meta
 from refmla.hook.call import CallContext
+from refmla.hook.geometry import buffer_geometry, disagg_meta, pool_counts
 from refmla.hook.runtime import versions
 from refmla.util import dtype_name
 
@@ -127,8 +128,15 @@ def rids_meta(ctx: CallContext) -> dict[str, Any]:
     return {}
 
 
+def pool_geometry_meta(ctx: CallContext) -> dict[str, Any]:
+    """What decides the size of a registered KV region (refmla.regions): rows, row bytes, layers per
+    buffer, the pool's capacity, the disaggregation mode and backend, SGLANG_MORI_MAX_MR_BYTES."""
+    return {**buffer_geometry(ctx.pool, ctx.k_buf), **pool_counts(ctx.pool), **disagg_meta()}
+
+
 META_PROVIDERS: tuple[MetaProvider, ...] = (
     attention_meta, origin_meta, notes_meta, seq_lens_meta, aiter_meta, rids_meta, aiter_path_meta,
+    pool_geometry_meta,
 )  # fmt: skip
 
 

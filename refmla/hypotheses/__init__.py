@@ -1,13 +1,29 @@
 """Hypotheses for a diverging output (docs/contract.md section 4): replay the reference under each,
 report the first, in the table's order, that brings the backend's error back to rounding noise.
 
+    numerics            {"variant": name}             the same attention with different rounding
+                                                      (a store, P, the lse, accumulation, a merge)
+    last_page_read_full {"page", "rows_read", ...}    page_size > 1: the last page read as full
+    empty_split_merged  {"split", "num_kv_splits",    an empty split's NaN / zero-scratch partial merged in
+                         "went_in"}
     seq_len_off_by      {"delta": k}                  attended seq_len + k tokens, k in -4..4, k != 0
+    offset_overflow     {"first_slot", "position",    a 32-bit row offset wrapped: positions past the
+                         "offset", "reads"}           wrap read another slot's bytes, or zeros
+    last_page_len_swapped {"from_request", ...}       the last page's length from another request
     kv_range_missing    {"start", "end", "how"}       positions [start, end) dropped or read as zeros,
                                                       at page or split granularity
     split_missing       {"split": s}                  split s's partial left out of the merge
+    kv_scale_misapplied {"scale", "applied"}          fp8 k_scale / v_scale applied twice or not at all
     wrong_sm_scale      {"ratio": r}                  used r * sm_scale
     head_misaligned     {"mapping": "...", "heads"}   output head h holds reference head heads[h]
+    rope_mishandled     {"how"}                       q . k without its rope part, or parts swapped
     logit_cap_mismatch  {"logit_cap": c}              soft cap c applied (0: omitted)
+
+Within a family, every candidate that confirms counts: the simplest is reported, the others are
+listed as its ``alternatives`` (refmla.hypotheses.drivers). ``numerics`` comes first: its
+rounding variants must also fit the kernel's noise row by row, which a data fault does not; its
+accumulation variants, whose noise depends on the summation order and is judged by its size
+alone, come last (LATE).
 
 "Back to rounding noise" is the comparator itself (refmla.compare.compare, the replay's
 tolerance) against the reference *and the low-precision control* recomputed under the
@@ -23,7 +39,9 @@ The package (imports go down this list):
     ranges.py    block-sum algebra: every block-aligned range of a request scored at once
     scalars.py   screening a scalar on the worst request in fp32, the 1-D fit, whole-output recompute
     one module per family, each with NAME and ``search(s: Search) -> Optional[Explanation]``:
-    seq_len.py, kv_range.py, split.py, sm_scale.py, heads.py, logit_cap.py
+    seq_len.py, kv_range.py, split.py, sm_scale.py, heads.py, logit_cap.py, and the faults of real
+    MLA kernels (refmla/synth/zoo.py plants them): pages.py (two families), empty_split.py,
+    overflow.py, kv_scale.py, rope.py
 
 A new family is a module like those (its candidates through ``per_request`` when each failing
 request gets its own detail, ``global_hypothesis`` when one setting explains the whole output)
@@ -38,14 +56,14 @@ best few.
 from __future__ import annotations
 
 import time
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 from refmla.compare import Comparison
 from refmla.context import ReplayContext
 from refmla.hypotheses import (
-    empty_split, heads, kv_range, kv_scale, logit_cap, overflow, pages, rope, seq_len, sm_scale, split,
+    empty_split, heads, kv_range, kv_scale, logit_cap, numerics, overflow, pages, rope, seq_len, sm_scale, split,
 )
 from refmla.hypotheses.search import Search, SearchFn
 from refmla.results import Explanation
@@ -53,6 +71,7 @@ from refmla.util import single_thread
 
 # The families in the order they are tried: the contract's order, simplest first.
 SEARCHES: dict[str, SearchFn] = {
+    numerics.NAME: numerics.search,
     pages.FULL: pages.search_full,
     empty_split.NAME: empty_split.search,
     seq_len.NAME: seq_len.search,
@@ -67,12 +86,21 @@ SEARCHES: dict[str, SearchFn] = {
     logit_cap.NAME: logit_cap.search,
 }
 HYPOTHESES = tuple(SEARCHES)
+# Tried after all of SEARCHES: numerics' accumulation variants (judged by their noise's size only)
+LATE: tuple[SearchFn, ...] = (numerics.search_late,)
 
 
-def explain_failure(ctx: ReplayContext, out: torch.Tensor, cmp: Comparison) -> Optional[Explanation]:
+def explain_failure(
+    ctx: ReplayContext, out: torch.Tensor, cmp: Comparison, notes: Optional[dict[str, Any]] = None
+) -> Optional[Explanation]:
     """The simplest hypothesis that explains a failing output, or None.
 
+    The first family, in SEARCHES order, that explains every failing request; when none does, the
+    first that explains some of them (its ``unexplained_requests`` say which are left).
+
     out: the backend's output [R, H, Dv]; cmp: its comparison with the reference (ctx.compare).
+    notes (optional): filled with what the search learnt besides the answer: ``numerics_tried``,
+    the numerics variants and their residuals (whatever explains the output).
     """
     t0 = time.perf_counter()
     if cmp.row_err is None or tuple(out.shape) != tuple(ctx.ref_out.shape):
@@ -81,7 +109,15 @@ def explain_failure(ctx: ReplayContext, out: torch.Tensor, cmp: Comparison) -> O
         s = Search(ctx, out, cmp)
         if not s.failing:
             return None
-        found = next(explanations(s), None)
+        partial = None
+        for found in explanations(s):
+            if found.complete:
+                break
+            partial = partial or found  # a family that explains only some requests: kept in reserve
+        else:
+            found = partial
+        if notes is not None and s.memo(numerics.TRIED, list):
+            notes["numerics_tried"] = s.memo(numerics.TRIED, list)
         if found is not None:
             found.seconds = round(time.perf_counter() - t0, 3)
     return found
@@ -90,7 +126,7 @@ def explain_failure(ctx: ReplayContext, out: torch.Tensor, cmp: Comparison) -> O
 def explanations(s: Search) -> Iterator[Explanation]:
     """Each family's confirmed explanation, in SEARCHES order; lazily, so the first costs only
     the families before it."""
-    for search in SEARCHES.values():
+    for search in (*SEARCHES.values(), *LATE):
         found = search(s)
         if found is not None:
             yield found

@@ -2,7 +2,8 @@
 zeros, at page granularity (page_size > 1) or in 32-token split units, plus the split bounds.
 
 Per request: every block-aligned range is scored at once (refmla.hypotheses.ranges), the best few
-dropped and zeroed are recomputed and confirmed on the request's rows. A dropped range that is
+dropped and zeroed are recomputed and confirmed on the request's rows; the smallest range that
+confirms is reported, the others are its ``alternatives``. A dropped range that is
 exactly one split of the kernel's schedule is left to ``split_missing``: dropping a split's
 partial from the merge and dropping its positions are the same arithmetic, and the split names
 the mechanism.
@@ -24,7 +25,7 @@ NAME = "kv_range_missing"
 
 
 def search(s: Search) -> Optional[Explanation]:
-    return per_request(s, NAME, find_range)
+    return per_request(s, NAME, find_range, limit=None)  # find_range bounds itself
 
 
 def find_range(s: Search, b: int) -> Iterator[Candidate]:
@@ -47,6 +48,7 @@ def find_range(s: Search, b: int) -> Iterator[Candidate]:
                                one_split=(rng.i, rng.j) in splits)  # fmt: skip
         if cand is not None:
             cand.score = rng.score
+            cand.simplicity = (bnd[rng.j] - bnd[rng.i], bnd[rng.i])  # the smallest range first
             yield cand
 
 

@@ -49,13 +49,18 @@ def prefer(guesses: list[Guess]) -> list[Guess]:
 def scalar_hypothesis(
     s: Search, name: str, guesses: list[Guess], candidate: Callable[[Guess], Candidate]
 ) -> Optional[Explanation]:
-    """Confirm the guesses screening under SCREEN on the whole output, in :func:`prefer`'s order."""
+    """Confirm the guesses screening under SCREEN on the whole output, in :func:`prefer`'s order
+    (at most CONFIRM_TOP: each is a whole-output recompute); of those that pass, the simplest is
+    reported: a named mistake before a fitted value, in the order ``guesses`` lists them."""
+    rank = {id(g): (g.why.startswith("fitted"), i) for i, g in enumerate(guesses)}
 
     def candidates() -> Iterator[Candidate]:
         for g in prefer(guesses):
             if g.score >= SCREEN:
                 return
-            yield candidate(g)
+            c = candidate(g)
+            c.score, c.simplicity = g.score, rank[id(g)]
+            yield c
 
     return global_hypothesis(s, name, candidates())
 

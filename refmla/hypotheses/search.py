@@ -53,6 +53,7 @@ class Candidate:
     control: torch.Tensor  # same shape, in the compare dtype
     score: float = math.inf  # screening ratio (err / allowed): lower is more promising
     extra: dict[str, Any] = field(default_factory=dict)  # keys the explanation carries besides detail
+    simplicity: tuple = ()  # lower is simpler: among candidates that confirm, the simplest is reported
 
 
 class Search:

@@ -1,7 +1,9 @@
 """seq_len_off_by {"delta": k}: the kernel attended seq_len + k tokens, k in -4..4, k != 0.
 
 Per request: each delta is recomputed on the request's rows (k > 0 reads the rows after its end,
-when the capture can say which they are) and ranked by its screening ratio.
+when the capture can say which they are), and every one that screens is confirmed: the smallest
+|k| that the comparator passes is reported, the others that pass are its ``alternatives`` (the
+last tokens of a long request may weigh too little to tell -1 from -3).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ DELTAS = (-1, 1, -2, 2, -3, 3, -4, 4)  # simplest first
 
 
 def search(s: Search) -> Optional[Explanation]:
-    return per_request(s, NAME, find_seq_len)
+    return per_request(s, NAME, find_seq_len, limit=None)
 
 
 def find_seq_len(s: Search, b: int) -> Iterator[Candidate]:
@@ -35,7 +37,7 @@ def find_seq_len(s: Search, b: int) -> Iterator[Candidate]:
                 continue
             seq = torch.cat([seq, nxt])
         exp, ctl = s.attend_rows(b, seq, r.vis + k)
-        cands.append(Candidate({"delta": k}, exp, ctl, rescore(s, b, exp)))
+        cands.append(Candidate({"delta": k}, exp, ctl, rescore(s, b, exp), simplicity=(abs(k), DELTAS.index(k))))
     yield from sorted((c for c in cands if c.score < SCREEN), key=lambda c: c.score)
 
 

@@ -25,7 +25,7 @@ NAME = "split_missing"
 def search(s: Search) -> Optional[Explanation]:
     if not s.cap.is_decode:
         return None
-    return per_request(s, NAME, find_split)
+    return per_request(s, NAME, find_split, limit=None)  # every split that screens: cheap merges
 
 
 def find_split(s: Search, b: int) -> Iterator[Candidate]:

@@ -18,6 +18,9 @@ def render_inspect(e: InspectEntry) -> str:
     lines += [f"  warning: {w}" for w in md.warnings]
     lines += [f"  error: {x}" for x in md.errors]
     lines += [f"  note: {f.message}" for f in md.findings if f.severity == "note"]
+    if e.region is not None:
+        head = {"finding": "FINDING", "warning": "WARNING"}.get(e.region.status, e.region.status.replace("_", " "))
+        lines.append(f"region   {head}: {e.region.message}")
     if e.series is not None:
         found = [f for f in e.series if f.severity in ("warning", "note")]
         bad = any(f.severity == "warning" for f in found)

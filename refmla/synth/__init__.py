@@ -3,7 +3,12 @@
     spec.py     SynthSpec (the shapes, dtypes and scales of one capture) and the named presets
     inputs.py   q, a paged pool shuffled and poisoned with NaN, SGLang's metadata, the meta
     faults.py   the observed `out` under a planted fault, one registered function per fault
+    numerics.py correct kernels that round differently (registered in faults.py's registry)
+    disagg.py   a disaggregated pair: prefill and decode captures of the same requests, on other slots
+    disagg_faults.py  its faults (transfer, metadata, compute) and what `refmla disagg` must name
     benign.py   correct kernels that round their own way (expect=None): they must pass
+    zoo.py      faults taken from real bugs in real MLA kernels (pages, empty splits, 32-bit
+                offsets, fp8 scales, rope), each with the hypothesis that must name it
 
 The pool is paged: each request's pages are shuffled across the pool, every row no request
 attends (unused pages and the tail of each last page) is NaN, so a kernel that reads past its
@@ -19,8 +24,9 @@ from typing import Any
 from refmla.capture import write_capture
 from refmla.schedule import MIN_BLOCK_KV
 from refmla.synth import benign, zoo  # noqa: F401  (register the benign variants and the zoo's faults)
-from refmla.synth.faults import EXPECT, FAULTS, faulty_output, spec_for
-from refmla.synth.inputs import make_inputs, make_meta
+from refmla.synth import numerics as _numerics  # noqa: F401  (registers the numerics faults)
+from refmla.synth.faults import EXPECT, FAULTS, MAY_AGREE, faulty_output, spec_for
+from refmla.synth.inputs import geometry_meta, make_inputs, make_meta
 from refmla.synth.spec import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE, PRESETS, SynthSpec, preset, yarn_sm_scale
 
 
@@ -38,6 +44,6 @@ def synth_capture(path: Any, spec: SynthSpec, fault: str = "none") -> dict:
 
 
 __all__ = [
-    "DEEPSEEK_V3_SCALE", "EXPECT", "FAULTS", "KIMI_K2_SCALE", "MIN_BLOCK_KV", "PRESETS", "SynthSpec", "faulty_output",
-    "make_inputs", "make_meta", "preset", "spec_for", "synth_capture", "yarn_sm_scale",
+    "DEEPSEEK_V3_SCALE", "EXPECT", "FAULTS", "KIMI_K2_SCALE", "MAY_AGREE", "MIN_BLOCK_KV", "PRESETS", "SynthSpec",
+    "faulty_output", "geometry_meta", "make_inputs", "make_meta", "preset", "spec_for", "synth_capture", "yarn_sm_scale",
 ]  # fmt: skip

@@ -68,21 +68,26 @@ FAULTS: dict[str, FaultFn] = {}  # name -> fn(planting) -> (out, what was plante
 DESCRIPTIONS: dict[str, str] = {}
 EXPECT: dict[str, Optional[str]] = {}  # name -> the hypothesis that must name it (None: must pass)
 SPEC_FOR: dict[str, Callable[[SynthSpec], SynthSpec]] = {}  # name -> the spec the fault needs (fp8 pool, ...)
+MAY_AGREE: set[str] = set()  # faults that may stay within the tolerance on some presets (agree is no miss)
 
 
 def fault(
-    name: str, description: str, expect: Optional[str] = "", spec: Optional[Callable[[SynthSpec], SynthSpec]] = None
+    name: str, description: str, expect: Optional[str] = "", spec: Optional[Callable[[SynthSpec], SynthSpec]] = None,
+    may_agree: bool = False,
 ) -> Callable[[FaultFn], FaultFn]:
     """Register a fault. ``expect``: the hypothesis replay must name for it ("" means the fault's
-    own name; None means a correct kernel that must pass). tools/bench_diagnosis.py reads EXPECT.
-    ``spec``: how a preset becomes one the fault can exist on (e.g. an fp8 pool), applied by
-    :func:`spec_for` (refmla.synth.synth_capture does)."""
+    own name; None means a correct kernel that must pass). tools/bench_diagnosis.py reads EXPECT
+    and MAY_AGREE. ``spec``: how a preset becomes one the fault can exist on (e.g. an fp8 pool),
+    applied by :func:`spec_for` (refmla.synth.synth_capture does). ``may_agree``: on some presets
+    the planted output stays within the tolerance, and ``agree`` is then right, not a miss."""
 
     def register(fn: FaultFn) -> FaultFn:
         FAULTS[name], DESCRIPTIONS[name] = fn, description
         EXPECT[name] = name if expect == "" else expect
         if spec is not None:
             SPEC_FOR[name] = spec
+        if may_agree:
+            MAY_AGREE.add(name)
         return fn
 
     return register
@@ -184,4 +189,4 @@ def _logit_cap_mismatch(p: Planting):
 def describe(name: Optional[str] = None) -> str:
     """One line per fault (or the one named): `name  description`."""
     names = [name] if name else list(FAULTS)
-    return "\n".join(f"{n:<20} {DESCRIPTIONS[n]}" for n in names)
+    return "\n".join(f"{n:<22} {DESCRIPTIONS[n]}" for n in names)

@@ -44,8 +44,17 @@ def make_inputs(spec: SynthSpec) -> dict[str, torch.Tensor]:
     return t
 
 
-def make_meta(spec: SynthSpec) -> dict[str, Any]:
+def geometry_meta(spec: SynthSpec) -> dict[str, Any]:
+    """The production pool's geometry as the hook records it (MLATokenToKVPool: one buffer per layer
+    of max_total_num_tokens + page_size rows of head_dim elements)."""
     return {
+        "kv_pool_rows": spec.pool_tokens + spec.page_size, "kv_pool_row_bytes": spec.head_dim * spec.kv_dtype.itemsize,
+        "kv_pool_layers_per_buffer": 1, "kv_pool_layers": spec.pool_layers, "kv_pool_size": spec.pool_tokens,
+    }  # fmt: skip
+
+
+def make_meta(spec: SynthSpec) -> dict[str, Any]:
+    return {**geometry_meta(spec),
         "mode": "extend" if spec.new_tokens else "decode", "backend": "triton",
         "kv_lora_rank": spec.kv_lora_rank, "qk_rope_head_dim": spec.qk_rope_head_dim,
         "sm_scale": spec.sm_scale, "logit_cap": spec.logit_cap, "page_size": spec.page_size,

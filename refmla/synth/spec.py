@@ -41,6 +41,8 @@ class SynthSpec:
     free_pages: int = 3  # unused, poisoned pages in the pool
     fault_request: int = 2  # the request a per-request fault hits
     seed: int = 0
+    pool_tokens: int = 1 << 20  # the production pool's max_total_num_tokens (geometry meta; a page multiple)
+    pool_layers: int = 61  # layers of the production pool (Kimi-K2 / DeepSeek-V3: 61)
     extra_meta: dict = field(default_factory=dict)
 
     def __post_init__(self):

@@ -132,6 +132,8 @@ def _empty_split_request(p: Planting, n: int) -> int:
        "the merge takes in: the request's output is NaN (aiter #3641, #4420, #4711)")  # fmt: skip
 def _empty_split_merged(p: Planting):
     t, n = p.t, p.spec.max_kv_splits
+    if "num_kv_splits" not in t:
+        raise ValueError(f"preset {p.spec.name} is an extend capture: splits are a decode kernel's")
     b = _empty_split_request(p, n)
     splits = t["num_kv_splits"].clone()
     splits[b] = n  # the kernel ran this request with the fixed maximum, as the capture records
@@ -205,9 +207,16 @@ def fp8_pool(spec: SynthSpec) -> SynthSpec:
                                k_scale=FP8_SCALE, v_scale=FP8_SCALE)  # fmt: skip
 
 
+def _need_scales(p: Planting) -> None:
+    if p.spec.k_scale == 1.0 or p.spec.v_scale == 1.0:
+        raise ValueError(f"spec {p.spec.name}: the scale faults need k_scale and v_scale != 1 "
+                         "(synth_capture plants them on refmla.synth.faults.spec_for(spec, fault))")  # fmt: skip
+
+
 @fault("k_scale_twice", "fp8 pool: the kernel applied k_scale twice (dequantized K, then scaled the logits by "
        "k_scale again)", expect="kv_scale_misapplied", spec=fp8_pool)  # fmt: skip
 def _k_scale_twice(p: Planting):
+    _need_scales(p)
     k = p.spec.k_scale
     return p.run(k_scale=k * k), {"scale": "k_scale", "applied": "twice", "k_scale": k, "pool": p.spec.name}
 
@@ -215,6 +224,7 @@ def _k_scale_twice(p: Planting):
 @fault("v_scale_missing", "fp8 pool: the kernel never applied v_scale to the output", expect="kv_scale_misapplied",
        spec=fp8_pool)  # fmt: skip
 def _v_scale_missing(p: Planting):
+    _need_scales(p)
     return p.run(v_scale=1.0), {"scale": "v_scale", "applied": "not at all", "v_scale": p.spec.v_scale,
                                 "pool": p.spec.name}  # fmt: skip
 

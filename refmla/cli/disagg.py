@@ -1,0 +1,75 @@
+"""`refmla disagg PREFILL... --decode DECODE...` (or `refmla disagg PREFILL DECODE`): one verdict per
+(request, layer, rank) of a disaggregated run: transfer, metadata, compute path."""
+
+from __future__ import annotations
+
+import sys
+
+from refmla.backends import NAMES
+from refmla.cli.common import UsageError, expand_captures, need_matplotlib, print_json
+from refmla.compare import Tolerance
+from refmla.context import ReplayOptions
+from refmla.disagg import render_disagg, run_disagg
+from refmla.replay import backend_names
+
+
+def add_parser(sub) -> None:
+    d = sub.add_parser("disagg", help="prefill node's vs decode node's captures: transfer, metadata, compute")
+    d.add_argument("paths", nargs="+", metavar="PREFILL",
+                   help="prefill capture files or directories (exactly two paths without --decode: PREFILL DECODE)")
+    d.add_argument("--decode", nargs="+", metavar="DECODE", default=None, help="decode capture files or directories")
+    d.add_argument("--backend", action="append", choices=NAMES, help="replay only these (repeatable)")
+    d.add_argument("--jobs", type=int, default=1, help="replay the decode captures in parallel processes")
+    d.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    d.add_argument("--plot", metavar="DIR", default=None, help="write the replay and diff-kv PNGs to DIR")
+    d.add_argument("--k", type=float, default=2.0)
+    d.add_argument("--ulps", type=float, default=1.0)
+    d.add_argument("--cos", type=float, default=1e-5)
+    d.add_argument("--device", default=None)
+    d.add_argument("--cu-count", type=int, default=256)
+    d.add_argument("--no-explain", action="store_true", help="skip the hypothesis search")
+    d.set_defaults(func=run)
+
+
+def sides(args) -> tuple[list[str], list[str]]:
+    if args.decode is None:
+        if len(args.paths) != 2:
+            raise UsageError(f"disagg: {len(args.paths)} paths given without --decode; "
+                             "give PREFILL DECODE, or PREFILL... --decode DECODE...")  # fmt: skip
+        return expand_captures(args.paths[:1]), expand_captures(args.paths[1:])
+    return expand_captures(args.paths), expand_captures(args.decode)
+
+
+def run(args) -> int:
+    opts = ReplayOptions(backends=args.backend or None, tol=Tolerance(k=args.k, ulps=args.ulps, cos=args.cos),
+                         device=args.device, cu_count=args.cu_count, explain=not args.no_explain)  # fmt: skip
+    try:
+        backend_names(opts)
+    except KeyError as e:
+        raise UsageError(str(e.args[0])) from None
+    if args.plot:
+        need_matplotlib()
+    prefill, decode = sides(args)
+    report = run_disagg(prefill, decode, opts, jobs=args.jobs)
+    for path, error in report.invalid:  # each unusable capture: one line on stderr (exit 2)
+        print(f"refmla: error: {error}", file=sys.stderr)
+    if args.plot:
+        report.plots = _plots(report, args.plot)
+    if args.json:
+        print_json(report)
+    else:
+        print(render_disagg(report))
+    return report.exit_code
+
+
+def _plots(report, out_dir) -> list[str]:
+    from pathlib import Path
+
+    from refmla.plots import plot_diff_kv, plot_replay  # matplotlib is optional: imported only when asked for
+
+    written = [str(p) for p in plot_replay([r for r in report.replays if r.verdict == "diverged"], out_dir)]
+    for i, diff in enumerate(d for d in report.diffs if not d.ok):
+        written += [str(p) for p in plot_diff_kv(diff, Path(out_dir) / f"diff-kv-{i}")]
+    for path in written:
+        print(f"wrote {path}", file=sys.stderr)
+    return written

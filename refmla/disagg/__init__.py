@@ -1,0 +1,30 @@
+"""``refmla disagg``: a prefill node's and a decode node's captures in, one verdict per request out.
+
+For every (request, layer, rank) of the decode captures it answers the three questions of a
+disaggregated deployment with the existing modules -- it re-implements none of them:
+
+    did the prompt's KV arrive intact     refmla.diffkv (prefill-stored vs decode-received, every
+                                          position, page and transfer run)
+    is the decode metadata right          refmla.checks (run by each replay), refmla.series across
+                                          decode steps, refmla.regions (the MR region-size check)
+    which compute path diverges           refmla.batch / refmla.replay through every backend,
+                                          refmla.diagnosis per request
+
+    pairing.py   headers only: decode series, each request's first decode capture, its prefill captures
+    run.py       the stages in order, timed
+    cells.py     a row's three answers read off the stages' typed results
+    classify.py  where the fault is (transfer, metadata, compute, none) and the sentences
+    types.py     the typed result and its JSON (docs/contract.md section 3)
+    render.py    the result as text
+"""
+
+from refmla.disagg.classify import classify, overall
+from refmla.disagg.pairing import DisaggPlan, plan_disagg
+from refmla.disagg.render import render_disagg
+from refmla.disagg.run import run_disagg
+from refmla.disagg.types import CLASSES, DecodeCell, DisaggReport, MetadataCell, Row, TransferCell
+
+__all__ = [
+    "CLASSES", "DecodeCell", "DisaggPlan", "DisaggReport", "MetadataCell", "Row", "TransferCell", "classify",
+    "overall", "plan_disagg", "render_disagg", "run_disagg",
+]  # fmt: skip

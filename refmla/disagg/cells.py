@@ -1,0 +1,111 @@
+"""One row's three answers, read off the documents the existing commands produce:
+
+    transfer   the request's entry of the diff-kv of its first decode capture (refmla.diffkv)
+    metadata   its metadata findings in each decode replay (refmla.checks, run by the replay), its
+               series findings across decode steps (refmla.series), the region checks (refmla.regions)
+    decode     its rows in each decode replay (refmla.replay): per backend pass / fail for this
+               request, then refmla.diagnosis on those statuses
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from refmla.diagnosis import diagnose
+from refmla.diffkv import RequestDiff
+from refmla.disagg.types import DecodeCell, MetadataCell, TransferCell
+from refmla.regions import STATUSES, RegionCheck
+from refmla.results import BackendEntry, Finding, ReplayReport
+
+
+def transfer_cell(entry: Optional[RequestDiff], why: str = "") -> TransferCell:
+    """The request's diff-kv entry as a cell; ``None``: not paired (``why``)."""
+    if entry is None:
+        return TransferCell("not_paired", note=why or "no prefill capture holds this rid")
+    if not entry.paired:
+        return TransferCell("not_paired", note=entry.note or entry.status)
+    cell = TransferCell("faithful" if entry.faithful else "mismatch", entry.positions_compared,
+                        entry.mismatched_positions, entry.first_mismatch, entry.first_page,
+                        list(entry.mismatched_pages)[:64], summary=entry.summary, note=entry.note)  # fmt: skip
+    if entry.mismatches is not None:
+        cell.decode_zero_rows = entry.mismatches.decode_zero_rows
+    run = entry.first_run
+    if run is not None:
+        cell.run = run.to_json()
+    return cell
+
+
+def request_index(report: ReplayReport, rid: str) -> Optional[int]:
+    rids = (report.meta or {}).get("rids") or []
+    return rids.index(rid) if rid in rids else None
+
+
+def metadata_cell(rid: str, reports: list[ReplayReport], series: dict[str, list[Finding]],
+                  regions: list[tuple[str, RegionCheck]]) -> MetadataCell:  # fmt: skip
+    """The request's metadata and series findings in its decode captures; the worst region check."""
+    cell = MetadataCell()
+    for rep in reports:
+        for f in [*rep.metadata.findings, *series.get(rep.capture, [])]:
+            if f.rid != rid:
+                continue
+            (cell.problems if f.severity in ("warning", "error") else cell.notes).append((rep.capture, f))
+    for path, check in regions:  # STATUSES is ordered worst first
+        if cell.region is None or STATUSES.index(check.status) < STATUSES.index(cell.region.status):
+            cell.region, cell.region_capture = check, path
+    return cell
+
+
+def request_statuses(report: ReplayReport, b: int) -> dict[str, str]:
+    """Each backend's status for request ``b`` alone: a failing backend passes a request whose
+    (row, head) errors are all within their allowance."""
+    return {name: _status_for(entry, b) for name, entry in report.backends.items()}
+
+
+def _status_for(entry: BackendEntry, b: int) -> str:
+    if entry.status != "fail" or entry.comparison is None or entry.comparison.row_err is None:
+        return entry.status
+    cmp = entry.comparison
+    err, tol = cmp.row_err, cmp.row_tol  # [R, H]; decode: row b is request b
+    bad = ~(err <= tol).all(dim=1)  # NaN counts as over
+    if not bool(bad.any()):  # failed on something row errors do not show (cosine, NaN placement)
+        return "fail" if cmp.worst.get("request") == b else "pass"
+    return "fail" if b < bad.shape[0] and bool(bad[b]) else "pass"
+
+
+def _explanation(report: ReplayReport, b: int, failing: list[str]) -> Optional[str]:
+    for name in failing:
+        e = report.backends[name].explanation
+        if e is None:
+            continue
+        others = [x.get("request") for x in e.extra.get("requests", [])]
+        if e.request == b or b in others or e.extra.get("scope") == "all requests":
+            return f"{name}: {e.text()}"
+    return None
+
+
+def decode_cell(rid: str, reports: list[ReplayReport]) -> DecodeCell:
+    """The request over its decode captures: the first step where a path diverges for it, diagnosed."""
+    cell = DecodeCell("not_replayed")
+    for rep in reports:
+        b = request_index(rep, rid)
+        if rep.verdict == "invalid":
+            cell.verdict, cell.diagnosis, cell.capture = "invalid", "metadata", rep.capture
+            cell.diagnosis_text = rep.error or "; ".join(rep.metadata.errors)
+            return cell
+        if b is None:
+            continue
+        statuses = request_statuses(rep, b)
+        cell.steps += 1
+        failing = [n for n, s in statuses.items() if s == "fail"]
+        if failing or any(s == "error" for s in statuses.values()):
+            cell.diverged_steps += 1
+            if cell.verdict != "diverged":
+                produced_by = (rep.meta or {}).get("backend")
+                cell.diagnosis, cell.diagnosis_text, _ = diagnose(statuses, produced_by=produced_by)
+                cell.verdict, cell.backends, cell.capture = "diverged", statuses, rep.capture
+                cell.step = (rep.meta or {}).get("step")
+                cell.explanation = _explanation(rep, b, failing)
+        elif cell.verdict == "not_replayed":
+            cell.verdict, cell.backends, cell.capture = "agree", statuses, rep.capture
+            cell.step, cell.diagnosis_text = (rep.meta or {}).get("step"), diagnose(statuses)[1]
+    return cell

@@ -1,0 +1,86 @@
+"""Where a row's fault is -- transfer, metadata, compute or none -- and the sentences that say so.
+
+Precedence, the cause before its symptoms:
+
+    metadata   a structural finding (repeated slots, kv_indices != req_to_token, seq_len not +1
+               per step): the decode side read the wrong rows, whatever the transfer did
+    transfer   the decode rows differ from the prefill rows (diff-kv), or the KV region is over the
+               MR limit (refmla.regions: MORI cannot register it, the KV never arrives)
+    metadata   any other metadata or series warning (zero / NaN rows, rows changed between steps),
+               or a decode capture that is invalid (nothing replayed)
+    compute    a compute path diverges over KV that arrived intact and metadata that is right
+    none       all three answers are clean
+"""
+
+from __future__ import annotations
+
+from refmla.disagg.types import CLASSES, Row
+
+STRUCTURAL = ("repeated_slots", "req_to_token", "seq_len_step")
+
+
+def classify(row: Row) -> tuple[str, str]:
+    """(class, one sentence naming the request, layer, rank and the evidence)."""
+    md, where = row.metadata, row.where()
+    structural = [f for _, f in md.problems if f.check in STRUCTURAL]
+    if structural:
+        return "metadata", f"{where}: the decode metadata is wrong: {structural[0].message}"
+    region_over = md.region is not None and md.region.is_finding
+    if row.transfer.bad:
+        why = f"; the cause: {md.region.message} ({md.region_capture})" if region_over else ""
+        return "transfer", f"{where}: {transfer_text(row)}{why}"
+    if region_over:
+        return "transfer", f"{where}: the KV never arrives: {md.region.message} ({md.region_capture})"
+    if md.problems:
+        _, f = md.problems[0]
+        return "metadata", f"{where}: {f.check}: {f.message}"
+    if row.decode.verdict == "invalid":
+        return "metadata", f"{where}: the decode capture is invalid: {row.decode.diagnosis_text} ({row.decode.capture})"
+    if row.decode.bad:
+        d = row.decode
+        expl = f"; {d.explanation}" if d.explanation else ""
+        return "compute", f"{where}: {d.diagnosis} at step {d.step}: {d.diagnosis_text}{expl}"
+    unchecked = "" if row.transfer.status == "faithful" else f" (transfer not checked: {row.transfer.note})"
+    return "none", f"{where}: clean{unchecked}"
+
+
+def transfer_text(row: Row) -> str:
+    """The transfer mismatch: how many positions, the first position, page and MORI run, and what the run holds."""
+    t = row.transfer
+    text = (f"the transfer is not faithful: {t.mismatched_positions} of {t.positions_compared} positions differ, "
+            f"first position {t.first_mismatch} (page {t.first_page})")  # fmt: skip
+    run = t.run
+    if run is not None:
+        text += f", MORI run [{run['start']}, {run['end']})"
+        if run.get("offset") is not None:
+            text += f" shifted by {run['offset']:+d} position(s) (decode row j holds prefill row j{run['offset']:+d})"
+        elif run.get("decode_zero_rows"):
+            text += f" not landed ({run['decode_zero_rows']} all-zero rows)"
+        elif t.source_rid is None:
+            text += " holds other KV"
+    if t.source_rid is not None:
+        text += f" holds the KV of request {t.source_rid} (same positions)"
+    elif t.decode_zero_rows:
+        text += f", {t.decode_zero_rows} all-zero decode rows (not landed)"
+    return text
+
+
+def overall(rows: list[Row], region_findings: list[str]) -> tuple[str, str]:
+    """(the highest-precedence class present, one sentence naming where the fault is)."""
+    n = len(rows)
+    bad = {c: [r for r in rows if r.fault == c] for c in CLASSES if c != "none"}
+    present = [c for c in CLASSES if c != "none" and bad[c]]
+    if not present:
+        if region_findings:
+            return "transfer", f"fault in the transfer: {region_findings[0]}"
+        if not rows:
+            return "none", "no decode request to check"
+        unchecked = sum(r.transfer.status != "faithful" for r in rows)
+        tail = f"; the transfer of {unchecked} row(s) was not checked (no prefill capture holds their rid)" if unchecked else ""
+        return "none", (f"no fault: for all {n} (request, layer, rank) rows the KV arrived intact, the metadata is "
+                        f"right and every compute path agrees with the reference{tail}")  # fmt: skip
+    first = present[0]
+    parts = [f"fault in the {first}: {len(bad[first])} of {n} rows, first {bad[first][0].sentence}"]
+    for c in present[1:]:
+        parts.append(f"also {c}: {len(bad[c])} row(s), first {bad[c][0].where()}")
+    return first, "; ".join(parts)

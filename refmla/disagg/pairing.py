@@ -1,0 +1,113 @@
+"""Which prefill captures hold each decode request, by layer and rank, from the headers alone.
+
+A decode *series* is the decode captures of one (layer_id, tp_rank), in step order
+(refmla.series.group_series). A request's *first* decode capture in its series is the one whose
+KV is diffed against the prefill side (the transfer landed before that step; later changes of
+its rows are the series check's ``kv_rows_changed``). The prefill captures of a request are
+those of the same layer and rank whose ``rids`` hold its rid -- several for chunked prefill --,
+else those of the same layer on any rank (MLA's latent KV is the same on every TP rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from refmla.capture import CaptureError, parse_meta
+from refmla.series import _header, group_series
+
+Key = tuple  # (layer_id, tp_rank)
+
+
+@dataclass
+class Header:
+    path: str
+    layer: Optional[int]
+    rank: Optional[int]
+    step: Optional[int]
+    rids: Optional[list[str]]
+    meta: object  # CaptureMeta
+
+
+@dataclass
+class DiffJob:
+    """One diff-kv: a decode capture against the prefill captures holding its newly seen rids."""
+
+    decode: str
+    prefill: list[str]
+    rids: list[str]  # the rids whose transfer this diff answers
+
+
+@dataclass
+class DisaggPlan:
+    prefill: dict[str, Header]
+    decode: dict[str, Header]
+    series: dict[Key, list[str]]  # decode series in step order
+    jobs: list[DiffJob] = field(default_factory=list)
+    first_capture: dict[tuple, str] = field(default_factory=dict)  # (rid, layer, rank) -> its diffed decode capture
+    prefill_of: dict[tuple, list[str]] = field(default_factory=dict)  # (rid, layer, rank) -> prefill captures
+    invalid: list[tuple[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def read_header(path: str) -> Header:
+    """The capture's meta from its header (no tensor read); CaptureError when unreadable or invalid."""
+    raw = _header(path)
+    if raw is None:
+        raise CaptureError(path, "header", "not a readable refmla.capture/1 safetensors file")
+    meta = parse_meta(raw, path)
+    return Header(path, meta.layer_id, meta.tp_rank, meta.step, meta.rids, meta)
+
+
+def _headers(paths: Sequence[str], invalid: list) -> dict[str, Header]:
+    out = {}
+    for p in paths:
+        try:
+            out[p] = read_header(p)
+        except CaptureError as e:
+            invalid.append((p, str(e)))
+    return out
+
+
+def plan_disagg(prefill_paths: Sequence[str], decode_paths: Sequence[str]) -> DisaggPlan:
+    """Headers of both sides, the decode series, and one diff job per decode capture with new rids."""
+    invalid: list[tuple[str, str]] = []
+    plan = DisaggPlan(_headers(prefill_paths, invalid), _headers(decode_paths, invalid), {}, invalid=invalid)
+    plan.series = group_series([p for p in decode_paths if p in plan.decode])
+    by_layer: dict[Optional[int], list[Header]] = {}
+    for h in plan.prefill.values():
+        by_layer.setdefault(h.layer, []).append(h)
+    for (layer, rank), paths in plan.series.items():
+        seen: set[str] = set()
+        for path in paths:
+            h = plan.decode[path]
+            if h.rids is None:
+                plan.notes.append(f"{path}: no rids in meta; its requests cannot be paired with the prefill side")
+                continue
+            new = [r for r in dict.fromkeys(h.rids) if r not in seen]
+            seen.update(new)
+            needed: list[str] = []
+            for rid in new:
+                plan.first_capture[(rid, layer, rank)] = path
+                holders = _holders(by_layer.get(layer, []), rid, rank)
+                plan.prefill_of[(rid, layer, rank)] = holders
+                needed += [p for p in holders if p not in needed]
+            paired = [r for r in new if plan.prefill_of[(r, layer, rank)]]
+            if paired:
+                plan.jobs.append(DiffJob(path, sorted(needed, key=lambda p: _order(plan.prefill[p])), paired))
+    return plan
+
+
+def _holders(prefill: list[Header], rid: str, rank: Optional[int]) -> list[str]:
+    """Prefill captures of the layer holding ``rid``: same rank first, else any rank (the lowest)."""
+    holding = [h for h in prefill if h.rids is not None and rid in h.rids]
+    same = [h for h in holding if h.rank == rank]
+    if not same and holding:
+        lowest = min((h.rank for h in holding), key=lambda r: (r is None, r))
+        same = [h for h in holding if h.rank == lowest]
+    return [h.path for h in sorted(same, key=_order)]
+
+
+def _order(h: Header) -> tuple:
+    """Chunk captures in step order (the diff's owner rule needs no order, the report reads better)."""
+    return (h.step is None, h.step if h.step is not None else 0, h.path)

@@ -1,0 +1,259 @@
+"""numerics {"variant": name}: the kernel computes the same attention with different rounding.
+
+Each variant moves the control's rounding points (:class:`refmla.control.Rounding`): the output
+stored toward zero / with ties away from zero / through fp16, the probabilities kept in fp32 or
+rounded to bf16 / fp16 before P.V, P.V or q.k accumulated in bf16 / fp16, the split partials'
+lse stored in bf16 / fp16. The control is recomputed under the variant and judged by the same
+comparator and tolerance (never a looser one); since a coarser control also allows more error,
+a rounding variant must in addition *fit the kernel's noise* on at least FIT (3/4) of the
+(row, head) rows where the two controls differ: a deterministic variant (a store, the probabilities' or the lse's rounding)
+when the output is closer, element by element (RMS over the row), to the variant's control than
+to the standard control; an accumulation variant, whose noise depends on the summation order,
+when the output's RMS error against the reference is closer (in ratio) to the variant control's.
+A data fault changes a few requests or heads a lot and leaves the others at the standard noise,
+so it never fits; a kernel that rounds differently shifts every row the same way.
+
+The merge variants change the arithmetic, not only the rounding (lse in log2 units merged with
+exp, natural lse merged with exp2, partials not normalized): for them the fp64 reference is
+recomputed under the variant too, and the comparator alone decides, as for a data hypothesis.
+
+Variants are screened on the worst request (cheap: one request's control), then the survivors
+are confirmed on the whole output. Of those that confirm, the simplest is reported (by kind: a
+store, the probabilities, the lse, accumulation, a merge; within a kind the best fit) and the
+others are its ``alternatives``; ``variants_tried`` lists every variant with its residual on the
+worst request and the rows that fit it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from refmla import reference as ref
+from refmla.compare import Comparison
+from refmla.control import Rounding, attend_control, attend_control_split, merge_partials
+from refmla.hypotheses.drivers import explained, residual
+from refmla.hypotheses.search import Search
+from refmla.results import Alternative, Explanation
+from refmla.schedule import split_bounds
+
+NAME = "numerics"
+TRIED = "numerics.tried"  # Search.memo key: the trials as JSON, for explain_failure's notes
+DISTINCT = math.log(1.25)  # rows whose two controls' RMS errors differ by less do not vote
+FIT = 0.75  # share of the voting rows that must fit a rounding variant (a kernel's rounding moves them all)
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way a kernel may round differently, named for the report."""
+
+    name: str
+    kind: str  # KINDS: what it changes, simplest first
+    rounding: Rounding
+    description: str
+
+    @property
+    def math(self) -> bool:  # changes the arithmetic (the merges): the reference is recomputed under it
+        return self.kind == "merge"
+
+    @property
+    def noisy(self) -> bool:  # its noise depends on the summation order: judged by the noise's size
+        return self.kind == "accumulation"
+
+
+KINDS = ("store", "probabilities", "lse", "accumulation", "merge")
+VARIANTS = (
+    Variant("out_round_toward_zero", "store", Rounding(store="toward_zero"), "output stored rounding toward zero"),
+    Variant("out_round_half_away", "store", Rounding(store="half_away"), "output stored to nearest, ties away from zero"),
+    Variant("out_through_fp16", "store", Rounding(store="via_fp16"), "output stored through fp16"),
+    Variant("p_fp32", "probabilities", Rounding(p_dtype=FP32), "probabilities kept in fp32 for P.V"),
+    Variant("p_bf16", "probabilities", Rounding(p_dtype=BF16), "probabilities rounded to bf16 before P.V"),
+    Variant("p_fp16", "probabilities", Rounding(p_dtype=FP16), "probabilities rounded to fp16 before P.V"),
+    Variant("split_lse_bf16", "lse", Rounding(split_lse=BF16), "split partials' lse stored in bf16 before the merge"),
+    Variant("split_lse_fp16", "lse", Rounding(split_lse=FP16), "split partials' lse stored in fp16 before the merge"),
+    Variant("pv_accum_bf16", "accumulation", Rounding(pv_accum=BF16), "P.V accumulated in bf16"),
+    Variant("pv_accum_fp16", "accumulation", Rounding(pv_accum=FP16), "P.V accumulated in fp16"),
+    Variant("qk_accum_bf16", "accumulation", Rounding(qk_accum=BF16), "q.k accumulated in bf16"),
+    Variant("qk_accum_fp16", "accumulation", Rounding(qk_accum=FP16), "q.k accumulated in fp16"),
+    Variant("merge_log2_as_ln", "merge", Rounding(merge="log2_as_ln"), "split lse stored in log2 units, merged with exp"),
+    Variant("merge_ln_as_log2", "merge", Rounding(merge="ln_as_log2"), "natural split lse merged with exp2"),
+    Variant("merge_unnormalized", "merge", Rounding(merge="unnormalized"), "split partials stored without 1/sum(p)"),
+)
+BY_NAME = {v.name: v for v in VARIANTS}
+
+
+@dataclass
+class Trial:
+    """One variant on the worst request (and on the whole output when it screened)."""
+
+    variant: str
+    residual_ratio: float  # worst (row, head) error / allowed on the worst request under the variant
+    rows_closer: Optional[str] = None  # "a/b": rows whose noise fits the variant better (rounding variants)
+    confirmed: bool = False
+    fit: float = 0.0  # the fraction in rows_closer (ranks variants of one kind)
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "fit"}
+
+    def voted(self, fit: int, total: int) -> bool:
+        """Record the rows' vote; True when at least FIT of the rows that tell the controls apart fit
+        the variant (and some do)."""
+        self.rows_closer, self.fit = f"{fit}/{total}", fit / total if total else 0.0
+        return total > 0 and self.fit >= FIT
+
+
+def search(s: Search) -> Optional[Explanation]:
+    """Every variant but the accumulation ones (tried first of all hypotheses)."""
+    return search_kinds(s, late=False)
+
+
+def search_late(s: Search) -> Optional[Explanation]:
+    """The accumulation variants (tried after every other hypothesis): judged only by the size of
+    their noise, they would also fit a structured fault of that size (a 0.2 % scale), which a
+    data hypothesis names exactly when it is one."""
+    return search_kinds(s, late=True)
+
+
+def search_kinds(s: Search, late: bool) -> Optional[Explanation]:
+    if not s.failing:
+        return None
+    tried: list[dict] = s.memo(TRIED, list)  # also read when another hypothesis answers
+    hits = []
+    for i, v in enumerate(w for w in applicable(s) if w.noisy == late):
+        trial, hit = try_variant(s, v)
+        tried.append(trial.to_json())
+        if hit is not None:
+            hits.append(((KINDS.index(v.kind), -trial.fit, i), v, hit))
+    if not hits:
+        return None
+    hits.sort(key=lambda h: h[0])
+    (_, v, cmp), rest = hits[0], [(w, c) for _, w, c in hits[1:]]
+    alts = [Alternative(NAME, {"variant": w.name}, None, residual(c)) for w, c in rest]
+    extra = {"scope": "all requests", "why": v.description, "variants_tried": list(tried)}
+    return explained(s, NAME, {"variant": v.name}, cmp, extra, alts)
+
+
+def applicable(s: Search) -> list[Variant]:
+    """The variants that change something on this capture."""
+    cap, out = s.cap, []
+    splits = cap.is_decode and cap.num_kv_splits is not None and bool((cap.num_kv_splits > 1).any())
+    for v in VARIANTS:
+        r = v.rounding
+        if r.store != "nearest_even" and (s.dtype.itemsize >= 4 or (r.store == "via_fp16" and s.dtype == FP16)):
+            continue  # nothing is rounded on the store
+        if r.p_dtype is not None and r.p_dtype == cap.kv_buffer.dtype:
+            continue  # the standard control already rounds P to the value dtype
+        if (r.split_lse is not None or r.merge != "ln") and not splits:
+            continue
+        out.append(v)
+    return out
+
+
+def try_variant(s: Search, v: Variant) -> tuple[Trial, Optional[Comparison]]:
+    """Screen ``v`` on the worst request, then confirm it on the whole output."""
+    b = s.worst_request
+    rows = s.rows_of(b)
+    exp, ctl = request_under(s, b, v)
+    cmp = s.confirm(exp, ctl, rows)
+    trial = Trial(v.name, round(residual(cmp), 4))
+    if not v.math:
+        if not (trial.voted(*closer_rows(s, rows, exp, ctl, v.noisy)) and cmp.passed):
+            return trial, None
+    elif not cmp.passed:
+        return trial, None
+    expected, control = s.ref.clone(), s.ctrl.clone()
+    for r in range(s.cap.batch_size):
+        if r != b and len(s.rows_of(r)):
+            expected[s.rows_of(r)], control[s.rows_of(r)] = request_under(s, r, v)
+    expected[rows], control[rows] = exp, ctl
+    whole = s.confirm(expected, control)
+    if not v.math:
+        trial.confirmed = trial.voted(*closer_rows(s, None, expected, control, v.noisy)) and whole.passed
+    else:
+        trial.confirmed = whole.passed
+    return trial, whole if trial.confirmed else None
+
+
+def request_under(s: Search, b: int, v: Variant) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request b's rows under variant v: the fp64 expectation (the reference, or for a merge
+    variant the reference's partials merged that way) [T, H, Dv] and the control in s.dtype."""
+    cap, r = s.cap, s.req(b)
+    if r.kvs is None:  # the request's rows in the stored dtype, gathered once per search
+        r.kvs = ref.gather(cap.kv_buffer, r.pool_rows, cap.kv_buffer.dtype)
+    H, Dv = r.q64.shape[1], s.sc.kv_lora_rank
+    ctl = torch.empty(r.T, H, Dv, dtype=s.dtype)
+    n = int(cap.num_kv_splits[b]) if cap.is_decode and cap.num_kv_splits is not None else 1
+    for t in range(r.T):
+        q = cap.q[r.rows[t]]
+        if n > 1:
+            ctl[t] = attend_control_split(q, r.kvs, s.sc, s.dtype, n, v.rounding)[0]
+        else:
+            ctl[t] = attend_control(q, r.kvs[: int(r.vis[t])], s.sc, s.dtype, v.rounding)[0]
+    exp = s.ref[r.rows]
+    if v.math and n > 1:
+        exp = merged64(s, b, n, v.rounding)[None]
+    return exp, ctl
+
+
+def merged64(s: Search, b: int, n: int, rnd: Rounding) -> torch.Tensor:
+    """Decode request b's fp64 split partials (SGLang's schedule, n splits) merged under ``rnd``: [H, Dv]."""
+    r, sc = s.req(b), s.sc
+    S = r.raw[0] * sc.sm_scale  # [H, L]
+    if sc.logit_cap > 0:
+        S = sc.logit_cap * torch.tanh(S / sc.logit_cap)
+    V = r.kv64[:, : sc.kv_lora_rank] * sc.v_scale  # [L, Dv]
+    outs, lses, sums = [], [], []
+    for a, e in split_bounds(r.L, n):
+        if e <= a:
+            continue
+        m = S[:, a:e].amax(-1, keepdim=True)  # [H, 1]
+        p = torch.exp(S[:, a:e] - m)  # [H, l]
+        z = p.sum(-1)  # [H]
+        outs.append(p @ V[a:e] / z[:, None])
+        lses.append(m[:, 0] + torch.log(z))
+        sums.append(z)
+    if len(outs) == 1:
+        return outs[0]
+    return merge_partials(torch.stack(outs), torch.stack(lses), torch.stack(sums), rnd)
+
+
+def closer_rows(
+    s: Search, rows: Optional[torch.Tensor], expected: torch.Tensor, control: torch.Tensor, noisy: bool
+) -> tuple[int, int]:
+    """(rows whose noise fits the variant better, rows where the two controls differ).
+
+    Per compared (row, head), deterministic variants: the RMS difference of the output from the
+    standard control and from the variant's; a row where the controls differ votes for the
+    closer. ``noisy`` variants: the RMS error against ``expected`` of the output, of the standard
+    control and of the variant's; a row votes when the two controls' errors differ by more than
+    DISTINCT (in ratio), for the one whose error is closer to the output's (in ratio).
+    """
+    o = s.o64 if rows is None else s.o64[rows]
+    std = (s.ctrl if rows is None else s.ctrl[rows]).double()
+    var, e = control.double(), expected
+    fin = torch.isfinite(o) & torch.isfinite(e) & torch.isfinite(std) & torch.isfinite(var)
+    n = fin.sum(-1).clamp(min=1)
+    mask = s.mask if rows is None else (s.mask[rows] if s.mask is not None else None)
+
+    def log_rms(x: torch.Tensor) -> torch.Tensor:  # [T, H]
+        d = torch.where(fin, x - e, torch.zeros_like(e))
+        return 0.5 * torch.log((d * d).sum(-1) / n + 1e-300)
+
+    if not noisy:
+        ds, dv = log_rms(o - std + e), log_rms(o - var + e)  # RMS of out - control, as logs
+        votes = (var != std).any(-1)
+        fit = votes & (dv < ds)
+        if mask is not None:
+            votes, fit = votes & mask[:, None], fit & mask[:, None]
+        return int(fit.sum()), int(votes.sum())
+    lo, ls, lv = log_rms(o), log_rms(std), log_rms(var)
+    votes = (lv - ls).abs() > DISTINCT
+    if mask is not None:
+        votes &= mask[:, None]
+    fit = votes & ((lo - lv).abs() < (lo - ls).abs())
+    return int(fit.sum()), int(votes.sum())
