@@ -55,7 +55,8 @@ def check_target(path: Path) -> None:
     except OSError as e:
         raise WriteError(path, _reason(e)) from None
     if not stat.S_ISREG(mode):
-        kind = "a directory" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode)
+                else "not a regular file")  # fmt: skip
         raise WriteError(path, f"{kind}; refusing to replace it")
 
 

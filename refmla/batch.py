@@ -12,7 +12,7 @@ import multiprocessing as mp
 import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -33,18 +33,26 @@ def replay_one(path: str, opts: ReplayOptions) -> ReplayReport:
         return invalid_report(str(path), CaptureError(path, "replay", error_text(e)))
 
 
-def replay_many(paths: Sequence[str], opts: ReplayOptions, jobs: int = 1) -> list[ReplayReport]:
-    """Reports for ``paths`` in their order; ``jobs`` > 1 replays in that many spawned processes."""
+Task = Callable[[str, ReplayOptions], Any]  # replay_one, or a picklable task that replays and does more
+
+
+def replay_many(paths: Sequence[str], opts: ReplayOptions, jobs: int = 1, task: Optional[Task] = None) -> list:
+    """Reports for ``paths`` in their order; ``jobs`` > 1 replays in that many spawned processes.
+
+    ``task`` (default :func:`replay_one`, never raising) runs per path, in the worker; a capture that
+    kills its worker twice still gets an ``invalid`` ReplayReport whatever the task returns otherwise.
+    """
     paths = [str(p) for p in paths]
+    task = task or replay_one
     progress = Progress(len(paths))
     try:
         if jobs <= 1 or len(paths) <= 1:
             reports = []
             for p in paths:
-                reports.append(replay_one(p, opts))
+                reports.append(task(p, opts))
                 progress.step(p)
             return reports
-        return _replay_parallel(paths, opts, jobs, progress)
+        return _replay_parallel(paths, opts, jobs, progress, task)
     finally:
         progress.close()
 
@@ -55,25 +63,25 @@ def _init_worker(threads: int) -> None:
     torch.set_num_threads(max(1, threads))
 
 
-def _replay_parallel(paths: list[str], opts: ReplayOptions, jobs: int, progress: Progress) -> list[ReplayReport]:
+def _replay_parallel(paths: list[str], opts: ReplayOptions, jobs: int, progress: Progress, task: Task) -> list:
     """Workers are spawned (not forked), so each selects the Triton interpreter before importing triton."""
     reports: list[Optional[ReplayReport]] = [None] * len(paths)
     threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
-    died = _run_pool(paths, list(range(len(paths))), opts, jobs, threads, reports, progress)
+    died = _run_pool(paths, list(range(len(paths))), opts, jobs, threads, reports, progress, task)
     for i in died:  # the pool broke: whoever was running, plus everyone queued behind
-        if _run_pool(paths, [i], opts, 1, threads, reports, progress):
+        if _run_pool(paths, [i], opts, 1, threads, reports, progress, task):
             err = CaptureError(paths[i], "replay", "the worker process died replaying this capture")
             reports[i] = invalid_report(paths[i], err)
             progress.step(paths[i])
     return reports  # type: ignore[return-value]
 
 
-def _run_pool(paths, todo, opts, jobs, threads, reports, progress) -> list[int]:
+def _run_pool(paths, todo, opts, jobs, threads, reports, progress, task=replay_one) -> list[int]:
     """Run ``todo`` in one pool; returns the indices whose future failed with a broken pool."""
     died = []
     with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=mp.get_context("spawn"),
                              initializer=_init_worker, initargs=(threads,)) as pool:  # fmt: skip
-        futs = {pool.submit(replay_one, paths[i], opts): i for i in todo}
+        futs = {pool.submit(task, paths[i], opts): i for i in todo}
         for fut in as_completed(futs):
             i = futs[fut]
             try:

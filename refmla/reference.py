@@ -160,7 +160,8 @@ def mla_decode_split_ref(
     sc = Scales(kv_lora_rank, sm_scale, logit_cap, k_scale, v_scale)
     B, H, _ = q.shape
     lens = (kv_indptr[1:] - kv_indptr[:-1]).long()  # [B]
-    S = int(max_kv_splits) if max_kv_splits else max(int(nonempty_splits_batch(lens, num_kv_splits).max()) if B else 1, 1)
+    most = int(nonempty_splits_batch(lens, num_kv_splits).max()) if B else 1  # splits that hold a token
+    S = int(max_kv_splits) if max_kv_splits else max(most, 1)
     parts = torch.zeros(B, H, S, kv_lora_rank, dtype=accum_dtype, device=q.device)
     lses = torch.full((B, H, S), -math.inf, dtype=accum_dtype, device=q.device)
     valid = torch.zeros(B, S, dtype=torch.bool)

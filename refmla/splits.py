@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from refmla import reference as ref
 from refmla.compare import compare
 from refmla.context import ReplayContext
 from refmla.results import LseCheck, SplitCheck
@@ -77,16 +78,43 @@ def compare_lse(ctx: ReplayContext, lse: torch.Tensor, out_dtype: torch.dtype, r
     # floor is its worst error over the row's heads (as out's is the worst over a row's elements)
     ctl_err = (ctl - want).abs().nan_to_num(0.0).amax(dim=-1, keepdim=True)  # [r, 1]
     allowed = ctx.opts.tol.k * ctl_err + 1e-5 * (1 + want.abs().nan_to_num(0.0))
+    allowed = allowed + q_rounding_slack(ctx.cap)[rows]
     bad = ~(err <= allowed)  # NaN err fails
     ratio = torch.where(bad & ~torch.isfinite(err), torch.full_like(err, torch.inf), err / allowed)
     r, h = divmod(int(ratio.argmax()), ratio.shape[1])
     row = int(torch.nonzero(rows).flatten()[r])
     check = LseCheck("fail" if bool(bad.any()) else "pass", compared_rows=int(rows.sum()),
                      max_abs_err=float(err.max()),
-                     worst={"row": row, "head": h, "actual": float(got[r, h]), "expected": float(want[r, h])})  # fmt: skip
+                     worst={"row": row, "head": h, "actual": float(got[r, h]),
+                            "expected": float(want[r, h])})  # fmt: skip
     if bool(bad.any()):
         nonfinite = int((bad & ~torch.isfinite(got)).sum())
         check.reason = (f"{int(bad.sum())} of {got.numel()} values off (row {row} head {h}: "
                         f"{float(got[r, h]):.6g} vs {float(want[r, h]):.6g})"
                         + (f", {nonfinite} NaN/Inf" if nonfinite else ""))  # fmt: skip
     return check
+
+
+def q_rounding_slack(cap) -> torch.Tensor:
+    """[R, H] how far a kernel's lse may move by its choice of rounding q's latent part to a narrower
+    pool's dtype or not (the control rounds, as SGLang's Triton decode does; an extend kernel may
+    not): max over the request's positions j of |sm_scale * k_scale * (q - round(q)) . k_j|, a
+    bound on the change of every logit and so of their log-sum-exp. Zero when the pool is not
+    narrower than q."""
+    q, kv, Dv = cap.q, cap.kv_buffer, cap.meta.kv_lora_rank
+    slack = torch.zeros(q.shape[0], q.shape[1], dtype=torch.float64)  # [R, H]
+    if kv.dtype.itemsize >= q.dtype.itemsize:
+        return slack
+    dq = (q[..., :Dv].double() - q[..., :Dv].to(kv.dtype).double())  # [R, H, Dv]
+    scale = cap.meta.sm_scale * cap.meta.k_scale
+    for b, r in enumerate(_rows_of_requests(cap)):
+        k = ref.gather(kv, ref.request_rows(cap.kv_indptr, cap.kv_indices, b), torch.float64)[:, :Dv]  # [L, Dv]
+        if len(r) and k.shape[0]:
+            slack[r] = (dq[r] @ k.T).abs().amax(dim=-1).nan_to_num(0.0) * scale  # [r, H]
+    return slack
+
+
+def _rows_of_requests(cap) -> list[torch.Tensor]:
+    """Rows of ``out`` (requests in decode, tokens in extend) of each request."""
+    req = cap.request_of_row()
+    return [torch.nonzero(req == b).flatten() for b in range(cap.batch_size)]

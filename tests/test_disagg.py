@@ -98,7 +98,7 @@ def test_cli_every_backend_json_and_text(pairs, capsys, tmp_path):
     assert row["decode"]["backends"]["triton"] == "pass" and row["decode"]["backends"]["observed"] == "fail"
     assert row["decode"]["diagnosis"] == "observed" and row["transfer"]["status"] == "faithful"
     assert len(doc["replays"]) == 4 and len(doc["diffs"]) == 2 and doc["classes"]["compute"] == 1
-    assert {"plan", "replay", "series", "diff_kv", "total"} <= set(doc["seconds"])
+    assert {"plan", "replay_and_diff_kv", "series", "total"} <= set(doc["seconds"])
     root, _ = pairs["run_shifted"]
     plots = tmp_path / "plots"
     assert main(["disagg", str(root / "prefill"), str(root / "decode"), "--backend", "extend", "--plot", str(plots)]) == 1

@@ -205,6 +205,11 @@ def test_fuzz_the_capture_format(tmp_path):
             _check_run(what + " [inspect]", *run_cli("inspect", str(path), "--json"))
         if i % 7 == 0:
             _check_run(what + " [diff-kv]", *run_cli("diff-kv", str(good), str(path), "--json"))
+        if i % 10 == 0:  # several captures: the series checks between them, one error line per bad one
+            code, out, err = run_cli("replay", str(good), str(path), "--backend", "reference", "--json")
+            assert code in (0, 1, 2) and "Traceback" not in err, f"{what} [replay pair]"
+            assert len(json.loads(out)) == 2, f"{what} [replay pair]: every capture is reported"
+            assert sum(ln.startswith("refmla: error:") for ln in error_lines(err)) == (code == 2), what
         assert time.perf_counter() - t0 < CASE_SECONDS, f"{what}: too slow"
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
     assert grown < RSS_GROWTH_KIB, f"peak RSS grew by {grown} KiB"

@@ -83,6 +83,13 @@ def test_jobs_must_be_a_positive_integer(mixed, value):
     assert code == 2 and len(error_lines(err)) == 1 and "--jobs" in err and out == ""
 
 
+@pytest.mark.parametrize("option,value", [("--k", "nan"), ("--ulps", "-1"), ("--cos", "inf"), ("--k", "x")])
+def test_tolerance_options_must_be_finite_and_non_negative(mixed, option, value):
+    """A NaN tolerance would judge nothing (every comparison false): a usage error, not a replay."""
+    code, out, err = run_cli("replay", str(mixed / "a-good.safetensors"), f"{option}={value}")
+    assert code == 2 and len(error_lines(err)) == 1 and option in err and out == ""
+
+
 def test_an_unexpected_error_names_the_file(tmp_path, monkeypatch):
     import refmla.cli.diffkv as cli_diffkv
 
@@ -94,6 +101,8 @@ def test_an_unexpected_error_names_the_file(tmp_path, monkeypatch):
     code, out, err = run_cli("diff-kv", a, a)
     assert code == 2 and error_lines(err) == [ln for ln in error_lines(err) if a in ln and "RuntimeError" in ln]
     assert len(error_lines(err)) == 1
+    code, out, err = run_cli("diff-kv", a, a, "--json")
+    assert code == 2 and json.loads(out)["ok"] is False and "kaboom" in json.loads(out)["error"]
 
 
 def test_a_crashing_hypothesis_search_does_not_crash_the_replay(tmp_path, monkeypatch):

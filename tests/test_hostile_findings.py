@@ -93,3 +93,20 @@ def test_golden_check_fails_on_a_tampered_split_partial(tmp_path):
     assert entry.status == "fail" and "split partials" in (entry.reason or ""), entry
     replayed = run_cli("replay", str(dst), "--backend", "reference", "--json")  # the stored partials as observed
     assert replayed[0] == 1 and "split partials" in json.loads(replayed[1])["diagnosis_text"]
+
+
+@pytest.mark.parametrize("shift,code_want", [(0.0, 0), (1.0, 1)])
+def test_fp8_pool_lse_allows_either_q_rounding_but_not_more(tmp_path, shift, code_want):
+    """An fp8 pool: a kernel may or may not round q's latent part to fp8 (the Triton decode kernel
+    does, an extend kernel may not); the exact lse passes, one off by 1.0 does not."""
+    import dataclasses
+
+    spec = dataclasses.replace(SMALL, kv_dtype=torch.float8_e4m3fn, k_scale=0.5, v_scale=0.5)
+
+    def mutate(t, m):
+        with_parts(t, m)
+        t["lse"] += shift
+
+    code, r, err = _replay(write_small(tmp_path / "c.safetensors", mutate, spec=spec))
+    assert code == code_want, r["backends"]["observed"]
+    assert r["backends"]["observed"]["lse"]["status"] == ("pass" if code_want == 0 else "fail")

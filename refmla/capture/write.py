@@ -98,8 +98,9 @@ def _write_atomic(path: Path, tensors: dict[str, torch.Tensor], header: dict[str
 
 
 def sorted_header(data: bytes) -> list:
-    """The same safetensors bytes (as chunks, without copying the tensors) with the ``__metadata__`` keys sorted (same length, same meaning),
-    so the same capture is the same bytes: safetensors writes them from a hash map, in any order."""
+    """The same safetensors bytes (as chunks, without copying the tensors) with the ``__metadata__``
+    keys sorted (same length, same meaning), so the same capture is the same bytes: safetensors
+    writes them from a hash map, in any order."""
     n = int.from_bytes(data[:8], "little")
     header = json.loads(data[8 : 8 + n])
     header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))

@@ -59,6 +59,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def nonneg_float(text: str) -> float:
+    """argparse type: a finite float >= 0 (``--k``, ``--ulps``, ``--cos``): a NaN tolerance judges nothing."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value >= 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be finite and >= 0, got {text}")
+    return value
+
+
 def describe_inputs(args: argparse.Namespace) -> str:
     """The files a command was given, for the one line of an unexpected error: "F", "F (and 3 more)"."""
     paths: list[str] = []

@@ -7,6 +7,7 @@ import sys
 from refmla.capture import CaptureError
 from refmla.cli.common import EXIT_DIVERGED, EXIT_INVALID, EXIT_OK, need_matplotlib, print_json
 from refmla.diffkv import diff_kv_files, render_diff
+from refmla.util import error_text
 
 
 def add_parser(sub) -> None:
@@ -23,9 +24,10 @@ def run(args) -> int:
         need_matplotlib()  # one line, exit 2, before anything is read
     try:
         result = diff_kv_files(args.prefill, args.decode)
-    except CaptureError as e:  # --json: still one JSON document on stdout, then the one stderr line
+    except Exception as e:  # --json: still one JSON document on stdout, then the one stderr line
         if args.json:
-            print_json({"ok": False, "error": str(e), "requests": [], "prefill": list(args.prefill),
+            why = str(e) if isinstance(e, CaptureError) else f"{args.decode}: {error_text(e)}"
+            print_json({"ok": False, "error": why, "requests": [], "prefill": list(args.prefill),
                         "decode": args.decode})  # fmt: skip
         raise
     if args.plot:

@@ -6,7 +6,16 @@ import sys
 
 from refmla.backends import ALL_NAMES
 from refmla.batch import replay_many
-from refmla.cli.common import UsageError, expand_captures, need_matplotlib, positive_int, print_json, report_invalid, single_file
+from refmla.cli.common import (
+    UsageError,
+    expand_captures,
+    need_matplotlib,
+    nonneg_float,
+    positive_int,
+    print_json,
+    report_invalid,
+    single_file,
+)
 from refmla.compare import Tolerance
 from refmla.context import ReplayOptions
 from refmla.render.replay import render, summary_table
@@ -20,9 +29,9 @@ def add_parser(sub) -> None:
     r.add_argument("--backend", action="append", choices=ALL_NAMES,
                    help="run only these (repeatable); flex runs only when named")
     r.add_argument("--json", action="store_true", help="JSON report on stdout")
-    r.add_argument("--k", type=float, default=2.0, help="allowed multiple of the control's error (2)")
-    r.add_argument("--ulps", type=float, default=1.0, help="plus this many output-dtype ulps (1)")
-    r.add_argument("--cos", type=float, default=1e-5, help="cosine-difference ceiling (1e-5)")
+    r.add_argument("--k", type=nonneg_float, default=2.0, help="allowed multiple of the control's error (2)")
+    r.add_argument("--ulps", type=nonneg_float, default=1.0, help="plus this many output-dtype ulps (1)")
+    r.add_argument("--cos", type=nonneg_float, default=1e-5, help="cosine-difference ceiling (1e-5)")
     r.add_argument("--device", default=None, help="device for kernels (default: cuda if present, else cpu)")
     r.add_argument("--cu-count", type=int, default=256, help="CUs for computing num_kv_splits (MI355X: 256)")
     r.add_argument("--jobs", type=positive_int, default=1, help="replay captures in parallel processes")

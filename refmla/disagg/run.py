@@ -3,10 +3,10 @@
     plan      headers only: decode series by (layer, rank), each request's first decode capture
               and the prefill captures holding its rid (refmla.disagg.pairing)
     replay    every decode capture through every backend (refmla.batch.replay_many, ``jobs``
-              worker processes); each report carries its metadata checks (refmla.checks).
-              With ``jobs`` > 1 the diffs below run in this process meanwhile
+              worker processes); each report carries its metadata checks (refmla.checks)
+    diff-kv   in the same worker right after (refmla.disagg.task): each request's first decode
+              capture against its prefill captures (refmla.diffkv.diff_kv)
     series    the decode captures of one (layer, rank) across steps (refmla.series.series_checks)
-    diff-kv   each request's first decode capture against its prefill captures (refmla.diffkv.diff_kv)
     regions   the MR region-size check of every capture's pool geometry (refmla.regions)
     rows      one per (request, layer, rank), classified (refmla.disagg.classify)
 """
@@ -14,109 +14,44 @@
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Sequence
 
 from refmla.batch import replay_many
-from refmla.capture import Capture, CaptureError, read_capture
 from refmla.context import ReplayOptions
-from refmla.diffkv import DiffResult, diff_kv
+from refmla.diffkv import DiffResult
 from refmla.disagg.cells import decode_cell, metadata_cell, request_index, transfer_cell
 from refmla.disagg.classify import classify, overall
-from refmla.disagg.foreign import foreign_source
 from refmla.disagg.pairing import DisaggPlan, plan_disagg
+from refmla.disagg.task import DecodeDone, decode_task
 from refmla.disagg.types import DisaggReport, Row
 from refmla.regions import check_region
-from refmla.render.progress import Progress
 from refmla.results import ReplayReport
 from refmla.series import series_checks
-from refmla.util import single_thread
 
 
 def run_disagg(prefill_paths: Sequence[str], decode_paths: Sequence[str], opts: ReplayOptions,
                jobs: int = 1) -> DisaggReport:  # fmt: skip
     """The whole disaggregated check (module docstring); never raises for one bad capture."""
-    seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     plan = plan_disagg([str(p) for p in prefill_paths], [str(p) for p in decode_paths])
     decode = [p for p in decode_paths if p in plan.decode]
-    seconds["plan"] = time.perf_counter() - t0
-    replay = _timed(seconds, "replay", replay_many, decode, opts, jobs=jobs)
-    if jobs > 1:  # the replay runs in worker processes: diff meanwhile in this one
-        with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(replay)
-            diffs, entries = _timed(seconds, "diff_kv", _run_diffs, plan)()
-            replays = pending.result()
-    else:
-        replays = replay()
-        diffs, entries = _timed(seconds, "diff_kv", _run_diffs, plan)()
-    series = _timed(seconds, "series", series_checks, decode)() if len(decode) > 1 else {}
-    report = _assemble(plan, replays, series, diffs, entries)
+    t1 = time.perf_counter()
+    by_decode = {j.decode: j for j in plan.jobs}
+    done = [d if isinstance(d, DecodeDone) else DecodeDone(d)  # a worker that died: an invalid report
+            for d in replay_many(decode, opts, jobs=jobs, task=partial(decode_task, jobs=by_decode))]  # fmt: skip
+    t2 = time.perf_counter()
+    series = series_checks(decode) if len(decode) > 1 else {}
+    t3 = time.perf_counter()
+    entries = {(rid, d.report.capture): e for d in done for rid, e in d.entries.items()}
+    for d in done:
+        if d.error is not None and d.error not in plan.invalid:
+            plan.invalid.append(d.error)
+    report = _assemble(plan, [d.report for d in done], series, [d.diff for d in done if d.diff], entries)
     report.prefill, report.decode = list(prefill_paths), list(decode_paths)
-    seconds["total"] = time.perf_counter() - t0
+    seconds = {"plan": t1 - t0, "replay_and_diff_kv": t2 - t1, "series": t3 - t2, "total": time.perf_counter() - t0}
     report.seconds = {k: round(v, 3) for k, v in seconds.items()}
     return report
-
-
-def _timed(seconds: dict, stage: str, fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` as a call of no arguments that records its wall time under ``stage``."""
-
-    def call():
-        t = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            seconds[stage] = time.perf_counter() - t
-
-    return call
-
-
-def _run_diffs(plan: DisaggPlan) -> tuple[list[DiffResult], dict[tuple, object]]:
-    """Every diff job; (rid, decode capture) -> that request's RequestDiff (or the error text).
-
-    One torch thread, as diff_kv_files: reading validates with many small index operations."""
-    with single_thread():
-        return _diffs(plan)
-
-
-def _diffs(plan: DisaggPlan) -> tuple[list[DiffResult], dict[tuple, object]]:
-    read: dict[str, Capture] = {}
-
-    def cap(path: str) -> Capture:
-        if path not in read:
-            read[path] = read_capture(path)
-        return read[path]
-
-    diffs, entries = [], {}
-    progress = Progress(len(plan.jobs), unit="diff")
-    try:
-        for job in plan.jobs:
-            try:
-                result = diff_kv([cap(p) for p in job.prefill], cap(job.decode))
-            except CaptureError as e:
-                for rid in job.rids:
-                    entries[(rid, job.decode)] = str(e)
-                if e.path in plan.prefill and (e.path, str(e)) not in plan.invalid:
-                    plan.invalid.append((e.path, str(e)))  # an unreadable prefill capture: exit 2
-                progress.step(job.decode)
-                continue
-            diffs.append(result)
-            prefill = [cap(p) for p in job.prefill]
-            for rid in job.rids:
-                try:
-                    entry = result.request(rid)
-                except KeyError:
-                    entries[(rid, job.decode)] = "not paired by diff-kv"
-                    continue
-                source = None
-                if not entry.faithful and entry.paired and (entry.first_run is None or entry.first_run.offset is None):
-                    source = foreign_source(entry, prefill, cap(job.decode))
-                entries[(rid, job.decode)] = (entry, source)
-            progress.step(job.decode)
-            read.pop(job.decode, None)  # a decode capture is diffed once
-    finally:
-        progress.close()
-    return diffs, entries
 
 
 def _assemble(plan: DisaggPlan, replays: list[ReplayReport], series: dict, diffs: list[DiffResult],

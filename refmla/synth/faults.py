@@ -122,8 +122,27 @@ def _none(p: Planting):
 @fault("seq_len_off_by", "the kernel attended seq_len - 1 tokens of the fault request")
 def _seq_len_off_by(p: Planting):
     b = p.request
-    L = p.bounds(b)[1] - p.bounds(b)[0]
-    return p.without(b, L - 1, L), {"request": b, "delta": -1}
+    lo, hi = p.bounds(b)
+    _salient_last_token(p, b)
+    return p.without(b, hi - lo - 1, hi - lo), {"request": b, "delta": -1}
+
+
+def _salient_last_token(p: Planting, b: int) -> None:
+    """Make request b's newest token one its queries attend to, as a decode step's own token is in
+    a real model: its row points along the mean of the request's query rows, scaled so that the
+    heads' mean logit for it is 10 (the random rows' logits have a spread of a few units). Among
+    thousands of random rows a random last token holds ~1e-3 of the softmax mass, below rounding
+    noise, and dropping it would be a fault nobody can see."""
+    t = p.t
+    qo = t.get("qo_indptr")
+    q_rows = t["q"][b : b + 1] if qo is None else t["q"][int(qo[b]) : int(qo[b + 1])]  # [n, H, D]
+    if q_rows.numel() == 0 or p.bounds(b)[1] == p.bounds(b)[0]:
+        return
+    last = int(t["kv_indices"][p.bounds(b)[1] - 1])
+    m = q_rows.double().mean(dim=(0, 1))  # [D]
+    scale = p.spec.sm_scale * p.spec.k_scale * float((q_rows.double() @ m).mean())  # mean logit of row m
+    if scale > 0:
+        t["kv_buffer"][last, 0] = (m * (10.0 / scale)).to(t["kv_buffer"].dtype)  # [D]
 
 
 def _missing_block(p: Planting) -> tuple[int, int]:
