@@ -12,6 +12,8 @@ disaggregated deployment with the existing modules -- it re-implements none of t
 
     pairing.py   headers only: decode series, each request's first decode capture, its prefill captures
     run.py       the stages in order, timed
+    task.py      what a worker does per decode capture: replay it, then diff it (one read from disk)
+    foreign.py   whose KV a mismatching request received
     cells.py     a row's three answers read off the stages' typed results
     classify.py  where the fault is (transfer, metadata, compute, none) and the sentences
     types.py     the typed result and its JSON (docs/contract.md section 3)
