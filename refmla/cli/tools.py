@@ -80,8 +80,9 @@ def doctor(args) -> int:
     gpu = "yes: " + torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no"
     print(f"python {platform.python_version()}  torch {torch.__version__}  gpu {gpu}  "
           f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}")  # fmt: skip
+    width = max(len(r["backend"]) for r in rows)
     for r in rows:
-        print(f"  {r['backend']:<10} {'usable' if r['usable'] else 'unavailable':<12} {r['detail']}")
+        print(f"  {r['backend']:<{width}} {'usable' if r['usable'] else 'unavailable':<12} {r['detail']}")
     return EXIT_OK
 
 
