@@ -47,29 +47,36 @@ def test_benign_variant_agrees_on_the_hostile_preset(tmp_path, fault):
     _agree(tmp_path, "hostile", fault)
 
 
+def _multi_query(name: str) -> bool:
+    """An extend or verify preset: several query tokens per request, no split-KV schedule."""
+    return bool(PRESETS[name].new_tokens or PRESETS[name].draft_token_num)
+
+
 def _plantable(name: str, fault: str) -> bool:
-    """Split counts need a split schedule: not on an extend capture (tested below)."""
-    return not (fault.startswith("benign_splits_") and PRESETS[name].new_tokens)
+    """Split counts need a split schedule: not on an extend or verify capture (tested below)."""
+    return not (fault.startswith("benign_splits_") and _multi_query(name))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, fault", [(n, f) for n in PRESETS for f in BENIGN if _plantable(n, f)])
 def test_benign_variant_agrees_on_every_preset(tmp_path, name, fault):
     """Every correct kernel registered (here and elsewhere, e.g. the numerics family's). A variant
-    of split-KV arithmetic cannot be planted on an extend capture: that refusal is asserted."""
-    if PRESETS[name].new_tokens:
-        try:
-            _agree(tmp_path, name, fault)
-        except ValueError as e:
-            assert "split" in str(e), e
-        return
-    _agree(tmp_path, name, fault)
+    of split-KV arithmetic cannot be planted on an extend or verify capture, nor a causal-only
+    kernel on a tree: those refusals are asserted."""
+    try:
+        _agree(tmp_path, name, fault)
+    except ValueError as e:  # split arithmetic, or a causal-only kernel on a tree: refused, with the reason
+        assert _multi_query(name) and ("split" in str(e) or "custom_mask" in str(e)), e
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not FLEX_OK, reason=f"flex unavailable: {FLEX_WHY}")
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_flex_capture_agrees_on_every_preset(tmp_path, name):
+    if PRESETS[name].topk > 1:  # causal only: a tree capture is refused, with the reason
+        with pytest.raises(ValueError, match="custom_mask"):
+            _agree(tmp_path, name, "benign_flex")
+        return
     _agree(tmp_path, name, "benign_flex")
 
 

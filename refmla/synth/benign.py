@@ -78,6 +78,7 @@ def fp32_einsum(q, kv_buffer, kv_indptr, kv_indices, qo_indptr, *, kv_lora_rank,
 @fault("benign_fp32_einsum", "correct: aiter's torch reference style (fp32 einsum per request)", expect=None)
 def _fp32_einsum(p: Planting):
     t = p.t
+    _causal_only(t, "aiter's torch reference")
     out = fp32_einsum(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], t.get("qo_indptr"), **p.scales,
                       out_dtype=p.spec.dtype)  # fmt: skip
     return out, {}
@@ -90,6 +91,13 @@ def _flex(p: Planting):
     if not ok:
         raise ValueError(f"flex_attention cannot run here: {why}")
     t = p.t
+    _causal_only(t, "the flex backend")
     out, _, info = run_flex_mla(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], **p.scales,
                                 qo_indptr=t.get("qo_indptr"), out_dtype=p.spec.dtype, device="cpu")  # fmt: skip
     return out, {"torch_version": info["torch_version"]}
+
+
+def _causal_only(t: dict, who: str) -> None:
+    """A tree verify capture (custom_mask) is outside what a causal-only kernel computes."""
+    if t.get("custom_mask") is not None:
+        raise ValueError(f"{who} is causal only: it takes no tree custom_mask")

@@ -25,7 +25,8 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 def _control(p: Planting, out_dtype: torch.dtype, rnd: Rounding = Rounding()) -> torch.Tensor:
     t = p.t
     return mla_control(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], **p.scales, out_dtype=out_dtype,
-                       qo_indptr=t.get("qo_indptr"), num_kv_splits=t.get("num_kv_splits"), rounding=rnd)[0]  # fmt: skip
+                       qo_indptr=t.get("qo_indptr"), num_kv_splits=t.get("num_kv_splits"), rounding=rnd,
+                       custom_mask=t.get("custom_mask"), mask_indptr=t.get("mask_indptr"))[0]  # fmt: skip
 
 
 def _stored(p: Planting, how: str):
