@@ -34,6 +34,7 @@ from refmla.golden.cases import FULL_ONLY, INT32_POOL_ROWS, MODES, NO_MSCALE_SCA
 from refmla.golden.check import (
     CHECK_BACKENDS,
     GoldenContext,
+    backend_applies,
     check,
     inputs_only,
     materialize_pool,
@@ -57,7 +58,7 @@ __all__ = [
     "BUILDERS", "CHECK_BACKENDS", "DTYPES", "FULL_ONLY", "GENERATOR", "INT32_POOL_ROWS", "MANIFEST", "MODES",
     "NAN_BITS", "NO_MSCALE_SCALE", "PRECISION", "QUICK", "SUITES",
     "Builder", "GoldenCase", "GoldenContext", "GoldenResult",
-    "build_inputs", "build_tensors", "case_meta", "check", "check_isolated", "counter_hash", "generate",
+    "backend_applies", "build_inputs", "build_tensors", "case_meta", "check", "check_isolated", "counter_hash", "generate",
     "golden_meta", "grid_normal", "inputs_only", "load_manifest", "materialize_pool", "nan_filled",
     "needs_isolation", "reference_tensors", "replay_command", "self_check", "shuffled", "split_width",
     "splitmix64", "write_case",

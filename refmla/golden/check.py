@@ -27,6 +27,17 @@ from refmla.replay import run_backend
 from refmla.results import BackendEntry
 
 CHECK_BACKENDS = ("reference", "triton", "aiter", "extend", "triton_decode_per_query", "aiter_decode_per_query")
+VERIFY_PATHS = ("triton_decode_per_query", "aiter_decode_per_query")  # the plain decode of a verify capture
+DECODE_ONLY = ("triton",)  # SGLang's decode kernel: one query token per request
+
+
+def backend_applies(backend: str, mode: str) -> bool:
+    """Whether a golden of ``mode`` is a case for ``backend`` at all (the kernel-regression suite
+    pairs only these): the per-query plain-decode paths exist for verify captures only, SGLang's
+    Triton decode kernel for decode captures only (a verify capture is its per-query path's case)."""
+    if backend in VERIFY_PATHS:
+        return mode == "verify"
+    return not (backend in DECODE_ONLY and mode == "verify")
 STORED = ("out", "lse", "attn_logits", "attn_lse")  # the reference a golden file holds
 STORED_BY_MODE = {"verify": ("out", "lse")}  # modes whose files hold less (no split schedule)
 

@@ -74,8 +74,13 @@ def pytest_generate_tests(metafunc) -> None:
     if "golden_file" not in metafunc.fixturenames:
         return
     cases = golden.load_manifest(golden_dir(metafunc.config))["cases"]
-    files = [golden_dir(metafunc.config) / c["file"] for c in cases]
-    metafunc.parametrize("golden_file", files, ids=[c["name"] for c in cases])
     backends = _option(metafunc.config, "--backend") or golden.CHECK_BACKENDS
     slow = pytest.mark.slow  # kernels run in the Triton interpreter on a CPU-only machine
-    metafunc.parametrize("backend", [pytest.param(b, marks=() if b == "reference" else slow) for b in backends])
+    pairs = [
+        pytest.param(golden_dir(metafunc.config) / c["file"], b, marks=() if b == "reference" else slow,
+                     id=f"{c['name']}-{b}")
+        for c in cases
+        for b in backends
+        if golden.backend_applies(b, c["params"].get("mode", "decode"))
+    ]  # fmt: skip
+    metafunc.parametrize(("golden_file", "backend"), pairs)
