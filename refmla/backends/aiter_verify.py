@@ -20,13 +20,13 @@ gluon verify path in production -- ``info.path`` says ``non_persistent``.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Optional
 
 import torch
 
 from refmla import reference as ref
 from refmla.backends.aiter import AiterBackend, aiter_decode_args, kernel_kwargs, locate_aiter, pad_heads
+from refmla.backends.aiter.indices import call_kernel
 from refmla.backends.base import BackendResult, BackendUnavailable
 
 
@@ -64,16 +64,12 @@ def run_aiter_verify(cap, page_size: int, out_dtype: torch.dtype, device: Option
     values = dict(q=q_in, o=o, sm_scale=float(m.sm_scale), logit_cap=float(m.logit_cap), q_scale=scale,
                   kv_scale=scale, **args)  # fmt: skip
     kwargs = kernel_kwargs(fn, values)
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        fn(**kwargs)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    seconds = call_kernel(fn, kwargs, dev)
     info: dict[str, Any] = {
         "aiter_version": version, "kernel": "aiter.mla.mla_decode_fwd", "stand_in": standin, "device": str(dev),
         "path": "non_persistent", "max_seqlen_q": max_q, "query_lengths": sorted(set(qlens.tolist())), "index_convention": convention,
         "page_size": args["page_size"], "head_padding": pad_how, "kernel_heads": int(q_in.shape[1]),
-        "kernel_params": sorted(kwargs), "kernel_seconds": round(time.perf_counter() - t0, 3),
+        "kernel_params": sorted(kwargs), "kernel_seconds": seconds,
     }  # fmt: skip
     if len(set(qlens.tolist())) > 1:
         info["note"] = "query lengths differ across requests; SGLang's target_verify always passes one draft_token_num"

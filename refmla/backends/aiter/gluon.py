@@ -13,12 +13,11 @@ Called by keyword from its signature. A release without the module is ``skipped`
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import torch
 
-from refmla.backends.aiter.indices import kernel_kwargs
+from refmla.backends.aiter.indices import call_kernel, kernel_kwargs
 from refmla.backends.aiter.probe import locate_aiter
 from refmla.backends.base import BackendUnavailable
 from refmla.backends.calling import KernelNotFound, find_function
@@ -49,15 +48,11 @@ def run_gluon_decode(q: torch.Tensor, kv_buffer: torch.Tensor, kv_indptr: torch.
         min_kv_seq_len=int(lens.max()) if B else 1,
     )  # fmt: skip
     kwargs = kernel_kwargs(fn, values)
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        fn(**kwargs)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    seconds = call_kernel(fn, kwargs, dev)
     info = {
         "aiter_version": version, "kernel": f"{where}.mla_gluon", "stand_in": standin, "device": str(dev),
         "index_convention": "token", "page_size": 1, "head_padding": "none", "kernel_heads": H,
-        "kernel_params": sorted(kwargs), "kernel_seconds": round(time.perf_counter() - t0, 3),
+        "kernel_params": sorted(kwargs), "kernel_seconds": seconds,
     }  # fmt: skip
     return o.cpu(), info
 

@@ -16,6 +16,7 @@ aiter reads the page size from ``kv_buffer.shape[1]``, which the view already se
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -30,6 +31,16 @@ _ALIASES = {"max_seqlen_qo": "max_seqlen_q"}
 def kernel_kwargs(fn: Callable, values: dict[str, Any]) -> dict[str, Any]:
     """Keyword arguments for an aiter kernel by its signature (see refmla.backends.calling)."""
     return kwargs_for(fn, values, aliases=_ALIASES)
+
+
+def call_kernel(fn: Callable, kwargs: dict[str, Any], device: torch.device) -> float:
+    """Run an aiter kernel (it writes its outputs in place); the seconds it took, device included."""
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        fn(**kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return round(time.perf_counter() - t0, 3)
 
 
 def aiter_decode_args(

@@ -20,13 +20,12 @@ attends it (a compacted capture renumbers rows: its row 0 is real) and it holds 
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import torch
 
 from refmla.backends.aiter import heads
-from refmla.backends.aiter.indices import aiter_decode_args, kernel_kwargs
+from refmla.backends.aiter.indices import aiter_decode_args, call_kernel, kernel_kwargs
 from refmla.backends.aiter.metadata import build_metadata, compare_buffers, plan_modes
 from refmla.backends.aiter.paths import AiterPath
 from refmla.backends.aiter.probe import locate_aiter
@@ -86,18 +85,14 @@ def run_persistent_decode(q: torch.Tensor, kv_buffer: torch.Tensor, kv_indptr: t
     if "work_meta_data" not in kwargs:
         raise BackendUnavailable(f"production ran aiter's persistent kernel, not replayed here: aiter {version}'s "
                                  "mla_decode_fwd takes no work_meta_data")  # fmt: skip
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        fn(**kwargs)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    seconds = call_kernel(fn, kwargs, dev)
     info = {
         "aiter_version": version, "kernel": "aiter.mla.mla_decode_fwd (persistent)", "stand_in": standin,
         "device": str(dev), "index_convention": convention, "page_size": 1, "head_padding": pad_how,
         "kernel_heads": Hk, "q": q_how, "kernel_params": sorted(kwargs), "metadata_calls": calls,
         "fast_mode": fast, "intra_batch_mode": intra, "num_kv_splits": num_kv_splits, "kv_row0": row0,
         "metadata_compared": sorted(k for k, v in (captured or {}).items() if v is not None),
-        "kernel_seconds": round(time.perf_counter() - t0, 3),
+        "kernel_seconds": seconds,
     }  # fmt: skip
     gate = getattr(mla, "_use_persistent_mla_decode", None)
     if callable(gate) and num_kv_splits is None and not gate(B, Hk, 1, q_in.dtype, kv_buffer.dtype):

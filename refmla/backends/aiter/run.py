@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import torch
 
 from refmla.backends.aiter import heads
-from refmla.backends.aiter.indices import aiter_decode_args, kernel_kwargs
+from refmla.backends.aiter.indices import aiter_decode_args, call_kernel, kernel_kwargs
 from refmla.backends.aiter.probe import locate_aiter
 from refmla.backends.base import BackendUnavailable
 
@@ -60,11 +59,7 @@ def run_aiter_decode(
     notes = []
     if "page_size" not in kwargs and args["page_size"] > 1:
         notes.append("this aiter has no page_size parameter: it reads the page size from kv_buffer.shape[1]")
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        fn(**kwargs)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    seconds = call_kernel(fn, kwargs, dev)
     info = {
         "aiter_version": version,
         "kernel": "aiter.mla.mla_decode_fwd",
@@ -75,7 +70,7 @@ def run_aiter_decode(
         "head_padding": pad_how,
         "kernel_heads": int(q_in.shape[1]),
         "kernel_params": sorted(kwargs),
-        "kernel_seconds": round(time.perf_counter() - t0, 3),
+        "kernel_seconds": seconds,
     }
     if notes:
         info["notes"] = notes
