@@ -109,6 +109,10 @@ def _synth(tmp_path, name: str, fault: str = "none"):
 def test_flex_passes_every_preset(tmp_path, name):
     rep = replay_file(_synth(tmp_path, name), ReplayOptions(backends=["flex"]))
     entry = rep.backends["flex"]
+    if PRESETS.get(name) is not None and PRESETS[name].topk > 1:  # a tree: flex is causal only, and says so
+        assert entry.status == "skipped" and "custom_mask" in entry.reason, entry.reason
+        assert rep.verdict == "agree" and rep.exit_code == 0
+        return
     assert entry.status == "pass", entry.reason
     assert rep.verdict == "agree" and rep.exit_code == 0
     assert entry.max_abs_err > 0  # a bf16 kernel, not the reference itself
