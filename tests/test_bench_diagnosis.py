@@ -28,6 +28,13 @@ def test_detail_compares_shared_keys_only():
     assert bench.compare_detail({"request": 2, "delta": -1}, {"request": 2, "delta": -3})[0] is False
     assert bench.compare_detail({"ratio": 0.5515}, {"ratio": 0.5514927}) == (True, ["ratio"])
     assert bench.compare_detail({"ratio": 0.55}, {"ratio": 0.60})[0] is False
+
+
+def test_an_explanation_that_says_either_matches_each_but_nothing_else():
+    assert bench.compare_detail({"how": "zeroed"}, {"how": "zeroed or dropped"}) == (True, ["how"])
+    assert bench.compare_detail({"how": "dropped"}, {"how": "zeroed or dropped"})[0] is True
+    assert bench.compare_detail({"how": "shifted"}, {"how": "zeroed or dropped"})[0] is False
+    assert bench.compare_detail({"how": "zeroed or dropped"}, {"how": "zeroed"})[0] is False
     assert bench.compare_detail({"split": 1}, {"delta": 1}) == (None, [])
     # a planted head mapping (a list) against the explanation's sentence and its list of heads
     assert bench.compare_detail({"mapping": [0, 0, 1]}, {"mapping": "padding ...", "heads": [0, 0, 1]})[0] is True

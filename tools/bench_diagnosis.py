@@ -91,6 +91,8 @@ def same_value(a: Any, b: Any) -> bool:
         return math.isclose(float(a), float(b), rel_tol=FLOAT_RTOL, abs_tol=1e-12)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, str) and isinstance(b, str) and " or " in b:  # "zeroed or dropped": indistinguishable here
+        return a in b.split(" or ")
     return a == b
 
 

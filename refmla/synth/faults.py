@@ -188,6 +188,8 @@ def _kv_range_zero(p: Planting):
 @fault("split_missing", "one split's partial left out of the merge")
 def _split_missing(p: Planting):
     t, b = p.t, p.request
+    if "num_kv_splits" not in t:
+        raise ValueError("split_missing needs split-KV decode (num_kv_splits); this capture has none")
     parts, lses, valid = ref.mla_decode_split_ref(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"],
                                                   t["num_kv_splits"], **p.scales)  # fmt: skip
     if int(valid[b].sum()) < 2:
