@@ -160,23 +160,7 @@ def diagnose(
             agree = "no decode path ran to compare"
         return (*_say("extend", agree=agree), [EXTEND])
     if observed_bad:
-        agree = decode_ok + ([EXTEND] if extend == "pass" else [])
-        if not agree:
-            name, sentence = _say("observed_unconfirmed")
-            if unreplayed is not None:
-                sentence += f"; production ran aiter's {unreplayed[0]} kernel, not replayed here: {unreplayed[1]}"
-            return name, sentence, ["observed"]
-        what = " and ".join(agree)
-        if unreplayed is not None:
-            path, reason = unreplayed
-            return "observed", UNREPLAYED.format(path=path, reason=reason.rstrip("."), agree=what), ["observed"]
-        what = f"the offline paths ({what}) agree" if len(agree) > 1 else f"the offline path ({what}) agrees"
-        name, sentence = _say("observed", agree=what)
-        if produced_by in DECODE_KERNELS and produced_by not in decode_ok:
-            sentence += f"; the production kernel ({produced_by}) itself could not be replayed here"
-        elif not decode_ok:
-            sentence += "; no decode kernel ran here, so a decode kernel bug is not excluded"
-        return name, sentence, ["observed"]
+        return (*_observed(decode_ok, extend == "pass", produced_by, unreplayed), ["observed"])
     errored = [n for n, s in statuses.items() if s == "error"]
     if errored:
         return (*_say("backend_error", bad=", ".join(errored)), errored)
@@ -188,6 +172,30 @@ def numeric_variants(failed: list[str], explained: Mapping[str, tuple[str, Mappi
     if not failed or any(explained.get(n, ("", {}))[0] != NUMERICS for n in failed):
         return []
     return list(dict.fromkeys(str(explained[n][1].get("variant")) for n in failed))
+
+
+def _observed(
+    decode_ok: list[str], extend_ok: bool, produced_by: Optional[str], unreplayed: Optional[tuple[str, str]]
+) -> tuple[str, str]:
+    """Only the production output diverges: (class, sentence), naming the offline paths that agree
+    and, when production ran a kernel not replayed here, that kernel instead of state or transfer."""
+    agree = decode_ok + ([EXTEND] if extend_ok else [])
+    if not agree:
+        name, sentence = _say("observed_unconfirmed")
+        if unreplayed is not None:
+            sentence += f"; production ran aiter's {unreplayed[0]} kernel, not replayed here: {unreplayed[1]}"
+        return name, sentence
+    what = " and ".join(agree)
+    if unreplayed is not None:
+        path, reason = unreplayed
+        return "observed", UNREPLAYED.format(path=path, reason=reason.rstrip("."), agree=what)
+    what = f"the offline paths ({what}) agree" if len(agree) > 1 else f"the offline path ({what}) agrees"
+    name, sentence = _say("observed", agree=what)
+    if produced_by in DECODE_KERNELS and produced_by not in decode_ok:
+        sentence += f"; the production kernel ({produced_by}) itself could not be replayed here"
+    elif not decode_ok:
+        sentence += "; no decode kernel ran here, so a decode kernel bug is not excluded"
+    return name, sentence
 
 
 def _say(name: Optional[str], **fields: str) -> tuple[Optional[str], str]:
