@@ -3,6 +3,8 @@
 import os
 import sys
 
+import pytest
+
 try:
     from refmla.backends.triton_interp import ensure_interpreter
 except ImportError:  # the triton backend module is optional
@@ -18,3 +20,17 @@ def pytest_addoption(parser):
     from kernel_regression.conftest import add_golden_options  # tests/ is on sys.path (above)
 
     add_golden_options(parser)
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    """The aiter stand-in (tests/standins/aiter_standin) on sys.path for one test; its aiter.mla module."""
+    from helpers import STANDINS, forget_aiter
+
+    forget_aiter()
+    monkeypatch.syspath_prepend(str(STANDINS / "aiter_standin"))
+    from aiter import mla
+
+    mla.CALLS.clear()
+    yield mla
+    forget_aiter()

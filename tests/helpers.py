@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from pathlib import Path
 
 import torch
 
@@ -62,3 +64,12 @@ def raw_write(path, tensors, meta, fmt=CAPTURE_FORMAT):
     if meta is not None:
         header["meta"] = meta if isinstance(meta, str) else json.dumps(meta)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=header)
+
+
+STANDINS = Path(__file__).parent / "standins"  # tests/standins: stand-ins for ROCm-only packages
+
+
+def forget_aiter() -> None:
+    """Drop every imported ``aiter`` module, so the next import finds whichever one is on sys.path."""
+    for name in [k for k in sys.modules if k == "aiter" or k.startswith("aiter.")]:
+        sys.modules.pop(name)

@@ -8,11 +8,11 @@ so the adapter passes here exactly when it calls aiter the way SGLang's aiter ba
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import STANDINS, forget_aiter
 
 from refmla.backends import get_backend
 from refmla.backends.aiter import AiterBackend, aiter_status
@@ -21,24 +21,7 @@ from refmla.context import ReplayContext, ReplayOptions
 from refmla.replay import run_backend
 from refmla.synth import SynthSpec, make_inputs, make_meta, synth_capture
 
-STANDINS = Path(__file__).parent / "standins"
 
-
-def _forget_aiter():
-    for name in [k for k in sys.modules if k == "aiter" or k.startswith("aiter.")]:
-        sys.modules.pop(name)
-
-
-@pytest.fixture
-def standin(monkeypatch):
-    """The aiter stand-in on sys.path for one test; its aiter.mla module."""
-    _forget_aiter()
-    monkeypatch.syspath_prepend(str(STANDINS / "aiter_standin"))
-    from aiter import mla
-
-    mla.CALLS.clear()
-    yield mla
-    _forget_aiter()
 
 
 @dataclasses.dataclass
@@ -181,7 +164,7 @@ def test_extend_backend_reports_aiter_prefill(standin, tmp_path, monkeypatch):
 
 
 def test_unavailable_without_aiter(tmp_path):
-    _forget_aiter()
+    forget_aiter()
     ok, why = aiter_status()
     if ok:
         pytest.skip(f"an aiter is importable here: {why}")
@@ -193,10 +176,10 @@ def test_unavailable_without_aiter(tmp_path):
 
 
 def test_unrelated_pypi_aiter_is_not_taken(monkeypatch):
-    _forget_aiter()
+    forget_aiter()
     monkeypatch.syspath_prepend(str(STANDINS / "not_rocm_aiter"))
     try:
         ok, why = aiter_status()
     finally:
-        _forget_aiter()
+        forget_aiter()
     assert not ok and "not ROCm aiter" in why

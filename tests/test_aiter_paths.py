@@ -18,7 +18,7 @@ from refmla.diagnosis import diagnose, unreplayed_path
 from refmla.replay import replay_capture, run_backend
 from refmla.synth import SynthSpec, make_inputs, make_meta
 from refmla.synth.faults import faulty_output
-from tests.test_aiter_adapter import STANDINS, _forget_aiter, standin  # noqa: F401  (fixture)
+from helpers import STANDINS, forget_aiter
 
 FP8 = torch.float8_e4m3fn
 SEQ_LENS = (37, 130, 5, 64, 1)
@@ -222,7 +222,7 @@ def test_no_recorded_path_keeps_the_old_default(standin, tmp_path):
 
 def test_observed_only_divergence_names_the_unreplayed_kernel(tmp_path, monkeypatch):
     """No aiter here: production's persistent kernel is not replayed, so state is not blamed."""
-    _forget_aiter()
+    forget_aiter()
     monkeypatch.setenv("REFMLA_EXTEND_IMPL", "torch")
     cap = aiter_capture(tmp_path, heads=16, fault="kv_range_zero", seq_lens=(37, 130, 300, 64, 1))
     report = replay_capture(cap, ReplayOptions(backends=["aiter", "extend"])).to_json()
@@ -332,7 +332,7 @@ def test_gluon_forced_on_too_many_heads_is_skipped(standin, tmp_path, monkeypatc
 
 def test_fp8_kv_observed_divergence_is_explained_not_invalid(tmp_path):
     """An fp8-KV deployment (the persistent kernel's case): the hypothesis search zeroes fp8 rows too."""
-    _forget_aiter()
+    forget_aiter()
     cap = aiter_capture(tmp_path, heads=16, kv_dtype=FP8, fault="kv_range_zero", seq_lens=(37, 130, 300, 64, 1))
     report = replay_capture(cap, ReplayOptions(backends=["aiter"])).to_json()
     assert report["verdict"] == "diverged" and report["diagnosis"] == "observed_unconfirmed"

@@ -5,7 +5,6 @@ the plain-decode path per query (Triton decode kernel, aiter with qlen 1)."""
 from __future__ import annotations
 
 import functools
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,24 +16,8 @@ from refmla.context import ReplayContext, ReplayOptions
 from refmla.replay import backend_names, replay_file, run_backend
 from refmla.synth import preset, synth_capture
 
-STANDINS = Path(__file__).parent / "standins"
 SMALL = dict(seq_lens=(37, 16, 9), num_heads=8)
 
-
-def _forget_aiter():
-    for name in [k for k in sys.modules if k == "aiter" or k.startswith("aiter.")]:
-        sys.modules.pop(name)
-
-
-@pytest.fixture
-def standin(monkeypatch):
-    _forget_aiter()
-    monkeypatch.syspath_prepend(str(STANDINS / "aiter_standin"))
-    from aiter import mla
-
-    mla.CALLS.clear()
-    yield mla
-    _forget_aiter()
 
 
 def _capture(tmp_path, name="kimi-k2-tp8-mtp", fault="none", **kw):
