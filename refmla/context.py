@@ -7,7 +7,7 @@ any of them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -36,6 +36,14 @@ class ReplayContext:
         self.ref_out, self.ref_lse = reference_output(cap)  # [R, H, Dv], [R, H] fp64
         self._controls: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self._splits: dict[tuple, tuple] = {}
+        self._cache: dict[str, Any] = {}
+
+    def cached(self, key: str, compute: Callable[[], Any]) -> Any:
+        """``compute()`` once per replay, under ``key`` (e.g. refmla.splits' lse slack, which every
+        backend's lse check uses)."""
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
 
     def control(self, out_dtype: torch.dtype) -> torch.Tensor:
         """The low-precision control's output in ``out_dtype`` (cached per dtype)."""
