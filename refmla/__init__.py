@@ -12,12 +12,15 @@ Layout (the folder tree is the architecture; imports go down this list, never up
     control.py      the same math at a kernel's rounding points (the tolerance's noise floor)
     compare.py      the one comparator (docs/contract.md section 5)
     results.py      typed results: findings, explanations, backend entries, reports (to_json)
+    blame.py        whom a failing backend blames: the failing part's own rows
     checks.py       metadata forensics run before every replay
     backends/       one module per compute path, picked by name
+    isolation.py    each kernel backend in a child process: a crash (signal, GPU fault) is its error
     context.py      what one replay's backends share: reference, control, split references
     hypotheses/     which simple mistake explains a diverging output (section 4), one module per family
     diagnosis.py    which compute path diverges: a class name and a sentence (section 6)
     splits.py       a kernel's split partials against the split reference
+    localize/       where a failing backend goes wrong: requests, heads, positions, split stage
     replay.py       capture -> backends -> comparison -> ReplayReport
     series.py       one layer and rank across decode steps
     batch.py        many captures, serial or in worker processes, with the same result

@@ -26,6 +26,7 @@ class ReplayOptions:
     cu_count: int = 256  # for computing num_kv_splits when the capture lacks them (MI355X)
     explain: bool = True  # search hypotheses for failing backends
     trim: bool = True  # triton: size split buffers to the splits that hold tokens (bit-identical)
+    isolate: bool = True  # run each kernel backend in a child process (refmla.isolation): a crash is its error
 
 
 class ReplayContext:

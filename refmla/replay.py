@@ -19,6 +19,8 @@ from refmla.compare import judged_dtype
 from refmla.context import ReplayContext, ReplayOptions
 from refmla.diagnosis import diagnose, diagnose_verify, unreplayed_path, verify_table
 from refmla.hypotheses import explain_failure
+from refmla.isolation import KernelCrashed, KernelError, enabled, run_isolated
+from refmla.localize import localize
 from refmla.results import PART_NAMES, BackendEntry, MetadataReport, NoiseFloor, ReplayReport, Shape
 from refmla.splits import compare_lse, compare_splits
 from refmla.util import dtype_name, error_text
@@ -115,9 +117,12 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
     if not ok:
         return BackendEntry("skipped", reason=why)
     try:
-        res = backend.run(ctx.cap, ctx.opts)
+        run = backend.run if not enabled(ctx.opts.isolate) else lambda c, o: run_isolated(backend.run, c, o)
+        res = run(ctx.cap, ctx.opts)
     except BackendUnavailable as e:
         return BackendEntry("skipped", reason=str(e))
+    except (KernelCrashed, KernelError) as e:  # died or raised in its own process (refmla.isolation)
+        return BackendEntry("error", reason=str(e), seconds=round(time.perf_counter() - t0, 3))
     except Exception as e:  # a kernel that crashes is a finding, not a crash of refmla
         return BackendEntry("error", reason=error_text(e))
     mask = None if res.defines_empty_rows else ~ctx.empty_rows()
@@ -133,6 +138,11 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
     if res.lse is not None:
         entry.lse = compare_lse(ctx, res.lse, judged_dtype(res.out.dtype), row_mask=mask)
     entry.judge_parts()  # a failing lse or split partial fails the backend
+    if entry.status == "fail" and ctx.opts.explain:
+        try:  # where it goes wrong, explained or not (refmla.localize): an aid, never the replay's cost
+            entry.localization = localize(ctx, res, entry)
+        except Exception as e:
+            entry.info["localize_error"] = error_text(e)
     if not cmp.passed and ctx.opts.explain:
         notes: dict = {}
         try:

@@ -140,6 +140,7 @@ class SplitCheck:
     max_abs_err: Optional[float] = None
     lse_max_abs_err: Optional[float] = None
     worst: Optional[dict] = None  # request, head, split
+    failed_requests: Optional[list[int]] = None  # requests with a failing (split, head) partial or lse
 
     def to_json(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -153,7 +154,8 @@ class LseCheck:
     reason: Optional[str] = None
     compared_rows: Optional[int] = None
     max_abs_err: Optional[float] = None
-    worst: Optional[dict] = None  # row, head, actual, expected
+    worst: Optional[dict] = None  # row, request, head, actual, expected
+    failed_requests: Optional[list[int]] = None  # requests with a failing (row, head) lse
 
     def to_json(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -180,6 +182,7 @@ class BackendEntry:
     seconds: Optional[float] = None
     lse: Optional[LseCheck] = None
     failed_parts: Optional[list[str]] = None  # which outputs failed: "out", "lse", "attn_logits"
+    localization: Optional[Any] = None  # a failing backend: refmla.localize.Localization (to_json, text)
 
     def judge_parts(self) -> None:
         """A failing part (lse, split partials) fails the entry, whatever ``out`` did: set
@@ -221,6 +224,8 @@ class BackendEntry:
             d["lse"] = self.lse.to_json()
         if self.failed_parts is not None:
             d["failed_parts"] = list(self.failed_parts)
+        if self.localization is not None:
+            d["localization"] = self.localization.to_json()
         return d
 
 

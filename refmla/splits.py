@@ -11,30 +11,44 @@ for ``observed``), row by row against the reference and the control.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 from refmla import reference as ref
-from refmla.compare import compare
+from refmla.compare import Comparison, compare
 from refmla.context import ReplayContext
 from refmla.results import LseCheck, SplitCheck
 from refmla.schedule import nonempty_splits
 
 
-def compare_splits(ctx: ReplayContext, res) -> SplitCheck:
-    """Stage-1 partials of a BackendResult against the split reference, per valid (request, split)."""
-    splits = res.num_kv_splits if res.num_kv_splits is not None else ctx.cap.num_kv_splits
-    if splits is None:
-        return SplitCheck("skipped", reason="no num_kv_splits to place the partials")
+@dataclass
+class SplitRows:
+    """A kernel's stage-1 result row by row: one row per non-empty (request, split)."""
+
+    b_idx: torch.Tensor  # [V] request of each row
+    s_idx: torch.Tensor  # [V] split of each row
+    cmp: Comparison  # the partials [V, H, Dv] (v_scale applied) against the split reference
+    lse_err: torch.Tensor  # [V, H] |lse - reference lse|
+    lse_bad: torch.Tensor  # [V, H] over k * control's lse error + 1e-5 relative
+    misplaced: torch.Tensor  # [V, H] a NaN / Inf where the reference is finite (or the reverse)
+
+    @property
+    def partial_bad(self) -> torch.Tensor:
+        """[V, H] partial rows over their allowance or with a misplaced NaN / Inf."""
+        return ~(self.cmp.row_err <= self.cmp.row_tol) | self.misplaced
+
+
+def split_rows(ctx: ReplayContext, res, splits: torch.Tensor) -> Optional[SplitRows]:
+    """The stage-1 partials of a BackendResult judged per (request, split, head) row; None when no
+    split holds a token."""
     S = res.attn_logits.shape[2]  # may be trimmed to the splits that hold tokens
-    lens = ctx.cap.seq_lens.tolist()
-    needed = max((nonempty_splits(L, int(n)) for L, n in zip(lens, splits.tolist())), default=0)
-    if needed > S:
-        return SplitCheck("fail", reason=f"{needed} non-empty splits but only {S} partials")
     r_out, r_lse, valid = ctx.split_reference(splits, S)
     c_out, c_lse, _ = ctx.split_reference(splits, S, control=True)
     b_idx, s_idx = torch.nonzero(valid, as_tuple=True)  # [V] one row per non-empty split
     if len(b_idx) == 0:
-        return SplitCheck("pass", compared_splits=0)
+        return None
     v = ctx.cap.meta.v_scale  # kernels store partials before v_scale
     actual = res.attn_logits.float().cpu()[b_idx, :, s_idx] * v  # [V, H, Dv]
     # partials are fp32 but P.V ran on P rounded to the value dtype: its ulp is the unit of noise
@@ -44,7 +58,25 @@ def compare_splits(ctx: ReplayContext, res) -> SplitCheck:
     r_lse, c_lse = r_lse[b_idx, :, s_idx], c_lse[b_idx, :, s_idx].double()  # [V, H]
     lse_err = (res.attn_lse.double().cpu()[b_idx, :, s_idx] - r_lse).abs()
     lse_allowed = ctx.opts.tol.k * (c_lse - r_lse).abs() + 1e-5 * (1 + r_lse.abs())
-    lse_bad = ~(lse_err <= lse_allowed)
+    expected = r_out[b_idx, :, s_idx]
+    misplaced = (torch.isfinite(actual) != torch.isfinite(expected)).any(-1)  # [V, H]
+    return SplitRows(b_idx, s_idx, cmp, lse_err, ~(lse_err <= lse_allowed), misplaced)
+
+
+def compare_splits(ctx: ReplayContext, res) -> SplitCheck:
+    """Stage-1 partials of a BackendResult against the split reference, per valid (request, split)."""
+    splits = res.num_kv_splits if res.num_kv_splits is not None else ctx.cap.num_kv_splits
+    if splits is None:
+        return SplitCheck("skipped", reason="no num_kv_splits to place the partials")
+    S = res.attn_logits.shape[2]
+    lens = ctx.cap.seq_lens.tolist()
+    needed = max((nonempty_splits(L, int(n)) for L, n in zip(lens, splits.tolist())), default=0)
+    if needed > S:
+        return SplitCheck("fail", reason=f"{needed} non-empty splits but only {S} partials")
+    rows = split_rows(ctx, res, splits)
+    if rows is None:
+        return SplitCheck("pass", compared_splits=0)
+    b_idx, s_idx, cmp, lse_err, lse_bad = rows.b_idx, rows.s_idx, rows.cmp, rows.lse_err, rows.lse_bad
     row, head = divmod(int((cmp.row_err / cmp.row_tol).argmax()), cmp.row_err.shape[1])
     check = SplitCheck(
         "pass" if cmp.passed and not bool(lse_bad.any()) else "fail",
@@ -53,6 +85,9 @@ def compare_splits(ctx: ReplayContext, res) -> SplitCheck:
         lse_max_abs_err=float(lse_err.max()),
         worst={"request": int(b_idx[row]), "head": head, "split": int(s_idx[row])},
     )
+    if check.status == "fail":
+        bad = rows.partial_bad.any(dim=1) | lse_bad.any(dim=1)  # [V]
+        check.failed_requests = sorted({int(b) for b in b_idx[bad]}) or [check.worst["request"]]
     if not cmp.passed:
         check.reason = "; ".join(cmp.reasons)
     elif bool(lse_bad.any()):
@@ -79,12 +114,14 @@ def compare_lse(ctx: ReplayContext, lse: torch.Tensor, out_dtype: torch.dtype, r
     bad = ~(err <= allowed)  # NaN err fails
     ratio = torch.where(bad & ~torch.isfinite(err), torch.full_like(err, torch.inf), err / allowed)
     r, h = divmod(int(ratio.argmax()), ratio.shape[1])
-    row = int(torch.nonzero(rows).flatten()[r])
+    idx, req = torch.nonzero(rows).flatten(), ctx.cap.request_of_row()  # compared rows; [R] their requests
+    row = int(idx[r])
     check = LseCheck("fail" if bool(bad.any()) else "pass", compared_rows=int(rows.sum()),
                      max_abs_err=float(err.max()),
-                     worst={"row": row, "head": h, "actual": float(got[r, h]),
+                     worst={"row": row, "request": int(req[row]), "head": h, "actual": float(got[r, h]),
                             "expected": float(want[r, h])})  # fmt: skip
     if bool(bad.any()):
+        check.failed_requests = sorted({int(req[i]) for i in idx[bad.any(dim=1)]})
         nonfinite = int((bad & ~torch.isfinite(got)).sum())
         check.reason = (f"{int(bad.sum())} of {got.numel()} values off (row {row} head {h}: "
                         f"{float(got[r, h]):.6g} vs {float(want[r, h]):.6g})"

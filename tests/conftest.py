@@ -28,6 +28,9 @@ def standin(monkeypatch):
     from helpers import STANDINS, forget_aiter
 
     forget_aiter()
+    # the stand-in records its calls in this process (mla.CALLS): run backends in-process, not in
+    # refmla.isolation's child, whose calls the test could not see (the stand-in cannot crash)
+    monkeypatch.setenv("REFMLA_ISOLATE", "0")
     monkeypatch.syspath_prepend(str(STANDINS / "aiter_standin"))
     from aiter import mla
 

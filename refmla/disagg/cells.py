@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from refmla.blame import blames_request
 from refmla.diagnosis import diagnose
 from refmla.diffkv import RequestDiff
 from refmla.disagg.types import DecodeCell, MetadataCell, TransferCell
@@ -62,14 +63,10 @@ def request_statuses(report: ReplayReport, b: int) -> dict[str, str]:
 
 
 def _status_for(entry: BackendEntry, b: int) -> str:
-    if entry.status != "fail" or entry.comparison is None or entry.comparison.row_err is None:
+    """Decode: row b is request b; the failing part's own rows decide (refmla.blame)."""
+    if entry.status != "fail":
         return entry.status
-    cmp = entry.comparison
-    err, tol = cmp.row_err, cmp.row_tol  # [R, H]; decode: row b is request b
-    bad = ~(err <= tol).all(dim=1)  # NaN counts as over
-    if not bool(bad.any()):  # failed on something row errors do not show (cosine, NaN placement)
-        return "fail" if cmp.worst.get("request") == b else "pass"
-    return "fail" if b < bad.shape[0] and bool(bad[b]) else "pass"
+    return "fail" if blames_request(entry, b) else "pass"
 
 
 def _explanation(report: ReplayReport, b: int, failing: list[str]) -> Optional[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from refmla.blame import worst_blame
 from refmla.render.table import clip, fmt, table
 from refmla.results import BackendEntry, ReplayReport
 
@@ -58,8 +59,8 @@ def shape_line(report: ReplayReport) -> str:
 
 
 def backend_row(name: str, b: BackendEntry) -> list[str]:
-    w = b.worst or {}
-    where = f"req {w['request']} head {w['head']}" if w.get("request") is not None else "-"
+    w, blame = b.worst or {}, worst_blame(b)
+    where = blame.text() if blame else (f"req {w['request']} head {w['head']}" if w.get("request") is not None else "-")
     note = b.reason or ""
     if b.status == "pass":
         info = b.info or {}
@@ -68,6 +69,8 @@ def backend_row(name: str, b: BackendEntry) -> list[str]:
         note = clip(mask + path + (info.get("version") or ""), 70)
     if b.explanation is not None:
         note = b.explanation.text()
+    if b.localization is not None:
+        note += (" | " if note else "") + b.localization.text()
     if b.splits is not None and b.splits.status in ("pass", "fail"):
         note += f" | splits {b.splits.status} ({b.splits.compared_splits} partials)"
     status = b.status.upper() if b.status == "fail" else b.status

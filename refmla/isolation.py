@@ -1,0 +1,215 @@
+"""A kernel backend run where its crash cannot take the replay down (docs/contract.md section 3).
+
+A kernel that reads out of bounds kills the process it runs in (the Triton interpreter and a
+CPU kernel: SIGSEGV / SIGBUS) or, on a GPU, poisons the CUDA context for every kernel after it
+(an illegal memory access is sticky). So each kernel backend runs in a child process and returns
+its :class:`~refmla.backends.base.BackendResult` through a pipe; the reference and the observed
+output stay in the replay's own process. A child that dies by a signal becomes :class:`KernelCrashed`
+("killed by SIGSEGV: out-of-bounds read?"), which the replay reports as that backend's ``error``
+while every other backend's result is kept.
+
+How the child is made:
+
+    fork   (CPU: CUDA is neither initialized nor available here) the child inherits the capture,
+           the imported kernels and any backend registered in this process, so the cost is one
+           fork (copy-on-write) plus the result's bytes through the pipe. The child runs torch
+           with one thread: libgomp's thread team is not fork-safe (a child using the parent's
+           team waits forever on its barrier), and a kernel's own work is its kernel's, not
+           torch's;
+    spawn  (a CUDA device is present: CUDA cannot be used in a child forked after it was
+           initialized, and torch initializes it lazily in ways a replay cannot rule out) a fresh
+           interpreter that receives the backend, the capture and the options pickled through the
+           pipe. It costs an interpreter start and the imports per kernel run (seconds), which a
+           GPU replay pays for a context no fault of one kernel can poison.
+
+``REFMLA_ISOLATE=0`` (or ``ReplayOptions.isolate = False``) runs backends in-process (a debugger
+wants that); then a crashing kernel takes the process down, as it would without refmla.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import io
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import struct
+import sys
+from typing import Any, Callable
+
+import torch
+
+from refmla.backends.base import BackendUnavailable
+from refmla.util import error_text
+
+ENV = "REFMLA_ISOLATE"
+
+# What a signal most likely means for a kernel, said with the signal's name.
+_LIKELY = {
+    "SIGSEGV": "out-of-bounds read?",
+    "SIGBUS": "misaligned or out-of-bounds access?",
+    "SIGFPE": "integer division by zero?",
+    "SIGILL": "an instruction this CPU lacks?",
+    "SIGABRT": "an assertion in native code",
+    "SIGKILL": "out of memory?",
+}
+
+
+class KernelCrashed(Exception):
+    """The child running a kernel died without a result (a signal, or an exit before replying)."""
+
+    def __str__(self) -> str:  # error_text() prints "KernelCrashed: killed by SIGSEGV: ..."
+        return str(self.args[0])
+
+
+class KernelError(Exception):
+    """The kernel raised in the child: the message is the child's error_text (type and first line)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def crash_text(status: int) -> str:
+    """One line for a child's wait status: "killed by SIGSEGV: out-of-bounds read?"."""
+    if os.WIFSIGNALED(status):
+        try:
+            name = signal.Signals(os.WTERMSIG(status)).name
+        except ValueError:
+            name = f"signal {os.WTERMSIG(status)}"
+        why = _LIKELY.get(name)
+        return f"killed by {name}" + (f": {why}" if why else "")
+    return f"the kernel's process exited with status {os.WEXITSTATUS(status)} without a result"
+
+
+def enabled(requested: bool = True) -> bool:
+    """Isolation is on unless the options or ``REFMLA_ISOLATE=0`` turn it off, and needs os.fork or spawn."""
+    return requested and os.environ.get(ENV, "1") != "0"
+
+
+def cuda_in_play() -> bool:
+    """True when a child must be spawned: CUDA initialized here, or a CUDA device a kernel will use."""
+    if torch.cuda.is_initialized():
+        return True
+    try:
+        return torch.cuda.device_count() > 0  # NVML-based where possible; does not create a context
+    except Exception:
+        return False
+
+
+def run_isolated(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a child process; its return value, or its exception re-raised here:
+    BackendUnavailable as itself, anything else as KernelError, a death as KernelCrashed."""
+    if not hasattr(os, "fork") or cuda_in_play():
+        return _spawned(fn, args)
+    return _forked(fn, args)
+
+
+# --------------------------------------------------------------------------------------------
+# The reply: ("ok", value) | ("unavailable", text) | ("error", text), torch.save'd, length-prefixed
+# --------------------------------------------------------------------------------------------
+
+
+def _reply(fn: Callable[..., Any], args: tuple) -> bytes:
+    try:
+        msg: tuple = ("ok", fn(*args))
+    except BackendUnavailable as e:
+        msg = ("unavailable", str(e))
+    except BaseException as e:  # everything the kernel raises is the parent's to report
+        msg = ("error", error_text(e))
+    buf = io.BytesIO()
+    try:
+        torch.save(msg, buf)
+    except Exception as e:  # a result that cannot be sent is the backend's error, said as such
+        buf = io.BytesIO()
+        torch.save(("error", f"cannot send the result: {error_text(e)}"), buf)
+    return buf.getvalue()
+
+
+def _unpack(data: bytes) -> Any:
+    kind, value = torch.load(io.BytesIO(data), weights_only=False)
+    if kind == "ok":
+        return value
+    if kind == "unavailable":
+        raise BackendUnavailable(value)
+    raise KernelError(value)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(struct.pack("<Q", len(data)) + data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while True:
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def _framed(data: bytes) -> bytes | None:
+    """The payload of a complete length-prefixed reply, None when the child died mid-way."""
+    if len(data) < 8:
+        return None
+    (n,) = struct.unpack("<Q", data[:8])
+    return data[8:] if len(data) - 8 == n else None
+
+
+def _forked(fn: Callable[..., Any], args: tuple) -> Any:
+    r, w = os.pipe()
+    sys.stdout.flush(), sys.stderr.flush()  # the child must not write this process's buffers twice
+    pid = os.fork()
+    if pid == 0:  # the child: compute, reply, and leave without running this process's exit handlers
+        code = 0
+        try:
+            faulthandler.disable()  # the report names the crash; no traceback dump on this stderr
+            torch.set_num_threads(1)  # the parent's OpenMP team did not survive the fork (see above)
+            os.close(r)
+            _write_all(w, _reply(fn, args))
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    try:
+        data = _read_all(r)
+    finally:
+        os.close(r)
+    _, status = os.waitpid(pid, 0)
+    payload = _framed(data)
+    if payload is None or os.WIFSIGNALED(status):
+        raise KernelCrashed(crash_text(status))
+    return _unpack(payload)
+
+
+def _spawn_main(conn) -> None:
+    """The spawned child: choose the Triton interpreter when there is no GPU, then run and reply."""
+    from refmla.backends.triton_interp import ensure_interpreter
+
+    ensure_interpreter()
+    fn, args = pickle.loads(conn.recv_bytes())
+    conn.send_bytes(_reply(fn, args))
+    conn.close()
+
+
+def _spawned(fn: Callable[..., Any], args: tuple) -> Any:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_spawn_main, args=(child,), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        parent.send_bytes(pickle.dumps((fn, args)))
+        data = parent.recv_bytes()
+    except (EOFError, OSError, BrokenPipeError):
+        data = None
+    proc.join()
+    parent.close()
+    if data is None:
+        code = proc.exitcode if proc.exitcode is not None else 1
+        status = (-code) if code < 0 else (code << 8)  # as a wait status: signal or exit code
+        raise KernelCrashed(crash_text(status))
+    return _unpack(data)

@@ -1,0 +1,132 @@
+"""The positions of one request (or one split of it) that the evidence points at.
+
+The reference is recomputed with each block of positions removed (or read as zeros): a page when
+the capture's page_size > 1, else 64 positions. A block whose removal brings the kernel's row back
+within its allowance is narrowed: its start moved forward and its end back while the removal still
+restores: the pages are reported, the narrowed positions as the evidence inside them (the last
+positions of a page can weigh too little to tell apart; a page is what a transfer or page-table
+bug loses). Neighbouring blocks are added while they help, so a run of missing pages is reported
+whole. When no block restores, parts of the most promising block are tried (single positions: a
+split that drops its last one; a page's head or tail), and failing that the block whose removal
+takes most of the error away is reported as carrying it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from refmla import reference as ref
+from refmla.localize.types import Span
+
+BLOCK = 64  # positions per block when the capture is not paged
+SINGLES = 512  # a segment up to this long has each of its positions tried alone
+
+
+@dataclass
+class Segment:
+    """Positions [offset, offset + L) of one request, the kernel's row over them and its allowance."""
+
+    request: int
+    offset: int  # first position of the segment in the request
+    q: torch.Tensor  # [H, D] fp64
+    kv: torch.Tensor  # [L, D] fp64, position order
+    target: torch.Tensor  # [H, Dv] fp64: what the kernel wrote for these positions
+    tol: torch.Tensor  # [H] the comparator's allowance per head
+    page_size: int = 1
+    split: Optional[int] = None
+
+    def ratio(self, drop: Optional[tuple[int, int]] = None, zero: bool = False) -> float:
+        """Worst head's |target - reference| / allowance, with positions [a, e) of the segment
+        removed (or read as zeros)."""
+        kv, L = self.kv, self.kv.shape[0]
+        if drop is not None:
+            a, e = drop
+            if zero:
+                kv = kv.clone()
+                kv[a:e] = 0
+            else:
+                kv = kv[torch.cat([torch.arange(0, a), torch.arange(e, L)])]
+        if kv.shape[0] == 0:
+            return float("inf")
+        out = ref.attend(self.q, kv, self.sc)[0]  # [H, Dv]
+        return float(((self.target - out).abs().amax(-1) / self.tol).nan_to_num(float("inf")).max())
+
+    sc: ref.Scales = None  # type: ignore[assignment]
+
+    def span(self, a: int, e: int, how: str, share: Optional[float] = None, evidence=None) -> Span:
+        s, t = self.offset + a, self.offset + e
+        P = self.page_size
+        pages = (s // P, (t - 1) // P) if P > 1 else None
+        ev = (self.offset + evidence[0], self.offset + evidence[1]) if evidence and evidence != (a, e) else None
+        return Span(self.request, s, t, how, pages=pages, split=self.split, share=share, evidence=ev)
+
+
+def blocks(seg: Segment) -> list[tuple[int, int]]:
+    """Page-aligned blocks of the segment (in request positions), clipped to it."""
+    L, P = seg.kv.shape[0], seg.page_size if seg.page_size > 1 else BLOCK
+    first = (seg.offset // P) * P
+    return [(max(a, seg.offset) - seg.offset, min(a + P, seg.offset + L) - seg.offset)
+            for a in range(first, seg.offset + L, P)]  # fmt: skip
+
+
+def locate(seg: Segment) -> Optional[Span]:
+    """The pages (blocks) of ``seg`` whose removal (or zeroing) restores the row, with the positions
+    inside them that carry the evidence; a sub-page range only when no whole page restores but it
+    does; else the block carrying most of the error; None when removing nothing helps."""
+    base = seg.ratio()
+    if base <= 1:
+        return None
+    tried = {(blk, z): seg.ratio(blk, z) for blk in blocks(seg) for z in (False, True)}
+    (best, zero), r = min(tried.items(), key=lambda kv: kv[1])
+    (a, e), r = _grow(seg, best, zero, r)
+    how = "reading them as zeros restores the output" if zero else "their removal restores the output"
+    if r <= 1:
+        return seg.span(a, e, how, evidence=_narrow(seg, a, e, zero))
+    for x, y in _inside(seg, best):  # a part of a page: only when the data tell it from the page
+        if seg.ratio((x, y)) <= 1:
+            return seg.span(x, y, "their removal restores the output (not the whole page's)")
+    share = 1 - tried[(best, zero)] / base
+    return seg.span(*best, "carries the error", share=share) if share > 0.05 else None
+
+
+def _inside(seg: Segment, blk: tuple[int, int]) -> list[tuple[int, int]]:
+    """Sub-ranges of a block, shortest first: single positions (all of a short segment's), then
+    the block's heads and tails of 2, 4, 8, ... positions."""
+    L, (a, e) = seg.kv.shape[0], blk
+    singles = [(p, p + 1) for p in (range(L) if L <= SINGLES else range(a, e))]
+    ends, k = [], 2
+    while k < e - a:
+        ends += [(a, a + k), (e - k, e)]
+        k *= 2
+    return singles + ends
+
+
+def _grow(seg: Segment, blk: tuple[int, int], zero: bool, r: float) -> tuple[tuple[int, int], float]:
+    """Add the neighbouring block that helps most while the removal does not yet restore (a run
+    of pages gone together); stop when no neighbour takes a tenth of the error away."""
+    (a, e), L = blk, seg.kv.shape[0]
+    step = seg.page_size if seg.page_size > 1 else BLOCK
+    while r > 1:
+        grown = [x for x in ((max(0, a - step), e), (a, min(L, e + step))) if x != (a, e)]
+        scored = [(seg.ratio(x, zero), x) for x in grown]
+        if not scored or min(scored)[0] > 0.9 * r:
+            break
+        r, (a, e) = min(scored)
+    return (a, e), r
+
+
+def _narrow(seg: Segment, a: int, e: int, zero: bool) -> tuple[int, int]:
+    """The smallest [a', e') inside [a, e) whose removal still restores: binary search on each end."""
+    lo, hi = a, e - 1  # the largest start that still restores
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if seg.ratio((mid, e), zero) <= 1 else (lo, mid - 1)
+    a = lo
+    lo, hi = a + 1, e  # the smallest end that still restores
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if seg.ratio((a, mid), zero) <= 1 else (mid + 1, hi)
+    return a, lo
