@@ -81,3 +81,17 @@ def test_jobs_report_the_crash_not_an_invalid_capture(hostile, tmp_path):
         assert r.verdict == "diverged" and r.exit_code == 1, r.error
         assert r.backends["triton_oob_index"].reason == "killed by SIGSEGV: out-of-bounds read?"
         assert r.backends["observed"].status == "pass"
+
+
+def _double(x):
+    return x * 2
+
+
+def test_the_spawned_child_used_when_cuda_is_in_play(monkeypatch):
+    """What a GPU replay does (CUDA cannot be used in a forked child): a fresh interpreter per run."""
+    monkeypatch.setattr(isolation, "cuda_in_play", lambda: True)
+    assert isolation.run_isolated(_double, 21) == 42
+    with pytest.raises(isolation.KernelCrashed, match="^killed by SIGSEGV"):
+        isolation.run_isolated(_segfault)
+    with pytest.raises(isolation.KernelError, match="^ValueError: bad shape$"):
+        isolation.run_isolated(_raise)

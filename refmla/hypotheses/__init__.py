@@ -7,15 +7,22 @@ report the first, in the table's order, that brings the backend's error back to 
     empty_split_merged  {"split", "num_kv_splits",    an empty split's NaN / zero-scratch partial merged in
                          "went_in"}
     seq_len_off_by      {"delta": k}                  attended seq_len + k tokens, k in -4..4, k != 0
+                                                      (delta -1: newest_kv_unwritten listed as an
+                                                      alternative when it fits too)
+    newest_kv_unwritten {"how": "zero"}               the newest position's KV row read as zeros
     offset_overflow     {"first_slot", "position",    a 32-bit row offset wrapped: positions past the
                          "offset", "reads"}           wrap read another slot's bytes, or zeros
     last_page_len_swapped {"from_request", ...}       the last page's length from another request
+    pages_read_off      {"pages": k, "page_size"}     the request's positions read k pages on (k < 0: back)
+    other_rows_read     {"page", "from_request",      a page of the request holds another page of the
+                         "from_page"}                 capture's pool (another request's, or its own)
     kv_range_missing    {"start", "end", "how"}       positions [start, end) dropped or read as zeros,
                                                       at page or split granularity
     split_missing       {"split": s}                  split s's partial left out of the merge
     kv_scale_misapplied {"scale", "applied"}          fp8 k_scale / v_scale applied twice or not at all
     wrong_sm_scale      {"ratio": r}                  used r * sm_scale
     head_misaligned     {"mapping": "...", "heads"}   output head h holds reference head heads[h]
+    output_rows_permuted {"rows": {r: r2}}            output row r holds request r2's output
     rope_mishandled     {"how"}                       q . k without its rope part, or parts swapped
     logit_cap_mismatch  {"logit_cap": c}              soft cap c applied (0: omitted)
 
@@ -47,7 +54,8 @@ The package (imports go down this list):
     one module per family, each with NAME and ``search(s: Search) -> Optional[Explanation]``:
     seq_len.py, kv_range.py, split.py, sm_scale.py, heads.py, logit_cap.py, and the faults of real
     MLA kernels (refmla/synth/zoo.py plants them): pages.py (two families), empty_split.py,
-    overflow.py, kv_scale.py, rope.py
+    overflow.py, kv_scale.py, rope.py, misplaced.py (four families: KV read or output written in the
+    wrong place)
 
 A new family is a module like those (its candidates through ``per_request`` when each failing
 request gets its own detail, ``global_hypothesis`` when one setting explains the whole output)
@@ -69,11 +77,11 @@ import torch
 from refmla.compare import Comparison
 from refmla.context import ReplayContext
 from refmla.hypotheses import (
-    empty_split, heads, kv_range, kv_scale, logit_cap, numerics, overflow, pages, rope, seq_len, sm_scale, split,
-    verify,
+    empty_split, heads, kv_range, kv_scale, logit_cap, misplaced, numerics, overflow, pages, rope, seq_len, sm_scale,
+    split, verify,
 )
 from refmla.hypotheses.search import Search, SearchFn
-from refmla.results import Explanation
+from refmla.results import Alternative, Explanation
 from refmla.util import single_thread
 
 # The families in the order they are tried: the contract's order, simplest first.
@@ -81,7 +89,8 @@ SEARCHES: dict[str, SearchFn] = {
     numerics.NAME: numerics.search,
     pages.FULL: pages.search_full,
     empty_split.NAME: empty_split.search,
-    seq_len.NAME: seq_len.search,
+    seq_len.NAME: lambda s: misplaced.newest_alternative(s, seq_len.search(s)),  # and the newest row unwritten
+    misplaced.NEWEST: misplaced.search_newest,
     overflow.NAME: overflow.search,
     pages.SWAPPED: pages.search_swapped,
     # the speculative verify path (verify captures only; docs/contract.md section 4)
@@ -89,11 +98,14 @@ SEARCHES: dict[str, SearchFn] = {
     "causal_alignment": verify.search_causal,
     "mask_wrong_request": verify.search_mask,
     "qlen_pow2_padding": verify.search_pow2,
+    misplaced.PAGES_OFF: misplaced.search_pages_off,
+    misplaced.OTHER_ROWS: misplaced.search_other_rows,
     kv_range.NAME: kv_range.search,
     split.NAME: split.search,
     kv_scale.NAME: kv_scale.search,
     sm_scale.NAME: sm_scale.search,
     heads.NAME: heads.search,
+    misplaced.PERMUTED: misplaced.search_permuted,
     rope.NAME: rope.search,
     logit_cap.NAME: logit_cap.search,
 }
@@ -131,8 +143,26 @@ def explain_failure(
         if notes is not None and s.memo(numerics.TRIED, list):
             notes["numerics_tried"] = s.memo(numerics.TRIED, list)
         if found is not None:
+            cross_alternatives(s, found)
             found.seconds = round(time.perf_counter() - t0, 3)
     return found
+
+
+# Families whose outputs can lie within noise of each other's (a position more or less, a row read
+# as zeros, a page table read one entry off): when one explains, the others that also do are
+# listed as its alternatives, so the engineer checks both causes.
+CROSS = (seq_len.NAME, misplaced.NEWEST, misplaced.PAGES_OFF)
+
+
+def cross_alternatives(s: Search, found: Explanation) -> None:
+    """Add to ``found.alternatives`` every CROSS family that explains the same output completely."""
+    if found.hypothesis not in CROSS or not found.complete:
+        return
+    have = {(a.hypothesis, repr(sorted(a.detail.items()))) for a in found.alternatives}
+    for name in CROSS:
+        other = SEARCHES[name](s) if name != found.hypothesis else None
+        if other is not None and other.complete and (name, repr(sorted(other.detail.items()))) not in have:
+            found.alternatives.append(Alternative(name, other.detail, other.request, other.residual_ratio))
 
 
 def explanations(s: Search) -> Iterator[Explanation]:

@@ -1,7 +1,8 @@
 """wrong_sm_scale {"ratio": r}: the kernel used r * sm_scale.
 
 Whole output: ratios that name a known mistake (no yarn mscale^2, mscale once, 1/sqrt(D) for the
-usual D, exp vs exp2, no scale at all) are screened on the worst request; when none screens
+usual D, exp vs exp2, no scale at all, sm_scale or k_scale applied twice: a ratio equal to the
+capture's own sm_scale or k_scale) are screened on the worst request; when none screens
 within GOOD, the ratio is fitted (0.05..20) and it and its rounder neighbours are screened too.
 """
 
@@ -55,5 +56,7 @@ def scale_candidates(s: Search) -> list[tuple[float, str]]:
                     (m2, f"yarn mscale^2 applied twice (qk_head_dim {qk})")]  # fmt: skip
         out.append((qk**-0.5 / sm, f"1/sqrt({qk}) instead of the given sm_scale"))
     out += [(LOG2E, "scaled by log2(e) twice (exp2 path)"), (1 / LOG2E, "log2(e) missing in an exp2 softmax"),
-            (1 / sm, "no softmax scale at all")]  # fmt: skip
+            (1 / sm, "no softmax scale at all"), (sm, "sm_scale applied twice (the ratio is the capture's sm_scale)")]
+    if abs(s.sc.k_scale - 1) > 1e-6:
+        out.append((s.sc.k_scale, "k_scale applied twice (folded into the softmax scale, then again)"))
     return [(r, why) for r, why in out if abs(r - 1) > 1e-6]

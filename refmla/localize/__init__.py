@@ -5,6 +5,7 @@ can be localized, ``tried`` says what was searched.
 
     types.py      Localization and Span: typed, one line of text for the table
     stages.py     split kernels: stage-1 partials, stage-1 lse, stage-2 merge, final lse
+    lse.py        a final lse in log2 units (or ln where log2 was meant)
     positions.py  one request's (or split's) positions, by removing or zeroing blocks of them
 """
 
@@ -15,6 +16,7 @@ import torch
 from refmla import reference as ref
 from refmla.blame import failing_requests, worst_blame
 from refmla.context import ReplayContext
+from refmla.localize.lse import lse_units
 from refmla.localize.positions import Segment, locate
 from refmla.localize.stages import split_stage
 from refmla.localize.types import STAGES, Localization, Span
@@ -33,6 +35,8 @@ def localize(ctx: ReplayContext, res, entry: BackendEntry) -> Localization:
     loc = Localization(requests=reqs, heads={b: _heads(ctx, res, entry, b) for b in reqs})
     found = split_stage(ctx, res, out_failed="out" in parts, lse_failed="lse" in parts)
     loc.stage, loc.tried = found.stage, [found.tried]
+    if "lse" in parts:
+        loc.cause = lse_units(ctx, res.lse, sorted(parts["lse"]))
     if not cap.is_decode:
         loc.tried.append("positions: decode captures only")
         return loc

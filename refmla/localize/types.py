@@ -55,6 +55,7 @@ class Localization:
     stage: Optional[str] = None  # a key of STAGES, None when the backend has no split stages
     spans: list[Span] = field(default_factory=list)
     tried: list[str] = field(default_factory=list)  # what was searched, found or not
+    cause: Optional[dict[str, Any]] = None  # a named cause of a part no hypothesis covers (lse_units)
 
     def text(self) -> str:
         """"request 1 heads 0-7, positions 640..703 (page 10): removal restores, stage 1 (split partials)"."""
@@ -67,6 +68,9 @@ class Localization:
         parts += [s.text() for s in self.spans if s.request == b][:2]
         if self.stage:
             parts.append(STAGES[self.stage])
+        if self.cause is not None:
+            units = self.cause["detail"]["units"]
+            parts.append("the final lse in log2 units" if units == "log2" else "the final lse in ln units (log2 meant)")
         if len(parts) == 1 and self.tried:
             parts.append("no positions found (" + "; ".join(self.tried) + ")")
         return "localized: " + ", ".join(parts)
@@ -74,7 +78,7 @@ class Localization:
     def to_json(self) -> dict[str, Any]:
         return {"requests": list(self.requests), "heads": {str(b): h for b, h in self.heads.items()},
                 "stage": self.stage, "spans": [s.to_json() for s in self.spans], "tried": list(self.tried),
-                "text": self.text()}  # fmt: skip
+                "cause": self.cause, "text": self.text()}  # fmt: skip
 
 
 def _ranges(xs: list[int]) -> str:

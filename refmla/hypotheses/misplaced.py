@@ -1,0 +1,183 @@
+"""Real fault classes where the kernel read or wrote the right math in the wrong place (issue 21):
+
+    newest_kv_unwritten   {"how": "zero"}                  the newest position's KV row read as zeros
+                                                           (the decode step's own KV write not landed);
+                                                           offered with seq_len_off_by(-1) when both fit
+    pages_read_off        {"pages": k, "page_size": P}     request b's positions read k pages on
+                                                           (k < 0: back) in the flat page table
+    other_rows_read       {"page", "from_request",         page `page` of request b holds page
+                           "from_page"}                    `from_page` of request `from_request`
+                                                           (searched in the capture's own pool)
+    output_rows_permuted  {"rows": {r: r2}}                output row r holds request r2's output
+
+Per request each, but output_rows_permuted (whole output). Candidates are screened with per-page
+block sums of exp(logit) and exp(logit) * v over the whole pool (one q . k per request), so
+every (page, source page) pair costs O(H * Dv); the best few are confirmed by the comparator.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Optional
+
+import torch
+
+from refmla import reference as ref
+from refmla.hypotheses.drivers import global_hypothesis, per_request, rescore
+from refmla.hypotheses.search import SCREEN, Candidate, Search
+from refmla.results import Alternative, Explanation
+
+NEWEST = "newest_kv_unwritten"
+PAGES_OFF = "pages_read_off"
+OTHER_ROWS = "other_rows_read"
+PERMUTED = "output_rows_permuted"
+OFFSETS = (1, -1, 2, -2, 3, -3)  # pages read on / back, simplest first
+
+
+# --------------------------------------------------------------------------------------------
+# The newest position's row not written
+# --------------------------------------------------------------------------------------------
+
+
+def newest_candidate(s: Search, b: int) -> Optional[Candidate]:
+    r = s.req(b)
+    if r.L < 2 or r.T != 1:
+        return None
+    zero = torch.zeros(r.L, dtype=torch.bool)
+    zero[-1] = True
+    exp, ctl = s.attend_rows(b, r.pool_rows, r.vis, zero=zero)
+    return Candidate({"how": "zero"}, exp, ctl, rescore(s, b, exp), extra={"position": r.L - 1})
+
+
+def search_newest(s: Search) -> Optional[Explanation]:
+    if not s.cap.is_decode:
+        return None
+    return per_request(s, NEWEST, lambda s, b: iter([c] if (c := newest_candidate(s, b)) and c.score < SCREEN else []))
+
+
+def newest_alternative(s: Search, e: Optional[Explanation]) -> Optional[Explanation]:
+    """seq_len_off_by(-1) and the newest row read as zeros give outputs within noise of each
+    other when the newest token weighs little: list the other cause when it fits too."""
+    if e is None or e.detail.get("delta") != -1 or not s.cap.is_decode:
+        return e
+    for b in e.explained_requests or [e.request]:
+        c = newest_candidate(s, b)
+        if c is not None and s.confirm(c.expected, c.control, s.rows_of(b)).passed:
+            e.alternatives.insert(0, Alternative(NEWEST, c.detail, b, None))
+    return e
+
+
+# --------------------------------------------------------------------------------------------
+# Pages read k pages off
+# --------------------------------------------------------------------------------------------
+
+
+def _shifted_rows(s: Search, b: int, k: int) -> Optional[torch.Tensor]:
+    """Request b's positions read k pages on in the flat index list; None past its ends."""
+    cap, P = s.cap, max(1, s.cap.meta.page_size)
+    lo, hi = int(cap.kv_indptr[b]), int(cap.kv_indptr[b + 1])
+    a, e = lo + k * P, hi + k * P
+    if a < 0 or e > cap.kv_indices.shape[0] or hi == lo:
+        return None
+    return cap.kv_indices[a:e].long()
+
+
+def find_pages_off(s: Search, b: int) -> Iterator[Candidate]:
+    r, P = s.req(b), max(1, s.cap.meta.page_size)
+    cands = []
+    for k in OFFSETS:
+        rows = _shifted_rows(s, b, k)
+        if rows is None:
+            continue
+        exp, ctl = s.attend_rows(b, rows, r.vis)
+        cands.append(Candidate({"pages": k, "page_size": P}, exp, ctl, rescore(s, b, exp), simplicity=(abs(k), k < 0)))
+    yield from sorted((c for c in cands if c.score < SCREEN), key=lambda c: c.score)
+
+
+def search_pages_off(s: Search) -> Optional[Explanation]:
+    return per_request(s, PAGES_OFF, find_pages_off) if s.cap.is_decode else None
+
+
+# --------------------------------------------------------------------------------------------
+# A page holding another request's page
+# --------------------------------------------------------------------------------------------
+
+
+def _pool_pages(s: Search) -> list[tuple[int, int, torch.Tensor]]:
+    """(request, page, pool rows) of every page the capture's requests read, in request order."""
+    cap, P = s.cap, max(1, s.cap.meta.page_size)
+    out = []
+    for b in range(cap.batch_size):
+        rows = ref.request_rows(cap.kv_indptr, cap.kv_indices, b)
+        out += [(b, i, rows[i * P : (i + 1) * P]) for i in range(math.ceil(len(rows) / P))]
+    return out
+
+
+def find_other_rows(s: Search, b: int) -> Iterator[Candidate]:
+    """Each (own page, source page) by block sums; the best few recomputed exactly."""
+    r, cap, P = s.req(b), s.cap, max(1, s.cap.meta.page_size)
+    if r.T != 1 or r.L == 0 or P == 1:
+        return
+    pages = s.memo("misplaced.pool_pages", lambda: _pool_pages(s))
+    src = torch.cat([rows for _, _, rows in pages])  # [N] every row any request reads
+    kv = ref.gather(cap.kv_buffer, src, torch.float64)  # [N, D]
+    logits = torch.einsum("hd,nd->hn", r.q64[0], kv) * s.sc.k_scale * s.sc.sm_scale  # [H, N]
+    if s.sc.logit_cap > 0:
+        logits = s.sc.logit_cap * torch.tanh(logits / s.sc.logit_cap)
+    m = logits.max(-1, keepdim=True).values
+    w = torch.exp(logits - m).nan_to_num(0.0)  # [H, N]
+    v = kv[:, : s.sc.kv_lora_rank] * s.sc.v_scale  # [N, Dv]
+    seg = torch.repeat_interleave(torch.arange(len(pages)), torch.tensor([len(x) for _, _, x in pages]))  # [N]
+    S = torch.zeros(w.shape[0], len(pages), dtype=torch.float64).index_add_(1, seg, w)  # [H, pages]
+    W = torch.zeros(len(pages), w.shape[0], v.shape[1], dtype=torch.float64).index_add_(
+        0, seg, torch.einsum("hn,nv->nhv", w, v))  # [pages, H, Dv]  # fmt: skip
+    own = [j for j, (bb, _, _) in enumerate(pages) if bb == b]
+    S_b, W_b = S[:, own].sum(-1), W[own].sum(0)  # [H], [H, Dv]
+    target = s.o64[r.rows[0]]  # [H, Dv]
+    tol = s.row_tol[r.rows[0]]  # [H]
+    scored = []
+    for j in own:
+        if len(pages[j][2]) != P:
+            continue  # a partial last page: its source would have to be cut as well
+        out = (W_b - W[j] + W) / (S_b - S[:, j] + S.T)[..., None]  # [pages, H, Dv]
+        ratio = ((out - target).abs().amax(-1) / tol).amax(-1)  # [pages]
+        ratio[j] = math.inf
+        for t in torch.argsort(ratio)[:2].tolist():
+            scored.append((float(ratio[t]), pages[j][1], t))
+    for score, page, t in sorted(scored)[:3]:
+        if score >= SCREEN:
+            break
+        fb, fp, rows = pages[t]
+        seq = r.pool_rows.clone()
+        seq[page * P : (page + 1) * P] = rows
+        exp, ctl = s.attend_rows(b, seq, r.vis)
+        yield Candidate({"page": page, "from_request": fb, "from_page": fp}, exp, ctl, score,
+                        simplicity=(fb == b, page))  # fmt: skip
+
+
+def search_other_rows(s: Search) -> Optional[Explanation]:
+    return per_request(s, OTHER_ROWS, find_other_rows) if s.cap.is_decode else None
+
+
+# --------------------------------------------------------------------------------------------
+# Output rows written to another request's row
+# --------------------------------------------------------------------------------------------
+
+
+def search_permuted(s: Search) -> Optional[Explanation]:
+    """Each failing output row matched to the reference row nearest it; a mapping that moves rows
+    and is one-to-one is confirmed."""
+    if not s.cap.is_decode or s.o64.shape[0] < 2:
+        return None
+    R = s.o64.shape[0]
+    bad = torch.nonzero(s.bad_rows.any(-1)).flatten().tolist()
+    perm = list(range(R))
+    for r in bad:
+        d = (s.o64[r][None] - s.ref).abs().amax(-1) / s.row_tol[r][None]  # [R, H]
+        perm[r] = int(torch.nan_to_num(d, nan=math.inf).amax(-1).argmin())
+    moved = {r: perm[r] for r in bad if perm[r] != r}
+    if not moved or len(set(perm)) != R:
+        return None
+    idx = torch.tensor(perm)
+    cand = Candidate({"rows": moved}, s.ref[idx], s.ctrl[idx])
+    return global_hypothesis(s, PERMUTED, iter([cand]))

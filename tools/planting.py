@@ -1,0 +1,165 @@
+"""Faulty outputs written with a plain loop of our own, for measuring refmla's diagnosis.
+
+Nothing here calls refmla's reference, control or hypothesis search (refmla is used only to
+read the preset's inputs and to write the capture file): each fault is planted by editing what
+the "kernel" reads or writes -- the index list, the pool rows, the output rows, the lse -- and
+then computing attention request by request, head by head, with an explicit softmax in fp64
+(``attention`` below). So a benchmark over these faults measures the search, not its inverse.
+
+Each PLANTS entry: name -> (function(t, spec, b) -> (out, lse, detail), the hypothesis that
+names it, the detail keys the answer must match). ``t`` is the capture's tensors (q,
+kv_buffer, kv_indptr, kv_indices, seq_lens, ...), ``b`` the request the fault hits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+
+def attention(q, pool, indptr, indices, Dv: int, sm_scale: float, rows=None):
+    """out [B, H, Dv], lse [B, H] fp64: for each request, each head, softmax(q . k * sm_scale) . v."""
+    B, H, _ = q.shape
+    out = torch.zeros(B, H, Dv, dtype=torch.float64)
+    lse = torch.full((B, H), -math.inf, dtype=torch.float64)
+    for b in range(B) if rows is None else rows:
+        slots = indices[int(indptr[b]) : int(indptr[b + 1])].long()
+        if len(slots) == 0:
+            continue
+        k = pool[slots, 0].double()  # [L, D]
+        for h in range(H):
+            s = (k @ q[b, h].double()) * sm_scale  # [L]
+            m = float(s.max())
+            p = torch.exp(s - m)
+            out[b, h] = (p[:, None] * k[:, :Dv]).sum(0) / p.sum()
+            lse[b, h] = m + math.log(float(p.sum()))
+    return out, lse
+
+
+def salient_newest(t, spec, b) -> None:
+    """Make request b's newest token one its heads attend to (in a model a decode step's own token
+    is): its row along the mean of b's query heads, scaled to a mean logit of 8. A random newest
+    row among hundreds holds too little softmax mass for any fault in it to be seen."""
+    slot = int(t["kv_indices"][int(t["kv_indptr"][b + 1]) - 1])
+    m = t["q"][b].double().mean(0)  # [D]
+    mean_logit = float((t["q"][b].double() @ m).mean()) * spec.sm_scale
+    if mean_logit > 0:
+        t["kv_buffer"][slot, 0] = (m * (8.0 / mean_logit)).to(t["kv_buffer"].dtype)
+
+
+def _clean(t, spec):
+    return attention(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], spec.kv_lora_rank, spec.sm_scale)
+
+
+def _page(spec) -> int:
+    return spec.page_size if spec.page_size > 1 else 64
+
+
+def page_missing(t, spec, b):
+    """Page 1 of request b (page_size 1: positions 64..127) never arrived: the kernel skips it."""
+    P, lo = _page(spec), int(t["kv_indptr"][b])
+    idx = torch.cat([t["kv_indices"][: lo + P], t["kv_indices"][lo + 2 * P :]])
+    ip = t["kv_indptr"].clone()
+    ip[b + 1 :] -= P
+    out, lse = attention(t["q"], t["kv_buffer"], ip, idx, spec.kv_lora_rank, spec.sm_scale)
+    return out, lse, {"start": P, "end": 2 * P}
+
+
+def pages_read_off(t, spec, b):
+    """Request b reads its page table one page back (page_size 1: one position back)."""
+    salient_newest(t, spec, b)
+    P, lo, hi = max(1, spec.page_size), int(t["kv_indptr"][b]), int(t["kv_indptr"][b + 1])
+    idx = t["kv_indices"].clone()
+    idx[lo:hi] = t["kv_indices"][lo - P : hi - P]
+    out, lse = attention(t["q"], t["kv_buffer"], t["kv_indptr"], idx, spec.kv_lora_rank, spec.sm_scale)
+    return out, lse, {"pages": -1}
+
+
+def other_rows_read(t, spec, b):
+    """Page 2 of request b holds page 1 of request 0 (a page reused before its transfer landed)."""
+    P, lo, lo0 = max(1, spec.page_size), int(t["kv_indptr"][b]), int(t["kv_indptr"][0])
+    pool = t["kv_buffer"].clone()
+    mine = t["kv_indices"][lo + 2 * P : lo + 3 * P].long()
+    theirs = t["kv_indices"][lo0 + P : lo0 + 2 * P].long()
+    pool[mine] = t["kv_buffer"][theirs]
+    out, lse = attention(t["q"], pool, t["kv_indptr"], t["kv_indices"], spec.kv_lora_rank, spec.sm_scale)
+    return out, lse, {"page": 2, "from_request": 0, "from_page": 1}
+
+
+def rows_permuted(t, spec, b):
+    """The outputs of requests 0 and 1 written to each other's rows."""
+    out, lse = _clean(t, spec)
+    perm = list(range(out.shape[0]))
+    perm[0], perm[1] = 1, 0
+    return out[perm], lse[perm], {"rows": {0: 1, 1: 0}}
+
+
+def newest_kv_zero(t, spec, b):
+    """Request b's newest KV row not yet written: zeros where the kernel reads it."""
+    salient_newest(t, spec, b)
+    pool = t["kv_buffer"].clone()
+    pool[int(t["kv_indices"][int(t["kv_indptr"][b + 1]) - 1])] = 0
+    out, lse = attention(t["q"], pool, t["kv_indptr"], t["kv_indices"], spec.kv_lora_rank, spec.sm_scale)
+    return out, lse, {"how": "zero"}
+
+
+def seq_len_short(t, spec, b):
+    """Request b attends one token less."""
+    salient_newest(t, spec, b)
+    ip = t["kv_indptr"].clone()
+    lo, hi = int(ip[b]), int(ip[b + 1])
+    idx = torch.cat([t["kv_indices"][: hi - 1], t["kv_indices"][hi:]])
+    ip[b + 1 :] -= 1
+    out, lse = attention(t["q"], t["kv_buffer"], ip, idx, spec.kv_lora_rank, spec.sm_scale)
+    return out, lse, {"delta": -1}
+
+
+def sm_scale_twice(t, spec, b):
+    """sm_scale applied twice (once folded into q, once in the kernel)."""
+    out, lse = attention(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], spec.kv_lora_rank,
+                         spec.sm_scale * spec.sm_scale)  # fmt: skip
+    return out, lse, {}
+
+
+def kv_zero_block(t, spec, b):
+    """Positions 32..95 of request b read as zeros (a block the transfer left unwritten)."""
+    pool = t["kv_buffer"].clone()
+    lo = int(t["kv_indptr"][b])
+    pool[t["kv_indices"][lo + 32 : lo + 96].long()] = 0
+    out, lse = attention(t["q"], pool, t["kv_indptr"], t["kv_indices"], spec.kv_lora_rank, spec.sm_scale)
+    return out, lse, {"start": 32, "end": 96}
+
+
+def heads_rotated(t, spec, b):
+    """Output head h holds head h + 1 (a head offset off by one)."""
+    out, lse = _clean(t, spec)
+    return torch.roll(out, -1, dims=1), torch.roll(lse, -1, dims=1), {}
+
+
+Plant = Callable  # (t, spec, b) -> (out [B, H, Dv], lse [B, H], detail)
+
+# name -> (planter, the hypothesis that names it, detail keys that must match)
+PLANTS: dict[str, tuple[Plant, str, tuple]] = {
+    "seq_len_short": (seq_len_short, "seq_len_off_by", ("delta",)),
+    "newest_kv_zero": (newest_kv_zero, "newest_kv_unwritten", ()),
+    "pages_read_off": (pages_read_off, "pages_read_off", ("pages",)),
+    "other_rows_read": (other_rows_read, "other_rows_read", ("page", "from_request", "from_page")),
+    "page_missing": (page_missing, "kv_range_missing", ("start", "end")),
+    "kv_zero_block": (kv_zero_block, "kv_range_missing", ()),
+    "sm_scale_twice": (sm_scale_twice, "wrong_sm_scale", ()),
+    "heads_rotated": (heads_rotated, "head_misaligned", ()),
+    "rows_permuted": (rows_permuted, "output_rows_permuted", ("rows",)),
+}
+
+
+def lse_log2(t, spec, b):
+    """Request b's final lse written in log2 units (the output is right)."""
+    out, lse = _clean(t, spec)
+    lse = lse.clone()
+    lse[b] = lse[b] / math.log(2)
+    return out, lse, {"units": "log2"}
+
+
+PLANTS["lse_log2"] = (lse_log2, "lse_units", ("units",))
