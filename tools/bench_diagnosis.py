@@ -230,10 +230,17 @@ def main(argv=None) -> int:
     p.add_argument("--backend", action="append", default=[], help="also replay through these backends")
     p.add_argument("--max-search", type=float, default=None, help="fail when a search takes longer (seconds)")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    p.add_argument("--independent", action="store_true",
+                   help="faults planted by tools/planting.py (its own loop, not refmla's): tools/bench_planted.py")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.independent:
+        sys.path.insert(0, os.path.dirname(__file__))
+        from bench_planted import independent_main
+
+        return independent_main(args.quick)
     presets = args.preset or (PRESETS[:1] if args.quick else PRESETS)
     pages = args.page_size or ((1,) if args.quick else PAGE_SIZES)
     opts = ReplayOptions(backends=args.backend)

@@ -18,6 +18,7 @@ import torch
 
 from refmla.capture import Capture, CaptureError, read_capture
 from refmla.diffkv.pairing import PairedRequest, Pairing, pair_requests
+from refmla.diffkv.provenance import RowIndex, sources_of
 from refmla.diffkv.runs import MAX_RANGES, ranges, transfer_runs
 from refmla.diffkv.types import DiffResult, MismatchDetail, Mismatches, PrefillDisagreement, RequestDiff
 from refmla.pool import row_stats, rows_differ
@@ -54,7 +55,8 @@ def diff_kv(prefill: list[Capture], decode: Capture) -> DiffResult:
         plan = _plan(pairing, prefill, decode)
         cmp = _compare(plan, prefill, decode)
         phys = decode.orig_kv_indices is not None and all(c.orig_kv_indices is not None for c in prefill)
-        entries = [_request_diff(p, cmp, prefill, decode, phys) for p in plan.requests]
+        index = _LazyIndex(prefill)
+        entries = [_request_diff(p, cmp, prefill, decode, phys, index) for p in plan.requests]
         entries += [_unpaired(r) for r in pairing.requests if not r.paired]
         return _result(entries, pairing, prefill, decode, phys, notes + pairing.notes, plan.total)
 
@@ -166,7 +168,20 @@ def _compare(plan: _Plan, prefill: list[Capture], decode: Capture) -> _Compared:
 NOTHING_COMPARED = "nothing_compared"  # a paired request of which neither side holds a position both hold
 
 
-def _request_diff(p: _Planned, cmp: _Compared, prefill: list[Capture], decode: Capture, phys: bool) -> RequestDiff:
+class _LazyIndex:
+    """The prefill rows hashed by their bytes (refmla.diffkv.provenance), built at the first mismatch."""
+
+    def __init__(self, prefill: list[Capture]):
+        self.prefill, self.index = prefill, None
+
+    def get(self) -> RowIndex:
+        if self.index is None:
+            self.index = RowIndex(self.prefill)
+        return self.index
+
+
+def _request_diff(p: _Planned, cmp: _Compared, prefill: list[Capture], decode: Capture, phys: bool,
+                  index: _LazyIndex) -> RequestDiff:  # fmt: skip
     r, n, P = p.req, p.n, decode.meta.page_size
     m = cmp.mism[p.off : p.off + n]
     pos = torch.nonzero(m).flatten()  # [k] mismatched positions of this request
@@ -188,6 +203,8 @@ def _request_diff(p: _Planned, cmp: _Compared, prefill: list[Capture], decode: C
     e.mismatches = _mismatches(r, pos, cmp.stats_of(p.off, k), prefill, decode)
     if phys:
         e.transfer_runs = transfer_runs(r, n, m, prefill, decode, P)
+    d_rows = decode.kv_indices[r.decode_at(decode, 0) + pos].long()
+    e.sources = sources_of(index.get(), decode, d_rows, pos, r.rid)
     e.summary = _summary(e)
     return e
 

@@ -12,7 +12,7 @@ HEADER = ["request", "compared", "mismatched", "first", "pages", "max_abs_diff",
 def render_diff(result: DiffResult) -> str:
     """The diff-kv result as a table, the transfer runs holding mismatches, and a verdict line."""
     body = table([_row(e) for e in result.requests], HEADER)
-    return "\n".join([*_head(result), "", body, *_runs(result), "", *_verdict(result)])
+    return "\n".join([*_head(result), "", body, *_runs(result), *_sources(result), "", *_verdict(result)])
 
 
 def _head(result: DiffResult) -> list[str]:
@@ -64,6 +64,12 @@ def _runs(result: DiffResult) -> list[str]:
     if len(runs) > MAX_RUN_LINES:
         lines.append(f"  ... {len(runs) - MAX_RUN_LINES} more")
     return lines
+
+
+def _sources(result: DiffResult) -> list[str]:
+    """Where the mismatched rows' bytes are in the prefill captures (refmla.diffkv.provenance)."""
+    said = [f"  {e.request}: {src.text(e.rid)}" for e in result.requests for src in (e.sources or [])]
+    return ["", "mismatched rows found in the prefill:", *said[:MAX_RUN_LINES]] if said else []
 
 
 def _verdict(result: DiffResult) -> list[str]:

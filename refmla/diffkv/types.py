@@ -141,6 +141,7 @@ class RequestDiff:
     mismatches: Optional[Mismatches] = None
     summary: Optional[str] = None  # one line on the mismatches
     transfer_runs: Optional[TransferRuns] = None  # with physical slots on both sides
+    sources: Optional[list] = None  # refmla.diffkv.provenance.Source: where mismatched rows' bytes are in the prefill
 
     @property
     def paired(self) -> bool:
@@ -180,6 +181,8 @@ class RequestDiff:
             d["summary"] = self.summary
             if self.transfer_runs is not None:
                 d["transfer_runs"] = self.transfer_runs.to_json()
+            if self.sources is not None:
+                d["sources"] = [src.to_json() | {"text": src.text(self.rid)} for src in self.sources]
         return d
 
 

@@ -33,6 +33,11 @@ def transfer_cell(entry: Optional[RequestDiff], why: str = "") -> TransferCell:
     run = entry.first_run
     if run is not None:
         cell.run = run.to_json()
+    if entry.sources:  # where the mismatched rows' bytes are in the prefill captures
+        cell.sources = [src.text(entry.rid) for src in entry.sources[:4]]
+        cell.offset = entry.sources[0].shift
+        other = next((src.rid for src in entry.sources if not src.same_request), None)
+        cell.source_rid = other
     return cell
 
 

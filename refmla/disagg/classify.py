@@ -62,6 +62,8 @@ def transfer_text(row: Row) -> str:
         text += f" holds the KV of request {t.source_rid} (same positions)"
     elif t.decode_zero_rows:
         text += f", {t.decode_zero_rows} all-zero decode rows (not landed)"
+    if t.sources:
+        text += "; " + "; ".join(t.sources[:2])
     return text
 
 

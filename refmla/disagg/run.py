@@ -78,7 +78,7 @@ def _row(plan, rid, layer, rank, reps, series, entries, region_of) -> Row:
     entry = entries.get((rid, first))
     if isinstance(entry, tuple):
         tcell = transfer_cell(entry[0])
-        tcell.source_rid = entry[1]
+        tcell.source_rid = entry[1] or tcell.source_rid
     else:
         tcell = transfer_cell(None, entry or "")
     mine = [r for r in reps if request_index(r, rid) is not None]

@@ -29,6 +29,8 @@ class TransferCell:
     summary: Optional[str] = None
     note: Optional[str] = None
     source_rid: Optional[str] = None  # the request whose prefill rows the first mismatching range holds
+    offset: Optional[int] = None  # the first source's position shift (source position - decode position)
+    sources: list[str] = field(default_factory=list)  # where mismatched rows' bytes are (refmla.diffkv.provenance)
 
     @property
     def bad(self) -> bool:
@@ -39,7 +41,7 @@ class TransferCell:
                 "mismatched_positions": self.mismatched_positions, "first_mismatch": self.first_mismatch,
                 "first_page": self.first_page, "mismatched_pages": list(self.mismatched_pages), "run": self.run,
                 "decode_zero_rows": self.decode_zero_rows, "source_rid": self.source_rid, "summary": self.summary,
-                "note": self.note}  # fmt: skip
+                "note": self.note, "offset": self.offset, "sources": list(self.sources)}  # fmt: skip
 
 
 @dataclass

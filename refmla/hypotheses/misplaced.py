@@ -135,6 +135,7 @@ def find_other_rows(s: Search, b: int) -> Iterator[Candidate]:
     S_b, W_b = S[:, own].sum(-1), W[own].sum(0)  # [H], [H, Dv]
     target = s.o64[r.rows[0]]  # [H, Dv]
     tol = s.row_tol[r.rows[0]]  # [H]
+    partial = torch.tensor([len(x) != P for _, _, x in pages])  # [pages] a last page cut short
     scored = []
     for j in own:
         if len(pages[j][2]) != P:
@@ -142,6 +143,7 @@ def find_other_rows(s: Search, b: int) -> Iterator[Candidate]:
         out = (W_b - W[j] + W) / (S_b - S[:, j] + S.T)[..., None]  # [pages, H, Dv]
         ratio = ((out - target).abs().amax(-1) / tol).amax(-1)  # [pages]
         ratio[j] = math.inf
+        ratio[partial] = math.inf  # a source must be a whole page, as the page it stands for
         for t in torch.argsort(ratio)[:2].tolist():
             scored.append((float(ratio[t]), pages[j][1], t))
     for score, page, t in sorted(scored)[:3]:

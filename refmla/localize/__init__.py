@@ -22,12 +22,19 @@ from refmla.localize.stages import split_stage
 from refmla.localize.types import STAGES, Localization, Span
 from refmla.results import BackendEntry
 from refmla.schedule import split_bounds
+from refmla.util import single_thread
 
 MAX_REQUESTS = 4  # requests (or splits) searched for positions, worst first
 
 
 def localize(ctx: ReplayContext, res, entry: BackendEntry) -> Localization:
-    """The Localization of a failing backend from its BackendResult and its judged entry."""
+    """The Localization of a failing backend from its BackendResult and its judged entry (one
+    torch thread: hundreds of small attentions, for which intra-op threads only add barrier waits)."""
+    with single_thread(), torch.no_grad():
+        return _localize(ctx, res, entry)
+
+
+def _localize(ctx: ReplayContext, res, entry: BackendEntry) -> Localization:
     cap = ctx.cap
     parts = failing_requests(entry, cap.request_of_row())
     blame = worst_blame(entry)

@@ -22,7 +22,7 @@ from refmla import reference as ref
 from refmla.localize.types import Span
 
 BLOCK = 64  # positions per block when the capture is not paged
-SINGLES = 512  # a segment up to this long has each of its positions tried alone
+SINGLES = 512  # a split up to this long has each of its positions tried alone
 
 
 @dataclass
@@ -96,7 +96,8 @@ def _inside(seg: Segment, blk: tuple[int, int]) -> list[tuple[int, int]]:
     """Sub-ranges of a block, shortest first: single positions (all of a short segment's), then
     the block's heads and tails of 2, 4, 8, ... positions."""
     L, (a, e) = seg.kv.shape[0], blk
-    singles = [(p, p + 1) for p in (range(L) if L <= SINGLES else range(a, e))]
+    every = seg.split is not None and L <= SINGLES  # a split: its last position may be the one
+    singles = [(p, p + 1) for p in (range(L) if every else range(a, e))]
     ends, k = [], 2
     while k < e - a:
         ends += [(a, a + k), (e - k, e)]

@@ -1,0 +1,104 @@
+"""The diagnosis measured on faults refmla did not plant: tools/planting.py writes each faulty
+output with its own attention loop (never refmla's reference, control or search), the replay
+(reference + observed) judges it, and each case is one of
+
+    named           the explanation (or one of its alternatives) names the planted hypothesis
+                    with the planted detail (the final lse's units: the localization's cause)
+    wrong           the explanation names another hypothesis, completely, and not the planted one
+    localized-only  not named nor wrongly explained, but the localization names the planted request(s)
+    unexplained     neither (the replay still diverges)
+    below noise     the replay agrees (the plant, not the diagnosis, needs fixing)
+    false alarm     a clean output (planting.attention with no fault) that does not agree
+
+    python tools/bench_diagnosis.py --independent            # Kimi-K2 / DeepSeek-V3 TP8, pages 1, 64, 256
+    python tools/bench_diagnosis.py --independent --quick    # 4 heads, 4 short requests, pages 1 and 64
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import planting  # noqa: E402
+
+from refmla.capture import read_capture, write_capture  # noqa: E402
+from refmla.context import ReplayOptions  # noqa: E402
+from refmla.replay import replay_capture  # noqa: E402
+from refmla.synth import make_inputs, make_meta, preset  # noqa: E402
+
+FULL = {"kimi-k2-tp8 page 1": ("kimi-k2-tp8", {}), "kimi-k2-tp8 page 256": ("kimi-k2-tp8-page256", {}),
+        "deepseek-v3-tp8 page 64": ("deepseek-v3-tp8", {}), "deepseek-v3-tp8 page 1": ("deepseek-v3-tp8", {"page_size": 1})}  # fmt: skip
+SMALL = {"num_heads": 4, "seq_lens": (300, 200, 420, 150)}
+QUICK = {"kimi-k2-tp8 page 1": ("kimi-k2-tp8", SMALL), "deepseek-v3-tp8 page 64": ("deepseek-v3-tp8", SMALL)}
+
+
+def _named(entry, hypothesis: str, want: dict) -> bool:
+    e, loc = entry.explanation, entry.localization
+    if hypothesis == "lse_units":
+        return loc is not None and loc.cause is not None and loc.cause["detail"] == want
+    if e is None:
+        return False
+    return any(h == hypothesis and all(d.get(k) == v for k, v in want.items())
+               for h, d in [(e.hypothesis, e.detail)] + [(a.hypothesis, a.detail) for a in e.alternatives])  # fmt: skip
+
+
+def judge(report, plant: str, b: int, want: dict) -> str:
+    entry = report.backends["observed"]
+    if plant == "none":
+        return "agree" if report.verdict == "agree" else "false alarm"
+    if report.verdict == "agree":
+        return "below noise"
+    hypothesis = planting.PLANTS[plant][1]
+    if _named(entry, hypothesis, want):
+        return "named"
+    e = entry.explanation
+    if e is not None and e.complete:  # a whole explanation naming another cause
+        return "wrong"
+    hit = {0, 1} if plant == "rows_permuted" else {b}
+    loc = entry.localization
+    return "localized-only" if loc is not None and hit & set(loc.requests) else "unexplained"
+
+
+def run_case(folder: Path, spec, plant: str) -> tuple[str, str, float]:
+    t = make_inputs(spec)
+    b = spec.fault_request
+    if plant == "none":
+        out, lse, detail = *planting.attention(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"],
+                                               spec.kv_lora_rank, spec.sm_scale), {}  # fmt: skip
+    else:
+        out, lse, detail = planting.PLANTS[plant][0](t, spec, b)
+    t["out"] = out.to(spec.dtype)
+    if plant in ("none", "lse_log2"):
+        t["lse"] = lse.float()
+    path = folder / f"{plant}.safetensors"
+    write_capture(path, t, make_meta(spec), compact=False)
+    t0 = time.perf_counter()
+    report = replay_capture(read_capture(path), ReplayOptions(backends=["reference"]))
+    keys = planting.PLANTS[plant][2] if plant != "none" else ()
+    entry = report.backends["observed"]
+    said = entry.explanation.text() if entry.explanation else (entry.localization.text() if entry.localization else "-")
+    return judge(report, plant, b, {k: detail[k] for k in keys}), said, time.perf_counter() - t0
+
+
+def independent_main(quick: bool) -> int:
+    configs = QUICK if quick else FULL
+    tally: Counter = Counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, (name, over) in configs.items():
+            spec = preset(name, **over)
+            for plant in ("none", *planting.PLANTS):
+                outcome, said, secs = run_case(Path(tmp), spec, plant)
+                tally[outcome] += 1
+                print(f"{label:24s} {plant:16s} {outcome:15s} {secs:6.1f}s  {said[:110]}", flush=True)
+    faults = sum(v for k, v in tally.items() if k not in ("agree", "false alarm"))
+    print(f"{tally['named']}/{faults} named, {tally['localized-only']} localized-only, {tally['unexplained']} "
+          f"unexplained, {tally['wrong']} wrong, {tally['below noise']} below noise, "
+          f"{tally['false alarm']} false alarms of {tally['agree'] + tally['false alarm']} clean")  # fmt: skip
+    return 0 if tally["named"] == faults and not tally["false alarm"] else 1
