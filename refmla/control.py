@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from refmla.attended import Attended
 from refmla.capture import Capture
-from refmla.reference import gather, mla_decode_split_ref, seen
+from refmla.reference import gather, mla_decode_split_ref, one_pool, seen
 from refmla.scales import Scales
 from refmla.schedule import split_bounds
 
@@ -154,7 +154,7 @@ def mla_control(
     R, H = q.shape[0], q.shape[1]
     out = torch.zeros(R, H, sc.kv_lora_rank, dtype=out_dtype, device=q.device)  # [R, H, Dv]
     lse = torch.full((R, H), -math.inf, dtype=torch.float32, device=q.device)  # [R, H]
-    for g in range(att.num_groups):
+    for g in range(one_pool(att).num_groups):
         kv = gather(kv_buffer, att.group_rows(g), kv_buffer.dtype)  # [L, D] as stored
         for t, pos in att.query_positions(g):
             out[t], lse[t] = attend_control(q[t], seen(kv, pos), sc, out_dtype, rounding)

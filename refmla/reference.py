@@ -72,6 +72,7 @@ def mla_decode_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode: query row b reads all of group b. Returns out [B, H, Dv] and lse [B, H] in accum_dtype."""
     B, H, _ = q.shape
+    one_pool(att)
     out = torch.empty(B, H, sc.kv_lora_rank, dtype=accum_dtype, device=q.device)  # [B, H, Dv]
     lse = torch.empty(B, H, dtype=accum_dtype, device=q.device)  # [B, H]
     rows_of = RowGatherer(kv_buffer, att.indptr, accum_dtype)  # one reused buffer, not B allocations
@@ -161,6 +162,14 @@ def merge_splits(
 # --------------------------------------------------------------------------------------------
 
 
+def one_pool(att: Attended) -> Attended:
+    """``att``, refused (ValueError) when it reads two pools: the variants here gather from one
+    ``kv_buffer``; the two-pool constructor (DeepSeek-V4) brings the gather by ``pool_ids``."""
+    if att.pool_ids is not None:
+        raise ValueError("this reference variant reads one pool; the description has pool_ids (two pools)")
+    return att
+
+
 def seen(kv: torch.Tensor, pos: Positions) -> torch.Tensor:
     """The rows of a group's gathered kv [L, D] one query row sees (refmla.attended.Positions)."""
     return kv[pos if isinstance(pos, slice) else pos.to(kv.device)]
@@ -175,7 +184,7 @@ def mla_verify_ref(
     R, H, _ = q.shape
     out = torch.zeros(R, H, sc.kv_lora_rank, dtype=accum_dtype, device=q.device)  # [R, H, Dv]
     lse = torch.full((R, H), -math.inf, dtype=accum_dtype, device=q.device)  # [R, H]
-    for g in range(att.num_groups):
+    for g in range(one_pool(att).num_groups):
         kv = gather(kv_buffer, att.group_rows(g), accum_dtype)  # [L_g, D]
         for t, pos in att.query_positions(g):
             out[t], lse[t] = attend(q[t].to(accum_dtype), seen(kv, pos), sc)
@@ -187,7 +196,7 @@ def mla_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference of any call: :func:`mla_decode_ref` when each query row reads its whole group
     (decode), else :func:`mla_verify_ref`. out [R, H, Dv], lse [R, H]."""
-    fn = mla_decode_ref if att.one_query_per_group else mla_verify_ref
+    fn = mla_decode_ref if one_pool(att).one_query_per_group else mla_verify_ref
     return fn(q, kv_buffer, att, sc, accum_dtype=accum_dtype)
 
 
