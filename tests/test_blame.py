@@ -13,7 +13,7 @@ import torch
 from refmla.blame import failing_requests, worst_blame
 from refmla.capture import read_capture, write_capture
 from refmla.context import ReplayContext, ReplayOptions
-from refmla.control import mla_control
+from refmla.control import capture_control
 from refmla.disagg import run_disagg
 from refmla.render.replay import backend_row
 from refmla.replay import replay_capture
@@ -33,8 +33,7 @@ def _rewrite(path: Path, change, guilty: int) -> None:
     writes them), then ``change(tensors)`` applied to them; ``out`` untouched."""
     cap = read_capture(path)
     t = dict(cap.tensors())
-    _, lse = mla_control(cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices, **cap.scales(), out_dtype=cap.out_dtype,
-                         num_kv_splits=cap.num_kv_splits)  # fmt: skip
+    _, lse = capture_control(cap, cap.out_dtype)
     S = int(cap.num_kv_splits.max())
     logits, split_lse, _ = ReplayContext(cap, OPTS).split_reference(cap.num_kv_splits, S, control=True)
     t.update(lse=lse.float(), attn_logits=logits.float(), attn_lse=split_lse.float())

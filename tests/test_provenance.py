@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from test_diffkv import by_request, pair
 
-from refmla.diffkv import diff_kv_files, render_diff
+from refmla.diffkv import diff_kv_files
+from refmla.render.diffkv import render_diff
 from refmla.diffkv.provenance import Source
 
 

@@ -108,7 +108,7 @@ def _pool_pages(s: Search) -> list[tuple[int, int, torch.Tensor]]:
     cap, P = s.cap, max(1, s.cap.meta.page_size)
     out = []
     for b in range(cap.batch_size):
-        rows = ref.request_rows(cap.kv_indptr, cap.kv_indices, b)
+        rows = cap.attended().group_rows(b)
         out += [(b, i, rows[i * P : (i + 1) * P]) for i in range(math.ceil(len(rows) / P))]
     return out
 

@@ -73,9 +73,9 @@ def _heads(ctx: ReplayContext, res, entry: BackendEntry, b: int) -> list[int]:
 
 def _segment(ctx: ReplayContext, b: int, start: int, end: int, target, tol, split=None) -> Segment:
     cap = ctx.cap
-    rows = ref.request_rows(cap.kv_indptr, cap.kv_indices, b)[start:end]
+    rows = cap.attended().group_rows(b)[start:end]
     return Segment(b, start, cap.q[b].double(), ref.gather(cap.kv_buffer, rows, torch.float64), target.double(),
-                   tol.double(), page_size=cap.meta.page_size, split=split, sc=ref.Scales(**cap.scales()))  # fmt: skip
+                   tol.double(), page_size=cap.meta.page_size, split=split, sc=cap.scales())  # fmt: skip
 
 
 def _request_span(ctx: ReplayContext, res, entry: BackendEntry, b: int):
