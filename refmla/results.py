@@ -93,6 +93,8 @@ class Explanation:
     alternatives: list[Alternative] = field(default_factory=list)  # other settings that also confirm
     explained_requests: Optional[list[int]] = None  # per-request hypotheses: the failing requests it explains
     unexplained_requests: Optional[list[int]] = None  # ... and those it does not (a partial explanation)
+    # other hypotheses that explain the same output within noise (refmla.hypotheses CROSS families)
+    other_causes: list[Alternative] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -119,6 +121,8 @@ class Explanation:
             d["unexplained_requests"] = list(self.unexplained_requests or [])
         if self.seconds is not None:
             d["seconds"] = self.seconds
+        if self.other_causes:
+            d["other_causes"] = [a.to_json() for a in self.other_causes]
         return d
 
 

@@ -39,7 +39,7 @@ def replay_planted(tmp_path, spec_name: str, plant: str):
 
 
 def _names(e) -> list[tuple[str, dict]]:
-    return [(e.hypothesis, e.detail)] + [(a.hypothesis, a.detail) for a in e.alternatives]
+    return [(e.hypothesis, e.detail)] + [(a.hypothesis, a.detail) for a in e.alternatives + e.other_causes]
 
 
 @pytest.mark.parametrize("spec_name", list(SPECS))

@@ -46,7 +46,7 @@ def _named(entry, hypothesis: str, want: dict) -> bool:
     if e is None:
         return False
     return any(h == hypothesis and all(d.get(k) == v for k, v in want.items())
-               for h, d in [(e.hypothesis, e.detail)] + [(a.hypothesis, a.detail) for a in e.alternatives])  # fmt: skip
+               for h, d in [(e.hypothesis, e.detail)] + [(a.hypothesis, a.detail) for a in e.alternatives + e.other_causes])  # fmt: skip
 
 
 def judge(report, plant: str, b: int, want: dict) -> str:

@@ -156,14 +156,14 @@ CROSS = (seq_len.NAME, misplaced.NEWEST, misplaced.PAGES_OFF)
 
 
 def cross_alternatives(s: Search, found: Explanation) -> None:
-    """Add to ``found.alternatives`` every CROSS family that explains the same output completely."""
+    """Add to ``found.other_causes`` every CROSS family that explains the same output completely."""
     if found.hypothesis not in CROSS or not found.complete:
         return
-    have = {(a.hypothesis, repr(sorted(a.detail.items()))) for a in found.alternatives}
+    have = {(a.hypothesis, repr(sorted(a.detail.items()))) for a in found.other_causes}
     for name in CROSS:
         other = SEARCHES[name](s) if name != found.hypothesis else None
         if other is not None and other.complete and (name, repr(sorted(other.detail.items()))) not in have:
-            found.alternatives.append(Alternative(name, other.detail, other.request, other.residual_ratio))
+            found.other_causes.append(Alternative(name, other.detail, other.request, other.residual_ratio))
 
 
 def explanations(s: Search) -> Iterator[Explanation]:

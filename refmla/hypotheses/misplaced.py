@@ -63,7 +63,7 @@ def newest_alternative(s: Search, e: Optional[Explanation]) -> Optional[Explanat
     for b in e.explained_requests or [e.request]:
         c = newest_candidate(s, b)
         if c is not None and s.confirm(c.expected, c.control, s.rows_of(b)).passed:
-            e.alternatives.insert(0, Alternative(NEWEST, c.detail, b, None))
+            e.other_causes.append(Alternative(NEWEST, c.detail, b, None))
     return e
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from refmla.blame import worst_blame
 from refmla.render.table import clip, fmt, table
-from refmla.results import BackendEntry, ReplayReport
+from refmla.results import BackendEntry, ReplayReport, alternatives_text
 
 MAX_WARNINGS = 8  # metadata warnings printed under one report
 MAX_SERIES_LINES = 20  # series findings listed under the summary table
@@ -70,6 +70,8 @@ def backend_row(name: str, b: BackendEntry) -> list[str]:
         note = clip(mask + path + (info.get("version") or ""), 70)
     if b.explanation is not None:
         note = b.explanation.text()
+        if b.explanation.other_causes:  # another hypothesis gives the same output within noise
+            note += "; or " + alternatives_text({}, b.explanation.other_causes)
     if b.localization is not None:
         note += (" | " if note else "") + b.localization.text()
     if b.splits is not None and b.splits.status in ("pass", "fail"):
