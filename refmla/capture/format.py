@@ -79,6 +79,11 @@ class CaptureMeta:
     disagg_mode: Optional[str] = None  # "prefill" | "decode" | "null"
     disagg_transfer_backend: Optional[str] = None  # "mori" | "mooncake" | "nixl" | ...
     mori_max_mr_bytes: Optional[int] = None  # SGLANG_MORI_MAX_MR_BYTES, when it was set
+    # every buffer the pool registers, from its own get_contiguous_buf_infos() (any pool class)
+    kv_pool_class: Optional[str] = None  # the pool's class name (MLATokenToKVPool, DeepSeekV4TokenToKVPool, ...)
+    kv_pool_region_bytes: Optional[list] = None  # data_lens: bytes of each registered buffer
+    kv_pool_region_item_bytes: Optional[list] = None  # item_lens: bytes of one transfer item (one page) of each
+    kv_pool_page_size: Optional[int] = None  # tokens one transfer item holds (the pool's page_size)
     extra: dict = field(default_factory=dict)  # keys this version does not know, kept as given
 
     @property
@@ -113,6 +118,8 @@ META_KEYS = {
     "kv_pool_layers": (int, False), "kv_pool_size": (int, False), "disagg_mode": (str, False),
     "disagg_transfer_backend": (str, False), "mori_max_mr_bytes": (int, False),
     "draft_token_num": (int, False), "topk": (int, False),
+    "kv_pool_class": (str, False), "kv_pool_region_bytes": (list, False), "kv_pool_region_item_bytes": (list, False),
+    "kv_pool_page_size": (int, False),
 }  # fmt: skip
 GEOMETRY_KEYS = ("kv_pool_rows", "kv_pool_row_bytes", "kv_pool_layers_per_buffer")  # what refmla.regions needs
 
@@ -210,6 +217,24 @@ def _check_geometry(kw: dict, path: Any) -> None:
             raise _bad_key(path, key, f"must be >= 1, got {kw[key]}")
     if kw.get("kv_pool_size") is not None and kw["kv_pool_size"] < 0:
         raise _bad_key(path, "kv_pool_size", f"must be >= 0, got {kw['kv_pool_size']}")
+    _check_regions(kw, path)
+
+
+def _check_regions(kw: dict, path: Any) -> None:
+    """kv_pool_region_bytes / _item_bytes: equal-length lists of ints (bytes >= 0, items >= 1), both or neither."""
+    lens, items = kw.get("kv_pool_region_bytes"), kw.get("kv_pool_region_item_bytes")
+    if (lens is None) != (items is None):
+        key = "kv_pool_region_item_bytes" if items is None else "kv_pool_region_bytes"
+        raise _bad_key(path, key, "missing: kv_pool_region_bytes and kv_pool_region_item_bytes come together")
+    if lens is None:
+        return
+    for key, values, low in (("kv_pool_region_bytes", lens, 0), ("kv_pool_region_item_bytes", items, 1)):
+        if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
+            raise _bad_key(path, key, f"must be a non-empty list of ints >= {low}, got {values!r}")
+    if len(lens) != len(items):
+        raise _bad_key(path, "kv_pool_region_item_bytes", f"has {len(items)} entries, kv_pool_region_bytes {len(lens)}")
+    if kw.get("kv_pool_page_size") is not None and kw["kv_pool_page_size"] < 1:
+        raise _bad_key(path, "kv_pool_page_size", f"must be >= 1, got {kw['kv_pool_page_size']}")
 
 
 # bounds on the coerced values, run in order; each raises CaptureError naming the key
