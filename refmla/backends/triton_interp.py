@@ -10,7 +10,7 @@ Two facts about the Triton interpreter (``TRITON_INTERPRET=1``) shape this modul
    be set before the process first imports triton. :func:`ensure_interpreter` does that when there
    is no GPU, and says why it cannot when triton was already imported without it.
 
-2. Its low-precision arithmetic is wrong in three places, all in ``triton.runtime.interpreter.InterpreterBuilder``
+2. Its low-precision arithmetic is wrong in four places, all in ``triton.runtime.interpreter.InterpreterBuilder``
    (identical in triton 3.4.0 to 3.9.0). The interpreter stores bf16 tensors as their raw
    ``uint16`` bit patterns (numpy has no bfloat16), and
 
@@ -23,9 +23,12 @@ Two facts about the Triton interpreter (``TRITON_INTERPRET=1``) shape this modul
 
    * ``create_fp_to_fp`` (fp32 / bf16 -> fp8, used for an fp8 KV cache: ``q.to(K_Buffer.dtype)``,
      ``p.to(v.dtype)``) rounds the mantissa up without carrying into the exponent, so 1.94 becomes
-     1.0 instead of 2.0.
+     1.0 instead of 2.0;
+   * ``binary_op`` (bf16 ``*``, ``+``, ``-``, ``/``, min / max) computes on the uint16 bit patterns:
+     SGLang's DeepSeek-V4 Triton sparse kernel dequantizes as ``fp8.to(bf16) * scale_bf16`` and
+     returned values around 1e34; it is computed in fp32 and rounded to nearest even instead.
 
-   :func:`install_bf16_dot_fix` wraps all three: bf16 dot operands are widened to fp32 first
+   :func:`install_bf16_dot_fix` wraps all four: bf16 dot operands are widened to fp32 first
    (exact: bf16 is the top half of an fp32, each product of two bf16 values is exact in fp32, and
    the accumulator stays fp32, as the GPU's bf16 MMA with fp32 accumulation computes up to
    summation order); fp32 -> bf16 casts round to nearest even; fp -> fp8 casts round to nearest
@@ -157,6 +160,7 @@ _PATCHED = {
     "create_dot": "tl.dot multiplies bf16 operands as their raw uint16 bits",
     "cast_impl": "fp32 -> bf16 casts and stores truncate instead of rounding to nearest even",
     "create_fp_to_fp": "rounding up into the next binade drops the carry in fp -> fp8 casts (1.94 -> 1.0)",
+    "binary_op": "bf16 elementwise arithmetic (x * scale, a + b) operates on the raw uint16 bits",
 }
 
 # triton fp8 type name -> torch dtype name (GPU conversions round to nearest even, saturating)
@@ -244,6 +248,19 @@ def _make_fixed(name: str, original):
             return original(self, src, dst_type, rounding_mode, *args, **kwargs)
 
         fixed.__doc__ = "refmla: fp -> fp8 rounded to nearest even (saturating) by torch, with the carry."
+    elif name == "binary_op":
+        import numpy as np
+
+        arithmetic = {np.add, np.subtract, np.multiply, np.divide, np.fmod, np.minimum, np.maximum, np.fmin, np.fmax}
+
+        def fixed(self, lhs, rhs, op, *args, **kwargs):
+            bf16 = tl.bfloat16
+            if op in arithmetic and lhs.dtype.scalar == bf16 and rhs.dtype.scalar == bf16:
+                wide = original(self, _widen_bf16(lhs), _widen_bf16(rhs), op, *args, **kwargs)
+                return TensorHandle(f32_to_bf16_bits(wide.data), bf16)
+            return original(self, lhs, rhs, op, *args, **kwargs)
+
+        fixed.__doc__ = "refmla: bf16 arithmetic in fp32, rounded to nearest even, as compiled Triton does."
     elif name == "create_dot":
 
         def fixed(self, a, b, d, *args, **kwargs):
