@@ -1,0 +1,165 @@
+"""Which simple sparse-decode mistake explains a diverging output (docs/contract.md section 4,
+"sparse hypotheses"). Each candidate recomputes the fp64 reference with one mistake made on purpose
+and is judged with the same comparator and tolerance; the simplest that fits is the explanation,
+the others that fit are alternatives.
+
+    sink_omitted / sink_twice                     the sink's term 0 or 2 times in the denominator
+    topk_length_ignored(scope)                    entries past topk_length read (-1 still skipped)
+    minus_one_as_slot0                            every -1 (lengths folded into -1) read as token 0
+    page_offset_dropped(scope)                    each index read as page * page_size (offset lost)
+    extra_cache_ignored                           the compressed cache's entries not read
+    window_off_by_one(delta=-1, side)             a full window one entry short (start or end)
+    scale_exponent_off(tile, factor)              one tile's scale times 2 or 1/2 (UE8M0 exponent +-1)
+    rope_wrong_bytes(offset)                      the rope section read 2 bytes early or late
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
+
+import torch
+
+from refmla.compare import Tolerance
+from refmla.sparse.format import SparseCapture
+from refmla.sparse.judge import judge_out
+from refmla.sparse.layouts import dequantize
+from refmla.sparse.reference import SparseOutput, gather_keys, rows_of, sparse_attention
+from refmla.sparse.rows import SparseRows, sparse_rows
+
+
+@dataclass
+class SparseExplanation:
+    hypothesis: str
+    detail: dict
+    alternatives: list = field(default_factory=list)  # [(hypothesis, detail)]
+
+    def text(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in self.detail.items())
+        alt = "; also fit: " + ", ".join(h for h, _ in self.alternatives) if self.alternatives else ""
+        return f"explained by {self.hypothesis}({args}){alt}"
+
+    def to_json(self) -> dict:
+        return {"hypothesis": self.hypothesis, "detail": self.detail,
+                "alternatives": [{"hypothesis": h, "detail": d} for h, d in self.alternatives]}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Mistake:
+    name: str
+    detail: dict
+    rows: Optional[Callable[[SparseCapture], SparseRows]] = None  # what is read
+    decode: Optional[Callable] = None  # how the main cache's tokens are decoded
+    sink_terms: int = 1
+
+
+def _attend(cap: SparseCapture, mk: Mistake) -> SparseOutput:
+    rows = mk.rows(cap) if mk.rows else rows_of(cap)
+    main_decode = mk.decode or dequantize
+
+    def decode(cache, layout, page, fp8, tokens):
+        return (main_decode if cache is cap.k_cache else dequantize)(cache, layout, page, fp8, tokens)
+
+    keys = gather_keys(cap, rows, decode=decode)
+    B, S, H, D = cap.q.shape
+    sink = cap.attn_sink
+    if sink is not None:
+        sink = None if mk.sink_terms == 0 else sink.double() + math.log(mk.sink_terms)
+    out, lse = sparse_attention(cap.q.reshape(B * S, H, D), keys, rows.valid, sink, cap.meta.softmax_scale,
+                                cap.meta.head_dim_v)  # fmt: skip
+    return SparseOutput(out.reshape(B, S, H, -1), lse.reshape(B, S, H))
+
+
+def _folded_slot0(cap: SparseCapture) -> SparseRows:
+    r = rows_of(cap)
+    return replace(r, valid=torch.ones_like(r.valid))  # invalid entries already hold token 0
+
+
+def _window_short(side: str) -> Callable[[SparseCapture], SparseRows]:
+    def rows(cap: SparseCapture) -> SparseRows:
+        r = rows_of(cap)
+        valid = r.valid.clone()
+        main = (r.pool_id == 0).nonzero().flatten()
+        full = valid[:, main].sum(1) == cap.meta.window
+        for i in full.nonzero().flatten().tolist():
+            cols = main[valid[i, main]]
+            valid[i, cols[0] if side == "start" else cols[-1]] = False
+        return replace(r, valid=valid)
+
+    return rows
+
+
+def _offset_dropped(cap: SparseCapture) -> SparseRows:
+    r = rows_of(cap)
+    page = cap.meta.page_size
+    main = (r.pool_id == 0)[None, :]
+    return replace(r, token=torch.where(main, r.token // page * page, r.token))
+
+
+def _tile_scaled(tile: int, factor: float):
+    def decode(cache, layout, page, fp8, tokens):
+        k = dequantize(cache, layout, page, fp8, tokens)
+        k[:, tile * layout.tile : (tile + 1) * layout.tile] *= factor
+        return k
+
+    return decode
+
+
+def _rope_shifted(offset: int):
+    def decode(cache, layout, page, fp8, tokens):
+        k = dequantize(cache, layout, page, fp8, tokens)
+        flat = cache.view(torch.uint8).reshape(-1)
+        P = cache.shape[0]
+        p, s = tokens // page, tokens % page
+        base = p * cache.shape[1] + (s * layout.data_bytes if layout.block_split else s * layout.bytes_per_token
+                                     + layout.scale_bytes) + layout.d_nope + offset  # fmt: skip
+        idx = (base[:, None] + torch.arange(2 * layout.d_rope)[None, :]).clamp(0, P * cache.shape[1] - 1)
+        k[:, layout.d_nope :] = flat[idx].contiguous().view(torch.bfloat16).to(torch.float64)
+        return k
+
+    return decode
+
+
+def mistakes(cap: SparseCapture) -> list[Mistake]:
+    """The candidates that apply to this capture, simplest first."""
+    m, out = cap.meta, []
+    if cap.attn_sink is not None:
+        out += [Mistake("sink_omitted", {}, sink_terms=0), Mistake("sink_twice", {}, sink_terms=2)]
+    if cap.extra_indices is not None:
+        out.append(Mistake("extra_cache_ignored", {}, rows=lambda c: sparse_rows(c.indices, c.topk_length)))
+    if cap.topk_length is not None:
+        out.append(Mistake("topk_length_ignored", {"scope": "main"},
+                           rows=lambda c: sparse_rows(c.indices, None, c.extra_indices, c.extra_topk_length)))  # fmt: skip
+    if m.window:
+        out += [Mistake("window_off_by_one", {"delta": -1, "side": side}, rows=_window_short(side)) for side in ("start", "end")]
+    out.append(Mistake("minus_one_as_slot0", {}, rows=_folded_slot0))
+    out.append(Mistake("page_offset_dropped", {"scope": "main"}, rows=_offset_dropped))
+    for tile in range(m.layout.num_tiles):
+        for factor in (2.0, 0.5):
+            out.append(Mistake("scale_exponent_off", {"tile": tile, "factor": factor}, decode=_tile_scaled(tile, factor)))
+    out += [Mistake("rope_wrong_bytes", {"offset": o}, decode=_rope_shifted(o)) for o in (-2, 2)]
+    return out
+
+
+def explain(cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctrl: SparseOutput,
+            tol: Tolerance) -> Optional[SparseExplanation]:  # fmt: skip
+    """The simplest mistake whose output ``out`` matches within the tolerance, with the others that
+    do. Each candidate keeps the capture's own noise floor: its control is the candidate plus the
+    control's error against the reference, row by row."""
+    noise = torch.nan_to_num(ctrl.out - ref.out)
+    fits = []
+    for mk in mistakes(cap):
+        try:
+            variant = _attend(cap, mk)
+        except (IndexError, RuntimeError):
+            continue
+        noisy = SparseOutput(variant.out + noise, variant.lse)
+        if judge_out(mk.name, cap, out, variant, noisy, tol).passed:
+            fits.append(mk)
+    if not fits:
+        return None
+    return SparseExplanation(fits[0].name, fits[0].detail, [(f.name, f.detail) for f in fits[1:]])
+
+
+__all__ = ["Mistake", "SparseExplanation", "explain", "mistakes"]
