@@ -21,12 +21,14 @@ from refmla.context import ReplayOptions
 from refmla.render.replay import render, summary_table
 from refmla.replay import backend_names, worst_status
 from refmla.series import attach_series
+from refmla.sparse.backends import BACKENDS as SPARSE_BACKENDS
+from refmla.cli.sparse import replay_sparse_files, split_sparse
 
 
 def add_parser(sub) -> None:
     r = sub.add_parser("replay", help="replay captures through the backends, compare with the reference")
     r.add_argument("captures", nargs="+", metavar="CAPTURE", help="capture files or directories")
-    r.add_argument("--backend", action="append", choices=ALL_NAMES,
+    r.add_argument("--backend", action="append", choices=list(ALL_NAMES) + [n for n in SPARSE_BACKENDS if n not in ALL_NAMES],
                    help="run only these (repeatable); flex runs only when named")
     r.add_argument("--json", action="store_true", help="JSON report on stdout")
     r.add_argument("--k", type=nonneg_float, default=2.0, help="allowed multiple of the control's error (2)")
@@ -54,7 +56,10 @@ def run(args) -> int:
         raise UsageError(str(e.args[0])) from None
     if args.plot:
         need_matplotlib()
-    paths = expand_captures(args.captures)
+    paths, sparse = split_sparse(expand_captures(args.captures))
+    sparse_code = replay_sparse_files(sparse, args, opts.tol) if sparse else 0
+    if not paths:
+        return sparse_code
     reports = replay_many(paths, opts, jobs=args.jobs)
     for r in reports:  # each unusable capture: one line on stderr (exit 2); the others are still reported
         if r.verdict == "invalid":
@@ -72,4 +77,4 @@ def run(args) -> int:
         print("\n\n".join(render(r) for r in reports))
         if len(reports) > 1:
             print("\n" + summary_table(reports))
-    return worst_status(reports)
+    return max(worst_status(reports), sparse_code)

@@ -11,6 +11,8 @@ import torch
 from refmla.backends import ALL_NAMES, get_backend
 from refmla.cli.common import EXIT_OK, UsageError, print_json
 from refmla.golden import generate
+from refmla.cli.sparse import synth_sparse_cmd
+from refmla.sparse.presets import PRESETS as SPARSE_PRESETS
 from refmla.synth import FAULTS, preset, synth_capture
 from refmla.synth.disagg import DISAGG_PRESETS, disagg_preset, synth_disagg
 from refmla.synth.disagg_faults import DISAGG_FAULTS
@@ -44,6 +46,8 @@ def add_parsers(sub) -> None:
 
 
 def synth(args) -> int:
+    if args.preset in SPARSE_PRESETS:
+        return synth_sparse_cmd(args)
     try:
         spec = preset(args.preset, seed=args.seed) if args.seed is not None else preset(args.preset)
     except KeyError as e:

@@ -6,7 +6,7 @@ Each fault says what the broken kernel reads; the loop then computes softmax att
 
     sink_omitted          the sink left out of the denominator
     sink_twice            exp(sink - max) added twice
-    topk_length_ignored   the main cache's entries past topk_length read (the stale tail)
+    topk_length_ignored   entries past topk_length read in both caches (the stale tails)
     minus_one_as_slot0    every -1 entry (lengths folded into -1, as for aiter_sparse) read as token 0
     page_offset_dropped   each main index read as its page's first token (page * page_size, offset lost)
     extra_cache_ignored   the compressed cache's entries never read
@@ -39,7 +39,7 @@ def _entries(case: SparseCase, fault: Optional[str], b: int) -> list[torch.Tenso
             continue
         row = idx[b, 0].tolist()
         n = int(lengths[b])
-        if fault == "topk_length_ignored" and pid == 0:
+        if fault == "topk_length_ignored":
             n = len(row)
         picked = [t for t in row[:n] if t != -1]
         if fault == "minus_one_as_slot0":
@@ -86,9 +86,9 @@ def planted_output(case: SparseCase, fault: Optional[str] = None) -> tuple[torch
             if keys.shape[0] == 0:
                 lse[b, 0, h] = math.inf  # lonely: out stays 0
                 continue
-            s = [p.softmax_scale * float(torch.dot(q, keys[j])) for j in range(keys.shape[0])]
-            m = max(s)
-            w = torch.tensor([math.exp(x - m) for x in s], dtype=torch.float64)
+            s = p.softmax_scale * (keys @ q)  # [n] this head's logits
+            m = float(s.max())
+            w = torch.exp(s - m)
             denom = float(w.sum())
             if case.sink is not None:
                 denom += sinks * math.exp(float(case.sink[h]) - m)
@@ -100,7 +100,7 @@ def planted_output(case: SparseCase, fault: Optional[str] = None) -> tuple[torch
 FAULTS: dict[str, str] = {
     "sink_omitted": "the attention sink left out of the denominator",
     "sink_twice": "the attention sink added twice",
-    "topk_length_ignored": "entries past topk_length read (the stale tail of the index list)",
+    "topk_length_ignored": "entries past topk_length read in both caches (the stale tails of the index lists)",
     "minus_one_as_slot0": "-1 entries read as token 0",
     "page_offset_dropped": "each index read as its page's first token (page * page_size, the offset lost)",
     "extra_cache_ignored": "the extra (compressed) cache never read",

@@ -4,7 +4,7 @@ and is judged with the same comparator and tolerance; the simplest that fits is 
 the others that fit are alternatives.
 
     sink_omitted / sink_twice                     the sink's term 0 or 2 times in the denominator
-    topk_length_ignored(scope)                    entries past topk_length read (-1 still skipped)
+    topk_length_ignored(scope)                    entries past topk_length read (-1 still skipped): both, main, extra
     minus_one_as_slot0                            every -1 (lengths folded into -1) read as token 0
     page_offset_dropped(scope)                    each index read as page * page_size (offset lost)
     extra_cache_ignored                           the compressed cache's entries not read
@@ -50,18 +50,44 @@ class Mistake:
     name: str
     detail: dict
     rows: Optional[Callable[[SparseCapture], SparseRows]] = None  # what is read
-    decode: Optional[Callable] = None  # how the main cache's tokens are decoded
+    decode: Optional[Callable] = None  # how the main cache's tokens are decoded (from the bytes)
+    tile: Optional[tuple[int, float]] = None  # (tile, factor) applied to every main key
     sink_terms: int = 1
 
 
-def _attend(cap: SparseCapture, mk: Mistake) -> SparseOutput:
+MAX_CACHED_TOKENS = 1 << 17  # pools up to this many tokens are decoded once per search
+
+
+class Decoded:
+    """Each cache decoded once for the whole search (small pools), else token by token."""
+
+    def __init__(self, cap: SparseCapture):
+        self.cap, self.full = cap, {}
+        for cache, layout, page in ((cap.k_cache, cap.meta.layout, cap.meta.page_size),
+                                    (cap.extra_k_cache, cap.meta.extra_layout, cap.meta.extra_page_size)):  # fmt: skip
+            if cache is not None and cache.shape[0] * page <= MAX_CACHED_TOKENS:
+                self.full[id(cache)] = dequantize(cache, layout, page, cap.meta.kv_fp8_dtype)
+        self.base_rows = rows_of(cap)
+        self.base_keys = gather_keys(cap, self.base_rows, decode=self)  # [R, Kt, D], what most candidates read
+
+    def __call__(self, cache, layout, page, fp8, tokens):
+        full = self.full.get(id(cache))
+        return full[tokens] if full is not None else dequantize(cache, layout, page, fp8, tokens)
+
+
+def _attend(cap: SparseCapture, mk: Mistake, decoded: Decoded) -> SparseOutput:
     rows = mk.rows(cap) if mk.rows else rows_of(cap)
-    main_decode = mk.decode or dequantize
+    main_decode = mk.decode or decoded
 
     def decode(cache, layout, page, fp8, tokens):
-        return (main_decode if cache is cap.k_cache else dequantize)(cache, layout, page, fp8, tokens)
+        return (main_decode if cache is cap.k_cache else decoded)(cache, layout, page, fp8, tokens)
 
-    keys = gather_keys(cap, rows, decode=decode)
+    same = mk.decode is None and torch.equal(rows.token, decoded.base_rows.token)
+    keys = decoded.base_keys.clone() if same else gather_keys(cap, rows, decode=decode)
+    if mk.tile is not None:
+        tile, factor = mk.tile
+        width = cap.meta.layout.tile
+        keys[:, rows.pool_id == 0, tile * width : (tile + 1) * width] *= factor
     B, S, H, D = cap.q.shape
     sink = cap.attn_sink
     if sink is not None:
@@ -69,6 +95,15 @@ def _attend(cap: SparseCapture, mk: Mistake) -> SparseOutput:
     out, lse = sparse_attention(cap.q.reshape(B * S, H, D), keys, rows.valid, sink, cap.meta.softmax_scale,
                                 cap.meta.head_dim_v)  # fmt: skip
     return SparseOutput(out.reshape(B, S, H, -1), lse.reshape(B, S, H))
+
+
+def _lengths_ignored(scope: str) -> Callable[[SparseCapture], SparseRows]:
+    def rows(c: SparseCapture) -> SparseRows:
+        main = None if scope in ("both", "main") else c.topk_length
+        extra = None if scope in ("both", "extra") else c.extra_topk_length
+        return sparse_rows(c.indices, main, c.extra_indices, extra)
+
+    return rows
 
 
 def _folded_slot0(cap: SparseCapture) -> SparseRows:
@@ -97,15 +132,6 @@ def _offset_dropped(cap: SparseCapture) -> SparseRows:
     return replace(r, token=torch.where(main, r.token // page * page, r.token))
 
 
-def _tile_scaled(tile: int, factor: float):
-    def decode(cache, layout, page, fp8, tokens):
-        k = dequantize(cache, layout, page, fp8, tokens)
-        k[:, tile * layout.tile : (tile + 1) * layout.tile] *= factor
-        return k
-
-    return decode
-
-
 def _rope_shifted(offset: int):
     def decode(cache, layout, page, fp8, tokens):
         k = dequantize(cache, layout, page, fp8, tokens)
@@ -128,16 +154,16 @@ def mistakes(cap: SparseCapture) -> list[Mistake]:
         out += [Mistake("sink_omitted", {}, sink_terms=0), Mistake("sink_twice", {}, sink_terms=2)]
     if cap.extra_indices is not None:
         out.append(Mistake("extra_cache_ignored", {}, rows=lambda c: sparse_rows(c.indices, c.topk_length)))
-    if cap.topk_length is not None:
-        out.append(Mistake("topk_length_ignored", {"scope": "main"},
-                           rows=lambda c: sparse_rows(c.indices, None, c.extra_indices, c.extra_topk_length)))  # fmt: skip
+    if cap.topk_length is not None or cap.extra_topk_length is not None:
+        out += [Mistake("topk_length_ignored", {"scope": scope}, rows=_lengths_ignored(scope))
+                for scope in ("both", "main", "extra") if scope == "main" or cap.extra_indices is not None]
     if m.window:
         out += [Mistake("window_off_by_one", {"delta": -1, "side": side}, rows=_window_short(side)) for side in ("start", "end")]
     out.append(Mistake("minus_one_as_slot0", {}, rows=_folded_slot0))
     out.append(Mistake("page_offset_dropped", {"scope": "main"}, rows=_offset_dropped))
     for tile in range(m.layout.num_tiles):
         for factor in (2.0, 0.5):
-            out.append(Mistake("scale_exponent_off", {"tile": tile, "factor": factor}, decode=_tile_scaled(tile, factor)))
+            out.append(Mistake("scale_exponent_off", {"tile": tile, "factor": factor}, tile=(tile, factor)))
     out += [Mistake("rope_wrong_bytes", {"offset": o}, decode=_rope_shifted(o)) for o in (-2, 2)]
     return out
 
@@ -148,10 +174,11 @@ def explain(cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctrl: Spar
     do. Each candidate keeps the capture's own noise floor: its control is the candidate plus the
     control's error against the reference, row by row."""
     noise = torch.nan_to_num(ctrl.out - ref.out)
+    decoded = Decoded(cap)
     fits = []
     for mk in mistakes(cap):
         try:
-            variant = _attend(cap, mk)
+            variant = _attend(cap, mk, decoded)
         except (IndexError, RuntimeError):
             continue
         noisy = SparseOutput(variant.out + noise, variant.lse)

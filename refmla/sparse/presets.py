@@ -52,7 +52,7 @@ def _pad64(n: int) -> int:
 V4_FLASH = SparsePreset(
     name="deepseek-v4-flash-tp8", model="deepseek-ai/DeepSeek-V4-Flash", kv_layout="v4", heads=64 // 8,
     softmax_scale=512**-0.5, head_dim_v=512, page_size=256, topk=128, window=128, compress_ratio=4,
-    extra_topk=512, extra_page_size=256 // 4,
+    extra_topk=512, extra_page_size=256 // 4, seq_lens=(1, 60, 600, 2100),
 )  # fmt: skip
 
 PRESETS: dict[str, SparsePreset] = {

@@ -5,7 +5,7 @@
 (V4: the SWA cache, V3.2: the whole latent cache), the compressed tokens (V4 C4 / C128) in shuffled
 pages of the extra cache, the index lists as SGLang builds them (V4: the window in position order;
 the indexer's top-k in random order), padded to the width with stale entries of the same request
-past ``topk_length`` and then -1; C4 / C128 lengths clamped to 1 (a row with no compressed token
+past ``topk_length`` (other requests' tokens) and then -1; C4 / C128 lengths clamped to 1 (a row with no compressed token
 has one -1 entry inside its length); unused pages and the tail of every last page are NaN bytes.
 """
 
@@ -100,18 +100,23 @@ def _poison(pages: torch.Tensor, values: torch.Tensor, garbage: torch.Tensor, L,
         values[t] = float("nan")
 
 
-def _index_list(tok: torch.Tensor, chosen: torch.Tensor, width: int, stale: int, clamp1: bool,
+def _index_list(tok: torch.Tensor, chosen: torch.Tensor, width: int, others: torch.Tensor, clamp1: bool,
                 g: torch.Generator) -> tuple[torch.Tensor, int]:  # fmt: skip
-    """[width] int32: the chosen positions' tokens, then up to ``stale`` other tokens of the request
-    (past topk_length: never to be read), then -1; and the length (clamped to 1 when asked)."""
+    """[width] int32: the chosen positions' tokens, then up to 7 stale entries (tokens of other
+    requests, what an earlier step left in the buffer: past topk_length, never to be read), then -1;
+    and the length (clamped to 1 when asked)."""
     row = torch.full((width,), -1, dtype=torch.int32)
     n = len(chosen)
     row[:n] = tok[chosen].to(torch.int32)
-    taken = set(chosen.tolist())
-    rest = torch.tensor([i for i in range(len(tok)) if i not in taken], dtype=torch.long)
-    extra = rest[torch.randperm(len(rest), generator=g)[: min(stale, width - n)]]
-    row[n : n + len(extra)] = tok[extra].to(torch.int32)
-    return row, max(n, 1) if clamp1 else n
+    length = max(n, 1) if clamp1 else n  # clamped: an empty list keeps one -1 inside its length
+    stale = others[torch.randperm(len(others), generator=g)[: max(0, min(7, width - length))]]
+    row[length : length + len(stale)] = stale.to(torch.int32)
+    return row, length
+
+
+def _others(tokens: list, b: int) -> torch.Tensor:
+    rest = [t for i, t in enumerate(tokens) if i != b]
+    return torch.cat(rest) if rest else torch.zeros(0, dtype=torch.long)
 
 
 def build_case(p: SparsePreset) -> SparseCase:
@@ -124,7 +129,7 @@ def build_case(p: SparsePreset) -> SparseCase:
             chosen = torch.arange(max(0, n - p.window), n)
         else:  # V3.2: the indexer's top-k, in its own order
             chosen = torch.randperm(n, generator=g)[: min(n, p.topk)]
-        row, ln = _index_list(main_tok[b], chosen, p.topk, stale=7, clamp1=False, g=g)
+        row, ln = _index_list(main_tok[b], chosen, p.topk, _others(main_tok, b), clamp1=False, g=g)
         rows.append(row)
         lens.append(ln)
     case = SparseCase(preset=p, q=(torch.randn(B, 1, p.heads, L.head_dim, generator=g)).to(torch.bfloat16),
@@ -141,7 +146,7 @@ def _add_extra(case: SparseCase, p: SparsePreset, g: torch.Generator) -> None:
     rows, lens = [], []
     for b, n in enumerate(counts):
         chosen = torch.randperm(n, generator=g)[: min(n, p.extra_topk)]
-        row, ln = _index_list(tok[b], chosen, p.extra_topk, stale=5, clamp1=True, g=g)
+        row, ln = _index_list(tok[b], chosen, p.extra_topk, _others(tok, b), clamp1=True, g=g)
         rows.append(row)
         lens.append(ln)
     case.extra, case.extra_indices = extra, torch.stack(rows)[:, None]
