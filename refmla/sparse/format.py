@@ -16,6 +16,8 @@ meta ``mode`` is ``sparse_decode``. Tensors (B requests, S query tokens each, H 
     lse                [B, S, H] fp32 optional: natural log, the sink not included, +inf on a row with no valid index
     inv_rope_freqs     [M, d_rope]    optional: SGLang's ``inv_rope`` (view_as_real(freqs_cis).flatten(-2)):
     inv_rope_positions [B * S]        the kernel applied the inverse rope to out[..., -d_rope:]
+    golden_out         [B, S, H, Dv] fp64   golden files only (refmla.sparse.golden): the stored reference
+    golden_lse         [B, S, H] fp64
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ SPARSE_MODE = "sparse_decode"
 TENSORS = {
     "q": True, "k_cache": True, "indices": True, "topk_length": False, "attn_sink": False,
     "extra_k_cache": False, "extra_indices": False, "extra_topk_length": False, "out": False, "lse": False,
-    "inv_rope_freqs": False, "inv_rope_positions": False,
+    "inv_rope_freqs": False, "inv_rope_positions": False, "golden_out": False, "golden_lse": False,
 }  # fmt: skip
 KERNEL_BACKENDS = ("aiter_sparse", "triton", "tilelang", "torch", "flashmla", "aiter", "synth", "unknown")
 ROLES = ("window", "compressed")
@@ -147,6 +149,8 @@ class SparseCapture:
     lse: Optional[torch.Tensor] = None  # [B, S, H]
     inv_rope_freqs: Optional[torch.Tensor] = None  # [M, d_rope]
     inv_rope_positions: Optional[torch.Tensor] = None  # [B * S]
+    golden_out: Optional[torch.Tensor] = None  # [B, S, H, Dv] fp64, golden files only
+    golden_lse: Optional[torch.Tensor] = None  # [B, S, H] fp64
     warnings: list = field(default_factory=list)
 
     @property

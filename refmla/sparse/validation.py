@@ -110,7 +110,8 @@ def _scopes(cap: SparseCapture) -> list[tuple[str, str]]:
 
 def _sink_out_lse(cap: SparseCapture) -> list[tuple[str, str]]:
     B, S, H, _ = cap.q.shape
-    want = {"attn_sink": (H,), "out": (B, S, H, cap.meta.head_dim_v), "lse": (B, S, H)}
+    want = {"attn_sink": (H,), "out": (B, S, H, cap.meta.head_dim_v), "lse": (B, S, H),
+            "golden_out": (B, S, H, cap.meta.head_dim_v), "golden_lse": (B, S, H)}
     out = []
     for name, shape in want.items():
         t = getattr(cap, name)
