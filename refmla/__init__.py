@@ -27,10 +27,12 @@ Layout (the folder tree is the architecture; imports go down this list, never up
     disagg/         `refmla disagg`: diffkv + checks + series + replay per (request, layer, rank)
     golden/         the golden suite: deterministic cases, build, check
     synth/          synthetic captures with planted faults
+    sparse/         DeepSeek's sparse MLA decode (V3.2 DSA, V4): packed layouts, capture, reference, replay
     plots.py        pictures of a replay or a diff-kv (matplotlib, optional)
     render/         text for people: tables, reports, progress
     cli/            the thin command line, one module per command group
-    hook/           the capture hook for a live SGLang server (imports only the capture layer)
+    hook/           the capture hook for a live SGLang server (imports only the capture layers: capture/,
+                    sparse's format / io / layouts)
 """
 
 __version__ = "0.1.0"

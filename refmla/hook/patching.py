@@ -59,7 +59,9 @@ def _fail(e: Exception) -> None:
 def _targets(cfg: HookConfig) -> dict[str, Callable[[Any], None]]:
     """module name -> what to patch in it, for the configured backends."""
     targets: dict[str, Callable[[Any], None]] = {}
-    for backend in sorted(cfg.backends):
+    if "dsv4" in cfg.backends:
+        targets[DSV4_MODULE] = _patch_dsv4_entrypoint
+    for backend in sorted(cfg.backends - {"dsv4"}):
         for module, cls_name in BACKEND_CLASSES[backend]:
             targets[module] = _make_backend_patcher(backend, cls_name)
     for backend, (modules, probes) in kernel_probes.KERNEL_PROBES.items():
@@ -146,6 +148,37 @@ def _make_backend_patcher(backend: str, cls_name: str) -> Callable[[Any], None]:
             _wrap_method(inst, cls, METHODS[mode], backend, mode)
 
     return patch
+
+
+DSV4_MODULE = "sglang.srt.layers.attention.deepseek_v4_backend_hip_radix"
+DSV4_ENTRY = "flash_mla_with_kvcache_entrypoint"
+
+
+def _resolved_backend(backend: Optional[str]) -> str:
+    """The sparse kernel SGLang runs for ``backend`` (on HIP its resolution; elsewhere as given)."""
+    try:
+        from sglang.srt.layers.attention import hip_flash_mla as h
+        from sglang.srt.utils import is_hip
+
+        if is_hip():
+            return h.resolve_hip_flashmla_backend(backend if backend in h._HIP_BACKENDS else None)
+    except Exception:
+        pass
+    return str(backend or "unknown")
+
+
+def _patch_dsv4_entrypoint(module) -> None:
+    """Wrap the sparse entrypoint the DeepSeek-V4 HIP radix backend calls (refmla.hook.sparse_call)."""
+    inst = _INSTALLED
+    original = getattr(module, DSV4_ENTRY, None)
+    if inst is None or original is None or getattr(original, MARK, None) is not None:
+        return
+    from refmla.hook.sparse_call import wrap_entrypoint
+
+    wrapper = wrap_entrypoint(original, current_state, _resolved_backend)
+    setattr(wrapper, MARK, original)
+    setattr(module, DSV4_ENTRY, wrapper)
+    inst.kernel_patched.append((module, DSV4_ENTRY, original))
 
 
 def _make_kernel_patcher(probes: dict[str, Callable[[Callable], Callable]]) -> Callable[[Any], None]:
