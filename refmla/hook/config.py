@@ -105,7 +105,7 @@ class HookConfig:
     modes: frozenset[str] = frozenset({"decode"})  # any of decode, extend, verify
     min_seq_len: int = 64  # longest request of the call must attend at least this many tokens
     ranks: Optional[frozenset[int]] = None  # None = every TP rank
-    backends: frozenset[str] = frozenset(BACKENDS)  # SGLang backends to wrap
+    backends: frozenset[str] = frozenset({"triton", "aiter"})  # SGLang backends to wrap (dsv4 when asked)
     every: int = 1  # capture forward passes whose step % every == 0
     max_files: int = 128  # captures in out_dir, all processes together
     max_bytes: int = 4 << 30  # bytes of captures in out_dir, all processes together

@@ -87,7 +87,8 @@ def diagnose(entries: list[SparseEntry]) -> str:
     kernels_ok = [k for k in KERNEL_PATHS if st.get(k) == "pass"]
     why = "; ".join(f"{e.backend}: {e.explanation.text()}" for e in bad if e.explanation)
     if [e.backend for e in bad] == ["observed"] and kernels_ok:
-        return (f"observed: only the production output diverges: {' and '.join(kernels_ok)} agree with the reference "
+        verb = "agrees" if len(kernels_ok) == 1 else "agree"
+        return (f"observed: only the production output diverges: {' and '.join(kernels_ok)} {verb} with the reference "
                 "on the captured inputs, so what production read differed from the capture or it ran a kernel "
                 "not replayed here (meta backend names it)" + (f"; {why}" if why else ""))  # fmt: skip
     return "sparse decode: " + ", ".join(e.backend for e in bad) + " diverge" + (f"; {why}" if why else "")
