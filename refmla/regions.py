@@ -168,3 +168,30 @@ def compressed_regions(tokens: int, page_size: int, row_bytes: int, ratios: list
             items.append(int(page_size * per_token))
     return {"kv_pool_region_bytes": lens, "kv_pool_region_item_bytes": items, "kv_pool_page_size": page_size,
             "kv_pool_size": tokens}  # fmt: skip
+
+
+@dataclass
+class PoolMeta:
+    """The pool-geometry keys of any capture's meta (a sparse capture keeps them among its extra
+    keys), for :func:`check_region` when there is no dense CaptureMeta."""
+
+    page_size: int = 1
+    kv_pool_rows: Optional[int] = None
+    kv_pool_row_bytes: Optional[int] = None
+    kv_pool_layers_per_buffer: Optional[int] = None
+    kv_pool_size: Optional[int] = None
+    kv_pool_region_bytes: Optional[list] = None
+    kv_pool_region_item_bytes: Optional[list] = None
+    kv_pool_page_size: Optional[int] = None
+    kv_pool_class: Optional[str] = None
+    mori_max_mr_bytes: Optional[int] = None
+    disagg_transfer_backend: Optional[str] = None
+
+    @classmethod
+    def from_raw(cls, raw: dict) -> "PoolMeta":
+        """The known keys of ``raw`` (validated as parse_meta does: a bad one raises CaptureError)."""
+        from refmla.capture.format import _check_geometry
+
+        kw = {k: raw[k] for k in cls.__dataclass_fields__ if raw.get(k) is not None}
+        _check_geometry(dict(kw), "<meta>")
+        return cls(**kw)

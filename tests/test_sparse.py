@@ -200,3 +200,19 @@ def test_a_clean_capture_round_trips_and_agrees(tmp_path):
     cap = read_sparse(path)
     assert cap.meta.compress_ratio == 128 and cap.meta.extra_page_size == 2 and cap.extra_indices.shape[2] == 64
     assert replay_sparse(str(path), backends=["reference", "observed"]).verdict == "agree"
+
+
+def test_a_sparse_capture_carries_the_pools_regions_and_replay_checks_them(tmp_path):
+    from refmla.capture import CaptureError
+    from refmla.regions import compressed_regions
+    from refmla.sparse.io import write_sparse
+
+    case = small("deepseek-v4-flash-tp8-swa", seq_lens=(1, 60))
+    regions = compressed_regions(23_448_064, 256, 1024, [0, 4, 128])  # the seed's DSV4-Flash run
+    meta = {**case.meta(), **regions, "mori_max_mr_bytes": 4 << 30}
+    write_sparse(tmp_path / "r.safetensors", case.tensors(), meta)
+    r = replay_sparse(str(tmp_path / "r.safetensors"), backends=["reference"])
+    assert r.region.status == "finding" and r.region.bytes_per_token == 256
+    assert r.to_json()["region"]["region_bytes"] == 23_448_064 * 256
+    with pytest.raises(CaptureError, match="kv_pool_region_item_bytes"):
+        write_sparse(tmp_path / "bad.safetensors", case.tensors(), {**meta, "kv_pool_region_item_bytes": [1]})

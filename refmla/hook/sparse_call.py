@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from refmla.hook.geometry import disagg_meta, pool_counts, registered_regions
 from refmla.hook.runtime import graph_capturing, tp_rank, versions
 from refmla.hook.writer import HookState, capture_name
 from refmla.sparse.io import write_sparse
@@ -79,23 +80,31 @@ def sparse_tensors(kw: dict, result: Any) -> tuple[dict, dict]:
     return t, meta
 
 
-def _caller_layer() -> Optional[Any]:
-    """The ``layer`` argument of the backend method that called the entrypoint (a frame look-up)."""
+def _caller_local(name: str) -> Optional[Any]:
+    """A local of the backend method that called the entrypoint (``layer``, ``token_to_kv_pool``:
+    _forward_attention has both), by a frame look-up a few frames up; None when absent."""
     frame = sys._getframe(2)
-    for _ in range(3):
+    for _ in range(4):
         if frame is None:
             return None
-        layer = frame.f_locals.get("layer")
-        if layer is not None:
-            return layer
+        value = frame.f_locals.get(name)
+        if value is not None:
+            return value
         frame = frame.f_back
     return None
+
+
+def pool_meta() -> dict:
+    """The pool's registered regions (the MR region check) and the disaggregation settings."""
+    pool = _caller_local("token_to_kv_pool")
+    geometry = {**registered_regions(pool), **pool_counts(pool)} if pool is not None else {}
+    return {**geometry, **disagg_meta()}
 
 
 def capture_call(state: HookState, kw: dict, result: Any, backend: str) -> None:
     """Filters, budget, host copy, write: one sparse capture (or a counted skip)."""
     cfg = state.cfg
-    layer = _caller_layer()
+    layer = _caller_local("layer")
     layer_id = int(getattr(layer, "layer_id", -1))
     rank = tp_rank()
     step = state.next_step("dsv4", layer_id)
@@ -107,6 +116,7 @@ def capture_call(state: HookState, kw: dict, result: Any, backend: str) -> None:
     if not state.admit(estimate):
         return None
     tensors, meta = sparse_tensors(kw, result)
+    meta.update(pool_meta())
     meta.update(backend=backend, layer_id=max(layer_id, 0), tp_rank=rank, step=step,
                 sglang_version=versions().get("sglang_version"), capture_tool="refmla.hook.sparse_call")  # fmt: skip
     name = capture_name(mode="sparse", rank=rank, layer=max(layer_id, 0), step=step, backend=backend, pid=os.getpid())

@@ -29,6 +29,8 @@ from typing import Any, Mapping, Optional
 import torch
 
 from refmla.capture import CaptureError
+from refmla.capture.format import META_KEYS as DENSE_META_KEYS
+from refmla.capture.format import _check_geometry as check_geometry
 from refmla.sparse.layouts import FP8_DTYPES, LAYOUTS, PackedLayout
 
 SPARSE_MODE = "sparse_decode"
@@ -101,7 +103,16 @@ def parse_sparse_meta(raw: Mapping[str, Any], path: Any = "<meta>") -> SparseMet
     for problem in meta_problems(kw):
         raise CaptureError(path, *problem)
     extra = {k: v for k, v in raw.items() if k not in META_KEYS and k != "format"}
+    _check_pool_geometry(extra, path)
     return SparseMeta(**kw, extra=extra)
+
+
+def _check_pool_geometry(extra: dict, path: Any) -> None:
+    """The pool-geometry keys a sparse capture carries (the MR region check): as typed and
+    bounded as a dense capture's (docs/contract.md section 1, "pool geometry")."""
+    keys = {k: v for k, v in extra.items() if k in DENSE_META_KEYS and (k.startswith("kv_pool") or k.startswith("mori"))}
+    kw = {k: _coerce(v, DENSE_META_KEYS[k][0], path, k) for k, v in keys.items() if v is not None}
+    check_geometry(kw, path)
 
 
 def _coerce(value: Any, typ: type, path: Any, key: str) -> Any:

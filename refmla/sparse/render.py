@@ -34,6 +34,8 @@ def render_sparse(r: SparseReport) -> str:
         if i == 0:
             lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 10)
     lines += ["", f"verdict  {r.verdict}", f"diagnosis {r.diagnosis}"]
+    if r.region is not None and r.region.status != "not_recorded":
+        lines.append(f"region   {r.region.status}: {r.region.message}")
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 
 from refmla.capture import CaptureError
 from refmla.compare import Tolerance
+from refmla.regions import PoolMeta, RegionCheck, check_region
 from refmla.sparse.backends import BACKENDS, DEFAULT_BACKENDS, Unavailable
 from refmla.sparse.format import SparseCapture
 from refmla.sparse.hypotheses import SparseExplanation, explain
@@ -50,6 +51,8 @@ class SparseReport:
     lonely_rows: int = 0
     entries: list = field(default_factory=list)
     diagnosis: str = ""
+    region: Optional[RegionCheck] = None  # the MR region check of the pool geometry in meta
+
 
     @property
     def exit_code(self) -> int:
@@ -58,7 +61,8 @@ class SparseReport:
     def to_json(self) -> dict:
         return {"capture": self.capture, "kind": "sparse_decode", "verdict": self.verdict, "error": self.error,
                 "meta": self.meta, "shape": self.shape, "noise": self.noise, "lonely_rows": self.lonely_rows,
-                "backends": [e.to_json() for e in self.entries], "diagnosis": self.diagnosis}  # fmt: skip
+                "backends": [e.to_json() for e in self.entries], "diagnosis": self.diagnosis,
+                "region": self.region.to_json() if self.region else None}  # fmt: skip
 
 
 def _judge(name: str, cap: SparseCapture, ref: SparseOutput, ctrl: SparseOutput, tol: Tolerance,
@@ -110,7 +114,8 @@ def replay_sparse(path: str, backends: Optional[Sequence[str]] = None, tol: Tole
     return SparseReport(str(path), verdict, meta=cap.meta.to_json(), shape={"B": B, "S": S, "H": H, "D": D,
                         "Dv": cap.meta.head_dim_v, "K": cap.indices.shape[2],
                         "K_extra": None if cap.extra_indices is None else cap.extra_indices.shape[2]},
-                        noise=noise, lonely_rows=int(rows.lonely.sum()), entries=entries, diagnosis=diagnose(entries))  # fmt: skip
+                        noise=noise, lonely_rows=int(rows.lonely.sum()), entries=entries, diagnosis=diagnose(entries),
+                        region=check_region(PoolMeta.from_raw({**cap.meta.to_json(), "page_size": cap.meta.page_size})))  # fmt: skip
 
 
 __all__ = ["SparseEntry", "SparseReport", "diagnose", "replay_sparse"]
