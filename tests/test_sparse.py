@@ -216,3 +216,16 @@ def test_a_sparse_capture_carries_the_pools_regions_and_replay_checks_them(tmp_p
     assert r.to_json()["region"]["region_bytes"] == 23_448_064 * 256
     with pytest.raises(CaptureError, match="kv_pool_region_item_bytes"):
         write_sparse(tmp_path / "bad.safetensors", case.tensors(), {**meta, "kv_pool_region_item_bytes": [1]})
+
+
+def test_sparse_topk_is_one_group_per_query_row_main_then_extra():
+    from refmla.attended import Attended
+
+    idx = torch.tensor([[5, -1, 7, 9], [-1, -1, -1, -1]])
+    extra = torch.tensor([[3, 4], [-1, 8]])
+    a = Attended.sparse_topk(idx, torch.tensor([3, 4]), extra, torch.tensor([1, 2]))
+    assert a.num_rows == a.num_groups == 2 and a.causal_len is None and a.mask is None
+    assert a.group_rows(0).tolist() == [5, 7, 3] and a.group_pools(0).tolist() == [0, 0, 1]
+    assert a.group_rows(1).tolist() == [8] and a.group_pools(1).tolist() == [1]
+    one = Attended.sparse_topk(idx, None)
+    assert one.pool_ids is None and one.lengths().tolist() == [3, 0]  # row 1 is lonely: an empty group

@@ -26,7 +26,7 @@ from refmla.sparse.format import SparseCapture
 from refmla.sparse.judge import judge_out
 from refmla.sparse.layouts import dequantize
 from refmla.sparse.reference import SparseOutput, gather_keys, rows_of, sparse_attention
-from refmla.sparse.rows import SparseRows, sparse_rows
+from refmla.sparse.rows import SparseRows, raw_rows, sparse_rows
 
 
 @dataclass
@@ -82,12 +82,15 @@ def _attend(cap: SparseCapture, mk: Mistake, decoded: Decoded) -> SparseOutput:
     def decode(cache, layout, page, fp8, tokens):
         return (main_decode if cache is cap.k_cache else decoded)(cache, layout, page, fp8, tokens)
 
-    same = mk.decode is None and torch.equal(rows.token, decoded.base_rows.token)
+    base = decoded.base_rows
+    same = (mk.decode is None and rows.token.shape == base.token.shape and torch.equal(rows.token, base.token)
+            and torch.equal(rows.pool_id, base.pool_id) and not bool((rows.valid & ~base.valid).any()))  # fmt: skip
     keys = decoded.base_keys.clone() if same else gather_keys(cap, rows, decode=decode)
     if mk.tile is not None:
         tile, factor = mk.tile
         width = cap.meta.layout.tile
-        keys[:, rows.pool_id == 0, tile * width : (tile + 1) * width] *= factor
+        main = (rows.pool_id == 0)[..., None] & (torch.arange(keys.shape[-1]) // width == tile)  # [R, W, D]
+        keys = torch.where(main, keys * factor, keys)
     B, S, H, D = cap.q.shape
     sink = cap.attn_sink
     if sink is not None:
@@ -107,18 +110,16 @@ def _lengths_ignored(scope: str) -> Callable[[SparseCapture], SparseRows]:
 
 
 def _folded_slot0(cap: SparseCapture) -> SparseRows:
-    r = rows_of(cap)
-    return replace(r, valid=torch.ones_like(r.valid))  # invalid entries already hold token 0
+    return raw_rows(cap.indices, cap.extra_indices)
 
 
 def _window_short(side: str) -> Callable[[SparseCapture], SparseRows]:
     def rows(cap: SparseCapture) -> SparseRows:
         r = rows_of(cap)
         valid = r.valid.clone()
-        main = (r.pool_id == 0).nonzero().flatten()
-        full = valid[:, main].sum(1) == cap.meta.window
-        for i in full.nonzero().flatten().tolist():
-            cols = main[valid[i, main]]
+        main = (r.pool_id == 0) & valid  # [R, W]
+        for i in (main.sum(1) == cap.meta.window).nonzero().flatten().tolist():
+            cols = main[i].nonzero().flatten()  # main entries come first, in list order
             valid[i, cols[0] if side == "start" else cols[-1]] = False
         return replace(r, valid=valid)
 
@@ -128,8 +129,7 @@ def _window_short(side: str) -> Callable[[SparseCapture], SparseRows]:
 def _offset_dropped(cap: SparseCapture) -> SparseRows:
     r = rows_of(cap)
     page = cap.meta.page_size
-    main = (r.pool_id == 0)[None, :]
-    return replace(r, token=torch.where(main, r.token // page * page, r.token))
+    return replace(r, token=torch.where(r.pool_id == 0, r.token // page * page, r.token))
 
 
 def _rope_shifted(offset: int):

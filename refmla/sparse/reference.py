@@ -33,19 +33,17 @@ def rows_of(cap: SparseCapture) -> SparseRows:
 
 
 def gather_keys(cap: SparseCapture, rows: SparseRows, decode=dequantize) -> torch.Tensor:
-    """[R, Kt, D] fp64: each entry's key from its own cache, decoded exactly (only the tokens read)."""
+    """[R, W, D] fp64: each valid entry's key from its own cache, decoded exactly (only the tokens read)."""
     m = cap.meta
     pools = [(cap.k_cache, m.layout, m.page_size), (cap.extra_k_cache, m.extra_layout, m.extra_page_size)]
-    R, Kt = rows.token.shape
-    keys = torch.zeros(R, Kt, m.layout.head_dim, dtype=torch.float64)
+    R, W = rows.token.shape
+    keys = torch.zeros(R, W, m.layout.head_dim, dtype=torch.float64)
     for pid, (cache, layout, page) in enumerate(pools):
-        cols = rows.pool_id == pid
-        if cache is None or not bool(cols.any()):
+        sel = (rows.pool_id == pid) & rows.valid  # [R, W] this pool's entries
+        if cache is None or not bool(sel.any()):
             continue
-        tok = rows.token[:, cols]  # [R, K_pool]
-        need, inverse = torch.unique(tok, return_inverse=True)
-        k = decode(cache, layout, page, m.kv_fp8_dtype, need)  # [n, D]
-        keys[:, cols] = k[inverse]
+        need, inverse = torch.unique(rows.token[sel], return_inverse=True)
+        keys[sel] = decode(cache, layout, page, m.kv_fp8_dtype, need)[inverse]  # [n, D] each token once
     return keys
 
 

@@ -1,6 +1,7 @@
-"""What each query row of a sparse decode call reads: its top-k entries in the main cache, then
-its entries in the extra (compressed) cache, each valid when it is not -1 and stands before the
-request's ``topk_length``. Built once here; the reference, the control and the fault search read it.
+"""What each query row of a sparse decode call reads, padded for vectorized math: built from the
+one description every consumer shares, :meth:`refmla.attended.Attended.sparse_topk` (a row's
+entries in the main cache that are not -1 and stand before its request's ``topk_length``, then its
+entries in the extra, compressed, cache).
 
 Entries are attended as listed: the union of both caches' valid entries (a token listed twice
 counts twice, as every kernel computes it). A row with no valid entry is "lonely" (FlashMLA's
@@ -14,12 +15,14 @@ from typing import Optional
 
 import torch
 
+from refmla.attended import Attended
+
 
 @dataclass(frozen=True)
 class SparseRows:
-    token: torch.Tensor  # [R, Kt] int64 flat token index into its pool (0 where invalid); R = B * S
-    valid: torch.Tensor  # [R, Kt] bool
-    pool_id: torch.Tensor  # [Kt] int8: 0 the main cache, 1 the extra cache
+    token: torch.Tensor  # [R, W] int64 flat token index into its pool (0 where not valid); R = B * S
+    valid: torch.Tensor  # [R, W] bool
+    pool_id: torch.Tensor  # [R, W] int8: 0 the main cache, 1 the extra cache
     request: torch.Tensor  # [R] int64: the request of each row
 
     @property
@@ -28,27 +31,43 @@ class SparseRows:
         return ~self.valid.any(dim=1)
 
 
-def scope_valid(indices: torch.Tensor, lengths: Optional[torch.Tensor]) -> torch.Tensor:
-    """[B, S, K] indices -> [B * S, K] valid: not -1 and (with lengths [B]) before topk_length[b]."""
-    B, S, K = indices.shape
-    valid = indices != -1
-    if lengths is not None:
-        valid = valid & (torch.arange(K)[None, None, :] < lengths.long().view(B, 1, 1))
-    return valid.reshape(B * S, K)
+def padded(att: Attended, request: torch.Tensor) -> SparseRows:
+    """An Attended of one group per query row as [R, W] entries (W its longest group, at least 1)."""
+    R, lens = att.num_rows, att.lengths()
+    W = max(1, att.max_length())
+    valid = torch.arange(W)[None, :] < lens[:, None]  # [R, W]
+    token = torch.zeros(R, W, dtype=torch.long)
+    token[valid] = att.rows
+    pool = torch.zeros(R, W, dtype=torch.int8)
+    if att.pool_ids is not None:
+        pool[valid] = att.pool_ids
+    return SparseRows(token, valid, pool, request)
+
+
+def per_row(lengths: Optional[torch.Tensor], S: int) -> Optional[torch.Tensor]:
+    """topk_length [B] (per request) -> [B * S] (per query row)."""
+    return None if lengths is None else lengths.long().repeat_interleave(S)
 
 
 def sparse_rows(indices: torch.Tensor, lengths: Optional[torch.Tensor] = None,
                 extra_indices: Optional[torch.Tensor] = None,
                 extra_lengths: Optional[torch.Tensor] = None) -> SparseRows:  # fmt: skip
+    """indices [B, S, K] (extra [B, S, K2]), lengths [B] -> the rows every query row reads."""
     B, S, K = indices.shape
-    scopes = [(indices, lengths)] + ([(extra_indices, extra_lengths)] if extra_indices is not None else [])
-    tokens, valids, ids = [], [], []
-    for pool, (idx, ln) in enumerate(scopes):
-        v = scope_valid(idx, ln)  # [R, K_pool]
-        tokens.append(torch.where(v, idx.reshape(B * S, -1).long(), 0))
-        valids.append(v)
-        ids.append(torch.full((idx.shape[2],), pool, dtype=torch.int8))
-    return SparseRows(torch.cat(tokens, 1), torch.cat(valids, 1), torch.cat(ids), torch.arange(B).repeat_interleave(S))
+    att = Attended.sparse_topk(indices.reshape(B * S, K), per_row(lengths, S),
+                               None if extra_indices is None else extra_indices.reshape(B * S, -1),
+                               per_row(extra_lengths, S))  # fmt: skip
+    return padded(att, torch.arange(B).repeat_interleave(S))
 
 
-__all__ = ["SparseRows", "scope_valid", "sparse_rows"]
+def raw_rows(indices: torch.Tensor, extra_indices: Optional[torch.Tensor] = None) -> SparseRows:
+    """Every entry of both lists, -1 included (read as token 0) and lengths ignored: what a kernel
+    that takes -1 for a slot reads (the hypothesis ``minus_one_as_slot0``)."""
+    B, S, _ = indices.shape
+    lists = [indices.reshape(B * S, -1)] + ([extra_indices.reshape(B * S, -1)] if extra_indices is not None else [])
+    token = torch.cat([x.long().clamp(min=0) for x in lists], 1)
+    pool = torch.cat([torch.full(x.shape, i, dtype=torch.int8) for i, x in enumerate(lists)], 1)
+    return SparseRows(token, torch.ones_like(token, dtype=torch.bool), pool, torch.arange(B).repeat_interleave(S))
+
+
+__all__ = ["SparseRows", "padded", "per_row", "raw_rows", "sparse_rows"]
