@@ -10,7 +10,7 @@ import math
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -22,23 +22,8 @@ from refmla.util import first_line
 
 def read_capture(path: Any) -> Capture:
     """Open, validate and load a capture. Raises CaptureError (file + tensor/key + reason)."""
-    from safetensors import SafetensorError, safe_open
-
     path = Path(path)
-    _check_file(path)
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            meta = _read_meta(path, f.metadata() or {})
-            names = set(f.keys())
-            for name, required in TENSORS.items():
-                if required and name not in names:
-                    raise CaptureError(path, f"tensor '{name}'", "missing")
-            loaded = _map_tensors(path, [n for n in TENSORS if n in names], f)
-    except CaptureError:
-        raise
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        reason = first_line(e) or type(e).__name__
-        raise CaptureError(path, "file", f"not a readable safetensors file ({reason})") from None
+    meta, loaded, names = open_capture(path, TENSORS, _read_meta)
     cap = Capture(path=str(path), meta=meta, **loaded)
     cap.warnings.extend(validate(cap))
     cap.attended()  # built once, here, from the validated indices
@@ -46,6 +31,28 @@ def read_capture(path: Any) -> Capture:
     if unknown:
         cap.warnings.append(f"tensors not in refmla.capture/1, ignored: {', '.join(unknown)}")
     return cap
+
+
+def open_capture(path: Path, spec: dict, read_meta: Callable[[Path, dict], Any]) -> tuple[Any, dict, set]:
+    """(meta, tensors, names in the file) of a capture file whose tensors ``spec`` names (name ->
+    required): the file checked by stat, the header's meta parsed by ``read_meta``, the required
+    tensors present, the known ones lazily mapped. Raises CaptureError naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    _check_file(path)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = read_meta(path, f.metadata() or {})
+            names = set(f.keys())
+            for name, required in spec.items():
+                if required and name not in names:
+                    raise CaptureError(path, f"tensor '{name}'", "missing")
+            return meta, _map_tensors(path, [n for n in spec if n in names], f), names
+    except CaptureError:
+        raise
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        reason = first_line(e) or type(e).__name__
+        raise CaptureError(path, "file", f"not a readable safetensors file ({reason})") from None
 
 
 def _check_file(path: Path) -> None:
@@ -106,4 +113,4 @@ def _map_tensors(path: Path, names: list[str], f) -> dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["read_capture"]
+__all__ = ["open_capture", "read_capture"]

@@ -12,11 +12,10 @@ import torch
 from refmla import CAPTURE_FORMAT
 from refmla.atomic import write_bytes
 from refmla.capture import CaptureError
-from refmla.capture.read import _check_file, _map_tensors
+from refmla.capture.read import open_capture
 from refmla.capture.write import sorted_header
-from refmla.sparse.format import TENSORS, SparseCapture, is_sparse_meta, parse_sparse_meta
+from refmla.sparse.format import TENSORS, SparseCapture, SparseMeta, is_sparse_meta, parse_sparse_meta
 from refmla.sparse.validation import validate
-from refmla.util import first_line
 
 
 def file_meta(path: Any) -> dict:
@@ -35,30 +34,19 @@ def is_sparse_file(path: Any) -> bool:
     return Path(path).is_file() and is_sparse_meta(file_meta(path))
 
 
+def _sparse_meta(path: Path, header: dict) -> SparseMeta:
+    if header.get("format") != CAPTURE_FORMAT:
+        raise CaptureError(path, "header key 'format'", f"expected {CAPTURE_FORMAT!r}, got {header.get('format')!r}")
+    try:
+        return parse_sparse_meta(json.loads(header.get("meta", "null")), path)
+    except (json.JSONDecodeError, TypeError, AttributeError):
+        raise CaptureError(path, "header key 'meta'", "missing or not a JSON object") from None
+
+
 def read_sparse(path: Any) -> SparseCapture:
     """Open, validate and load a sparse capture. Raises CaptureError (file + tensor/key + reason)."""
-    from safetensors import SafetensorError, safe_open
-
     path = Path(path)
-    _check_file(path)
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            header = f.metadata() or {}
-            if header.get("format") != CAPTURE_FORMAT:
-                raise CaptureError(path, "header key 'format'", f"expected {CAPTURE_FORMAT!r}, got {header.get('format')!r}")
-            try:
-                meta = parse_sparse_meta(json.loads(header.get("meta", "null")), path)
-            except (json.JSONDecodeError, TypeError, AttributeError):
-                raise CaptureError(path, "header key 'meta'", "missing or not a JSON object") from None
-            names = set(f.keys())
-            for name, required in TENSORS.items():
-                if required and name not in names:
-                    raise CaptureError(path, f"tensor '{name}'", "missing")
-            loaded = _map_tensors(path, [n for n in TENSORS if n in names], f)
-    except CaptureError:
-        raise
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise CaptureError(path, "file", f"not a readable safetensors file ({first_line(e) or type(e).__name__})") from None
+    meta, loaded, names = open_capture(path, TENSORS, _sparse_meta)
     cap = SparseCapture(path=str(path), meta=meta, **loaded)
     validate(cap)
     unknown = sorted(names - set(TENSORS))
