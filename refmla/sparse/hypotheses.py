@@ -110,7 +110,7 @@ def _lengths_ignored(scope: str) -> Callable[[SparseCapture], SparseRows]:
 
 
 def _folded_slot0(cap: SparseCapture) -> SparseRows:
-    return raw_rows(cap.indices, cap.extra_indices)
+    return raw_rows(cap.indices, cap.topk_length, cap.extra_indices, cap.extra_topk_length)
 
 
 def _window_short(side: str) -> Callable[[SparseCapture], SparseRows]:

@@ -60,14 +60,22 @@ def sparse_rows(indices: torch.Tensor, lengths: Optional[torch.Tensor] = None,
     return padded(att, torch.arange(B).repeat_interleave(S))
 
 
-def raw_rows(indices: torch.Tensor, extra_indices: Optional[torch.Tensor] = None) -> SparseRows:
-    """Every entry of both lists, -1 included (read as token 0) and lengths ignored: what a kernel
-    that takes -1 for a slot reads (the hypothesis ``minus_one_as_slot0``)."""
+def raw_rows(indices: torch.Tensor, lengths: Optional[torch.Tensor] = None,
+             extra_indices: Optional[torch.Tensor] = None,
+             extra_lengths: Optional[torch.Tensor] = None) -> SparseRows:  # fmt: skip
+    """Every entry of both lists, each -1 and each entry past its length read as token 0: what a
+    kernel reads that takes -1 for a slot once the lengths are folded into -1 (as SGLang does for
+    aiter_sparse): the hypothesis ``minus_one_as_slot0``."""
     B, S, _ = indices.shape
-    lists = [indices.reshape(B * S, -1)] + ([extra_indices.reshape(B * S, -1)] if extra_indices is not None else [])
-    token = torch.cat([x.long().clamp(min=0) for x in lists], 1)
-    pool = torch.cat([torch.full(x.shape, i, dtype=torch.int8) for i, x in enumerate(lists)], 1)
-    return SparseRows(token, torch.ones_like(token, dtype=torch.bool), pool, torch.arange(B).repeat_interleave(S))
+    scopes = [(indices, lengths)] + ([(extra_indices, extra_lengths)] if extra_indices is not None else [])
+    tokens, pools = [], []
+    for pool, (idx, ln) in enumerate(scopes):
+        x = idx.reshape(B * S, -1).long()
+        past = torch.zeros_like(x, dtype=torch.bool) if ln is None else torch.arange(x.shape[1])[None] >= per_row(ln, S)[:, None]
+        tokens.append(torch.where((x == -1) | past, 0, x))
+        pools.append(torch.full(x.shape, pool, dtype=torch.int8))
+    token = torch.cat(tokens, 1)
+    return SparseRows(token, torch.ones_like(token, dtype=torch.bool), torch.cat(pools, 1), torch.arange(B).repeat_interleave(S))
 
 
 __all__ = ["SparseRows", "padded", "per_row", "raw_rows", "sparse_rows"]
