@@ -72,11 +72,11 @@ def test_a_pool_that_cannot_say_gives_only_its_class():
 
 @pytest.fixture(scope="module")
 def v4_pool():
-    from refmla.hook import dsv4_testing
+    import dsv4_kit
 
     try:
-        return dsv4_testing.token_to_kv_pool(compression_ratios=[0, 4, 128, 4])
-    except dsv4_testing.Unavailable as e:
+        return dsv4_kit.token_to_kv_pool(compression_ratios=[0, 4, 128, 4])
+    except dsv4_kit.Unavailable as e:
         pytest.skip(str(e))
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from refmla.hook.testing import Unavailable, prepare
+from sglang_kit import Unavailable, prepare
 
 DSV4_KIT = "sglang.test.kits.attention_unittest.attention_methods.dsv4_attention"
 
