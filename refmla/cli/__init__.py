@@ -9,6 +9,7 @@ One module per command group, each adding its parser, and what they share:
     diffkv.py    refmla diff-kv
     disagg.py    refmla disagg
     synth.py     refmla synth / synth-disagg
+    sparse.py    the sparse decode part of replay and synth (DeepSeek-V4 / V3.2, refmla.sparse)
     doctor.py    refmla doctor
     golden.py    refmla golden generate
     capture.py   refmla capture run (the hook itself is refmla.hook)
