@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from refmla import CAPTURE_FORMAT
-from refmla.capture.format import TENSORS, Capture, CaptureError, CaptureMeta, parse_meta
+from refmla.capture.format import MAX_META_DEPTH, TENSORS, Capture, CaptureError, CaptureMeta, parse_meta
 from refmla.capture.validation import validate
-from refmla.util import first_line
+from refmla.util import first_line, printable
 
 
 def read_capture(path: Any) -> Capture:
@@ -43,7 +43,7 @@ def read_capture(path: Any) -> Capture:
     cap.warnings.extend(validate(cap))
     unknown = sorted(names - set(TENSORS))
     if unknown:
-        cap.warnings.append(f"tensors not in refmla.capture/1, ignored: {', '.join(unknown)}")
+        cap.warnings.append(f"tensors not in refmla.capture/1, ignored: {', '.join(printable(n) for n in unknown)}")
     return cap
 
 
@@ -70,6 +70,8 @@ def _read_meta(path: Path, header: dict) -> CaptureMeta:
         raw_meta = json.loads(header["meta"])
     except json.JSONDecodeError as e:
         raise CaptureError(path, "header key 'meta'", f"not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise CaptureError(path, "header key 'meta'", f"nested deeper than {MAX_META_DEPTH} levels") from None
     return parse_meta(raw_meta, path)
 
 

@@ -27,7 +27,7 @@ from refmla.atomic import WriteError
 from refmla.cli import diffkv, disagg, inspect, replay, tools
 from refmla.cli.common import EXIT_INVALID, UsageError, describe_inputs
 from refmla.hook.cli import add_capture_parser
-from refmla.util import error_text, first_line
+from refmla.util import PrintableStream, error_text, first_line
 
 
 class Parser(argparse.ArgumentParser):
@@ -52,6 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line; everything it writes goes through refmla.util.printable (no raw file bytes)."""
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = PrintableStream(out), PrintableStream(err)
+    try:
+        return _main(argv)
+    finally:
+        sys.stdout, sys.stderr = out, err
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> int:
     ensure_interpreter()  # no GPU: the Triton interpreter, chosen before anything imports triton
     args = build_parser().parse_args(argv)
     try:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from refmla.util import first_line, json_safe
+from refmla.util import first_line, json_safe, printable
 
 EXIT_OK, EXIT_DIVERGED, EXIT_INVALID = 0, 1, 2
 
@@ -84,8 +84,9 @@ def describe_inputs(args: argparse.Namespace) -> str:
 def report_invalid(capture: str, error: Optional[str], errors: Sequence[str]) -> None:
     """The one stderr line of an unusable capture among several, naming the file."""
     line = first_line(error or "; ".join(errors) or "invalid")
-    if not line.startswith(str(capture)):
+    if not line.startswith(printable(capture)):
         line = f"{capture}: {line}"
+    line = printable(line)
     print(f"refmla: error: {line}", file=sys.stderr)
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 from typing import Optional, TextIO
 
+from refmla.util import printable
+
 
 class Progress:
     """``step(label)`` after each of ``total`` items, ``close()`` at the end. Silent for one item."""
@@ -29,6 +31,7 @@ class Progress:
 
     def step(self, label: str) -> None:
         self.done += 1
+        label = printable(label)
         if self._bar is not None:
             self._bar.set_postfix_str(label[-50:], refresh=False)
             self._bar.update(1)
