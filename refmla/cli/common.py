@@ -59,6 +59,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def output_path(text: str) -> str:
+    """argparse type of every output a command names (a folder or a file): an empty or blank path
+    would resolve to the working directory, a NUL cannot be a path: both are usage errors."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is empty: name the output explicitly ('.' for the working directory)")
+    if "\0" in text:
+        raise argparse.ArgumentTypeError("a path cannot hold a NUL byte")
+    return text
+
+
 def nonneg_float(text: str) -> float:
     """argparse type: a finite float >= 0 (``--k``, ``--ulps``, ``--cos``): a NaN tolerance judges nothing."""
     try:

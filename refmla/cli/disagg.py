@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from refmla.backends import NAMES
-from refmla.cli.common import UsageError, expand_captures, need_matplotlib, print_json
+from refmla.cli.common import UsageError, expand_captures, need_matplotlib, output_path, print_json
 from refmla.compare import Tolerance
 from refmla.context import ReplayOptions
 from refmla.disagg import render_disagg, run_disagg
@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
     d.add_argument("--backend", action="append", choices=NAMES, help="replay only these (repeatable)")
     d.add_argument("--jobs", type=int, default=1, help="replay the decode captures in parallel processes")
     d.add_argument("--json", action="store_true", help="one JSON document on stdout")
-    d.add_argument("--plot", metavar="DIR", default=None, help="write the replay and diff-kv PNGs to DIR")
+    d.add_argument("--plot", metavar="DIR", default=None, type=output_path, help="write the replay and diff-kv PNGs to DIR")
     d.add_argument("--k", type=float, default=2.0)
     d.add_argument("--ulps", type=float, default=1.0)
     d.add_argument("--cos", type=float, default=1e-5)

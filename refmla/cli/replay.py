@@ -11,6 +11,7 @@ from refmla.cli.common import (
     expand_captures,
     need_matplotlib,
     nonneg_float,
+    output_path,
     positive_int,
     print_json,
     report_invalid,
@@ -35,7 +36,7 @@ def add_parser(sub) -> None:
     r.add_argument("--device", default=None, help="device for kernels (default: cuda if present, else cpu)")
     r.add_argument("--cu-count", type=int, default=256, help="CUs for computing num_kv_splits (MI355X: 256)")
     r.add_argument("--jobs", type=positive_int, default=1, help="replay captures in parallel processes")
-    r.add_argument("--plot", metavar="DIR", default=None, help="write PNG plots to DIR")
+    r.add_argument("--plot", metavar="DIR", default=None, type=output_path, help="write PNG plots to DIR")
     r.add_argument("--no-explain", action="store_true", help="skip the hypothesis search")
     r.set_defaults(func=run)
 

@@ -9,7 +9,7 @@ import platform
 import torch
 
 from refmla.backends import ALL_NAMES, get_backend
-from refmla.cli.common import EXIT_OK, UsageError, print_json
+from refmla.cli.common import EXIT_OK, UsageError, output_path, print_json
 from refmla.golden import generate
 from refmla.synth import FAULTS, preset, synth_capture
 from refmla.synth.disagg import DISAGG_PRESETS, disagg_preset, synth_disagg
@@ -18,14 +18,14 @@ from refmla.synth.disagg_faults import DISAGG_FAULTS
 
 def add_parsers(sub) -> None:
     s = sub.add_parser("synth", help="write a synthetic capture")
-    s.add_argument("out")
+    s.add_argument("out", type=output_path)
     s.add_argument("--preset", default="kimi-k2-tp8")
     s.add_argument("--fault", default="none")
     s.add_argument("--seed", type=int, default=None)
     s.set_defaults(func=synth)
 
     sd = sub.add_parser("synth-disagg", help="write a synthetic prefill/decode pair (OUT/prefill, OUT/decode)")
-    sd.add_argument("out")
+    sd.add_argument("out", type=output_path)
     sd.add_argument("--preset", default="disagg", choices=list(DISAGG_PRESETS))
     sd.add_argument("--fault", default="none", choices=list(DISAGG_FAULTS))
     sd.add_argument("--seed", type=int, default=None)
@@ -38,7 +38,7 @@ def add_parsers(sub) -> None:
     g = sub.add_parser("golden", help="golden files")
     gsub = g.add_subparsers(dest="golden_command", required=True)
     gg = gsub.add_parser("generate", help="write the golden suite")
-    gg.add_argument("--out", required=True)
+    gg.add_argument("--out", required=True, type=output_path)
     gg.add_argument("--suite", choices=("quick", "full"), default="quick")
     gg.set_defaults(func=golden_generate)
 
