@@ -151,6 +151,12 @@ class _RowErrors:
     ctrl_cos: torch.Tensor  # [R, H] the control's own cosine difference
 
 
+def same_nonfinite(a: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """Where both are NaN or both the same signed Inf: the output's placement rule, which the lse
+    and the split lse follow too (NaN vs NaN and -inf vs -inf judged alike: as agreeing values)."""
+    return (torch.isnan(a) & torch.isnan(e)) | (torch.isinf(a) & (a == e))
+
+
 def _nan_inf_placement(
     a: torch.Tensor, e: torch.Tensor, mask: torch.Tensor, req: torch.Tensor
 ) -> tuple[torch.Tensor, Optional[str]]:

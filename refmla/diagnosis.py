@@ -14,6 +14,8 @@
                           computes the same attention with different rounding (named); no data
                           or metadata fault
     backend_error         a backend crashed and nothing diverged
+    upstream_nonfinite    a request's q or attended KV rows hold NaN / Inf: the input is already
+                          non-finite, the fault is upstream of attention (whatever the kernels wrote)
     metadata              the capture's metadata is invalid; nothing was replayed
     verify                (verify captures) a verify path (aiter max_seqlen_q > 1, the Triton extend
                           with the mask) diverges while the plain decode over the same KV agrees
@@ -36,6 +38,7 @@ EXTEND = "extend"
 SENTENCES = {
     None: "all backends agree with the reference",
     "metadata": "the capture's metadata is invalid; nothing was replayed",
+    "upstream_nonfinite": "the input is already non-finite: the fault is upstream of attention ({where})",
     "observed": (
         "only the production output diverges: {agree} with the reference on the captured inputs, "
         "so what the production kernel read differed from the capture (KV not yet transferred or "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from refmla import reference as ref
-from refmla.compare import compare
+from refmla.compare import compare, same_nonfinite
 from refmla.context import ReplayContext
 from refmla.results import LseCheck, SplitCheck
 from refmla.schedule import nonempty_splits
@@ -42,8 +42,9 @@ def compare_splits(ctx: ReplayContext, res) -> SplitCheck:
     cmp = compare("splits", actual, r_out[b_idx, :, s_idx], c_out[b_idx, :, s_idx],
                   out_dtype=value_dtype, tol=ctx.opts.tol, request_of_row=b_idx)  # fmt: skip
     r_lse, c_lse = r_lse[b_idx, :, s_idx], c_lse[b_idx, :, s_idx].double()  # [V, H]
-    lse_err = (res.attn_lse.double().cpu()[b_idx, :, s_idx] - r_lse).abs()
-    lse_allowed = ctx.opts.tol.k * (c_lse - r_lse).abs() + 1e-5 * (1 + r_lse.abs())
+    got_lse = res.attn_lse.double().cpu()[b_idx, :, s_idx]
+    lse_err = torch.where(same_nonfinite(got_lse, r_lse), 0.0, (got_lse - r_lse).abs())  # the output's rule
+    lse_allowed = ctx.opts.tol.k * (c_lse - r_lse).abs().nan_to_num(0.0) + 1e-5 * (1 + r_lse.abs().nan_to_num(0.0))
     lse_bad = ~(lse_err <= lse_allowed)
     row, head = divmod(int((cmp.row_err / cmp.row_tol).argmax()), cmp.row_err.shape[1])
     check = SplitCheck(
@@ -72,8 +73,7 @@ def compare_lse(ctx: ReplayContext, lse: torch.Tensor, out_dtype: torch.dtype, r
     if got.numel() == 0:
         return LseCheck("pass", compared_rows=0)
     err = (got - want).abs()
-    same_inf = torch.isinf(got) & (got == want)  # an empty row's -inf on both sides
-    err = torch.where(same_inf, torch.zeros_like(err), err)
+    err = torch.where(same_nonfinite(got, want), torch.zeros_like(err), err)  # the output's rule (compare.py)
     allowed = ctx.opts.tol.k * (ctl - want).abs().nan_to_num(0.0) + 1e-5 * (1 + want.abs().nan_to_num(0.0))
     allowed = allowed + ctx.cached("q_rounding_slack", lambda: q_rounding_slack(ctx.cap))[rows]
     bad = ~(err <= allowed)  # NaN err fails
