@@ -4,6 +4,7 @@ Layout (the folder tree is the architecture; imports go down this list, never up
 
     util.py         small idioms every layer uses (the bottom)
     atomic.py       atomic file writes for every writer: refuse non-regular targets, O_TMPFILE, sweep
+    signals.py      SIGINT / SIGTERM as exceptions (exit 130 / 143), deferred around a whole write
     schedule.py     SGLang's split-KV schedule (split bounds, num_kv_splits, max_kv_splits)
     paged.py        index conventions: SGLang token slots <-> aiter pages
     pool.py         pool rows by their bytes: zero / NaN rows, row-by-row comparison

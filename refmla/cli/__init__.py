@@ -27,6 +27,7 @@ from refmla.atomic import WriteError
 from refmla.cli import diffkv, disagg, inspect, replay, tools
 from refmla.cli.common import EXIT_INVALID, UsageError, describe_inputs
 from refmla.hook.cli import add_capture_parser
+from refmla.signals import EXIT_SIGINT, EXIT_SIGTERM, Terminated, sigterm_raises
 from refmla.util import PrintableStream, error_text, first_line
 
 
@@ -56,7 +57,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out, err = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = PrintableStream(out), PrintableStream(err)
     try:
-        return _main(argv)
+        with sigterm_raises():
+            return _main(argv)
+    except KeyboardInterrupt:  # a signal before or after the command's own handling
+        return EXIT_SIGINT
+    except Terminated:
+        return EXIT_SIGTERM
     finally:
         sys.stdout, sys.stderr = out, err
 
@@ -70,7 +76,9 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"refmla: error: {first_line(e)}", file=sys.stderr)
         return EXIT_INVALID
     except KeyboardInterrupt:
-        return 130
+        return EXIT_SIGINT
+    except Terminated:
+        return EXIT_SIGTERM
     except Exception as e:  # never a traceback for the user; REFMLA_DEBUG=1 shows it
         if os.environ.get("REFMLA_DEBUG"):
             raise

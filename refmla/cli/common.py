@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from refmla.signals import signals_deferred
 from refmla.util import first_line, json_safe, printable
 
 EXIT_OK, EXIT_DIVERGED, EXIT_INVALID = 0, 1, 2
@@ -102,7 +103,9 @@ def report_invalid(capture: str, error: Optional[str], errors: Sequence[str]) ->
 
 def print_json(obj: Any) -> None:
     """Typed results (``to_json``) or plain data as one JSON document on stdout, NaN/Inf as null."""
-    print(json.dumps(json_safe(obj), indent=2, allow_nan=False))
+    text = json.dumps(json_safe(obj), indent=2, allow_nan=False)
+    with signals_deferred():  # a signal waits until the document is out: never a cut one
+        print(text, flush=True)
 
 
 def need_matplotlib() -> None:

@@ -41,6 +41,16 @@ def render(report: ReplayReport) -> str:
     return "\n".join(lines)
 
 
+def render_or_say(report: ReplayReport) -> str:
+    """:func:`render`, or when rendering itself fails, the capture, its verdict and why: one report's
+    text never costs the others'."""
+    try:
+        return render(report)
+    except Exception as e:
+        return (f"capture  {printable(report.capture)}\nverdict  {report.verdict}  (the report could not be rendered: "
+                f"{printable(type(e).__name__)}; see --json)")
+
+
 def verify_paths_table(rows: list[dict]) -> str:
     """The verify capture's paths over the same KV (refmla.diagnosis.verify_table), one line each."""
     body = [[r["path"], r["backend"], r["status"].upper() if r["status"] == "fail" else r["status"],
