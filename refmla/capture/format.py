@@ -100,6 +100,9 @@ MAX_PAGE_SIZE = 1 << 16  # SGLang / aiter page sizes are 1..256
 # SGLang's max_kv_splits is max(--triton-attention-num-kv-splits, min(npow2(CUs), npow2(ctx / 32))):
 # 256 on MI355X, 512 on the largest GPU; the stage-1 buffer is [B, H, max_kv_splits, Dv + 1] fp32.
 MAX_KV_SPLITS = 1 << 12
+# q's heads: an MLA model has at most 128 query heads (DeepSeek-V3 at TP1); every path's work and
+# buffers scale with them, so a q claiming more is refused before any work (validation, tensor 'q')
+MAX_HEADS = 1 << 10
 
 # key -> (type, required); int keys accept integral floats, float keys accept ints
 META_KEYS = {
@@ -358,6 +361,7 @@ __all__ = [
     "META_CHECKS",
     "MODES",
     "META_KEYS",
+    "MAX_HEADS",
     "MAX_KV_SPLITS",
     "MAX_PAGE_SIZE",
     "SCALE_RANGE",
