@@ -289,3 +289,30 @@ def test_nonfinite_lse_follows_the_output_rule(tmp_path):
     observed = json.loads(out)["backends"]["observed"]
     assert observed["lse"]["status"] == "pass"  # NaN vs NaN lse: like the output's NaN vs NaN
     assert code == 1  # and the capture is still a finding (upstream_nonfinite), never agree
+
+
+def test_disagg_reports_the_rest_and_names_duplicate_rids_and_huge_ints(tmp_path):
+    """A repeated rid (one decode capture) and a 400-digit pool key (one prefill capture): each is
+    one line naming the key, exit 2, and the disagg report of everything else is still printed."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    assert run_cli("synth-disagg", str(tmp_path / "d"))[0] == 0
+
+    def rewrite(path, edit):
+        with safe_open(str(path), "pt") as f:
+            header, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+        meta = json.loads(header["meta"])
+        edit(meta)
+        save_file(tensors, str(path), {**header, "meta": json.dumps(meta)})
+
+    decode = sorted((tmp_path / "d" / "decode").glob("*.safetensors"))
+    prefill = sorted((tmp_path / "d" / "prefill").glob("*.safetensors"))
+    rewrite(decode[0], lambda m: m.update(rids=[m["rids"][0]] * len(m["rids"])))
+    rewrite(prefill[0], lambda m: m.update(kv_pool_rows=10**400))
+    code, out, err = run_cli("disagg", str(tmp_path / "d" / "prefill"), str(tmp_path / "d" / "decode"),
+                             "--backend", "reference", "--no-explain")  # fmt: skip
+    errors = [ln for ln in error_lines(err) if ln.startswith("refmla: error:")]
+    assert code == 2 and len(errors) == 2, errors
+    assert any("meta key 'rids'" in ln for ln in errors) and any("meta key 'kv_pool_rows'" in ln for ln in errors)
+    assert "verdict" in out and out.count("invalid  ") == 2

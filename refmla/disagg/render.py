@@ -15,7 +15,7 @@ def render_disagg(report: DisaggReport) -> str:
     lines = [f"prefill  {len(report.prefill)} path(s), decode {len(report.decode)} path(s): "
              f"{len(report.replays)} decode capture(s) replayed, {len(report.diffs)} diff-kv run(s)"]  # fmt: skip
     lines += [printable(f"note     {n}") for n in report.notes]
-    lines += [printable(f"invalid  {p}: {e}") for p, e in report.invalid]
+    lines += [printable(f"invalid  {e if str(e).startswith(p) else f'{p}: {e}'}") for p, e in report.invalid]
     for side, path, check in report.regions:
         if check.status in ("finding", "warning"):
             lines.append(printable(f"region   {check.status.upper()} ({side} {path}): {check.message}"))
