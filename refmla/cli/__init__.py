@@ -28,7 +28,7 @@ from refmla.cli import diffkv, disagg, inspect, replay, tools
 from refmla.cli.common import EXIT_INVALID, UsageError, describe_inputs
 from refmla.hook.cli import add_capture_parser
 from refmla.signals import EXIT_SIGINT, EXIT_SIGTERM, Terminated, sigterm_raises
-from refmla.util import PrintableStream, error_text, first_line
+from refmla.util import PrintableStream, error_text, first_line, printable
 
 
 class Parser(argparse.ArgumentParser):
@@ -73,7 +73,7 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return args.func(args)
     except (CaptureError, UsageError, WriteError) as e:
-        print(f"refmla: error: {first_line(e)}", file=sys.stderr)
+        print(f"refmla: error: {printable(first_line(e))}", file=sys.stderr)
         return EXIT_INVALID
     except KeyboardInterrupt:
         return EXIT_SIGINT
@@ -82,7 +82,7 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as e:  # never a traceback for the user; REFMLA_DEBUG=1 shows it
         if os.environ.get("REFMLA_DEBUG"):
             raise
-        where = describe_inputs(args)
+        where = printable(describe_inputs(args))
         where = f"{where}: " if where else ""
         print(f"refmla: error: {where}{error_text(e)} (set REFMLA_DEBUG=1 for the traceback)", file=sys.stderr)
         return EXIT_INVALID
