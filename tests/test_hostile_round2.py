@@ -59,6 +59,9 @@ def test_meta_backend_and_unknown_tensor_names_are_escaped(tmp_path):
     assert "ignored: zz\\x1b[2J" in out
     code, out, _ = replay(str(path), "--json")  # JSON stays JSON: the value round-trips
     assert json.loads(out)["meta"]["backend"] == NASTY
+    for argv in (["inspect", str(path)], ["inspect", str(path), str(path)]):
+        code, out, err = run_cli(*argv)
+        assert code == 1 and not RAW.search(out + err) and "ignored: zz\\x1b[2J" in out
 
 
 def test_file_names_are_escaped_in_error_and_progress_lines(tmp_path):
