@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
+from refmla.util import request_label
+
 DECODE_KERNELS = ("triton", "aiter", "flex")  # offline decode paths (flex: an independent compiled kernel)
 EXTEND = "extend"
 
@@ -168,6 +170,14 @@ def diagnose(
     if errored:
         return (*_say("backend_error", bad=", ".join(errored)), errored)
     return None, SENTENCES[None], []
+
+
+def diagnose_upstream(findings: list) -> tuple[str, str, list[str]]:
+    """``upstream_nonfinite`` from the metadata's ``nonfinite_input`` findings (refmla.checks): the
+    requests, q's heads and the tensors named; it outranks every backend's status."""
+    where = "; ".join(f"{request_label(f.request, f.rid)}: NaN/Inf in {f.numbers['where']}" for f in findings[:4])
+    more = f"; {len(findings) - 4} more request(s)" if len(findings) > 4 else ""
+    return "upstream_nonfinite", SENTENCES["upstream_nonfinite"].format(where=where + more), []
 
 
 def numeric_variants(failed: list[str], explained: Mapping[str, tuple[str, Mapping[str, Any]]]) -> list[str]:

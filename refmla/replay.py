@@ -17,11 +17,11 @@ from refmla.capture import Capture, CaptureError, read_capture
 from refmla.checks import check_capture
 from refmla.compare import judged_dtype
 from refmla.context import ReplayContext, ReplayOptions
-from refmla.diagnosis import SENTENCES, diagnose, diagnose_verify, unreplayed_path, verify_table
+from refmla.diagnosis import diagnose, diagnose_upstream, diagnose_verify, unreplayed_path, verify_table
 from refmla.hypotheses import explain_failure
 from refmla.results import PART_NAMES, BackendEntry, MetadataReport, NoiseFloor, ReplayReport, Shape
 from refmla.splits import compare_lse, compare_splits
-from refmla.util import dtype_name, error_text, request_label
+from refmla.util import dtype_name, error_text
 
 
 def replay_file(path: Any, opts: ReplayOptions) -> ReplayReport:
@@ -80,15 +80,8 @@ def replay_capture(cap: Capture, opts: ReplayOptions) -> ReplayReport:
     upstream = [f for f in metadata.findings if f.check == "nonfinite_input"]
     if upstream:  # NaN in, NaN out is no agreement: the finding outranks every backend's status
         report.verdict = "diverged"
-        report.diagnosis, report.diagnosis_text, report.diagnosis_backends = upstream_nonfinite(upstream)
+        report.diagnosis, report.diagnosis_text, report.diagnosis_backends = diagnose_upstream(upstream)
     return report
-
-
-def upstream_nonfinite(findings: list) -> tuple[str, str, list[str]]:
-    """The diagnosis of a capture whose inputs hold NaN / Inf: the requests, heads and tensors named."""
-    where = "; ".join(f"{request_label(f.request, f.rid)}: NaN/Inf in {f.numbers['where']}" for f in findings[:4])
-    more = f"; {len(findings) - 4} more request(s)" if len(findings) > 4 else ""
-    return "upstream_nonfinite", SENTENCES["upstream_nonfinite"].format(where=where + more), []
 
 
 def _unreplayed(cap: Capture, backends: dict[str, BackendEntry]):
