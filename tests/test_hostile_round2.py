@@ -319,3 +319,26 @@ def test_disagg_reports_the_rest_and_names_duplicate_rids_and_huge_ints(tmp_path
     assert code == 2 and len(errors) == 2, errors
     assert any("meta key 'rids'" in ln for ln in errors) and any("meta key 'kv_pool_rows'" in ln for ln in errors)
     assert "verdict" in out and out.count("invalid  ") == 2
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise TypeError("this report cannot be pickled")
+
+
+def report_or_unpicklable(path, opts):
+    """A --jobs task whose result for one capture cannot travel back from the worker."""
+    from refmla.batch import replay_one
+
+    return Unpicklable() if "bad" in str(path) else replay_one(path, opts)
+
+
+def test_a_report_that_cannot_come_back_costs_only_its_capture(tmp_path):
+    from refmla.batch import replay_many
+    from refmla.context import ReplayOptions
+
+    paths = [str(write_small(tmp_path / f"{name}.safetensors")) for name in ("a", "bad", "c")]
+    reports = replay_many(paths, ReplayOptions(backends=["reference"], explain=False), jobs=2,
+                          task=report_or_unpicklable)  # fmt: skip
+    assert [r.verdict for r in reports] == ["agree", "invalid", "agree"]
+    assert "cannot be pickled" in reports[1].error and reports[1].capture == paths[1]
