@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from helpers import raw_write
-from hostile import error_lines, run_cli, small_capture
+from hostile import error_lines, reference_out, run_cli, small_capture
 
 CASES = int(os.environ.get("REFMLA_FUZZ_CASES", "300"))
 SEED = int(os.environ.get("REFMLA_FUZZ_SEED", "12"))
@@ -41,12 +41,14 @@ WEIRD_VALUES = WEIRD_NUMBERS + WEIRD_FLOATS + ["", "x" * 300, "decode", "extend"
 def _base() -> tuple[dict, dict]:
     """A small decode capture with every optional tensor production stores."""
     from refmla import reference as ref
+    from refmla.attended import Attended
+    from refmla.scales import Scales
 
     t, m = small_capture()
-    sc = dict(kv_lora_rank=512, sm_scale=m["sm_scale"], logit_cap=m["logit_cap"], k_scale=m["k_scale"])
-    args = (t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"])
-    t["lse"] = ref.mla_decode_ref(*args, **sc, v_scale=m["v_scale"])[1].float()
-    parts, lses, _ = ref.mla_decode_split_ref(*args, t["num_kv_splits"], **sc, max_kv_splits=m["max_kv_splits"])
+    sc = Scales(512, m["sm_scale"], m["logit_cap"], m["k_scale"])
+    args = (t["q"], t["kv_buffer"], Attended.from_tensors(t))
+    t["lse"] = ref.mla_decode_ref(*args, sc.but(v_scale=m["v_scale"]))[1].float()
+    parts, lses, _ = ref.mla_decode_split_ref(*args, t["num_kv_splits"], sc, max_kv_splits=m["max_kv_splits"])
     t["attn_logits"], t["attn_lse"] = parts.float(), lses.float()
     return t, m
 
@@ -272,8 +274,6 @@ def _duprid_case(rng, t, m, path):
 
 
 def _nonfinite_case(rng, t, m, path):
-    from refmla import reference as ref
-
     value = rng.choice([math.nan, math.inf, -math.inf])
     attended = sorted(set(t["kv_indices"].tolist()))
     where = rng.choice(["q", "kv", "kv_unattended"])
@@ -287,10 +287,7 @@ def _nonfinite_case(rng, t, m, path):
         kv = t["kv_buffer"].clone()
         kv[row, 0, rng.randrange(kv.shape[2])] = value
         t["kv_buffer"] = kv
-    sc = dict(kv_lora_rank=512, sm_scale=m["sm_scale"], logit_cap=m["logit_cap"], k_scale=m["k_scale"],
-              v_scale=m["v_scale"])  # fmt: skip
-    out, lse = ref.mla_decode_ref(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], **sc)
-    t["out"], t["lse"] = out.to(t["out"].dtype), lse.float()  # production "agrees" with the reference
+    reference_out(t, m)  # production "agrees" with the reference, NaN for NaN
     if where == "kv_unattended":
         return f"{value} in an unattended pool row", 0, None
     return f"{value} in {where}", 1, "the input is already non-finite: the fault is upstream of attention"

@@ -14,21 +14,10 @@ import re
 import pytest
 import torch
 
-from hostile import error_lines, run_cli, write_small
+from hostile import error_lines, reference_out, run_cli, write_small
 
 RAW = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\ud800-\udfff]")  # what must never reach a terminal
 NASTY = "tri\x1b[31mton\x07\nX\ud800\u202e"
-
-
-def reference_out(t: dict, m: dict) -> None:
-    """out and lse as the fp64 reference computes them on the (mutated) inputs: a kernel that
-    "agrees" with the reference, NaN for NaN."""
-    from refmla import reference as ref
-
-    sc = dict(kv_lora_rank=512, sm_scale=m["sm_scale"], logit_cap=m["logit_cap"], k_scale=m["k_scale"],
-              v_scale=m["v_scale"])  # fmt: skip
-    out, lse = ref.mla_decode_ref(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], **sc)
-    t["out"], t["lse"] = out.to(t["out"].dtype), lse.float()
 
 
 def replay(*argv: str):

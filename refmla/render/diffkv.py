@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from refmla.diffkv.types import DiffResult, RequestDiff
+from refmla.diffkv.result import DiffResult, RequestDiff
 from refmla.render.table import table
 from refmla.util import printable
 
