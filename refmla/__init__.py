@@ -7,6 +7,7 @@ copy of the layout (the README links here).
 
     util.py         small idioms every layer uses (the bottom)
     atomic.py       atomic file writes for every writer: refuse non-regular targets, O_TMPFILE, sweep
+    signals.py      SIGINT / SIGTERM as exceptions (exit 130 / 143), deferred around a whole write
     progress.py     the progress bar on stderr (batch, disagg)
     schedule.py     SGLang's split-KV schedule (split bounds, num_kv_splits, max_kv_splits)
     paged.py        index conventions: SGLang token slots <-> aiter pages
