@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 import torch
 
+from refmla.attended import Attended
+from refmla.blocked import Spans, attend_spans
 from refmla.paged import page_to_token
 from refmla.scales import Scales
 from refmla.schedule import nonempty_splits_batch, split_bounds
@@ -83,36 +85,12 @@ def mla_decode_ref(
     v_scale: float = 1.0,
     accum_dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode: one query token per request. Returns out [B, H, Dv] and lse [B, H] in accum_dtype."""
+    """Decode: one query token per request. Returns out [B, H, Dv] and lse [B, H] in accum_dtype.
+
+    The work is blocked and batched (refmla.blocked): memory stays within a fixed budget whatever
+    the lengths and the index pattern; the result is :func:`attend`'s to fp64 rounding."""
     sc = Scales(kv_lora_rank, sm_scale, logit_cap, k_scale, v_scale)
-    B, H, _ = q.shape
-    out = torch.empty(B, H, kv_lora_rank, dtype=accum_dtype, device=q.device)  # [B, H, Dv]
-    lse = torch.empty(B, H, dtype=accum_dtype, device=q.device)  # [B, H]
-    rows_of = RowGatherer(kv_buffer, kv_indptr, accum_dtype)  # one reused buffer, not B allocations
-    for b in range(B):
-        kv = rows_of(request_rows(kv_indptr, kv_indices, b))  # [L, D]
-        out[b], lse[b] = attend(q[b].to(accum_dtype), kv, sc)
-    return out, lse
-
-
-class RowGatherer:
-    """gather() into buffers sized for the longest request, reused for every request.
-
-    The same result as ``gather(kv_buffer, rows, dtype)``; it only keeps the peak memory at one
-    request's working set (no allocator churn over B requests of different lengths).
-    """
-
-    def __init__(self, kv_buffer: torch.Tensor, kv_indptr: torch.Tensor, dtype: torch.dtype):
-        L_max = int((kv_indptr[1:] - kv_indptr[:-1]).max()) if len(kv_indptr) > 1 else 0
-        D = kv_buffer.shape[-1]
-        self.pool = kv_buffer[:, 0]  # [N, D]
-        self.stored = torch.empty(L_max, D, dtype=kv_buffer.dtype, device=kv_buffer.device)  # [L_max, D]
-        self.upcast = torch.empty(L_max, D, dtype=dtype, device=kv_buffer.device)  # [L_max, D]
-
-    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        L = rows.shape[0]
-        torch.index_select(self.pool, 0, rows.to(self.pool.device), out=self.stored[:L])
-        return self.upcast[:L].copy_(self.stored[:L])  # [L, D]
+    return attend_spans(q, kv_buffer, Spans.of_indptr(kv_indptr, kv_indices), sc, accum_dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,15 +131,18 @@ def mla_decode_split_ref(
     parts = torch.zeros(B, H, S, kv_lora_rank, dtype=accum_dtype, device=q.device)
     lses = torch.full((B, H, S), -math.inf, dtype=accum_dtype, device=q.device)
     valid = torch.zeros(B, S, dtype=torch.bool)
-    stored = attend_fn is not None  # the control reads the inputs as stored
-    for b in range(B):
-        rows = request_rows(kv_indptr, kv_indices, b)
-        kv = gather(kv_buffer, rows, kv_buffer.dtype if stored else accum_dtype)  # [L, D]
-        qb = q[b] if stored else q[b].to(accum_dtype)  # [H, D]
-        for s, (start, end) in enumerate(split_bounds(len(rows), int(num_kv_splits[b]))[:S]):
-            if end > start:
-                parts[b, :, s], lses[b, :, s] = (attend_fn or attend)(qb, kv[start:end], sc)
-                valid[b, s] = True
+    held = [(b, s, int(kv_indptr[b]) + start, end - start) for b in range(B)
+            for s, (start, end) in enumerate(split_bounds(int(lens[b]), int(num_kv_splits[b]))[:S]) if end > start]
+    b_of, s_of, starts, span_lens = (list(c) for c in zip(*held)) if held else ([], [], [], [])  # splits with a token
+    if attend_fn is not None:  # the control: its own math per split, on the inputs as stored
+        for b, s, start, n in zip(b_of, s_of, starts, span_lens):
+            kv = gather(kv_buffer, kv_indices[start : start + n].long(), kv_buffer.dtype)  # [n, D] this split
+            parts[b, :, s], lses[b, :, s] = attend_fn(q[b], kv, sc)
+    elif b_of:
+        spans = Spans(kv_indices, torch.tensor(starts), torch.tensor(span_lens), torch.tensor(b_of))
+        o, l = attend_spans(q, kv_buffer, spans, sc, accum_dtype)  # [P, H, Dv], [P, H]
+        parts[b_of, :, s_of], lses[b_of, :, s_of] = o, l
+    valid[b_of, s_of] = True
     return parts, lses, valid
 
 
@@ -202,16 +183,8 @@ def mla_extend_ref(
     positions, so new token i (0-based) sees positions [0, L - n + i]. Returns out [T, H, Dv], lse [T, H].
     """
     sc = Scales(kv_lora_rank, sm_scale, logit_cap, k_scale, v_scale)
-    T, H, _ = q.shape
-    out = torch.zeros(T, H, kv_lora_rank, dtype=accum_dtype, device=q.device)  # [T, H, Dv]
-    lse = torch.full((T, H), -math.inf, dtype=accum_dtype, device=q.device)  # [T, H]
-    for b in range(len(qo_indptr) - 1):
-        q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
-        kv = gather(kv_buffer, request_rows(kv_indptr, kv_indices, b), accum_dtype)  # [L, D]
-        prefix = kv.shape[0] - (q1 - q0)
-        for i, t in enumerate(range(q0, q1)):
-            out[t], lse[t] = attend(q[t].to(accum_dtype), kv[: prefix + i + 1], sc)
-    return out, lse
+    att = Attended.token_index(kv_indptr, kv_indices, qo_indptr)  # query row t: a prefix of its request
+    return attend_spans(q, kv_buffer, Spans.of_attended(att), sc, accum_dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,16 +228,8 @@ def mla_verify_ref(
     sc = Scales(kv_lora_rank, sm_scale, logit_cap, k_scale, v_scale)
     if custom_mask is None:
         return mla_extend_ref(q, kv_buffer, kv_indptr, kv_indices, qo_indptr, **_kw(sc), accum_dtype=accum_dtype)
-    T, H, _ = q.shape
-    out = torch.zeros(T, H, kv_lora_rank, dtype=accum_dtype, device=q.device)  # [T, H, Dv]
-    lse = torch.full((T, H), -math.inf, dtype=accum_dtype, device=q.device)  # [T, H]
-    for b in range(len(qo_indptr) - 1):
-        q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
-        kv = gather(kv_buffer, request_rows(kv_indptr, kv_indices, b), accum_dtype)  # [L, D]
-        vis = verify_visibility(kv.shape[0], q1 - q0, b, custom_mask, mask_indptr)  # [n, L]
-        for i, t in enumerate(range(q0, q1)):
-            out[t], lse[t] = attend(q[t].to(accum_dtype), kv[vis[i].to(kv.device)], sc)
-    return out, lse
+    att = Attended.token_index(kv_indptr, kv_indices, qo_indptr, custom_mask, mask_indptr)
+    return attend_spans(q, kv_buffer, Spans.of_attended(att), sc, accum_dtype)  # each row: its mask's rows
 
 
 def _kw(sc: Scales) -> dict:
