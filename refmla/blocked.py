@@ -209,7 +209,10 @@ class _Job:
         torch.index_select(self.pool, 0, self.indices[flat.to(self.indices.device)].long(), out=stored)
         kv = kv.copy_(stored).view(G, L, D)  # [G, L, D]
         q = self.q[self.qrow(rows).to(self.q.device)].to(self.dtype)  # [G, H, D]
-        s = logits(torch.bmm(q, kv.transpose(1, 2)), sc)  # [G, H, L]
+        if L == 1:  # one row: a dot per head (a GEMV's summation order depends on the batch size)
+            s = logits((q * kv).sum(-1, keepdim=True), sc)  # [G, H, 1]
+        else:
+            s = logits(torch.bmm(q, kv.transpose(1, 2)), sc)  # [G, H, L]
         m = s.amax(dim=-1)  # [G, H]
         p = s.sub_(m[..., None]).exp_()  # [G, H, L]
         l = p.sum(dim=-1)  # [G, H]

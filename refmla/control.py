@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from refmla.attended import Attended
-from refmla.blocked import Spans, plan
+from refmla.blocked import GROUP_BYTES, Spans, plan
 from refmla.reference import Scales, gather, mla_decode_split_ref, request_rows, verify_visibility
 from refmla.schedule import split_bounds
 
@@ -134,7 +134,9 @@ def _attend32(q: torch.Tensor, kv: torch.Tensor, sc: Scales, rnd: Rounding) -> t
         q_nope = q_nope.to(kv.dtype)
     k32 = kv.to(f32)  # [L, D]
     kT = k32.transpose(-1, -2)  # [D, L]
-    if rnd.qk_accum is None:
+    if rnd.qk_accum is None and kv.shape[-2] == 1:  # one row: a dot (a GEMV's order depends on the batch)
+        s = ((q_nope.to(f32) * k32[..., :Dv]).sum(-1) + (q_pe.to(f32) * k32[..., Dv:]).sum(-1))[..., None]  # [H, 1]
+    elif rnd.qk_accum is None:
         s = q_nope.to(f32) @ kT[..., :Dv, :] + q_pe.to(f32) @ kT[..., Dv:, :]  # [H, L]
     else:
         s = _dot(torch.cat([q_nope.to(f32), q_pe.to(f32)], -1), kT, rnd.qk_accum, QK_CHUNK)
@@ -221,6 +223,14 @@ def control_spans(
         o, l, _ = _attend32(q[qrow(rows)], kv, sc, rnd)  # [G, H, Dv], [G, H]
         out[rows], lse[rows] = store_as(o, out_dtype, rnd.store), l
     return out, lse
+
+
+def control_budget(H: int, D: int, Dv: int, stored_itemsize: int) -> int:
+    """Bytes :func:`control_spans` holds besides its outputs: one block of CONTROL_BLOCK_ROWS rows as
+    stored and in fp32 with its fp32 logits, probabilities and rounded probabilities [H, n], or one
+    batch of short spans (refmla.blocked.GROUP_BYTES); plus the fp32 partials of a span's blocks."""
+    block = CONTROL_BLOCK_ROWS * (D * (stored_itemsize + 4) + 4 * H * 4)
+    return max(block, GROUP_BYTES) + 2 * H * (Dv + 2) * 4 * 64  # partials: 64 blocks' worth of headroom
 
 
 def attend_control_rows(

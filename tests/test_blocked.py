@@ -82,7 +82,7 @@ def test_the_running_max_rising_late_is_merged_exactly():
 
 
 def test_a_row_is_the_same_alone_in_a_batch_and_at_any_thread_count():
-    lens = [1, 7, 7, 7, 200, blocked.BLOCK_ROWS + 3, 7, 1300]
+    lens = [1, 7, 7, 7, 200, blocked.BLOCK_ROWS + 3, 7, 1300, 1, 1]
     q, kv, indptr, idx = paged_case(lens, 8, 16, seed=5)
     before = torch.get_num_threads()
     try:
@@ -174,3 +174,55 @@ def test_a_million_indices_at_one_row_stay_within_the_budget(threads):
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["peak"] <= got["budget"] + (16 << 20), f"peak {got['peak'] / 2**20:.1f} MiB > budget {got['budget'] / 2**20:.1f} MiB"
     assert got["out_exact"] and got["lse_err"] <= 1e-14, got
+
+
+# --- the control: the same bounds -----------------------------------------------------------
+
+
+def test_the_control_of_a_batch_is_each_requests_control_alone():
+    """Short requests of one length run as one batch; every request's bits are its own."""
+    from refmla.control import mla_control
+
+    lens = [1, 1, 1, 7, 7, 300, 1, 7]
+    q, kv, indptr, idx = paged_case(lens, 8, 16, dtype=torch.bfloat16, seed=4)
+    kw = dict(kv_lora_rank=512, sm_scale=SCALE, out_dtype=torch.bfloat16)
+    out, lse = mla_control(q, kv, indptr, idx, **kw)
+    for b in range(len(lens)):
+        one, one_lse = mla_control(q[b : b + 1], kv, torch.tensor([0, lens[b]]), idx[int(indptr[b]) : int(indptr[b + 1])], **kw)
+        assert torch.equal(one[0], out[b]) and torch.equal(one_lse[0], lse[b]), f"request {b}"
+    truth, _ = ref.mla_decode_ref(q, kv, indptr, idx, kv_lora_rank=512, sm_scale=SCALE)
+    err = (out.double() - truth).abs().max()
+    assert 0 < err < 8 * torch.finfo(torch.bfloat16).eps * truth.abs().max(), "the control is rounding noise"
+
+
+CONTROL_HOSTILE = textwrap.dedent(
+    """
+    import json, sys, torch
+    from refmla import control
+    L, H, D = int(sys.argv[1]), 2, 576
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randn(1, 1, D, generator=g).to(torch.bfloat16)
+    q = torch.randn(1, H, D, generator=g).to(torch.bfloat16)
+    idx, indptr = torch.zeros(L, dtype=torch.int32), torch.tensor([0, L], dtype=torch.int32)
+    def kib(key):
+        return int(next(l for l in open("/proc/self/status") if l.startswith(key + ":")).split()[1])
+    open("/proc/self/clear_refs", "w").write("5")
+    base = kib("VmRSS")
+    out, lse = control.mla_control(q, pool, indptr, idx, kv_lora_rank=512, sm_scale=0.1, out_dtype=torch.bfloat16)
+    v = pool[0, 0, :512].float()
+    print(json.dumps({"peak": (kib("VmHWM") - base) * 1024, "budget": control.control_budget(H, D, 512, 2),
+                      "out_err": float(((out[0].float() - v).abs() / v.abs().clamp(min=1e-3)).max())}))
+    """
+)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to measure the peak")
+def test_the_control_of_half_a_million_indices_at_one_row_stays_within_its_budget():
+    """As stored, 5e5 rows are 576 MB and 1.2 GB in fp32; the control gathers CONTROL_BLOCK_ROWS at
+    a time. Every row equal: out = v to bf16 rounding."""
+    r = subprocess.run([sys.executable, "-c", CONTROL_HOSTILE, "500000"], capture_output=True, text=True,
+                       cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["peak"] <= got["budget"] + (16 << 20), f"peak {got['peak'] / 2**20:.1f} MiB > budget {got['budget'] / 2**20:.1f} MiB"
+    assert got["out_err"] <= 2 * torch.finfo(torch.bfloat16).eps, got
