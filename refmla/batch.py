@@ -18,8 +18,8 @@ import torch
 
 from refmla.backends.triton_interp import ensure_interpreter
 from refmla.capture import CaptureError
-from refmla.context import ReplayOptions
-from refmla.render.progress import Progress
+from refmla.options import ReplayOptions, bound_problem
+from refmla.progress import Progress
 from refmla.replay import invalid_report, replay_file
 from refmla.results import ReplayReport
 from refmla.util import error_text
@@ -41,7 +41,12 @@ def replay_many(paths: Sequence[str], opts: ReplayOptions, jobs: int = 1, task: 
 
     ``task`` (default :func:`replay_one`, never raising) runs per path, in the worker; a capture that
     kills its worker twice still gets an ``invalid`` ReplayReport whatever the task returns otherwise.
+    Options out of their bounds (refmla.options) are a ValueError before any work.
     """
+    opts.check()
+    problem = bound_problem("jobs", jobs)
+    if problem:
+        raise ValueError(f"option jobs: {problem}")
     paths = [str(p) for p in paths]
     task = task or replay_one
     progress = Progress(len(paths))

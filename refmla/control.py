@@ -9,7 +9,7 @@ fp32 and the merge is fp32, as the split kernels do.
 
 :class:`Rounding` moves those rounding points (a kernel that stores toward zero, accumulates P.V
 in bf16, merges its splits with the wrong base, ...): the numerics hypotheses recompute the
-control under it (refmla.hypotheses.numerics) and refmla synth plants it (refmla.synth.numerics).
+control under it (refmla.hypotheses.numerics) and refmla synth plants it (refmla.synth.rounding).
 The default, STANDARD, is the control described above, bit for bit.
 """
 
@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-
 from refmla.attended import Attended
 from refmla.blocked import GROUP_BYTES, Spans, plan
-from refmla.reference import Scales, gather, mla_decode_split_ref, request_rows, verify_visibility
+from refmla.capture import Capture
+from refmla.reference import gather, mla_decode_split_ref, one_pool
+from refmla.scales import Scales
 from refmla.schedule import split_bounds
 
 STORES = ("nearest_even", "toward_zero", "half_away", "via_fp16")  # fp32 result -> output dtype
@@ -152,50 +153,26 @@ def _attend32(q: torch.Tensor, kv: torch.Tensor, sc: Scales, rnd: Rounding) -> t
 
 
 def mla_control(
-    q: torch.Tensor,
-    kv_buffer: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    *,
-    kv_lora_rank: int,
-    sm_scale: float,
-    out_dtype: torch.dtype,
-    logit_cap: float = 0.0,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    qo_indptr: torch.Tensor | None = None,
-    num_kv_splits: torch.Tensor | None = None,
+    q: torch.Tensor, kv_buffer: torch.Tensor, att: Attended, sc: Scales, out_dtype: torch.dtype,
     rounding: Rounding = STANDARD,
-    custom_mask: torch.Tensor | None = None,
-    mask_indptr: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Low-precision control for decode (qo_indptr None), extend or verify: out in out_dtype, lse fp32.
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The control of every query row over what ``att`` says it sees (decode, extend, chain or
+    tree verify), unsplit: out [R, H, Dv] in out_dtype, lse [R, H] fp32."""
+    return control_spans(q, kv_buffer, Spans.of_attended(one_pool(att)), sc, out_dtype, rounding)  # blocked, batched
 
-    With ``num_kv_splits`` (decode), each request follows the production split schedule: fp32
-    partials per split, merged in fp32, then rounded -- the split kernels' rounding points. With a
-    verify ``custom_mask`` (refmla.reference.verify_visibility), each token sees its mask's positions.
-    """
-    sc = Scales(kv_lora_rank, sm_scale, logit_cap, k_scale, v_scale)
-    T, H = q.shape[0], q.shape[1]
-    if num_kv_splits is None:  # each query row over its rows: blocked and batched (control_spans)
-        att = Attended.token_index(kv_indptr, kv_indices, qo_indptr, custom_mask, mask_indptr)
-        return control_spans(q, kv_buffer, Spans.of_attended(att), sc, out_dtype, rounding)
-    if qo_indptr is None:
-        qo_indptr = torch.arange(T + 1)
-    out = torch.zeros(T, H, kv_lora_rank, dtype=out_dtype, device=q.device)  # [T, H, Dv]
-    lse = torch.full((T, H), -math.inf, dtype=torch.float32, device=q.device)  # [T, H]
-    for b in range(len(qo_indptr) - 1):
-        q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
-        kv = gather(kv_buffer, request_rows(kv_indptr, kv_indices, b), kv_buffer.dtype)  # [L, D]
-        prefix = kv.shape[0] - (q1 - q0)
-        vis = None if custom_mask is None else verify_visibility(kv.shape[0], q1 - q0, b, custom_mask, mask_indptr)
-        for i, t in enumerate(range(q0, q1)):
-            if num_kv_splits is not None:
-                out[t], lse[t] = attend_control_split(q[t], kv, sc, out_dtype, int(num_kv_splits[b]), rounding)
-            elif vis is not None:
-                out[t], lse[t] = attend_control(q[t], kv[vis[i].to(kv.device)], sc, out_dtype, rounding)
-            else:
-                out[t], lse[t] = attend_control(q[t], kv[: prefix + i + 1], sc, out_dtype, rounding)
+
+def mla_control_split(
+    q: torch.Tensor, kv_buffer: torch.Tensor, att: Attended, num_kv_splits: torch.Tensor, sc: Scales,
+    out_dtype: torch.dtype, rounding: Rounding = STANDARD,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The control of a decode call under its split schedule: each request's fp32 partials merged
+    in fp32, then rounded (the split kernels' rounding points). out [B, H, Dv], lse [B, H] fp32."""
+    B, H = q.shape[0], q.shape[1]
+    out = torch.zeros(B, H, sc.kv_lora_rank, dtype=out_dtype, device=q.device)  # [B, H, Dv]
+    lse = torch.full((B, H), -math.inf, dtype=torch.float32, device=q.device)  # [B, H]
+    for b in range(B):
+        kv = gather(kv_buffer, att.group_rows(b), kv_buffer.dtype)  # [L, D] as stored
+        out[b], lse[b] = attend_control_split(q[b], kv, sc, out_dtype, int(num_kv_splits[b]), rounding)
     return out, lse
 
 
@@ -288,11 +265,36 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor, sums: torch.Tensor, r
     return (w[..., None] * outs).sum(dim=0) / w.sum(dim=0)[..., None]
 
 
-def mla_decode_split_control(q, kv_buffer, kv_indptr, kv_indices, num_kv_splits, **kw):
+def mla_decode_split_control(
+    q: torch.Tensor, kv_buffer: torch.Tensor, att: Attended, num_kv_splits: torch.Tensor, sc: Scales,
+    max_kv_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`refmla.reference.mla_decode_split_ref` at the control's rounding points: fp32 partials
     [B, H, S, Dv] and lse [B, H, S], as the Triton stage-1 kernel stores them, and valid [B, S]."""
 
     def split32(qb: torch.Tensor, kv: torch.Tensor, sc: Scales):
         return attend_control(qb, kv, sc, torch.float32)
 
-    return mla_decode_split_ref(q, kv_buffer, kv_indptr, kv_indices, num_kv_splits, **kw, attend_fn=split32)
+    return mla_decode_split_ref(q, kv_buffer, att, num_kv_splits, sc, max_kv_splits=max_kv_splits, attend_fn=split32)
+
+
+def control_output(
+    q: torch.Tensor, kv_buffer: torch.Tensor, att: Attended, sc: Scales, out_dtype: torch.dtype,
+    num_kv_splits: Optional[torch.Tensor] = None, rounding: Rounding = STANDARD,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The control a replay judges against: under the split schedule when ``num_kv_splits`` is
+    given (decode, :func:`mla_control_split`), else :func:`mla_control`."""
+    if num_kv_splits is not None:
+        return mla_control_split(q, kv_buffer, att, num_kv_splits, sc, out_dtype, rounding)
+    return mla_control(q, kv_buffer, att, sc, out_dtype, rounding)
+
+
+def capture_control(
+    cap: Capture, out_dtype: torch.dtype, rounding: Rounding = STANDARD, sc: Optional[Scales] = None,
+    q: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`control_output` of a capture (its split schedule in decode). ``sc`` / ``q``: other
+    scales or another q than the capture's (a hypothesis's candidate)."""
+    splits = cap.num_kv_splits if cap.is_decode else None
+    q = cap.q if q is None else q
+    return control_output(q, cap.kv_buffer, cap.attended(), sc or cap.scales(), out_dtype, splits, rounding)

@@ -36,7 +36,7 @@ from refmla.backends import get_backend
 from refmla.capture import CaptureError, read_capture
 from refmla.compare import Tolerance
 from refmla.context import ReplayContext, ReplayOptions
-from refmla.diffkv.types import DiffResult
+from refmla.diffkv.result import DiffResult
 from refmla.pool import row_flags
 from refmla.results import Explanation, ReplayReport
 from refmla.schedule import split_bounds
@@ -115,7 +115,7 @@ def _heatmap_figure(cap, report: ReplayReport, errors: dict) -> Figure:
     R = next(iter(errors.values()))[0].shape[0]
     fig = Figure(figsize=(12, 1.8 + min(0.22 * R, 9) * len(errors)), layout="constrained")
     axes = fig.subplots(len(errors), 2, squeeze=False)
-    bounds = [] if cap.is_decode else cap.qo_indptr.long().tolist()[1:-1]
+    bounds = [] if cap.is_decode else cap.attended().query_indptr.tolist()[1:-1]
     ylabel = "request" if cap.is_decode else "row (token); lines: requests"
     for (name, (err, allowed)), (ax_e, ax_r) in zip(errors.items(), axes):
         err = err.double().numpy()
@@ -158,16 +158,13 @@ def _worst_row(report: ReplayReport) -> Optional[tuple[int, int, str, Optional[E
 
 def _attention_figure(cap, report: ReplayReport, row: int, head: int, backend: str,
                       expl: Optional[Explanation]) -> Figure:  # fmt: skip
-    b = int(cap.request_of_row()[row])
-    rows = ref.request_rows(cap.kv_indptr, cap.kv_indices, b)  # [L]
-    L = rows.numel()
-    if not cap.is_decode:  # token i of the request sees positions [0, L - n + i]
-        q0, q1 = int(cap.qo_indptr[b]), int(cap.qo_indptr[b + 1])
-        L_seen = L - (q1 - q0) + (row - q0) + 1
-    else:
-        L_seen = L
+    att = cap.attended()
+    b = int(att.group_of_row[row])
+    L = int(att.lengths()[b])
+    seen = att.rows_seen(row)  # [L_seen] the rows this query row attends, position order
+    L_seen = seen.numel()
     m = cap.meta
-    kv = ref.gather(cap.kv_buffer, rows[:L_seen], torch.float64)  # [L_seen, D]
+    kv = ref.gather(cap.kv_buffer, seen, torch.float64)  # [L_seen, D]
     s = (kv @ cap.q[row, head].double()) * (m.sm_scale * m.k_scale)  # [L_seen]
     if m.logit_cap > 0:
         s = m.logit_cap * torch.tanh(s / m.logit_cap)
@@ -199,7 +196,7 @@ def _attention_figure(cap, report: ReplayReport, row: int, head: int, backend: s
     if expl:
         _mark_explanation(ax, expl, b, L, cap)
     if L_seen:
-        flags = row_flags(cap.kv_buffer, rows[:L_seen], m.kv_lora_rank)
+        flags = row_flags(cap.kv_buffer, seen, m.kv_lora_rank)
         for key, color, text in (("zero", "k", "all-zero KV row"), ("nonfinite", "m", "NaN/Inf KV row")):
             js = torch.nonzero(flags[key]).flatten().tolist()
             if js:

@@ -55,7 +55,7 @@ def replay_capture(cap: Capture, opts: ReplayOptions) -> ReplayReport:
     metadata = check_capture(cap)
     report = ReplayReport(
         capture=cap.path, verdict=None, diagnosis=None, metadata=metadata, mode=cap.meta.mode,
-        shape=shape_of(cap), meta=cap.meta.to_json(), tolerance=opts.tol,
+        shape=shape_of(cap), meta=cap.meta, tolerance=opts.tol,
     )  # fmt: skip
     if not metadata.ok:
         report.verdict = "invalid"

@@ -40,12 +40,14 @@ WEIRD_VALUES = WEIRD_NUMBERS + WEIRD_FLOATS + ["", "x" * 300, "decode", "extend"
 def _base() -> tuple[dict, dict]:
     """A small decode capture with every optional tensor production stores."""
     from refmla import reference as ref
+    from refmla.attended import Attended
+    from refmla.scales import Scales
 
     t, m = small_capture()
-    sc = dict(kv_lora_rank=512, sm_scale=m["sm_scale"], logit_cap=m["logit_cap"], k_scale=m["k_scale"])
-    args = (t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"])
-    t["lse"] = ref.mla_decode_ref(*args, **sc, v_scale=m["v_scale"])[1].float()
-    parts, lses, _ = ref.mla_decode_split_ref(*args, t["num_kv_splits"], **sc, max_kv_splits=m["max_kv_splits"])
+    sc = Scales(512, m["sm_scale"], m["logit_cap"], m["k_scale"])
+    args = (t["q"], t["kv_buffer"], Attended.from_tensors(t))
+    t["lse"] = ref.mla_decode_ref(*args, sc.but(v_scale=m["v_scale"]))[1].float()
+    parts, lses, _ = ref.mla_decode_split_ref(*args, t["num_kv_splits"], sc, max_kv_splits=m["max_kv_splits"])
     t["attn_logits"], t["attn_lse"] = parts.float(), lses.float()
     return t, m
 

@@ -41,9 +41,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from refmla.attended import Attended  # noqa: E402
 from refmla.blocked import unit_budget  # noqa: E402
 from refmla.capture import read_capture, write_capture  # noqa: E402
 from refmla.reference import mla_decode_ref  # noqa: E402
+from refmla.scales import Scales  # noqa: E402
 from refmla.synth import SynthSpec, make_inputs, make_meta  # noqa: E402
 
 ALLOWANCE_MIB = 16  # interpreter, thread stacks and BLAS scratch besides the reference's own buffers
@@ -116,7 +118,13 @@ def probe_gather(kv_buffer, kv_indices, block: int = 1 << 16) -> float:
     return min(_seconds(run) for _ in range(3))
 
 
-FORMULATIONS = {"reference": mla_decode_ref, "peer_loop": peer_loop, "peer_fp32_einsum": peer_fp32_einsum}
+def reference(q, kv_buffer, kv_indptr, kv_indices, *, kv_lora_rank, sm_scale):
+    """refmla's: the token-index metadata described once (Attended), the fp64 reference over it."""
+    att = Attended.token_index(kv_indptr, kv_indices)
+    return mla_decode_ref(q, kv_buffer, att, Scales(kv_lora_rank=kv_lora_rank, sm_scale=sm_scale))
+
+
+FORMULATIONS = {"reference": reference, "peer_loop": peer_loop, "peer_fp32_einsum": peer_fp32_einsum}
 PROBES = ("dgemm", "gather")
 
 

@@ -48,28 +48,6 @@ def single_file(args_paths: Sequence[str]) -> bool:
     return len(args_paths) == 1 and not is_dir(args_paths[0])
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (``--jobs``)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def nonneg_float(text: str) -> float:
-    """argparse type: a finite float >= 0 (``--k``, ``--ulps``, ``--cos``): a NaN tolerance judges nothing."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value >= 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be finite and >= 0, got {text}")
-    return value
-
-
 def describe_inputs(args: argparse.Namespace) -> str:
     """The files a command was given, for the one line of an unexpected error: "F", "F (and 3 more)"."""
     paths: list[str] = []

@@ -6,7 +6,8 @@ import sys
 
 from refmla.capture import CaptureError
 from refmla.cli.common import EXIT_DIVERGED, EXIT_INVALID, EXIT_OK, need_matplotlib, print_json
-from refmla.diffkv import diff_kv_files, render_diff
+from refmla.diffkv import diff_kv_files
+from refmla.render.diffkv import render_diff
 from refmla.util import error_text
 
 

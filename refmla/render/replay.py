@@ -49,12 +49,13 @@ def verify_paths_table(rows: list[dict]) -> str:
 
 
 def shape_line(report: ReplayReport) -> str:
-    s, m = report.shape, report.meta or {}
-    where = "".join(f"  {word} {m[key]}" for word, key in (("layer", "layer_id"), ("rank", "tp_rank"), ("step", "step"))
-                    if m.get(key) is not None)  # fmt: skip
+    s, m = report.shape, report.meta
+    where = "".join(f"  {word} {value}" for word, value in (("layer", m.layer_id), ("rank", m.tp_rank), ("step", m.step))
+                    if value is not None) if m else ""  # fmt: skip
+    path = m.extra.get("aiter_path") if m else None
     return (f"shape    {report.mode}  requests={s.requests} heads={s.heads} D={s.head_dim} Dv={s.v_head_dim} "
-            f"q={s.q_dtype} kv={s.kv_dtype} max_seq_len={s.max_seq_len}  produced by {m.get('backend')}"
-            f"{' (' + str(m['aiter_path']) + ' kernel)' if m.get('aiter_path') else ''}{where}")  # fmt: skip
+            f"q={s.q_dtype} kv={s.kv_dtype} max_seq_len={s.max_seq_len}  produced by {m.backend if m else None}"
+            f"{' (' + str(path) + ' kernel)' if path else ''}{where}")  # fmt: skip
 
 
 def backend_row(name: str, b: BackendEntry) -> list[str]:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from refmla.disagg.types import DisaggReport, Row
+from refmla.disagg.report import DisaggReport, Row
 from refmla.render.table import clip, table
 
 HEADER = ["request", "layer", "rank", "transfer", "metadata", "decode", "diagnosis", "fault"]

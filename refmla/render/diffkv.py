@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from refmla.diffkv.types import DiffResult, RequestDiff
+from refmla.diffkv.result import DiffResult, RequestDiff
 from refmla.render.table import table
 
 MAX_RUN_LINES = 32  # transfer runs listed under the table

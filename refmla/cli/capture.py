@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 from refmla.hook.config import ENV_PREFIX, ConfigError, HookConfig, parse_bytes, parse_int_set
 
-SITE_DIR = Path(__file__).resolve().parent / "sitecustomize"
+SITE_DIR = Path(__file__).resolve().parents[1] / "hook" / "sitecustomize"
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the folder that holds refmla/
 
 

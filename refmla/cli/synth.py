@@ -1,22 +1,16 @@
-"""The small commands: `synth` (a synthetic capture), `doctor` (backends usable here), `golden generate`."""
+"""`refmla synth OUT` (a synthetic capture) and `refmla synth-disagg OUT` (a synthetic prefill/decode pair)."""
 
 from __future__ import annotations
 
 import json
-import os
-import platform
 
-import torch
-
-from refmla.backends import ALL_NAMES, get_backend
-from refmla.cli.common import EXIT_OK, UsageError, print_json
-from refmla.golden import generate
+from refmla.cli.common import EXIT_OK, UsageError
 from refmla.synth import FAULTS, preset, synth_capture
 from refmla.synth.disagg import DISAGG_PRESETS, disagg_preset, synth_disagg
 from refmla.synth.disagg_faults import DISAGG_FAULTS
 
 
-def add_parsers(sub) -> None:
+def add_parser(sub) -> None:
     s = sub.add_parser("synth", help="write a synthetic capture")
     s.add_argument("out")
     s.add_argument("--preset", default="kimi-k2-tp8")
@@ -30,17 +24,6 @@ def add_parsers(sub) -> None:
     sd.add_argument("--fault", default="none", choices=list(DISAGG_FAULTS))
     sd.add_argument("--seed", type=int, default=None)
     sd.set_defaults(func=synth_disagg_cmd)
-
-    dr = sub.add_parser("doctor", help="which backends are usable here, with versions and why not")
-    dr.add_argument("--json", action="store_true")
-    dr.set_defaults(func=doctor)
-
-    g = sub.add_parser("golden", help="golden files")
-    gsub = g.add_subparsers(dest="golden_command", required=True)
-    gg = gsub.add_parser("generate", help="write the golden suite")
-    gg.add_argument("--out", required=True)
-    gg.add_argument("--suite", choices=("quick", "full"), default="quick")
-    gg.set_defaults(func=golden_generate)
 
 
 def synth(args) -> int:
@@ -68,25 +51,3 @@ def synth_disagg_cmd(args) -> int:
     print(f"wrote {args.out}/prefill and {args.out}/decode (preset {spec.name}, planted {json.dumps(planted)})")
     return EXIT_OK
 
-
-def doctor(args) -> int:
-    rows = []
-    for name in ALL_NAMES:
-        ok, why = get_backend(name).availability()
-        rows.append({"backend": name, "usable": ok, "detail": why})
-    if args.json:
-        print_json(rows)
-        return EXIT_OK
-    gpu = "yes: " + torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no"
-    print(f"python {platform.python_version()}  torch {torch.__version__}  gpu {gpu}  "
-          f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}")  # fmt: skip
-    width = max(len(r["backend"]) for r in rows)
-    for r in rows:
-        print(f"  {r['backend']:<{width}} {'usable' if r['usable'] else 'unavailable':<12} {r['detail']}")
-    return EXIT_OK
-
-
-def golden_generate(args) -> int:
-    manifest = generate(args.out, suite=args.suite)
-    print(f"wrote {len(manifest['cases'])} golden cases to {args.out}")
-    return EXIT_OK
