@@ -54,12 +54,6 @@ class Spans:
     query: Optional[torch.Tensor] = None  # [R] int64: the row of q each span uses (None: span r uses q[r])
 
     @staticmethod
-    def of_indptr(indptr: torch.Tensor, indices: torch.Tensor) -> "Spans":
-        """Decode: row b attends indices[indptr[b] : indptr[b + 1]]."""
-        ip = indptr.long().cpu()
-        return Spans(indices, ip[:-1], ip[1:] - ip[:-1])
-
-    @staticmethod
     def of_attended(att: Attended) -> "Spans":
         """What each query row of ``att`` sees: a prefix of its group (decode, extend, chain verify:
         no copy), or for a tree mask its visible rows, gathered into one flat array."""
@@ -74,8 +68,9 @@ class Spans:
 
 
 def unit_budget(H: int, D: int, Dv: int, stored_itemsize: int, itemsize: int = 8) -> int:
-    """Bytes one worker's unit may hold besides the outputs: the larger of one long row's block
-    (its rows as stored and upcast, logits [H, BLOCK_ROWS], q, acc) and one group of short rows."""
+    """Bytes one worker may hold besides the outputs (the stated budget), at most: one long row's
+    block (its rows as stored and upcast, logits [H, BLOCK_ROWS], q, acc) plus one group of short
+    rows (GROUP_BYTES, and its rows as stored)."""
     block = BLOCK_ROWS * D * (stored_itemsize + itemsize) + H * (BLOCK_ROWS + D + 2 * Dv + 4) * itemsize
     return block + GROUP_BYTES + BLOCK_ROWS * D * stored_itemsize
 
