@@ -15,6 +15,7 @@ copy of the layout (the README links here).
     scales.py       Scales: the scalars of one call's math, passed whole everywhere
     attended.py     Attended: which pool rows each query row reads (built once per capture)
     capture/        the refmla.capture/1 file: format, validation, read (lazy), write (compacted, atomic)
+    blocked.py      the reference's work in cache-sized blocks under a memory budget, short rows batched
     reference.py    the math, fp64: decode, split-KV partials and merge, extend and verify
     control.py      the same math at a kernel's rounding points (the tolerance's noise floor)
     compare.py      the one comparator (docs/contract.md section 5) and the one lse rule
