@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from refmla.cli import main
+from refmla.attended import Attended
 from refmla.reference import mla_decode_ref
+from refmla.scales import Scales
 from refmla.sparse.faults import APPLIES, FAULTS
 from refmla.sparse.format import SparseCapture, parse_sparse_meta
 from refmla.sparse.io import read_sparse
@@ -78,8 +80,8 @@ def test_reference_without_a_sink_is_dense_decode_over_the_attended_rows(name):
     rows = [[t for t in r[: int(n)].tolist() if t != -1] for r, n in zip(case.indices[:, 0], case.topk_length)]
     indptr = torch.tensor([0] + [sum(len(r) for r in rows[: b + 1]) for b in range(len(rows))])
     kv = case.main.values[:, None, :]  # [N, 1, D]
-    out, lse = mla_decode_ref(case.q[:, 0].double(), kv, indptr, torch.tensor(sum(rows, [])),
-                              kv_lora_rank=case.preset.head_dim_v, sm_scale=case.preset.softmax_scale)  # fmt: skip
+    att = Attended.token_index(indptr, torch.tensor(sum(rows, [])))  # the dense decode description
+    out, lse = mla_decode_ref(case.q[:, 0].double(), kv, att, Scales(case.preset.head_dim_v, case.preset.softmax_scale))
     torch.testing.assert_close(ref.out[:, 0], out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(ref.lse[:, 0], lse, rtol=1e-12, atol=1e-12)
 
