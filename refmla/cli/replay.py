@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import sys
 
+from refmla.atomic import WriteError
 from refmla.backends import ALL_NAMES
 from refmla.batch import replay_many
-from refmla.cli.common import expand_captures, need_matplotlib, print_json, report_invalid, single_file
+from refmla.cli.common import EXIT_INVALID, expand_captures, need_matplotlib, print_json, report_invalid, single_file
 from refmla.cli.replay_flags import add_replay_flags, replay_options
-from refmla.render.replay import render, summary_table
+from refmla.render.replay import render_or_say, summary_table
 from refmla.replay import worst_status
 from refmla.series import attach_series
+from refmla.util import first_line
 
 
 def add_parser(sub) -> None:
@@ -31,15 +33,26 @@ def run(args) -> int:
             report_invalid(r.capture, r.error, r.metadata.errors)
     if len(reports) > 1:
         attach_series(reports)  # each report gets its findings against the previous step
-    if args.plot:
-        from refmla.plots import plot_replay
-
-        for path in plot_replay(reports, args.plot):
-            print(f"wrote {path}", file=sys.stderr)
+    failed = _plots(reports, args.plot) if args.plot else []
     if args.json:
         print_json(reports[0] if len(reports) == 1 and single_file(args.captures) else reports)
     else:
-        print("\n\n".join(render(r) for r in reports))
+        print("\n\n".join(render_or_say(r) for r in reports))
         if len(reports) > 1:
             print("\n" + summary_table(reports))
-    return worst_status(reports)
+    for line in failed:  # after the reports: a plot that fails costs no report
+        print(f"refmla: error: {line}", file=sys.stderr)
+    return max(worst_status(reports), EXIT_INVALID if failed else 0)
+
+
+def _plots(reports, out_dir) -> list[str]:
+    """Write the plots; returns one line per failure (the target refused, a capture's plot failed)."""
+    from refmla.plots import plot_replay
+
+    failed: list[str] = []
+    try:
+        for path in plot_replay(reports, out_dir, failures=failed):
+            print(f"wrote {path}", file=sys.stderr)
+    except (WriteError, OSError) as e:
+        failed.append(f"--plot {out_dir}: {first_line(e)}")
+    return failed

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from refmla.cli.common import EXIT_OK, UsageError
+from refmla.cli.common import EXIT_OK, UsageError, output_path
 from refmla.synth import FAULTS, preset, synth_capture
 from refmla.synth.disagg import DISAGG_PRESETS, disagg_preset, synth_disagg
 from refmla.synth.disagg_faults import DISAGG_FAULTS
@@ -12,14 +12,14 @@ from refmla.synth.disagg_faults import DISAGG_FAULTS
 
 def add_parser(sub) -> None:
     s = sub.add_parser("synth", help="write a synthetic capture")
-    s.add_argument("out")
+    s.add_argument("out", type=output_path)
     s.add_argument("--preset", default="kimi-k2-tp8")
     s.add_argument("--fault", default="none")
     s.add_argument("--seed", type=int, default=None)
     s.set_defaults(func=synth)
 
     sd = sub.add_parser("synth-disagg", help="write a synthetic prefill/decode pair (OUT/prefill, OUT/decode)")
-    sd.add_argument("out")
+    sd.add_argument("out", type=output_path)
     sd.add_argument("--preset", default="disagg", choices=list(DISAGG_PRESETS))
     sd.add_argument("--fault", default="none", choices=list(DISAGG_FAULTS))
     sd.add_argument("--seed", type=int, default=None)
