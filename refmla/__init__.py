@@ -7,6 +7,7 @@ copy of the layout (the README links here).
 
     util.py         small idioms every layer uses (the bottom)
     atomic.py       atomic file writes for every writer: refuse non-regular targets, O_TMPFILE, sweep
+    signals.py      SIGINT / SIGTERM as exceptions (exit 130 / 143), deferred around a whole write
     progress.py     the progress bar on stderr (batch, disagg)
     schedule.py     SGLang's split-KV schedule (split bounds, num_kv_splits, max_kv_splits)
     paged.py        index conventions: SGLang token slots <-> aiter pages
@@ -14,6 +15,7 @@ copy of the layout (the README links here).
     scales.py       Scales: the scalars of one call's math, passed whole everywhere
     attended.py     Attended: which pool rows each query row reads (built once per capture)
     capture/        the refmla.capture/1 file: format, validation, read (lazy), write (compacted, atomic)
+    blocked.py      the reference's work in cache-sized blocks under a memory budget, short rows batched
     reference.py    the math, fp64: decode, split-KV partials and merge, extend and verify
     control.py      the same math at a kernel's rounding points (the tolerance's noise floor)
     compare.py      the one comparator (docs/contract.md section 5) and the one lse rule
@@ -37,10 +39,11 @@ copy of the layout (the README links here).
     disagg/         `refmla disagg`: diffkv + checks + series + replay per (request, layer, rank)
     synth/          synthetic captures with planted faults
     golden/         the golden suite: deterministic cases, build, check
+    sparse/         DeepSeek's sparse MLA decode (V3.2 DSA, V4): packed layouts, capture, reference, replay
     plots.py        pictures of a replay or a diff-kv (matplotlib, optional)
     render/         text for people: tables, reports, diff-kv and disagg results
     hook/           the capture hook for a live SGLang server (imports only refmla, util.py,
-                    schedule.py and capture/)
+                    schedule.py, capture/ and sparse/)
     cli/            the thin command line, one module per command (the top)
     __main__.py     ``python -m refmla``: the command line
 """

@@ -98,6 +98,40 @@ class Attended:
         Capture exists); a decode dict has no qo_indptr."""
         return cls.token_index(t["kv_indptr"], t["kv_indices"], t.get("qo_indptr"), t.get("custom_mask"), t.get("mask_indptr"))
 
+    @classmethod
+    def sparse_topk(
+        cls,
+        indices: torch.Tensor,
+        lengths: Optional[torch.Tensor] = None,
+        extra_indices: Optional[torch.Tensor] = None,
+        extra_lengths: Optional[torch.Tensor] = None,
+    ) -> "Attended":
+        """DeepSeek's sparse decode (V3.2 DSA: ``indices`` [R, K]; V4: plus the compressed cache's
+        ``extra_indices`` [R, K2]): one group per query row, its rows the entries of its list that
+        are not -1 and stand before its length ([R]; None: the whole width), main cache first, in
+        list order, then the extra cache's (``pool_ids`` 0 / 1 when there is one). A row with no
+        entry is an empty group ("lonely": out 0, lse +inf). No causal_len: the set is the visibility.
+        """
+        scopes = [(indices, lengths, 0)] + ([(extra_indices, extra_lengths, 1)] if extra_indices is not None else [])
+        R = indices.shape[0]
+        parts, pools, counts = [], [], torch.zeros(R, dtype=torch.long)
+        for idx, ln, pool in scopes:
+            idx = idx.long().cpu()  # [R, K]
+            keep = idx != -1  # [R, K]
+            if ln is not None:
+                keep &= torch.arange(idx.shape[1])[None, :] < ln.long().cpu()[:, None]
+            parts.append((idx, keep))
+            pools.append(pool)
+            counts += keep.sum(1)
+        # per row: its main entries, then its extra entries (a stable sort of (row, scope) keys)
+        row_ids = torch.cat([torch.arange(R)[:, None].expand_as(k)[k] for _, k in parts])
+        scope_ids = torch.cat([torch.full((int(k.sum()),), i) for i, (_, k) in enumerate(parts)])
+        values = torch.cat([i[k] for i, k in parts])
+        order = torch.argsort(row_ids * len(parts) + scope_ids, stable=True)
+        pool_ids = torch.tensor(pools, dtype=torch.int8)[scope_ids[order]] if len(parts) > 1 else None
+        indptr = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+        return cls(indptr, values[order], torch.arange(R), pool_ids=pool_ids)
+
     # ----------------------------------------------------------------------------------------
     # sizes
     # ----------------------------------------------------------------------------------------

@@ -155,6 +155,12 @@ class _RowErrors:
     ctrl_cos: torch.Tensor  # [R, H] the control's own cosine difference
 
 
+def same_nonfinite(a: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """Where both are NaN or both the same signed Inf: the output's placement rule, which the lse
+    and the split lse follow too (NaN vs NaN and -inf vs -inf judged alike: as agreeing values)."""
+    return (torch.isnan(a) & torch.isnan(e)) | (torch.isinf(a) & (a == e))
+
+
 def _nan_inf_placement(
     a: torch.Tensor, e: torch.Tensor, mask: torch.Tensor, req: torch.Tensor
 ) -> tuple[torch.Tensor, Optional[str]]:
@@ -273,12 +279,13 @@ def judge_lse(
     floor: Optional[torch.Tensor] = None, slack: Optional[torch.Tensor] = None,
 ) -> LseJudgement:  # fmt: skip
     """The one lse rule (docs/contract.md section 5): |got - want| <= k * |control - want| + floor
-    (+ slack), floor 1e-5 * (1 + |want|) unless given; the same infinity on both sides (an empty
-    row's -inf) agrees, NaN anywhere never does. Used by the replay's lse check, the split partials'
-    lse and the goldens' self-check (floor: one fp32 ulp, k 0)."""
+    (+ slack), floor 1e-5 * (1 + |want|) unless given; non-finite values follow the output's rule
+    (:func:`same_nonfinite`: NaN against NaN and the same infinity on both sides, an empty row's
+    -inf, agree; a NaN or Inf against anything else fails; issue 22). Used by the replay's lse
+    check, the split partials' lse and the goldens' self-check (floor: one fp32 ulp, k 0)."""
     got, want = got.detach().double().cpu(), want.detach().double().cpu()
     err = (got - want).abs()
-    err = torch.where(torch.isinf(got) & (got == want), torch.zeros_like(err), err)
+    err = torch.where(same_nonfinite(got, want), torch.zeros_like(err), err)
     if floor is None:
         floor = 1e-5 * (1 + want.abs().nan_to_num(0.0))
     allowed = floor

@@ -40,6 +40,7 @@ from refmla.diffkv.result import DiffResult
 from refmla.pool import row_flags
 from refmla.results import Explanation, ReplayReport
 from refmla.schedule import split_bounds
+from refmla.util import error_text
 
 MAX_PAGE_SHADES = 400  # shade alternate pages only when there are at most this many
 
@@ -68,11 +69,13 @@ def _stems(paths: list[str]) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def plot_replay(reports: list[ReplayReport], out_dir: Any) -> list[Path]:
+def plot_replay(reports: list[ReplayReport], out_dir: Any, failures: Optional[list[str]] = None) -> list[Path]:
     """Write the heat map and the worst row's attention plot for every replayed capture.
 
     Re-reads each capture from ``report.capture``; the error matrices are recomputed for the
     production output and re-run for backends whose status is ``fail``. Invalid captures are skipped.
+    With ``failures`` given, a capture whose plots fail gets one line there ("PATH: why") and the
+    others are still drawn.
     """
     out_dir = Path(out_dir)
     make_dir(out_dir)
@@ -81,15 +84,27 @@ def plot_replay(reports: list[ReplayReport], out_dir: Any) -> list[Path]:
         if not report.backends:
             continue
         try:
-            cap = read_capture(report.capture)
-        except CaptureError:
-            continue
-        errors = _error_matrices(cap, report)
-        if errors:
-            written.append(_save(_heatmap_figure(cap, report, errors), out_dir / f"{stem}.heatmap.png"))
-        row = _worst_row(report)
-        if row is not None and cap.batch_size:
-            written.append(_save(_attention_figure(cap, report, *row), out_dir / f"{stem}.attention.png"))
+            written += _plot_one(report, out_dir, stem)
+        except Exception as e:
+            if failures is None:
+                raise
+            failures.append(f"{report.capture}: plot: {error_text(e)}")
+    return written
+
+
+def _plot_one(report: ReplayReport, out_dir: Path, stem: str) -> list[Path]:
+    """The heat map and the attention plot of one replayed capture."""
+    written: list[Path] = []
+    try:
+        cap = read_capture(report.capture)
+    except CaptureError:
+        return written
+    errors = _error_matrices(cap, report)
+    if errors:
+        written.append(_save(_heatmap_figure(cap, report, errors), out_dir / f"{stem}.heatmap.png"))
+    row = _worst_row(report)
+    if row is not None and cap.batch_size:
+        written.append(_save(_attention_figure(cap, report, *row), out_dir / f"{stem}.attention.png"))
     return written
 
 

@@ -29,6 +29,7 @@ import math
 import torch
 
 from refmla.attended import Attended, Positions
+from refmla.blocked import Spans, attend_spans
 from refmla.paged import page_to_token
 from refmla.scales import Scales
 from refmla.schedule import nonempty_splits_batch, split_bounds
@@ -70,36 +71,11 @@ def gather(kv_buffer: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> t
 def mla_decode_ref(
     q: torch.Tensor, kv_buffer: torch.Tensor, att: Attended, sc: Scales, *, accum_dtype: torch.dtype = torch.float64
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode: query row b reads all of group b. Returns out [B, H, Dv] and lse [B, H] in accum_dtype."""
-    B, H, _ = q.shape
-    one_pool(att)
-    out = torch.empty(B, H, sc.kv_lora_rank, dtype=accum_dtype, device=q.device)  # [B, H, Dv]
-    lse = torch.empty(B, H, dtype=accum_dtype, device=q.device)  # [B, H]
-    rows_of = RowGatherer(kv_buffer, att.indptr, accum_dtype)  # one reused buffer, not B allocations
-    for b in range(B):
-        kv = rows_of(att.group_rows(b))  # [L, D]
-        out[b], lse[b] = attend(q[b].to(accum_dtype), kv, sc)
-    return out, lse
+    """Decode: query row b reads all of group b. Returns out [B, H, Dv] and lse [B, H] in accum_dtype.
 
-
-class RowGatherer:
-    """gather() into buffers sized for the longest request, reused for every request.
-
-    The same result as ``gather(kv_buffer, rows, dtype)``; it only keeps the peak memory at one
-    request's working set (no allocator churn over B requests of different lengths).
-    """
-
-    def __init__(self, kv_buffer: torch.Tensor, kv_indptr: torch.Tensor, dtype: torch.dtype):
-        L_max = int((kv_indptr[1:] - kv_indptr[:-1]).max()) if len(kv_indptr) > 1 else 0
-        D = kv_buffer.shape[-1]
-        self.pool = kv_buffer[:, 0]  # [N, D]
-        self.stored = torch.empty(L_max, D, dtype=kv_buffer.dtype, device=kv_buffer.device)  # [L_max, D]
-        self.upcast = torch.empty(L_max, D, dtype=dtype, device=kv_buffer.device)  # [L_max, D]
-
-    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        L = rows.shape[0]
-        torch.index_select(self.pool, 0, rows.to(self.pool.device), out=self.stored[:L])
-        return self.upcast[:L].copy_(self.stored[:L])  # [L, D]
+    The work is blocked and batched (refmla.blocked): memory stays within a fixed budget whatever
+    the lengths and the index pattern; the result is :func:`attend`'s to fp64 rounding."""
+    return attend_spans(q, kv_buffer, Spans.of_attended(one_pool(att)), sc, accum_dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,15 +109,18 @@ def mla_decode_split_ref(
     parts = torch.zeros(B, H, S, sc.kv_lora_rank, dtype=accum_dtype, device=q.device)
     lses = torch.full((B, H, S), -math.inf, dtype=accum_dtype, device=q.device)
     valid = torch.zeros(B, S, dtype=torch.bool)
-    stored = attend_fn is not None  # the control reads the inputs as stored
-    for b in range(B):
-        rows = att.group_rows(b)
-        kv = gather(kv_buffer, rows, kv_buffer.dtype if stored else accum_dtype)  # [L, D]
-        qb = q[b] if stored else q[b].to(accum_dtype)  # [H, D]
-        for s, (start, end) in enumerate(split_bounds(len(rows), int(num_kv_splits[b]))[:S]):
-            if end > start:
-                parts[b, :, s], lses[b, :, s] = (attend_fn or attend)(qb, kv[start:end], sc)
-                valid[b, s] = True
+    held = [(b, s, int(att.indptr[b]) + start, end - start) for b in range(B)
+            for s, (start, end) in enumerate(split_bounds(int(lens[b]), int(num_kv_splits[b]))[:S]) if end > start]
+    b_of, s_of, starts, span_lens = (list(c) for c in zip(*held)) if held else ([], [], [], [])  # splits with a token
+    if attend_fn is not None:  # the control: its own math per split, on the inputs as stored
+        for b, s, start, n in zip(b_of, s_of, starts, span_lens):
+            kv = gather(kv_buffer, att.rows[start : start + n], kv_buffer.dtype)  # [n, D] this split only
+            parts[b, :, s], lses[b, :, s] = attend_fn(q[b], kv, sc)
+    elif b_of:
+        spans = Spans(att.rows, torch.tensor(starts), torch.tensor(span_lens), torch.tensor(b_of))
+        o, l = attend_spans(q, kv_buffer, spans, sc, accum_dtype)  # [P, H, Dv], [P, H]
+        parts[b_of, :, s_of], lses[b_of, :, s_of] = o, l
+    valid[b_of, s_of] = True
     return parts, lses, valid
 
 
@@ -181,14 +160,7 @@ def mla_verify_ref(
     """Every query row over what ``att`` says it sees: extend / prefill and chain verify (its last
     n_b positions, causal bottom-right), a tree verify (its mask row), decode (all of its group).
     q [R, H, D] -> out [R, H, Dv], lse [R, H] in accum_dtype; a row that sees nothing: 0 / -inf."""
-    R, H, _ = q.shape
-    out = torch.zeros(R, H, sc.kv_lora_rank, dtype=accum_dtype, device=q.device)  # [R, H, Dv]
-    lse = torch.full((R, H), -math.inf, dtype=accum_dtype, device=q.device)  # [R, H]
-    for g in range(one_pool(att).num_groups):
-        kv = gather(kv_buffer, att.group_rows(g), accum_dtype)  # [L_g, D]
-        for t, pos in att.query_positions(g):
-            out[t], lse[t] = attend(q[t].to(accum_dtype), seen(kv, pos), sc)
-    return out, lse
+    return attend_spans(q, kv_buffer, Spans.of_attended(one_pool(att)), sc, accum_dtype)  # blocked, batched
 
 
 def mla_ref(

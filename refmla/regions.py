@@ -7,7 +7,9 @@ registers, ~3.9999 GiB does not), and SGLang clamps ``max_total_num_tokens`` wit
 ``SGLANG_MORI_MAX_MR_BYTES`` (default 2 GiB). A region that does not register means KV that never
 arrives: the decode node attends over rows the transfer never wrote.
 
-    region bytes = kv_pool_rows x kv_pool_row_bytes x kv_pool_layers_per_buffer   (capture meta)
+    region bytes = max(kv_pool_region_bytes)        the pool's own get_contiguous_buf_infos()
+                                                    (any pool class: MLA, DeepSeek-V4, ...)
+                 else kv_pool_rows x kv_pool_row_bytes x kv_pool_layers_per_buffer  (older captures)
     limit        = meta mori_max_mr_bytes (SGLANG_MORI_MAX_MR_BYTES as captured), else 2 GiB
 
     finding       region >= limit
@@ -45,6 +47,11 @@ class RegionCheck:
     max_total_num_tokens: Optional[int] = None  # the pool's capacity as captured (kv_pool_size)
     fits_max_total_num_tokens: Optional[int] = None  # the largest capacity (page multiple) under the limit
     transfer_backend: Optional[str] = None
+    source: str = "kv_buffer"  # "get_contiguous_buf_infos" (every registered buffer) | "kv_buffer" (older meta)
+    regions: Optional[int] = None  # how many buffers the pool registers (source get_contiguous_buf_infos)
+    region_index: Optional[int] = None  # which of them is the largest (the one that decides)
+    bytes_per_token: Optional[float] = None  # the largest region's bytes per token (item bytes / page size)
+    pool_class: Optional[str] = None
 
     @property
     def is_finding(self) -> bool:
@@ -60,7 +67,9 @@ class RegionCheck:
              "rows": self.rows, "row_bytes": self.row_bytes, "layers_per_buffer": self.layers_per_buffer,
              "page_size": self.page_size, "max_total_num_tokens": self.max_total_num_tokens,
              "fits_max_total_num_tokens": self.fits_max_total_num_tokens,
-             "transfer_backend": self.transfer_backend, "message": self.message}  # fmt: skip
+             "transfer_backend": self.transfer_backend, "source": self.source, "regions": self.regions,
+             "region_index": self.region_index, "bytes_per_token": self.bytes_per_token,
+             "pool_class": self.pool_class, "message": self.message}  # fmt: skip
         return d
 
 
@@ -82,6 +91,42 @@ def _gib(n: int) -> str:
     return f"{n} bytes ({n / (1 << 30):.4g} GiB)"
 
 
+def fitting_tokens_per_item(limit: int, item_bytes: int, page_size: int) -> int:
+    """The largest max_total_num_tokens T (a multiple of page_size) whose region of T + page_size
+    tokens, at ``item_bytes`` per page of ``page_size`` tokens, stays strictly below ``limit``."""
+    tokens = (limit - 1) * page_size // item_bytes  # the most tokens strictly below the limit
+    return max(0, (tokens - page_size) // page_size * page_size)
+
+
+def _verdict(what: str, fit: str, region: int, limit: int, numbers: dict) -> RegionCheck:
+    if region >= limit:
+        return RegionCheck("finding", f"{what}: at or over the limit, MORI cannot register it "
+                           f"(the KV of this layer never arrives); {fit}", **numbers)  # fmt: skip
+    if region >= limit * (1 - NEAR_FRACTION):
+        return RegionCheck("warning", f"{what}: within {NEAR_FRACTION:.0%} below the limit "
+                           f"({100 * region / limit:.2f} %); {fit}", **numbers)  # fmt: skip
+    return RegionCheck("ok", f"{what}: {100 * region / limit:.1f} % of the limit", **numbers)
+
+
+def _check_registered(meta: CaptureMeta, base: dict) -> RegionCheck:
+    """The largest of every buffer the pool registers (its own get_contiguous_buf_infos())."""
+    lens, items = meta.kv_pool_region_bytes, meta.kv_pool_region_item_bytes
+    i = max(range(len(lens)), key=lambda j: lens[j])  # the first of the largest
+    page = meta.kv_pool_page_size or meta.page_size
+    region, limit = lens[i], base["limit_bytes"]
+    per_token = items[i] / page
+    fits = fitting_tokens_per_item(limit, items[i], page)
+    numbers = dict(region_bytes=region, row_bytes=items[i], page_size=page, fits_max_total_num_tokens=fits,
+                   source="get_contiguous_buf_infos", regions=len(lens), region_index=i,
+                   bytes_per_token=per_token, pool_class=meta.kv_pool_class,
+                   **{k: v for k, v in base.items() if k != "page_size"})  # fmt: skip
+    cls = f" of {meta.kv_pool_class}" if meta.kv_pool_class else ""
+    what = (f"largest registered KV region {_gib(region)} (buffer {i} of {len(lens)}{cls}, "
+            f"{per_token:g} bytes per token: {items[i]} bytes per page of {page}), MR limit {_gib(limit)} "
+            f"({'SGLANG_MORI_MAX_MR_BYTES' if base['limit_source'] != 'default' else 'the default'})")  # fmt: skip
+    return _verdict(what, f"max_total_num_tokens <= {fits} would fit", region, limit, numbers)
+
+
 def check_region(meta: CaptureMeta) -> RegionCheck:
     """The region-size check of one capture's meta (see the module docstring)."""
     limit, source = mr_limit(meta)
@@ -89,6 +134,8 @@ def check_region(meta: CaptureMeta) -> RegionCheck:
     base: dict[str, Any] = dict(limit_bytes=limit, limit_source=source, page_size=meta.page_size,
                                 max_total_num_tokens=meta.kv_pool_size,
                                 transfer_backend=meta.disagg_transfer_backend)  # fmt: skip
+    if meta.kv_pool_region_bytes:
+        return _check_registered(meta, base)
     if rows is None or row_bytes is None:
         missing = [k for k, v in (("kv_pool_rows", rows), ("kv_pool_row_bytes", row_bytes)) if v is None]
         return RegionCheck("not_recorded", f"pool geometry not recorded ({', '.join(missing)} missing in meta): "
@@ -100,11 +147,51 @@ def check_region(meta: CaptureMeta) -> RegionCheck:
                    fits_max_total_num_tokens=fits, **base)  # fmt: skip
     what = (f"largest registered KV region {_gib(region)} = {rows} rows x {row_bytes} bytes x {lpb} layer(s), "
             f"MR limit {_gib(limit)} ({'SGLANG_MORI_MAX_MR_BYTES' if source != 'default' else 'the default'})")  # fmt: skip
-    fit = f"max_total_num_tokens <= {fits} would fit"
-    if region >= limit:
-        return RegionCheck("finding", f"{what}: at or over the limit, MORI cannot register it "
-                           f"(the KV of this layer never arrives); {fit}", **numbers)  # fmt: skip
-    if region >= limit * (1 - NEAR_FRACTION):
-        return RegionCheck("warning", f"{what}: within {NEAR_FRACTION:.0%} below the limit "
-                           f"({100 * region / limit:.2f} %); {fit}", **numbers)  # fmt: skip
-    return RegionCheck("ok", f"{what}: {100 * region / limit:.1f} % of the limit", **numbers)
+    return _verdict(what, f"max_total_num_tokens <= {fits} would fit", region, limit, numbers)
+
+
+def compressed_bytes_per_token(row_bytes: int, compress_ratio: int) -> Optional[float]:
+    """Bytes per token of a compressed KV region: one row of ``row_bytes`` per ``compress_ratio``
+    tokens (DeepSeek-V4's C4 / C128 caches). Ratio 0 is a dense (window-only) layer: it has no
+    compressed region, so None, never a division by zero."""
+    return None if compress_ratio <= 0 else row_bytes / compress_ratio
+
+
+def compressed_regions(tokens: int, page_size: int, row_bytes: int, ratios: list[int]) -> dict[str, Any]:
+    """The meta of a pool that registers one compressed buffer per layer with a ratio > 0 (what
+    DeepSeek-V4's unified pool hands the transfer engine): kv_pool_region_bytes / _item_bytes."""
+    lens, items = [], []
+    for ratio in ratios:
+        per_token = compressed_bytes_per_token(row_bytes, ratio)
+        if per_token is not None:
+            lens.append(int(tokens * per_token))
+            items.append(int(page_size * per_token))
+    return {"kv_pool_region_bytes": lens, "kv_pool_region_item_bytes": items, "kv_pool_page_size": page_size,
+            "kv_pool_size": tokens}  # fmt: skip
+
+
+@dataclass
+class PoolMeta:
+    """The pool-geometry keys of any capture's meta (a sparse capture keeps them among its extra
+    keys), for :func:`check_region` when there is no dense CaptureMeta."""
+
+    page_size: int = 1
+    kv_pool_rows: Optional[int] = None
+    kv_pool_row_bytes: Optional[int] = None
+    kv_pool_layers_per_buffer: Optional[int] = None
+    kv_pool_size: Optional[int] = None
+    kv_pool_region_bytes: Optional[list] = None
+    kv_pool_region_item_bytes: Optional[list] = None
+    kv_pool_page_size: Optional[int] = None
+    kv_pool_class: Optional[str] = None
+    mori_max_mr_bytes: Optional[int] = None
+    disagg_transfer_backend: Optional[str] = None
+
+    @classmethod
+    def from_raw(cls, raw: dict) -> "PoolMeta":
+        """The known keys of ``raw`` (validated as parse_meta does: a bad one raises CaptureError)."""
+        from refmla.capture.format import _check_geometry
+
+        kw = {k: raw[k] for k in cls.__dataclass_fields__ if raw.get(k) is not None}
+        _check_geometry(dict(kw), "<meta>")
+        return cls(**kw)

@@ -318,11 +318,6 @@ def test_kernel_is_located_and_called_by_keyword():
 # --------------------------------------------------------------------------------------------
 
 
-class Opts:
-    device = None
-    cu_count = 256
-
-
 def test_backend_replays_a_capture_and_observed_equals_triton_bit_for_bit(tmp_path):
     """A capture whose `out` the kernel itself produced replays as triton == observed, bit for bit."""
     spec = make_case("kimi-k2-tp8", torch.bfloat16, 256, "trailing-empty", 0.0, seq_lens=(300, 33))
@@ -330,7 +325,7 @@ def test_backend_replays_a_capture_and_observed_equals_triton_bit_for_bit(tmp_pa
     t["out"], _, _, _ = run_kernel(spec, t)
     write_capture(tmp_path / "c.safetensors", {**t, "out": t["out"].cpu()}, make_meta(spec), compact=True)
     cap = read_capture(tmp_path / "c.safetensors")
-    res = tb.TritonBackend().run(cap, Opts())
+    res = tb.TritonBackend().run(cap, ReplayOptions(cu_count=256))
     assert torch.equal(_bits(res.out), _bits(cap.out))
     assert res.info["num_kv_splits_source"] == "capture" and not res.defines_empty_rows
     assert res.info["sglang_version"] and res.info["kernel_module"] in triton_interp.KERNEL_MODULES
@@ -343,7 +338,7 @@ def test_backend_computes_splits_when_the_capture_has_none(tmp_path):
     del t["num_kv_splits"]
     write_capture(tmp_path / "c.safetensors", t, make_meta(spec), compact=False)
     cap = read_capture(tmp_path / "c.safetensors")
-    res = tb.TritonBackend().run(cap, Opts())
+    res = tb.TritonBackend().run(cap, ReplayOptions(cu_count=256))
     assert res.info["num_kv_splits_source"].startswith("computed")
     expected = schedule.default_num_kv_splits(cap.seq_lens, max_kv_splits=16, num_heads=16, cu_count=256)
     assert torch.equal(res.num_kv_splits, expected)
@@ -356,7 +351,7 @@ def test_backend_refuses_extend_captures(tmp_path):
     t = make_inputs(spec)
     write_capture(tmp_path / "e.safetensors", t, make_meta(spec), compact=False)
     with pytest.raises(BackendUnavailable, match="extend"):
-        tb.TritonBackend().run(read_capture(tmp_path / "e.safetensors"), Opts())
+        tb.TritonBackend().run(read_capture(tmp_path / "e.safetensors"), ReplayOptions(cu_count=256))
 
 
 def test_ensure_interpreter_is_stable():

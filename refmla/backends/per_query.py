@@ -80,6 +80,8 @@ class TritonDecodePerQueryBackend(Backend):
         splits = default_num_kv_splits(batch.lens.to(torch.int32), max_kv_splits=max_kv, num_heads=cap.num_heads,
                                        cu_count=cu)  # fmt: skip
         dev = "cpu" if triton_interp.interpreter_active() else (opts.device or "cuda")
+        if dev == "cpu" and triton_interp.over_budget(cap):
+            raise BackendUnavailable(triton_interp.over_budget(cap))
         try:
             out, _, _, info = run_triton_decode(
                 batch.q.to(dev), cap.kv_buffer.to(dev), batch.kv_indptr, batch.kv_indices, splits, cap.scales(),

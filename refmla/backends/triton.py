@@ -353,6 +353,9 @@ class TritonBackend(Backend):
         if why:
             raise BackendUnavailable(why)
         device = _device(opts)
+        why = triton_interp.over_budget(cap) if device.type == "cpu" else None  # cpu: the interpreter
+        if why:
+            raise BackendUnavailable(why)
         splits, max_kv, source = _num_kv_splits(cap, opts)
         try:
             out, logits, lse, info = run_triton_decode(

@@ -10,7 +10,7 @@ Two facts about the Triton interpreter (``TRITON_INTERPRET=1``) shape this modul
    be set before the process first imports triton. :func:`ensure_interpreter` does that when there
    is no GPU, and says why it cannot when triton was already imported without it.
 
-2. Its low-precision arithmetic is wrong in three places, all in ``triton.runtime.interpreter.InterpreterBuilder``
+2. Its low-precision arithmetic is wrong in four places, all in ``triton.runtime.interpreter.InterpreterBuilder``
    (identical in triton 3.4.0 to 3.9.0). The interpreter stores bf16 tensors as their raw
    ``uint16`` bit patterns (numpy has no bfloat16), and
 
@@ -23,9 +23,12 @@ Two facts about the Triton interpreter (``TRITON_INTERPRET=1``) shape this modul
 
    * ``create_fp_to_fp`` (fp32 / bf16 -> fp8, used for an fp8 KV cache: ``q.to(K_Buffer.dtype)``,
      ``p.to(v.dtype)``) rounds the mantissa up without carrying into the exponent, so 1.94 becomes
-     1.0 instead of 2.0.
+     1.0 instead of 2.0;
+   * ``binary_op`` (bf16 ``*``, ``+``, ``-``, ``/``, min / max) computes on the uint16 bit patterns:
+     SGLang's DeepSeek-V4 Triton sparse kernel dequantizes as ``fp8.to(bf16) * scale_bf16`` and
+     returned values around 1e34; it is computed in fp32 and rounded to nearest even instead.
 
-   :func:`install_bf16_dot_fix` wraps all three: bf16 dot operands are widened to fp32 first
+   :func:`install_bf16_dot_fix` wraps all four: bf16 dot operands are widened to fp32 first
    (exact: bf16 is the top half of an fp32, each product of two bf16 values is exact in fp32, and
    the accumulator stays fp32, as the GPU's bf16 MMA with fp32 accumulation computes up to
    summation order); fp32 -> bf16 casts round to nearest even; fp -> fp8 casts round to nearest
@@ -61,6 +64,36 @@ def gpu_present() -> bool:
         return bool(torch.cuda.is_available())
     except Exception:
         return False
+
+
+# The Triton interpreter runs each program in numpy, ~0.7 ms per (query row, head, attended row) on
+# a loaded 2-core machine (measured: 2 heads x 131,072 tokens took 189 s): past this many the
+# interpreted kernels are skipped with the reason (the reference and the torch paths still judge
+# the capture); REFMLA_INTERPRETER_BUDGET overrides it.
+INTERPRETER_BUDGET = 1 << 17
+BUDGET_ENV = "REFMLA_INTERPRETER_BUDGET"
+
+
+def interpreter_work(cap) -> int:
+    """query rows x heads x rows each attends: decode H * nnz; extend / verify H * sum_b n_b * L_b."""
+    H, seq = cap.num_heads, cap.seq_lens.long()
+    if cap.is_decode or cap.qo_indptr is None:
+        return H * int(seq.sum())
+    n = (cap.qo_indptr[1:] - cap.qo_indptr[:-1]).long()
+    return H * int((n * (seq + n)).sum())
+
+
+def over_budget(cap) -> Optional[str]:
+    """Why an interpreted kernel is not run on ``cap`` (its work past the budget), or None."""
+    try:
+        budget = int(os.environ.get(BUDGET_ENV, INTERPRETER_BUDGET))
+    except ValueError:
+        budget = INTERPRETER_BUDGET
+    work = interpreter_work(cap)
+    if work <= budget:
+        return None
+    return (f"the Triton interpreter would walk {work:,} (row, head, attended row) triples, past its budget "
+            f"{budget:,} ({BUDGET_ENV}); replay on a GPU")  # fmt: skip
 
 
 def interpreter_active() -> bool:
@@ -157,6 +190,7 @@ _PATCHED = {
     "create_dot": "tl.dot multiplies bf16 operands as their raw uint16 bits",
     "cast_impl": "fp32 -> bf16 casts and stores truncate instead of rounding to nearest even",
     "create_fp_to_fp": "rounding up into the next binade drops the carry in fp -> fp8 casts (1.94 -> 1.0)",
+    "binary_op": "bf16 elementwise arithmetic (x * scale, a + b) operates on the raw uint16 bits",
 }
 
 # triton fp8 type name -> torch dtype name (GPU conversions round to nearest even, saturating)
@@ -244,6 +278,19 @@ def _make_fixed(name: str, original):
             return original(self, src, dst_type, rounding_mode, *args, **kwargs)
 
         fixed.__doc__ = "refmla: fp -> fp8 rounded to nearest even (saturating) by torch, with the carry."
+    elif name == "binary_op":
+        import numpy as np
+
+        arithmetic = {np.add, np.subtract, np.multiply, np.divide, np.fmod, np.minimum, np.maximum, np.fmin, np.fmax}
+
+        def fixed(self, lhs, rhs, op, *args, **kwargs):
+            bf16 = tl.bfloat16
+            if op in arithmetic and lhs.dtype.scalar == bf16 and rhs.dtype.scalar == bf16:
+                wide = original(self, _widen_bf16(lhs), _widen_bf16(rhs), op, *args, **kwargs)
+                return TensorHandle(f32_to_bf16_bits(wide.data), bf16)
+            return original(self, lhs, rhs, op, *args, **kwargs)
+
+        fixed.__doc__ = "refmla: bf16 arithmetic in fp32, rounded to nearest even, as compiled Triton does."
     elif name == "create_dot":
 
         def fixed(self, a, b, d, *args, **kwargs):

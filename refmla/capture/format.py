@@ -16,7 +16,7 @@ import torch
 from refmla import CAPTURE_FORMAT
 from refmla.attended import Attended
 from refmla.scales import Scales
-from refmla.util import request_label
+from refmla.util import printable, request_label
 
 FLOAT_DTYPES = {
     torch.bfloat16, torch.float16, torch.float32, torch.float64,
@@ -44,7 +44,7 @@ class CaptureError(Exception):
 
     def __init__(self, path: Any, key: str, message: str):
         self.path, self.key, self.message = str(path), key, message
-        super().__init__(f"{self.path}: {key}: {message}")
+        super().__init__(printable(f"{self.path}: {key}: {message}"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -81,6 +81,11 @@ class CaptureMeta:
     disagg_mode: Optional[str] = None  # "prefill" | "decode" | "null"
     disagg_transfer_backend: Optional[str] = None  # "mori" | "mooncake" | "nixl" | ...
     mori_max_mr_bytes: Optional[int] = None  # SGLANG_MORI_MAX_MR_BYTES, when it was set
+    # every buffer the pool registers, from its own get_contiguous_buf_infos() (any pool class)
+    kv_pool_class: Optional[str] = None  # the pool's class name (MLATokenToKVPool, DeepSeekV4TokenToKVPool, ...)
+    kv_pool_region_bytes: Optional[list] = None  # data_lens: bytes of each registered buffer
+    kv_pool_region_item_bytes: Optional[list] = None  # item_lens: bytes of one transfer item (one page) of each
+    kv_pool_page_size: Optional[int] = None  # tokens one transfer item holds (the pool's page_size)
     extra: dict = field(default_factory=dict)  # keys this version does not know, kept as given
 
     @property
@@ -102,6 +107,9 @@ MAX_PAGE_SIZE = 1 << 16  # SGLang / aiter page sizes are 1..256
 # SGLang's max_kv_splits is max(--triton-attention-num-kv-splits, min(npow2(CUs), npow2(ctx / 32))):
 # 256 on MI355X, 512 on the largest GPU; the stage-1 buffer is [B, H, max_kv_splits, Dv + 1] fp32.
 MAX_KV_SPLITS = 1 << 12
+# q's heads: an MLA model has at most 128 query heads (DeepSeek-V3 at TP1); every path's work and
+# buffers scale with them, so a q claiming more is refused before any work (validation, tensor 'q')
+MAX_HEADS = 1 << 10
 
 # key -> (type, required); int keys accept integral floats, float keys accept ints
 META_KEYS = {
@@ -115,7 +123,11 @@ META_KEYS = {
     "kv_pool_layers": (int, False), "kv_pool_size": (int, False), "disagg_mode": (str, False),
     "disagg_transfer_backend": (str, False), "mori_max_mr_bytes": (int, False),
     "draft_token_num": (int, False), "topk": (int, False),
+    "kv_pool_class": (str, False), "kv_pool_region_bytes": (list, False), "kv_pool_region_item_bytes": (list, False),
+    "kv_pool_page_size": (int, False),
 }  # fmt: skip
+MAX_META_DEPTH = 32  # nesting of a meta value (lists / objects): production's are 1 deep; the JSON encoder recurses
+INT_RANGE = (-(2**63), 2**63)  # every int key fits int64: sizes multiply, and tensors / floats are made of them
 GEOMETRY_KEYS = ("kv_pool_rows", "kv_pool_row_bytes", "kv_pool_layers_per_buffer")  # what refmla.regions needs
 
 
@@ -123,6 +135,7 @@ def parse_meta(raw: Mapping[str, Any], path: Any = "<meta>") -> CaptureMeta:
     """Validate the ``meta`` JSON object and build a CaptureMeta."""
     if not isinstance(raw, Mapping):
         raise CaptureError(path, "meta", "must be a JSON object")
+    _check_depth(raw, path)
     kw: dict[str, Any] = {}
     for key, (typ, required) in META_KEYS.items():
         if key not in raw or raw[key] is None:
@@ -134,12 +147,35 @@ def parse_meta(raw: Mapping[str, Any], path: Any = "<meta>") -> CaptureMeta:
         check(kw, path)
     if "rids" in kw:
         kw["rids"] = [str(r) for r in kw["rids"]]
+        _check_unique_rids(kw["rids"], path)
     extra = {k: v for k, v in raw.items() if k not in META_KEYS and k != "format"}
     return CaptureMeta(**kw, extra=extra)
 
 
+def _check_depth(raw: Mapping[str, Any], path: Any) -> None:
+    """No meta value nested deeper than MAX_META_DEPTH (an iterative walk: never a RecursionError)."""
+    todo = [(key, value, 1) for key, value in raw.items()]
+    while todo:
+        key, value, depth = todo.pop()
+        if depth > MAX_META_DEPTH:
+            raise _bad_key(path, str(key), f"nested deeper than {MAX_META_DEPTH} levels")
+        if isinstance(value, Mapping):
+            todo += [(key, v, depth + 1) for v in value.values()]
+        elif isinstance(value, list):
+            todo += [(key, v, depth + 1) for v in value]
+
+
+def _check_unique_rids(rids: list[str], path: Any) -> None:
+    """Each request once: a repeated rid would pair (diff-kv, disagg, series) one request and drop the other."""
+    seen: dict[str, int] = {}
+    for i, rid in enumerate(rids):
+        if rid in seen:
+            raise _bad_key(path, "rids", f"rids[{i}]={rid!r} repeats rids[{seen[rid]}]: each request appears once")
+        seen[rid] = i
+
+
 def _coerce(value: Any, typ: type, path: Any, key: str) -> Any:
-    bad = CaptureError(path, f"meta key '{key}'", f"must be {typ.__name__}, got {value!r}")
+    bad = CaptureError(path, f"meta key '{key}'", f"must be {typ.__name__}, got {_short(value)}")
     if isinstance(value, bool):
         raise bad
     if typ is int:
@@ -147,13 +183,23 @@ def _coerce(value: Any, typ: type, path: Any, key: str) -> Any:
             return int(value)
         if not isinstance(value, int):
             raise bad
+        if not INT_RANGE[0] <= value < INT_RANGE[1]:
+            raise CaptureError(path, f"meta key '{key}'", f"{_short(value)} does not fit int64 (|value| < 2**63)")
     elif typ is float:
         if not isinstance(value, (int, float)):
             raise bad
+        if isinstance(value, int) and not INT_RANGE[0] <= value < INT_RANGE[1]:
+            raise CaptureError(path, f"meta key '{key}'", f"{_short(value)} is too large for a float")
         return float(value)
     elif not isinstance(value, typ):
         raise bad
     return value
+
+
+def _short(value: Any) -> str:
+    """repr of a meta value, cut to 60 characters (a 400-digit int, a 900-deep list)."""
+    text = repr(value) if not isinstance(value, (list, dict)) else type(value).__name__
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _bad_key(path: Any, key: str, message: str) -> CaptureError:
@@ -212,6 +258,24 @@ def _check_geometry(kw: dict, path: Any) -> None:
             raise _bad_key(path, key, f"must be >= 1, got {kw[key]}")
     if kw.get("kv_pool_size") is not None and kw["kv_pool_size"] < 0:
         raise _bad_key(path, "kv_pool_size", f"must be >= 0, got {kw['kv_pool_size']}")
+    _check_regions(kw, path)
+
+
+def _check_regions(kw: dict, path: Any) -> None:
+    """kv_pool_region_bytes / _item_bytes: equal-length lists of ints (bytes >= 0, items >= 1), both or neither."""
+    lens, items = kw.get("kv_pool_region_bytes"), kw.get("kv_pool_region_item_bytes")
+    if (lens is None) != (items is None):
+        key = "kv_pool_region_item_bytes" if items is None else "kv_pool_region_bytes"
+        raise _bad_key(path, key, "missing: kv_pool_region_bytes and kv_pool_region_item_bytes come together")
+    if lens is None:
+        return
+    for key, values, low in (("kv_pool_region_bytes", lens, 0), ("kv_pool_region_item_bytes", items, 1)):
+        if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
+            raise _bad_key(path, key, f"must be a non-empty list of ints >= {low}, got {values!r}")
+    if len(lens) != len(items):
+        raise _bad_key(path, "kv_pool_region_item_bytes", f"has {len(items)} entries, kv_pool_region_bytes {len(lens)}")
+    if kw.get("kv_pool_page_size") is not None and kw["kv_pool_page_size"] < 1:
+        raise _bad_key(path, "kv_pool_page_size", f"must be >= 1, got {kw['kv_pool_page_size']}")
 
 
 # bounds on the coerced values, run in order; each raises CaptureError naming the key
@@ -335,6 +399,7 @@ __all__ = [
     "META_CHECKS",
     "MODES",
     "META_KEYS",
+    "MAX_HEADS",
     "MAX_KV_SPLITS",
     "MAX_PAGE_SIZE",
     "SCALE_RANGE",

@@ -10,42 +10,49 @@ import math
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
 from refmla import CAPTURE_FORMAT
-from refmla.capture.format import TENSORS, Capture, CaptureError, CaptureMeta, parse_meta
+from refmla.capture.format import MAX_META_DEPTH, TENSORS, Capture, CaptureError, CaptureMeta, parse_meta
 from refmla.capture.validation import validate
-from refmla.util import first_line
+from refmla.util import first_line, printable
 
 
 def read_capture(path: Any) -> Capture:
     """Open, validate and load a capture. Raises CaptureError (file + tensor/key + reason)."""
-    from safetensors import SafetensorError, safe_open
-
     path = Path(path)
-    _check_file(path)
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            meta = _read_meta(path, f.metadata() or {})
-            names = set(f.keys())
-            for name, required in TENSORS.items():
-                if required and name not in names:
-                    raise CaptureError(path, f"tensor '{name}'", "missing")
-            loaded = _map_tensors(path, [n for n in TENSORS if n in names], f)
-    except CaptureError:
-        raise
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        reason = first_line(e) or type(e).__name__
-        raise CaptureError(path, "file", f"not a readable safetensors file ({reason})") from None
+    meta, loaded, names = open_capture(path, TENSORS, _read_meta)
     cap = Capture(path=str(path), meta=meta, **loaded)
     cap.warnings.extend(validate(cap))
     cap.attended()  # built once, here, from the validated indices
     unknown = sorted(names - set(TENSORS))
     if unknown:
-        cap.warnings.append(f"tensors not in refmla.capture/1, ignored: {', '.join(unknown)}")
+        cap.warnings.append(f"tensors not in refmla.capture/1, ignored: {', '.join(printable(n) for n in unknown)}")
     return cap
+
+
+def open_capture(path: Path, spec: dict, read_meta: Callable[[Path, dict], Any]) -> tuple[Any, dict, set]:
+    """(meta, tensors, names in the file) of a capture file whose tensors ``spec`` names (name ->
+    required): the file checked by stat, the header's meta parsed by ``read_meta``, the required
+    tensors present, the known ones lazily mapped. Raises CaptureError naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    _check_file(path)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = read_meta(path, f.metadata() or {})
+            names = set(f.keys())
+            for name, required in spec.items():
+                if required and name not in names:
+                    raise CaptureError(path, f"tensor '{name}'", "missing")
+            return meta, _map_tensors(path, [n for n in spec if n in names], f), names
+    except CaptureError:
+        raise
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        reason = first_line(e) or type(e).__name__
+        raise CaptureError(path, "file", f"not a readable safetensors file ({reason})") from None
 
 
 def _check_file(path: Path) -> None:
@@ -71,7 +78,34 @@ def _read_meta(path: Path, header: dict) -> CaptureMeta:
         raw_meta = json.loads(header["meta"])
     except json.JSONDecodeError as e:
         raise CaptureError(path, "header key 'meta'", f"not valid JSON ({e.msg})") from None
+    except RecursionError:  # too deep for the decoder: name the key from the text itself
+        key = _deep_key(header["meta"])
+        where = f"meta key '{key}'" if key is not None else "header key 'meta'"
+        raise CaptureError(path, where, f"nested deeper than {MAX_META_DEPTH} levels") from None
     return parse_meta(raw_meta, path)
+
+
+def _deep_key(text: str) -> Optional[str]:
+    """The top-level key of a JSON object text whose value nests past MAX_META_DEPTH (a scan, no
+    recursion), or None."""
+    depth, key, i, last = 0, None, 0, None
+    while i < len(text):
+        c = text[i]
+        if c == '"':
+            j = i + 1
+            while j < len(text) and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            last, i = text[i + 1 : j], j
+        elif c == ":" and depth == 1:
+            key = last
+        elif c in "[{":
+            depth += 1
+            if depth > MAX_META_DEPTH + 1:
+                return key
+        elif c in "]}":
+            depth -= 1
+        i += 1
+    return None
 
 
 _ST_DTYPES = {
@@ -106,4 +140,4 @@ def _map_tensors(path: Path, names: list[str], f) -> dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["read_capture"]
+__all__ = ["open_capture", "read_capture"]

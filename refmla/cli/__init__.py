@@ -9,6 +9,7 @@ One module per command group, each adding its parser, and what they share:
     diffkv.py    refmla diff-kv
     disagg.py    refmla disagg
     synth.py     refmla synth / synth-disagg
+    sparse.py    the sparse decode part of replay and synth (DeepSeek-V4 / V3.2, refmla.sparse)
     doctor.py    refmla doctor
     golden.py    refmla golden generate
     capture.py   refmla capture run (the hook itself is refmla.hook)
@@ -31,7 +32,8 @@ from refmla.atomic import WriteError
 from refmla.cli import diffkv, disagg, doctor, golden, inspect, replay, synth
 from refmla.cli.capture import add_capture_parser
 from refmla.cli.common import EXIT_INVALID, UsageError, describe_inputs
-from refmla.util import error_text, first_line
+from refmla.signals import EXIT_SIGINT, EXIT_SIGTERM, Terminated, sigterm_raises
+from refmla.util import PrintableStream, error_text, first_line, printable
 
 
 class Parser(argparse.ArgumentParser):
@@ -58,19 +60,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line; everything it writes goes through refmla.util.printable (no raw file bytes)."""
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = PrintableStream(out), PrintableStream(err)
+    try:
+        with sigterm_raises():
+            return _main(argv)
+    except KeyboardInterrupt:  # a signal before or after the command's own handling
+        return EXIT_SIGINT
+    except Terminated:
+        return EXIT_SIGTERM
+    finally:
+        sys.stdout, sys.stderr = out, err
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> int:
     ensure_interpreter()  # no GPU: the Triton interpreter, chosen before anything imports triton
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (CaptureError, UsageError, WriteError) as e:
-        print(f"refmla: error: {first_line(e)}", file=sys.stderr)
+        print(f"refmla: error: {printable(first_line(e))}", file=sys.stderr)
         return EXIT_INVALID
     except KeyboardInterrupt:
-        return 130
+        return EXIT_SIGINT
+    except Terminated:
+        return EXIT_SIGTERM
     except Exception as e:  # never a traceback for the user; REFMLA_DEBUG=1 shows it
         if os.environ.get("REFMLA_DEBUG"):
             raise
-        where = describe_inputs(args)
+        where = printable(describe_inputs(args))
         where = f"{where}: " if where else ""
         print(f"refmla: error: {where}{error_text(e)} (set REFMLA_DEBUG=1 for the traceback)", file=sys.stderr)
         return EXIT_INVALID

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from refmla.cli.common import EXIT_OK
+from refmla.cli.common import EXIT_OK, output_path
 from refmla.golden import generate
 
 
@@ -10,7 +10,7 @@ def add_parser(sub) -> None:
     g = sub.add_parser("golden", help="golden files")
     gsub = g.add_subparsers(dest="golden_command", required=True)
     gg = gsub.add_parser("generate", help="write the golden suite")
-    gg.add_argument("--out", required=True)
+    gg.add_argument("--out", required=True, type=output_path)
     gg.add_argument("--suite", choices=("quick", "full"), default="quick")
     gg.set_defaults(func=golden_generate)
 

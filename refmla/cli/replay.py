@@ -4,42 +4,65 @@ from __future__ import annotations
 
 import sys
 
+from refmla.atomic import WriteError
 from refmla.backends import ALL_NAMES
 from refmla.batch import replay_many
-from refmla.cli.common import expand_captures, need_matplotlib, print_json, report_invalid, single_file
+from refmla.cli.common import EXIT_INVALID, expand_captures, need_matplotlib, print_json, report_invalid, single_file
 from refmla.cli.replay_flags import add_replay_flags, replay_options
-from refmla.render.replay import render, summary_table
+from refmla.cli.sparse import replay_sparse_files, split_sparse
+from refmla.compare import Tolerance
+from refmla.render.replay import render_or_say, summary_table
 from refmla.replay import worst_status
 from refmla.series import attach_series
+from refmla.util import first_line
+from refmla.sparse.backends import BACKENDS as SPARSE_BACKENDS
+
+SPARSE_ONLY = [n for n in SPARSE_BACKENDS if n not in ALL_NAMES]  # aiter_sparse, tilelang
 
 
 def add_parser(sub) -> None:
     r = sub.add_parser("replay", help="replay captures through the backends, compare with the reference")
     r.add_argument("captures", nargs="+", metavar="CAPTURE", help="capture files or directories")
-    add_replay_flags(r, ALL_NAMES, "replay captures in parallel processes")
+    add_replay_flags(r, list(ALL_NAMES) + SPARSE_ONLY, "replay captures in parallel processes")
     r.set_defaults(func=run)
 
 
 def run(args) -> int:
+    paths, sparse = split_sparse(expand_captures(args.captures))
+    sparse_code = replay_sparse_files(sparse, args, Tolerance(k=args.k, ulps=args.ulps, cos=args.cos)) if sparse else 0
+    if not paths:
+        return sparse_code
+    if args.backend:  # the dense backends asked for (a sparse-only name is for the sparse captures)
+        args.backend = [b for b in args.backend if b not in SPARSE_ONLY] or None
     opts = replay_options(args)
     if args.plot:
         need_matplotlib()
-    paths = expand_captures(args.captures)
     reports = replay_many(paths, opts, jobs=args.jobs)
     for r in reports:  # each unusable capture: one line on stderr (exit 2); the others are still reported
         if r.verdict == "invalid":
             report_invalid(r.capture, r.error, r.metadata.errors)
     if len(reports) > 1:
         attach_series(reports)  # each report gets its findings against the previous step
-    if args.plot:
-        from refmla.plots import plot_replay
-
-        for path in plot_replay(reports, args.plot):
-            print(f"wrote {path}", file=sys.stderr)
+    failed = _plots(reports, args.plot) if args.plot else []
     if args.json:
         print_json(reports[0] if len(reports) == 1 and single_file(args.captures) else reports)
     else:
-        print("\n\n".join(render(r) for r in reports))
+        print("\n\n".join(render_or_say(r) for r in reports))
         if len(reports) > 1:
             print("\n" + summary_table(reports))
-    return worst_status(reports)
+    for line in failed:  # after the reports: a plot that fails costs no report
+        print(f"refmla: error: {line}", file=sys.stderr)
+    return max(worst_status(reports), EXIT_INVALID if failed else 0, sparse_code)
+
+
+def _plots(reports, out_dir) -> list[str]:
+    """Write the plots; returns one line per failure (the target refused, a capture's plot failed)."""
+    from refmla.plots import plot_replay
+
+    failed: list[str] = []
+    try:
+        for path in plot_replay(reports, out_dir, failures=failed):
+            print(f"wrote {path}", file=sys.stderr)
+    except (WriteError, OSError) as e:
+        failed.append(f"--plot {out_dir}: {first_line(e)}")
+    return failed

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Sequence
 
-from refmla.cli.common import UsageError
+from refmla.cli.common import UsageError, output_path
 from refmla.compare import Tolerance
 from refmla.options import ReplayOptions, bound_problem
 from refmla.replay import backend_names
@@ -45,7 +45,7 @@ def add_replay_flags(p: argparse.ArgumentParser, backends: Sequence[str], jobs_h
     p.add_argument("--cu-count", type=bounded("cu_count", int), default=256,
                    help="CUs for computing num_kv_splits (MI355X: 256)")  # fmt: skip
     p.add_argument("--jobs", type=bounded("jobs", int), default=1, help=jobs_help)
-    p.add_argument("--plot", metavar="DIR", default=None, help="write PNG plots to DIR")
+    p.add_argument("--plot", metavar="DIR", default=None, type=output_path, help="write PNG plots to DIR")
     p.add_argument("--no-explain", action="store_true", help="skip the hypothesis search")
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from refmla.cli.common import EXIT_OK, UsageError
+from refmla.cli.common import EXIT_OK, UsageError, output_path
+from refmla.cli.sparse import synth_sparse_cmd
+from refmla.sparse.presets import PRESETS as SPARSE_PRESETS
 from refmla.synth import FAULTS, preset, synth_capture
 from refmla.synth.disagg import DISAGG_PRESETS, disagg_preset, synth_disagg
 from refmla.synth.disagg_faults import DISAGG_FAULTS
@@ -12,14 +14,14 @@ from refmla.synth.disagg_faults import DISAGG_FAULTS
 
 def add_parser(sub) -> None:
     s = sub.add_parser("synth", help="write a synthetic capture")
-    s.add_argument("out")
+    s.add_argument("out", type=output_path)
     s.add_argument("--preset", default="kimi-k2-tp8")
     s.add_argument("--fault", default="none")
     s.add_argument("--seed", type=int, default=None)
     s.set_defaults(func=synth)
 
     sd = sub.add_parser("synth-disagg", help="write a synthetic prefill/decode pair (OUT/prefill, OUT/decode)")
-    sd.add_argument("out")
+    sd.add_argument("out", type=output_path)
     sd.add_argument("--preset", default="disagg", choices=list(DISAGG_PRESETS))
     sd.add_argument("--fault", default="none", choices=list(DISAGG_FAULTS))
     sd.add_argument("--seed", type=int, default=None)
@@ -27,6 +29,8 @@ def add_parser(sub) -> None:
 
 
 def synth(args) -> int:
+    if args.preset in SPARSE_PRESETS:
+        return synth_sparse_cmd(args)
     try:
         spec = preset(args.preset, seed=args.seed) if args.seed is not None else preset(args.preset)
     except KeyError as e:

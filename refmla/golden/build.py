@@ -243,6 +243,7 @@ def generate(out_dir: PathLike, suite: str = "quick") -> dict[str, Any]:
         raise KeyError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
     out = make_dir(out_dir)
     check_target(out / MANIFEST)
+    _refuse_foreign_manifest(out / MANIFEST)
     try:  # the suite is being rewritten: incomplete until the new manifest lands, last
         (out / MANIFEST).unlink(missing_ok=True)
     except OSError as e:
@@ -252,6 +253,23 @@ def generate(out_dir: PathLike, suite: str = "quick") -> dict[str, Any]:
                 "capture_format": "refmla.capture/1", "cases": cases}  # fmt: skip
     write_text(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return manifest
+
+
+def _refuse_foreign_manifest(path: Path) -> None:
+    """A manifest.json that is not a golden manifest is a user's file: never replaced."""
+    try:
+        text = path.read_text(errors="replace") if path.is_file() else None
+    except OSError as e:
+        raise WriteError(path, e.strerror or type(e).__name__) from None
+    if text is None:
+        return
+    try:
+        fmt = json.loads(text).get("format")
+    except (ValueError, AttributeError, RecursionError):
+        fmt = None
+    if fmt != "refmla.golden.manifest/1":
+        raise WriteError(path, "exists and is not a golden manifest (refmla.golden.manifest/1): not replaced; "
+                         "choose another --out")  # fmt: skip
 
 
 def load_manifest(golden_dir: PathLike) -> dict[str, Any]:

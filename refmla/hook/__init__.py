@@ -1,4 +1,5 @@
-"""Capture from a live SGLang server: an env-gated hook on the Triton and aiter MLA backends.
+"""Capture from a live SGLang server: an env-gated hook on the Triton and aiter MLA backends, and on
+DeepSeek-V4's sparse decode entrypoint (``REFMLA_CAPTURE_BACKENDS=dsv4``).
 
 Two ways to switch it on (see ``docs/capture.md``):
 
@@ -32,7 +33,9 @@ call that passes the filters. The rest are torch-free, as they run at interprete
     meta.py           (torch) the meta providers and their assembly
     modes.py          (torch) one reader per capture mode (decode, extend): indices, kernel state
     extract.py        (torch) after the kernel: guards, reader, pool, budget, host copy, write
-    patching.py       install / uninstall; the forward_decode / forward_extend wrapper
+    patching.py       install / uninstall; the forward_decode / forward_extend wrapper; the DeepSeek-V4
+                      sparse entrypoint's wrapper (REFMLA_CAPTURE_BACKENDS=dsv4)
+    sparse_call.py    (torch) DeepSeek-V4 sparse decode: the entrypoint's keyword arguments as a sparse capture
     sitecustomize/    the start-up file that ``capture run`` puts first on PYTHONPATH
 
 Where to extend it (each without touching the rest):

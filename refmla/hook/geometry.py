@@ -12,6 +12,10 @@ with EINVAL once a region crosses a size limit (SGLang clamps ``max_total_num_to
     kv_pool_size               the pool's token capacity (``size``, SGLang's max_total_num_tokens)
     disagg_mode, disagg_transfer_backend   from SGLang's server args (runtime_context.get_disagg)
     mori_max_mr_bytes          SGLANG_MORI_MAX_MR_BYTES, when it is set (an integer of bytes)
+    kv_pool_region_bytes       every registered buffer's bytes, from the pool's own
+    kv_pool_region_item_bytes  ``get_contiguous_buf_infos()`` (data_lens, item_lens): any pool class
+    kv_pool_page_size          (MLA, DeepSeek-V4's C4 / indexer / C128 buffers, hybrid pools) gives
+    kv_pool_class              the right region; the largest decides (refmla.regions)
 
 Every reader is defensive: a pool or server-args layout it does not know gives fewer keys, never
 an error (the hook never raises into the server).
@@ -42,6 +46,25 @@ def buffer_geometry(pool: Any, k_buf: Any) -> dict[str, int]:
     row_bytes = int(buf.element_size() * buf[0].numel()) if rows else 0
     out = {"kv_pool_rows": rows, "kv_pool_row_bytes": row_bytes, "kv_pool_layers_per_buffer": layers_per_buffer}
     return {k: v for k, v in out.items() if v >= 1}
+
+
+def registered_regions(pool: Any) -> dict[str, Any]:
+    """What the transfer engine registers: the pool's own ``get_contiguous_buf_infos()`` (data_ptrs,
+    data_lens, item_lens), its page size and class. A pool without it, or one that raises, gives
+    only the class (the hook never raises into the server)."""
+    out: dict[str, Any] = {"kv_pool_class": type(pool).__name__}
+    infos = getattr(pool, "get_contiguous_buf_infos", None)
+    try:
+        _, lens, items = infos()
+        lens, items = [int(v) for v in lens], [int(v) for v in items]
+    except Exception:
+        return out
+    if lens and len(lens) == len(items) and min(lens) >= 0 and min(items) >= 1:
+        out.update(kv_pool_region_bytes=lens, kv_pool_region_item_bytes=items)
+        page = getattr(pool, "page_size", None)
+        if isinstance(page, int) and not isinstance(page, bool) and page >= 1:
+            out["kv_pool_page_size"] = page
+    return out
 
 
 def pool_counts(pool: Any) -> dict[str, int]:

@@ -25,7 +25,7 @@ import torch
 
 from refmla.hook.aiter_meta import aiter_path_meta
 from refmla.hook.call import CallContext
-from refmla.hook.geometry import buffer_geometry, disagg_meta, pool_counts
+from refmla.hook.geometry import buffer_geometry, disagg_meta, pool_counts, registered_regions
 from refmla.hook.runtime import versions
 from refmla.util import dtype_name
 
@@ -149,7 +149,8 @@ def verify_meta(ctx: CallContext) -> dict[str, Any]:
 def pool_geometry_meta(ctx: CallContext) -> dict[str, Any]:
     """What decides the size of a registered KV region (refmla.regions): rows, row bytes, layers per
     buffer, the pool's capacity, the disaggregation mode and backend, SGLANG_MORI_MAX_MR_BYTES."""
-    return {**buffer_geometry(ctx.pool, ctx.k_buf), **pool_counts(ctx.pool), **disagg_meta()}
+    return {**buffer_geometry(ctx.pool, ctx.k_buf), **pool_counts(ctx.pool), **registered_regions(ctx.pool),
+            **disagg_meta()}
 
 
 META_PROVIDERS: tuple[MetaProvider, ...] = (

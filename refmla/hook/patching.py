@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 from refmla.hook import kernel_probes
 from refmla.hook.call import Skip
-from refmla.hook.config import HookConfig
+from refmla.hook.config import HookConfig, id_text
 from refmla.hook.filters import before
 from refmla.hook.postimport import PostImportFinder
 from refmla.hook.sglang_paths import BACKEND_CLASSES, MARK, METHODS
@@ -59,7 +59,9 @@ def _fail(e: Exception) -> None:
 def _targets(cfg: HookConfig) -> dict[str, Callable[[Any], None]]:
     """module name -> what to patch in it, for the configured backends."""
     targets: dict[str, Callable[[Any], None]] = {}
-    for backend in sorted(cfg.backends):
+    if "dsv4" in cfg.backends:
+        targets[DSV4_MODULE] = _patch_dsv4_entrypoint
+    for backend in sorted(cfg.backends - {"dsv4"}):
         for module, cls_name in BACKEND_CLASSES[backend]:
             targets[module] = _make_backend_patcher(backend, cls_name)
     for backend, (modules, probes) in kernel_probes.KERNEL_PROBES.items():
@@ -98,8 +100,8 @@ def install(cfg: HookConfig) -> HookState:
     inst.state.log.info(
         "capture hook active: dir=%s layers=%s modes=%s min_seq_len=%d ranks=%s backends=%s every=%d "
         "max_files=%d max_bytes=%d partials=%s",
-        cfg.out_dir, "all" if cfg.layers is None else sorted(cfg.layers), ",".join(sorted(cfg.modes)),
-        cfg.min_seq_len, "all" if cfg.ranks is None else sorted(cfg.ranks), ",".join(sorted(cfg.backends)),
+        cfg.out_dir, id_text(cfg.layers), ",".join(sorted(cfg.modes)),
+        cfg.min_seq_len, id_text(cfg.ranks), ",".join(sorted(cfg.backends)),
         cfg.every, cfg.max_files, cfg.max_bytes, cfg.partials,
     )  # fmt: skip
     return inst.state
@@ -146,6 +148,37 @@ def _make_backend_patcher(backend: str, cls_name: str) -> Callable[[Any], None]:
             _wrap_method(inst, cls, METHODS[mode], backend, mode)
 
     return patch
+
+
+DSV4_MODULE = "sglang.srt.layers.attention.deepseek_v4_backend_hip_radix"
+DSV4_ENTRY = "flash_mla_with_kvcache_entrypoint"
+
+
+def _resolved_backend(backend: Optional[str]) -> str:
+    """The sparse kernel SGLang runs for ``backend`` (on HIP its resolution; elsewhere as given)."""
+    try:
+        from sglang.srt.layers.attention import hip_flash_mla as h
+        from sglang.srt.utils import is_hip
+
+        if is_hip():
+            return h.resolve_hip_flashmla_backend(backend if backend in h._HIP_BACKENDS else None)
+    except Exception:
+        pass
+    return str(backend or "unknown")
+
+
+def _patch_dsv4_entrypoint(module) -> None:
+    """Wrap the sparse entrypoint the DeepSeek-V4 HIP radix backend calls (refmla.hook.sparse_call)."""
+    inst = _INSTALLED
+    original = getattr(module, DSV4_ENTRY, None)
+    if inst is None or original is None or getattr(original, MARK, None) is not None:
+        return
+    from refmla.hook.sparse_call import wrap_entrypoint
+
+    wrapper = wrap_entrypoint(original, current_state, _resolved_backend)
+    setattr(wrapper, MARK, original)
+    setattr(module, DSV4_ENTRY, wrapper)
+    inst.kernel_patched.append((module, DSV4_ENTRY, original))
 
 
 def _make_kernel_patcher(probes: dict[str, Callable[[Callable], Callable]]) -> Callable[[Any], None]:

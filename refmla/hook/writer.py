@@ -157,6 +157,10 @@ class HookState:
 
         path = Path(self.cfg.out_dir) / name
         write_capture(path, tensors, meta, compact=False)
+        return self.note_written(path)
+
+    def note_written(self, path: Path) -> Path:
+        """Count a capture another writer put in the folder (refmla.hook.sparse_call)."""
         nbytes = path.stat().st_size
         with self._lock:
             self.files_written += 1

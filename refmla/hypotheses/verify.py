@@ -97,11 +97,15 @@ def search_mask(s: Search) -> Optional[Explanation]:
     return per_request(s, "mask_wrong_request", find_mask)
 
 
+MAX_OTHER_MASKS = 16  # other requests' masks tried per failing request (not B - 1 of them)
+
+
 def find_mask(s: Search, b: int) -> Iterator[Candidate]:
     r, cands = s.req(b), []
-    for b2 in range(s.cap.batch_size):
+    nearest = sorted(range(s.cap.batch_size), key=lambda b2: abs(b2 - b))[1 : 1 + MAX_OTHER_MASKS]
+    for b2 in nearest:  # the neighbours first (an off-by-k index), a bounded number of them
         r2 = s.req(b2)
-        if b2 == b or r2.T != r.T:
+        if r2.T != r.T:
             continue
         vis = r.visible().clone()
         vis[:, r.L - r.T :] = r2.tree[:, r2.L - r2.T :]

@@ -10,6 +10,7 @@ from typing import Any, Optional
 import torch
 
 from refmla.backends import aiter as aiter_backend
+from refmla.backends import triton_interp
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 from refmla.backends.extend.aiter_prefill import run_aiter_prefill
 from refmla.backends.extend.inputs import ExtendInputs, as_extend, scatter_rows
@@ -69,6 +70,9 @@ def _try_triton(impl: str, cap, inp: ExtendInputs, out_dtype: torch.dtype, opts:
     if impl == "torch":
         return None, {"status": "skipped", "reason": f"{IMPL_ENV}=torch"}
     ok, note = triton_extend_status()
+    if ok and triton_interp.interpreter_active():
+        why = triton_interp.over_budget(cap)
+        ok, note = (False, why) if why else (ok, note)
     if not ok:
         if impl == "triton":
             raise BackendUnavailable(f"SGLang Triton extend: {note}")

@@ -1,0 +1,147 @@
+"""(torch) DeepSeek's sparse MLA decode calls captured from SGLang 0.5.23's HIP radix backend.
+
+SGLang's ``DeepseekV4HipRadixBackend._forward_attention`` calls
+``flash_mla_with_kvcache_entrypoint(backend=..., q=, k_cache=, indices=, topk_length=, attn_sink=,
+extra_k_cache=, extra_indices_in_kvcache=, extra_topk_length=, softmax_scale=, head_dim_v=, ...,
+[inv_rope=])``: those keyword arguments are the capture (docs/contract.md, "sparse decode
+captures"), with the backend SGLang resolved (``resolve_hip_flashmla_backend``) in meta. The
+caches are saved as their padded page rows, only the pages the indices reference (renumbered).
+
+:func:`wrap_entrypoint` returns the wrapper the patcher installs: the original runs first and its
+result is returned untouched; the capture then reads (never writes) the tensors, under the same
+filters and budgets as the dense hook (layer, rank, every N-th call, graph capture, folder budget),
+and any exception inside it disables the hook once, logged (never raised into the server).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from refmla.hook.geometry import disagg_meta, pool_counts, registered_regions
+from refmla.hook.runtime import graph_capturing, tp_rank, versions
+from refmla.hook.writer import HookState, capture_name
+from refmla.sparse.io import write_sparse
+from refmla.sparse.layouts import LAYOUTS
+
+LAYOUT_OF_BYTES = {L.bytes_per_token: name for name, L in LAYOUTS.items()}
+
+
+def _pages(cache: torch.Tensor) -> torch.Tensor:
+    """The [P, page_size, 1, bytes] view SGLang passes -> its padded page rows [P, stride(0)] uint8."""
+    c = cache.view(torch.uint8) if cache.dtype != torch.uint8 else cache
+    return torch.as_strided(c, (c.shape[0], c.stride(0)), (c.stride(0), 1), c.storage_offset())
+
+
+def _compact(cache: torch.Tensor, idx: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Only the pages ``idx`` references (-1 kept), indices renumbered to them."""
+    rows = _pages(cache)
+    flat = idx.long()
+    valid = flat >= 0
+    used = torch.unique(torch.where(valid, flat // page, 0))
+    new_page = torch.searchsorted(used, torch.where(valid, flat // page, 0))
+    renum = torch.where(valid, new_page * page + flat % page, -1).to(torch.int32)
+    return rows.index_select(0, used).cpu(), renum.cpu()
+
+
+def _cache_meta(cache: torch.Tensor) -> tuple[str, int]:
+    bpt = int(cache.shape[-1])
+    if bpt not in LAYOUT_OF_BYTES:
+        raise ValueError(f"a cache of {bpt} bytes per token is no layout refmla reads")
+    return LAYOUT_OF_BYTES[bpt], int(cache.shape[1])
+
+
+def sparse_tensors(kw: dict, result: Any) -> tuple[dict, dict]:
+    """(tensors, meta) of one entrypoint call: its keyword arguments and its (out, lse)."""
+    layout, page = _cache_meta(kw["k_cache"])
+    k_cache, indices = _compact(kw["k_cache"], kw["indices"], page)
+    t = {"q": kw["q"].detach().cpu(), "k_cache": k_cache, "indices": indices}
+    meta = {"mode": "sparse_decode", "kv_layout": layout, "page_size": page,
+            "softmax_scale": float(kw["softmax_scale"]), "head_dim_v": int(kw["head_dim_v"])}  # fmt: skip
+    for key, name in (("topk_length", "topk_length"), ("attn_sink", "attn_sink"), ("extra_topk_length", "extra_topk_length")):
+        if kw.get(key) is not None:
+            t[name] = kw[key].detach().cpu()
+    if kw.get("extra_k_cache") is not None:
+        meta["extra_kv_layout"], meta["extra_page_size"] = _cache_meta(kw["extra_k_cache"])
+        t["extra_k_cache"], t["extra_indices"] = _compact(kw["extra_k_cache"], kw["extra_indices_in_kvcache"],
+                                                          meta["extra_page_size"])  # fmt: skip
+    if kw.get("inv_rope") is not None:
+        freqs, positions = kw["inv_rope"]
+        t["inv_rope_freqs"], t["inv_rope_positions"] = freqs.detach().cpu(), positions.detach().cpu().reshape(-1)
+    out, lse = (result if isinstance(result, tuple) else (result, None))[:2]
+    if out is not None:
+        t["out"] = out.detach().cpu()
+    if lse is not None and lse.dim() == 3:
+        t["lse"] = lse.detach().cpu().float()
+    return t, meta
+
+
+def _caller_local(name: str) -> Optional[Any]:
+    """A local of the backend method that called the entrypoint (``layer``, ``token_to_kv_pool``:
+    _forward_attention has both), by a frame look-up a few frames up; None when absent."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return None
+        value = frame.f_locals.get(name)
+        if value is not None:
+            return value
+        frame = frame.f_back
+    return None
+
+
+def pool_meta() -> dict:
+    """The pool's registered regions (the MR region check) and the disaggregation settings."""
+    pool = _caller_local("token_to_kv_pool")
+    geometry = {**registered_regions(pool), **pool_counts(pool)} if pool is not None else {}
+    return {**geometry, **disagg_meta()}
+
+
+def capture_call(state: HookState, kw: dict, result: Any, backend: str) -> None:
+    """Filters, budget, host copy, write: one sparse capture (or a counted skip)."""
+    cfg = state.cfg
+    layer = _caller_local("layer")
+    layer_id = int(getattr(layer, "layer_id", -1))
+    rank = tp_rank()
+    step = state.next_step("dsv4", layer_id)
+    if graph_capturing():
+        return state.skip("graph capture", "tensors are placeholders while a graph is captured")
+    if (layer_id >= 0 and not cfg.wants_layer(layer_id)) or not cfg.wants_rank(rank) or step % cfg.every:
+        return state.skip("filtered", "layer, rank or REFMLA_CAPTURE_EVERY")
+    estimate = sum(int(v.numel() * v.element_size()) for v in kw.values() if isinstance(v, torch.Tensor))
+    if not state.admit(estimate):
+        return None
+    tensors, meta = sparse_tensors(kw, result)
+    meta.update(pool_meta())
+    meta.update(backend=backend, layer_id=max(layer_id, 0), tp_rank=rank, step=step,
+                sglang_version=versions().get("sglang_version"), capture_tool="refmla.hook.sparse_call")  # fmt: skip
+    name = capture_name(mode="sparse", rank=rank, layer=max(layer_id, 0), step=step, backend=backend, pid=os.getpid())
+    path = Path(state.cfg.out_dir) / name
+    write_sparse(path, tensors, meta)
+    state.note_written(path)
+
+
+def wrap_entrypoint(original: Callable, state_of: Callable[[], Optional[HookState]],
+                    resolve: Callable[[Optional[str]], str]) -> Callable:  # fmt: skip
+    """The entrypoint wrapper: the original's result, then a capture that never raises."""
+
+    def entrypoint(backend: str, **kwargs):
+        result = original(backend=backend, **kwargs)
+        state = state_of()
+        if state is None or not state.active:
+            return result
+        try:
+            capture_call(state, kwargs, result, resolve(backend))
+        except Exception as e:  # the hook never raises into the server
+            state.fail(e)
+        return result
+
+    entrypoint.__wrapped__ = original  # type: ignore[attr-defined]
+    return entrypoint
+
+
+__all__ = ["capture_call", "sparse_tensors", "wrap_entrypoint"]

@@ -1,0 +1,166 @@
+"""The compute paths a sparse decode capture replays through, picked by name:
+
+    reference  the fp64 truth (refmla.sparse.reference)
+    observed   the capture's ``out`` / ``lse``: what production wrote
+    triton     SGLang's Triton sparse decode kernel, ``triton_fp8_attention_fwd`` (the entrypoint's
+               backend "triton"), interpreted on CPU, compiled on a GPU; V4 layout only (d_qk 512)
+    aiter_sparse  aiter's gfx950 gluon kernel ``pa_decode_sparse`` (the entrypoint's default on
+               MI355X), through SGLang's own ``aiter_sparse_decode_fwd``; ROCm only
+    tilelang   SGLang's ``dpsk_v4_fp8_attention_fwd`` where tilelang is installed
+
+Each returns out [B, S, H, Dv] and lse [B, S, H] (or None) as the kernel returned them, or raises
+:class:`Unavailable` with the reason (reported as skipped). A kernel that raises is a finding.
+"""
+
+from __future__ import annotations
+
+import importlib
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from refmla.sparse.format import SparseCapture
+from refmla.sparse.reference import inverse_rope, sparse_reference
+
+TRITON_ENTRY = "sglang.kernels.ops.attention.dsv4.triton_sparse_decode"
+TRITON_FUSED = TRITON_ENTRY + ".triton_mla_kernels_decode_fused"
+
+
+class Unavailable(Exception):
+    """This path cannot run here or on this capture; the message says why."""
+
+
+@dataclass
+class PathOutput:
+    out: torch.Tensor  # [B, S, H, Dv]
+    lse: Optional[torch.Tensor]  # [B, S, H], natural log, or None
+    note: str = ""
+    info: dict = field(default_factory=dict)
+
+
+def run_reference(cap: SparseCapture) -> PathOutput:
+    r = sparse_reference(cap)
+    return PathOutput(r.out, r.lse, "pure PyTorch, fp64")
+
+
+def run_observed(cap: SparseCapture) -> PathOutput:
+    if cap.out is None:
+        raise Unavailable("the capture has no `out` tensor")
+    return PathOutput(cap.out, cap.lse, f"the capture's `out` (production kernel: {cap.meta.backend})")
+
+
+def kernel_kwargs(cap: SparseCapture, device: str = "cpu") -> dict:
+    """The entrypoint's keyword arguments as SGLang's _forward_attention builds them: each cache
+    viewed [pages, page_size, 1, bytes per token] over its padded page rows."""
+    m = cap.meta
+
+    def view(cache, layout, page):
+        return cache.to(device)[:, : page * layout.bytes_per_token].view(cache.shape[0], page, 1, layout.bytes_per_token)
+
+    kw = dict(q=cap.q.to(device, torch.bfloat16), k_cache=view(cap.k_cache, m.layout, m.page_size),
+              head_dim_v=m.head_dim_v, softmax_scale=m.softmax_scale, indices=cap.indices.to(device, torch.int32),
+              topk_length=None if cap.topk_length is None else cap.topk_length.to(device, torch.int32),
+              attn_sink=None if cap.attn_sink is None else cap.attn_sink.to(device, torch.float32),
+              block_table=None, cache_seqlens=None, tile_scheduler_metadata=None, is_fp8_kvcache=True)  # fmt: skip
+    if cap.extra_k_cache is not None:
+        kw.update(extra_k_cache=view(cap.extra_k_cache, m.extra_layout, m.extra_page_size),
+                  extra_indices_in_kvcache=cap.extra_indices.to(device, torch.int32),
+                  extra_topk_length=None if cap.extra_topk_length is None else cap.extra_topk_length.to(device, torch.int32))  # fmt: skip
+    return kw
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _triton_module():
+    from refmla.backends.triton_interp import ensure_interpreter, install_bf16_dot_fix, interpreter_active
+
+    interpreting, note = ensure_interpreter()
+    if not interpreting and "GPU" not in note:
+        raise Unavailable(note)
+    if interpreter_active():
+        ok, why = install_bf16_dot_fix()
+        if not ok:
+            raise Unavailable(why)
+    try:
+        return importlib.import_module(TRITON_ENTRY), note
+    except Exception as e:
+        raise Unavailable(f"{TRITON_ENTRY} not importable: {type(e).__name__}: {e}") from None
+
+
+@contextmanager
+def one_config_each(module_name: str, interpreting: bool) -> Iterator[list[str]]:
+    """Under the interpreter, every autotuned kernel of the module keeps its first config only (the
+    autotuner benchmarks with a GPU driver the interpreter has none of); restored after. On a GPU
+    nothing changes."""
+    from triton.runtime.autotuner import Autotuner
+
+    mod = importlib.import_module(module_name)
+    tuned = [(n, k, k.configs) for n, k in vars(mod).items() if isinstance(k, Autotuner)] if interpreting else []
+    try:
+        for _, k, configs in tuned:
+            k.configs = configs[:1]
+        yield [f"{n}: {c[0]}" for n, _, c in tuned]
+    finally:
+        for _, k, configs in tuned:
+            k.configs = configs
+
+
+def run_triton(cap: SparseCapture) -> PathOutput:
+    m = cap.meta
+    if m.kv_layout != "v4" or (m.extra_kv_layout not in (None, "v4")):
+        raise Unavailable(f"SGLang's Triton sparse kernel reads the V4 layout only (d_qk 512); this capture is {m.kv_layout}")
+    if m.kv_fp8_dtype != "float8_e4m3fn" and not torch.cuda.is_available():
+        raise Unavailable(f"the kernel reads {m.kv_fp8_dtype} only on gfx942; here it would read e4m3fn")
+    mod, note = _triton_module()
+    with one_config_each(TRITON_FUSED, "interpreter" in note) as configs:
+        out, lse = mod.triton_fp8_attention_fwd(**kernel_kwargs(cap, _device()))
+    out, lse = out.cpu(), lse.cpu()
+    B, S, H, _ = cap.q.shape
+    if cap.inv_rope_freqs is not None:  # the kernel ignores inv_rope; SGLang's model applies it after
+        o = inverse_rope(out.reshape(B * S, H, -1).float(), cap.inv_rope_freqs, cap.inv_rope_positions[: B * S])
+        out = o.to(out.dtype).reshape(out.shape)
+    return PathOutput(out, lse, f"sglang {TRITON_ENTRY}.triton_fp8_attention_fwd, {note}",
+                      {"autotune_configs_interpreted": configs} if configs else {})
+
+
+def run_aiter_sparse(cap: SparseCapture) -> PathOutput:
+    try:
+        importlib.import_module("aiter.ops.triton.attention.pa_decode_sparse")
+    except Exception as e:
+        raise Unavailable(f"aiter is not installed (ROCm only; ships in SGLang's ROCm image): "
+                          f"aiter.ops.triton.attention.pa_decode_sparse: {type(e).__name__}") from None  # fmt: skip
+    if not (torch.cuda.is_available() and getattr(torch.version, "hip", None)):
+        raise Unavailable("aiter_sparse is aiter's gfx950 gluon kernel: needs a ROCm GPU")
+    from sglang.srt.layers.attention.hip_flash_mla import aiter_sparse_decode_fwd
+
+    kw = kernel_kwargs(cap, "cuda")
+    if cap.inv_rope_freqs is not None:
+        kw["inv_rope"] = (cap.inv_rope_freqs.cuda(), cap.inv_rope_positions.cuda())
+    out, lse = aiter_sparse_decode_fwd(**kw)
+    return PathOutput(out.cpu(), None if lse is None else lse.cpu(), "aiter pa_decode_sparse via sglang aiter_sparse_decode_fwd")
+
+
+def run_tilelang(cap: SparseCapture) -> PathOutput:
+    try:
+        importlib.import_module("tilelang")
+    except Exception:
+        raise Unavailable("tilelang is not installed") from None
+    if not torch.cuda.is_available():
+        raise Unavailable("tilelang kernels need a GPU")
+    from sglang.kernels.ops.attention.dsv4.tilelang_fp8_attention import dpsk_v4_fp8_attention_fwd
+
+    out, lse = dpsk_v4_fp8_attention_fwd(**kernel_kwargs(cap, "cuda"))
+    return PathOutput(out.cpu(), None if lse is None else lse.cpu(), "sglang dpsk_v4_fp8_attention_fwd (tilelang)")
+
+
+BACKENDS: dict[str, Callable[[SparseCapture], PathOutput]] = {
+    "reference": run_reference, "observed": run_observed, "triton": run_triton,
+    "aiter_sparse": run_aiter_sparse, "tilelang": run_tilelang,
+}  # fmt: skip
+DEFAULT_BACKENDS = ("reference", "observed", "triton", "aiter_sparse", "tilelang")
+
+__all__ = ["BACKENDS", "DEFAULT_BACKENDS", "PathOutput", "Unavailable", "kernel_kwargs"]

@@ -1,0 +1,189 @@
+"""The sparse decode capture (docs/contract.md section 1, "sparse decode captures"): one call of
+DeepSeek's sparse MLA decode (V3.2 DSA, V4 window + compressed caches), as the kernel got it.
+
+Same container as every capture (safetensors, header ``format`` refmla.capture/1, ``meta`` JSON);
+meta ``mode`` is ``sparse_decode``. Tensors (B requests, S query tokens each, H heads):
+
+    q                  [B, S, H, D]   bf16 as the kernel got it (D = the layout's head_dim)
+    k_cache            [P, W] uint8   the main (window) cache's pages as stored, W >= the layout's page bytes
+    indices            [B, S, K]      int32 flat token indices page * page_size + offset, -1 invalid
+    topk_length        [B]            optional: entries at position >= topk_length[b] are not read
+    attn_sink          [H] fp32       optional: per-head sink logit (adds exp(sink - max) to the denominator)
+    extra_k_cache      [P2, W2] uint8 optional: the compressed cache (V4 C4 / C128), its own layout and page size
+    extra_indices      [B, S, K2]     with extra_k_cache
+    extra_topk_length  [B]            optional, with extra_k_cache
+    out                [B, S, H, Dv]  optional: what production wrote
+    lse                [B, S, H] fp32 optional: natural log, the sink not included, +inf on a row with no valid index
+    inv_rope_freqs     [M, d_rope]    optional: SGLang's ``inv_rope`` (view_as_real(freqs_cis).flatten(-2)):
+    inv_rope_positions [B * S]        the kernel applied the inverse rope to out[..., -d_rope:]
+    golden_out         [B, S, H, Dv] fp64   golden files only (refmla.sparse.golden): the stored reference
+    golden_lse         [B, S, H] fp64
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping, Optional
+
+import torch
+
+from refmla.capture import CaptureError
+from refmla.capture.format import META_KEYS as DENSE_META_KEYS
+from refmla.capture.format import _check_geometry as check_geometry
+from refmla.sparse.layouts import FP8_DTYPES, LAYOUTS, PackedLayout
+
+SPARSE_MODE = "sparse_decode"
+TENSORS = {
+    "q": True, "k_cache": True, "indices": True, "topk_length": False, "attn_sink": False,
+    "extra_k_cache": False, "extra_indices": False, "extra_topk_length": False, "out": False, "lse": False,
+    "inv_rope_freqs": False, "inv_rope_positions": False, "golden_out": False, "golden_lse": False,
+}  # fmt: skip
+KERNEL_BACKENDS = ("aiter_sparse", "triton", "tilelang", "torch", "flashmla", "aiter", "synth", "unknown")
+ROLES = ("window", "compressed")
+
+# key -> (type, required)
+META_KEYS = {
+    "mode": (str, True), "backend": (str, True), "kv_layout": (str, True), "page_size": (int, True),
+    "softmax_scale": (float, True), "head_dim_v": (int, True), "extra_kv_layout": (str, False),
+    "extra_page_size": (int, False), "kv_fp8_dtype": (str, False), "compress_ratio": (int, False),
+    "layer_role": (str, False), "window": (int, False), "model": (str, False), "layer_id": (int, False),
+    "tp_rank": (int, False), "step": (int, False), "sglang_version": (str, False), "rids": (list, False),
+}  # fmt: skip
+
+
+@dataclass
+class SparseMeta:
+    mode: str  # "sparse_decode"
+    backend: str  # the kernel SGLang chose (KERNEL_BACKENDS): aiter_sparse | triton | tilelang | ...
+    kv_layout: str  # the main cache's packed layout: "v4" | "v32" (refmla.sparse.layouts)
+    page_size: int  # tokens per page of the main cache
+    softmax_scale: float  # exactly as passed to the kernel
+    head_dim_v: int  # Dv, the output width
+    extra_kv_layout: Optional[str] = None  # the extra (compressed) cache's layout
+    extra_page_size: Optional[int] = None  # its tokens per page (V4 C4: page_size / 4, C128: / 128)
+    kv_fp8_dtype: str = "float8_e4m3fn"  # float8_e4m3fn (gfx950, CUDA) | float8_e4m3fnuz (gfx942)
+    compress_ratio: Optional[int] = None  # the layer's ratio: 0 (window only), 4 (C4), 128 (C128), 1, 2
+    layer_role: Optional[str] = None  # "window" | "compressed"
+    window: Optional[int] = None  # the sliding window (V4: 128)
+    model: Optional[str] = None
+    layer_id: Optional[int] = None
+    tp_rank: Optional[int] = None
+    step: Optional[int] = None
+    sglang_version: Optional[str] = None
+    rids: Optional[list] = None
+    extra: dict = field(default_factory=dict)  # keys this version does not know, kept as given
+
+    @property
+    def layout(self) -> PackedLayout:
+        return LAYOUTS[self.kv_layout]
+
+    @property
+    def extra_layout(self) -> Optional[PackedLayout]:
+        return None if self.extra_kv_layout is None else LAYOUTS[self.extra_kv_layout]
+
+    def to_json(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        return {**self.extra, **{k: v for k, v in d.items() if v is not None}}
+
+
+def is_sparse_meta(raw: Any) -> bool:
+    return isinstance(raw, Mapping) and raw.get("mode") == SPARSE_MODE
+
+
+def parse_sparse_meta(raw: Mapping[str, Any], path: Any = "<meta>") -> SparseMeta:
+    """Validate the meta of a sparse capture (types, then bounds) and build SparseMeta."""
+    kw: dict[str, Any] = {}
+    for key, (typ, required) in META_KEYS.items():
+        if raw.get(key) is None:
+            if required:
+                raise CaptureError(path, f"meta key '{key}'", "missing")
+            continue
+        kw[key] = _coerce(raw[key], typ, path, key)
+    for problem in meta_problems(kw):
+        raise CaptureError(path, *problem)
+    extra = {k: v for k, v in raw.items() if k not in META_KEYS and k != "format"}
+    _check_pool_geometry(extra, path)
+    return SparseMeta(**kw, extra=extra)
+
+
+def _check_pool_geometry(extra: dict, path: Any) -> None:
+    """The pool-geometry keys a sparse capture carries (the MR region check): as typed and
+    bounded as a dense capture's (docs/contract.md section 1, "pool geometry")."""
+    keys = {k: v for k, v in extra.items() if k in DENSE_META_KEYS and (k.startswith("kv_pool") or k.startswith("mori"))}
+    kw = {k: _coerce(v, DENSE_META_KEYS[k][0], path, k) for k, v in keys.items() if v is not None}
+    check_geometry(kw, path)
+
+
+def _coerce(value: Any, typ: type, path: Any, key: str) -> Any:
+    ok = not isinstance(value, bool) and (
+        isinstance(value, typ) or (typ is float and isinstance(value, int))
+        or (typ is int and isinstance(value, float) and value.is_integer()))  # fmt: skip
+    if not ok:
+        raise CaptureError(path, f"meta key '{key}'", f"must be {typ.__name__}, got {value!r}")
+    return typ(value) if typ in (int, float) else value
+
+
+def meta_problems(kw: dict) -> list[tuple[str, str]]:
+    """(key, reason) for every bound the coerced meta breaks."""
+    out = []
+    for key, allowed in (("mode", (SPARSE_MODE,)), ("kv_layout", tuple(LAYOUTS)), ("layer_role", ROLES),
+                         ("extra_kv_layout", tuple(LAYOUTS)), ("kv_fp8_dtype", tuple(FP8_DTYPES))):  # fmt: skip
+        if kw.get(key) is not None and kw[key] not in allowed:
+            out.append((f"meta key '{key}'", f"must be one of {', '.join(allowed)}, got {kw[key]!r}"))
+    for key in ("page_size", "extra_page_size", "head_dim_v"):
+        if kw.get(key) is not None and not 1 <= kw[key] <= 1 << 16:
+            out.append((f"meta key '{key}'", f"must be in [1, 65536], got {kw[key]}"))
+    s = kw.get("softmax_scale")
+    if s is not None and not (math.isfinite(s) and 1e-6 <= s <= 1e3):
+        out.append(("meta key 'softmax_scale'", f"{s!r} is outside the sane range [1e-06, 1e+03]"))
+    if kw.get("compress_ratio") is not None and kw["compress_ratio"] < 0:
+        out.append(("meta key 'compress_ratio'", f"must be >= 0, got {kw['compress_ratio']}"))
+    return out
+
+
+@dataclass
+class SparseCapture:
+    """One captured sparse decode call. Tensors keep the dtypes they were stored with."""
+
+    path: str
+    meta: SparseMeta
+    q: torch.Tensor  # [B, S, H, D]
+    k_cache: torch.Tensor  # [P, W] uint8
+    indices: torch.Tensor  # [B, S, K]
+    topk_length: Optional[torch.Tensor] = None  # [B]
+    attn_sink: Optional[torch.Tensor] = None  # [H]
+    extra_k_cache: Optional[torch.Tensor] = None  # [P2, W2] uint8
+    extra_indices: Optional[torch.Tensor] = None  # [B, S, K2]
+    extra_topk_length: Optional[torch.Tensor] = None  # [B]
+    out: Optional[torch.Tensor] = None  # [B, S, H, Dv]
+    lse: Optional[torch.Tensor] = None  # [B, S, H]
+    inv_rope_freqs: Optional[torch.Tensor] = None  # [M, d_rope]
+    inv_rope_positions: Optional[torch.Tensor] = None  # [B * S]
+    golden_out: Optional[torch.Tensor] = None  # [B, S, H, Dv] fp64, golden files only
+    golden_lse: Optional[torch.Tensor] = None  # [B, S, H] fp64
+    warnings: list = field(default_factory=list)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(B, S, H, D)."""
+        return tuple(self.q.shape)  # type: ignore[return-value]
+
+    @property
+    def rows(self) -> int:
+        """B * S query rows."""
+        return self.q.shape[0] * self.q.shape[1]
+
+    def request_of_row(self) -> torch.Tensor:
+        return torch.arange(self.q.shape[0]).repeat_interleave(self.q.shape[1])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {n: getattr(self, n) for n in TENSORS if getattr(self, n) is not None}
+
+    def cache_tokens(self, extra: bool = False) -> int:
+        cache, page = (self.extra_k_cache, self.meta.extra_page_size) if extra else (self.k_cache, self.meta.page_size)
+        return 0 if cache is None else cache.shape[0] * (page or 0)
+
+
+__all__ = ["KERNEL_BACKENDS", "META_KEYS", "SPARSE_MODE", "TENSORS", "SparseCapture", "SparseMeta",
+           "is_sparse_meta", "meta_problems", "parse_sparse_meta"]  # fmt: skip

@@ -1,0 +1,192 @@
+"""Which simple sparse-decode mistake explains a diverging output (docs/contract.md section 4,
+"sparse hypotheses"). Each candidate recomputes the fp64 reference with one mistake made on purpose
+and is judged with the same comparator and tolerance; the simplest that fits is the explanation,
+the others that fit are alternatives.
+
+    sink_omitted / sink_twice                     the sink's term 0 or 2 times in the denominator
+    topk_length_ignored(scope)                    entries past topk_length read (-1 still skipped): both, main, extra
+    minus_one_as_slot0                            every -1 (lengths folded into -1) read as token 0
+    page_offset_dropped(scope)                    each index read as page * page_size (offset lost)
+    extra_cache_ignored                           the compressed cache's entries not read
+    window_off_by_one(delta=-1, side)             a full window one entry short (start or end)
+    scale_exponent_off(tile, factor)              one tile's scale times 2 or 1/2 (UE8M0 exponent +-1)
+    rope_wrong_bytes(offset)                      the rope section read 2 bytes early or late
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
+
+import torch
+
+from refmla.compare import Tolerance
+from refmla.sparse.format import SparseCapture
+from refmla.sparse.judge import judge_out
+from refmla.sparse.layouts import dequantize
+from refmla.sparse.reference import SparseOutput, gather_keys, rows_of, sparse_attention
+from refmla.sparse.rows import SparseRows, raw_rows, sparse_rows
+
+
+@dataclass
+class SparseExplanation:
+    hypothesis: str
+    detail: dict
+    alternatives: list = field(default_factory=list)  # [(hypothesis, detail)]
+
+    def text(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in self.detail.items())
+        alt = "; also fit: " + ", ".join(h for h, _ in self.alternatives) if self.alternatives else ""
+        return f"explained by {self.hypothesis}({args}){alt}"
+
+    def to_json(self) -> dict:
+        return {"hypothesis": self.hypothesis, "detail": self.detail,
+                "alternatives": [{"hypothesis": h, "detail": d} for h, d in self.alternatives]}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Mistake:
+    name: str
+    detail: dict
+    rows: Optional[Callable[[SparseCapture], SparseRows]] = None  # what is read
+    decode: Optional[Callable] = None  # how the main cache's tokens are decoded (from the bytes)
+    tile: Optional[tuple[int, float]] = None  # (tile, factor) applied to every main key
+    sink_terms: int = 1
+
+
+MAX_CACHED_TOKENS = 1 << 17  # pools up to this many tokens are decoded once per search
+
+
+class Decoded:
+    """Each cache decoded once for the whole search (small pools), else token by token."""
+
+    def __init__(self, cap: SparseCapture):
+        self.cap, self.full = cap, {}
+        for cache, layout, page in ((cap.k_cache, cap.meta.layout, cap.meta.page_size),
+                                    (cap.extra_k_cache, cap.meta.extra_layout, cap.meta.extra_page_size)):  # fmt: skip
+            if cache is not None and cache.shape[0] * page <= MAX_CACHED_TOKENS:
+                self.full[id(cache)] = dequantize(cache, layout, page, cap.meta.kv_fp8_dtype)
+        self.base_rows = rows_of(cap)
+        self.base_keys = gather_keys(cap, self.base_rows, decode=self)  # [R, Kt, D], what most candidates read
+
+    def __call__(self, cache, layout, page, fp8, tokens):
+        full = self.full.get(id(cache))
+        return full[tokens] if full is not None else dequantize(cache, layout, page, fp8, tokens)
+
+
+def _attend(cap: SparseCapture, mk: Mistake, decoded: Decoded) -> SparseOutput:
+    rows = mk.rows(cap) if mk.rows else rows_of(cap)
+    main_decode = mk.decode or decoded
+
+    def decode(cache, layout, page, fp8, tokens):
+        return (main_decode if cache is cap.k_cache else decoded)(cache, layout, page, fp8, tokens)
+
+    base = decoded.base_rows
+    same = (mk.decode is None and rows.token.shape == base.token.shape and torch.equal(rows.token, base.token)
+            and torch.equal(rows.pool_id, base.pool_id) and not bool((rows.valid & ~base.valid).any()))  # fmt: skip
+    keys = decoded.base_keys.clone() if same else gather_keys(cap, rows, decode=decode)
+    if mk.tile is not None:
+        tile, factor = mk.tile
+        width = cap.meta.layout.tile
+        main = (rows.pool_id == 0)[..., None] & (torch.arange(keys.shape[-1]) // width == tile)  # [R, W, D]
+        keys = torch.where(main, keys * factor, keys)
+    B, S, H, D = cap.q.shape
+    sink = cap.attn_sink
+    if sink is not None:
+        sink = None if mk.sink_terms == 0 else sink.double() + math.log(mk.sink_terms)
+    out, lse = sparse_attention(cap.q.reshape(B * S, H, D), keys, rows.valid, sink, cap.meta.softmax_scale,
+                                cap.meta.head_dim_v)  # fmt: skip
+    return SparseOutput(out.reshape(B, S, H, -1), lse.reshape(B, S, H))
+
+
+def _lengths_ignored(scope: str) -> Callable[[SparseCapture], SparseRows]:
+    def rows(c: SparseCapture) -> SparseRows:
+        main = None if scope in ("both", "main") else c.topk_length
+        extra = None if scope in ("both", "extra") else c.extra_topk_length
+        return sparse_rows(c.indices, main, c.extra_indices, extra)
+
+    return rows
+
+
+def _folded_slot0(cap: SparseCapture) -> SparseRows:
+    return raw_rows(cap.indices, cap.topk_length, cap.extra_indices, cap.extra_topk_length)
+
+
+def _window_short(side: str) -> Callable[[SparseCapture], SparseRows]:
+    def rows(cap: SparseCapture) -> SparseRows:
+        r = rows_of(cap)
+        valid = r.valid.clone()
+        main = (r.pool_id == 0) & valid  # [R, W]
+        for i in (main.sum(1) == cap.meta.window).nonzero().flatten().tolist():
+            cols = main[i].nonzero().flatten()  # main entries come first, in list order
+            valid[i, cols[0] if side == "start" else cols[-1]] = False
+        return replace(r, valid=valid)
+
+    return rows
+
+
+def _offset_dropped(cap: SparseCapture) -> SparseRows:
+    r = rows_of(cap)
+    page = cap.meta.page_size
+    return replace(r, token=torch.where(r.pool_id == 0, r.token // page * page, r.token))
+
+
+def _rope_shifted(offset: int):
+    def decode(cache, layout, page, fp8, tokens):
+        k = dequantize(cache, layout, page, fp8, tokens)
+        flat = cache.view(torch.uint8).reshape(-1)
+        P = cache.shape[0]
+        p, s = tokens // page, tokens % page
+        base = p * cache.shape[1] + (s * layout.data_bytes if layout.block_split else s * layout.bytes_per_token
+                                     + layout.scale_bytes) + layout.d_nope + offset  # fmt: skip
+        idx = (base[:, None] + torch.arange(2 * layout.d_rope)[None, :]).clamp(0, P * cache.shape[1] - 1)
+        k[:, layout.d_nope :] = flat[idx].contiguous().view(torch.bfloat16).to(torch.float64)
+        return k
+
+    return decode
+
+
+def mistakes(cap: SparseCapture) -> list[Mistake]:
+    """The candidates that apply to this capture, simplest first."""
+    m, out = cap.meta, []
+    if cap.attn_sink is not None:
+        out += [Mistake("sink_omitted", {}, sink_terms=0), Mistake("sink_twice", {}, sink_terms=2)]
+    if cap.extra_indices is not None:
+        out.append(Mistake("extra_cache_ignored", {}, rows=lambda c: sparse_rows(c.indices, c.topk_length)))
+    if cap.topk_length is not None or cap.extra_topk_length is not None:
+        out += [Mistake("topk_length_ignored", {"scope": scope}, rows=_lengths_ignored(scope))
+                for scope in ("both", "main", "extra") if scope == "main" or cap.extra_indices is not None]
+    if m.window:
+        out += [Mistake("window_off_by_one", {"delta": -1, "side": side}, rows=_window_short(side)) for side in ("start", "end")]
+    out.append(Mistake("minus_one_as_slot0", {}, rows=_folded_slot0))
+    out.append(Mistake("page_offset_dropped", {"scope": "main"}, rows=_offset_dropped))
+    for tile in range(m.layout.num_tiles):
+        for factor in (2.0, 0.5):
+            out.append(Mistake("scale_exponent_off", {"tile": tile, "factor": factor}, tile=(tile, factor)))
+    out += [Mistake("rope_wrong_bytes", {"offset": o}, decode=_rope_shifted(o)) for o in (-2, 2)]
+    return out
+
+
+def explain(cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctrl: SparseOutput,
+            tol: Tolerance) -> Optional[SparseExplanation]:  # fmt: skip
+    """The simplest mistake whose output ``out`` matches within the tolerance, with the others that
+    do. Each candidate keeps the capture's own noise floor: its control is the candidate plus the
+    control's error against the reference, row by row."""
+    noise = torch.nan_to_num(ctrl.out - ref.out)
+    decoded = Decoded(cap)
+    fits = []
+    for mk in mistakes(cap):
+        try:
+            variant = _attend(cap, mk, decoded)
+        except (IndexError, RuntimeError):
+            continue
+        noisy = SparseOutput(variant.out + noise, variant.lse)
+        if judge_out(mk.name, cap, out, variant, noisy, tol).passed:
+            fits.append(mk)
+    if not fits:
+        return None
+    return SparseExplanation(fits[0].name, fits[0].detail, [(f.name, f.detail) for f in fits[1:]])
+
+
+__all__ = ["Mistake", "SparseExplanation", "explain", "mistakes"]

@@ -1,0 +1,134 @@
+"""The sparse decode math in fp64 (DeepSeek V3.2 DSA, V4), and its control at the kernels' rounding
+points. One function per step, in the order the math reads; shapes in comments (R = B * S query
+rows, H heads, Kt = K + K2 entries of both caches, D head dim, Dv value width).
+
+    s_j   = softmax_scale * q . k_j                 for the row's valid entries j (both caches)
+    m     = max_j s_j,   l = sum_j exp(s_j - m)
+    out   = sum_j exp(s_j - m) v_j / (l + exp(sink - m))      v_j = k_j[:Dv]; no sink: / l
+    lse   = m + ln l                                natural log, the sink not included
+    lonely row (no valid entry): out = 0, lse = +inf   (FlashMLA's convention; SGLang's Triton kernel too)
+    inv_rope (when captured): out[..., -d_rope:] rotated by conj(freqs_cis[position]), pairs interleaved
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from refmla.sparse.format import SparseCapture
+from refmla.sparse.layouts import FP8_DTYPES, PackedLayout, TokenBytes, dequantize, tile_scales, token_bytes
+from refmla.sparse.rows import SparseRows, sparse_rows
+
+
+@dataclass
+class SparseOutput:
+    out: torch.Tensor  # [B, S, H, Dv]
+    lse: torch.Tensor  # [B, S, H]
+
+
+def rows_of(cap: SparseCapture) -> SparseRows:
+    return sparse_rows(cap.indices, cap.topk_length, cap.extra_indices, cap.extra_topk_length)
+
+
+def gather_keys(cap: SparseCapture, rows: SparseRows, decode=dequantize) -> torch.Tensor:
+    """[R, W, D] fp64: each valid entry's key from its own cache, decoded exactly (only the tokens read)."""
+    m = cap.meta
+    pools = [(cap.k_cache, m.layout, m.page_size), (cap.extra_k_cache, m.extra_layout, m.extra_page_size)]
+    R, W = rows.token.shape
+    keys = torch.zeros(R, W, m.layout.head_dim, dtype=torch.float64)
+    for pid, (cache, layout, page) in enumerate(pools):
+        sel = (rows.pool_id == pid) & rows.valid  # [R, W] this pool's entries
+        if cache is None or not bool(sel.any()):
+            continue
+        need, inverse = torch.unique(rows.token[sel], return_inverse=True)
+        keys[sel] = decode(cache, layout, page, m.kv_fp8_dtype, need)[inverse]  # [n, D] each token once
+    return keys
+
+
+def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: Optional[torch.Tensor],
+                     scale: float, d_v: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """fp64 attention of q [R, H, D] over keys [R, Kt, D] where valid [R, Kt]; -> out [R, H, Dv], lse [R, H]."""
+    q, keys = q.to(torch.float64), torch.where(valid[..., None], keys.to(torch.float64), 0.0)
+    s = scale * torch.einsum("rhd,rkd->rhk", q, keys)  # [R, H, Kt]
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)  # [R, H, 1]
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m_safe)  # [R, H, Kt], 0 on invalid entries
+    l = p.sum(dim=-1)  # [R, H]
+    denom = l if sink is None else l + torch.exp(sink.to(torch.float64)[None, :] - m_safe[..., 0])
+    out = torch.einsum("rhk,rkd->rhd", p, keys[..., :d_v]) / denom.clamp_min(1e-300)[..., None]  # [R, H, Dv]
+    lonely = l == 0  # [R, H]
+    lse = torch.where(lonely, float("inf"), m_safe[..., 0] + torch.log(l.clamp_min(1e-300)))
+    return out.masked_fill(lonely[..., None], 0.0), lse
+
+
+def inverse_rope(out: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """out [R, H, Dv] with its last d_rope dims rotated by conj(freqs_cis[positions]) (SGLang's inv_rope:
+    freqs [M, d_rope] = view_as_real(freqs_cis).flatten(-2), pairs (2i, 2i + 1) interleaved)."""
+    d_rope = freqs.shape[1]
+    f = freqs.to(torch.float64)[positions.long()]  # [R, d_rope]
+    cos, sin = f[:, 0::2][:, None, :], f[:, 1::2][:, None, :]  # [R, 1, d_rope / 2]
+    x = out[..., -d_rope:]
+    re, im = x[..., 0::2], x[..., 1::2]
+    rot = torch.stack([re * cos + im * sin, im * cos - re * sin], dim=-1).flatten(-2)  # x * conj(f)
+    return torch.cat([out[..., :-d_rope], rot], dim=-1)
+
+
+def sparse_reference(cap: SparseCapture, rows: Optional[SparseRows] = None) -> SparseOutput:
+    """The fp64 truth of one sparse decode capture."""
+    rows = rows if rows is not None else rows_of(cap)
+    B, S, H, D = cap.q.shape
+    keys = gather_keys(cap, rows)  # [R, Kt, D]
+    out, lse = sparse_attention(cap.q.reshape(B * S, H, D), keys, rows.valid, cap.attn_sink,
+                                cap.meta.softmax_scale, cap.meta.head_dim_v)  # fmt: skip
+    if cap.inv_rope_freqs is not None:
+        out = inverse_rope(out, cap.inv_rope_freqs, cap.inv_rope_positions[: B * S])
+    return SparseOutput(out.reshape(B, S, H, -1), lse.reshape(B, S, H))
+
+
+# --------------------------------------------------------------------------------------------
+# The control: the same math at the kernels' rounding points (SGLang's Triton sparse decode)
+# --------------------------------------------------------------------------------------------
+
+
+def dequantize_bf16(cache: torch.Tensor, layout: PackedLayout, page_size: int, fp8: str = "float8_e4m3fn",
+                    tokens: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
+    """The keys as the kernels hold them: fp8 -> bf16, times the scale in bf16, rounded to bf16 (fp64 [n, D])."""
+    b = token_bytes(cache.view(torch.uint8), layout, page_size)
+    nope = b.nope[tokens].contiguous().view(FP8_DTYPES[fp8]).to(torch.bfloat16)  # [n, d_nope]
+    sc = tile_scales(TokenBytes(b.nope[tokens], b.scales[tokens], b.rope[tokens]), layout).to(torch.bfloat16)
+    nope = (nope * sc.repeat_interleave(layout.tile, dim=1)).to(torch.bfloat16)
+    rope = b.rope[tokens].contiguous().view(torch.bfloat16)
+    return torch.cat([nope, rope], dim=1).to(torch.float64)
+
+
+def sparse_control(cap: SparseCapture, rows: Optional[SparseRows] = None) -> SparseOutput:
+    """q and keys in bf16, q.k in fp32, p = exp(s - m) in fp32 rounded to bf16 before P.V, l and the
+    accumulator in fp32, the output rounded once to the output dtype (bf16): the noise floor."""
+    rows = rows if rows is not None else rows_of(cap)
+    B, S, H, D = cap.q.shape
+    keys = gather_keys(cap, rows, decode=dequantize_bf16).to(torch.float32)  # [R, Kt, D], bf16 values
+    keys = torch.where(rows.valid[..., None], keys, 0.0)
+    q = cap.q.reshape(B * S, H, D).to(torch.bfloat16).to(torch.float32)
+    s = torch.einsum("rhd,rkd->rhk", q, keys) * torch.tensor(cap.meta.softmax_scale, dtype=torch.float32)
+    s = s.masked_fill(~rows.valid[:, None, :], float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m_safe)  # fp32
+    l = p.sum(dim=-1)
+    acc = torch.einsum("rhk,rkd->rhd", p.to(torch.bfloat16).float(), keys[..., : cap.meta.head_dim_v])
+    sink = cap.attn_sink
+    denom = l if sink is None else l + torch.exp(sink.float()[None, :] - m_safe[..., 0])
+    lonely = l == 0
+    out = torch.where(lonely[..., None], 0.0, acc / torch.where(denom == 0, 1.0, denom)[..., None])
+    lse = torch.where(lonely, float("inf"), m_safe[..., 0] + torch.log(torch.where(l == 0, 1.0, l)))
+    if cap.inv_rope_freqs is not None:
+        out = inverse_rope(out.to(torch.bfloat16).double(), cap.inv_rope_freqs.float(), cap.inv_rope_positions[: B * S])
+    out = out.to(torch.bfloat16).to(torch.float64)
+    return SparseOutput(out.reshape(B, S, H, -1), lse.to(torch.float64).reshape(B, S, H))
+
+
+__all__ = ["SparseOutput", "dequantize_bf16", "gather_keys", "inverse_rope", "rows_of", "sparse_attention",
+           "sparse_control", "sparse_reference"]  # fmt: skip

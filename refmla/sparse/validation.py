@@ -1,0 +1,141 @@
+"""Every inconsistency of a sparse capture, one line each (docs/contract.md section 1).
+
+:func:`problems` returns them all as :class:`CaptureError` (file + tensor or key + reason);
+:func:`validate` raises the first. Dtypes and shapes first, then what the contents must satisfy:
+an index past its cache, a length past the index width, a cache whose bytes do not match its layout.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from refmla.capture import CaptureError
+from refmla.sparse.format import SparseCapture
+from refmla.sparse.layouts import PackedLayout
+from refmla.util import dtype_name
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def validate(cap: SparseCapture) -> None:
+    """Raise the first problem, if any."""
+    found = problems(cap)
+    if found:
+        raise found[0]
+
+
+def problems(cap: SparseCapture) -> list[CaptureError]:
+    out: list[CaptureError] = []
+    for check in (_q, _caches, _scopes, _sink_out_lse, _inv_rope):
+        out += [CaptureError(cap.path, f"tensor '{name}'", msg) for name, msg in check(cap)]
+        if out and check in (_q, _caches):  # later checks read the shapes these establish
+            break
+    return out
+
+
+def _q(cap: SparseCapture) -> list[tuple[str, str]]:
+    q, L = cap.q, cap.meta.layout
+    if q.dtype not in Q_DTYPES:
+        return [("q", f"dtype {dtype_name(q.dtype)}, expected bf16, fp16 or fp32")]
+    if q.dim() != 4 or q.shape[-1] != L.head_dim:
+        return [("q", f"shape {list(q.shape)}, expected [B, S, H, {L.head_dim}] (layout {L.name})")]
+    if cap.meta.head_dim_v > L.head_dim:
+        return [("q", f"head_dim_v {cap.meta.head_dim_v} is wider than the layout's head_dim {L.head_dim}")]
+    return []
+
+
+def _cache(name: str, cache: Optional[torch.Tensor], L: Optional[PackedLayout], page: Optional[int]) -> list:
+    if cache is None:
+        return []
+    if L is None or page is None:
+        return [(name, "present but meta extra_kv_layout / extra_page_size is missing")]
+    if cache.dtype != torch.uint8 or cache.dim() != 2:
+        return [(name, f"{dtype_name(cache.dtype)} {list(cache.shape)}, expected uint8 [pages, page bytes]")]
+    need = page * L.bytes_per_token
+    if cache.shape[1] < need:
+        return [(name, f"{cache.shape[1]} bytes per page, layout {L.name} needs {page} x {L.bytes_per_token} = "
+                       f"{need} (a layout whose byte count does not match)")]  # fmt: skip
+    return []
+
+
+def _caches(cap: SparseCapture) -> list[tuple[str, str]]:
+    m = cap.meta
+    out = _cache("k_cache", cap.k_cache, m.layout, m.page_size)
+    out += _cache("extra_k_cache", cap.extra_k_cache, m.extra_layout, m.extra_page_size)
+    if cap.extra_k_cache is not None and m.extra_layout is not None and m.extra_layout.head_dim != m.layout.head_dim:
+        out.append(("extra_k_cache", f"layout {m.extra_kv_layout} has head_dim {m.extra_layout.head_dim}, "
+                                     f"the main cache {m.layout.head_dim}"))  # fmt: skip
+    return out
+
+
+def _scope(cap: SparseCapture, prefix: str, idx, lengths, tokens: int) -> list[tuple[str, str]]:
+    B, S = cap.q.shape[:2]
+    name = f"{prefix}indices"
+    if idx.dtype not in INDEX_DTYPES or idx.dim() != 3 or tuple(idx.shape[:2]) != (B, S):
+        return [(name, f"{dtype_name(idx.dtype)} {list(idx.shape)}, expected int32 [{B}, {S}, K]")]
+    out = []
+    low = idx < -1
+    if bool(low.any()):
+        b, s, k = (int(v) for v in low.nonzero()[0])
+        out.append((name, f"[{b}, {s}, {k}] = {int(idx[b, s, k])}: below -1 (-1 is the only invalid marker)"))
+    past = idx >= tokens
+    if bool(past.any()):
+        b, s, k = (int(v) for v in past.nonzero()[0])
+        out.append((name, f"[{b}, {s}, {k}] = {int(idx[b, s, k])} points past the cache ({tokens} tokens); "
+                          f"{int(past.sum())} entries do"))  # fmt: skip
+    if lengths is not None:
+        ln = f"{prefix}topk_length"
+        if lengths.dtype not in INDEX_DTYPES or tuple(lengths.shape) != (B,):
+            out.append((ln, f"{dtype_name(lengths.dtype)} {list(lengths.shape)}, expected int32 [{B}]"))
+        elif bool(((lengths < 0) | (lengths > idx.shape[2])).any()):
+            b = int(((lengths < 0) | (lengths > idx.shape[2])).nonzero()[0])
+            out.append((ln, f"[{b}] = {int(lengths[b])} is past the index width {idx.shape[2]} (or negative)"))
+    return out
+
+
+def _scopes(cap: SparseCapture) -> list[tuple[str, str]]:
+    out = _scope(cap, "", cap.indices, cap.topk_length, cap.cache_tokens())
+    if (cap.extra_k_cache is None) != (cap.extra_indices is None):
+        missing = "extra_indices" if cap.extra_indices is None else "extra_k_cache"
+        out.append((missing, "missing: extra_k_cache and extra_indices come together"))
+    elif cap.extra_indices is not None:
+        out += _scope(cap, "extra_", cap.extra_indices, cap.extra_topk_length, cap.cache_tokens(extra=True))
+    if cap.extra_topk_length is not None and cap.extra_indices is None:
+        out.append(("extra_topk_length", "present without extra_indices"))
+    return out
+
+
+def _sink_out_lse(cap: SparseCapture) -> list[tuple[str, str]]:
+    B, S, H, _ = cap.q.shape
+    want = {"attn_sink": (H,), "out": (B, S, H, cap.meta.head_dim_v), "lse": (B, S, H),
+            "golden_out": (B, S, H, cap.meta.head_dim_v), "golden_lse": (B, S, H)}
+    out = []
+    for name, shape in want.items():
+        t = getattr(cap, name)
+        if t is not None and (not t.dtype.is_floating_point or tuple(t.shape) != shape):
+            out.append((name, f"{dtype_name(t.dtype)} {list(t.shape)}, expected a float {list(shape)}"))
+    return out
+
+
+def _inv_rope(cap: SparseCapture) -> list[tuple[str, str]]:
+    f, p = cap.inv_rope_freqs, cap.inv_rope_positions
+    if f is None and p is None:
+        return []
+    if f is None or p is None:
+        return [("inv_rope_freqs" if f is None else "inv_rope_positions", "missing: the inverse rope needs both")]
+    d_rope = cap.meta.layout.d_rope
+    if f.dim() != 2 or f.shape[1] != d_rope or not f.dtype.is_floating_point:
+        return [("inv_rope_freqs", f"{dtype_name(f.dtype)} {list(f.shape)}, expected a float [M, {d_rope}]")]
+    if p.dtype not in INDEX_DTYPES or p.dim() != 1 or p.shape[0] < cap.rows:
+        return [("inv_rope_positions", f"{dtype_name(p.dtype)} {list(p.shape)}, expected int [>= {cap.rows}]")]
+    bad = (p[: cap.rows] < 0) | (p[: cap.rows] >= f.shape[0])
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        return [("inv_rope_positions", f"[{i}] = {int(p[i])} is outside the table ({f.shape[0]} positions)")]
+    return []
+
+
+__all__ = ["problems", "validate"]

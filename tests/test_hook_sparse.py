@@ -1,0 +1,90 @@
+"""The hook's capture of DeepSeek-V4 sparse decode calls (refmla.hook.sparse_call).
+
+What runs: SGLang 0.5.23's real ``deepseek_v4_backend_hip_radix`` module (imported on CPU), the
+hook's patcher on its ``flash_mla_with_kvcache_entrypoint`` name, and SGLang's real Triton sparse
+kernel behind it. What could not be driven here: ``DeepseekV4HipRadixBackend`` itself (HIP only:
+its forward needs ROCm metadata kernels), and the real entrypoint, which on a non-HIP host imports
+``flash_mla_interface`` (the ``flash_mla`` CUDA extension, absent). So the entrypoint is a stand-in
+routing ``backend="triton"`` to ``triton_fp8_attention_fwd`` exactly as SGLang's HIP entrypoint does,
+and the call's keyword arguments are built as ``_forward_attention`` builds them (the contract)."""
+
+from __future__ import annotations
+
+import pytest
+
+from refmla.hook.config import HookConfig
+from refmla.sparse.backends import TRITON_ENTRY, kernel_kwargs
+from refmla.sparse.format import SparseCapture, parse_sparse_meta
+from refmla.sparse.io import read_sparse
+from refmla.sparse.presets import sparse_preset
+from refmla.sparse.replay import replay_sparse
+from refmla.sparse.synth import build_case
+
+
+@pytest.fixture
+def dsv4_module(monkeypatch):
+    import importlib
+
+    from refmla.hook import patching
+
+    mod = importlib.import_module(patching.DSV4_MODULE)
+    triton = importlib.import_module(TRITON_ENTRY)
+
+    def entrypoint(backend: str, **kwargs):  # SGLang's HIP entrypoint for backend "triton"
+        assert backend == "triton"
+        return triton.triton_fp8_attention_fwd(**kwargs)
+
+    monkeypatch.setattr(mod, patching.DSV4_ENTRY, entrypoint)
+    yield mod
+    patching.uninstall()
+
+
+class Layer:
+    layer_id = 5
+
+
+def forward_attention(mod, layer, kwargs):
+    """Stands for DeepseekV4HipRadixBackend._forward_attention: calls the module-level name."""
+    return mod.flash_mla_with_kvcache_entrypoint(**kwargs, backend="triton")[0]
+
+
+def test_the_hook_captures_the_entrypoints_keyword_arguments_and_replays(tmp_path, dsv4_module):
+    from refmla.backends.triton_interp import ensure_interpreter, install_bf16_dot_fix
+    from refmla.hook import patching
+
+    ensure_interpreter()
+    install_bf16_dot_fix()
+    state = patching.install(HookConfig(out_dir=str(tmp_path), backends=frozenset({"dsv4"})))
+    assert getattr(dsv4_module.flash_mla_with_kvcache_entrypoint, "__wrapped__", None) is not None
+    case = build_case(sparse_preset("deepseek-v4-flash-tp8"))
+    cap = SparseCapture(path="mem", meta=parse_sparse_meta(case.meta()), **case.tensors())
+    kw = kernel_kwargs(cap)
+    from refmla.sparse.backends import one_config_each, TRITON_FUSED
+
+    with one_config_each(TRITON_FUSED, True):
+        served = forward_attention(dsv4_module, Layer(), kw)
+    (path,) = sorted(tmp_path.glob("sparse-*.safetensors"))
+    got = read_sparse(path)
+    assert state.files_written == 1 and state.disabled is None
+    assert got.meta.backend == "triton" and got.meta.layer_id == 5 and got.meta.kv_layout == "v4"
+    assert got.meta.page_size == 256 and got.meta.extra_page_size == 64
+    assert got.k_cache.shape[1] == 149760 and got.extra_k_cache.shape[1] == 37440  # padded page rows kept
+    assert got.k_cache.shape[0] <= cap.k_cache.shape[0]  # only the pages the indices reference
+    assert (got.out == served).all()
+    r = replay_sparse(str(path), backends=["reference", "observed", "triton"])
+    assert r.verdict == "agree", [(e.backend, e.status, e.reasons) for e in r.entries]
+
+
+def test_an_exception_inside_the_capture_disables_the_hook_not_the_call(tmp_path, dsv4_module, monkeypatch):
+    from refmla.hook import patching, sparse_call
+
+    state = patching.install(HookConfig(out_dir=str(tmp_path), backends=frozenset({"dsv4"})))
+    monkeypatch.setattr(sparse_call, "sparse_tensors", lambda kw, result: 1 / 0)
+    case = build_case(sparse_preset("deepseek-v4-flash-tp8-swa"))
+    cap = SparseCapture(path="mem", meta=parse_sparse_meta(case.meta()), **case.tensors())
+    from refmla.sparse.backends import one_config_each, TRITON_FUSED
+
+    with one_config_each(TRITON_FUSED, True):
+        out = forward_attention(dsv4_module, Layer(), kernel_kwargs(cap))
+    assert out.shape == (4, 1, 8, 512) and state.disabled and "ZeroDivisionError" in state.disabled
+    assert not list(tmp_path.glob("*.safetensors"))
