@@ -141,7 +141,7 @@ def diagnose(
     if numeric:
         return (*_say("numerics", variants=", ".join(numeric), bad=", ".join(failed)), failed)
     ran = {n for n, s in statuses.items() if s in ("pass", "fail")}
-    decode_ran = [n for n in DECODE_KERNELS if n in ran]
+    decode_ran = [n for n in statuses if n in ran and is_decode_kernel(n)]
     decode_bad = [n for n in decode_ran if n in failed]
     decode_ok = [n for n in decode_ran if n not in failed]
     extend = statuses.get(EXTEND)
@@ -170,6 +170,14 @@ def diagnose(
     if errored:
         return (*_say("backend_error", bad=", ".join(errored)), errored)
     return None, SENTENCES[None], []
+
+
+def is_decode_kernel(name: str) -> bool:
+    """Every offline kernel that computes the decode output is a decode path: triton, aiter, flex and
+    any backend added since (vllm_triton, flashmla, ...). Only the reference, the production output,
+    the extend baseline and the verify captures' per-query plain decodes are not, so a failing kernel is never left unclassified
+    (an unknown name once fell through to "all backends agree" on a diverged replay)."""
+    return name not in ("reference", "observed", EXTEND) and VERIFY_PATHS.get(name) != "plain decode"
 
 
 def diagnose_upstream(findings: list) -> tuple[str, str, list[str]]:
