@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from refmla.compare import Worst
 from refmla.results import BackendEntry
 
 
@@ -39,8 +40,8 @@ def _out_requests(entry: BackendEntry, request_of_row: Optional[Sequence[int]]) 
         return set()
     bad = ~(cmp.row_err <= cmp.row_tol).all(dim=1)  # [R], NaN counts as over
     rows = [int(r) for r in bad.nonzero().flatten()]
-    if not rows and (cmp.worst or {}).get("request") is not None:  # failed on no single row
-        return {int(cmp.worst["request"])}
+    if not rows and cmp.worst is not None and cmp.worst.request is not None:  # failed on no single row
+        return {int(cmp.worst.request)}
     return {int(request_of_row[r]) if request_of_row is not None else r for r in rows}
 
 
@@ -49,7 +50,7 @@ def _part_requests(check) -> set[int]:
         return set()
     if check.failed_requests:
         return set(check.failed_requests)
-    req = (check.worst or {}).get("request")
+    req = check.worst.request if check.worst is not None else None
     return {int(req)} if req is not None else set()
 
 
@@ -76,10 +77,10 @@ def worst_blame(entry: BackendEntry) -> Optional[Blame]:
         return None
     parts = entry.failed_parts or ["out"]
     if "out" in parts:
-        w = entry.worst or {}
-        return Blame("out", w.get("request"), w.get("head"))
+        w = entry.worst or Worst()
+        return Blame("out", w.request, w.head)
     if "lse" in parts and entry.lse is not None:
-        w = entry.lse.worst or {}
-        return Blame("lse", w.get("request", w.get("row")), w.get("head"))
-    w = (entry.splits.worst if entry.splits is not None else None) or {}
-    return Blame("attn_logits", w.get("request"), w.get("head"), w.get("split"))
+        w = entry.lse.worst or Worst()
+        return Blame("lse", w.request if "request" in w.keys else w.row, w.head)
+    w = (entry.splits.worst if entry.splits is not None else None) or Worst()
+    return Blame("attn_logits", w.request, w.head, w.split)

@@ -16,7 +16,7 @@ means "k times rounding noise".
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 import torch
@@ -34,6 +34,37 @@ class Tolerance:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Worst:
+    """The worst (row, head) of a comparison, and its worst element where it names one: what the
+    output's comparison, the lse check and the split check report. ``keys`` are the JSON keys it
+    was given, in order (each check names its own; :meth:`to_json` writes exactly those)."""
+
+    request: Optional[int] = None
+    head: Optional[int] = None
+    row: Optional[int] = None  # the compared row (token) of the tensor
+    dim: Optional[int] = None
+    split: Optional[int] = None
+    actual: Optional[float] = None
+    expected: Optional[float] = None
+    err: Optional[float] = None
+    allowed: Optional[float] = None
+    ratio: Optional[float] = None
+    keys: tuple = field(default=(), repr=False)
+
+    @classmethod
+    def of(cls, **kw) -> "Worst":
+        """The worst with these fields, written to JSON in this order."""
+        return cls(**kw, keys=tuple(kw))
+
+    @classmethod
+    def from_json(cls, d: Optional[dict]) -> Optional["Worst"]:
+        return None if d is None else cls.of(**d)
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in self.keys}
+
+
 @dataclass
 class Comparison:
     name: str
@@ -43,7 +74,7 @@ class Comparison:
     max_ulp_err: float  # in ulps of the output dtype at each element's magnitude
     cos_diff: float  # whole output
     worst_row_cos_diff: float
-    worst: dict  # request, head (and row/token, dim, actual, expected, ratio)
+    worst: Worst  # request, head (and row/token, dim, actual, expected, err, allowed, ratio)
     failed_rows: int = 0
     compared_rows: int = 0
     nan_mismatch: int = 0
@@ -55,12 +86,14 @@ class Comparison:
     row_failed: Optional[torch.Tensor] = field(default=None, repr=False)
 
     def to_json(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("row_err", "row_tol", "row_failed", "name")}
+        skip = ("row_err", "row_tol", "row_failed", "name")
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+        d["worst"], d["reasons"] = self.worst.to_json(), list(self.reasons)
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
 
     def summary(self) -> str:
         w = self.worst
-        where = f"{request_label(w.get('request'))} head {w.get('head')}"
+        where = f"{request_label(w.request)} head {w.head}"
         if self.passed:
             return f"{self.name}: pass (max abs err {self.max_abs_err:.3g} at {where})"
         return f"{self.name}: FAIL ({'; '.join(self.reasons)})"
@@ -241,7 +274,7 @@ def _cosine(
 def _worst_row(
     a: torch.Tensor, e: torch.Tensor, rows: _RowErrors, mask: torch.Tensor, req: torch.Tensor,
     bad: Optional[torch.Tensor],
-) -> dict:
+) -> Worst:
     """The worst (row, head): the first misplaced NaN / Inf (``bad``), else the highest error
     relative to its allowance; with its worst element."""
     R, H = a.shape[0], a.shape[1]
@@ -251,11 +284,10 @@ def _worst_row(
     else:
         r, h = divmod(int(ratio.argmax()), H) if ratio.numel() else (0, 0)
     d = int(rows.err[r, h].argmax()) if rows.err.numel() else 0
-    worst = {"request": int(req[r]) if R else None, "head": h, "row": r, "dim": d}
-    if R:
-        worst.update(actual=_num(a[r, h, d]), expected=_num(e[r, h, d]), err=_num(rows.row_err[r, h]),
-                     allowed=_num(rows.row_tol[r, h]), ratio=_num(ratio[r, h]))  # fmt: skip
-    return worst
+    if not R:
+        return Worst.of(request=None, head=h, row=r, dim=d)
+    return Worst.of(request=int(req[r]), head=h, row=r, dim=d, actual=_num(a[r, h, d]), expected=_num(e[r, h, d]),
+                    err=_num(rows.row_err[r, h]), allowed=_num(rows.row_tol[r, h]), ratio=_num(ratio[r, h]))  # fmt: skip
 
 
 @dataclass
@@ -304,6 +336,6 @@ def _num(x: torch.Tensor) -> Optional[float]:
 def _shape_failure(name: str, a: torch.Tensor, e: torch.Tensor) -> Comparison:
     return Comparison(
         name=name, passed=False, max_abs_err=math.inf, max_rel_err=math.inf, max_ulp_err=math.inf,
-        cos_diff=math.inf, worst_row_cos_diff=math.inf, worst={"request": None, "head": None},
+        cos_diff=math.inf, worst_row_cos_diff=math.inf, worst=Worst.of(request=None, head=None),
         reasons=[f"shape {list(a.shape)} != expected {list(e.shape)}"],
     )  # fmt: skip

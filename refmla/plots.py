@@ -164,10 +164,10 @@ def _worst_row(report: ReplayReport) -> Optional[tuple[int, int, str, Optional[E
     cands.sort(key=lambda nb: nb[1].explanation is None)
     cands += [(n, b) for n, b in report.backends.items() if n == "observed" and b.status == "pass"]
     for name, b in cands:
-        w = b.worst or {}
-        if w.get("head") is None or w.get("request") is None:
+        w = b.worst
+        if w is None or w.head is None or w.request is None:
             continue
-        return int(w.get("row", w["request"])), int(w["head"]), name, b.explanation
+        return int(w.row if "row" in w.keys else w.request), int(w.head), name, b.explanation
     return None
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from refmla.capture import CaptureMeta
-from refmla.compare import Comparison, Tolerance
+from refmla.compare import Comparison, Tolerance, Worst
 
 # --------------------------------------------------------------------------------------------
 # Findings of the metadata and series checks
@@ -144,11 +144,11 @@ class SplitCheck:
     compared_splits: Optional[int] = None
     max_abs_err: Optional[float] = None
     lse_max_abs_err: Optional[float] = None
-    worst: Optional[dict] = None  # request, head, split
+    worst: Optional[Worst] = None  # request, head, split
     failed_requests: Optional[list[int]] = None  # requests with a failing (split, head) partial or lse
 
     def to_json(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
+        return {k: (v.to_json() if isinstance(v, Worst) else v) for k, v in self.__dict__.items() if v is not None}
 
 
 @dataclass
@@ -159,11 +159,11 @@ class LseCheck:
     reason: Optional[str] = None
     compared_rows: Optional[int] = None
     max_abs_err: Optional[float] = None
-    worst: Optional[dict] = None  # row, request, head, actual, expected
+    worst: Optional[Worst] = None  # row, request, head, actual, expected
     failed_requests: Optional[list[int]] = None  # requests with a failing (row, head) lse
 
     def to_json(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
+        return {k: (v.to_json() if isinstance(v, Worst) else v) for k, v in self.__dict__.items() if v is not None}
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,7 +180,7 @@ class BackendEntry:
     comparison: Optional[Comparison] = None  # against the fp64 reference
     max_abs_err: Optional[float] = None  # set from the comparison, or 0 for the reference itself
     cos_diff: Optional[float] = None
-    worst: Optional[dict] = None
+    worst: Optional[Worst] = None
     info: Optional[dict] = None  # versions, kernel module, split counts used, notes
     splits: Optional[SplitCheck] = None
     explanation: Optional[Explanation] = None
@@ -214,7 +214,7 @@ class BackendEntry:
 
     def to_json(self) -> dict:
         d: dict[str, Any] = {"status": self.status, "reason": self.reason, "max_abs_err": self.max_abs_err,
-                             "cos_diff": self.cos_diff, "worst": self.worst}  # fmt: skip
+                             "cos_diff": self.cos_diff, "worst": self.worst.to_json() if self.worst is not None else None}  # fmt: skip
         if self.comparison is not None:
             d.update(self.comparison.to_json())
         if self.info is not None:

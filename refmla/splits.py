@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from refmla import reference as ref
-from refmla.compare import Comparison, compare, judge_lse
+from refmla.compare import Comparison, Worst, compare, judge_lse
 from refmla.context import ReplayContext
 from refmla.results import LseCheck, SplitCheck
 from refmla.schedule import nonempty_splits
@@ -82,11 +82,11 @@ def compare_splits(ctx: ReplayContext, res) -> SplitCheck:
         compared_splits=len(b_idx),
         max_abs_err=cmp.max_abs_err,
         lse_max_abs_err=float(lse_err.max()),
-        worst={"request": int(b_idx[row]), "head": head, "split": int(s_idx[row])},
+        worst=Worst.of(request=int(b_idx[row]), head=head, split=int(s_idx[row])),
     )
     if check.status == "fail":
         bad = rows.partial_bad.any(dim=1) | lse_bad.any(dim=1)  # [V]
-        check.failed_requests = sorted({int(b) for b in b_idx[bad]}) or [check.worst["request"]]
+        check.failed_requests = sorted({int(b) for b in b_idx[bad]}) or [check.worst.request]
     if not cmp.passed:
         check.reason = "; ".join(cmp.reasons)
     elif bool(lse_bad.any()):
@@ -113,8 +113,8 @@ def compare_lse(ctx: ReplayContext, lse: torch.Tensor, out_dtype: torch.dtype, r
     row = int(idx[r])
     check = LseCheck("fail" if bool(bad.any()) else "pass", compared_rows=int(rows.sum()),
                      max_abs_err=float(err.max()),
-                     worst={"row": row, "request": int(req[row]), "head": h, "actual": float(got[r, h]),
-                            "expected": float(want[r, h])})  # fmt: skip
+                     worst=Worst.of(row=row, request=int(req[row]), head=h, actual=float(got[r, h]),
+                                    expected=float(want[r, h])))  # fmt: skip
     if bool(bad.any()):
         check.failed_requests = sorted({int(req[i]) for i in idx[bad.any(dim=1)]})
         nonfinite = int((bad & ~torch.isfinite(got)).sum())

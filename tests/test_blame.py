@@ -24,7 +24,7 @@ OPTS = ReplayOptions(backends=["reference"])  # the observed capture is what is 
 
 def _guilty(path: Path) -> int:
     """A request other than the one of observed's worst (passing) ``out`` row: the old blame's pick."""
-    worst = replay_capture(read_capture(path), OPTS).backends["observed"].worst["request"]
+    worst = replay_capture(read_capture(path), OPTS).backends["observed"].worst.request
     return (worst + 1) % read_capture(path).batch_size
 
 

@@ -38,7 +38,7 @@ def test_one_bad_row_fails_and_is_the_worst():
     bad[37, 9, 100] += 0.05  # a single element of a single (request, head) row
     c = compare("k", bad, truth, control)
     assert not c.passed and c.failed_rows == 1
-    assert (c.worst["request"], c.worst["head"], c.worst["dim"]) == (37, 9, 100)
+    assert (c.worst.request, c.worst.head, c.worst.dim) == (37, 9, 100)
     assert c.cos_diff < 1e-5, "the whole-tensor cosine hides it; the row checks must not"
 
 
@@ -47,7 +47,7 @@ def test_nan_placement_must_match():
     bad = control.clone()
     bad[2, 3, 4] = math.nan
     c = compare("k", bad, truth, control)
-    assert not c.passed and c.nan_mismatch == 1 and c.worst["request"] == 2
+    assert not c.passed and c.nan_mismatch == 1 and c.worst.request == 2
     both = truth.clone()
     both[2, 3, 4] = math.nan
     assert compare("k", bad, both, control).nan_mismatch == 0

@@ -153,7 +153,7 @@ def test_flex_fed_wrong_data_fails(tmp_path, wrong):
     cmp = ctx.compare("flex", out)
     assert not cmp.passed
     if wrong == "last_token":
-        assert cmp.worst["request"] == b
+        assert cmp.worst.request == b
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import torch
 
 from refmla import golden
 from refmla.capture import read_capture
-from refmla.compare import Comparison
+from refmla.compare import Comparison, Worst
 from refmla.results import BackendEntry, Explanation, SplitCheck
 from refmla.util import json_safe
 
@@ -118,7 +118,7 @@ def _result_with_everything() -> golden.GoldenResult:
     cmp = dataclasses.replace(ok.entry.comparison, name="triton", passed=False, reasons=["row 3 too far"],
                               cos_diff=math.nan)  # fmt: skip
     entry = BackendEntry.judged(cmp, info={"kernel_seconds": 0.5})
-    entry.splits = SplitCheck("fail", reason="split 2 of request 3", compared_splits=7, worst={"split": 2})
+    entry.splits = SplitCheck("fail", reason="split 2 of request 3", compared_splits=7, worst=Worst.of(split=2))
     entry.explanation = Explanation("seq_len_off_by", 3, {"delta": -1}, 1e-7, heads=[0, 7], extra={"scope": "x"})
     entry.seconds = 1.25
     return golden.GoldenResult(ok.case, "triton", entry, ok.why, "refmla replay f --backend triton", 2.5)

@@ -136,7 +136,7 @@ def test_several_requests_each_with_its_detail(tmp_path):
     assert e.hypothesis == "seq_len_off_by" and e.detail == {"delta": -1}
     assert sorted(x["request"] for x in e.extra["requests"]) == [2, 3]
     assert all(x["detail"] == {"delta": -1} for x in e.extra["requests"])
-    assert e.request == cmp.worst["request"]
+    assert e.request == cmp.worst.request
     assert e.to_json()["requests"] == e.extra["requests"]
 
 
@@ -149,7 +149,7 @@ def test_unexplained_failure_has_no_explanation(tmp_path):
     cap.out[1, 3] += (0.05 * torch.randn(cap.out.shape[-1], generator=g)).to(cap.out.dtype)
     ctx = ReplayContext(cap, ReplayOptions(backends=[]))
     cmp = ctx.compare("observed", cap.out, row_mask=~ctx.empty_rows())
-    assert not cmp.passed and cmp.worst["request"] == 1
+    assert not cmp.passed and cmp.worst.request == 1
     assert explain_failure(ctx, cap.out, cmp) is None
 
 
@@ -259,7 +259,7 @@ def confirming_deltas(path) -> tuple[list[int], object]:
     cap = read_capture(path)
     ctx = ReplayContext(cap, ReplayOptions(backends=[]))
     cmp = ctx.compare("observed", cap.out, row_mask=~ctx.empty_rows())
-    assert not cmp.passed and cmp.worst["request"] == 2
+    assert not cmp.passed and cmp.worst.request == 2
     s = Search(ctx, cap.out, cmp)
     ok = [c.detail["delta"] for c in seq_len.find_seq_len(s, 2) if s.confirm(c.expected, c.control, s.rows_of(2)).passed]
     return sorted(ok, key=abs), explain_failure(ctx, cap.out, cmp)
@@ -322,7 +322,7 @@ def test_partial_explanation_names_unexplained_requests(tmp_path):
     cmp = ctx.compare("observed", cap.out, row_mask=~ctx.empty_rows())
     e = explain_failure(ctx, cap.out, cmp)
     assert e is not None and e.hypothesis == "seq_len_off_by" and e.detail == {"delta": -1}
-    assert e.request == 2 == cmp.worst["request"], cmp.worst
+    assert e.request == 2 == cmp.worst.request, cmp.worst
     assert e.explained_requests == [2] and e.unexplained_requests == [1] and not e.complete
     assert "request(s) 1 not explained" in e.text()
 

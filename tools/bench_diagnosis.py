@@ -143,7 +143,7 @@ def run_case(name: str, P: int, fault: str, folder: Path, opts: ReplayOptions) -
     path.unlink(missing_ok=True)
     obs = rep.backends.get("observed")
     row.verdict, row.diagnosis = rep.verdict, rep.diagnosis
-    row.worst_ratio = (obs.worst or {}).get("ratio") if obs else None
+    row.worst_ratio = obs.worst.ratio if obs and obs.worst is not None else None
     expl = obs.explanation if obs else None
     if expl is not None:
         row.hypothesis, row.search_s = expl.hypothesis, expl.seconds

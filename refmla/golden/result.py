@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
-from refmla.compare import Comparison
+from refmla.compare import Comparison, Worst
 from refmla.results import Alternative, BackendEntry, Explanation, SplitCheck
 
 
@@ -62,14 +62,14 @@ class GoldenResult:
 
     def worst_element(self) -> str:
         """The worst element's line of ``message()``, or "" when the entry names none."""
-        w = self.entry.worst or {}
-        if w.get("dim") is None or w.get("request") is None:
+        w = self.entry.worst
+        if w is None or w.dim is None or w.request is None:
             return ""
         got, want = ("stored", "recomputed") if self.backend == "reference" else (self.backend, "reference")
         return (
-            f"  worst element: request {w['request']} head {w['head']} dim {w['dim']}: "
-            f"{got} {_g(w.get('actual'))} vs {want} {_g(w.get('expected'))} "
-            f"(row err {_g(w.get('err'))}, allowed {_g(w.get('allowed'))}, {_g(w.get('ratio'))}x)"
+            f"  worst element: request {w.request} head {w.head} dim {w.dim}: "
+            f"{got} {_g(w.actual)} vs {want} {_g(w.expected)} "
+            f"(row err {_g(w.err)}, allowed {_g(w.allowed)}, {_g(w.ratio)}x)"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -104,10 +104,17 @@ def entry_from_json(d: dict[str, Any], name: str) -> BackendEntry:
     splits, explanation = d.get("splits"), d.get("explanation")
     return BackendEntry(
         status=d["status"], reason=d.get("reason"), comparison=comparison_from_json(d, name),
-        max_abs_err=d.get("max_abs_err"), cos_diff=d.get("cos_diff"), worst=d.get("worst"), info=d.get("info"),
-        splits=None if splits is None else SplitCheck(**{k: v for k, v in splits.items() if k in _SPLIT_KEYS}),
+        max_abs_err=d.get("max_abs_err"), cos_diff=d.get("cos_diff"), worst=Worst.from_json(d.get("worst")), info=d.get("info"),
+        splits=None if splits is None else _split_from_json(splits),
         explanation=None if explanation is None else explanation_from_json(explanation), seconds=d.get("seconds"),
     )  # fmt: skip
+
+
+def _split_from_json(d: dict[str, Any]) -> SplitCheck:
+    kw = {k: v for k, v in d.items() if k in _SPLIT_KEYS}
+    if "worst" in kw:
+        kw["worst"] = Worst.from_json(kw["worst"])
+    return SplitCheck(**kw)
 
 
 def comparison_from_json(d: dict[str, Any], name: str) -> Optional[Comparison]:
@@ -115,6 +122,8 @@ def comparison_from_json(d: dict[str, Any], name: str) -> Optional[Comparison]:
     if "passed" not in d:
         return None
     kw = {k: d[k] for k in _COMPARISON_KEYS if k in d}
+    if "worst" in kw:
+        kw["worst"] = Worst.from_json(kw["worst"])
     kw.update({k: math.nan for k in _COMPARISON_FLOATS if k in kw and kw[k] is None})  # to_json spells NaN/Inf null
     return Comparison(name=name, **kw)
 

@@ -66,8 +66,8 @@ def _heads(ctx: ReplayContext, res, entry: BackendEntry, b: int) -> list[int]:
     misplaced = (torch.isfinite(out) != torch.isfinite(want)).any(-1)  # [T, H]
     bad = ~(cmp.row_err[rows] <= cmp.row_tol[rows]) | misplaced  # [T, H]
     heads = torch.nonzero(bad.any(0)).flatten().tolist()
-    if not heads and entry.lse is not None and entry.lse.worst and entry.lse.worst.get("request") == b:
-        heads = [int(entry.lse.worst["head"])]
+    if not heads and entry.lse is not None and entry.lse.worst is not None and entry.lse.worst.request == b:
+        heads = [int(entry.lse.worst.head)]
     return heads
 
 

@@ -25,7 +25,7 @@ def render_sparse(r: SparseReport) -> str:
     ]
     rows = [("backend", "status", "max_abs_err", "cos_diff", "worst", "note")]
     for e in r.entries:
-        where = f"req {e.worst.get('request')} head {e.worst.get('head')}" if e.worst else "-"
+        where = f"req {e.worst.request} head {e.worst.head}" if e.worst is not None and e.worst.keys else "-"
         note = e.explanation.text() if e.explanation else (e.reasons[0] if e.status == "FAIL" and e.reasons else e.note)
         rows.append((e.backend, e.status, _num(e.max_abs_err), _num(e.cos_diff), where, note[:110]))
     widths = [max(len(str(row[i])) for row in rows) for i in range(5)]

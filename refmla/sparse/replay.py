@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from refmla.capture import CaptureError
-from refmla.compare import Tolerance
+from refmla.compare import Tolerance, Worst
 from refmla.regions import PoolMeta, RegionCheck, check_region
 from refmla.sparse.backends import BACKENDS, DEFAULT_BACKENDS, Unavailable
 from refmla.sparse.format import SparseCapture
@@ -27,15 +27,16 @@ class SparseEntry:
     note: str = ""
     max_abs_err: Optional[float] = None
     cos_diff: Optional[float] = None
-    worst: dict = field(default_factory=dict)
+    worst: Optional[Worst] = None
     reasons: list = field(default_factory=list)
     lse: Optional[LseJudgement] = None
     explanation: Optional[SparseExplanation] = None
     info: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
+        worst = self.worst.to_json() if self.worst is not None else {}
         return {"backend": self.backend, "status": self.status, "note": self.note, "max_abs_err": self.max_abs_err,
-                "cos_diff": self.cos_diff, "worst": self.worst, "reasons": self.reasons,
+                "cos_diff": self.cos_diff, "worst": worst, "reasons": self.reasons,
                 "lse": self.lse.to_json() if self.lse else None,
                 "explanation": self.explanation.to_json() if self.explanation else None, "info": self.info}  # fmt: skip
 

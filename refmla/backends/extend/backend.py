@@ -38,7 +38,7 @@ def _chosen_impl(opts: ReplayOptions) -> str:
 def summarize(cmp: Comparison) -> dict:
     """A secondary implementation's comparison, as a small JSON dict."""
     d = {"status": "pass" if cmp.passed else "fail", "max_abs_err": cmp.max_abs_err, "cos_diff": cmp.cos_diff,
-         "worst": {"request": cmp.worst.get("request"), "head": cmp.worst.get("head")}}  # fmt: skip
+         "worst": {"request": cmp.worst.request, "head": cmp.worst.head}}  # fmt: skip
     if not cmp.passed:
         d["reason"] = "; ".join(cmp.reasons)
     return d
