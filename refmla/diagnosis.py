@@ -30,6 +30,7 @@ output stands for the decode path (it is what the production decode kernel wrote
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from refmla.util import request_label
@@ -87,6 +88,18 @@ SENTENCES = {
         "metadata fault ({bad} outside the tolerance only through rounding)"
     ),
 }
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """Which compute path diverges: the class's machine name (None: all agree), the sentence for
+    people, and the backends it is about."""
+
+    name: Optional[str]
+    text: str
+    backends: list[str] = field(default_factory=list)
+
+
 NUMERICS = "numerics"  # the hypothesis family whose explanations make the diagnosis ``numerics``
 
 # verify captures: which backend stands for which path over the same KV
@@ -124,8 +137,8 @@ def diagnose(
     statuses: dict[str, str], invalid: bool = False, produced_by: Optional[str] = None,
     explained: Optional[Mapping[str, tuple[str, Mapping[str, Any]]]] = None,
     unreplayed: Optional[tuple[str, str]] = None,
-) -> tuple[Optional[str], str, list[str]]:  # fmt: skip
-    """(machine name, sentence, backends it is about) from each backend's status.
+) -> Diagnosis:  # fmt: skip
+    """The :class:`Diagnosis` (machine name, sentence, backends it is about) from each backend's status.
 
     statuses: backend name -> "pass" | "fail" | "skipped" | "error". produced_by: the capture's
     meta backend (optional), to say whether the production kernel itself was replayed.
@@ -135,11 +148,11 @@ def diagnose(
     an ``observed`` divergence then names that kernel instead of suggesting state or transfer.
     """
     if invalid:
-        return "metadata", SENTENCES["metadata"], []
+        return Diagnosis("metadata", SENTENCES["metadata"])
     failed = [n for n, s in statuses.items() if s == "fail"]
     numeric = numeric_variants(failed, explained or {})
     if numeric:
-        return (*_say("numerics", variants=", ".join(numeric), bad=", ".join(failed)), failed)
+        return _say("numerics", failed, variants=", ".join(numeric), bad=", ".join(failed))
     ran = {n for n, s in statuses.items() if s in ("pass", "fail")}
     decode_ran = [n for n in statuses if n in ran and is_decode_kernel(n)]
     decode_bad = [n for n in decode_ran if n in failed]
@@ -150,12 +163,12 @@ def diagnose(
     decode_side = decode_bad or (["observed"] if observed_bad and not decode_ran else [])
 
     if decode_side and extend == "fail":
-        return (*_say("shared_input", bad=", ".join(decode_side)), [*decode_side, EXTEND])
+        return _say("shared_input", [*decode_side, EXTEND], bad=", ".join(decode_side))
     if decode_bad:
         about = decode_bad + (["observed"] if observed_bad else [])
         if extend == "pass":
-            return (*_say("decode", bad=", ".join(decode_bad)), about)
-        return "decode", SENTENCES["decode_alone"].format(bad=", ".join(decode_bad)), about
+            return _say("decode", about, bad=", ".join(decode_bad))
+        return Diagnosis("decode", SENTENCES["decode_alone"].format(bad=", ".join(decode_bad)), about)
     if extend == "fail":
         if decode_ok:
             agree = f"the decode {'kernels' if len(decode_ok) > 1 else 'kernel'} ({', '.join(decode_ok)}) agree"
@@ -163,13 +176,13 @@ def diagnose(
             agree = "the production decode output agrees"
         else:
             agree = "no decode path ran to compare"
-        return (*_say("extend", agree=agree), [EXTEND])
+        return _say("extend", [EXTEND], agree=agree)
     if observed_bad:
-        return (*_observed(decode_ok, extend == "pass", produced_by, unreplayed), ["observed"])
+        return Diagnosis(*_observed(decode_ok, extend == "pass", produced_by, unreplayed), ["observed"])
     errored = [n for n, s in statuses.items() if s == "error"]
     if errored:
-        return (*_say("backend_error", bad=", ".join(errored)), errored)
-    return None, SENTENCES[None], []
+        return _say("backend_error", errored, bad=", ".join(errored))
+    return Diagnosis(None, SENTENCES[None])
 
 
 def is_decode_kernel(name: str) -> bool:
@@ -180,12 +193,12 @@ def is_decode_kernel(name: str) -> bool:
     return name not in ("reference", "observed", EXTEND) and VERIFY_PATHS.get(name) != "plain decode"
 
 
-def diagnose_upstream(findings: list) -> tuple[str, str, list[str]]:
+def diagnose_upstream(findings: list) -> Diagnosis:
     """``upstream_nonfinite`` from the metadata's ``nonfinite_input`` findings (refmla.checks): the
     requests, q's heads and the tensors named; it outranks every backend's status."""
     where = "; ".join(f"{request_label(f.request, f.rid)}: NaN/Inf in {f.numbers['where']}" for f in findings[:4])
     more = f"; {len(findings) - 4} more request(s)" if len(findings) > 4 else ""
-    return "upstream_nonfinite", SENTENCES["upstream_nonfinite"].format(where=where + more), []
+    return Diagnosis("upstream_nonfinite", SENTENCES["upstream_nonfinite"].format(where=where + more))
 
 
 def numeric_variants(failed: list[str], explained: Mapping[str, tuple[str, Mapping[str, Any]]]) -> list[str]:
@@ -202,30 +215,30 @@ def _observed(
     and, when production ran a kernel not replayed here, that kernel instead of state or transfer."""
     agree = decode_ok + ([EXTEND] if extend_ok else [])
     if not agree:
-        name, sentence = _say("observed_unconfirmed")
+        sentence = SENTENCES["observed_unconfirmed"]
         if unreplayed is not None:
             sentence += f"; production ran aiter's {unreplayed[0]} kernel, not replayed here: {unreplayed[1]}"
-        return name, sentence
+        return "observed_unconfirmed", sentence
     what = " and ".join(agree)
     if unreplayed is not None:
         path, reason = unreplayed
         return "observed", UNREPLAYED.format(path=path, reason=reason.rstrip("."), agree=what)
     what = f"the offline paths ({what}) agree" if len(agree) > 1 else f"the offline path ({what}) agrees"
-    name, sentence = _say("observed", agree=what)
+    sentence = SENTENCES["observed"].format(agree=what)
     if produced_by in DECODE_KERNELS and produced_by not in decode_ok:
         sentence += f"; the production kernel ({produced_by}) itself could not be replayed here"
     elif not decode_ok:
         sentence += "; no decode kernel ran here, so a decode kernel bug is not excluded"
-    return name, sentence
+    return "observed", sentence
 
 
-def _say(name: Optional[str], **fields: str) -> tuple[Optional[str], str]:
-    return name, SENTENCES[name].format(**fields)
+def _say(name: str, backends: list[str], **fields: str) -> Diagnosis:
+    return Diagnosis(name, SENTENCES[name].format(**fields), backends)
 
 
 def diagnose_verify(
     statuses: dict[str, str], produced_by: Optional[str] = None, **rest: Any
-) -> tuple[Optional[str], str, list[str]]:
+) -> Diagnosis:
     """:func:`diagnose` for a verify capture: verify paths against the plain decode over the same KV.
     ``rest`` (unreplayed, explained) goes to :func:`diagnose` when neither path diverges.
 
@@ -240,16 +253,17 @@ def diagnose_verify(
     v, d = bad["verify"], bad["plain decode"]
     if v and d:
         sentence = SENTENCES["verify_shared"].format(verify=", ".join(v), decode=", ".join(d))
-        return "shared_input", sentence, v + d
+        return Diagnosis("shared_input", sentence, v + d)
     if v == ["observed"] and ok["plain decode"]:
-        return "verify", SENTENCES["verify_observed"].format(agree=", ".join(ok["plain decode"])), v
+        return Diagnosis("verify", SENTENCES["verify_observed"].format(agree=", ".join(ok["plain decode"])), v)
     if v:
         if ok["plain decode"]:
-            return "verify", SENTENCES["verify"].format(bad=", ".join(v), agree=", ".join(ok["plain decode"])), v
-        return "verify", SENTENCES["verify_alone"].format(bad=", ".join(v)), v
+            sentence = SENTENCES["verify"].format(bad=", ".join(v), agree=", ".join(ok["plain decode"]))
+            return Diagnosis("verify", sentence, v)
+        return Diagnosis("verify", SENTENCES["verify_alone"].format(bad=", ".join(v)), v)
     if d:
         agree = ", ".join(ok["verify"]) or ("the production output" if statuses.get("observed") == "pass" else "none ran")
-        return "decode", SENTENCES["verify_decode"].format(bad=", ".join(d), agree=agree), d
+        return Diagnosis("decode", SENTENCES["verify_decode"].format(bad=", ".join(d), agree=agree), d)
     return diagnose(statuses, produced_by=produced_by, **rest)
 
 

@@ -37,8 +37,8 @@ def replay_file(path: Any, opts: ReplayOptions) -> ReplayReport:
 
 def invalid_report(path: str, e: Exception) -> ReplayReport:
     """The report of a capture that could not be read or used: verdict ``invalid``, one line why."""
-    name, sentence, _ = diagnose({}, invalid=True)
-    return ReplayReport(capture=path, verdict="invalid", diagnosis=name, diagnosis_text=sentence, error=str(e),
+    d = diagnose({}, invalid=True)
+    return ReplayReport(capture=path, verdict="invalid", diagnosis=d.name, diagnosis_text=d.text, error=str(e),
                         metadata=MetadataReport.invalid(str(e)))  # fmt: skip
 
 
@@ -61,7 +61,8 @@ def replay_capture(cap: Capture, opts: ReplayOptions) -> ReplayReport:
     )  # fmt: skip
     if not metadata.ok:
         report.verdict = "invalid"
-        report.diagnosis, report.diagnosis_text, _ = diagnose({}, invalid=True)
+        d = diagnose({}, invalid=True)
+        report.diagnosis, report.diagnosis_text = d.name, d.text
         return report
     ctx = ReplayContext(cap, opts)
     for name in backend_names(opts, cap.meta.mode):
@@ -72,9 +73,8 @@ def replay_capture(cap: Capture, opts: ReplayOptions) -> ReplayReport:
     explained = {n: (b.explanation.hypothesis, b.explanation.detail) for n, b in report.backends.items()
                  if b.status == "fail" and b.explanation is not None and b.explanation.complete}  # fmt: skip
     how = diagnose_verify if cap.is_verify else diagnose
-    report.diagnosis, report.diagnosis_text, report.diagnosis_backends = how(
-        statuses, produced_by=cap.meta.backend, unreplayed=_unreplayed(cap, report.backends), explained=explained,
-    )
+    d = how(statuses, produced_by=cap.meta.backend, unreplayed=_unreplayed(cap, report.backends), explained=explained)
+    report.diagnosis, report.diagnosis_text, report.diagnosis_backends = d.name, d.text, d.backends
     if cap.is_verify:
         report.verify_vs_decode = verify_table(report.backends)
     report.diagnosis_text += parts_sentence(report.backends)
@@ -82,7 +82,8 @@ def replay_capture(cap: Capture, opts: ReplayOptions) -> ReplayReport:
     upstream = [f for f in metadata.findings if f.check == "nonfinite_input"]
     if upstream:  # NaN in, NaN out is no agreement: the finding outranks every backend's status
         report.verdict = "diverged"
-        report.diagnosis, report.diagnosis_text, report.diagnosis_backends = diagnose_upstream(upstream)
+        d = diagnose_upstream(upstream)
+        report.diagnosis, report.diagnosis_text, report.diagnosis_backends = d.name, d.text, d.backends
     return report
 
 

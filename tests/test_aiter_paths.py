@@ -249,7 +249,8 @@ def test_unreplayed_path_reasons():
     assert unreplayed_path("persistent", "skipped", None, "no ROCm GPU") == "no ROCm GPU"
     assert "non_persistent path instead" in unreplayed_path("persistent", "pass", {"path": "non_persistent"}, None)
     assert unreplayed_path("gluon", "pass", {"path": "gluon"}, None) is None
-    name, text, about = diagnose({"observed": "fail"}, unreplayed=("gluon", "no ROCm GPU"))
+    d = diagnose({"observed": "fail"}, unreplayed=("gluon", "no ROCm GPU"))
+    name, text, about = d.name, d.text, d.backends
     assert name == "observed_unconfirmed" and "aiter's gluon kernel, not replayed here: no ROCm GPU" in text
 
 

@@ -16,16 +16,16 @@ KERNELS = [n for n in ALL_NAMES if n not in ("reference", "observed", "extend", 
 
 @pytest.mark.parametrize("name", KERNELS)
 def test_a_failing_kernel_alone_is_a_decode_divergence(name):
-    cls, sentence, about = diagnose({"reference": "pass", "observed": "pass", name: "fail"})
-    assert cls == "decode" and about == [name] and name in sentence
+    d = diagnose({"reference": "pass", "observed": "pass", name: "fail"})
+    assert d.name == "decode" and d.backends == [name] and name in d.text
 
 
 @pytest.mark.parametrize("name", KERNELS)
 def test_a_passing_kernel_clears_the_decode_path(name):
-    cls, sentence, about = diagnose({"reference": "pass", "observed": "fail", name: "pass"})
-    assert cls == "observed" and name in sentence
+    d = diagnose({"reference": "pass", "observed": "fail", name: "pass"})
+    assert d.name == "observed" and name in d.text
 
 
 def test_an_unregistered_failing_backend_is_never_agreement():
-    cls, _, about = diagnose({"reference": "pass", "observed": "pass", "triton_x": "fail"})
-    assert cls is not None and about == ["triton_x"]
+    d = diagnose({"reference": "pass", "observed": "pass", "triton_x": "fail"})
+    assert d.name is not None and d.backends == ["triton_x"]

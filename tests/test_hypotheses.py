@@ -179,15 +179,15 @@ def test_human_report_names_path_and_hypothesis(tmp_path, capsys):
 def test_diagnosis_classes(statuses, name, about):
     from refmla.diagnosis import diagnose
 
-    got, sentence, backends = diagnose({"reference": "pass", **statuses})
-    assert (got, backends) == (name, about)
-    assert sentence and "{" not in sentence
+    d = diagnose({"reference": "pass", **statuses})
+    assert (d.name, d.backends) == (name, about)
+    assert d.text and "{" not in d.text
 
 
 def test_diagnosis_invalid():
     from refmla.diagnosis import diagnose
 
-    assert diagnose({}, invalid=True)[0] == "metadata"
+    assert diagnose({}, invalid=True).name == "metadata"
 
 
 @pytest.mark.parametrize("source", ["req_to_token", "page_tail"])

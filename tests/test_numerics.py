@@ -134,12 +134,12 @@ def test_data_fault_near_the_tolerance_is_not_numerics(tmp_path):
 def test_diagnosis_numerics_only_when_every_failure_is_numeric():
     st = {"reference": "pass", "observed": "fail", "triton": "fail", "extend": "pass"}
     rtz = ("numerics", {"variant": "out_round_toward_zero"})
-    name, sentence, about = diagnose(st, explained={"observed": rtz, "triton": rtz})
-    assert (name, about) == ("numerics", ["observed", "triton"])
-    assert "different rounding (out_round_toward_zero); no data or metadata fault" in sentence
-    assert diagnose(st, explained={"observed": rtz})[0] == "decode"  # triton unexplained
-    assert diagnose(st, explained={"observed": rtz, "triton": ("seq_len_off_by", {"delta": -1})})[0] == "decode"
-    assert diagnose(st)[0] == "decode"  # callers that pass no explanations: as before
+    d = diagnose(st, explained={"observed": rtz, "triton": rtz})
+    assert (d.name, d.backends) == ("numerics", ["observed", "triton"])
+    assert "different rounding (out_round_toward_zero); no data or metadata fault" in d.text
+    assert diagnose(st, explained={"observed": rtz}).name == "decode"  # triton unexplained
+    assert diagnose(st, explained={"observed": rtz, "triton": ("seq_len_off_by", {"delta": -1})}).name == "decode"
+    assert diagnose(st).name == "decode"  # callers that pass no explanations: as before
 
 
 def rtz_capture(tmp_path, triton_out: bool):

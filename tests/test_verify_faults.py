@@ -81,7 +81,8 @@ BASE = {"reference": "pass", "observed": "pass", "triton": "skipped", "aiter": "
     ({"observed": "fail", "extend": "skipped"}, "verify", ["observed"]),
 ])  # fmt: skip
 def test_diagnose_verify(changes, name, about):
-    got, sentence, backends = diagnose_verify({**BASE, **changes}, produced_by="aiter")
+    d = diagnose_verify({**BASE, **changes}, produced_by="aiter")
+    got, sentence, backends = d.name, d.text, d.backends
     assert got == name and backends == about and sentence
     if name == "decode":
         assert "verify path agrees (extend)" in sentence

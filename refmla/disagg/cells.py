@@ -103,11 +103,12 @@ def decode_cell(rid: str, reports: list[ReplayReport]) -> DecodeCell:
             cell.diverged_steps += 1
             if cell.verdict != "diverged":
                 produced_by = rep.meta.backend if rep.meta else None
-                cell.diagnosis, cell.diagnosis_text, _ = diagnose(statuses, produced_by=produced_by)
+                d = diagnose(statuses, produced_by=produced_by)
+                cell.diagnosis, cell.diagnosis_text = d.name, d.text
                 cell.verdict, cell.backends, cell.capture = "diverged", statuses, rep.capture
                 cell.step = rep.meta.step if rep.meta else None
                 cell.explanation = _explanation(rep, b, failing)
         elif cell.verdict == "not_replayed":
             cell.verdict, cell.backends, cell.capture = "agree", statuses, rep.capture
-            cell.step, cell.diagnosis_text = (rep.meta.step if rep.meta else None), diagnose(statuses)[1]
+            cell.step, cell.diagnosis_text = (rep.meta.step if rep.meta else None), diagnose(statuses).text
     return cell

@@ -73,7 +73,8 @@ def shape_line(report: ReplayReport) -> str:
 
 def backend_row(name: str, b: BackendEntry) -> list[str]:
     w, blame = b.worst, worst_blame(b)
-    where = blame.text() if blame else (f"req {w.request} head {w.head}" if w is not None and w.request is not None else "-")
+    named = w is not None and w.request is not None
+    where = blame.text() if blame else (f"req {w.request} head {w.head}" if named else "-")
     note = b.reason or ""
     if b.status == "pass":
         info = b.info or {}
