@@ -6,6 +6,7 @@ Layout (the folder tree is the architecture; imports go down this list, never up
     atomic.py       atomic file writes for every writer: refuse non-regular targets, O_TMPFILE, sweep
     schedule.py     SGLang's split-KV schedule (split bounds, num_kv_splits, max_kv_splits)
     paged.py        index conventions: SGLang token slots <-> aiter pages
+    blocktable.py   block tables (vLLM, FlashMLA, FlashInfer, CUTLASS, FA3): token rows, consistency
     pool.py         pool rows by their bytes: zero / NaN rows, row-by-row comparison
     capture/        the refmla.capture/1 file: format, validation, read (lazy), write (compacted, atomic)
     reference.py    the math, fp64: decode, split-KV partials and merge, extend
@@ -30,7 +31,7 @@ Layout (the folder tree is the architecture; imports go down this list, never up
     plots.py        pictures of a replay or a diff-kv (matplotlib, optional)
     render/         text for people: tables, reports, progress
     cli/            the thin command line, one module per command group
-    hook/           the capture hook for a live SGLang server (imports only the capture layer)
+    hook/           the capture hooks for a live SGLang or vLLM server (import only the capture layer)
 """
 
 __version__ = "0.1.0"

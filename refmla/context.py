@@ -53,7 +53,7 @@ class ReplayContext:
             splits = c.num_kv_splits if c.is_decode else None  # the production split schedule
             self._controls[out_dtype] = mla_control(
                 c.q, c.kv_buffer, c.kv_indptr, c.kv_indices, **c.scales(), out_dtype=out_dtype,
-                qo_indptr=qo, num_kv_splits=splits, **c.mask_args(),
+                qo_indptr=qo, num_kv_splits=splits, **c.mask_args(), split_block=c.split_block,
             )  # fmt: skip
         return self._controls[out_dtype][0]
 
@@ -69,7 +69,8 @@ class ReplayContext:
             c = self.cap
             split_ref = mla_decode_split_control if control else ref.mla_decode_split_ref
             self._splits[key] = split_ref(
-                c.q, c.kv_buffer, c.kv_indptr, c.kv_indices, num_kv_splits.cpu(), **c.scales(), max_kv_splits=S
+                c.q, c.kv_buffer, c.kv_indptr, c.kv_indices, num_kv_splits.cpu(), **c.scales(), max_kv_splits=S,
+                split_block=c.split_block,
             )
         return self._splits[key]
 

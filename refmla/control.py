@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from refmla.reference import Scales, gather, mla_decode_split_ref, request_rows, verify_visibility
-from refmla.schedule import split_bounds
+from refmla.schedule import MIN_BLOCK_KV, split_bounds
 
 STORES = ("nearest_even", "toward_zero", "half_away", "via_fp16")  # fp32 result -> output dtype
 MERGES = ("ln", "log2_as_ln", "ln_as_log2", "unnormalized")  # how split partials are merged
@@ -160,6 +160,7 @@ def mla_control(
     rounding: Rounding = STANDARD,
     custom_mask: torch.Tensor | None = None,
     mask_indptr: torch.Tensor | None = None,
+    split_block: int = MIN_BLOCK_KV,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Low-precision control for decode (qo_indptr None), extend or verify: out in out_dtype, lse fp32.
 
@@ -180,7 +181,7 @@ def mla_control(
         vis = None if custom_mask is None else verify_visibility(kv.shape[0], q1 - q0, b, custom_mask, mask_indptr)
         for i, t in enumerate(range(q0, q1)):
             if num_kv_splits is not None:
-                out[t], lse[t] = attend_control_split(q[t], kv, sc, out_dtype, int(num_kv_splits[b]), rounding)
+                out[t], lse[t] = attend_control_split(q[t], kv, sc, out_dtype, int(num_kv_splits[b]), rounding, split_block)
             elif vis is not None:
                 out[t], lse[t] = attend_control(q[t], kv[vis[i].to(kv.device)], sc, out_dtype, rounding)
             else:
@@ -190,10 +191,11 @@ def mla_control(
 
 def attend_control_split(
     q: torch.Tensor, kv: torch.Tensor, sc: Scales, out_dtype: torch.dtype, num_splits: int,
-    rnd: Rounding = STANDARD,
+    rnd: Rounding = STANDARD, split_block: int = MIN_BLOCK_KV,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """attend_control over SGLang's split schedule: fp32 partials [S, H, Dv], an fp32 merge."""
-    bounds = [(s, e) for s, e in split_bounds(kv.shape[0], num_splits) if e > s]
+    """attend_control over the kernel's split schedule (granularity ``split_block``: 32 SGLang,
+    1 vLLM): fp32 partials [S, H, Dv], an fp32 merge."""
+    bounds = [(s, e) for s, e in split_bounds(kv.shape[0], num_splits, split_block) if e > s]
     if len(bounds) <= 1:
         return attend_control(q, kv, sc, out_dtype, rnd)
     parts = [_attend32(q, kv[s:e], sc, rnd) for s, e in bounds]

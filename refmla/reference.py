@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from refmla.paged import page_to_token
-from refmla.schedule import nonempty_splits_batch, split_bounds
+from refmla.schedule import MIN_BLOCK_KV, nonempty_splits_batch, split_bounds
 
 
 @dataclass(frozen=True)
@@ -147,12 +147,14 @@ def mla_decode_split_ref(
     max_kv_splits: int | None = None,
     accum_dtype: torch.dtype = torch.float64,
     attend_fn=None,
+    split_block: int = MIN_BLOCK_KV,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-split partials of the Triton schedule.
 
     Returns attn_logits [B, H, S, Dv] (each split's normalized output, v_scale applied),
     attn_lse [B, H, S] and valid [B, S] (False for empty splits, whose partials are 0 / -inf).
     S = max_kv_splits, or the most splits that hold a token (at least 1) when not given.
+    ``split_block``: the schedule's granularity (32 SGLang, 1 vLLM's uniform ceil(L / n)).
     ``attend_fn(q [H, D], kv [L, D], sc)``
     replaces :func:`attend` per split, on the inputs in their stored dtypes (the low-precision
     control passes its own: refmla.control.mla_decode_split_control).
@@ -160,7 +162,7 @@ def mla_decode_split_ref(
     sc = Scales(kv_lora_rank, sm_scale, logit_cap, k_scale, v_scale)
     B, H, _ = q.shape
     lens = (kv_indptr[1:] - kv_indptr[:-1]).long()  # [B]
-    most = int(nonempty_splits_batch(lens, num_kv_splits).max()) if B else 1  # splits that hold a token
+    most = int(nonempty_splits_batch(lens, num_kv_splits, split_block).max()) if B else 1  # splits that hold a token
     S = int(max_kv_splits) if max_kv_splits else max(most, 1)
     parts = torch.zeros(B, H, S, kv_lora_rank, dtype=accum_dtype, device=q.device)
     lses = torch.full((B, H, S), -math.inf, dtype=accum_dtype, device=q.device)
@@ -170,7 +172,7 @@ def mla_decode_split_ref(
         rows = request_rows(kv_indptr, kv_indices, b)
         kv = gather(kv_buffer, rows, kv_buffer.dtype if stored else accum_dtype)  # [L, D]
         qb = q[b] if stored else q[b].to(accum_dtype)  # [H, D]
-        for s, (start, end) in enumerate(split_bounds(len(rows), int(num_kv_splits[b]))[:S]):
+        for s, (start, end) in enumerate(split_bounds(len(rows), int(num_kv_splits[b]), split_block)[:S]):
             if end > start:
                 parts[b, :, s], lses[b, :, s] = (attend_fn or attend)(qb, kv[start:end], sc)
                 valid[b, s] = True

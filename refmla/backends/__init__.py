@@ -10,9 +10,11 @@
                verify captures only: each verify query as a one-token decode over the positions
                it sees (refmla.backends.per_query), the plain-decode path over the same KV
     flex       PyTorch's flex_attention compiled by Inductor: an independent kernel (opt-in, see below)
+    vllm_triton  vLLM's TRITON_MLA decode kernel over a block table, its uniform split schedule (opt-in)
 
 NAMES run by default; OPT_IN backends run only when named (``--backend flex``): flex compiles
-for seconds per shape on first use, which a default replay (make demo, the tests) should not pay.
+for seconds per shape on first use, which a default replay (make demo, the tests) should not pay;
+the other engines' kernels (vllm_triton) are asked for by the engineer who runs that engine.
 ALL_NAMES is every name a user may ask for.
 
 A backend module is imported only when its name is asked for, so a missing optional package
@@ -28,7 +30,7 @@ from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 _FIRST = ("reference", "observed", "triton", "aiter", "extend")
 VERIFY_ONLY = ("triton_decode_per_query", "aiter_decode_per_query")  # left out of other modes' default list
 NAMES = _FIRST + VERIFY_ONLY
-OPT_IN = ("flex",)
+OPT_IN = ("flex", "vllm_triton")
 ALL_NAMES = _FIRST + OPT_IN + VERIFY_ONLY  # every name, in the order they were added
 
 _WHERE = {
@@ -40,6 +42,7 @@ _WHERE = {
     "triton_decode_per_query": "refmla.backends.per_query:TritonDecodePerQueryBackend",
     "aiter_decode_per_query": "refmla.backends.per_query:AiterDecodePerQueryBackend",
     "flex": "refmla.backends.flex:FlexBackend",
+    "vllm_triton": "refmla.backends.vllm_triton:VllmTritonBackend",
 }
 
 

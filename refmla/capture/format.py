@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from refmla import CAPTURE_FORMAT
+from refmla.schedule import MIN_BLOCK_KV, SPLIT_BLOCKS
 from refmla.util import request_label
 
 FLOAT_DTYPES = {
@@ -31,7 +32,13 @@ TENSORS = {
     # aiter's persistent work buffers as production's kernel read them (docs/contract.md section 1)
     "aiter_work_indptr": False, "aiter_work_info_set": False, "aiter_reduce_indptr": False,
     "aiter_reduce_final_map": False, "aiter_reduce_partial_map": False,
+    # block-table kernels (vLLM, FlashMLA, FlashInfer / TRT-LLM, CUTLASS MLA, FA3): the table the
+    # kernel got and vLLM's multi-token decode rows (docs/contract.md section 1, "block tables")
+    "block_table": False, "query_start_loc": False,
 }  # fmt: skip
+# without kv_indptr / kv_indices, a capture with a block_table has them built by the reader
+BUILT_FROM_BLOCK_TABLE = ("kv_indptr", "kv_indices")
+SPLIT_SCHEDULES = tuple(SPLIT_BLOCKS)  # meta split_schedule: "sglang" (default) or "uniform" (vLLM)
 
 MODES = ("decode", "extend", "verify")  # verify: speculative target-verify / draft-extend (several queries)
 MASK_DTYPES = {torch.bool, torch.uint8, torch.int8}  # custom_mask as SGLang keeps it (bool) or its int8 buffer
@@ -79,6 +86,11 @@ class CaptureMeta:
     disagg_mode: Optional[str] = None  # "prefill" | "decode" | "null"
     disagg_transfer_backend: Optional[str] = None  # "mori" | "mooncake" | "nixl" | ...
     mori_max_mr_bytes: Optional[int] = None  # SGLANG_MORI_MAX_MR_BYTES, when it was set
+    engine: Optional[str] = None  # "sglang" | "vllm": the serving engine the hook ran in
+    engine_version: Optional[str] = None  # its version (sglang_version stays for SGLang captures)
+    engine_backend: Optional[str] = None  # the engine's own backend name, e.g. vLLM's "TRITON_MLA"
+    split_schedule: Optional[str] = None  # "sglang" (None: ceil to 32 tokens) | "uniform" (vLLM: ceil(L / n))
+    null_block: Optional[int] = None  # block_table captures: the engine's null block id (vLLM: 0)
     extra: dict = field(default_factory=dict)  # keys this version does not know, kept as given
 
     @property
@@ -113,6 +125,8 @@ META_KEYS = {
     "kv_pool_layers": (int, False), "kv_pool_size": (int, False), "disagg_mode": (str, False),
     "disagg_transfer_backend": (str, False), "mori_max_mr_bytes": (int, False),
     "draft_token_num": (int, False), "topk": (int, False),
+    "engine": (str, False), "engine_version": (str, False), "engine_backend": (str, False),
+    "split_schedule": (str, False), "null_block": (int, False),
 }  # fmt: skip
 GEOMETRY_KEYS = ("kv_pool_rows", "kv_pool_row_bytes", "kv_pool_layers_per_buffer")  # what refmla.regions needs
 
@@ -204,6 +218,14 @@ def _check_verify_keys(kw: dict, path: Any) -> None:
             raise _bad_key(path, key, f"must be >= 1, got {kw[key]}")
 
 
+def _check_engine_keys(kw: dict, path: Any) -> None:
+    schedule = kw.get("split_schedule")
+    if schedule is not None and schedule not in SPLIT_SCHEDULES:
+        raise _bad_key(path, "split_schedule", f"must be one of {', '.join(SPLIT_SCHEDULES)}, got {schedule!r}")
+    if kw.get("null_block") is not None and kw["null_block"] < 0:
+        raise _bad_key(path, "null_block", f"must be >= 0, got {kw['null_block']}")
+
+
 def _check_geometry(kw: dict, path: Any) -> None:
     for key in (*GEOMETRY_KEYS, "kv_pool_layers", "mori_max_mr_bytes"):
         if kw.get(key) is not None and kw[key] < 1:
@@ -221,6 +243,7 @@ META_CHECKS: tuple[Callable[[dict, Any], None], ...] = (
     _check_ids,
     _check_geometry,
     _check_verify_keys,
+    _check_engine_keys,
 )
 
 
@@ -255,6 +278,8 @@ class Capture:
     aiter_reduce_indptr: Optional[torch.Tensor] = None  # [tiles + 1]
     aiter_reduce_final_map: Optional[torch.Tensor] = None  # [tiles, 2]
     aiter_reduce_partial_map: Optional[torch.Tensor] = None  # [partials]
+    block_table: Optional[torch.Tensor] = None  # [B, M] page numbers (kv_buffer rows / page_size)
+    query_start_loc: Optional[torch.Tensor] = None  # [B + 1] vLLM: request b's query rows
     warnings: list = field(default_factory=list)
 
     @property
@@ -288,6 +313,11 @@ class Capture:
                     k_scale=m.k_scale, v_scale=m.v_scale)  # fmt: skip
 
     @property
+    def split_block(self) -> int:
+        """The split granularity of the kernel that ran: 32 (SGLang), 1 (vLLM's uniform schedule)."""
+        return SPLIT_BLOCKS.get(self.meta.split_schedule or "sglang", MIN_BLOCK_KV)
+
+    @property
     def out_dtype(self) -> torch.dtype:
         """The dtype a kernel writes this call's output in: the captured ``out``'s when it has one
         (bf16, fp16 or fp32), else q's, else bf16 (an fp8 q)."""
@@ -314,6 +344,7 @@ class Capture:
 
 
 __all__ = [
+    "BUILT_FROM_BLOCK_TABLE",
     "CAPTURE_FORMAT",
     "FLOAT_DTYPES",
     "GEOMETRY_KEYS",
@@ -325,6 +356,7 @@ __all__ = [
     "MAX_KV_SPLITS",
     "MAX_PAGE_SIZE",
     "SCALE_RANGE",
+    "SPLIT_SCHEDULES",
     "TENSORS",
     "Capture",
     "CaptureError",

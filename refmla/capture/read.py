@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from refmla import CAPTURE_FORMAT
-from refmla.capture.format import TENSORS, Capture, CaptureError, CaptureMeta, parse_meta
+from refmla import blocktable
+from refmla.capture.format import BUILT_FROM_BLOCK_TABLE, TENSORS, Capture, CaptureError, CaptureMeta, parse_meta
 from refmla.capture.validation import validate
 from refmla.util import first_line
 
@@ -30,10 +31,13 @@ def read_capture(path: Any) -> Capture:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = _read_meta(path, f.metadata() or {})
             names = set(f.keys())
+            by_table = "block_table" in names and not any(n in names for n in BUILT_FROM_BLOCK_TABLE)
             for name, required in TENSORS.items():
-                if required and name not in names:
+                if required and name not in names and not (by_table and name in BUILT_FROM_BLOCK_TABLE):
                     raise CaptureError(path, f"tensor '{name}'", "missing")
             loaded = _map_tensors(path, [n for n in TENSORS if n in names], f)
+            if by_table:
+                loaded.update(_token_rows(path, meta, loaded))
     except CaptureError:
         raise
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
@@ -45,6 +49,24 @@ def read_capture(path: Any) -> Capture:
     if unknown:
         cap.warnings.append(f"tensors not in refmla.capture/1, ignored: {', '.join(unknown)}")
     return cap
+
+
+def _token_rows(path: Path, meta: CaptureMeta, t: dict) -> dict[str, torch.Tensor]:
+    """kv_indptr / kv_indices built from the block table (docs/contract.md section 1, "block
+    tables"); every inconsistency that would make the rows unreadable is one line of the error."""
+    table, seq, pool = t["block_table"], t["seq_lens"], t["kv_buffer"]
+    if table.dim() != 2 or seq.dim() != 1 or table.shape[0] != seq.shape[0] or pool.dim() != 3:
+        raise CaptureError(path, "tensor 'block_table'", f"shape {list(table.shape)}, expected [B, max_blocks] "
+                           f"with B = {seq.shape[0] if seq.dim() == 1 else '?'} (seq_lens) and kv_buffer [N, 1, D]")  # fmt: skip
+    if table.dtype not in (torch.int32, torch.int64) or seq.dtype not in (torch.int32, torch.int64):
+        raise CaptureError(path, "tensor 'block_table'", "block_table and seq_lens must be int32 / int64")
+    if bool((seq < 0).any()):
+        raise CaptureError(path, "tensor 'seq_lens'", "negative length")
+    found = blocktable.problems(table, seq, meta.page_size, pool.shape[0])
+    if found.errors:
+        raise CaptureError(path, "tensor 'block_table'", found.text(found.errors))
+    kv_indptr, kv_indices = blocktable.token_rows(table, seq, meta.page_size)
+    return {"kv_indptr": kv_indptr, "kv_indices": kv_indices}
 
 
 def _check_file(path: Path) -> None:

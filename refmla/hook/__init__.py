@@ -1,4 +1,5 @@
-"""Capture from a live SGLang server: an env-gated hook on the Triton and aiter MLA backends.
+"""Capture from a live SGLang server: an env-gated hook on the Triton and aiter MLA backends;
+and from a live vLLM server: the same hook through vLLM's plugin entry point (``vllm_patch``).
 
 Two ways to switch it on (see ``docs/capture.md``):
 
@@ -34,6 +35,9 @@ call that passes the filters. The rest are torch-free, as they run at interprete
     patching.py       install / uninstall; the forward_decode / forward_extend wrapper
     cli.py            refmla capture run
     testing.py        SGLang's real Triton backend on CPU, for the tests and tools/capture_e2e.py
+    vllm_paths.py     where vLLM keeps its MLA Impl classes (forward_mqa), and their capture names
+    vllm_patch.py     vLLM: the ``vllm.general_plugins`` entry point, install, the forward_mqa wrapper
+    vllm_extract.py   (torch) vLLM: the kernel's block table, split count, pool pages -> a capture
     sitecustomize/    the start-up file that ``capture run`` puts first on PYTHONPATH
 
 Where to extend it (each without touching the rest):

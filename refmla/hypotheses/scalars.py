@@ -156,5 +156,6 @@ def full_under(s: Search, sc: ref.Scales, q: Optional[torch.Tensor] = None) -> t
     else:
         exp = ref.mla_verify_ref(*args, qo, **cap.mask_args(), **kw)[0]
     splits = cap.num_kv_splits if cap.is_decode else None  # as ReplayContext.control
-    ctl = mla_control(*args, **kw, out_dtype=s.dtype, qo_indptr=qo, num_kv_splits=splits, **cap.mask_args())[0]
+    ctl = mla_control(*args, **kw, out_dtype=s.dtype, qo_indptr=qo, num_kv_splits=splits, **cap.mask_args(),
+                      split_block=cap.split_block)[0]
     return exp, ctl
