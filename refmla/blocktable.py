@@ -62,7 +62,8 @@ class Problems:
     def text(self, lines: list) -> str:
         more = len(lines) - MAX_LINES
         shown = lines[:MAX_LINES] + ([f"... and {more} more"] if more > 0 else [])
-        return f"{len(lines)} inconsistenc{'y' if len(lines) == 1 else 'ies'}:\n  " + "\n  ".join(shown)
+        # one clause per inconsistency, on the one line a bad input gets (docs/contract.md section 3)
+        return f"{len(lines)} inconsistenc{'y' if len(lines) == 1 else 'ies'}: " + "; ".join(shown)
 
 
 def problems(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, pool_rows: int) -> Problems:
