@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-DECODE_KERNELS = ("triton", "aiter", "flex", "vllm_triton")  # offline decode paths (flex: an independent compiled kernel)
+DECODE_KERNELS = ("triton", "aiter", "flex", "vllm_triton", "flashmla", "flashinfer_mla", "cutlass_mla", "fa3_mla")  # offline decode paths (flex: an independent compiled kernel)
 EXTEND = "extend"
 
 SENTENCES = {

@@ -11,6 +11,8 @@
                it sees (refmla.backends.per_query), the plain-decode path over the same KV
     flex       PyTorch's flex_attention compiled by Inductor: an independent kernel (opt-in, see below)
     vllm_triton  vLLM's TRITON_MLA decode kernel over a block table, its uniform split schedule (opt-in)
+    flashmla, flashinfer_mla, cutlass_mla, fa3_mla
+               the NVIDIA block-table MLA decode kernels (refmla.backends.paged; opt-in, CUDA)
 
 NAMES run by default; OPT_IN backends run only when named (``--backend flex``): flex compiles
 for seconds per shape on first use, which a default replay (make demo, the tests) should not pay;
@@ -30,7 +32,8 @@ from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 _FIRST = ("reference", "observed", "triton", "aiter", "extend")
 VERIFY_ONLY = ("triton_decode_per_query", "aiter_decode_per_query")  # left out of other modes' default list
 NAMES = _FIRST + VERIFY_ONLY
-OPT_IN = ("flex", "vllm_triton")
+PAGED = ("flashmla", "flashinfer_mla", "cutlass_mla", "fa3_mla")  # refmla.backends.paged
+OPT_IN = ("flex", "vllm_triton", *PAGED)
 ALL_NAMES = _FIRST + OPT_IN + VERIFY_ONLY  # every name, in the order they were added
 
 _WHERE = {
@@ -43,6 +46,10 @@ _WHERE = {
     "aiter_decode_per_query": "refmla.backends.per_query:AiterDecodePerQueryBackend",
     "flex": "refmla.backends.flex:FlexBackend",
     "vllm_triton": "refmla.backends.vllm_triton:VllmTritonBackend",
+    "flashmla": "refmla.backends.paged.flashmla:FlashMLABackend",
+    "flashinfer_mla": "refmla.backends.paged.flashinfer_mla:FlashInferMLABackend",
+    "cutlass_mla": "refmla.backends.paged.cutlass_mla:CutlassMLABackend",
+    "fa3_mla": "refmla.backends.paged.fa3_mla:FA3MLABackend",
 }
 
 
@@ -75,4 +82,4 @@ def get_backend(name: str) -> Backend:
     return _CACHE[name]
 
 
-__all__ = ["ALL_NAMES", "NAMES", "OPT_IN", "VERIFY_ONLY", "Backend", "BackendResult", "BackendUnavailable", "get_backend"]
+__all__ = ["ALL_NAMES", "NAMES", "OPT_IN", "PAGED", "VERIFY_ONLY", "Backend", "BackendResult", "BackendUnavailable", "get_backend"]
