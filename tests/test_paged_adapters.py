@@ -99,3 +99,15 @@ def test_without_the_kernel_each_is_skipped_with_its_reason(name):
     ok, why = get_backend(name).availability()
     assert not ok and why
     assert any(w in why for w in ("not found", "CUDA", "not built", "not available", "extension"))
+
+
+def test_doctor_lists_engines_and_kernels(capsys):
+    from refmla.cli import main
+
+    assert main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    assert "engines and kernel packages: sglang" in text and "vllm " in text
+    for name in ("vllm_triton", *PAGED):
+        line = next(l for l in text.splitlines() if l.strip().startswith(name + " "))
+        assert "[" in line and "]" in line  # engine and kernel
+    assert "trtllm_batch_decode_with_kv_cache_mla" in text and "flash_mla_with_kvcache" in text

@@ -14,6 +14,10 @@
     flashmla, flashinfer_mla, cutlass_mla, fa3_mla
                the NVIDIA block-table MLA decode kernels (refmla.backends.paged; opt-in, CUDA)
 
+Support modules: base.py (Backend, BackendResult), calling.py (find a kernel, call it by keyword),
+triton_interp.py / cpu_compat.py / vllm_compat.py (the kernels on a CPU-only machine), engines.py
+(installed engines and which kernel each backend calls: ``refmla doctor``).
+
 NAMES run by default; OPT_IN backends run only when named (``--backend flex``): flex compiles
 for seconds per shape on first use, which a default replay (make demo, the tests) should not pay;
 the other engines' kernels (vllm_triton) are asked for by the engineer who runs that engine.

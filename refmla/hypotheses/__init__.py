@@ -6,14 +6,21 @@ report the first, in the table's order, that brings the backend's error back to 
     last_page_read_full {"page", "rows_read", ...}    page_size > 1: the last page read as full
     empty_split_merged  {"split", "num_kv_splits",    an empty split's NaN / zero-scratch partial merged in
                          "went_in"}
+    padded_row_leak     {"padded_requests",           a zero-length request's NaN leaked into other rows
+                         "nan_requests"}              (block-table kernels' padded CUDA-graph rows)
     seq_len_off_by      {"delta": k}                  attended seq_len + k tokens, k in -4..4, k != 0
+                                                      (k > 0 through the block table: a read past it)
     offset_overflow     {"first_slot", "position",    a 32-bit row offset wrapped: positions past the
                          "offset", "reads"}           wrap read another slot's bytes, or zeros
     last_page_len_swapped {"from_request", ...}       the last page's length from another request
     kv_range_missing    {"start", "end", "how"}       positions [start, end) dropped or read as zeros,
                                                       at page or split granularity
+    null_block_read     {"page", "null_block"}        block_table captures: page j read from the null block
+    pages_as_tokens     {"read"}                      block_table captures: page ids taken for token slots
+                                                      (or the reverse)
     split_missing       {"split": s}                  split s's partial left out of the merge
-    kv_scale_misapplied {"scale", "applied"}          fp8 k_scale / v_scale applied twice or not at all
+    kv_scale_misapplied {"scale", "applied"}          fp8 k_scale / v_scale applied twice, not at all, or
+                                                      one in the other's place
     wrong_sm_scale      {"ratio": r}                  used r * sm_scale
     head_misaligned     {"mapping": "...", "heads"}   output head h holds reference head heads[h]
     rope_mishandled     {"how"}                       q . k without its rope part, or parts swapped
@@ -47,7 +54,7 @@ The package (imports go down this list):
     one module per family, each with NAME and ``search(s: Search) -> Optional[Explanation]``:
     seq_len.py, kv_range.py, split.py, sm_scale.py, heads.py, logit_cap.py, and the faults of real
     MLA kernels (refmla/synth/zoo.py plants them): pages.py (two families), empty_split.py,
-    overflow.py, kv_scale.py, rope.py
+    overflow.py, kv_scale.py, rope.py, blocktable.py (three families of block-table kernels)
 
 A new family is a module like those (its candidates through ``per_request`` when each failing
 request gets its own detail, ``global_hypothesis`` when one setting explains the whole output)
@@ -69,7 +76,8 @@ import torch
 from refmla.compare import Comparison
 from refmla.context import ReplayContext
 from refmla.hypotheses import (
-    empty_split, heads, kv_range, kv_scale, logit_cap, numerics, overflow, pages, rope, seq_len, sm_scale, split,
+    blocktable, empty_split, heads, kv_range, kv_scale, logit_cap, numerics, overflow, pages, rope, seq_len, sm_scale,
+    split,
     verify,
 )
 from refmla.hypotheses.search import Search, SearchFn
@@ -81,6 +89,7 @@ SEARCHES: dict[str, SearchFn] = {
     numerics.NAME: numerics.search,
     pages.FULL: pages.search_full,
     empty_split.NAME: empty_split.search,
+    blocktable.PADDED_LEAK: blocktable.search_padded_leak,
     seq_len.NAME: seq_len.search,
     overflow.NAME: overflow.search,
     pages.SWAPPED: pages.search_swapped,
@@ -90,6 +99,8 @@ SEARCHES: dict[str, SearchFn] = {
     "mask_wrong_request": verify.search_mask,
     "qlen_pow2_padding": verify.search_pow2,
     kv_range.NAME: kv_range.search,
+    blocktable.NULL_BLOCK: blocktable.search_null_block,
+    blocktable.PAGES_AS_TOKENS: blocktable.search_pages_as_tokens,
     split.NAME: split.search,
     kv_scale.NAME: kv_scale.search,
     sm_scale.NAME: sm_scale.search,
