@@ -84,10 +84,10 @@ def _read_past(p: Planting):
     g = torch.Generator().manual_seed(p.spec.seed + 11)
     t = p.t
     rows = torch.randn(2, t["kv_buffer"].shape[-1], generator=g).double()  # stale rows past the sequence
-    mean_q = t["q"][b].double().mean(0)  # [D]: the first stale row salient, so the heads visibly attend it
+    mean_q = t["q"][b].double().mean(0)  # [D]: both stale rows salient, so the heads visibly attend each
     scale = p.spec.sm_scale * p.spec.k_scale * float((t["q"][b].double() @ mean_q).mean())
     if scale > 0:
-        rows[0] = mean_q * (8.0 / scale)
+        rows = mean_q[None, :] * (8.0 / scale) + rows  # [2, D] distinct values, each well attended
     if t["kv_buffer"].dtype.itemsize == 1:
         rows = rows / p.spec.k_scale
     t["kv_buffer"][extra, 0] = rows.to(t["kv_buffer"].dtype)
