@@ -6,8 +6,10 @@ Layout (the folder tree is the architecture; imports go down this list, never up
     atomic.py       atomic file writes for every writer: refuse non-regular targets, O_TMPFILE, sweep
     schedule.py     SGLang's split-KV schedule (split bounds, num_kv_splits, max_kv_splits)
     paged.py        index conventions: SGLang token slots <-> aiter pages
-    blocktable.py   block tables (vLLM, FlashMLA, FlashInfer, CUTLASS, FA3): token rows, consistency
     pool.py         pool rows by their bytes: zero / NaN rows, row-by-row comparison
+    scales.py       Scales: the scalars of one call's math, passed whole everywhere
+    attended.py     Attended: which pool rows each query row reads (built once per capture)
+    blocktable.py   block tables (vLLM, FlashMLA, FlashInfer, CUTLASS, FA3): token rows, consistency
     capture/        the refmla.capture/1 file: format, validation, read (lazy), write (compacted, atomic)
     reference.py    the math, fp64: decode, split-KV partials and merge, extend
     control.py      the same math at a kernel's rounding points (the tolerance's noise floor)

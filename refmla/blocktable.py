@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from refmla.attended import Attended
 from refmla.util import cdiv, request_label
 
 MAX_LINES = 16  # inconsistency lines listed before "... and N more"
@@ -27,17 +28,10 @@ MAX_LINES = 16  # inconsistency lines listed before "... and N more"
 
 def token_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(kv_indptr [B + 1] int32, kv_indices [sum L] int64): position j of request b is row
-    block_table[b, j // P] * P + j % P. The table must cover every sequence (see :func:`problems`)."""
-    P = int(page_size)
-    L = seq_lens.long().cpu()  # [B]
-    kv_indptr = torch.zeros(L.shape[0] + 1, dtype=torch.int32)
-    kv_indptr[1:] = torch.cumsum(L, 0)
-    rows = []
-    for b, n in enumerate(L.tolist()):
-        pos = torch.arange(n)  # [L_b]
-        rows.append(block_table[b].long().cpu()[pos // P] * P + pos % P)  # [L_b]
-    kv_indices = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
-    return kv_indptr, kv_indices
+    block_table[b, j // P] * P + j % P (:meth:`refmla.attended.Attended.block_table`). The table
+    must cover every sequence (see :func:`problems`)."""
+    att = Attended.block_table(block_table, seq_lens, page_size)
+    return att.indptr.to(torch.int32), att.rows
 
 
 def from_token_rows(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, pad: int = 0) -> torch.Tensor:

@@ -6,6 +6,8 @@ any of them.
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -52,7 +54,7 @@ class ReplayContext:
             qo = None if c.is_decode else c.qo_indptr
             splits = c.num_kv_splits if c.is_decode else None  # the production split schedule
             self._controls[out_dtype] = mla_control(
-                c.q, c.kv_buffer, c.kv_indptr, c.kv_indices, **c.scales(), out_dtype=out_dtype,
+                c.q, c.kv_buffer, c.kv_indptr, c.kv_indices, **asdict(c.scales()), out_dtype=out_dtype,
                 qo_indptr=qo, num_kv_splits=splits, **c.mask_args(), split_block=c.split_block,
             )  # fmt: skip
         return self._controls[out_dtype][0]
@@ -69,7 +71,7 @@ class ReplayContext:
             c = self.cap
             split_ref = mla_decode_split_control if control else ref.mla_decode_split_ref
             self._splits[key] = split_ref(
-                c.q, c.kv_buffer, c.kv_indptr, c.kv_indices, num_kv_splits.cpu(), **c.scales(), max_kv_splits=S,
+                c.q, c.kv_buffer, c.kv_indptr, c.kv_indices, num_kv_splits.cpu(), **asdict(c.scales()), max_kv_splits=S,
                 split_block=c.split_block,
             )
         return self._splits[key]

@@ -24,23 +24,11 @@ is in :mod:`refmla.control`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 
 from refmla.paged import page_to_token
+from refmla.scales import Scales
 from refmla.schedule import MIN_BLOCK_KV, nonempty_splits_batch, split_bounds
-
-
-@dataclass(frozen=True)
-class Scales:
-    """Everything besides the tensors that changes the math."""
-
-    kv_lora_rank: int  # Dv: value width, 512 for DeepSeek-V3 / Kimi-K2
-    sm_scale: float  # softmax scale exactly as passed to the kernel (yarn mscale included)
-    logit_cap: float = 0.0  # tanh soft cap, 0 = off
-    k_scale: float = 1.0  # fp8 KV dequant scale for K
-    v_scale: float = 1.0  # fp8 KV dequant scale for V
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import math
+from dataclasses import asdict
 import subprocess
 import sys
 
@@ -46,7 +46,7 @@ def test_reader_builds_rows_and_the_reference_reads_them(tmp_path):
     path = tmp_path / "bt.safetensors"
     raw_write(path, {"q": q, "kv_buffer": pool, "seq_lens": seq, "block_table": table}, META)
     cap = read_capture(path)
-    out, lse = mla_decode_ref(cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices, **cap.scales())
+    out, lse = mla_decode_ref(cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices, **asdict(cap.scales()))
     want, want_lse = dense_reference(q, pool, cap.kv_indptr, cap.kv_indices, 512, 0.125)
     assert torch.isfinite(out[[0, 2]]).all()  # the NaN rows (null block, page tails) are never read
     torch.testing.assert_close(out[[0, 2]].double(), want[[0, 2]], rtol=1e-9, atol=1e-9)
@@ -125,3 +125,18 @@ def test_query_start_loc_must_cover_the_rows(tmp_path):
                      "query_start_loc": torch.tensor([0, 2], dtype=torch.int32)}, META)  # fmt: skip
     with pytest.raises(CaptureError, match="query_start_loc"):
         read_capture(path)
+
+
+def test_attended_block_table_is_the_capture_layout(tmp_path):
+    """Capture.attended() of a block-table capture is Attended.block_table: the rows the table names."""
+    from refmla.attended import Attended
+
+    q, pool, table, seq = _case()
+    path = tmp_path / "att.safetensors"
+    raw_write(path, {"q": q, "kv_buffer": pool, "seq_lens": seq, "block_table": table}, META)
+    att = read_capture(path).attended()
+    assert att.indptr.tolist() == [0, 6, 6, 16]
+    assert att.group_rows(0).tolist() == [28, 29, 30, 31, 8, 9]  # pages 7 and 2 of 4 rows
+    assert att.group_rows(2).tolist()[4:6] == [36, 37]  # page 9
+    multi = Attended.block_table(table[[0]], seq[[0]], P, query_start_loc=torch.tensor([0, 2]))
+    assert multi.causal_len.tolist() == [5, 6]  # two query rows, bottom-right causal

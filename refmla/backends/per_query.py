@@ -16,6 +16,8 @@ Both run on verify captures only; a decode capture is its own plain decode (``tr
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from dataclasses import dataclass
 
 import torch
@@ -94,7 +96,7 @@ class TritonDecodePerQueryBackend(Backend):
         info.update(_what(cap, batch), num_kv_splits_source=f"SGLang's get_num_kv_splits for the per-query "
                     f"lengths (cu_count={cu}, max_kv_splits={max_kv})",
                     control="split-aware: fp32 partials of that schedule, an fp32 merge")  # fmt: skip
-        control, _ = mla_control(batch.q, cap.kv_buffer, batch.kv_indptr, batch.kv_indices, **cap.scales(),
+        control, _ = mla_control(batch.q, cap.kv_buffer, batch.kv_indptr, batch.kv_indices, **asdict(cap.scales()),
                                  out_dtype=cap.out_dtype, num_kv_splits=splits.cpu())  # fmt: skip
         return BackendResult(out=out.cpu(), info=info, defines_empty_rows=False, control=control)
 

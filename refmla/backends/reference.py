@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import torch
 
 from refmla import reference as ref
@@ -12,11 +14,11 @@ def reference_output(cap, accum_dtype: torch.dtype = torch.float64) -> tuple[tor
     """out [R, H, Dv] and lse [R, H] of the capture, decode or extend, in accum_dtype."""
     args = (cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices)
     if cap.is_decode:
-        return ref.mla_decode_ref(*args, **cap.scales(), accum_dtype=accum_dtype)
+        return ref.mla_decode_ref(*args, **asdict(cap.scales()), accum_dtype=accum_dtype)
     if cap.is_verify:
-        return ref.mla_verify_ref(*args, cap.qo_indptr, **cap.mask_args(), **cap.scales(),
+        return ref.mla_verify_ref(*args, cap.qo_indptr, **cap.mask_args(), **asdict(cap.scales()),
                                   accum_dtype=accum_dtype)  # fmt: skip
-    return ref.mla_extend_ref(*args, cap.qo_indptr, **cap.scales(), accum_dtype=accum_dtype)
+    return ref.mla_extend_ref(*args, cap.qo_indptr, **asdict(cap.scales()), accum_dtype=accum_dtype)
 
 
 class ReferenceBackend(Backend):

@@ -22,6 +22,7 @@ through a page-size-1 table of its slots, the layout vLLM's ROCM_AITER_MLA build
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any, Optional
 
 import torch
@@ -182,7 +183,7 @@ def _result(cap, out, lse, logits, S: int, info: dict[str, Any]) -> BackendResul
     control = None
     if m.split_schedule != "uniform":  # the noise floor of the schedule that ran here
         control = mla_control(
-            cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices, **cap.scales(), out_dtype=cap.out_dtype,
+            cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices, **asdict(cap.scales()), out_dtype=cap.out_dtype,
             num_kv_splits=splits, split_block=SPLIT_BLOCKS["uniform"],
         )[0]  # fmt: skip
     # stage 1 dequantizes V on load, so its partials carry v_scale; refmla's convention (SGLang's

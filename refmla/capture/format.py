@@ -14,6 +14,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from refmla import CAPTURE_FORMAT
+from refmla.attended import Attended
+from refmla.scales import Scales
 from refmla.schedule import MIN_BLOCK_KV, SPLIT_BLOCKS
 from refmla.util import request_label
 
@@ -281,6 +283,7 @@ class Capture:
     block_table: Optional[torch.Tensor] = None  # [B, M] page numbers (kv_buffer rows / page_size)
     query_start_loc: Optional[torch.Tensor] = None  # [B + 1] vLLM: request b's query rows
     warnings: list = field(default_factory=list)
+    _attended: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -306,11 +309,28 @@ class Capture:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {n: getattr(self, n) for n in TENSORS if getattr(self, n) is not None}
 
-    def scales(self) -> dict[str, Any]:
-        """The keyword arguments every reference function takes."""
+    def scales(self) -> Scales:
+        """The scalars of this call's math, passed whole to the reference, the control and the backends."""
         m = self.meta
-        return dict(kv_lora_rank=m.kv_lora_rank, sm_scale=m.sm_scale, logit_cap=m.logit_cap,
-                    k_scale=m.k_scale, v_scale=m.v_scale)  # fmt: skip
+        return Scales(m.kv_lora_rank, m.sm_scale, m.logit_cap, m.k_scale, m.v_scale)
+
+    def attended(self) -> Attended:
+        """What each query row reads (:mod:`refmla.attended`), built once (read_capture builds it
+        after validation) and rebuilt only when an index tensor is replaced or changed in place."""
+        sources = (self.kv_indptr, self.kv_indices, self.qo_indptr, self.custom_mask, self.mask_indptr,
+                   self.block_table, self.seq_lens)
+        key = tuple((id(t), t._version) if t is not None else None for t in sources)
+        if self._attended is None or self._attended[0] != key:
+            tree = self.is_verify and self.custom_mask is not None
+            if self.block_table is not None and self.is_decode:  # the kernel's own layout (issue 20)
+                att = Attended.block_table(self.block_table, self.seq_lens, self.meta.page_size)
+            else:
+                att = Attended.token_index(
+                    self.kv_indptr, self.kv_indices, None if self.is_decode else self.qo_indptr,
+                    self.custom_mask if tree else None, self.mask_indptr if tree else None,
+                )  # fmt: skip
+            self._attended = (key, att)
+        return self._attended[1]
 
     @property
     def split_block(self) -> int:
@@ -336,11 +356,8 @@ class Capture:
         return request_label(b, self.rid(b))
 
     def request_of_row(self) -> torch.Tensor:
-        """Request index of each row of `out` (decode: arange(B); extend: from qo_indptr)."""
-        if self.is_decode:
-            return torch.arange(self.batch_size)
-        lens = (self.qo_indptr[1:] - self.qo_indptr[:-1]).long()
-        return torch.repeat_interleave(torch.arange(self.batch_size), lens)
+        """Request index of each row of `out` (decode: arange(B); extend / verify: from qo_indptr)."""
+        return self.attended().group_of_row
 
 
 __all__ = [

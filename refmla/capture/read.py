@@ -45,6 +45,7 @@ def read_capture(path: Any) -> Capture:
         raise CaptureError(path, "file", f"not a readable safetensors file ({reason})") from None
     cap = Capture(path=str(path), meta=meta, **loaded)
     cap.warnings.extend(validate(cap))
+    cap.attended()  # built once, here, from the validated indices
     unknown = sorted(names - set(TENSORS))
     if unknown:
         cap.warnings.append(f"tensors not in refmla.capture/1, ignored: {', '.join(unknown)}")

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import dataclasses
 import math
 import shlex
@@ -161,7 +163,7 @@ def self_check(ctx: GoldenContext, tol: Tolerance) -> BackendEntry:
     S0 = s["attn_logits"].shape[2]
     parts, lses, valid = ref.mla_decode_split_ref(
         cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices, cap.num_kv_splits,
-        **{**cap.scales(), "v_scale": 1.0}, max_kv_splits=S0,
+        **asdict(cap.scales().but(v_scale=1.0)), max_kv_splits=S0,
     )  # fmt: skip
     B, H, _, Dv = parts.shape
     per_split = lambda x: x.transpose(1, 2).reshape(B * S0, H, Dv)  # noqa: E731 [B, H, S, Dv] -> [B * S, H, Dv]

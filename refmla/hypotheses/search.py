@@ -68,7 +68,7 @@ class Search:
     def __init__(self, ctx: ReplayContext, out: torch.Tensor, cmp: Comparison):
         cap = ctx.cap
         self.ctx, self.cap, self.cmp = ctx, cap, cmp
-        self.sc = ref.Scales(**cap.scales())
+        self.sc = cap.scales()
         self.dtype = judged_dtype(out.dtype)
         self.out = out.detach().cpu()
         self.o64 = self.out.double()  # [R, H, Dv]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import math
 import os
 import time
@@ -56,7 +58,7 @@ class _Judge:
             qo = None if cap.is_decode else cap.qo_indptr
             args = (cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices)
             expected = reference_output(cap)[0]
-            control = mla_control(*args, **cap.scales(), out_dtype=self.out_dtype, qo_indptr=qo, **cap.mask_args())[0]
+            control = mla_control(*args, **asdict(cap.scales()), out_dtype=self.out_dtype, qo_indptr=qo, **cap.mask_args())[0]
             self.truth = (expected, control)
         expected, control = self.truth
         rows = cap.request_of_row()
@@ -75,7 +77,7 @@ def _try_triton(impl: str, cap, inp: ExtendInputs, out_dtype: torch.dtype, opts)
         return None, {"status": "skipped", "reason": note}
     try:
         device = getattr(opts, "device", None)
-        return run_triton_extend(inp, cap.kv_buffer, **cap.scales(), out_dtype=out_dtype, device=device), {}
+        return run_triton_extend(inp, cap.kv_buffer, **asdict(cap.scales()), out_dtype=out_dtype, device=device), {}
     except Exception as e:
         if impl == "triton":
             raise
@@ -108,7 +110,7 @@ class ExtendBackend(Backend):
         out_dtype = cap.out_dtype
         inp = as_extend(cap)
         t0 = time.perf_counter()
-        t_out, t_lse = mla_extend_local(inp, cap.kv_buffer, **cap.scales(), out_dtype=out_dtype)
+        t_out, t_lse = mla_extend_local(inp, cap.kv_buffer, **asdict(cap.scales()), out_dtype=out_dtype)
         torch_s = round(time.perf_counter() - t0, 3)
         tri, tri_entry = _try_triton(impl, cap, inp, out_dtype, opts)
         judge = _Judge(cap, out_dtype, getattr(opts, "tol", None))
