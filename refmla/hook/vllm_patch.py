@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 from refmla.hook.call import Skip, VllmCall
 from refmla.hook.config import HookConfig
 from refmla.hook.filters import GRAPH_NOTE
-from refmla.hook.postimport import PostImportFinder
+from refmla.hook.postimport import PostImportFinder, activate
 from refmla.hook.runtime import compiling, graph_capturing
 from refmla.hook.vllm_paths import MARK, METHODS, VLLM_IMPLS
 from refmla.hook.writer import HookState
@@ -59,12 +59,7 @@ def install(cfg: HookConfig) -> HookState:
     os.makedirs(cfg.out_dir, exist_ok=True)
     inst = _Installed(state=HookState(cfg))
     _INSTALLED = inst
-    targets = {module: _patcher(*spec) for module, spec in VLLM_IMPLS.items()}
-    inst.finder = PostImportFinder(targets, on_error=inst.state.fail)
-    sys.meta_path.insert(0, inst.finder)
-    for module in targets:
-        if module in sys.modules:
-            inst.finder.run_callback(module, sys.modules[module])
+    inst.finder = activate({module: _patcher(*spec) for module, spec in VLLM_IMPLS.items()}, on_error=inst.state.fail)
     inst.state.log.info("vLLM capture hook active: dir=%s", cfg.out_dir)
     return inst.state
 
