@@ -38,7 +38,7 @@ VERIFY_ONLY = ("triton_decode_per_query", "aiter_decode_per_query")  # left out 
 NAMES = _FIRST + VERIFY_ONLY
 PAGED = ("flashmla", "flashinfer_mla", "cutlass_mla", "fa3_mla")  # refmla.backends.paged
 OPT_IN = ("flex", "vllm_triton", *PAGED)
-ALL_NAMES = _FIRST + OPT_IN + VERIFY_ONLY  # every name, in the order they were added
+ALL_NAMES = _FIRST + ("flex",) + VERIFY_ONLY + ("vllm_triton", *PAGED)  # every name, in the order they were added
 
 _WHERE = {
     "reference": "refmla.backends.reference:ReferenceBackend",

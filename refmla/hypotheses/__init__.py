@@ -6,8 +6,6 @@ report the first, in the table's order, that brings the backend's error back to 
     last_page_read_full {"page", "rows_read", ...}    page_size > 1: the last page read as full
     empty_split_merged  {"split", "num_kv_splits",    an empty split's NaN / zero-scratch partial merged in
                          "went_in"}
-    padded_row_leak     {"padded_requests",           a zero-length request's NaN leaked into other rows
-                         "nan_requests"}              (block-table kernels' padded CUDA-graph rows)
     seq_len_off_by      {"delta": k}                  attended seq_len + k tokens, k in -4..4, k != 0
                                                       (k > 0 through the block table: a read past it)
     offset_overflow     {"first_slot", "position",    a 32-bit row offset wrapped: positions past the
@@ -25,6 +23,8 @@ report the first, in the table's order, that brings the backend's error back to 
     head_misaligned     {"mapping": "...", "heads"}   output head h holds reference head heads[h]
     rope_mishandled     {"how"}                       q . k without its rope part, or parts swapped
     logit_cap_mismatch  {"logit_cap": c}              soft cap c applied (0: omitted)
+    padded_row_leak     {"padded_requests",           a zero-length request's NaN leaked into other rows
+                         "nan_requests"}              (stated, not recomputed: tried last)
 
     verify captures only (verify.py, tried right after last_page_len_swapped):
     draft_kv_missing    {"how", "drafts"}             the drafts' KV rows zeroed / not attended
@@ -89,7 +89,6 @@ SEARCHES: dict[str, SearchFn] = {
     numerics.NAME: numerics.search,
     pages.FULL: pages.search_full,
     empty_split.NAME: empty_split.search,
-    blocktable.PADDED_LEAK: blocktable.search_padded_leak,
     seq_len.NAME: seq_len.search,
     overflow.NAME: overflow.search,
     pages.SWAPPED: pages.search_swapped,
@@ -107,6 +106,9 @@ SEARCHES: dict[str, SearchFn] = {
     heads.NAME: heads.search,
     rope.NAME: rope.search,
     logit_cap.NAME: logit_cap.search,
+    # stated, not recomputed: last, so any family that recomputes the NaN (a read past the end into
+    # a NaN row, an empty split's 0 / 0) is preferred
+    blocktable.PADDED_LEAK: blocktable.search_padded_leak,
 }
 HYPOTHESES = tuple(SEARCHES)
 # Tried after all of SEARCHES: numerics' accumulation variants (judged by their noise's size only)

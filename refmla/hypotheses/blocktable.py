@@ -55,7 +55,8 @@ def find_null_block(s: Search, b: int, null: int) -> Iterator[Candidate]:
         pos = torch.arange(j * P, min((j + 1) * P, r.L))
         rows[pos] = null * P + pos % P  # page j read from the null block
         exp, ctl = s.attend_rows(b, rows, r.vis)
-        cands.append(Candidate({"page": j, "null_block": null}, exp, ctl, rescore(s, b, exp)))
+        if bool(torch.isfinite(exp).all()):  # a NaN row read explains any NaN output: no evidence
+            cands.append(Candidate({"page": j, "null_block": null}, exp, ctl, rescore(s, b, exp)))
     yield from sorted((c for c in cands if c.score < SCREEN), key=lambda c: c.score)
 
 
@@ -76,6 +77,8 @@ def find_pages_as_tokens(s: Search, b: int) -> Iterator[Candidate]:
     for what, rows in readings.items():
         if bool(((rows >= 0) & (rows < N)).all()):
             exp, ctl = s.attend_rows(b, rows, r.vis)
+            if not bool(torch.isfinite(exp).all()):  # reading a NaN row explains any NaN: no evidence
+                continue
             score = rescore(s, b, exp)
             if score < SCREEN:
                 yield Candidate({"read": what}, exp, ctl, score)

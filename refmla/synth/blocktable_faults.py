@@ -96,10 +96,14 @@ def _read_past(p: Planting):
 
 
 def _with_padded(spec: SynthSpec) -> SynthSpec:
-    lens = list(spec.seq_lens)
+    """A zero-length request in the batch, and the fault request whole pages long (so nothing of its
+    own, not even a read past its end into a NaN page tail, makes its row NaN)."""
+    spec = _paged(spec)
+    lens, P, b = list(spec.seq_lens), spec.page_size, spec.fault_request
     if 0 not in lens:
-        lens[-1] = 0
-    return dataclasses.replace(_paged(spec), seq_lens=tuple(lens), num_kv_splits=tuple([1] * len(lens)))
+        lens[-1 if b != len(lens) - 1 else 0] = 0
+    lens[b] = -(-max(lens[b], 1) // P) * P
+    return dataclasses.replace(spec, seq_lens=tuple(lens), num_kv_splits=tuple([1] * len(lens)))
 
 
 @fault("padded_row_nan", "a zero-length (padded) request's NaN leaked into another request's row",
