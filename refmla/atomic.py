@@ -24,6 +24,8 @@ import stat
 from pathlib import Path
 from typing import Any, Sequence, Union
 
+from refmla.util import printable
+
 TMP_MARK = ".refmla-tmp."
 _TMP_RE = re.compile(r"^\..+" + re.escape(TMP_MARK) + r"(\d+)$")
 
@@ -33,7 +35,7 @@ class WriteError(Exception):
 
     def __init__(self, path: Any, reason: str):
         self.path, self.reason = str(path), reason
-        super().__init__(f"{self.path}: cannot write: {reason}")
+        super().__init__(printable(f"{self.path}: cannot write: {reason}"))
 
 
 def _reason(e: BaseException) -> str:

@@ -33,7 +33,8 @@ New layouts are one constructor each, building the same fields; no consumer chan
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from functools import cached_property
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -113,6 +114,10 @@ class Attended:
         rows = [table[b][p // P] * P + p % P for b, p in enumerate(pos)]  # [L_b] each
         kv_indices = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
         return cls.token_index(kv_indptr, kv_indices, query_start_loc)
+    def from_tensors(cls, t: Mapping[str, torch.Tensor]) -> "Attended":
+        """:meth:`token_index` of a capture's tensors by name (synthetic and golden inputs, before a
+        Capture exists); a decode dict has no qo_indptr."""
+        return cls.token_index(t["kv_indptr"], t["kv_indices"], t.get("qo_indptr"), t.get("custom_mask"), t.get("mask_indptr"))
 
     # ----------------------------------------------------------------------------------------
     # sizes
@@ -135,7 +140,7 @@ class Attended:
     def max_length(self) -> int:
         return int(self.lengths().max()) if self.num_groups else 0
 
-    @property
+    @cached_property
     def query_indptr(self) -> torch.Tensor:
         """[G + 1] int64: group g's query rows are query_indptr[g]:query_indptr[g + 1]."""
         counts = torch.bincount(self.group_of_row, minlength=self.num_groups)  # [G]
@@ -181,6 +186,34 @@ class Attended:
         if self.causal_len is not None:
             return torch.arange(L)[None, :] < self.causal_len[qs.start : qs.stop][:, None]  # [n, L]
         return torch.ones(n, L, dtype=torch.bool)  # [n, L]
+
+    def query_positions(self, g: int) -> list[tuple[int, Positions]]:
+        """(t, what t sees of the group's rows) for each query row t of group g (see :meth:`positions`)."""
+        qs = self.queries(g)
+        if self.mask is None:
+            return [(t, self.positions(t)) for t in qs]
+        vis = self.visibility(g)  # [n, L]
+        return [(t, vis[i]) for i, t in enumerate(qs)]
+
+    def extent(self, g: int) -> torch.Tensor:
+        """[n_g] int64: per query row of group g, one past the last position it sees (a prefix length:
+        its causal_len; under a mask, the last True entry + 1; else L_g). What a hypothesis shifts."""
+        vis = self.visibility(g)  # [n, L]
+        if self.mask is None:
+            return vis.sum(1)
+        L = vis.shape[1]
+        last = torch.where(vis, torch.arange(1, L + 1)[None, :], torch.zeros_like(vis, dtype=torch.long))
+        return last.amax(1) if L else torch.zeros(vis.shape[0], dtype=torch.long)
+
+    def is_bottom_right_causal(self) -> bool:
+        """Whether every query row sees exactly its group's prefix up to its own position (query i of
+        n sees positions 0..L - n + i): an extend or chain verify, or a tree mask that is a chain."""
+        for g in range(self.num_groups):
+            vis = self.visibility(g)  # [n, L]
+            n, L = vis.shape
+            if not torch.equal(vis, torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None]):
+                return False
+        return True
 
     def positions(self, t: int) -> Positions:
         """What query row t sees of its group's rows: a slice (a prefix, or all) or an [L_g] bool mask.
@@ -246,4 +279,19 @@ class Attended:
         return [t for g in groups for t in self.queries(int(g))]
 
 
-__all__ = ["Attended", "Positions"]
+def tree_visibility(L: int, parents: Sequence[int]) -> torch.Tensor:
+    """[n, L] bool: one request's draft tree in SGLang's custom_mask layout (the n drafts are the last n
+    of L positions; ``parents[i]`` is draft i's parent draft, -1 for a root): the prefix all True,
+    draft i sees its ancestors and itself."""
+    n = len(parents)
+    m = torch.zeros(n, L, dtype=torch.bool)  # [n, L]
+    m[:, : L - n] = True
+    for i in range(n):
+        j = i
+        while j >= 0:
+            m[i, L - n + j] = True
+            j = parents[j]
+    return m
+
+
+__all__ = ["Attended", "Positions", "tree_visibility"]

@@ -8,6 +8,7 @@ reported ``invalid``.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -18,10 +19,11 @@ import torch
 
 from refmla.backends.triton_interp import ensure_interpreter
 from refmla.capture import CaptureError
-from refmla.context import ReplayOptions
-from refmla.render.progress import Progress
+from refmla.options import ReplayOptions, bound_problem
+from refmla.progress import Progress
 from refmla.replay import invalid_report, replay_file
 from refmla.results import ReplayReport
+from refmla.signals import ignore_sigint
 from refmla.util import error_text
 
 
@@ -41,7 +43,12 @@ def replay_many(paths: Sequence[str], opts: ReplayOptions, jobs: int = 1, task: 
 
     ``task`` (default :func:`replay_one`, never raising) runs per path, in the worker; a capture that
     kills its worker twice still gets an ``invalid`` ReplayReport whatever the task returns otherwise.
+    Options out of their bounds (refmla.options) are a ValueError before any work.
     """
+    opts.check()
+    problem = bound_problem("jobs", jobs)
+    if problem:
+        raise ValueError(f"option jobs: {problem}")
     paths = [str(p) for p in paths]
     task = task or replay_one
     progress = Progress(len(paths))
@@ -58,7 +65,9 @@ def replay_many(paths: Sequence[str], opts: ReplayOptions, jobs: int = 1, task: 
 
 
 def _init_worker(threads: int) -> None:
-    """Runs first in every worker process: choose the Triton interpreter before triton is imported."""
+    """Runs first in every worker process: choose the Triton interpreter before triton is imported;
+    leave SIGINT to the parent, which stops the workers itself (refmla.signals)."""
+    ignore_sigint()
     ensure_interpreter()
     torch.set_num_threads(max(1, threads))
 
@@ -77,10 +86,15 @@ def _replay_parallel(paths: list[str], opts: ReplayOptions, jobs: int, progress:
 
 
 def _run_pool(paths, todo, opts, jobs, threads, reports, progress, task=replay_one) -> list[int]:
-    """Run ``todo`` in one pool; returns the indices whose future failed with a broken pool."""
+    """Run ``todo`` in one pool; returns the indices whose future failed with a broken pool.
+
+    A report that cannot come back (it does not pickle, ...) is that capture's ``invalid`` report,
+    never the others'. SIGINT / SIGTERM (KeyboardInterrupt / Terminated) stop every worker before
+    they propagate: no process outlives the command."""
     died = []
-    with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=mp.get_context("spawn"),
-                             initializer=_init_worker, initargs=(threads,)) as pool:  # fmt: skip
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=mp.get_context("spawn"),
+                               initializer=_init_worker, initargs=(threads,))  # fmt: skip
+    try:
         futs = {pool.submit(task, paths[i], opts): i for i in todo}
         for fut in as_completed(futs):
             i = futs[fut]
@@ -89,5 +103,27 @@ def _run_pool(paths, todo, opts, jobs, threads, reports, progress, task=replay_o
             except BrokenProcessPool:
                 died.append(i)
                 continue
+            except Exception as e:  # the worker's report did not survive the trip back
+                reports[i] = invalid_report(paths[i], CaptureError(paths[i], "replay", error_text(e)))
             progress.step(paths[i])
+    except BaseException:
+        _stop(pool)
+        raise
+    pool.shutdown(wait=True)
     return sorted(died)
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """End the pool now: cancel what is queued, terminate the workers (kill the stubborn), reap them."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.terminate()
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    # the spawn context's resource tracker ends by itself once this process exits (its pipe closes)

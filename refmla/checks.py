@@ -10,6 +10,8 @@ per request), not by sampling:
     partial_zero_rows    attended rows whose latent or rope part alone is all zero
     nonfinite_rows       attended KV rows holding NaN / Inf
     padding_slot         physical slot 0 attended (SGLang reserves it for padded tokens); a note
+    nonfinite_input      NaN / Inf in what a request attends (its q rows, heads named; its attended KV
+                         rows): the replay's verdict is ``diverged`` with diagnosis ``upstream_nonfinite``
 
 Every fact is a *finding* (refmla.results.Finding: ``check``, ``severity``, ``request``, ``rid``,
 the numbers and a ``message``). Errors make a capture invalid; warnings are suspicious facts (``inspect``
@@ -40,6 +42,7 @@ def check_capture(cap: Capture) -> MetadataReport:
         findings += req_to_token_agreement(cap)
         findings += row_contents(cap)
         findings += padding_slot(cap)
+        findings += nonfinite_inputs(cap)
     errors = [f.message for f in findings if f.severity == "error"]
     warnings = list(cap.warnings) + [f.message for f in findings if f.severity == "warning"]
     return MetadataReport(ok=not errors, errors=errors, warnings=warnings, findings=findings)
@@ -153,6 +156,47 @@ def row_contents(cap: Capture) -> list[Finding]:
                 count=n, first_position=j, row=slot,
             ))  # fmt: skip
     return found
+
+
+UPSTREAM = "the input is already non-finite: the fault is upstream of attention"
+
+
+def nonfinite_inputs(cap: Capture) -> list[Finding]:
+    """Requests whose q rows or attended KV rows hold NaN / Inf (requests that attend nothing are
+    left out: their output does not read q). Every output a kernel writes from them is garbage in,
+    and agreeing NaN is not agreement (docs/contract.md section 6, ``upstream_nonfinite``)."""
+    seq = cap.seq_lens.long()
+    bad_q = ~torch.isfinite(cap.q.float()).all(dim=-1)  # [T, H]
+    heads_of = torch.zeros(cap.batch_size, cap.num_heads, dtype=torch.bool)  # [B, H]
+    heads_of.index_put_((cap.request_of_row(),), bad_q, accumulate=True)
+    idx = cap.kv_indices.long()
+    kv_count = torch.zeros(cap.batch_size, dtype=torch.long)
+    if idx.numel():
+        rows, inverse = torch.unique(idx, return_inverse=True)
+        nonfinite = row_flags(cap.kv_buffer, rows, cap.meta.kv_lora_rank)["nonfinite"][inverse]  # [nnz]
+        kv_count, _ = per_request(nonfinite, cap.kv_indptr.long())
+    found = []
+    for b in torch.nonzero((heads_of.any(dim=1) | (kv_count > 0)) & (seq > 0)).flatten().tolist():
+        heads = torch.nonzero(heads_of[b]).flatten().tolist()
+        where = ([f"q (heads {id_ranges(heads)})"] if heads else []) + (
+            [f"kv_buffer ({int(kv_count[b])} of {int(seq[b])} attended rows, every head)"] if kv_count[b] else [])
+        what = " and ".join(where)
+        found.append(_finding(
+            cap, "nonfinite_input", "warning", b, f"{cap.label(b)}: NaN/Inf in {what}: {UPSTREAM}",
+            q_heads=heads, kv_rows=int(kv_count[b]), where=what,
+        ))  # fmt: skip
+    return found
+
+
+def id_ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    out: list[str] = []
+    for i in ids:
+        if out and i == int(out[-1].split("-")[-1]) + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
 
 
 def padding_slot(cap: Capture) -> list[Finding]:

@@ -50,9 +50,12 @@ class Comparison:
     reasons: list = field(default_factory=list)
     row_err: Optional[torch.Tensor] = field(default=None, repr=False)  # [R, H] max abs err
     row_tol: Optional[torch.Tensor] = field(default=None, repr=False)  # [R, H] allowed
+    # [R, H] the verdict per compared (row, head): over its allowance, NaN / signed Inf misplaced, or
+    # its cosine difference over its ceiling (False for rows not compared); what the search reads
+    row_failed: Optional[torch.Tensor] = field(default=None, repr=False)
 
     def to_json(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("row_err", "row_tol", "name")}
+        d = {k: v for k, v in asdict(self).items() if k not in ("row_err", "row_tol", "row_failed", "name")}
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
 
     def summary(self) -> str:
@@ -114,7 +117,7 @@ def compare(
     bad, nan_reason = _nan_inf_placement(a, e, mask, req)  # 1. NaN / Inf placement
     rows = _row_errors(a, e, control, tol, out_dtype)  # 2. error per (row, head) vs its allowance
     failed_rows, row_reason = _rows_over_allowance(rows, mask, req)
-    whole_cos, row_cos, cos_reasons = _cosine(a, e, rows, mask, req, tol, failed_rows)  # 3. cosine
+    whole_cos, row_cos, cos_reasons, cos_failed = _cosine(a, e, rows, mask, req, tol, failed_rows)  # 3. cosine
     reasons = [r for r in (nan_reason, row_reason) if r] + cos_reasons
     nan_mismatch = int(bad.sum())
     worst = _worst_row(a, e, rows, mask, req, bad if nan_mismatch else None)  # 4. the worst row
@@ -136,6 +139,7 @@ def compare(
         reasons=reasons,
         row_err=rows.row_err,
         row_tol=rows.row_tol,
+        row_failed=((rows.row_err > rows.row_tol) | bad.any(-1) | cos_failed) & mask[:, None],
     )
 
 
@@ -149,6 +153,12 @@ class _RowErrors:
     row_mag: torch.Tensor  # [R, H] the reference's largest finite magnitude
     row_tol: torch.Tensor  # [R, H] allowed: k * control's max abs error + ulps * ulp(row_mag)
     ctrl_cos: torch.Tensor  # [R, H] the control's own cosine difference
+
+
+def same_nonfinite(a: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """Where both are NaN or both the same signed Inf: the output's placement rule, which the lse
+    and the split lse follow too (NaN vs NaN and -inf vs -inf judged alike: as agreeing values)."""
+    return (torch.isnan(a) & torch.isnan(e)) | (torch.isinf(a) & (a == e))
 
 
 def _nan_inf_placement(
@@ -205,9 +215,9 @@ def _rows_over_allowance(rows: _RowErrors, mask: torch.Tensor, req: torch.Tensor
 def _cosine(
     a: torch.Tensor, e: torch.Tensor, rows: _RowErrors, mask: torch.Tensor, req: torch.Tensor, tol: Tolerance,
     failed_rows: int,
-) -> tuple[float, torch.Tensor, list[str]]:
-    """(cosine difference of the whole output, per row [R, H], reasons). A row's cosine is reported
-    only when no row already failed on its error."""
+) -> tuple[float, torch.Tensor, list[str], torch.Tensor]:
+    """(cosine difference of the whole output, per row [R, H], reasons, rows over their ceiling
+    [R, H]). A row's cosine is reported only when no row already failed on its error."""
     H = a.shape[1]
     am = torch.where(rows.finite & mask[:, None, None], a, 0)
     em = torch.where(rows.finite & mask[:, None, None], e, 0)
@@ -225,7 +235,7 @@ def _cosine(
         reasons.append(
             f"cosine difference {row_cos[r, h].item():.3g} on request {int(req[r])} head {h} > {row_cos_tol[r, h].item():.3g}"
         )
-    return whole_cos, row_cos, reasons
+    return whole_cos, row_cos, reasons, row_cos > row_cos_tol
 
 
 def _worst_row(
@@ -246,6 +256,44 @@ def _worst_row(
         worst.update(actual=_num(a[r, h, d]), expected=_num(e[r, h, d]), err=_num(rows.row_err[r, h]),
                      allowed=_num(rows.row_tol[r, h]), ratio=_num(ratio[r, h]))  # fmt: skip
     return worst
+
+
+@dataclass
+class LseJudgement:
+    """An lse judged value by value (:func:`judge_lse`)."""
+
+    bad: torch.Tensor  # [...] bool: off by more than allowed, or NaN / an Inf the reference does not have
+    err: torch.Tensor  # [...] fp64 |got - want|, 0 where both are the same infinity
+    allowed: torch.Tensor  # [...] fp64
+
+    def worst(self) -> tuple[int, ...]:
+        """Index of the worst value: a non-finite error first, else the highest err / allowed."""
+        ratio = torch.where(self.bad & ~torch.isfinite(self.err), torch.full_like(self.err, math.inf),
+                            self.err / self.allowed)  # fmt: skip
+        flat = int(ratio.nan_to_num(math.inf).argmax()) if ratio.numel() else 0
+        return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), ratio.shape)) if ratio.numel() else ()
+
+
+def judge_lse(
+    got: torch.Tensor, want: torch.Tensor, control: Optional[torch.Tensor] = None, k: float = 0.0,
+    floor: Optional[torch.Tensor] = None, slack: Optional[torch.Tensor] = None,
+) -> LseJudgement:  # fmt: skip
+    """The one lse rule (docs/contract.md section 5): |got - want| <= k * |control - want| + floor
+    (+ slack), floor 1e-5 * (1 + |want|) unless given; non-finite values follow the output's rule
+    (:func:`same_nonfinite`: NaN against NaN and the same infinity on both sides, an empty row's
+    -inf, agree; a NaN or Inf against anything else fails; issue 22). Used by the replay's lse
+    check, the split partials' lse and the goldens' self-check (floor: one fp32 ulp, k 0)."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    err = (got - want).abs()
+    err = torch.where(same_nonfinite(got, want), torch.zeros_like(err), err)
+    if floor is None:
+        floor = 1e-5 * (1 + want.abs().nan_to_num(0.0))
+    allowed = floor
+    if control is not None:
+        allowed = k * (control.detach().double().cpu() - want).abs().nan_to_num(0.0) + floor
+    if slack is not None:
+        allowed = allowed + slack
+    return LseJudgement(bad=~(err <= allowed), err=err, allowed=allowed)
 
 
 def _num(x: torch.Tensor) -> Optional[float]:

@@ -6,28 +6,16 @@ any of them.
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 
 from refmla import reference as ref
 from refmla.backends.reference import reference_output
 from refmla.capture import Capture
-from refmla.compare import Comparison, Tolerance, compare, judged_dtype
-from refmla.control import mla_control, mla_decode_split_control
-
-
-@dataclass
-class ReplayOptions:
-    backends: Optional[Sequence[str]] = None  # None: every backend usable here
-    tol: Tolerance = field(default_factory=Tolerance)
-    device: Optional[str] = None  # where kernels run; None: the capture's / best available
-    cu_count: int = 256  # for computing num_kv_splits when the capture lacks them (MI355X)
-    explain: bool = True  # search hypotheses for failing backends
-    trim: bool = True  # triton: size split buffers to the splits that hold tokens (bit-identical)
+from refmla.compare import Comparison, compare, judged_dtype
+from refmla.control import capture_control, mla_decode_split_control
+from refmla.options import ReplayOptions
 
 
 class ReplayContext:
@@ -50,13 +38,7 @@ class ReplayContext:
     def control(self, out_dtype: torch.dtype) -> torch.Tensor:
         """The low-precision control's output in ``out_dtype`` (cached per dtype)."""
         if out_dtype not in self._controls:
-            c = self.cap
-            qo = None if c.is_decode else c.qo_indptr
-            splits = c.num_kv_splits if c.is_decode else None  # the production split schedule
-            self._controls[out_dtype] = mla_control(
-                c.q, c.kv_buffer, c.kv_indptr, c.kv_indices, **asdict(c.scales()), out_dtype=out_dtype,
-                qo_indptr=qo, num_kv_splits=splits, **c.mask_args(), split_block=c.split_block,
-            )  # fmt: skip
+            self._controls[out_dtype] = capture_control(self.cap, out_dtype)
         return self._controls[out_dtype][0]
 
     def control_lse(self, out_dtype: torch.dtype) -> torch.Tensor:
@@ -71,9 +53,8 @@ class ReplayContext:
             c = self.cap
             split_ref = mla_decode_split_control if control else ref.mla_decode_split_ref
             self._splits[key] = split_ref(
-                c.q, c.kv_buffer, c.kv_indptr, c.kv_indices, num_kv_splits.cpu(), **asdict(c.scales()), max_kv_splits=S,
-                split_block=c.split_block,
-            )
+                c.q, c.kv_buffer, c.attended(), num_kv_splits.cpu(), c.scales(), max_kv_splits=S, split_block=c.split_block,
+            )  # fmt: skip
         return self._splits[key]
 
     def empty_rows(self) -> torch.Tensor:
@@ -90,3 +71,6 @@ class ReplayContext:
             name, out, self.ref_out, ctl, out_dtype=dtype, tol=self.opts.tol,
             row_mask=row_mask, request_of_row=self.cap.request_of_row(),
         )  # fmt: skip
+
+
+__all__ = ["ReplayContext", "ReplayOptions"]  # ReplayOptions: refmla.options, re-exported

@@ -9,7 +9,7 @@ fp32 and the merge is fp32, as the split kernels do.
 
 :class:`Rounding` moves those rounding points (a kernel that stores toward zero, accumulates P.V
 in bf16, merges its splits with the wrong base, ...): the numerics hypotheses recompute the
-control under it (refmla.hypotheses.numerics) and refmla synth plants it (refmla.synth.numerics).
+control under it (refmla.hypotheses.numerics) and refmla synth plants it (refmla.synth.rounding).
 The default, STANDARD, is the control described above, bit for bit.
 """
 
@@ -20,13 +20,17 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-
-from refmla.reference import Scales, gather, mla_decode_split_ref, request_rows, verify_visibility
+from refmla.attended import Attended
+from refmla.blocked import GROUP_BYTES, Spans, plan
+from refmla.capture import Capture
+from refmla.reference import gather, mla_decode_split_ref, one_pool
+from refmla.scales import Scales
 from refmla.schedule import MIN_BLOCK_KV, split_bounds
 
 STORES = ("nearest_even", "toward_zero", "half_away", "via_fp16")  # fp32 result -> output dtype
 MERGES = ("ln", "log2_as_ln", "ln_as_log2", "unnormalized")  # how split partials are merged
 QK_CHUNK = 64  # dims summed in fp32 before a narrow q.k accumulator rounds (the rope part is one chunk)
+CONTROL_BLOCK_ROWS = 16384  # rows the control gathers and upcasts at once; a longer span is merged in fp32
 PV_BLOCK = 32  # positions summed in fp32 before a narrow P.V accumulator rounds (Triton's BLOCK_N)
 LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
 
@@ -92,14 +96,13 @@ def _away_from_zero(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor, accum: Optional[torch.dtype], chunk: int) -> torch.Tensor:
-    """a [M, K] @ b [K, N] in fp32, or summed in ``accum`` ``chunk`` of K at a time (rounded after each)."""
+    """a [.., M, K] @ b [.., K, N] in fp32, or summed in ``accum`` ``chunk`` of K at a time (rounded after each)."""
     if accum is None:
         return a @ b
-    acc = torch.zeros(a.shape[0], b.shape[1], dtype=accum)
-    for c in range(0, a.shape[1], chunk):
-        acc = (acc.float() + a[:, c : c + chunk] @ b[c : c + chunk]).to(accum)
+    acc = torch.zeros(*a.shape[:-1], b.shape[-1], dtype=accum)
+    for c in range(0, a.shape[-1], chunk):
+        acc = (acc.float() + a[..., c : c + chunk] @ b[..., c : c + chunk, :]).to(accum)
     return acc.float()
-
 
 
 def attend_control(
@@ -119,19 +122,25 @@ def attend_control(
 
 
 def _attend32(q: torch.Tensor, kv: torch.Tensor, sc: Scales, rnd: Rounding) -> tuple[torch.Tensor, ...]:
-    """attend_control before the store: out [H, Dv] fp32, lse [H] and the softmax sum [H] fp32."""
-    H, Dv = q.shape[0], sc.kv_lora_rank
+    """attend_control before the store: out [.., H, Dv] fp32, lse [.., H] and the softmax sum [.., H] fp32.
+
+    q [H, D] and kv [L, D], or a batch of them (q [G, H, D], kv [G, L, D]: the same ops per entry)."""
+    H, Dv = q.shape[-2], sc.kv_lora_rank
     f32 = torch.float32
-    if kv.shape[0] == 0:
-        return q.new_zeros(H, Dv, dtype=f32), q.new_full((H,), -math.inf, dtype=f32), q.new_zeros(H, dtype=f32)
-    q_nope, q_pe = q[:, :Dv], q[:, Dv:]  # [H, Dv], [H, Dr]
+    if kv.shape[-2] == 0:
+        lead = q.shape[:-1]
+        return q.new_zeros(*lead, Dv, dtype=f32), q.new_full(lead, -math.inf, dtype=f32), q.new_zeros(lead, dtype=f32)
+    q_nope, q_pe = q[..., :Dv], q[..., Dv:]  # [H, Dv], [H, Dr]
     if kv.dtype.itemsize < q.dtype.itemsize:  # narrower pool: the dot runs in the pool dtype
         q_nope = q_nope.to(kv.dtype)
     k32 = kv.to(f32)  # [L, D]
-    if rnd.qk_accum is None:
-        s = q_nope.to(f32) @ k32[:, :Dv].T + q_pe.to(f32) @ k32[:, Dv:].T  # [H, L]
+    kT = k32.transpose(-1, -2)  # [D, L]
+    if rnd.qk_accum is None and kv.shape[-2] == 1:  # one row: a dot (a GEMV's order depends on the batch)
+        s = ((q_nope.to(f32) * k32[..., :Dv]).sum(-1) + (q_pe.to(f32) * k32[..., Dv:]).sum(-1))[..., None]  # [H, 1]
+    elif rnd.qk_accum is None:
+        s = q_nope.to(f32) @ kT[..., :Dv, :] + q_pe.to(f32) @ kT[..., Dv:, :]  # [H, L]
     else:
-        s = _dot(torch.cat([q_nope.to(f32), q_pe.to(f32)], -1), k32.T, rnd.qk_accum, QK_CHUNK)
+        s = _dot(torch.cat([q_nope.to(f32), q_pe.to(f32)], -1), kT, rnd.qk_accum, QK_CHUNK)
     s = s * (sc.sm_scale * sc.k_scale)
     if sc.logit_cap > 0:
         s = sc.logit_cap * torch.tanh(s / sc.logit_cap)
@@ -139,54 +148,84 @@ def _attend32(q: torch.Tensor, kv: torch.Tensor, sc: Scales, rnd: Rounding) -> t
     p = torch.exp(s - m)  # [H, L] fp32
     l = p.sum(dim=-1, keepdim=True)  # [H, 1] fp32, from the unrounded probabilities
     pr = p.to(rnd.p_dtype or kv.dtype).to(f32)  # P rounded to the value dtype
-    acc = _dot(pr, k32[:, :Dv], rnd.pv_accum, PV_BLOCK)  # [H, Dv]
-    return acc / l * sc.v_scale, (m + torch.log(l))[:, 0], l[:, 0]
+    acc = _dot(pr, k32[..., :Dv], rnd.pv_accum, PV_BLOCK)  # [H, Dv]
+    return acc / l * sc.v_scale, (m + torch.log(l))[..., 0], l[..., 0]
 
 
 def mla_control(
-    q: torch.Tensor,
-    kv_buffer: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    *,
-    kv_lora_rank: int,
-    sm_scale: float,
-    out_dtype: torch.dtype,
-    logit_cap: float = 0.0,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    qo_indptr: torch.Tensor | None = None,
-    num_kv_splits: torch.Tensor | None = None,
+    q: torch.Tensor, kv_buffer: torch.Tensor, att: Attended, sc: Scales, out_dtype: torch.dtype,
     rounding: Rounding = STANDARD,
-    custom_mask: torch.Tensor | None = None,
-    mask_indptr: torch.Tensor | None = None,
-    split_block: int = MIN_BLOCK_KV,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Low-precision control for decode (qo_indptr None), extend or verify: out in out_dtype, lse fp32.
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The control of every query row over what ``att`` says it sees (decode, extend, chain or
+    tree verify), unsplit: out [R, H, Dv] in out_dtype, lse [R, H] fp32."""
+    return control_spans(q, kv_buffer, Spans.of_attended(one_pool(att)), sc, out_dtype, rounding)  # blocked, batched
 
-    With ``num_kv_splits`` (decode), each request follows the production split schedule: fp32
-    partials per split, merged in fp32, then rounded -- the split kernels' rounding points. With a
-    verify ``custom_mask`` (refmla.reference.verify_visibility), each token sees its mask's positions.
-    """
-    sc = Scales(kv_lora_rank, sm_scale, logit_cap, k_scale, v_scale)
-    T, H = q.shape[0], q.shape[1]
-    if qo_indptr is None:
-        qo_indptr = torch.arange(T + 1)
-    out = torch.zeros(T, H, kv_lora_rank, dtype=out_dtype, device=q.device)  # [T, H, Dv]
-    lse = torch.full((T, H), -math.inf, dtype=torch.float32, device=q.device)  # [T, H]
-    for b in range(len(qo_indptr) - 1):
-        q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
-        kv = gather(kv_buffer, request_rows(kv_indptr, kv_indices, b), kv_buffer.dtype)  # [L, D]
-        prefix = kv.shape[0] - (q1 - q0)
-        vis = None if custom_mask is None else verify_visibility(kv.shape[0], q1 - q0, b, custom_mask, mask_indptr)
-        for i, t in enumerate(range(q0, q1)):
-            if num_kv_splits is not None:
-                out[t], lse[t] = attend_control_split(q[t], kv, sc, out_dtype, int(num_kv_splits[b]), rounding, split_block)
-            elif vis is not None:
-                out[t], lse[t] = attend_control(q[t], kv[vis[i].to(kv.device)], sc, out_dtype, rounding)
-            else:
-                out[t], lse[t] = attend_control(q[t], kv[: prefix + i + 1], sc, out_dtype, rounding)
+
+def mla_control_split(
+    q: torch.Tensor, kv_buffer: torch.Tensor, att: Attended, num_kv_splits: torch.Tensor, sc: Scales,
+    out_dtype: torch.dtype, rounding: Rounding = STANDARD, split_block: int = MIN_BLOCK_KV,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The control of a decode call under its split schedule (granularity ``split_block``: 32
+    SGLang, 1 vLLM's uniform ceil(L / n)): each request's fp32 partials merged in fp32, then
+    rounded (the split kernels' rounding points). out [B, H, Dv], lse [B, H] fp32."""
+    B, H = q.shape[0], q.shape[1]
+    out = torch.zeros(B, H, sc.kv_lora_rank, dtype=out_dtype, device=q.device)  # [B, H, Dv]
+    lse = torch.full((B, H), -math.inf, dtype=torch.float32, device=q.device)  # [B, H]
+    for b in range(B):
+        kv = gather(kv_buffer, att.group_rows(b), kv_buffer.dtype)  # [L, D] as stored
+        out[b], lse[b] = attend_control_split(q[b], kv, sc, out_dtype, int(num_kv_splits[b]), rounding, split_block)
     return out, lse
+
+
+def control_spans(
+    q: torch.Tensor, kv_buffer: torch.Tensor, spans: Spans, sc: Scales, out_dtype: torch.dtype,
+    rnd: Rounding = STANDARD,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """attend_control of every span (refmla.blocked.Spans): out [R, H, Dv] in out_dtype, lse [R, H] fp32.
+
+    Spans of one length up to refmla.blocked.BLOCK_ROWS run as one batch (the same ops per entry,
+    :func:`_attend32` on [G, L, D]); longer ones one at a time through :func:`attend_control_rows`."""
+    R, H, D = spans.lens.shape[0], q.shape[1], q.shape[-1]
+    out = torch.zeros(R, H, sc.kv_lora_rank, dtype=out_dtype, device=q.device)  # [R, H, Dv]
+    lse = torch.full((R, H), -math.inf, dtype=torch.float32, device=q.device)  # [R, H]
+    qrow = (lambda r: r) if spans.query is None else (lambda r: spans.query[r])
+    for kind, rows in plan(spans.lens, H, D, sc.kv_lora_rank, kv_buffer.dtype.itemsize + 4):
+        if kind == "long":
+            r = int(rows[0])
+            start, n = int(spans.starts[r]), int(spans.lens[r])
+            out[r], lse[r] = attend_control_rows(q[qrow(r)], kv_buffer, spans.indices[start : start + n], sc, out_dtype, rnd)
+            continue
+        L = int(spans.lens[rows[0]])
+        flat = (spans.starts[rows][:, None] + torch.arange(L)[None, :]).reshape(-1)  # [G * L]
+        kv = gather(kv_buffer, spans.indices[flat].long(), kv_buffer.dtype).view(len(rows), L, D)  # [G, L, D]
+        o, l, _ = _attend32(q[qrow(rows)], kv, sc, rnd)  # [G, H, Dv], [G, H]
+        out[rows], lse[rows] = store_as(o, out_dtype, rnd.store), l
+    return out, lse
+
+
+def control_budget(H: int, D: int, Dv: int, stored_itemsize: int) -> int:
+    """Bytes :func:`control_spans` holds besides its outputs: one block of CONTROL_BLOCK_ROWS rows as
+    stored and in fp32 with its fp32 logits, probabilities and rounded probabilities [H, n], or one
+    batch of short spans (refmla.blocked.GROUP_BYTES); plus the fp32 partials of a span's blocks."""
+    block = CONTROL_BLOCK_ROWS * (D * (stored_itemsize + 4) + 4 * H * 4)
+    return max(block, GROUP_BYTES) + 2 * H * (Dv + 2) * 4 * 64  # partials: 64 blocks' worth of headroom
+
+
+def attend_control_rows(
+    q: torch.Tensor, kv_buffer: torch.Tensor, rows: torch.Tensor, sc: Scales, out_dtype: torch.dtype,
+    rnd: Rounding = STANDARD,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """attend_control over pool ``rows``, gathered CONTROL_BLOCK_ROWS at a time: one block is
+    :func:`attend_control` itself; a longer span's blocks are fp32 partials merged in fp32, as a
+    split kernel merges its splits (so memory stays at one block whatever the length)."""
+    if rows.shape[0] <= CONTROL_BLOCK_ROWS:
+        return attend_control(q, gather(kv_buffer, rows.long(), kv_buffer.dtype), sc, out_dtype, rnd)
+    parts = [_attend32(q, gather(kv_buffer, rows[s : s + CONTROL_BLOCK_ROWS].long(), kv_buffer.dtype), sc, rnd)
+             for s in range(0, rows.shape[0], CONTROL_BLOCK_ROWS)]  # fmt: skip
+    outs = torch.stack([o for o, _, _ in parts])  # [S, H, Dv] fp32
+    lses = torch.stack([l for _, l, _ in parts])  # [S, H] fp32
+    lse = torch.logsumexp(lses, dim=0)  # [H]
+    return store_as((torch.exp(lses - lse)[..., None] * outs).sum(dim=0), out_dtype, rnd.store), lse
 
 
 def attend_control_split(
@@ -228,11 +267,39 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor, sums: torch.Tensor, r
     return (w[..., None] * outs).sum(dim=0) / w.sum(dim=0)[..., None]
 
 
-def mla_decode_split_control(q, kv_buffer, kv_indptr, kv_indices, num_kv_splits, **kw):
+def mla_decode_split_control(
+    q: torch.Tensor, kv_buffer: torch.Tensor, att: Attended, num_kv_splits: torch.Tensor, sc: Scales,
+    max_kv_splits: int | None = None, split_block: int = MIN_BLOCK_KV,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`refmla.reference.mla_decode_split_ref` at the control's rounding points: fp32 partials
     [B, H, S, Dv] and lse [B, H, S], as the Triton stage-1 kernel stores them, and valid [B, S]."""
 
     def split32(qb: torch.Tensor, kv: torch.Tensor, sc: Scales):
         return attend_control(qb, kv, sc, torch.float32)
 
-    return mla_decode_split_ref(q, kv_buffer, kv_indptr, kv_indices, num_kv_splits, **kw, attend_fn=split32)
+    return mla_decode_split_ref(
+        q, kv_buffer, att, num_kv_splits, sc, max_kv_splits=max_kv_splits, attend_fn=split32, split_block=split_block,
+    )  # fmt: skip
+
+
+def control_output(
+    q: torch.Tensor, kv_buffer: torch.Tensor, att: Attended, sc: Scales, out_dtype: torch.dtype,
+    num_kv_splits: Optional[torch.Tensor] = None, rounding: Rounding = STANDARD, split_block: int = MIN_BLOCK_KV,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The control a replay judges against: under the split schedule when ``num_kv_splits`` is
+    given (decode, :func:`mla_control_split`, granularity ``split_block``), else :func:`mla_control`."""
+    if num_kv_splits is not None:
+        return mla_control_split(q, kv_buffer, att, num_kv_splits, sc, out_dtype, rounding, split_block)
+    return mla_control(q, kv_buffer, att, sc, out_dtype, rounding)
+
+
+def capture_control(
+    cap: Capture, out_dtype: torch.dtype, rounding: Rounding = STANDARD, sc: Optional[Scales] = None,
+    q: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`control_output` of a capture (its split schedule in decode). ``sc`` / ``q``: other
+    scales or another q than the capture's (a hypothesis's candidate)."""
+    splits = cap.num_kv_splits if cap.is_decode else None
+    q = cap.q if q is None else q
+    att, sc = cap.attended(), sc or cap.scales()
+    return control_output(q, cap.kv_buffer, att, sc, out_dtype, splits, rounding, cap.split_block)

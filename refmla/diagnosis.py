@@ -14,6 +14,8 @@
                           computes the same attention with different rounding (named); no data
                           or metadata fault
     backend_error         a backend crashed and nothing diverged
+    upstream_nonfinite    a request's q or attended KV rows hold NaN / Inf: the input is already
+                          non-finite, the fault is upstream of attention (whatever the kernels wrote)
     metadata              the capture's metadata is invalid; nothing was replayed
     verify                (verify captures) a verify path (aiter max_seqlen_q > 1, the Triton extend
                           with the mask) diverges while the plain decode over the same KV agrees
@@ -30,12 +32,15 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
+from refmla.util import request_label
+
 DECODE_KERNELS = ("triton", "aiter", "flex", "vllm_triton", "flashmla", "flashinfer_mla", "cutlass_mla", "fa3_mla")  # offline decode paths (flex: an independent compiled kernel)
 EXTEND = "extend"
 
 SENTENCES = {
     None: "all backends agree with the reference",
     "metadata": "the capture's metadata is invalid; nothing was replayed",
+    "upstream_nonfinite": "the input is already non-finite: the fault is upstream of attention ({where})",
     "observed": (
         "only the production output diverges: {agree} with the reference on the captured inputs, "
         "so what the production kernel read differed from the capture (KV not yet transferred or "
@@ -165,6 +170,14 @@ def diagnose(
     if errored:
         return (*_say("backend_error", bad=", ".join(errored)), errored)
     return None, SENTENCES[None], []
+
+
+def diagnose_upstream(findings: list) -> tuple[str, str, list[str]]:
+    """``upstream_nonfinite`` from the metadata's ``nonfinite_input`` findings (refmla.checks): the
+    requests, q's heads and the tensors named; it outranks every backend's status."""
+    where = "; ".join(f"{request_label(f.request, f.rid)}: NaN/Inf in {f.numbers['where']}" for f in findings[:4])
+    more = f"; {len(findings) - 4} more request(s)" if len(findings) > 4 else ""
+    return "upstream_nonfinite", SENTENCES["upstream_nonfinite"].format(where=where + more), []
 
 
 def numeric_variants(failed: list[str], explained: Mapping[str, tuple[str, Mapping[str, Any]]]) -> list[str]:

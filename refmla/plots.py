@@ -36,10 +36,11 @@ from refmla.backends import get_backend
 from refmla.capture import CaptureError, read_capture
 from refmla.compare import Tolerance
 from refmla.context import ReplayContext, ReplayOptions
-from refmla.diffkv.types import DiffResult
+from refmla.diffkv.result import DiffResult
 from refmla.pool import row_flags
 from refmla.results import Explanation, ReplayReport
 from refmla.schedule import split_bounds
+from refmla.util import error_text
 
 MAX_PAGE_SHADES = 400  # shade alternate pages only when there are at most this many
 
@@ -68,11 +69,13 @@ def _stems(paths: list[str]) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def plot_replay(reports: list[ReplayReport], out_dir: Any) -> list[Path]:
+def plot_replay(reports: list[ReplayReport], out_dir: Any, failures: Optional[list[str]] = None) -> list[Path]:
     """Write the heat map and the worst row's attention plot for every replayed capture.
 
     Re-reads each capture from ``report.capture``; the error matrices are recomputed for the
     production output and re-run for backends whose status is ``fail``. Invalid captures are skipped.
+    With ``failures`` given, a capture whose plots fail gets one line there ("PATH: why") and the
+    others are still drawn.
     """
     out_dir = Path(out_dir)
     make_dir(out_dir)
@@ -81,15 +84,27 @@ def plot_replay(reports: list[ReplayReport], out_dir: Any) -> list[Path]:
         if not report.backends:
             continue
         try:
-            cap = read_capture(report.capture)
-        except CaptureError:
-            continue
-        errors = _error_matrices(cap, report)
-        if errors:
-            written.append(_save(_heatmap_figure(cap, report, errors), out_dir / f"{stem}.heatmap.png"))
-        row = _worst_row(report)
-        if row is not None and cap.batch_size:
-            written.append(_save(_attention_figure(cap, report, *row), out_dir / f"{stem}.attention.png"))
+            written += _plot_one(report, out_dir, stem)
+        except Exception as e:
+            if failures is None:
+                raise
+            failures.append(f"{report.capture}: plot: {error_text(e)}")
+    return written
+
+
+def _plot_one(report: ReplayReport, out_dir: Path, stem: str) -> list[Path]:
+    """The heat map and the attention plot of one replayed capture."""
+    written: list[Path] = []
+    try:
+        cap = read_capture(report.capture)
+    except CaptureError:
+        return written
+    errors = _error_matrices(cap, report)
+    if errors:
+        written.append(_save(_heatmap_figure(cap, report, errors), out_dir / f"{stem}.heatmap.png"))
+    row = _worst_row(report)
+    if row is not None and cap.batch_size:
+        written.append(_save(_attention_figure(cap, report, *row), out_dir / f"{stem}.attention.png"))
     return written
 
 
@@ -115,7 +130,7 @@ def _heatmap_figure(cap, report: ReplayReport, errors: dict) -> Figure:
     R = next(iter(errors.values()))[0].shape[0]
     fig = Figure(figsize=(12, 1.8 + min(0.22 * R, 9) * len(errors)), layout="constrained")
     axes = fig.subplots(len(errors), 2, squeeze=False)
-    bounds = [] if cap.is_decode else cap.qo_indptr.long().tolist()[1:-1]
+    bounds = [] if cap.is_decode else cap.attended().query_indptr.tolist()[1:-1]
     ylabel = "request" if cap.is_decode else "row (token); lines: requests"
     for (name, (err, allowed)), (ax_e, ax_r) in zip(errors.items(), axes):
         err = err.double().numpy()
@@ -158,16 +173,13 @@ def _worst_row(report: ReplayReport) -> Optional[tuple[int, int, str, Optional[E
 
 def _attention_figure(cap, report: ReplayReport, row: int, head: int, backend: str,
                       expl: Optional[Explanation]) -> Figure:  # fmt: skip
-    b = int(cap.request_of_row()[row])
-    rows = ref.request_rows(cap.kv_indptr, cap.kv_indices, b)  # [L]
-    L = rows.numel()
-    if not cap.is_decode:  # token i of the request sees positions [0, L - n + i]
-        q0, q1 = int(cap.qo_indptr[b]), int(cap.qo_indptr[b + 1])
-        L_seen = L - (q1 - q0) + (row - q0) + 1
-    else:
-        L_seen = L
+    att = cap.attended()
+    b = int(att.group_of_row[row])
+    L = int(att.lengths()[b])
+    seen = att.rows_seen(row)  # [L_seen] the rows this query row attends, position order
+    L_seen = seen.numel()
     m = cap.meta
-    kv = ref.gather(cap.kv_buffer, rows[:L_seen], torch.float64)  # [L_seen, D]
+    kv = ref.gather(cap.kv_buffer, seen, torch.float64)  # [L_seen, D]
     s = (kv @ cap.q[row, head].double()) * (m.sm_scale * m.k_scale)  # [L_seen]
     if m.logit_cap > 0:
         s = m.logit_cap * torch.tanh(s / m.logit_cap)
@@ -199,7 +211,7 @@ def _attention_figure(cap, report: ReplayReport, row: int, head: int, backend: s
     if expl:
         _mark_explanation(ax, expl, b, L, cap)
     if L_seen:
-        flags = row_flags(cap.kv_buffer, rows[:L_seen], m.kv_lora_rank)
+        flags = row_flags(cap.kv_buffer, seen, m.kv_lora_rank)
         for key, color, text in (("zero", "k", "all-zero KV row"), ("nonfinite", "m", "NaN/Inf KV row")):
             js = torch.nonzero(flags[key]).flatten().tolist()
             if js:

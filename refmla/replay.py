@@ -17,7 +17,7 @@ from refmla.capture import Capture, CaptureError, read_capture
 from refmla.checks import check_capture
 from refmla.compare import judged_dtype
 from refmla.context import ReplayContext, ReplayOptions
-from refmla.diagnosis import diagnose, diagnose_verify, unreplayed_path, verify_table
+from refmla.diagnosis import diagnose, diagnose_upstream, diagnose_verify, unreplayed_path, verify_table
 from refmla.hypotheses import explain_failure
 from refmla.results import PART_NAMES, BackendEntry, MetadataReport, NoiseFloor, ReplayReport, Shape
 from refmla.splits import compare_lse, compare_splits
@@ -55,7 +55,7 @@ def replay_capture(cap: Capture, opts: ReplayOptions) -> ReplayReport:
     metadata = check_capture(cap)
     report = ReplayReport(
         capture=cap.path, verdict=None, diagnosis=None, metadata=metadata, mode=cap.meta.mode,
-        shape=shape_of(cap), meta=cap.meta.to_json(), tolerance=opts.tol,
+        shape=shape_of(cap), meta=cap.meta, tolerance=opts.tol,
     )  # fmt: skip
     if not metadata.ok:
         report.verdict = "invalid"
@@ -77,6 +77,10 @@ def replay_capture(cap: Capture, opts: ReplayOptions) -> ReplayReport:
         report.verify_vs_decode = verify_table(report.backends)
     report.diagnosis_text += parts_sentence(report.backends)
     report.verdict = "diverged" if any(s in ("fail", "error") for s in statuses.values()) else "agree"
+    upstream = [f for f in metadata.findings if f.check == "nonfinite_input"]
+    if upstream:  # NaN in, NaN out is no agreement: the finding outranks every backend's status
+        report.verdict = "diverged"
+        report.diagnosis, report.diagnosis_text, report.diagnosis_backends = diagnose_upstream(upstream)
     return report
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from refmla.capture import CaptureMeta
 from refmla.compare import Comparison, Tolerance
 
 # --------------------------------------------------------------------------------------------
@@ -269,7 +270,7 @@ class ReplayReport:
     backends: dict[str, BackendEntry] = field(default_factory=dict)
     mode: Optional[str] = None
     shape: Optional[Shape] = None
-    meta: Optional[dict] = None  # the capture's meta, as given
+    meta: Optional[CaptureMeta] = None  # the capture's meta, typed (serialised only in to_json)
     tolerance: Optional[Tolerance] = None
     control: Optional[NoiseFloor] = None
     diagnosis_backends: Optional[list[str]] = None
@@ -283,18 +284,18 @@ class ReplayReport:
 
     def key(self) -> tuple:
         """(layer_id, tp_rank, step) from the meta, None where absent."""
-        m = self.meta or {}
-        return (m.get("layer_id"), m.get("tp_rank"), m.get("step"))
+        m = self.meta
+        return (m.layer_id, m.tp_rank, m.step) if m is not None else (None, None, None)
 
     def to_json(self) -> dict:
         d: dict[str, Any] = {"capture": self.capture, "verdict": self.verdict, "diagnosis": self.diagnosis,
                              "diagnosis_text": self.diagnosis_text, "metadata": self.metadata.to_json()}  # fmt: skip
         if self.error is not None:
             d["error"] = self.error
-        for name in ("mode", "meta", "diagnosis_backends"):
+        for name in ("mode", "diagnosis_backends"):
             if getattr(self, name) is not None:
                 d[name] = getattr(self, name)
-        for name in ("shape", "tolerance", "control"):
+        for name in ("meta", "shape", "tolerance", "control"):
             if getattr(self, name) is not None:
                 d[name] = getattr(self, name).to_json()
         d["backends"] = {n: b.to_json() for n, b in self.backends.items()}

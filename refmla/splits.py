@@ -6,7 +6,8 @@ computes the same split in fp64 and the control at the kernel's rounding points 
 the partials are judged like an output: per (split, head) row, k times the control's error plus an
 ulp of the value dtype (P.V ran on probabilities rounded to it). The lse must agree within k times
 the control's lse error plus 1e-5 relative; so must a backend's final lse (the production ``lse``
-for ``observed``), row by row against the reference and the control.
+for ``observed``), row by row against the reference and the control: both by
+:func:`refmla.compare.judge_lse`, the one lse rule.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from refmla import reference as ref
-from refmla.compare import compare
+from refmla.compare import compare, judge_lse
 from refmla.context import ReplayContext
 from refmla.results import LseCheck, SplitCheck
 from refmla.schedule import nonempty_splits
@@ -41,10 +42,8 @@ def compare_splits(ctx: ReplayContext, res) -> SplitCheck:
     value_dtype = ctx.cap.kv_buffer.dtype if ctx.cap.kv_buffer.dtype.itemsize < 4 else torch.float32
     cmp = compare("splits", actual, r_out[b_idx, :, s_idx], c_out[b_idx, :, s_idx],
                   out_dtype=value_dtype, tol=ctx.opts.tol, request_of_row=b_idx)  # fmt: skip
-    r_lse, c_lse = r_lse[b_idx, :, s_idx], c_lse[b_idx, :, s_idx].double()  # [V, H]
-    lse_err = (res.attn_lse.double().cpu()[b_idx, :, s_idx] - r_lse).abs()
-    lse_allowed = ctx.opts.tol.k * (c_lse - r_lse).abs() + 1e-5 * (1 + r_lse.abs())
-    lse_bad = ~(lse_err <= lse_allowed)
+    lse = judge_lse(res.attn_lse.cpu()[b_idx, :, s_idx], r_lse[b_idx, :, s_idx], c_lse[b_idx, :, s_idx], ctx.opts.tol.k)
+    lse_err, lse_bad = lse.err, lse.bad  # [V, H]
     row, head = divmod(int((cmp.row_err / cmp.row_tol).argmax()), cmp.row_err.shape[1])
     check = SplitCheck(
         "pass" if cmp.passed and not bool(lse_bad.any()) else "fail",
@@ -71,14 +70,10 @@ def compare_lse(ctx: ReplayContext, lse: torch.Tensor, out_dtype: torch.dtype, r
     want, ctl = ref_lse[rows], ctx.control_lse(out_dtype).double().cpu()[rows]
     if got.numel() == 0:
         return LseCheck("pass", compared_rows=0)
-    err = (got - want).abs()
-    same_inf = torch.isinf(got) & (got == want)  # an empty row's -inf on both sides
-    err = torch.where(same_inf, torch.zeros_like(err), err)
-    allowed = ctx.opts.tol.k * (ctl - want).abs().nan_to_num(0.0) + 1e-5 * (1 + want.abs().nan_to_num(0.0))
-    allowed = allowed + ctx.cached("q_rounding_slack", lambda: q_rounding_slack(ctx.cap))[rows]
-    bad = ~(err <= allowed)  # NaN err fails
-    ratio = torch.where(bad & ~torch.isfinite(err), torch.full_like(err, torch.inf), err / allowed)
-    r, h = divmod(int(ratio.argmax()), ratio.shape[1])
+    slack = ctx.cached("q_rounding_slack", lambda: q_rounding_slack(ctx.cap))[rows]
+    judged = judge_lse(got, want, ctl, ctx.opts.tol.k, slack=slack)
+    err, bad = judged.err, judged.bad  # NaN err fails
+    r, h = judged.worst()
     row = int(torch.nonzero(rows).flatten()[r])
     check = LseCheck("fail" if bool(bad.any()) else "pass", compared_rows=int(rows.sum()),
                      max_abs_err=float(err.max()),
@@ -105,7 +100,7 @@ def q_rounding_slack(cap) -> torch.Tensor:
     dq = (q[..., :Dv].double() - q[..., :Dv].to(kv.dtype).double())  # [R, H, Dv]
     scale = cap.meta.sm_scale * cap.meta.k_scale
     for b, r in enumerate(_rows_of_requests(cap)):
-        k = ref.gather(kv, ref.request_rows(cap.kv_indptr, cap.kv_indices, b), torch.float64)[:, :Dv]  # [L, Dv]
+        k = ref.gather(kv, cap.attended().group_rows(b), torch.float64)[:, :Dv]  # [L, Dv]
         if len(r) and k.shape[0]:
             slack[r] = (dq[r] @ k.T).abs().amax(dim=-1).nan_to_num(0.0) * scale  # [r, H]
     return slack
@@ -113,5 +108,5 @@ def q_rounding_slack(cap) -> torch.Tensor:
 
 def _rows_of_requests(cap) -> list[torch.Tensor]:
     """Rows of ``out`` (requests in decode, tokens in extend) of each request."""
-    req = cap.request_of_row()
-    return [torch.nonzero(req == b).flatten() for b in range(cap.batch_size)]
+    att = cap.attended()
+    return [torch.tensor(list(att.queries(b)), dtype=torch.long) for b in range(att.num_groups)]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator, Optional, Union
+import re
+from typing import Any, Iterator, Optional, TextIO, Union
 
 import torch
 
@@ -12,6 +13,43 @@ import torch
 def dtype_name(dtype: torch.dtype) -> str:
     """torch.bfloat16 -> "bfloat16"."""
     return str(dtype).replace("torch.", "")
+
+
+# C0 / C1 controls (ESC, BEL, newline, DEL, CSI ...), lone surrogates, and the line separators and
+# bidirectional overrides that reorder what a terminal shows
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def printable(text: Any, keep: str = "") -> str:
+    """``text`` safe for a terminal or a log line: every control character (ESC, BEL, newline, ...),
+    lone surrogate and bidi override as a backslash escape ("\\x1b", "\\ud800"), except those in ``keep``.
+
+    The one escaping function: renderers apply it to every field that comes from a file (paths,
+    meta strings, rids, tensor names), and the CLI's output streams apply it (keeping newlines) to
+    everything they write. JSON needs none of it (the encoder escapes)."""
+
+    def escape(m: re.Match) -> str:
+        c = m.group()
+        if c in keep:
+            return c
+        return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+
+    return _UNPRINTABLE.sub(escape, str(text))
+
+
+class PrintableStream:
+    """A text stream whose writes go through :func:`printable` (newline, tab and carriage return
+    kept): what the CLI puts around stdout and stderr, so no byte of a file reaches the terminal raw
+    and a lone surrogate is written as its escape instead of raising UnicodeEncodeError."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        return self.stream.write(printable(text, keep="\n\t\r"))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
 
 
 def first_line(e: Union[BaseException, str]) -> str:

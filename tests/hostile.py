@@ -30,6 +30,18 @@ def write_small(path, mutate=None, spec: SynthSpec = SMALL):
     return path
 
 
+def reference_out(t: dict, m: dict) -> None:
+    """``out`` and ``lse`` as the fp64 reference computes them on the (mutated) inputs: what a
+    kernel that "agrees" with the reference writes, NaN for NaN (issue 22's non-finite inputs)."""
+    from refmla import reference as ref
+    from refmla.attended import Attended
+    from refmla.scales import Scales
+
+    sc = Scales(512, m["sm_scale"], m["logit_cap"], m["k_scale"], m["v_scale"])
+    out, lse = ref.mla_decode_ref(t["q"], t["kv_buffer"], Attended.from_tensors(t), sc)
+    t["out"], t["lse"] = out.to(t["out"].dtype), lse.float()
+
+
 def run_cli(*argv: str, stdin: Optional[str] = None) -> tuple[int, str, str]:
     """refmla's main in-process: (exit code, stdout, stderr); SystemExit (argparse) becomes its code."""
     from refmla.cli import main
@@ -54,4 +66,4 @@ def set_tensor(name: str, value: torch.Tensor):
     return mutate
 
 
-__all__ = ["SMALL", "error_lines", "run_cli", "set_tensor", "small_capture", "write_small"]
+__all__ = ["SMALL", "error_lines", "reference_out", "run_cli", "set_tensor", "small_capture", "write_small"]

@@ -1,12 +1,18 @@
-"""The house rules a reviewer would otherwise check by hand: imports in one direction, small modules.
+"""The house rules a reviewer would otherwise check by hand, read from the tree itself: imports in
+the order the package docstring states, the hook's boundary, every module listed in its
+package's docstring, small modules.
 
 The import graph is read from the source (ast), every ``import refmla...`` counted wherever it
-stands, inside a function too: an import moved into a function still makes a cycle.
+stands, inside a function too: an import moved into a function still makes a cycle. Each check is a
+function of a package folder, so the tests below also run it on a copy with a planted violation:
+a check that cannot fail checks nothing.
 """
 
 from __future__ import annotations
 
 import ast
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,18 +20,20 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "refmla"
 MAX_MODULE_LINES = 450  # "a few hundred lines"; a module past it must be split or listed below with why
 LONG_MODULES: dict[str, str] = {}  # module -> the reason it stays long
+NOT_MODULES = ("sitecustomize",)  # the hook's start-up file: run by the interpreter, never imported
 
 
-def module_name(path: Path) -> str:
-    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    rel = path.relative_to(package.parent).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if "sitecustomize" not in p.parts}
+def modules(package: Path = PACKAGE) -> dict[str, Path]:
+    files = sorted(package.rglob("*.py"))
+    return {module_name(p, package): p for p in files if not any(n in p.parts for n in NOT_MODULES)}
 
 
 def imported(path: Path, name: str, known: set[str]) -> set[str]:
@@ -48,8 +56,8 @@ def imported(path: Path, name: str, known: set[str]) -> set[str]:
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
-    mods = modules()
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    mods = modules(package)
     known = set(mods)
     return {name: imported(path, name, known) for name, path in mods.items()}
 
@@ -81,6 +89,97 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
     return []
 
 
+# --------------------------------------------------------------------------------------------
+# What the package docstring states
+# --------------------------------------------------------------------------------------------
+
+ENTRY = re.compile(r"^ {4}(\w+(?:\.py|/))\s")  # a layout line: "    util.py   ...", "    capture/  ..."
+
+
+def docstring(package_dir: Path) -> str:
+    return ast.get_docstring(ast.parse((package_dir / "__init__.py").read_text())) or ""
+
+
+def layout(package: Path = PACKAGE) -> list[str]:
+    """The root docstring's layout, in order: ["util.py", "atomic.py", ..., "hook/"]."""
+    return [m.group(1) for line in docstring(package).splitlines() if (m := ENTRY.match(line))]
+
+
+def entry_of(module: str, package: Path = PACKAGE) -> str | None:
+    """The layout entry a module belongs to: refmla.capture.read -> "capture/", refmla.util -> "util.py"."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return None  # the package root (its version and format name), importable by all
+    top = parts[1]
+    return f"{top}/" if (package / top).is_dir() else f"{top}.py"
+
+
+def upward_imports(package: Path = PACKAGE) -> list[str]:
+    """Imports of an entry listed later in the layout ("imports go down this list, never up"), and
+    modules whose entry the layout does not list."""
+    order = {e: i for i, e in enumerate(layout(package))}
+    bad = []
+    for a, targets in sorted(import_graph(package).items()):
+        ea = entry_of(a, package)
+        if ea is not None and ea not in order:
+            bad.append(f"{a}: {ea} is not in the layout")
+            continue
+        for b in sorted(targets):
+            eb = entry_of(b, package)
+            if ea is None or eb is None or eb == ea:
+                continue
+            if order.get(eb, -1) > order[ea]:
+                bad.append(f"{a} imports {b} ({eb} is listed after {ea})")
+    return bad
+
+
+def hook_boundary(package: Path = PACKAGE) -> list[str]:
+    """What the root docstring says the hook may import: "hook/ ... (imports only A, B and C)"."""
+    text = " ".join(docstring(package).split())
+    m = re.search(r"hook/ [^(]*\(imports only ([^)]*)\)", text)
+    assert m, "the layout states the hook's boundary: 'hook/ ... (imports only ...)'"
+    return [w.strip() for w in re.split(r",| and ", m.group(1)) if w.strip()]
+
+
+def hook_violations(package: Path = PACKAGE) -> list[str]:
+    allowed = set(hook_boundary(package))
+    bad = []
+    for a, targets in sorted(import_graph(package).items()):
+        if entry_of(a, package) != "hook/":
+            continue
+        for b in sorted(targets):
+            eb = entry_of(b, package)
+            if eb not in ("hook/", *allowed) and not (eb is None and "refmla" in allowed):
+                bad.append(f"{a} imports {b}: outside the hook's boundary ({', '.join(sorted(allowed))})")
+    return bad
+
+
+def unlisted_modules(package: Path = PACKAGE) -> list[str]:
+    """Modules and sub-packages a package's docstring does not name (as ``name.py``, ``name/`` or a
+    line that starts with the name)."""
+    bad = []
+    for init in sorted(package.rglob("__init__.py")):
+        pkg = init.parent
+        if any(n in pkg.parts for n in NOT_MODULES):
+            continue
+        doc = docstring(pkg)
+        children = [p.stem for p in pkg.glob("*.py") if p.name != "__init__.py"]
+        children += [d.name for d in pkg.iterdir() if (d / "__init__.py").is_file()]
+        children += [d.name for d in pkg.iterdir() if d.is_dir() and d.name in NOT_MODULES]
+        for name in sorted(children):
+            named = re.search(rf"(?<![\w.]){re.escape(name)}(\.py|/)(?!\w)", doc) or re.search(
+                rf"^\s+{re.escape(name)}\s", doc, re.M
+            )
+            if not named:
+                bad.append(f"{module_name(pkg / name, package)} is not listed in {module_name(init, package)}'s docstring")
+    return bad
+
+
+# --------------------------------------------------------------------------------------------
+# The rules, on the real tree
+# --------------------------------------------------------------------------------------------
+
+
 def test_the_import_graph_has_no_cycle():
     cycle = find_cycle(import_graph())
     assert not cycle, "import cycle: " + " -> ".join(cycle)
@@ -97,9 +196,69 @@ def test_the_bottom_imports_nothing_of_refmla():
         assert graph[bottom] <= {"refmla.util"}, f"{bottom} imports {sorted(graph[bottom])}"
 
 
+def test_imports_follow_the_layout_order():
+    assert layout()[0] == "util.py" and "hook/" in layout()
+    assert upward_imports() == []
+
+
+def test_the_hook_imports_only_what_the_layout_allows():
+    assert hook_violations() == []
+
+
+def test_every_module_is_listed_in_its_package_docstring():
+    assert unlisted_modules() == []
+
+
+def test_the_readme_links_to_the_one_layout():
+    readme = (PACKAGE.parent / "README.md").read_text()
+    assert "refmla/__init__.py" in readme, "the README points to the layout in refmla/__init__.py"
+    assert sum(f"    {e} " in readme or f"`{e}`" in readme.split("## ")[0] for e in layout()) < len(layout()) // 2, (
+        "the README carries a second copy of the layout"
+    )
+
+
 @pytest.mark.parametrize("name", sorted(modules()))
 def test_modules_stay_small(name):
     lines = len(modules()[name].read_text().splitlines())
     if name in LONG_MODULES:
         pytest.skip(f"{name}: {lines} lines, kept long: {LONG_MODULES[name]}")
     assert lines <= MAX_MODULE_LINES, f"{name} has {lines} lines: split it along its seams"
+
+
+# --------------------------------------------------------------------------------------------
+# Each rule fails on a planted violation (in a copy of the package)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def copy(tmp_path) -> Path:
+    dst = tmp_path / "refmla"
+    shutil.copytree(PACKAGE, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    return dst
+
+
+def _append(path: Path, text: str) -> None:
+    path.write_text(path.read_text() + text)
+
+
+def test_an_upward_import_is_caught(copy):
+    _append(copy / "util.py", "\n\ndef _planted():\n    from refmla.cli import main  # noqa\n")
+    assert any("refmla.util imports refmla.cli" in v for v in upward_imports(copy))
+
+
+def test_a_module_outside_the_layout_is_caught(copy):
+    (copy / "stray.py").write_text('"""not in the layout"""\n')
+    assert any("stray.py is not in the layout" in v for v in upward_imports(copy))
+
+
+def test_a_hook_import_outside_its_boundary_is_caught(copy):
+    _append(copy / "hook" / "config.py", "\n\ndef _planted():\n    from refmla.replay import replay_file  # noqa\n")
+    assert any("refmla.hook.config imports refmla.replay" in v for v in hook_violations(copy))
+
+
+def test_a_module_missing_from_its_package_docstring_is_caught(copy):
+    (copy / "capture" / "planted_module.py").write_text('"""planted"""\n')
+    (copy / "backends" / "aiter" / "planted_kernel.py").write_text('"""planted"""\n')
+    found = unlisted_modules(copy)
+    assert any("refmla.capture.planted_module is not listed" in v for v in found)
+    assert any("refmla.backends.aiter.planted_kernel is not listed" in v for v in found)

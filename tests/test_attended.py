@@ -150,3 +150,33 @@ def test_capture_scales_is_the_dataclass(tmp_path):
     synth_capture(tmp_path / "c.safetensors", preset("hostile", logit_cap=30.0))
     sc = read_capture(tmp_path / "c.safetensors").scales()
     assert isinstance(sc, Scales) and sc.logit_cap == 30.0 and sc.but(v_scale=2.0).v_scale == 2.0
+
+
+def test_tree_visibility_of_a_chain_is_causal_and_a_tree_sees_only_its_ancestors():
+    from refmla.attended import tree_visibility
+
+    L, n = 7, 4
+    chain = tree_visibility(L, [-1, 0, 1, 2])
+    assert torch.equal(chain, torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None])
+    tree = tree_visibility(L, [-1, 0, 0, 1])  # drafts 1 and 2 both children of 0; 3 of 1
+    assert tree[:, : L - n].all() and tree[2, L - n :].tolist() == [True, False, True, False]
+    assert tree[3, L - n :].tolist() == [True, True, False, True]
+    att = Attended.token_index(torch.tensor([0, L]), torch.arange(L), torch.tensor([0, n]), tree.reshape(-1))
+    assert not att.is_bottom_right_causal() and Attended.token_index(
+        torch.tensor([0, L]), torch.arange(L), torch.tensor([0, n]), chain.reshape(-1)
+    ).is_bottom_right_causal()
+
+
+def test_the_reference_refuses_two_pools_until_their_gather_exists():
+    from refmla import reference as ref
+    from refmla.control import mla_control
+    from refmla.scales import Scales
+
+    att = Attended(indptr=torch.tensor([0, 2]), rows=torch.tensor([0, 1]), group_of_row=torch.tensor([0]),
+                   pool_ids=torch.tensor([0, 1], dtype=torch.int8))  # fmt: skip
+    q, kv, sc = torch.randn(1, 2, 8), torch.randn(2, 1, 8), Scales(4, 0.1)
+    for fn in (ref.mla_ref, ref.mla_verify_ref, ref.mla_decode_ref):
+        with pytest.raises(ValueError, match="pool_ids"):
+            fn(q, kv, att, sc)
+    with pytest.raises(ValueError, match="pool_ids"):
+        mla_control(q, kv, att, sc, torch.bfloat16)

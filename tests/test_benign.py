@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from refmla import reference as ref
+from refmla.scales import Scales
+from refmla.attended import Attended
 from refmla.backends import get_backend
 from refmla.capture import read_capture
 from refmla.context import ReplayOptions
@@ -96,14 +98,9 @@ def test_fp32_einsum_is_the_reference_to_fp32_precision(name):
     """aiter's style computes the same attention (causal extend and zero-length requests included)."""
     spec = preset(name)
     t = make_inputs(spec)
-    sc = dict(kv_lora_rank=spec.kv_lora_rank, sm_scale=spec.sm_scale)
-    out = fp32_einsum(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], t.get("qo_indptr"), **sc,
-                      out_dtype=torch.float32)  # fmt: skip
-    args = (t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"])
-    if "qo_indptr" in t:
-        want = ref.mla_extend_ref(*args, t["qo_indptr"], **sc)[0]
-    else:
-        want = ref.mla_decode_ref(*args, **sc)[0]
+    sc = Scales(spec.kv_lora_rank, spec.sm_scale)
+    out = fp32_einsum(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], t.get("qo_indptr"), sc, torch.float32)
+    want = ref.mla_ref(t["q"], t["kv_buffer"], Attended.from_tensors(t), sc)[0]
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-4)
 

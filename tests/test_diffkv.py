@@ -13,7 +13,8 @@ import torch
 from refmla.capture import CaptureError, write_capture
 from refmla.cli import main
 from refmla.capture import read_capture
-from refmla.diffkv import DiffResult, RequestDiff, diff_kv, diff_kv_files, render_diff
+from refmla.diffkv import DiffResult, RequestDiff, diff_kv, diff_kv_files
+from refmla.render.diffkv import render_diff
 
 DV, DR = 32, 8  # small latent / rope widths keep the files tiny; the code never assumes 576
 D = DV + DR

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import json
 import math
 
@@ -11,6 +9,7 @@ import pytest
 import torch
 
 from refmla import reference as ref
+from refmla.attended import Attended
 from refmla.backends.extend import as_extend, mla_extend_local, run_triton_extend, scatter_rows, triton_extend_status
 from refmla.capture import read_capture
 from refmla.cli import main as cli
@@ -63,7 +62,7 @@ def judge(cap, out) -> bool:
 def test_reference_extend_matches_dense(tmp_path, spec):
     cap = load(tmp_path, spec)
     qo = cap.qo_indptr if not cap.is_decode else torch.arange(cap.batch_size + 1)
-    out, _ = ref.mla_extend_ref(cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices, qo, **asdict(cap.scales()))
+    out, _ = ref.mla_verify_ref(cap.q, cap.kv_buffer, Attended.token_index(cap.kv_indptr, cap.kv_indices, qo), cap.scales())
     torch.testing.assert_close(out, dense_extend(cap), rtol=1e-12, atol=1e-12)
 
 
@@ -72,7 +71,7 @@ def test_torch_extend_passes_against_dense(tmp_path, spec):
     """The kernel-precision PyTorch extend is within the comparator's tolerance of the dense truth."""
     cap = load(tmp_path, spec)
     inp = as_extend(cap)
-    out, _ = mla_extend_local(inp, cap.kv_buffer, **asdict(cap.scales()), out_dtype=torch.bfloat16)
+    out, _ = mla_extend_local(inp, cap.kv_buffer, cap.scales(), torch.bfloat16)
     full = scatter_rows(out, inp)
     ctl = ReplayContext(cap, ReplayOptions(backends=[])).control(torch.bfloat16)
     cmp = compare("torch_extend", full, dense_extend(cap), ctl, request_of_row=cap.request_of_row())
@@ -89,13 +88,13 @@ def test_one_token_extend_is_decode(tmp_path):
     last = cap.kv_indices.long()[cap.kv_indptr[1:].long() - 1]  # the current token's row
     assert torch.equal(inp.k_extend[:, 0], cap.kv_buffer[last, 0])
     # fp64 semantics: one new token per request is exactly decode
-    args = (cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices)
-    dec, dlse = ref.mla_decode_ref(*args, **asdict(cap.scales()))
-    ext, else_ = ref.mla_extend_ref(*args, torch.arange(cap.batch_size + 1), **asdict(cap.scales()))
+    one_each = Attended.token_index(cap.kv_indptr, cap.kv_indices, torch.arange(cap.batch_size + 1))
+    dec, dlse = ref.mla_decode_ref(cap.q, cap.kv_buffer, cap.attended(), cap.scales())
+    ext, else_ = ref.mla_verify_ref(cap.q, cap.kv_buffer, one_each, cap.scales())
     torch.testing.assert_close(ext, dec, rtol=0, atol=1e-13)
     torch.testing.assert_close(else_, dlse, rtol=0, atol=1e-13)
     # kernel precision: passes as a decode output
-    out, _ = mla_extend_local(inp, cap.kv_buffer, **asdict(cap.scales()), out_dtype=torch.bfloat16)
+    out, _ = mla_extend_local(inp, cap.kv_buffer, cap.scales(), torch.bfloat16)
     assert judge(cap, scatter_rows(out, inp))
 
 
@@ -112,7 +111,7 @@ def test_causal_view_matters(tmp_path):
     """The comparator tells the new tokens' views apart: the first token given the last one's fails."""
     cap = load(tmp_path, SMALL_EXTEND)
     inp = as_extend(cap)
-    good, _ = mla_extend_local(inp, cap.kv_buffer, **asdict(cap.scales()), out_dtype=torch.bfloat16)
+    good, _ = mla_extend_local(inp, cap.kv_buffer, cap.scales(), torch.bfloat16)
     assert judge(cap, scatter_rows(good, inp))
     qo = inp.qo_indptr
     bad = good.clone()
@@ -125,12 +124,12 @@ def test_causal_view_matters(tmp_path):
 def test_triton_extend_matches_reference(tmp_path, spec):
     cap = load(tmp_path, spec)
     inp = as_extend(cap)
-    out, lse, info = run_triton_extend(inp, cap.kv_buffer, **asdict(cap.scales()), out_dtype=torch.bfloat16)
+    out, lse, info = run_triton_extend(inp, cap.kv_buffer, cap.scales(), torch.bfloat16)
     assert info["kernel"].endswith("extend_attention_fwd")
     assert judge(cap, scatter_rows(out, inp))
     if lse is not None:
         qo = cap.qo_indptr if not cap.is_decode else torch.arange(cap.batch_size + 1)
-        _, rlse = ref.mla_extend_ref(cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices, qo, **asdict(cap.scales()))
+        _, rlse = ref.mla_verify_ref(cap.q, cap.kv_buffer, Attended.token_index(cap.kv_indptr, cap.kv_indices, qo), cap.scales())
         torch.testing.assert_close(scatter_rows(lse, inp, -math.inf).double(), rlse, rtol=0, atol=1e-4)
 
 

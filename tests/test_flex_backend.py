@@ -12,11 +12,13 @@ import dataclasses
 import pytest
 import torch
 
+from refmla.attended import Attended
 from refmla.backends import NAMES, OPT_IN, get_backend
 from refmla.backends.flex import BLOCK, Packed, bucket, run_flex_mla
 from refmla.capture import read_capture
 from refmla.context import ReplayContext, ReplayOptions
 from refmla.replay import backend_names, replay_file
+from refmla.scales import Scales
 from refmla.synth import PRESETS, preset, synth_capture
 
 FLEX_OK, FLEX_WHY = get_backend("flex").availability()
@@ -37,8 +39,7 @@ def _packed(spec):
     from refmla.synth import make_inputs
 
     t = make_inputs(spec)
-    pk = Packed(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], t.get("qo_indptr"),
-                spec.kv_lora_rank, 1.0, 1.0, "cpu")  # fmt: skip
+    pk = Packed(t["q"], t["kv_buffer"], Attended.from_tensors(t), spec.scales(), "cpu")
     return t, pk
 
 
@@ -124,8 +125,7 @@ def test_flex_passes_every_preset(tmp_path, name):
 def test_flex_zero_length_requests_are_zero(tmp_path):
     cap = read_capture(_synth(tmp_path, "hostile"))
     m = cap.meta
-    out, lse, _ = run_flex_mla(cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices, kv_lora_rank=m.kv_lora_rank,
-                               sm_scale=m.sm_scale, device="cpu")  # fmt: skip
+    out, lse, _ = run_flex_mla(cap.q, cap.kv_buffer, cap.attended(), Scales(m.kv_lora_rank, m.sm_scale), device="cpu")
     empty = cap.seq_lens == 0
     assert bool(empty.any()) and torch.equal(out[empty], torch.zeros_like(out[empty]))
     assert torch.isfinite(out).all()
@@ -149,7 +149,7 @@ def test_flex_fed_wrong_data_fails(tmp_path, wrong):
         end = int(indptr[b + 1])
         idx = torch.cat([idx[: end - 1], idx[end:]])
         indptr[b + 1 :] -= 1
-    out, _, _ = run_flex_mla(cap.q, cap.kv_buffer, indptr, idx, out_dtype=cap.out_dtype, device="cpu", **kw)
+    out, _, _ = run_flex_mla(cap.q, cap.kv_buffer, Attended.token_index(indptr, idx), Scales(**kw), cap.out_dtype, "cpu")
     cmp = ctx.compare("flex", out)
     assert not cmp.passed
     if wrong == "last_token":

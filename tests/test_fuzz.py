@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import re
 import resource
 import time
 
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 from helpers import raw_write
-from hostile import error_lines, run_cli, small_capture
+from hostile import error_lines, reference_out, run_cli, small_capture
 
 CASES = int(os.environ.get("REFMLA_FUZZ_CASES", "300"))
 SEED = int(os.environ.get("REFMLA_FUZZ_SEED", "12"))
@@ -40,12 +41,14 @@ WEIRD_VALUES = WEIRD_NUMBERS + WEIRD_FLOATS + ["", "x" * 300, "decode", "extend"
 def _base() -> tuple[dict, dict]:
     """A small decode capture with every optional tensor production stores."""
     from refmla import reference as ref
+    from refmla.attended import Attended
+    from refmla.scales import Scales
 
     t, m = small_capture()
-    sc = dict(kv_lora_rank=512, sm_scale=m["sm_scale"], logit_cap=m["logit_cap"], k_scale=m["k_scale"])
-    args = (t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"])
-    t["lse"] = ref.mla_decode_ref(*args, **sc, v_scale=m["v_scale"])[1].float()
-    parts, lses, _ = ref.mla_decode_split_ref(*args, t["num_kv_splits"], **sc, max_kv_splits=m["max_kv_splits"])
+    sc = Scales(512, m["sm_scale"], m["logit_cap"], m["k_scale"])
+    args = (t["q"], t["kv_buffer"], Attended.from_tensors(t))
+    t["lse"] = ref.mla_decode_ref(*args, sc.but(v_scale=m["v_scale"]))[1].float()
+    parts, lses, _ = ref.mla_decode_split_ref(*args, t["num_kv_splits"], sc, max_kv_splits=m["max_kv_splits"])
     t["attn_logits"], t["attn_lse"] = parts.float(), lses.float()
     return t, m
 
@@ -215,3 +218,133 @@ def test_fuzz_the_capture_format(tmp_path):
     assert grown < RSS_GROWTH_KIB, f"peak RSS grew by {grown} KiB"
     assert codes[2] > CASES // 4 and codes[0] + codes[1] > CASES // 20, f"a campaign that tests both sides: {codes}"
     print(f"fuzz: {CASES} cases, exit codes {codes}, {time.perf_counter() - t_all:.1f} s")
+
+
+# --- issue 22: the second round's classes, generated --------------------------------------------
+# Each generator writes one capture and says what the contract promises for it: (what, exit code,
+# a text the one error line or the diagnosis must hold). REFMLA_FUZZ_CASES scales this campaign
+# too (2/3 of it: 200 cases by default).
+
+CASES2 = max(1, CASES * 2 // 3)
+RAW = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+ODD_CHARS = ["\x1b", "\x07", "\n", "\r", "\x00", "\x7f", "\x9b", "\u202e", "\u2028", "\ud800", "\udfff", "é", "a", "]"]
+INT_KEYS = ["kv_pool_rows", "kv_pool_row_bytes", "kv_pool_layers_per_buffer", "kv_pool_layers", "kv_pool_size",
+            "mori_max_mr_bytes", "layer_id", "tp_rank", "step", "page_size", "max_kv_splits"]  # fmt: skip
+
+
+def _odd_text(rng: random.Random, surrogates: bool = True) -> str:
+    pool = ODD_CHARS if surrogates else [c for c in ODD_CHARS if not 0xD800 <= ord(c) <= 0xDFFF]
+    return "".join(rng.choice(pool) for _ in range(rng.randrange(1, 12)))
+
+
+def _escape_case(rng, t, m, path):
+    field = rng.choice(["backend", "sglang_version", "rids", "extra", "tensor"])
+    value = _odd_text(rng, surrogates=field != "tensor")  # safetensors names are UTF-8
+    if field == "rids":
+        m["rids"] = [f"{value}{b}" for b in range(len(m["rids"]))]
+    elif field == "extra":
+        m[value] = value
+    elif field == "tensor":
+        t["x" + value] = torch.zeros(1)
+    else:
+        m[field] = value
+    return f"odd text in {field}: {value!r}", 0, None
+
+
+def _depth_case(rng, t, m, path):
+    depth = rng.choice([rng.randrange(1, 40), rng.randrange(1, 3000)])
+    key = rng.choice(["nested", "golden_notes", "x"])
+    opens = [rng.choice(['[', '{"k": ']) for _ in range(depth - 1)]  # as text: json.dumps recurses
+    closes = "".join("]" if o == "[" else "}" for o in reversed(opens))
+    m[DEEP] = (key, "".join(opens) + "0" + closes)
+    return f"meta {key} nested {depth} deep", (2 if depth > 32 else 0), key if depth > 32 else None
+
+
+def _bigint_case(rng, t, m, path):
+    key = rng.choice(INT_KEYS + ["sm_scale", "k_scale"])
+    value = rng.choice([1, -1]) * 10 ** rng.randrange(19, 500)
+    m[key] = value
+    return f"meta {key} with {len(str(abs(value)))} digits", 2, f"meta key '{key}'"
+
+
+def _duprid_case(rng, t, m, path):
+    rid = _odd_text(rng)
+    m["rids"] = [rid, rid]
+    return f"rids repeated: {rid!r}", 2, "meta key 'rids'"
+
+
+def _nonfinite_case(rng, t, m, path):
+    value = rng.choice([math.nan, math.inf, -math.inf])
+    attended = sorted(set(t["kv_indices"].tolist()))
+    where = rng.choice(["q", "kv", "kv_unattended"])
+    if where == "q":
+        q = t["q"].clone()
+        q[rng.randrange(q.shape[0]), rng.randrange(q.shape[1]), rng.randrange(q.shape[2])] = value
+        t["q"] = q
+    else:
+        free = [r for r in range(t["kv_buffer"].shape[0]) if r not in attended]
+        row = rng.choice(attended if where == "kv" else free)
+        kv = t["kv_buffer"].clone()
+        kv[row, 0, rng.randrange(kv.shape[2])] = value
+        t["kv_buffer"] = kv
+    reference_out(t, m)  # production "agrees" with the reference, NaN for NaN
+    if where == "kv_unattended":
+        return f"{value} in an unattended pool row", 0, None
+    return f"{value} in {where}", 1, "the input is already non-finite: the fault is upstream of attention"
+
+
+DEEP = "\0deep"  # (key, JSON text) a generator hands the writer for a value too deep for json.dumps
+
+
+def _meta_text(m: dict) -> str:
+    deep = m.pop(DEEP, None)
+    text = json.dumps(m)
+    return text if deep is None else f"{text[:-1]}, {json.dumps(deep[0])}: {deep[1]}}}"
+
+
+ROUND2 = [_escape_case, _depth_case, _bigint_case, _duprid_case, _nonfinite_case]
+
+
+def _check_round2(what: str, want: int, text, code: int, out: str, err: str, as_json: bool) -> None:
+    _check_run(what, code, out, err)
+    assert code == want, f"{what}: exit {code}, want {want}\n{err}"
+    assert not RAW.search(out + err), f"{what}: raw control text reached the output"
+    if code == 2 and text:
+        assert text in error_lines(err)[0], f"{what}: {error_lines(err)}"
+    if as_json:
+        report = json.loads(out)
+        if code == 1 and text:
+            assert report["diagnosis"] == "upstream_nonfinite" and text in report["diagnosis_text"], what
+
+
+def test_fuzz_round_two(tmp_path):
+    """Issue 22's classes, generated: escaped text, bounded depth and ints, duplicate rids, NaN
+    inputs; and a bad capture among good ones never costs theirs (the JSON array is whole)."""
+    rng = random.Random(SEED + 22)
+    base = small_capture()
+    good = tmp_path / "good.safetensors"
+    raw_write(good, *base)
+    counts: dict[str, int] = {}
+    t_all = time.perf_counter()
+    for i in range(CASES2):
+        t = {k: v.clone() for k, v in base[0].items()}
+        m = json.loads(json.dumps(base[1]))
+        gen = ROUND2[i % len(ROUND2)]
+        name = f"case{i % 4}" + (_odd_text(rng, surrogates=False).replace("\x00", "").replace("/", "") if i % 6 == 0 else "")
+        path = tmp_path / f"{name}.safetensors"
+        what, want, text = gen(rng, t, m, path)
+        what = f"case {i} (seed {SEED + 22}): {what}"
+        raw_write(path, t, _meta_text(m))
+        as_json = i % 2 == 1
+        t0 = time.perf_counter()
+        code, out, err = run_cli("replay", str(path), "--backend", "reference", "--no-explain",
+                                 *(["--json"] if as_json else []))  # fmt: skip
+        _check_round2(what, want, text, code, out, err, as_json)
+        if i % 5 == 0:  # among others: every report still comes out
+            code, out, err = run_cli("replay", str(good), str(path), str(good), "--backend", "reference",
+                                     "--no-explain", "--json")  # fmt: skip
+            assert [r["verdict"] for r in json.loads(out)][::2] == ["agree", "agree"], what
+            assert not RAW.search(out + err), what
+        assert time.perf_counter() - t0 < CASE_SECONDS, f"{what}: too slow"
+        counts[gen.__name__] = counts.get(gen.__name__, 0) + 1
+    print(f"fuzz round two: {CASES2} cases {counts}, {time.perf_counter() - t_all:.1f} s")

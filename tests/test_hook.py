@@ -5,7 +5,7 @@ What runs: SGLang's own ``TritonAttnBackend`` (built by ``ATTENTION_BACKENDS["tr
 decode and extend kernels in the Triton interpreter. The model runner is the one stand-in:
 SGLang's ``ModelRunner`` loads a model and sets up devices and process groups, so SGLang's own
 attention test kit provides ``MockMLAModelRunner`` (a ``ModelRunner`` subclass that builds the
-pools and nothing else); see ``refmla/hook/testing.py``. The tests that need SGLang skip with the
+pools and nothing else); see ``tests/sglang_kit.py``. The tests that need SGLang skip with the
 reason when that stack cannot be imported (sglang and the packages of tools/requirements-hook*.txt);
 the configuration, start-up and disabled-mode tests run everywhere.
 """
@@ -43,8 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def T():
-    """refmla.hook.testing with SGLang's kit importable, or skip with why not."""
-    from refmla.hook import testing
+    """tests/sglang_kit.py with SGLang's kit importable, or skip with why not."""
+    import sglang_kit as testing
 
     try:
         testing.kit()
@@ -377,7 +377,7 @@ def test_capture_run_wraps_a_child_process(T, tmp_path):
     """``refmla capture run -- python ...``: the hook is active in the child, its rc comes back."""
     child = (
         "import sys\n"
-        "from refmla.hook import testing as T\n"
+        "import sglang_kit as T\n"
         "import refmla.hook\n"
         "assert refmla.hook.installed(), 'hook not active in the child'\n"
         "fx = T.build(T.Case(mode='decode', prefix_lens=(70, 37)))\n"
@@ -388,7 +388,7 @@ def test_capture_run_wraps_a_child_process(T, tmp_path):
     cmd = [sys.executable, "-m", "refmla", "capture", "run", "--out", str(out), "--min-seq-len", "64",
            "--", sys.executable, "-c", child]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("REFMLA_CAPTURE_")}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])  # refmla, and sglang_kit
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 3, r.stderr[-3000:]
     files = sorted(out.glob("*.safetensors"))

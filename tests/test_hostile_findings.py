@@ -10,14 +10,16 @@ import torch
 from hostile import SMALL, error_lines, run_cli, small_capture, write_small
 from helpers import raw_write
 from refmla import reference as ref
+from refmla.scales import Scales
+from refmla.attended import Attended
 
 
 def with_parts(t, m):
     """Add what a correct production kernel stores: lse and the stage-1 partials (fp32, no v_scale)."""
-    sc = dict(kv_lora_rank=512, sm_scale=m["sm_scale"], logit_cap=m["logit_cap"], k_scale=m["k_scale"])
-    args = (t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"])
-    _, lse = ref.mla_decode_ref(*args, **sc, v_scale=m["v_scale"])
-    parts, lses, _ = ref.mla_decode_split_ref(*args, t["num_kv_splits"], **sc, max_kv_splits=m["max_kv_splits"])
+    sc = Scales(512, m["sm_scale"], m["logit_cap"], m["k_scale"])
+    args = (t["q"], t["kv_buffer"], Attended.from_tensors(t))
+    _, lse = ref.mla_decode_ref(*args, sc.but(v_scale=m["v_scale"]))
+    parts, lses, _ = ref.mla_decode_split_ref(*args, t["num_kv_splits"], sc, max_kv_splits=m["max_kv_splits"])
     t["lse"], t["attn_logits"], t["attn_lse"] = lse.float(), parts.float(), lses.float()
 
 

@@ -11,14 +11,16 @@ import torch
 from refmla.capture import read_capture, write_capture
 from refmla.cli import main as cli
 from refmla.context import ReplayContext, ReplayOptions
-from refmla.control import Rounding, mla_control, store_as
+from refmla.attended import Attended
+from refmla.control import Rounding, mla_control_split, store_as
+from refmla.scales import Scales
 from refmla.diagnosis import diagnose
 from refmla.hypotheses import explain_failure
 from refmla.hypotheses.numerics import BY_NAME
 from refmla.synth import SynthSpec, make_inputs, make_meta, preset, synth_capture
 from refmla.synth.faults import EXPECT, FAULTS
 from refmla.synth import MAY_AGREE
-from refmla.synth.numerics import outlier_channel
+from refmla.synth.rounding import outlier_channel
 
 NUMERIC_FAULTS = [f for f in FAULTS if EXPECT[f] == "numerics"]
 BENIGN_NUMERIC = [f for f in FAULTS if f in BY_NAME and EXPECT[f] is None]
@@ -68,12 +70,11 @@ def test_store_half_away_breaks_ties_away_from_zero():
 def test_standard_rounding_is_the_control():
     spec = preset("hostile")
     t = make_inputs(spec)
-    args = (t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"])
-    kw = dict(kv_lora_rank=512, sm_scale=spec.sm_scale, out_dtype=torch.bfloat16, num_kv_splits=t["num_kv_splits"])
-    a = mla_control(*args, **kw)[0]
-    b = mla_control(*args, **kw, rounding=Rounding())[0]
+    args = (t["q"], t["kv_buffer"], Attended.from_tensors(t), t["num_kv_splits"], Scales(512, spec.sm_scale), torch.bfloat16)
+    a = mla_control_split(*args)[0]
+    b = mla_control_split(*args, Rounding())[0]
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
-    c = mla_control(*args, **kw, rounding=Rounding(store="toward_zero"))[0]
+    c = mla_control_split(*args, Rounding(store="toward_zero"))[0]
     assert not torch.equal(a.view(torch.int16), c.view(torch.int16))
 
 
@@ -149,13 +150,13 @@ def rtz_capture(tmp_path, triton_out: bool):
     if not triton_out:
         synth_capture(path, spec, "out_round_toward_zero")
         return path
-    from refmla.backends.triton import run_triton_decode
+    from refmla.backends.triton import TritonLaunch, run_triton_decode
     from refmla.synth.faults import Planting
 
     t = make_inputs(spec)
     outlier_channel(Planting(spec, t))
     out32 = run_triton_decode(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], t["num_kv_splits"],
-                              kv_lora_rank=spec.kv_lora_rank, sm_scale=spec.sm_scale, out_dtype=torch.float32)[0]  # fmt: skip
+                              Scales(spec.kv_lora_rank, spec.sm_scale), TritonLaunch(out_dtype=torch.float32))[0]  # fmt: skip
     t["out"] = store_as(out32, torch.bfloat16, "toward_zero")
     write_capture(path, t, make_meta(spec), compact=False)
     return path

@@ -5,7 +5,9 @@ import torch
 
 from helpers import paged_case
 from refmla import reference as ref
+from refmla.attended import Attended
 from refmla.paged import page_to_token, token_to_page
+from refmla.scales import Scales
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])
@@ -17,8 +19,8 @@ def test_round_trip_and_same_reference(page_size):
     assert last.tolist() == [(L - 1) % page_size + 1 if L else 0 for L in lens]
     indptr2, idx2 = page_to_token(pptr, pidx, last, page_size)
     assert torch.equal(indptr2, indptr) and torch.equal(idx2, idx.long())
-    a = ref.mla_decode_ref(q, kv, indptr, idx, kv_lora_rank=512, sm_scale=0.1)
-    b = ref.mla_decode_ref(q, kv, indptr2, idx2, kv_lora_rank=512, sm_scale=0.1)
+    a = ref.mla_decode_ref(q, kv, Attended.token_index(indptr, idx), Scales(kv_lora_rank=512, sm_scale=0.1))
+    b = ref.mla_decode_ref(q, kv, Attended.token_index(indptr2, idx2), Scales(kv_lora_rank=512, sm_scale=0.1))
     assert torch.equal(a[0], b[0])
 
 
@@ -37,7 +39,7 @@ def test_reference_in_aiter_convention(page_size):
     q, kv, indptr, idx = paged_case(lens, 8, page_size, seed=3)
     pptr, pidx, last = token_to_page(indptr, idx, page_size)
     pages_view = kv.view(-1, page_size, 1, kv.shape[-1])  # aiter's [num_pages, page_size, 1, D]
-    a = mla_decode_ref_pages(q, pages_view, pptr, pidx, last, page_size, kv_lora_rank=512, sm_scale=0.1)
-    b = ref.mla_decode_ref(q, kv, indptr, idx, kv_lora_rank=512, sm_scale=0.1)
+    a = mla_decode_ref_pages(q, pages_view, pptr, pidx, last, page_size, Scales(kv_lora_rank=512, sm_scale=0.1))
+    b = ref.mla_decode_ref(q, kv, Attended.token_index(indptr, idx), Scales(kv_lora_rank=512, sm_scale=0.1))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert torch.isfinite(a[0]).all()

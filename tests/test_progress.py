@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from refmla.render.progress import Progress
+from refmla.progress import Progress
 
 
 class Terminal(io.StringIO):

@@ -9,16 +9,21 @@ from typing import Optional
 import pytest
 import torch
 
+from refmla.attended import Attended
 from refmla.control import mla_control
-from refmla.capture import write_capture
+from refmla.capture import parse_meta, write_capture
 from refmla.cli import main
 from refmla.batch import replay_one
 from refmla.render.replay import summary_table
 from refmla.results import BackendEntry, MetadataReport, ReplayReport
+from refmla.scales import Scales
 from refmla.series import series_checks
 
 DV, DR = 32, 8
 D = DV + DR
+
+META = dict(mode="decode", backend="unknown", kv_lora_rank=512, qk_rope_head_dim=64, sm_scale=0.1, logit_cap=0.0,
+            page_size=1)  # fmt: skip
 
 
 @dataclass
@@ -57,7 +62,7 @@ class Series:
         idx = torch.cat([self.slots[r][:L] for r, L in zip(order, lens)])
         indptr = torch.tensor([0, *torch.cumsum(torch.tensor(lens), 0).tolist()], dtype=torch.int32)
         q = torch.randn(len(order), 2, D, generator=self.g).to(torch.bfloat16)
-        out, _ = mla_control(q, pool, indptr, idx, kv_lora_rank=DV, sm_scale=0.1, out_dtype=torch.bfloat16)
+        out, _ = mla_control(q, pool, Attended.token_index(indptr, idx), Scales(kv_lora_rank=DV, sm_scale=0.1), torch.bfloat16)
         t = {"q": q, "kv_buffer": pool, "kv_indptr": indptr, "kv_indices": idx.int(),
              "seq_lens": torch.tensor(lens, dtype=torch.int32), "out": out}  # fmt: skip
         meta = {
@@ -175,7 +180,7 @@ def test_summary_table_counts_diverged_and_worst_backend():
     def rep(layer, step, verdict, err=None):
         b = {"observed": BackendEntry("fail" if err else "pass", max_abs_err=err or 0.0)}
         return ReplayReport(capture=f"x{layer}{step}", verdict=verdict, diagnosis="observed" if err else None,
-                            meta={"layer_id": layer, "tp_rank": 0, "step": step}, metadata=MetadataReport(ok=True),
+                            meta=parse_meta({**META, "layer_id": layer, "tp_rank": 0, "step": step}), metadata=MetadataReport(ok=True),
                             backends=b)  # fmt: skip
 
     text = summary_table([rep(1, 0, "agree"), rep(0, 1, "diverged", 0.5), rep(0, 1, "diverged", 0.25)])

@@ -27,6 +27,7 @@ if not INTERPRETING and not triton_interp.gpu_present():
     pytest.skip(HOW, allow_module_level=True)
 
 from refmla import reference as ref  # noqa: E402
+from refmla.attended import Attended  # noqa: E402
 from refmla.backends import BackendUnavailable  # noqa: E402
 from refmla.backends import triton as tb  # noqa: E402
 from refmla import schedule  # noqa: E402
@@ -63,17 +64,11 @@ def make_case(model: str, dtype: torch.dtype, page_size: int, schedule: str, log
 
 
 def run_kernel(spec: SynthSpec, t: dict, **kw):
+    launch = tb.TritonLaunch(page_size=spec.page_size, max_kv_splits=kw.pop("max_kv_splits", spec.max_kv_splits), **kw)
     return tb.run_triton_decode(
         t["q"].to(DEVICE), t["kv_buffer"].to(DEVICE), t["kv_indptr"], t["kv_indices"], t["num_kv_splits"],
-        kv_lora_rank=spec.kv_lora_rank, sm_scale=spec.sm_scale, logit_cap=spec.logit_cap,
-        k_scale=spec.k_scale, v_scale=spec.v_scale, page_size=spec.page_size,
-        max_kv_splits=kw.pop("max_kv_splits", spec.max_kv_splits), **kw,
+        spec.scales(), launch,
     )  # fmt: skip
-
-
-def scales(spec: SynthSpec) -> dict:
-    return dict(kv_lora_rank=spec.kv_lora_rank, sm_scale=spec.sm_scale, logit_cap=spec.logit_cap,
-                k_scale=spec.k_scale, v_scale=spec.v_scale)  # fmt: skip
 
 
 def replay_context(spec: SynthSpec, t: dict) -> ReplayContext:
@@ -91,8 +86,8 @@ def check_output(spec: SynthSpec, t: dict, out: torch.Tensor):
 def check_splits(spec: SynthSpec, t: dict, attn_logits: torch.Tensor, attn_lse: torch.Tensor) -> dict:
     """Every non-empty split's partial and lse against the split reference (replay's check)."""
     S = attn_logits.shape[2]
-    _, _, valid = ref.mla_decode_split_ref(*(t[k] for k in ("q", "kv_buffer", "kv_indptr", "kv_indices", "num_kv_splits")),
-                                           **scales(spec), max_kv_splits=S)  # fmt: skip
+    _, _, valid = ref.mla_decode_split_ref(t["q"], t["kv_buffer"], Attended.from_tensors(t), t["num_kv_splits"],
+                                           spec.scales(), max_kv_splits=S)  # fmt: skip
     logits = attn_logits.cpu()
     assert torch.isnan(logits[~valid[:, None, :].expand(-1, logits.shape[1], -1)]).all(), "empty split written"
     res = BackendResult(out=attn_logits[:, :, 0], attn_logits=attn_logits.cpu(), attn_lse=attn_lse.cpu(),

@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from refmla import reference as ref
+from refmla.attended import Attended
 from refmla.capture import read_capture, write_capture
 from refmla.cli import main
 from refmla.control import mla_control
+from refmla.scales import Scales
 from refmla.synth import make_inputs, make_meta, preset
 from tests.helpers import raw_write
 
@@ -51,7 +53,7 @@ def dense_masked(q, kv_buffer, kv_indptr, kv_indices, qo_indptr, visible, Dv, sm
 def test_chain_verify_is_causal_bottom_right():
     spec, t, _ = _chain()
     args = (t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], t["qo_indptr"])
-    out, lse = ref.mla_verify_ref(*args, kv_lora_rank=512, sm_scale=spec.sm_scale)
+    out, lse = ref.mla_verify_ref(t["q"], t["kv_buffer"], Attended.token_index(*args[2:]), Scales(512, spec.sm_scale))
     n = spec.draft_token_num
     visible = [torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None] for L in spec.seq_lens]
     want = dense_masked(*args, visible, 512, spec.sm_scale)
@@ -61,32 +63,30 @@ def test_chain_verify_is_causal_bottom_right():
     b, i = 2, 1
     L, q0 = spec.seq_lens[b], int(t["qo_indptr"][b])
     rows = t["kv_indices"][int(t["kv_indptr"][b]) : int(t["kv_indptr"][b]) + L - n + i + 1]
-    dec, _ = ref.mla_decode_ref(t["q"][q0 + i : q0 + i + 1], t["kv_buffer"], torch.tensor([0, len(rows)]), rows,
-                                kv_lora_rank=512, sm_scale=spec.sm_scale)  # fmt: skip
+    dec, _ = ref.mla_decode_ref(t["q"][q0 + i : q0 + i + 1], t["kv_buffer"], Attended.token_index(torch.tensor([0, len(rows)]), rows), Scales(kv_lora_rank=512, sm_scale=spec.sm_scale))  # fmt: skip
     assert torch.equal(dec[0], out[q0 + i])
 
 
 def test_tree_mask_is_applied_per_request():
     spec, t, _ = _tree()
     args = (t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], t["qo_indptr"])
-    out, _ = ref.mla_verify_ref(*args, t["custom_mask"], t["mask_indptr"], kv_lora_rank=512, sm_scale=spec.sm_scale)
+    sc = Scales(512, spec.sm_scale)
+    out, _ = ref.mla_verify_ref(t["q"], t["kv_buffer"], Attended.from_tensors(t), sc)
     n, m = spec.draft_token_num, t["mask_indptr"]
     visible = [t["custom_mask"][int(m[b]) : int(m[b + 1])].view(n, L) for b, L in enumerate(spec.seq_lens)]
     assert any(not torch.equal(v[:, -n:], torch.ones(n, n, dtype=torch.bool).tril()) for v in visible), "a real tree"
     assert torch.allclose(out, dense_masked(*args, visible, 512, spec.sm_scale), atol=1e-12, rtol=0)
-    chain, _ = ref.mla_verify_ref(*args, kv_lora_rank=512, sm_scale=spec.sm_scale)
+    chain, _ = ref.mla_verify_ref(t["q"], t["kv_buffer"], Attended.token_index(*args[2:]), sc)
     assert (out - chain).abs().max() > 1e-3, "the tree must differ from the chain on this input"
 
 
 def test_control_follows_the_mask():
     spec, t, _ = _tree()
-    args = (t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"])
-    exp, _ = ref.mla_verify_ref(*args, t["qo_indptr"], t["custom_mask"], t["mask_indptr"], kv_lora_rank=512,
-                                sm_scale=spec.sm_scale)  # fmt: skip
-    masked, _ = mla_control(*args, kv_lora_rank=512, sm_scale=spec.sm_scale, out_dtype=torch.bfloat16,
-                            qo_indptr=t["qo_indptr"], custom_mask=t["custom_mask"], mask_indptr=t["mask_indptr"])  # fmt: skip
-    causal, _ = mla_control(*args, kv_lora_rank=512, sm_scale=spec.sm_scale, out_dtype=torch.bfloat16,
-                            qo_indptr=t["qo_indptr"])  # fmt: skip
+    sc, tree = Scales(512, spec.sm_scale), Attended.from_tensors(t)
+    chain = Attended.token_index(t["kv_indptr"], t["kv_indices"], t["qo_indptr"])
+    exp, _ = ref.mla_verify_ref(t["q"], t["kv_buffer"], tree, sc)
+    masked, _ = mla_control(t["q"], t["kv_buffer"], tree, sc, torch.bfloat16)
+    causal, _ = mla_control(t["q"], t["kv_buffer"], chain, sc, torch.bfloat16)
     assert (masked.double() - exp).abs().max() < 0.02
     assert (causal.double() - exp).abs().max() > 0.05
 

@@ -10,7 +10,9 @@ import json
 import pytest
 import torch
 
+from refmla.attended import Attended
 from refmla.cli import main as cli
+from refmla.scales import Scales
 from refmla.synth import preset, synth_capture
 from refmla.synth.faults import EXPECT
 
@@ -95,8 +97,7 @@ def test_empty_split_merged_zero_scratch(tmp_path, capsys):
     b, n = 3, spec.max_kv_splits  # request 3: 33 tokens, 16 splits of 32: 14 empty
     t["num_kv_splits"][b] = n
     sc = dict(kv_lora_rank=512, sm_scale=spec.sm_scale)
-    parts, lses, valid = ref.mla_decode_split_ref(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"],
-                                                  t["num_kv_splits"], **sc, max_kv_splits=n)  # fmt: skip
+    parts, lses, valid = ref.mla_decode_split_ref(t["q"], t["kv_buffer"], Attended.token_index(t["kv_indptr"], t["kv_indices"]), t["num_kv_splits"], Scales(**sc), max_kv_splits=n)  # fmt: skip
     lses[b, :, ~valid[b]] = 0.0  # parts stay 0
     valid[b] = True
     out[b] = ref.merge_splits(parts, lses, valid)[0][b].to(out.dtype)

@@ -40,6 +40,7 @@ import torch  # noqa: E402
 
 from refmla import schedule  # noqa: E402
 from refmla.backends import triton as tb  # noqa: E402
+from refmla.scales import Scales  # noqa: E402
 from refmla.synth import KIMI_K2_SCALE, SynthSpec, make_inputs  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -73,8 +74,8 @@ def main() -> None:
         w0, c0 = time.perf_counter(), time.process_time()
         out, _, _, info = tb.run_triton_decode(
             t["q"].to(device), t["kv_buffer"].to(device), t["kv_indptr"], t["kv_indices"], t["num_kv_splits"],
-            kv_lora_rank=spec.kv_lora_rank, sm_scale=spec.sm_scale, page_size=spec.page_size,
-            max_kv_splits=spec.max_kv_splits, trim=trim,
+            Scales(spec.kv_lora_rank, spec.sm_scale),
+            tb.TritonLaunch(page_size=spec.page_size, max_kv_splits=spec.max_kv_splits, trim=trim),
         )  # fmt: skip
         return time.perf_counter() - w0, time.process_time() - c0, out, info
 

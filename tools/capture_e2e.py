@@ -4,7 +4,7 @@
     python tools/capture_e2e.py [--out DIR] [--dtype bfloat16|float32] [--mode decode|extend]
 
 1. builds SGLang's real ``TritonAttnBackend`` with a real ``MLATokenToKVPool`` (through SGLang's
-   attention test kit's mock model runner; see refmla/hook/testing.py), kernels in the Triton
+   attention test kit's mock model runner; see tests/sglang_kit.py), kernels in the Triton
    interpreter, DeepSeek-V3 TP8 shapes (16 heads, 512 + 64), shuffled KV pages;
 2. installs the hook (as ``REFMLA_CAPTURE_DIR`` + ``import refmla.hook`` would) and runs one
    forward through ``RadixAttention -> forward_decode`` (or ``forward_extend``);
@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # sglang_kit: the test kit
 
 
 def main(argv=None) -> int:
@@ -35,7 +36,7 @@ def main(argv=None) -> int:
     p.add_argument("--prefix-lens", default="300,129,65", help="cached tokens per request")
     args = p.parse_args(argv)
 
-    from refmla.hook import testing
+    import sglang_kit as testing
 
     try:
         testing.prepare()  # TRITON_INTERPRET=1 + torchvision shim before sglang is imported

@@ -25,6 +25,23 @@ ALL_NAMES is every name a user may ask for.
 
 A backend module is imported only when its name is asked for, so a missing optional package
 makes that one backend unavailable (with the reason), never the tool.
+
+Modules:
+
+    base.py           Backend, BackendResult, BackendUnavailable, BackendFinding: what every backend is
+    calling.py        finding a kernel function and calling it by its parameter names
+    cpu_compat.py     shims that let CUDA-built wheels import on a CPU-only machine
+    triton_interp.py  the Triton interpreter on CPU (and its bf16 dot fix)
+    vllm_compat.py    vLLM's Triton MLA decode module importable on a CPU-only machine
+    engines.py        installed engines and the kernel each backend calls (``refmla doctor``)
+    reference.py      the ``reference`` and ``observed`` backends
+    triton.py         the ``triton`` backend: SGLang's decode kernel
+    per_query.py      the ``*_decode_per_query`` backends
+    flex.py           the ``flex`` backend
+    vllm_triton.py    the ``vllm_triton`` backend: vLLM's TRITON_MLA decode over a block table
+    paged/            the NVIDIA block-table backends (flashmla, flashinfer_mla, cutlass_mla, fa3_mla)
+    aiter/            the ``aiter`` backend (decode and verify)
+    extend/           the ``extend`` backend
 """
 
 from __future__ import annotations
@@ -32,6 +49,8 @@ from __future__ import annotations
 import importlib
 
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
+from refmla.capture import Capture
+from refmla.options import ReplayOptions
 
 _FIRST = ("reference", "observed", "triton", "aiter", "extend")
 VERIFY_ONLY = ("triton_decode_per_query", "aiter_decode_per_query")  # left out of other modes' default list
@@ -44,7 +63,7 @@ _WHERE = {
     "reference": "refmla.backends.reference:ReferenceBackend",
     "observed": "refmla.backends.reference:ObservedBackend",
     "triton": "refmla.backends.triton:TritonBackend",
-    "aiter": "refmla.backends.aiter_verify:AiterVerifyBackend",  # AiterBackend, plus verify (max_seqlen_q > 1)
+    "aiter": "refmla.backends.aiter.verify:AiterVerifyBackend",  # AiterBackend, plus verify (max_seqlen_q > 1)
     "extend": "refmla.backends.extend.backend:ExtendBackend",
     "triton_decode_per_query": "refmla.backends.per_query:TritonDecodePerQueryBackend",
     "aiter_decode_per_query": "refmla.backends.per_query:AiterDecodePerQueryBackend",
@@ -66,7 +85,7 @@ class _Missing(Backend):
     def availability(self) -> tuple[bool, str]:
         return False, self.reason
 
-    def run(self, cap, opts) -> BackendResult:
+    def run(self, cap: Capture, opts: ReplayOptions) -> BackendResult:
         raise BackendUnavailable(self.reason)
 
 

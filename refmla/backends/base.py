@@ -7,6 +7,9 @@ from typing import Any, Optional
 
 import torch
 
+from refmla.capture import Capture
+from refmla.options import ReplayOptions
+
 
 class BackendUnavailable(Exception):
     """Raised by run() when the backend cannot run on this machine or this capture.
@@ -16,7 +19,7 @@ class BackendUnavailable(Exception):
 
 
 @dataclass
-class Finding:
+class BackendFinding:
     """Something a backend found wrong besides its output (e.g. rebuilt kernel metadata that differs
     from production's). A replay with a finding is never a pass: docs/contract.md section 3."""
 
@@ -42,7 +45,7 @@ class BackendResult:
     # split schedule the capture does not carry: the per-query decode of a verify capture); None:
     # the replay's control (refmla.context.ReplayContext.control).
     control: Optional[torch.Tensor] = None
-    findings: list[Finding] = field(default_factory=list)  # each one fails the backend (never a pass)
+    findings: list[BackendFinding] = field(default_factory=list)  # each one fails the backend (never a pass)
 
 
 class Backend:
@@ -54,5 +57,5 @@ class Backend:
         """(usable here, reason if not / version string if yes). Must never raise."""
         return True, ""
 
-    def run(self, cap, opts) -> BackendResult:  # cap: refmla.capture.Capture
+    def run(self, cap: Capture, opts: ReplayOptions) -> BackendResult:
         raise NotImplementedError

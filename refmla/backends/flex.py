@@ -37,7 +37,11 @@ from typing import Optional
 
 import torch
 
+from refmla.attended import Attended
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
+from refmla.capture import Capture
+from refmla.options import ReplayOptions
+from refmla.scales import Scales
 
 BLOCK = 128  # flex_attention's default sparse block size (rows of Q and K per tile)
 _COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -82,25 +86,23 @@ def _guard_recompiles(key: tuple) -> None:
 class Packed:
     """Q, K, V as one sequence and the per-row bookkeeping the mask reads (all on ``device``)."""
 
-    def __init__(self, q, kv_buffer, kv_indptr, kv_indices, qo_indptr, kv_lora_rank, k_scale, v_scale, device):
+    def __init__(self, q: torch.Tensor, kv_buffer: torch.Tensor, att: Attended, sc: Scales, device):
         T, H, D = q.shape
-        B = len(kv_indptr) - 1
-        lens = (kv_indptr[1:] - kv_indptr[:-1]).long().cpu()  # [B]
-        qo = torch.arange(B + 1) if qo_indptr is None else qo_indptr.long().cpu()  # [B + 1]
-        n_new = qo[1:] - qo[:-1]  # [B] query tokens per request
-        self.T, self.H, self.Dv = T, H, int(kv_lora_rank)
+        G = att.num_groups
+        lens = att.lengths()  # [G]
+        self.T, self.H, self.Dv = T, H, int(sc.kv_lora_rank)
         self.nnz = int(lens.sum())
         self.NQ, self.NK = bucket(T * H), bucket(self.nnz)
         self.dtype = self._compute_dtype(q.dtype, kv_buffer.dtype)
-        rows = kv_buffer[:, 0].index_select(0, kv_indices[: self.nnz].long().to(kv_buffer.device))  # [nnz, D]
-        self.k, self.v = self._kv(rows.to(device), k_scale, v_scale, D)
+        keys = att.rows[int(att.indptr[0]) : int(att.indptr[-1])]  # [nnz] every group's rows, one after another
+        rows = kv_buffer[:, 0].index_select(0, keys.to(kv_buffer.device))  # [nnz, D]
+        self.k, self.v = self._kv(rows.to(device), sc.k_scale, sc.v_scale, D)
         self.q = torch.zeros(1, 1, self.NQ, D, dtype=self.dtype, device=device)  # [1, 1, NQ, D]
         self.q[0, 0, : T * H] = q.to(device, self.dtype).reshape(T * H, D)
-        req_of_key = torch.repeat_interleave(torch.arange(B), lens)  # [nnz]
-        pos_of_key = torch.arange(self.nnz) - torch.repeat_interleave(kv_indptr[:-1].long().cpu(), lens)  # [nnz]
-        req_of_tok = torch.repeat_interleave(torch.arange(B), n_new)  # [T]
-        # new token i of request b (n new tokens) sits at position L_b - n + i
-        pos_of_tok = torch.arange(T) - qo[:-1][req_of_tok] + (lens - n_new)[req_of_tok]  # [T]
+        req_of_key = torch.repeat_interleave(torch.arange(G), lens)  # [nnz]
+        pos_of_key = torch.arange(self.nnz) - torch.repeat_interleave(att.indptr[:-1] - att.indptr[0], lens)  # [nnz]
+        req_of_tok = att.group_of_row  # [T]
+        pos_of_tok = att.seen_counts() - 1  # [T] a query row sees its group's positions 0..pos (causal prefix)
         self.kdoc = _padded(req_of_key, self.NK, -1, device)  # [NK] padding matches no query
         self.kpos = _padded(pos_of_key, self.NK, 0, device)
         self.qdoc = _padded(req_of_tok.repeat_interleave(H), self.NQ, -2, device)  # [NQ] padding matches no key
@@ -189,29 +191,20 @@ def _score_mod(sm_scale: float, logit_cap: float, device):
 
 
 def run_flex_mla(
-    q: torch.Tensor,
-    kv_buffer: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    *,
-    kv_lora_rank: int,
-    sm_scale: float,
-    logit_cap: float = 0.0,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    qo_indptr: Optional[torch.Tensor] = None,
-    out_dtype: Optional[torch.dtype] = None,
+    q: torch.Tensor, kv_buffer: torch.Tensor, att: Attended, sc: Scales, out_dtype: Optional[torch.dtype] = None,
     device=None,
-) -> tuple[torch.Tensor, Optional[torch.Tensor], dict]:
-    """MLA decode (qo_indptr None) or extend through compiled flex_attention, on ``device`` (q's).
-
-    q [T, H, D], kv_buffer [N, 1, D], kv_indptr [B + 1], kv_indices token slots. Returns out
+) -> tuple[torch.Tensor, Optional[torch.Tensor], dict]:  # fmt: skip
+    """MLA decode or extend (a causal prefix per query row: ``att`` without a mask) through compiled
+    flex_attention, on ``device`` (q's). q [T, H, D], kv_buffer [N, 1, D]. Returns out
     [T, H, Dv] in out_dtype (default q's), lse [T, H] fp32 natural log (None on CPU, where Inductor
     does not return it) and an info dict. A request with no tokens gets out 0 (lse -inf).
     """
     device = torch.device(device) if device is not None else q.device
     T, H, _ = q.shape
-    pk = Packed(q, kv_buffer, kv_indptr, kv_indices, qo_indptr, kv_lora_rank, k_scale, v_scale, device)
+    if att.has_mask:
+        raise BackendUnavailable("flex: a verify tree custom_mask is not modelled (causal only)")
+    sm_scale, logit_cap = sc.sm_scale, sc.logit_cap
+    pk = Packed(q, kv_buffer, att, sc, device)
     want_lse = device.type != "cpu"
     key = (device.type, pk.NQ, pk.NK, pk.dtype, logit_cap > 0, want_lse)
     _guard_recompiles(key)
@@ -296,20 +289,15 @@ class FlexBackend(Backend):
             return False, cxx
         return True, f"torch {torch.__version__} flex_attention compiled by Inductor on CPU ({cxx})"
 
-    def run(self, cap, opts) -> BackendResult:
-        m = cap.meta
-        if cap.is_verify and cap.mask_args()["custom_mask"] is not None:  # a chain verify is causal: runs
+    def run(self, cap: Capture, opts: ReplayOptions) -> BackendResult:
+        if cap.attended().has_mask:  # a chain verify is causal: runs
             raise BackendUnavailable("flex: a verify tree custom_mask is not modelled (causal only)")
-        device = getattr(opts, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if torch.device(device).type == "cpu" and not _compiler_note()[0]:
             raise BackendUnavailable(_compiler_note()[1])
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise BackendUnavailable(f"device {device} asked for and no GPU is visible to torch")
-        out, lse, info = run_flex_mla(
-            cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices, kv_lora_rank=m.kv_lora_rank,
-            sm_scale=m.sm_scale, logit_cap=m.logit_cap, k_scale=m.k_scale, v_scale=m.v_scale,
-            qo_indptr=None if cap.is_decode else cap.qo_indptr, out_dtype=cap.out_dtype, device=device,
-        )  # fmt: skip
+        out, lse, info = run_flex_mla(cap.q, cap.kv_buffer, cap.attended(), cap.scales(), cap.out_dtype, device)
         return BackendResult(out=out.cpu(), lse=None if lse is None else lse.cpu(), info=info)
 
 

@@ -16,20 +16,19 @@ Both run on verify captures only; a decode capture is its own plain decode (``tr
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 from dataclasses import dataclass
 
 import torch
-
-from refmla import reference as ref
+from refmla.attended import Attended
 from refmla.backends import triton_interp
-from refmla.backends.aiter import aiter_status, run_aiter_decode
+from refmla.backends.aiter import AiterCall, aiter_status, run_aiter_decode
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 from refmla.backends.calling import KernelSignatureError
-from refmla.backends.triton import TritonBackend, run_triton_decode
-from refmla.control import mla_control
-from refmla.schedule import MI355X_CU_COUNT, default_num_kv_splits, mla_max_kv_splits
+from refmla.backends.triton import TritonBackend, TritonLaunch, run_triton_decode
+from refmla.capture import Capture
+from refmla.control import mla_control_split
+from refmla.options import ReplayOptions
+from refmla.schedule import default_num_kv_splits, mla_max_kv_splits
 
 
 @dataclass
@@ -40,30 +39,26 @@ class PerQueryBatch:
     kv_indptr: torch.Tensor  # [T + 1] int64
     kv_indices: torch.Tensor  # [sum of visible lengths] pool rows, position order
     lens: torch.Tensor  # [T] positions each query sees
+    att: Attended  # the same as a decode layout: query t reads all of group t
 
 
-def per_query_batch(cap) -> PerQueryBatch:
+def per_query_batch(cap: Capture) -> PerQueryBatch:
     """Each query token of a verify capture as a decode request over the positions it sees."""
     if not cap.is_verify:
         raise BackendUnavailable(f"verify captures only; a {cap.meta.mode} capture is replayed by triton / aiter")
-    qo = cap.qo_indptr.long()
-    parts = []
-    for b in range(cap.batch_size):
-        rows = ref.request_rows(cap.kv_indptr, cap.kv_indices, b)  # [L]
-        n = int(qo[b + 1] - qo[b])
-        vis = ref.verify_visibility(len(rows), n, b, **cap.mask_args())  # [n, L]
-        parts += [rows[vis[i]] for i in range(n)]
+    att = cap.attended()
+    parts = [att.rows_seen(t) for t in range(att.num_rows)]  # [L_t] each
     lens = torch.tensor([len(p) for p in parts], dtype=torch.int64)
     indptr = torch.zeros(len(parts) + 1, dtype=torch.int64)
     indptr[1:] = torch.cumsum(lens, 0)
     indices = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-    return PerQueryBatch(cap.q, indptr, indices, lens)
+    return PerQueryBatch(cap.q, indptr, indices, lens, Attended.token_index(indptr, indices))
 
 
-def _what(cap, batch: PerQueryBatch) -> dict:
+def _what(cap: Capture, batch: PerQueryBatch) -> dict:
     return {
         "per_query": "each verify query as a one-token decode over the positions it sees "
-                     + ("(its tree mask row)" if cap.mask_args()["custom_mask"] is not None else "(prefix + drafts 0..i)"),
+                     + ("(its tree mask row)" if cap.attended().has_mask else "(prefix + drafts 0..i)"),
         "decode_requests": int(batch.lens.shape[0]),
     }  # fmt: skip
 
@@ -74,30 +69,30 @@ class TritonDecodePerQueryBackend(Backend):
     def availability(self) -> tuple[bool, str]:
         return TritonBackend().availability()
 
-    def run(self, cap, opts) -> BackendResult:
+    def run(self, cap: Capture, opts: ReplayOptions) -> BackendResult:
         batch = per_query_batch(cap)
         ok, why = self.availability()
         if not ok:
             raise BackendUnavailable(why)
         m = cap.meta
-        cu = int(getattr(opts, "cu_count", MI355X_CU_COUNT) or 0)
+        cu = opts.cu_count
         max_kv = m.max_kv_splits or mla_max_kv_splits(cu)
         splits = default_num_kv_splits(batch.lens.to(torch.int32), max_kv_splits=max_kv, num_heads=cap.num_heads,
                                        cu_count=cu)  # fmt: skip
-        dev = "cpu" if triton_interp.interpreter_active() else (getattr(opts, "device", None) or "cuda")
+        dev = "cpu" if triton_interp.interpreter_active() else (opts.device or "cuda")
+        if dev == "cpu" and triton_interp.over_budget(cap):
+            raise BackendUnavailable(triton_interp.over_budget(cap))
         try:
             out, _, _, info = run_triton_decode(
-                batch.q.to(dev), cap.kv_buffer.to(dev), batch.kv_indptr, batch.kv_indices, splits,
-                kv_lora_rank=m.kv_lora_rank, sm_scale=m.sm_scale, logit_cap=m.logit_cap, k_scale=m.k_scale,
-                v_scale=m.v_scale, max_kv_splits=max_kv, trim=getattr(opts, "trim", True), out_dtype=cap.out_dtype,
+                batch.q.to(dev), cap.kv_buffer.to(dev), batch.kv_indptr, batch.kv_indices, splits, cap.scales(),
+                TritonLaunch(max_kv_splits=max_kv, trim=opts.trim, out_dtype=cap.out_dtype),
             )  # fmt: skip
         except KernelSignatureError as e:
             raise BackendUnavailable(str(e)) from e
         info.update(_what(cap, batch), num_kv_splits_source=f"SGLang's get_num_kv_splits for the per-query "
                     f"lengths (cu_count={cu}, max_kv_splits={max_kv})",
                     control="split-aware: fp32 partials of that schedule, an fp32 merge")  # fmt: skip
-        control, _ = mla_control(batch.q, cap.kv_buffer, batch.kv_indptr, batch.kv_indices, **asdict(cap.scales()),
-                                 out_dtype=cap.out_dtype, num_kv_splits=splits.cpu())  # fmt: skip
+        control, _ = mla_control_split(batch.q, cap.kv_buffer, batch.att, splits.cpu(), cap.scales(), cap.out_dtype)
         return BackendResult(out=out.cpu(), info=info, defines_empty_rows=False, control=control)
 
 
@@ -107,18 +102,14 @@ class AiterDecodePerQueryBackend(Backend):
     def availability(self) -> tuple[bool, str]:
         return aiter_status()
 
-    def run(self, cap, opts) -> BackendResult:
+    def run(self, cap: Capture, opts: ReplayOptions) -> BackendResult:
         batch = per_query_batch(cap)
         ok, why = self.availability()
         if not ok:
             raise BackendUnavailable(why)
-        m = cap.meta
         try:
-            out, info = run_aiter_decode(
-                batch.q, cap.kv_buffer, batch.kv_indptr, batch.kv_indices, kv_lora_rank=m.kv_lora_rank,
-                sm_scale=m.sm_scale, logit_cap=m.logit_cap, k_scale=m.k_scale, v_scale=m.v_scale,
-                page_size=1, out_dtype=cap.out_dtype, device=getattr(opts, "device", None),
-            )  # fmt: skip
+            out, info = run_aiter_decode(batch.q, cap.kv_buffer, batch.kv_indptr, batch.kv_indices, cap.scales(),
+                                         AiterCall(out_dtype=cap.out_dtype, device=opts.device))  # fmt: skip
         except AssertionError as e:
             raise BackendUnavailable(f"aiter refused this input: {e}") from None
         info.update(_what(cap, batch), max_seqlen_q=1)

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import torch
 
 from refmla import reference as ref
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
+from refmla.capture import Capture
+from refmla.options import ReplayOptions
 
 
-def reference_output(cap, accum_dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
-    """out [R, H, Dv] and lse [R, H] of the capture, decode or extend, in accum_dtype."""
-    args = (cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices)
-    if cap.is_decode:
-        return ref.mla_decode_ref(*args, **asdict(cap.scales()), accum_dtype=accum_dtype)
-    if cap.is_verify:
-        return ref.mla_verify_ref(*args, cap.qo_indptr, **cap.mask_args(), **asdict(cap.scales()),
-                                  accum_dtype=accum_dtype)  # fmt: skip
-    return ref.mla_extend_ref(*args, cap.qo_indptr, **asdict(cap.scales()), accum_dtype=accum_dtype)
+def reference_output(cap: Capture, accum_dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [R, H, Dv] and lse [R, H] of the capture, any mode, in accum_dtype."""
+    return ref.mla_ref(cap.q, cap.kv_buffer, cap.attended(), cap.scales(), accum_dtype=accum_dtype)
 
 
 class ReferenceBackend(Backend):
@@ -27,7 +21,7 @@ class ReferenceBackend(Backend):
     def availability(self) -> tuple[bool, str]:
         return True, f"pure PyTorch {torch.__version__}, fp64"
 
-    def run(self, cap, opts) -> BackendResult:
+    def run(self, cap: Capture, opts: ReplayOptions) -> BackendResult:
         out, lse = reference_output(cap)
         return BackendResult(out=out, lse=lse, info={"accum_dtype": "float64"})
 
@@ -38,7 +32,7 @@ class ObservedBackend(Backend):
     def availability(self) -> tuple[bool, str]:
         return True, "the capture's `out` tensor"
 
-    def run(self, cap, opts) -> BackendResult:
+    def run(self, cap: Capture, opts: ReplayOptions) -> BackendResult:
         if cap.out is None:
             raise BackendUnavailable("capture has no `out` tensor")
         return BackendResult(

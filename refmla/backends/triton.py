@@ -38,7 +38,10 @@ import torch
 from refmla.backends import triton_interp
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 from refmla.backends.calling import KernelNotFound, KernelSignatureError, find_function, kwargs_for
-from refmla.schedule import MI355X_CU_COUNT, MIN_BLOCK_KV, default_num_kv_splits, mla_max_kv_splits, nonempty_splits_batch
+from refmla.capture import Capture
+from refmla.options import ReplayOptions
+from refmla.scales import Scales
+from refmla.schedule import MIN_BLOCK_KV, default_num_kv_splits, mla_max_kv_splits, nonempty_splits_batch
 
 # --------------------------------------------------------------------------------------------
 # Finding the kernel
@@ -146,29 +149,31 @@ class SplitPlan:
         return int(self.filled.max()) if self.filled.numel() else 0
 
 
+@dataclass(frozen=True)
+class TritonLaunch:
+    """How the decode kernel is launched, besides its tensors and scales."""
+
+    page_size: int = 1  # passed to the kernel (token slots: its page arithmetic is the identity)
+    max_kv_splits: Optional[int] = None  # the production stage-1 buffer size (default max(num_kv_splits))
+    trim: bool = True  # size the buffers to the splits that hold tokens (bit-identical)
+    out_dtype: Optional[torch.dtype] = None  # default q's
+
+
 def run_triton_decode(
     q: torch.Tensor,
     kv_buffer: torch.Tensor,
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
     num_kv_splits: torch.Tensor,
-    *,
-    kv_lora_rank: int,
-    sm_scale: float,
-    logit_cap: float = 0.0,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    page_size: int = 1,
-    max_kv_splits: Optional[int] = None,
-    trim: bool = True,
-    out_dtype: Optional[torch.dtype] = None,
+    sc: Scales,
+    launch: TritonLaunch = TritonLaunch(),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     """Run SGLang's ``decode_attention_fwd`` (MLA) on plain tensors, on their device.
 
     q [B, H, D], kv_buffer [N, 1, D] (V = its first kv_lora_rank dims), kv_indptr [B + 1],
-    kv_indices token slots, num_kv_splits [B]. ``max_kv_splits`` is the production buffer size
-    (default max(num_kv_splits)); with ``trim`` the buffers hold only as many splits as the
-    longest-split request fills (exact, see the module docstring).
+    kv_indices token slots, num_kv_splits [B]. ``launch.max_kv_splits`` is the production buffer
+    size (default max(num_kv_splits)); with ``launch.trim`` the buffers hold only as many splits as
+    the longest-split request fills (exact, see the module docstring).
 
     Returns out [B, H, Dv] (out_dtype, default q's), attn_logits [B, H, S, Dv] and attn_lse
     [B, H, S] fp32 exactly as the kernel leaves them (partials without v_scale; empty splits NaN,
@@ -176,15 +181,16 @@ def run_triton_decode(
     """
     fn, module_path, version = locate_decode_kernel()
     mod = _kernel_module(module_path)
-    interpreted, dot_fix = interpreter_ready(mod, q, kv_buffer, out_dtype)
+    Dv = int(sc.kv_lora_rank)
+    interpreted, dot_fix = interpreter_ready(mod, q, kv_buffer, launch.out_dtype)
     q, kv_buffer, kv_indptr, kv_indices, splits = _kernel_inputs(q, kv_buffer, kv_indptr, kv_indices, num_kv_splits)
-    plan = _split_plan(mod, q, kv_buffer, kv_indptr, splits, max_kv_splits, trim)
-    out, attn_logits, attn_lse = _buffers(q, plan.used, int(kv_lora_rank), out_dtype or q.dtype)
+    plan = _split_plan(mod, q, kv_buffer, kv_indptr, splits, launch.max_kv_splits, launch.trim)
+    out, attn_logits, attn_lse = _buffers(q, plan.used, Dv, launch.out_dtype or q.dtype)
     values = dict(
-        q=q, k_buffer=kv_buffer, v_buffer=kv_buffer[..., : int(kv_lora_rank)], o=out, kv_indptr=kv_indptr,
+        q=q, k_buffer=kv_buffer, v_buffer=kv_buffer[..., :Dv], o=out, kv_indptr=kv_indptr,
         kv_indices=kv_indices, attn_logits=attn_logits, attn_lse=attn_lse, num_kv_splits=splits,
-        max_kv_splits=plan.used, sm_scale=float(sm_scale), k_scale=float(k_scale), v_scale=float(v_scale),
-        logit_cap=float(logit_cap), has_mla=True, page_size=int(page_size),
+        max_kv_splits=plan.used, sm_scale=float(sc.sm_scale), k_scale=float(sc.k_scale), v_scale=float(sc.v_scale),
+        logit_cap=float(sc.logit_cap), has_mla=True, page_size=int(launch.page_size),
     )  # fmt: skip
     kwargs, notes = build_kernel_kwargs(fn, values)
     seconds = call_kernel(fn, kwargs, q.device)
@@ -335,7 +341,7 @@ class TritonBackend(Backend):
             return False, f"{module_path} was imported compiled and there is no GPU; set TRITON_INTERPRET=1"
         return True, f"sglang {version} {module_path}.{fn.__name__}, triton {triton.__version__}, {where}"
 
-    def run(self, cap, opts) -> BackendResult:
+    def run(self, cap: Capture, opts: ReplayOptions) -> BackendResult:
         m = cap.meta
         if m.mode != "decode":
             why = "; see triton_decode_per_query" if m.mode == "verify" else ""
@@ -347,13 +353,14 @@ class TritonBackend(Backend):
         if why:
             raise BackendUnavailable(why)
         device = _device(opts)
+        why = triton_interp.over_budget(cap) if device.type == "cpu" else None  # cpu: the interpreter
+        if why:
+            raise BackendUnavailable(why)
         splits, max_kv, source = _num_kv_splits(cap, opts)
         try:
             out, logits, lse, info = run_triton_decode(
-                cap.q.to(device), cap.kv_buffer.to(device), cap.kv_indptr, cap.kv_indices, splits,
-                kv_lora_rank=m.kv_lora_rank, sm_scale=m.sm_scale, logit_cap=m.logit_cap,
-                k_scale=m.k_scale, v_scale=m.v_scale, page_size=m.page_size, max_kv_splits=max_kv,
-                trim=getattr(opts, "trim", True), out_dtype=cap.out_dtype,
+                cap.q.to(device), cap.kv_buffer.to(device), cap.kv_indptr, cap.kv_indices, splits, cap.scales(),
+                TritonLaunch(page_size=m.page_size, max_kv_splits=max_kv, trim=opts.trim, out_dtype=cap.out_dtype),
             )  # fmt: skip
         except KernelSignatureError as e:
             raise BackendUnavailable(str(e)) from e
@@ -382,16 +389,16 @@ def unsupported_shape(kv_lora_rank: int, qk_rope_head_dim: int) -> Optional[str]
             f"(or no rope); this capture has {Lv} + {qk_rope_head_dim}")  # fmt: skip
 
 
-def _device(opts) -> torch.device:
+def _device(opts: ReplayOptions) -> torch.device:
     """The device to run SGLang's kernel on (:func:`device_for`)."""
     return device_for(locate_decode_kernel()[1], opts)
 
 
-def device_for(module_path: str, opts) -> torch.device:
+def device_for(module_path: str, opts: ReplayOptions) -> torch.device:
     """The device to run the kernels of ``module_path`` on: ``opts.device``, else CPU for the
     interpreter and CUDA for compiled kernels. Raises BackendUnavailable for a device they cannot use."""
     interpreted = bool(triton_interp.module_is_interpreted(_kernel_module(module_path)))
-    device = getattr(opts, "device", None)
+    device = opts.device
     if device is None:
         device = "cpu" if interpreted else "cuda"
     device = torch.device(device)
@@ -402,11 +409,11 @@ def device_for(module_path: str, opts) -> torch.device:
     return device
 
 
-def _num_kv_splits(cap, opts) -> tuple[torch.Tensor, int, str]:
+def _num_kv_splits(cap: Capture, opts: ReplayOptions) -> tuple[torch.Tensor, int, str]:
     """(num_kv_splits [B], max_kv_splits, where they come from): the capture's, else SGLang's
     get_num_kv_splits recomputed for ``opts.cu_count`` (default an MI355X's)."""
     m = cap.meta
-    cu_count = int(getattr(opts, "cu_count", MI355X_CU_COUNT) or 0)
+    cu_count = opts.cu_count
     if cap.num_kv_splits is not None:
         splits = cap.num_kv_splits
         return splits, m.max_kv_splits or (int(splits.max()) if cap.batch_size else 1), "capture"
@@ -419,6 +426,7 @@ __all__ = [
     "KernelNotFound",
     "KernelSignatureError",
     "TritonBackend",
+    "TritonLaunch",
     "build_kernel_kwargs",
     "call_kernel",
     "device_for",

@@ -63,6 +63,36 @@ def gpu_present() -> bool:
         return False
 
 
+# The Triton interpreter runs each program in numpy, ~0.7 ms per (query row, head, attended row) on
+# a loaded 2-core machine (measured: 2 heads x 131,072 tokens took 189 s): past this many the
+# interpreted kernels are skipped with the reason (the reference and the torch paths still judge
+# the capture); REFMLA_INTERPRETER_BUDGET overrides it.
+INTERPRETER_BUDGET = 1 << 17
+BUDGET_ENV = "REFMLA_INTERPRETER_BUDGET"
+
+
+def interpreter_work(cap) -> int:
+    """query rows x heads x rows each attends: decode H * nnz; extend / verify H * sum_b n_b * L_b."""
+    H, seq = cap.num_heads, cap.seq_lens.long()
+    if cap.is_decode or cap.qo_indptr is None:
+        return H * int(seq.sum())
+    n = (cap.qo_indptr[1:] - cap.qo_indptr[:-1]).long()
+    return H * int((n * (seq + n)).sum())
+
+
+def over_budget(cap) -> Optional[str]:
+    """Why an interpreted kernel is not run on ``cap`` (its work past the budget), or None."""
+    try:
+        budget = int(os.environ.get(BUDGET_ENV, INTERPRETER_BUDGET))
+    except ValueError:
+        budget = INTERPRETER_BUDGET
+    work = interpreter_work(cap)
+    if work <= budget:
+        return None
+    return (f"the Triton interpreter would walk {work:,} (row, head, attended row) triples, past its budget "
+            f"{budget:,} ({BUDGET_ENV}); replay on a GPU")  # fmt: skip
+
+
 def interpreter_active() -> bool:
     """Whether newly decorated ``@triton.jit`` functions will be interpreted (imports no triton)."""
     env = os.environ.get(INTERPRET_ENV, "0").lower() in ("1", "true", "on", "yes")

@@ -17,7 +17,7 @@ from refmla import CAPTURE_FORMAT
 from refmla.attended import Attended
 from refmla.scales import Scales
 from refmla.schedule import MIN_BLOCK_KV, SPLIT_BLOCKS
-from refmla.util import request_label
+from refmla.util import printable, request_label
 
 FLOAT_DTYPES = {
     torch.bfloat16, torch.float16, torch.float32, torch.float64,
@@ -51,7 +51,7 @@ class CaptureError(Exception):
 
     def __init__(self, path: Any, key: str, message: str):
         self.path, self.key, self.message = str(path), key, message
-        super().__init__(f"{self.path}: {key}: {message}")
+        super().__init__(printable(f"{self.path}: {key}: {message}"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,6 +114,9 @@ MAX_PAGE_SIZE = 1 << 16  # SGLang / aiter page sizes are 1..256
 # SGLang's max_kv_splits is max(--triton-attention-num-kv-splits, min(npow2(CUs), npow2(ctx / 32))):
 # 256 on MI355X, 512 on the largest GPU; the stage-1 buffer is [B, H, max_kv_splits, Dv + 1] fp32.
 MAX_KV_SPLITS = 1 << 12
+# q's heads: an MLA model has at most 128 query heads (DeepSeek-V3 at TP1); every path's work and
+# buffers scale with them, so a q claiming more is refused before any work (validation, tensor 'q')
+MAX_HEADS = 1 << 10
 
 # key -> (type, required); int keys accept integral floats, float keys accept ints
 META_KEYS = {
@@ -130,6 +133,8 @@ META_KEYS = {
     "engine": (str, False), "engine_version": (str, False), "engine_backend": (str, False),
     "split_schedule": (str, False), "null_block": (int, False),
 }  # fmt: skip
+MAX_META_DEPTH = 32  # nesting of a meta value (lists / objects): production's are 1 deep; the JSON encoder recurses
+INT_RANGE = (-(2**63), 2**63)  # every int key fits int64: sizes multiply, and tensors / floats are made of them
 GEOMETRY_KEYS = ("kv_pool_rows", "kv_pool_row_bytes", "kv_pool_layers_per_buffer")  # what refmla.regions needs
 
 
@@ -137,6 +142,7 @@ def parse_meta(raw: Mapping[str, Any], path: Any = "<meta>") -> CaptureMeta:
     """Validate the ``meta`` JSON object and build a CaptureMeta."""
     if not isinstance(raw, Mapping):
         raise CaptureError(path, "meta", "must be a JSON object")
+    _check_depth(raw, path)
     kw: dict[str, Any] = {}
     for key, (typ, required) in META_KEYS.items():
         if key not in raw or raw[key] is None:
@@ -148,12 +154,35 @@ def parse_meta(raw: Mapping[str, Any], path: Any = "<meta>") -> CaptureMeta:
         check(kw, path)
     if "rids" in kw:
         kw["rids"] = [str(r) for r in kw["rids"]]
+        _check_unique_rids(kw["rids"], path)
     extra = {k: v for k, v in raw.items() if k not in META_KEYS and k != "format"}
     return CaptureMeta(**kw, extra=extra)
 
 
+def _check_depth(raw: Mapping[str, Any], path: Any) -> None:
+    """No meta value nested deeper than MAX_META_DEPTH (an iterative walk: never a RecursionError)."""
+    todo = [(key, value, 1) for key, value in raw.items()]
+    while todo:
+        key, value, depth = todo.pop()
+        if depth > MAX_META_DEPTH:
+            raise _bad_key(path, str(key), f"nested deeper than {MAX_META_DEPTH} levels")
+        if isinstance(value, Mapping):
+            todo += [(key, v, depth + 1) for v in value.values()]
+        elif isinstance(value, list):
+            todo += [(key, v, depth + 1) for v in value]
+
+
+def _check_unique_rids(rids: list[str], path: Any) -> None:
+    """Each request once: a repeated rid would pair (diff-kv, disagg, series) one request and drop the other."""
+    seen: dict[str, int] = {}
+    for i, rid in enumerate(rids):
+        if rid in seen:
+            raise _bad_key(path, "rids", f"rids[{i}]={rid!r} repeats rids[{seen[rid]}]: each request appears once")
+        seen[rid] = i
+
+
 def _coerce(value: Any, typ: type, path: Any, key: str) -> Any:
-    bad = CaptureError(path, f"meta key '{key}'", f"must be {typ.__name__}, got {value!r}")
+    bad = CaptureError(path, f"meta key '{key}'", f"must be {typ.__name__}, got {_short(value)}")
     if isinstance(value, bool):
         raise bad
     if typ is int:
@@ -161,13 +190,23 @@ def _coerce(value: Any, typ: type, path: Any, key: str) -> Any:
             return int(value)
         if not isinstance(value, int):
             raise bad
+        if not INT_RANGE[0] <= value < INT_RANGE[1]:
+            raise CaptureError(path, f"meta key '{key}'", f"{_short(value)} does not fit int64 (|value| < 2**63)")
     elif typ is float:
         if not isinstance(value, (int, float)):
             raise bad
+        if isinstance(value, int) and not INT_RANGE[0] <= value < INT_RANGE[1]:
+            raise CaptureError(path, f"meta key '{key}'", f"{_short(value)} is too large for a float")
         return float(value)
     elif not isinstance(value, typ):
         raise bad
     return value
+
+
+def _short(value: Any) -> str:
+    """repr of a meta value, cut to 60 characters (a 400-digit int, a 900-deep list)."""
+    text = repr(value) if not isinstance(value, (list, dict)) else type(value).__name__
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _bad_key(path: Any, key: str, message: str) -> CaptureError:
@@ -370,6 +409,7 @@ __all__ = [
     "META_CHECKS",
     "MODES",
     "META_KEYS",
+    "MAX_HEADS",
     "MAX_KV_SPLITS",
     "MAX_PAGE_SIZE",
     "SCALE_RANGE",

@@ -10,15 +10,15 @@ import math
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from refmla import CAPTURE_FORMAT
 from refmla import blocktable
-from refmla.capture.format import BUILT_FROM_BLOCK_TABLE, TENSORS, Capture, CaptureError, CaptureMeta, parse_meta
+from refmla.capture.format import BUILT_FROM_BLOCK_TABLE, MAX_META_DEPTH, TENSORS, Capture, CaptureError, CaptureMeta, parse_meta
 from refmla.capture.validation import validate
-from refmla.util import first_line
+from refmla.util import first_line, printable
 
 
 def read_capture(path: Any) -> Capture:
@@ -48,7 +48,7 @@ def read_capture(path: Any) -> Capture:
     cap.attended()  # built once, here, from the validated indices
     unknown = sorted(names - set(TENSORS))
     if unknown:
-        cap.warnings.append(f"tensors not in refmla.capture/1, ignored: {', '.join(unknown)}")
+        cap.warnings.append(f"tensors not in refmla.capture/1, ignored: {', '.join(printable(n) for n in unknown)}")
     return cap
 
 
@@ -93,7 +93,34 @@ def _read_meta(path: Path, header: dict) -> CaptureMeta:
         raw_meta = json.loads(header["meta"])
     except json.JSONDecodeError as e:
         raise CaptureError(path, "header key 'meta'", f"not valid JSON ({e.msg})") from None
+    except RecursionError:  # too deep for the decoder: name the key from the text itself
+        key = _deep_key(header["meta"])
+        where = f"meta key '{key}'" if key is not None else "header key 'meta'"
+        raise CaptureError(path, where, f"nested deeper than {MAX_META_DEPTH} levels") from None
     return parse_meta(raw_meta, path)
+
+
+def _deep_key(text: str) -> Optional[str]:
+    """The top-level key of a JSON object text whose value nests past MAX_META_DEPTH (a scan, no
+    recursion), or None."""
+    depth, key, i, last = 0, None, 0, None
+    while i < len(text):
+        c = text[i]
+        if c == '"':
+            j = i + 1
+            while j < len(text) and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            last, i = text[i + 1 : j], j
+        elif c == ":" and depth == 1:
+            key = last
+        elif c in "[{":
+            depth += 1
+            if depth > MAX_META_DEPTH + 1:
+                return key
+        elif c in "]}":
+            depth -= 1
+        i += 1
+    return None
 
 
 _ST_DTYPES = {

@@ -13,7 +13,9 @@ from typing import Callable
 import torch
 
 from refmla import blocktable
-from refmla.capture.format import FLOAT_DTYPES, INDEX_DTYPES, MASK_DTYPES, MAX_KV_SPLITS, Capture, CaptureError
+from refmla.capture.format import (
+    FLOAT_DTYPES, INDEX_DTYPES, MASK_DTYPES, MAX_HEADS, MAX_KV_SPLITS, Capture, CaptureError,
+)  # fmt: skip
 from refmla.util import dtype_name, request_label
 
 AITER_BUFFERS = {  # aiter's persistent work buffers: name -> trailing shape (None: 1-D)
@@ -88,6 +90,8 @@ def check_core_shapes(cap: Capture, warnings: list[str]) -> None:
     T = cap.q.shape[0]
     if cap.q.shape[1] < 1:
         raise _err(cap, "q", f"shape {list(cap.q.shape)} has no heads; expected [T, H >= 1, {D}]")
+    if cap.q.shape[1] > MAX_HEADS:
+        raise _err(cap, "q", f"{cap.q.shape[1]} heads exceed the bound of {MAX_HEADS} (MLA models have <= 128)")
     if cap.is_decode and T != B:
         raise _err(cap, "q", f"has {T} requests but kv_indptr describes {B}")
     _shape(cap, "kv_buffer", cap.kv_buffer, (None, 1, D))

@@ -1,13 +1,17 @@
 """The command line (docs/contract.md, section 2): it parses, calls plain functions, prints.
 
-One module per command group, each adding its parser:
+One module per command group, each adding its parser, and what they share:
 
+    common.py        exit codes, usage errors, capture paths, JSON on stdout
+    replay_flags.py  the flags of every command that replays (replay, disagg) and their bounds
     replay.py    refmla replay
     inspect.py   refmla inspect
     diffkv.py    refmla diff-kv
     disagg.py    refmla disagg
-    tools.py     refmla synth / doctor / golden generate
-    (refmla.hook.cli: refmla capture run)
+    synth.py     refmla synth / synth-disagg
+    doctor.py    refmla doctor
+    golden.py    refmla golden generate
+    capture.py   refmla capture run (the hook itself is refmla.hook)
 
 Exit codes for every command: 0 everything checked passed, 1 something diverged or
 mismatched, 2 the input is invalid or unusable (one line naming the file and tensor or key).
@@ -24,10 +28,11 @@ from refmla import __version__
 from refmla.backends.triton_interp import ensure_interpreter
 from refmla.capture import CaptureError
 from refmla.atomic import WriteError
-from refmla.cli import diffkv, disagg, inspect, replay, tools
+from refmla.cli import diffkv, disagg, doctor, golden, inspect, replay, synth
+from refmla.cli.capture import add_capture_parser
 from refmla.cli.common import EXIT_INVALID, UsageError, describe_inputs
-from refmla.hook.cli import add_capture_parser
-from refmla.util import error_text, first_line
+from refmla.signals import EXIT_SIGINT, EXIT_SIGTERM, Terminated, sigterm_raises
+from refmla.util import PrintableStream, error_text, first_line, printable
 
 
 class Parser(argparse.ArgumentParser):
@@ -46,25 +51,44 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_parser(sub)
     diffkv.add_parser(sub)
     disagg.add_parser(sub)
-    tools.add_parsers(sub)
+    synth.add_parser(sub)
+    doctor.add_parser(sub)
+    golden.add_parser(sub)
     add_capture_parser(sub)
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line; everything it writes goes through refmla.util.printable (no raw file bytes)."""
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = PrintableStream(out), PrintableStream(err)
+    try:
+        with sigterm_raises():
+            return _main(argv)
+    except KeyboardInterrupt:  # a signal before or after the command's own handling
+        return EXIT_SIGINT
+    except Terminated:
+        return EXIT_SIGTERM
+    finally:
+        sys.stdout, sys.stderr = out, err
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> int:
     ensure_interpreter()  # no GPU: the Triton interpreter, chosen before anything imports triton
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (CaptureError, UsageError, WriteError) as e:
-        print(f"refmla: error: {first_line(e)}", file=sys.stderr)
+        print(f"refmla: error: {printable(first_line(e))}", file=sys.stderr)
         return EXIT_INVALID
     except KeyboardInterrupt:
-        return 130
+        return EXIT_SIGINT
+    except Terminated:
+        return EXIT_SIGTERM
     except Exception as e:  # never a traceback for the user; REFMLA_DEBUG=1 shows it
         if os.environ.get("REFMLA_DEBUG"):
             raise
-        where = describe_inputs(args)
+        where = printable(describe_inputs(args))
         where = f"{where}: " if where else ""
         print(f"refmla: error: {where}{error_text(e)} (set REFMLA_DEBUG=1 for the traceback)", file=sys.stderr)
         return EXIT_INVALID

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from refmla.util import first_line, json_safe
+from refmla.signals import signals_deferred
+from refmla.util import first_line, json_safe, printable
 
 EXIT_OK, EXIT_DIVERGED, EXIT_INVALID = 0, 1, 2
 
@@ -48,26 +49,14 @@ def single_file(args_paths: Sequence[str]) -> bool:
     return len(args_paths) == 1 and not is_dir(args_paths[0])
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (``--jobs``)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def nonneg_float(text: str) -> float:
-    """argparse type: a finite float >= 0 (``--k``, ``--ulps``, ``--cos``): a NaN tolerance judges nothing."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value >= 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be finite and >= 0, got {text}")
-    return value
+def output_path(text: str) -> str:
+    """argparse type of every output a command names (a folder or a file): an empty or blank path
+    would resolve to the working directory, a NUL cannot be a path: both are usage errors."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is empty: name the output explicitly ('.' for the working directory)")
+    if "\0" in text:
+        raise argparse.ArgumentTypeError("a path cannot hold a NUL byte")
+    return text
 
 
 def describe_inputs(args: argparse.Namespace) -> str:
@@ -84,14 +73,17 @@ def describe_inputs(args: argparse.Namespace) -> str:
 def report_invalid(capture: str, error: Optional[str], errors: Sequence[str]) -> None:
     """The one stderr line of an unusable capture among several, naming the file."""
     line = first_line(error or "; ".join(errors) or "invalid")
-    if not line.startswith(str(capture)):
+    if not line.startswith(printable(capture)):
         line = f"{capture}: {line}"
+    line = printable(line)
     print(f"refmla: error: {line}", file=sys.stderr)
 
 
 def print_json(obj: Any) -> None:
     """Typed results (``to_json``) or plain data as one JSON document on stdout, NaN/Inf as null."""
-    print(json.dumps(json_safe(obj), indent=2, allow_nan=False))
+    text = json.dumps(json_safe(obj), indent=2, allow_nan=False)
+    with signals_deferred():  # a signal waits until the document is out: never a cut one
+        print(text, flush=True)
 
 
 def need_matplotlib() -> None:

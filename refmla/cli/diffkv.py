@@ -5,8 +5,9 @@ from __future__ import annotations
 import sys
 
 from refmla.capture import CaptureError
-from refmla.cli.common import EXIT_DIVERGED, EXIT_INVALID, EXIT_OK, need_matplotlib, print_json
-from refmla.diffkv import diff_kv_files, render_diff
+from refmla.cli.common import EXIT_DIVERGED, EXIT_INVALID, EXIT_OK, need_matplotlib, output_path, print_json
+from refmla.diffkv import diff_kv_files
+from refmla.render.diffkv import render_diff
 from refmla.util import error_text
 
 
@@ -15,7 +16,7 @@ def add_parser(sub) -> None:
     d.add_argument("prefill", nargs="+", metavar="PREFILL", help="prefill capture(s) (chunked prefill: several)")
     d.add_argument("decode", metavar="DECODE")
     d.add_argument("--json", action="store_true")
-    d.add_argument("--plot", metavar="DIR", default=None, help="write a PNG of the mismatches to DIR")
+    d.add_argument("--plot", metavar="DIR", default=None, type=output_path, help="write a PNG of the mismatches to DIR")
     d.set_defaults(func=run)
 
 

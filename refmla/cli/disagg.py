@@ -7,10 +7,9 @@ import sys
 
 from refmla.backends import NAMES
 from refmla.cli.common import UsageError, expand_captures, need_matplotlib, print_json
-from refmla.compare import Tolerance
-from refmla.context import ReplayOptions
-from refmla.disagg import render_disagg, run_disagg
-from refmla.replay import backend_names
+from refmla.cli.replay_flags import add_replay_flags, replay_options
+from refmla.disagg import run_disagg
+from refmla.render.disagg import render_disagg
 
 
 def add_parser(sub) -> None:
@@ -18,16 +17,7 @@ def add_parser(sub) -> None:
     d.add_argument("paths", nargs="+", metavar="PREFILL",
                    help="prefill capture files or directories (exactly two paths without --decode: PREFILL DECODE)")
     d.add_argument("--decode", nargs="+", metavar="DECODE", default=None, help="decode capture files or directories")
-    d.add_argument("--backend", action="append", choices=NAMES, help="replay only these (repeatable)")
-    d.add_argument("--jobs", type=int, default=1, help="replay the decode captures in parallel processes")
-    d.add_argument("--json", action="store_true", help="one JSON document on stdout")
-    d.add_argument("--plot", metavar="DIR", default=None, help="write the replay and diff-kv PNGs to DIR")
-    d.add_argument("--k", type=float, default=2.0)
-    d.add_argument("--ulps", type=float, default=1.0)
-    d.add_argument("--cos", type=float, default=1e-5)
-    d.add_argument("--device", default=None)
-    d.add_argument("--cu-count", type=int, default=256)
-    d.add_argument("--no-explain", action="store_true", help="skip the hypothesis search")
+    add_replay_flags(d, NAMES, "replay the decode captures in parallel processes")
     d.set_defaults(func=run)
 
 
@@ -41,12 +31,7 @@ def sides(args) -> tuple[list[str], list[str]]:
 
 
 def run(args) -> int:
-    opts = ReplayOptions(backends=args.backend or None, tol=Tolerance(k=args.k, ulps=args.ulps, cos=args.cos),
-                         device=args.device, cu_count=args.cu_count, explain=not args.no_explain)  # fmt: skip
-    try:
-        backend_names(opts)
-    except KeyError as e:
-        raise UsageError(str(e.args[0])) from None
+    opts = replay_options(args)
     if args.plot:
         need_matplotlib()
     prefill, decode = sides(args)

@@ -9,14 +9,14 @@ on either side, so the two captures can be compared position by position, bit fo
                  the owner of position j: the prefill capture whose new tokens include j (chunked
                  prefill: each chunk's extend capture covers the whole sequence after its write),
                  else the last capture that covers j
-    compare.py   every position both sides hold (the decode side may hold more), compared; per
+    diff.py      every position both sides hold (the decode side may hold more), compared; per
                  request: positions compared, mismatched, first mismatch, mismatched pages
                  (decode page_size), max abs difference, row norms of both sides
     runs.py      with physical slots on both sides (``orig_kv_indices``): maximal runs of
                  positions contiguous in both pools -- what one RDMA write moves -- that hold
                  mismatches, with a detected position offset or not-landed (zero) rows
-    types.py     the typed result (DiffResult > RequestDiff > Mismatches, TransferRuns) and its JSON
-    render.py    the result as text
+    result.py    the typed result (DiffResult > RequestDiff > Mismatches, TransferRuns) and its JSON
+                 (rendered as text by refmla.render.diffkv)
 
 ``diff_kv_files`` reads the captures; ``diff_kv`` compares captures already read (e.g. grouped by
 layer and rank) and returns the same typed result: ``result.request(rid)`` is a RequestDiff with
@@ -26,10 +26,9 @@ Comparing reads each attended row of both pools once more (gathered in chunks as
 so it costs about as much as reading the two files (``tools/bench_diffkv.py``).
 """
 
-from refmla.diffkv.compare import diff_kv, diff_kv_files
+from refmla.diffkv.diff import diff_kv, diff_kv_files
 from refmla.diffkv.pairing import Pairing, PairedRequest, Source, pair_requests
-from refmla.diffkv.render import render_diff
-from refmla.diffkv.types import (
+from refmla.diffkv.result import (
     DiffResult,
     MismatchDetail,
     Mismatches,
@@ -42,5 +41,4 @@ from refmla.diffkv.types import (
 __all__ = [
     "DiffResult", "MismatchDetail", "Mismatches", "Pairing", "PairedRequest", "PrefillDisagreement",
     "RequestDiff", "Source", "TransferRun", "TransferRuns", "diff_kv", "diff_kv_files", "pair_requests",
-    "render_diff",
 ]  # fmt: skip

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from refmla.capture import Capture
-from refmla.diffkv.types import Label
+from refmla.diffkv.result import Label
 
 
 @dataclass

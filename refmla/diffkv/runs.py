@@ -15,7 +15,7 @@ import torch
 
 from refmla.capture import Capture
 from refmla.diffkv.pairing import PairedRequest
-from refmla.diffkv.types import TransferRun, TransferRuns
+from refmla.diffkv.result import TransferRun, TransferRuns
 from refmla.pool import row_words, rows_differ
 
 MAX_RANGES = 64  # mismatch ranges / transfer runs listed per request

@@ -10,23 +10,22 @@ disaggregated deployment with the existing modules -- it re-implements none of t
     which compute path diverges           refmla.batch / refmla.replay through every backend,
                                           refmla.diagnosis per request
 
-    pairing.py   headers only: decode series, each request's first decode capture, its prefill captures
+    plan.py      headers only: decode series, each request's first decode capture, its prefill captures
     run.py       the stages in order, timed
     task.py      what a worker does per decode capture: replay it, then diff it (one read from disk)
     foreign.py   whose KV a mismatching request received
     cells.py     a row's three answers read off the stages' typed results
     classify.py  where the fault is (transfer, metadata, compute, none) and the sentences
-    types.py     the typed result and its JSON (docs/contract.md section 3)
-    render.py    the result as text
+    report.py    the typed result and its JSON (docs/contract.md section 3)
+                 (rendered as text by refmla.render.disagg)
 """
 
 from refmla.disagg.classify import classify, overall
-from refmla.disagg.pairing import DisaggPlan, plan_disagg
-from refmla.disagg.render import render_disagg
+from refmla.disagg.plan import DisaggPlan, plan_disagg
 from refmla.disagg.run import run_disagg
-from refmla.disagg.types import CLASSES, DecodeCell, DisaggReport, MetadataCell, Row, TransferCell
+from refmla.disagg.report import CLASSES, DecodeCell, DisaggReport, MetadataCell, Row, TransferCell
 
 __all__ = [
     "CLASSES", "DecodeCell", "DisaggPlan", "DisaggReport", "MetadataCell", "Row", "TransferCell", "classify",
-    "overall", "plan_disagg", "render_disagg", "run_disagg",
+    "overall", "plan_disagg", "run_disagg",
 ]  # fmt: skip

@@ -13,7 +13,7 @@ from typing import Optional
 
 from refmla.diagnosis import diagnose
 from refmla.diffkv import RequestDiff
-from refmla.disagg.types import DecodeCell, MetadataCell, TransferCell
+from refmla.disagg.report import DecodeCell, MetadataCell, TransferCell
 from refmla.regions import STATUSES, RegionCheck
 from refmla.results import BackendEntry, Finding, ReplayReport
 
@@ -36,7 +36,7 @@ def transfer_cell(entry: Optional[RequestDiff], why: str = "") -> TransferCell:
 
 
 def request_index(report: ReplayReport, rid: str) -> Optional[int]:
-    rids = (report.meta or {}).get("rids") or []
+    rids = (report.meta.rids if report.meta else None) or []
     return rids.index(rid) if rid in rids else None
 
 
@@ -100,12 +100,12 @@ def decode_cell(rid: str, reports: list[ReplayReport]) -> DecodeCell:
         if failing or any(s == "error" for s in statuses.values()):
             cell.diverged_steps += 1
             if cell.verdict != "diverged":
-                produced_by = (rep.meta or {}).get("backend")
+                produced_by = rep.meta.backend if rep.meta else None
                 cell.diagnosis, cell.diagnosis_text, _ = diagnose(statuses, produced_by=produced_by)
                 cell.verdict, cell.backends, cell.capture = "diverged", statuses, rep.capture
-                cell.step = (rep.meta or {}).get("step")
+                cell.step = rep.meta.step if rep.meta else None
                 cell.explanation = _explanation(rep, b, failing)
         elif cell.verdict == "not_replayed":
             cell.verdict, cell.backends, cell.capture = "agree", statuses, rep.capture
-            cell.step, cell.diagnosis_text = (rep.meta or {}).get("step"), diagnose(statuses)[1]
+            cell.step, cell.diagnosis_text = (rep.meta.step if rep.meta else None), diagnose(statuses)[1]
     return cell

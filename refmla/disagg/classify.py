@@ -14,7 +14,7 @@ Precedence, the cause before its symptoms:
 
 from __future__ import annotations
 
-from refmla.disagg.types import CLASSES, Row
+from refmla.disagg.report import CLASSES, Row
 
 STRUCTURAL = ("repeated_slots", "req_to_token", "seq_len_step")
 

@@ -1,7 +1,7 @@
 """``refmla disagg``: the existing checks over a prefill node's and a decode node's captures, in order:
 
     plan      headers only: decode series by (layer, rank), each request's first decode capture
-              and the prefill captures holding its rid (refmla.disagg.pairing)
+              and the prefill captures holding its rid (refmla.disagg.plan)
     replay    every decode capture through every backend (refmla.batch.replay_many, ``jobs``
               worker processes); each report carries its metadata checks (refmla.checks)
     diff-kv   in the same worker right after (refmla.disagg.task): each request's first decode
@@ -22,9 +22,9 @@ from refmla.context import ReplayOptions
 from refmla.diffkv import DiffResult
 from refmla.disagg.cells import decode_cell, metadata_cell, request_index, transfer_cell
 from refmla.disagg.classify import classify, overall
-from refmla.disagg.pairing import DisaggPlan, plan_disagg
+from refmla.disagg.plan import DisaggPlan, plan_disagg
 from refmla.disagg.task import DecodeDone, decode_task
-from refmla.disagg.types import DisaggReport, Row
+from refmla.disagg.report import DisaggReport, Row
 from refmla.regions import check_region
 from refmla.results import ReplayReport
 from refmla.series import series_checks
@@ -32,7 +32,9 @@ from refmla.series import series_checks
 
 def run_disagg(prefill_paths: Sequence[str], decode_paths: Sequence[str], opts: ReplayOptions,
                jobs: int = 1) -> DisaggReport:  # fmt: skip
-    """The whole disaggregated check (module docstring); never raises for one bad capture."""
+    """The whole disaggregated check (module docstring); never raises for one bad capture. Options out
+    of their bounds (refmla.options) are a ValueError before any work."""
+    opts.check()
     t0 = time.perf_counter()
     plan = plan_disagg([str(p) for p in prefill_paths], [str(p) for p in decode_paths])
     decode = [p for p in decode_paths if p in plan.decode]

@@ -13,7 +13,7 @@ from refmla.capture import CaptureError, read_capture
 from refmla.context import ReplayOptions
 from refmla.diffkv import DiffResult, diff_kv
 from refmla.disagg.foreign import foreign_source
-from refmla.disagg.pairing import DiffJob
+from refmla.disagg.plan import DiffJob
 from refmla.results import ReplayReport
 from refmla.util import single_thread
 

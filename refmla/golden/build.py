@@ -39,10 +39,12 @@ import torch
 
 from refmla import reference as ref
 from refmla.atomic import WriteError, check_target, make_dir, write_text
+from refmla.attended import Attended, tree_visibility
 from refmla.capture import write_capture
 from refmla.compare import Tolerance
 from refmla.golden.cases import SUITES, GoldenCase
 from refmla.golden.determinism import DTYPES, grid_normal, nan_filled, shuffled
+from refmla.scales import Scales
 from refmla.schedule import split_bounds
 
 GENERATOR = "refmla.golden/2"  # bump when an unchanged case would come out as different bytes
@@ -102,13 +104,16 @@ def split_width(case: GoldenCase) -> int:
     return max([1] + [sum(e > s for s, e in split_bounds(L, n)) for L, n in zip(case.seq_lens, case.splits)])
 
 
+def case_scales(case: GoldenCase, kv_lora_rank: int = KV_LORA_RANK) -> Scales:
+    return Scales(kv_lora_rank, case.sm_scale, case.logit_cap, case.k_scale, case.v_scale)
+
+
 def reference_tensors(t: Tensors, case: GoldenCase, kv_lora_rank: int = KV_LORA_RANK) -> Tensors:
     """out, lse and the per-split partials of ``case``'s schedule: fp64 reference, stored fp32."""
-    args = (t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"])
-    sc = dict(kv_lora_rank=kv_lora_rank, sm_scale=case.sm_scale, logit_cap=case.logit_cap, k_scale=case.k_scale)
-    out, lse = ref.mla_decode_ref(*args, **sc, v_scale=case.v_scale)  # [B, H, Dv], [B, H] fp64
+    att, sc = Attended.from_tensors(t), case_scales(case, kv_lora_rank)
+    out, lse = ref.mla_decode_ref(t["q"], t["kv_buffer"], att, sc)  # [B, H, Dv], [B, H] fp64
     parts, lses, _ = ref.mla_decode_split_ref(
-        *args, t["num_kv_splits"], **sc, v_scale=1.0, max_kv_splits=split_width(case)
+        t["q"], t["kv_buffer"], att, t["num_kv_splits"], sc.but(v_scale=1.0), max_kv_splits=split_width(case)
     )  # [B, H, S, Dv], [B, H, S]: as the kernel stores them, before v_scale
     f32 = torch.float32
     return {"out": out.to(f32), "lse": lse.to(f32), "attn_logits": parts.to(f32), "attn_lse": lses.to(f32)}
@@ -152,15 +157,9 @@ def tree_mask(case: GoldenCase) -> tuple[torch.Tensor, torch.Tensor]:
     b's row-major [n, L_b] bool mask (prefix all True, a draft sees its ancestors and itself),
     flattened; mask_indptr [B + 1] int64."""
     n, parts = case.draft_token_num, []
+    parents = [(j - 1) // case.topk if j > 0 else -1 for j in range(n)]
     for L in case.seq_lens:
-        m = torch.zeros(n, L, dtype=torch.bool)
-        m[:, : L - n] = True
-        for i in range(n):
-            j = i
-            while j >= 0:
-                m[i, L - n + j] = True
-                j = (j - 1) // case.topk if j > 0 else -1
-        parts.append(m.reshape(-1))
+        parts.append(tree_visibility(L, parents).reshape(-1))
     indptr = torch.zeros(len(parts) + 1, dtype=torch.int64)
     indptr[1:] = torch.cumsum(torch.tensor([n * L for L in case.seq_lens], dtype=torch.int64), 0)
     return torch.cat(parts), indptr
@@ -181,11 +180,7 @@ def verify_inputs(case: GoldenCase) -> Tensors:
 
 def verify_reference(t: Tensors, case: GoldenCase, kv_lora_rank: int = KV_LORA_RANK) -> Tensors:
     """out [T, H, Dv] and lse [T, H]: the fp64 verify reference, stored fp32."""
-    out, lse = ref.mla_verify_ref(
-        t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], t["qo_indptr"], t.get("custom_mask"),
-        t.get("mask_indptr"), kv_lora_rank=kv_lora_rank, sm_scale=case.sm_scale, logit_cap=case.logit_cap,
-        k_scale=case.k_scale, v_scale=case.v_scale,
-    )  # fmt: skip
+    out, lse = ref.mla_verify_ref(t["q"], t["kv_buffer"], Attended.from_tensors(t), case_scales(case, kv_lora_rank))
     return {"out": out.to(torch.float32), "lse": lse.to(torch.float32)}
 
 
@@ -248,6 +243,7 @@ def generate(out_dir: PathLike, suite: str = "quick") -> dict[str, Any]:
         raise KeyError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
     out = make_dir(out_dir)
     check_target(out / MANIFEST)
+    _refuse_foreign_manifest(out / MANIFEST)
     try:  # the suite is being rewritten: incomplete until the new manifest lands, last
         (out / MANIFEST).unlink(missing_ok=True)
     except OSError as e:
@@ -257,6 +253,23 @@ def generate(out_dir: PathLike, suite: str = "quick") -> dict[str, Any]:
                 "capture_format": "refmla.capture/1", "cases": cases}  # fmt: skip
     write_text(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return manifest
+
+
+def _refuse_foreign_manifest(path: Path) -> None:
+    """A manifest.json that is not a golden manifest is a user's file: never replaced."""
+    try:
+        text = path.read_text(errors="replace") if path.is_file() else None
+    except OSError as e:
+        raise WriteError(path, e.strerror or type(e).__name__) from None
+    if text is None:
+        return
+    try:
+        fmt = json.loads(text).get("format")
+    except (ValueError, AttributeError, RecursionError):
+        fmt = None
+    if fmt != "refmla.golden.manifest/1":
+        raise WriteError(path, "exists and is not a golden manifest (refmla.golden.manifest/1): not replaced; "
+                         "choose another --out")  # fmt: skip
 
 
 def load_manifest(golden_dir: PathLike) -> dict[str, Any]:

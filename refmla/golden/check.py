@@ -7,8 +7,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import dataclasses
 import math
 import shlex
@@ -21,7 +19,7 @@ import torch
 
 from refmla import reference as ref
 from refmla.capture import Capture, read_capture
-from refmla.compare import Tolerance, compare, ulp
+from refmla.compare import Tolerance, compare, judge_lse, ulp
 from refmla.context import ReplayContext, ReplayOptions
 from refmla.golden.determinism import nan_filled
 from refmla.golden.result import GoldenResult
@@ -132,6 +130,7 @@ def check(path: PathLike, backend: str, *, tol: Tolerance = Tolerance(), device:
         return GoldenResult.error(head.case, backend, f"{path}: not a golden file (no {', '.join(missing)})")
     # trim=False: the production buffer width (max_kv_splits); its strides are part of the test
     opts = ReplayOptions(backends=[backend], tol=tol, device=device, trim=False)
+    opts.check()  # the bounds every command that replays checks (refmla.options)
     inputs = inputs_only(cap)
     if head.pool_base_row and backend != "reference":
         inputs = materialize_pool(inputs, head.pool_base_row)
@@ -162,9 +161,8 @@ def self_check(ctx: GoldenContext, tol: Tolerance) -> BackendEntry:
                             info={"what": "fp64 reference recomputed here vs the stored one"})  # fmt: skip
     S0 = s["attn_logits"].shape[2]
     parts, lses, valid = ref.mla_decode_split_ref(
-        cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices, cap.num_kv_splits,
-        **asdict(cap.scales().but(v_scale=1.0)), max_kv_splits=S0,
-    )  # fmt: skip
+        cap.q, cap.kv_buffer, cap.attended(), cap.num_kv_splits, cap.scales().but(v_scale=1.0), max_kv_splits=S0
+    )
     B, H, _, Dv = parts.shape
     per_split = lambda x: x.transpose(1, 2).reshape(B * S0, H, Dv)  # noqa: E731 [B, H, S, Dv] -> [B * S, H, Dv]
     split_cmp = compare("splits", per_split(s["attn_logits"]), per_split(parts), out_dtype=f32, tol=one_ulp)
@@ -180,12 +178,16 @@ def self_check(ctx: GoldenContext, tol: Tolerance) -> BackendEntry:
 def lse_reasons(what: str, got: torch.Tensor, want: torch.Tensor) -> list[str]:
     """Why a stored fp32 LSE does not round from this machine's fp64 one: -inf placement, more than one ulp."""
     reasons = []
-    finite = torch.isfinite(want)
-    if not torch.equal(finite, torch.isfinite(got)) or not torch.equal(got[~finite].double(), want[~finite]):
+    want = want.double()
+    finite = torch.isfinite(want) & torch.isfinite(got)
+    one_ulp = torch.where(torch.isfinite(want), ulp(torch.float32, want.nan_to_num(0.0)), torch.zeros_like(want))
+    judged = judge_lse(got, want, floor=one_ulp)  # the one lse rule, k 0: within one fp32 ulp
+    if bool((judged.bad & ~finite).any()):
         reasons.append(f"{what}: -inf / NaN placement differs from this machine's reference")
-    err = (got.double() - want)[finite].abs()
-    allowed = ulp(torch.float32, want[finite])
-    if err.numel() and bool((err > allowed).any()):
-        i = int((err / allowed).argmax())
-        reasons.append(f"{what}: off by {err[i].item():.3g} > one fp32 ulp {allowed[i].item():.3g}")
+    off = judged.bad & finite
+    if bool(off.any()):
+        ratio = torch.where(off, judged.err / judged.allowed, torch.zeros_like(judged.err))
+        i = int(ratio.argmax())
+        err, allowed = judged.err.flatten()[i], judged.allowed.flatten()[i]
+        reasons.append(f"{what}: off by {err.item():.3g} > one fp32 ulp {allowed.item():.3g}")
     return reasons

@@ -29,12 +29,11 @@ call that passes the filters. The rest are torch-free, as they run at interprete
     kernel_probes.py  notes from inside SGLang's kernel module (gfx950 forced splits, Lean)
     tensors.py        (torch) pool rows gathered, slots renumbered, unwritten splits blanked
     aiter_meta.py     (torch) the aiter path production ran (meta) and its persistent work buffers
+    geometry.py       the production pool's geometry (rows, bytes per row, layers per buffer) for the meta
     meta.py           (torch) the meta providers and their assembly
     modes.py          (torch) one reader per capture mode (decode, extend): indices, kernel state
     extract.py        (torch) after the kernel: guards, reader, pool, budget, host copy, write
     patching.py       install / uninstall; the forward_decode / forward_extend wrapper
-    cli.py            refmla capture run
-    testing.py        SGLang's real Triton backend on CPU, for the tests and tools/capture_e2e.py
     vllm_paths.py     where vLLM keeps its MLA Impl classes (forward_mqa), and their capture names
     vllm_patch.py     vLLM: the ``vllm.general_plugins`` entry point, install, the forward_mqa wrapper
     vllm_extract.py   (torch) vLLM: the kernel's block table, split count, pool pages -> a capture

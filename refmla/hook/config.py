@@ -40,27 +40,60 @@ class ConfigError(ValueError):
     """A REFMLA_CAPTURE_* variable that cannot be parsed; names the variable."""
 
 
-def parse_int_set(text: str, name: str) -> Optional[frozenset[int]]:
-    """``all`` (or empty) -> None (no filter); ``0,3,10-12`` -> {0, 3, 10, 11, 12}."""
+@dataclass(frozen=True)
+class IdSet:
+    """A set of non-negative ids kept as sorted, disjoint, inclusive ranges: ``0-1000000000000`` is
+    one pair, never a list of 10**12 ints (nor an environment too large for a child's exec)."""
+
+    ranges: tuple[tuple[int, int], ...]
+
+    def __contains__(self, i: object) -> bool:
+        return isinstance(i, int) and any(lo <= i <= hi for lo, hi in self.ranges)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (set, frozenset)):
+            return len(other) == len(self) and all(i in self for i in other)
+        return isinstance(other, IdSet) and other.ranges == self.ranges
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __len__(self) -> int:
+        return sum(hi - lo + 1 for lo, hi in self.ranges)
+
+    def __str__(self) -> str:
+        return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in self.ranges)
+
+
+def parse_int_set(text: str, name: str) -> Optional[IdSet]:
+    """``all`` (or empty) -> None (no filter); ``0,3,10-12`` -> the ranges (0, 0), (3, 3), (10, 12)."""
     text = text.strip().lower()
     if text in ("", "all", "*"):
         return None
-    out: set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
+    pairs: list[tuple[int, int]] = []
+    for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
         try:
-            if "-" in part:
-                lo, hi = (int(x) for x in part.split("-", 1))
-                if hi < lo:
-                    raise ValueError
-                out.update(range(lo, hi + 1))
-            else:
-                out.add(int(part))
+            lo, hi = (int(x) for x in part.split("-", 1)) if "-" in part else (int(part),) * 2
+            if hi < lo or lo < 0 or hi >= 2**63:
+                raise ValueError
         except ValueError:
-            raise ConfigError(f"{name}={text!r}: expected 'all' or ids like '0,3,10-12'") from None
-    return frozenset(out)
+            raise ConfigError(f"{name}={text!r}: expected 'all' or ids like '0,3,10-12' (each in [0, 2**63))") from None
+        pairs.append((lo, hi))
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(pairs):
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+        else:
+            merged.append((lo, hi))
+    return IdSet(tuple(merged))
+
+
+def id_text(ids: Optional[IdSet | frozenset[int]]) -> str:
+    """The text parse_int_set reads back: "all", ranges for an IdSet, ids for a plain set."""
+    if ids is None:
+        return "all"
+    return str(ids) if isinstance(ids, IdSet) else ",".join(map(str, sorted(ids)))
 
 
 def parse_bytes(text: str, name: str) -> int:
@@ -102,10 +135,10 @@ def _parse_nonneg_int(text: str, name: str, minimum: int = 0) -> int:
 @dataclass(frozen=True)
 class HookConfig:
     out_dir: str  # REFMLA_CAPTURE_DIR: where the capture files go
-    layers: Optional[frozenset[int]] = None  # None = every layer
+    layers: Optional[IdSet | frozenset[int]] = None  # None = every layer
     modes: frozenset[str] = frozenset({"decode"})  # any of decode, extend, verify
     min_seq_len: int = 64  # longest request of the call must attend at least this many tokens
-    ranks: Optional[frozenset[int]] = None  # None = every TP rank
+    ranks: Optional[IdSet | frozenset[int]] = None  # None = every TP rank
     backends: frozenset[str] = frozenset(DEFAULT_BACKENDS)  # SGLang backends to wrap
     every: int = 1  # capture forward passes whose step % every == 0
     max_files: int = 128  # captures in out_dir, all processes together
@@ -150,15 +183,12 @@ class HookConfig:
     def to_env(self) -> dict[str, str]:
         """The variables that reproduce this configuration in a child process."""
 
-        def ids(s: Optional[frozenset[int]]) -> str:
-            return "all" if s is None else ",".join(str(i) for i in sorted(s))
-
         return {
             ENV_DIR: self.out_dir,
-            ENV_PREFIX + "LAYERS": ids(self.layers),
+            ENV_PREFIX + "LAYERS": id_text(self.layers),
             ENV_PREFIX + "MODES": ",".join(sorted(self.modes)),
             ENV_PREFIX + "MIN_SEQ_LEN": str(self.min_seq_len),
-            ENV_PREFIX + "RANKS": ids(self.ranks),
+            ENV_PREFIX + "RANKS": id_text(self.ranks),
             ENV_PREFIX + "BACKENDS": ",".join(sorted(self.backends)),
             ENV_PREFIX + "EVERY": str(self.every),
             ENV_PREFIX + "MAX_FILES": str(self.max_files),

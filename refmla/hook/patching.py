@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 from refmla.hook import kernel_probes
 from refmla.hook.call import Skip
-from refmla.hook.config import HookConfig
+from refmla.hook.config import HookConfig, id_text
 from refmla.hook.filters import before
 from refmla.hook.postimport import PostImportFinder, activate
 from refmla.hook.sglang_paths import BACKEND_CLASSES, MARK, METHODS
@@ -92,8 +92,8 @@ def install(cfg: HookConfig) -> HookState:
     inst.state.log.info(
         "capture hook active: dir=%s layers=%s modes=%s min_seq_len=%d ranks=%s backends=%s every=%d "
         "max_files=%d max_bytes=%d partials=%s",
-        cfg.out_dir, "all" if cfg.layers is None else sorted(cfg.layers), ",".join(sorted(cfg.modes)),
-        cfg.min_seq_len, "all" if cfg.ranks is None else sorted(cfg.ranks), ",".join(sorted(cfg.backends)),
+        cfg.out_dir, id_text(cfg.layers), ",".join(sorted(cfg.modes)),
+        cfg.min_seq_len, id_text(cfg.ranks), ",".join(sorted(cfg.backends)),
         cfg.every, cfg.max_files, cfg.max_bytes, cfg.partials,
     )  # fmt: skip
     return inst.state

@@ -52,7 +52,8 @@ The package (imports go down this list):
     ranges.py    block-sum algebra: every block-aligned range of a request scored at once
     scalars.py   screening a scalar on the worst request in fp32, the 1-D fit, whole-output recompute
     one module per family, each with NAME and ``search(s: Search) -> Optional[Explanation]``:
-    seq_len.py, kv_range.py, split.py, sm_scale.py, heads.py, logit_cap.py, and the faults of real
+    seq_len.py, kv_range.py, split.py, sm_scale.py, head_misaligned.py, logit_cap.py, numerics.py, verify.py
+    (the speculative verify families), and the faults of real
     MLA kernels (refmla/synth/zoo.py plants them): pages.py (two families), empty_split.py,
     overflow.py, kv_scale.py, rope.py, blocktable.py (three families of block-table kernels)
 
@@ -76,9 +77,8 @@ import torch
 from refmla.compare import Comparison
 from refmla.context import ReplayContext
 from refmla.hypotheses import (
-    blocktable, empty_split, heads, kv_range, kv_scale, logit_cap, numerics, overflow, pages, rope, seq_len, sm_scale,
-    split,
-    verify,
+    blocktable, empty_split, head_misaligned, kv_range, kv_scale, logit_cap, numerics, overflow, pages, rope, seq_len,
+    sm_scale, split, verify,
 )
 from refmla.hypotheses.search import Search, SearchFn
 from refmla.results import Explanation
@@ -103,7 +103,7 @@ SEARCHES: dict[str, SearchFn] = {
     split.NAME: split.search,
     kv_scale.NAME: kv_scale.search,
     sm_scale.NAME: sm_scale.search,
-    heads.NAME: heads.search,
+    head_misaligned.NAME: head_misaligned.search,
     rope.NAME: rope.search,
     logit_cap.NAME: logit_cap.search,
     # stated, not recomputed: last, so any family that recomputes the NaN (a read past the end into

@@ -60,7 +60,7 @@ def models(s: Search) -> list[tuple[str, int, bool]]:
 
 def find_overflow(s: Search, b: int) -> Iterator[Candidate]:
     r = s.req(b)
-    lo = int(s.cap.kv_indptr[b])
+    lo = int(s.att.indptr[b])  # where request b's positions start in kv_indices
     phys = physical_slots(s)[lo : lo + r.L]  # [L] physical slot of each position
     seen: set = set()
     for offset, first, inside in models(s):

@@ -99,7 +99,7 @@ def find_full(s: Search, b: int) -> Iterator[Candidate]:
 
 def find_swapped(s: Search, b: int) -> Iterator[Candidate]:
     """Each other request's last page length in request b's last page, best first."""
-    P, lens = s.cap.meta.page_size, (s.cap.kv_indptr[1:] - s.cap.kv_indptr[:-1]).tolist()
+    P, lens = s.cap.meta.page_size, s.att.lengths().tolist()
     lp = last_page(s, b)
     if lp is None:
         return

@@ -17,10 +17,11 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from refmla import reference as ref
-from refmla.control import mla_control
+from refmla.control import capture_control
 from refmla.hypotheses.drivers import global_hypothesis
 from refmla.hypotheses.search import SCREEN, Candidate, Search
 from refmla.results import Explanation
+from refmla.scales import Scales
 
 GOOD = 1.5  # a named candidate screening this well is confirmed before any fit is tried
 FIT_HEADS = 2  # rows (token, head) of the worst request a 1-D fit looks at
@@ -145,17 +146,7 @@ def fit_1d(s: Search, f: Callable[[float], torch.Tensor], lo: float, hi: float, 
     return math.exp((a + c) / 2)
 
 
-def full_under(s: Search, sc: ref.Scales, q: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def full_under(s: Search, sc: Scales, q: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference (fp64) and control of the whole capture under other scales (and another q)."""
-    cap = s.cap
-    args = (cap.q if q is None else q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices)
-    kw = dataclasses.asdict(sc)
-    qo = None if cap.is_decode else cap.qo_indptr
-    if cap.is_decode:
-        exp = ref.mla_decode_ref(*args, **kw)[0]
-    else:
-        exp = ref.mla_verify_ref(*args, qo, **cap.mask_args(), **kw)[0]
-    splits = cap.num_kv_splits if cap.is_decode else None  # as ReplayContext.control
-    ctl = mla_control(*args, **kw, out_dtype=s.dtype, qo_indptr=qo, num_kv_splits=splits, **cap.mask_args(),
-                      split_block=cap.split_block)[0]
-    return exp, ctl
+    exp = ref.mla_ref(s.cap.q if q is None else q, s.cap.kv_buffer, s.att, sc)[0]
+    return exp, capture_control(s.cap, s.dtype, sc=sc, q=q)[0]

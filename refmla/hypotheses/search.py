@@ -11,10 +11,11 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 
 from refmla import reference as ref
-from refmla.compare import Comparison, compare, cos_diff, judged_dtype
+from refmla.compare import Comparison, compare, judged_dtype
 from refmla.context import ReplayContext
 from refmla.control import attend_control
 from refmla.results import Explanation
+from refmla.scales import Scales
 
 SCREEN = 4.0  # a candidate is confirmed only if its screening ratio (err / allowed) is below this
 CONFIRM_TOP = 3  # candidates confirmed per request / per global hypothesis before giving up
@@ -32,9 +33,9 @@ class Req:
     q64: torch.Tensor  # [T, H, D]
     kv64: torch.Tensor  # [L, D]
     raw: torch.Tensor  # [T, H, L] q . k * k_scale (no sm_scale, no cap)
-    vis: torch.Tensor  # [T] positions each token attends (decode: L)
+    vis: torch.Tensor  # [T] one past the last position each token attends (decode: L; Attended.extent)
     kvs: Optional[torch.Tensor] = None  # [L, D] in the stored dtype, gathered on first use
-    tree: Optional[torch.Tensor] = None  # [T, L] verify: the custom mask's visibility (None: causal)
+    tree: Optional[torch.Tensor] = None  # [T, L] verify: the tree mask's visibility (None: a prefix)
 
     def visible(self) -> torch.Tensor:
         """[T, L] bool: the positions each token attends (causal bottom-right, and the tree mask)."""
@@ -68,7 +69,7 @@ class Search:
     def __init__(self, ctx: ReplayContext, out: torch.Tensor, cmp: Comparison):
         cap = ctx.cap
         self.ctx, self.cap, self.cmp = ctx, cap, cmp
-        self.sc = cap.scales()
+        self.sc, self.att = cap.scales(), cap.attended()
         self.dtype = judged_dtype(out.dtype)
         self.out = out.detach().cpu()
         self.o64 = self.out.double()  # [R, H, Dv]
@@ -85,12 +86,10 @@ class Search:
         self._memo: dict[str, Any] = {}
 
     def _failing(self) -> tuple[torch.Tensor, list[int]]:
-        """The (row, head) pairs the comparator failed [R, H], and the failing requests, worst first."""
+        """The (row, head) pairs the comparator failed [R, H] (its own per-row verdicts), and the
+        failing requests, worst first."""
         ratio = self.row_ratio(self.o64, self.ref)  # [R, H]
-        bad = ratio > 1
-        bad |= self._nan_rows() | self._cos_rows()
-        if self.mask is not None:
-            bad &= self.mask[:, None]
+        bad = self.cmp.row_failed if self.cmp.row_failed is not None else torch.zeros_like(ratio, dtype=torch.bool)
         worst = torch.where(bad, ratio, torch.zeros_like(ratio)).amax(-1)  # [R]
         per_req: dict[int, float] = {}
         for r in torch.nonzero(bad.any(-1)).flatten().tolist():
@@ -108,19 +107,8 @@ class Search:
         d = torch.where(torch.isfinite(d), d, torch.where(same, torch.zeros_like(d), torch.full_like(d, math.inf)))
         return d.amax(-1) / tol
 
-    def _nan_rows(self) -> torch.Tensor:
-        a, e = self.o64, self.ref
-        return ((torch.isnan(a) != torch.isnan(e)) | (torch.isinf(a) != torch.isinf(e))).any(-1)
-
-    def _cos_rows(self) -> torch.Tensor:
-        fin = torch.isfinite(self.o64) & torch.isfinite(self.ref)
-        a, e = torch.where(fin, self.o64, 0), torch.where(fin, self.ref, 0)
-        c = self.ctrl.double()
-        ctl = cos_diff(torch.where(fin, c, 0), e, dim=-1)
-        return cos_diff(a, e, dim=-1) > torch.clamp(self.tol.k**2 * ctl, min=self.tol.cos)
-
     def rows_of(self, b: int) -> torch.Tensor:
-        return torch.nonzero(self.req_of_row == b).flatten()
+        return torch.tensor(list(self.att.queries(b)), dtype=torch.long)
 
     def heads_failing(self, b: int) -> list[int]:
         return torch.nonzero(self.bad_rows[self.rows_of(b)].any(0)).flatten().tolist()
@@ -129,18 +117,14 @@ class Search:
 
     def req(self, b: int) -> Req:
         if b not in self._reqs:
-            cap = self.cap
-            rows = self.rows_of(b)
-            pool_rows = ref.request_rows(cap.kv_indptr, cap.kv_indices, b)
-            L, T = len(pool_rows), len(rows)
+            cap, att = self.cap, self.att
+            rows = torch.tensor(list(att.queries(b)), dtype=torch.long)  # [T]
+            pool_rows = att.group_rows(b)  # [L]
             q64 = cap.q[rows].double()  # [T, H, D]
             kv64 = ref.gather(cap.kv_buffer, pool_rows, torch.float64)  # [L, D]
             raw = torch.einsum("thd,ld->thl", q64, kv64) * self.sc.k_scale  # [T, H, L]
-            vis = torch.arange(T) + (L - T + 1)  # token t sees L - T + t + 1 positions
-            tree = None
-            if cap.mask_args()["custom_mask"] is not None:
-                tree = ref.verify_visibility(L, T, b, **cap.mask_args())  # [T, L]
-            self._reqs[b] = Req(b, rows, pool_rows, q64, kv64, raw, vis, tree=tree)
+            tree = att.visibility(b) if att.has_mask else None  # [T, L]
+            self._reqs[b] = Req(b, rows, pool_rows, q64, kv64, raw, att.extent(b), tree=tree)
         return self._reqs[b]
 
     def memo(self, key: str, build: Callable[[], V]) -> V:
@@ -156,7 +140,7 @@ class Search:
         vis: torch.Tensor,
         keep: Optional[torch.Tensor] = None,
         zero: Optional[torch.Tensor] = None,
-        sc: Optional[ref.Scales] = None,
+        sc: Optional[Scales] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference (fp64) and control (compare dtype) of request b's rows under a modified sequence.
 
@@ -173,7 +157,7 @@ class Search:
         kvs: torch.Tensor,
         vis: torch.Tensor,
         keep: Optional[torch.Tensor] = None,
-        sc: Optional[ref.Scales] = None,
+        sc: Optional[Scales] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`attend_rows` over given rows: kv64 [S, D] fp64 and kvs [S, D] in the stored dtype
         (the same values), e.g. rows a kernel read from somewhere else than the request's slots."""

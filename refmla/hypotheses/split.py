@@ -7,8 +7,6 @@ as the merge itself, every split's partial but one, the way Triton's stage 2 mer
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -67,9 +65,9 @@ class SplitPartials:
     def of(cls, s: Search, b: int, n: int) -> "SplitPartials":
         cap, r = s.cap, s.req(b)
         splits = torch.tensor([n], dtype=torch.int32)
-        args = (cap.q[b : b + 1], cap.kv_buffer, torch.tensor([0, r.L]), r.pool_rows, splits)
-        parts, lses, valid = ref.mla_decode_split_ref(*args, **asdict(cap.scales()))
-        cparts, clses, _ = mla_decode_split_control(*args, **asdict(cap.scales()))
+        args = (cap.q[b : b + 1], cap.kv_buffer, s.att.select([b]), splits, s.sc)
+        parts, lses, valid = ref.mla_decode_split_ref(*args)
+        cparts, clses, _ = mla_decode_split_control(*args)
         return cls(parts, lses, valid, cparts, clses)
 
     def merged_without(self, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -92,16 +92,20 @@ def find_causal(s: Search, b: int) -> Iterator[Candidate]:
 
 
 def search_mask(s: Search) -> Optional[Explanation]:
-    if not s.cap.is_verify or s.cap.mask_args()["custom_mask"] is None or s.cap.batch_size < 2:
+    if not s.cap.is_verify or not s.att.has_mask or s.cap.batch_size < 2:
         return None
     return per_request(s, "mask_wrong_request", find_mask)
 
 
+MAX_OTHER_MASKS = 16  # other requests' masks tried per failing request (not B - 1 of them)
+
+
 def find_mask(s: Search, b: int) -> Iterator[Candidate]:
     r, cands = s.req(b), []
-    for b2 in range(s.cap.batch_size):
+    nearest = sorted(range(s.cap.batch_size), key=lambda b2: abs(b2 - b))[1 : 1 + MAX_OTHER_MASKS]
+    for b2 in nearest:  # the neighbours first (an off-by-k index), a bounded number of them
         r2 = s.req(b2)
-        if b2 == b or r2.T != r.T:
+        if r2.T != r.T:
             continue
         vis = r.visible().clone()
         vis[:, r.L - r.T :] = r2.tree[:, r2.L - r2.T :]
@@ -115,7 +119,7 @@ def find_mask(s: Search, b: int) -> Iterator[Candidate]:
 def search_pow2(s: Search) -> Optional[Explanation]:
     if not s.cap.is_verify:
         return None
-    qo = s.cap.qo_indptr.long()
+    qo = s.att.query_indptr  # [B + 1]
     n = int((qo[1:] - qo[:-1]).max()) if s.cap.batch_size else 0
     Q = 1 << max(0, (n - 1).bit_length())
     if Q == n:
@@ -124,7 +128,7 @@ def search_pow2(s: Search) -> Optional[Explanation]:
 
 
 def pow2_candidates(s: Search, n: int, Q: int) -> Iterator[Candidate]:
-    cap, qo = s.cap, s.cap.qo_indptr.long()
+    cap = s.cap
     for reads in ("queries", "kv_rows", "both"):
         expected, control = s.ref.clone(), s.ctrl.clone()
         for b in range(cap.batch_size):

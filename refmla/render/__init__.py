@@ -3,5 +3,6 @@
     table.py     the plain column table and number formatting
     replay.py    one replay report, and the summary of many by layer, rank and step
     inspect.py   one `refmla inspect` entry
-    progress.py  the progress bar on stderr
+    diffkv.py    a diff-kv result (refmla.diffkv)
+    disagg.py    a disagg report (refmla.disagg)
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from refmla.inspection import InspectEntry
+from refmla.util import printable
 
 
 def render_inspect(e: InspectEntry) -> str:
@@ -27,4 +28,4 @@ def render_inspect(e: InspectEntry) -> str:
         against = f" (against {found[0].numbers['previous']})" if found else ""
         lines.append("series   " + ("FINDINGS" if bad else "ok") + against)
         lines += [f"  {f.severity}: {f.message}" for f in found]
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)  # each line holds file text: one line each

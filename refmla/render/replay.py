@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from refmla.render.table import clip, fmt, table
 from refmla.results import BackendEntry, ReplayReport
+from refmla.util import printable
 
 MAX_WARNINGS = 8  # metadata warnings printed under one report
 MAX_SERIES_LINES = 20  # series findings listed under the summary table
@@ -12,15 +13,15 @@ VERDICTS = ("agree", "diverged", "invalid")
 
 def render(report: ReplayReport) -> str:
     """One capture's report as a table plus the verdict and diagnosis lines."""
-    lines = [f"capture  {report.capture}"]
+    lines = [f"capture  {printable(report.capture)}"]
     if report.verdict == "invalid" and not report.backends:
-        lines.append(f"verdict  invalid: {report.error or '; '.join(report.metadata.errors)}")
+        lines.append(f"verdict  invalid: {printable(report.error or '; '.join(report.metadata.errors))}")
         return "\n".join(lines)
     lines.append(shape_line(report))
     md = report.metadata
     lines.append("metadata " + ("ok" if md.ok else "INVALID") + (f", {len(md.warnings)} warning(s)" if md.warnings else ""))
-    lines += [f"  warning: {w}" for w in md.warnings[:MAX_WARNINGS]]
-    lines += [f"  error: {e}" for e in md.errors]
+    lines += [f"  warning: {printable(w)}" for w in md.warnings[:MAX_WARNINGS]]
+    lines += [f"  error: {printable(e)}" for e in md.errors]
     if report.control is not None:
         c, t = report.control, report.tolerance
         lines.append(f"noise    control ({c.dtype} rounding points) max abs err {fmt(c.max_abs_err)}, "
@@ -40,6 +41,16 @@ def render(report: ReplayReport) -> str:
     return "\n".join(lines)
 
 
+def render_or_say(report: ReplayReport) -> str:
+    """:func:`render`, or when rendering itself fails, the capture, its verdict and why: one report's
+    text never costs the others'."""
+    try:
+        return render(report)
+    except Exception as e:
+        return (f"capture  {printable(report.capture)}\nverdict  {report.verdict}  (the report could not be rendered: "
+                f"{printable(type(e).__name__)}; see --json)")
+
+
 def verify_paths_table(rows: list[dict]) -> str:
     """The verify capture's paths over the same KV (refmla.diagnosis.verify_table), one line each."""
     body = [[r["path"], r["backend"], r["status"].upper() if r["status"] == "fail" else r["status"],
@@ -49,12 +60,14 @@ def verify_paths_table(rows: list[dict]) -> str:
 
 
 def shape_line(report: ReplayReport) -> str:
-    s, m = report.shape, report.meta or {}
-    where = "".join(f"  {word} {m[key]}" for word, key in (("layer", "layer_id"), ("rank", "tp_rank"), ("step", "step"))
-                    if m.get(key) is not None)  # fmt: skip
+    s, m = report.shape, report.meta
+    where = "".join(f"  {word} {value}" for word, value in (("layer", m.layer_id), ("rank", m.tp_rank), ("step", m.step))
+                    if value is not None) if m else ""  # fmt: skip
+    path = m.extra.get("aiter_path") if m else None
+    where = printable(where)
     return (f"shape    {report.mode}  requests={s.requests} heads={s.heads} D={s.head_dim} Dv={s.v_head_dim} "
-            f"q={s.q_dtype} kv={s.kv_dtype} max_seq_len={s.max_seq_len}  produced by {m.get('backend')}"
-            f"{' (' + str(m['aiter_path']) + ' kernel)' if m.get('aiter_path') else ''}{where}")  # fmt: skip
+            f"q={s.q_dtype} kv={s.kv_dtype} max_seq_len={s.max_seq_len}  produced by {printable(m.backend if m else None)}"
+            f"{' (' + printable(path) + ' kernel)' if path else ''}{where}")  # fmt: skip
 
 
 def backend_row(name: str, b: BackendEntry) -> list[str]:
@@ -105,12 +118,13 @@ def summary_table(reports: list[ReplayReport]) -> str:
     totals = (f"{len(reports)} captures: {count['agree']} agree, {count['diverged']} diverged, "
               f"{count['invalid']} invalid; {len(shown)} series finding(s)")  # fmt: skip
     lines = ["summary by layer, rank and step", table(rows, header) if rows else "(no readable capture)", "", totals]
-    lines += [f"  series {p}: {m}" for p, m in shown[:MAX_SERIES_LINES]]
+    lines += [printable(f"  series {p}: {m}") for p, m in shown[:MAX_SERIES_LINES]]
     if len(shown) > MAX_SERIES_LINES:
         lines.append(f"  ... {len(shown) - MAX_SERIES_LINES} more series finding(s) (see --json)")
     for r in invalid:
         why = r.error or "; ".join(r.metadata.errors)
-        lines.append(f"  invalid {why if why.startswith(r.capture) else r.capture + ': ' + why}")
+        why = why if why.startswith(printable(r.capture)) else f"{r.capture}: {why}"
+        lines.append(f"  invalid {printable(why)}")
     return "\n".join(lines)
 
 

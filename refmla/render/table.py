@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from refmla.util import printable
+
 
 def fmt(x: Any) -> str:
     """None -> "-", floats to 3 significant digits, anything else as str."""
@@ -15,6 +17,7 @@ def fmt(x: Any) -> str:
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:
+    rows = [[printable(c) for c in r] for r in rows]  # cells hold rids, names, paths from files
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
 
     def line(r: list) -> str:

@@ -3,9 +3,10 @@
     spec.py     SynthSpec (the shapes, dtypes and scales of one capture) and the named presets
     inputs.py   q, a paged pool shuffled and poisoned with NaN, SGLang's metadata, the meta
     faults.py   the observed `out` under a planted fault, one registered function per fault
-    numerics.py correct kernels that round differently (registered in faults.py's registry)
+    rounding.py correct kernels that round differently (registered in faults.py's registry)
     disagg.py   a disaggregated pair: prefill and decode captures of the same requests, on other slots
     disagg_faults.py  its faults (transfer, metadata, compute) and what `refmla disagg` must name
+    verify_faults.py  the speculative-verify faults (draft KV, causal alignment, masks, qlen padding)
     benign.py   correct kernels that round their own way (expect=None): they must pass
     blocktable_faults.py  the block-table kernels' faults (vLLM, FlashMLA, FlashInfer), planted
                 with their own loop
@@ -27,7 +28,7 @@ from refmla.capture import write_capture
 from refmla.schedule import MIN_BLOCK_KV
 from refmla.synth import benign, blocktable_faults, verify_faults, zoo  # noqa: F401  (register the benign variants, the verify
 #                                                    faults and the zoo's faults)
-from refmla.synth import numerics as _numerics  # noqa: F401  (registers the numerics faults)
+from refmla.synth import rounding as _rounding  # noqa: F401  (registers the numerics faults)
 from refmla.synth.faults import EXPECT, FAULT_MODES, FAULTS, MAY_AGREE, VERIFY_PRESET, faulty_output, spec_for
 from refmla.synth.inputs import geometry_meta, make_inputs, make_meta
 from refmla.synth.spec import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE, PRESETS, SynthSpec, preset, yarn_sm_scale

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from refmla.backends.flex import FlexBackend, run_flex_mla
-from refmla.control import mla_control
+from refmla.control import control_output
+from refmla.scales import Scales
 from refmla.synth.faults import Planting, fault
 
 MAX_SPLITS = 16  # SGLang's default max_kv_splits
@@ -34,8 +35,7 @@ def _splits(n: int):
         if n > p.spec.max_kv_splits:
             raise ValueError(f"{n} splits > the capture's max_kv_splits {p.spec.max_kv_splits}")
         splits = torch.full_like(t["num_kv_splits"], n)  # [B]; the capture keeps its own
-        out, _ = mla_control(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], **p.scales,
-                             out_dtype=p.spec.dtype, num_kv_splits=splits)  # fmt: skip
+        out, _ = control_output(t["q"], t["kv_buffer"], p.att, p.scales, p.spec.dtype, splits)
         return out, {"num_kv_splits": n}
 
     return plant
@@ -47,14 +47,15 @@ for _n in range(1, MAX_SPLITS + 1):
     )
 
 
-def fp32_einsum(q, kv_buffer, kv_indptr, kv_indices, qo_indptr, *, kv_lora_rank, sm_scale, logit_cap=0.0,
-                k_scale=1.0, v_scale=1.0, out_dtype=torch.bfloat16) -> torch.Tensor:  # fmt: skip
+def fp32_einsum(q, kv_buffer, kv_indptr, kv_indices, qo_indptr, sc: Scales, out_dtype=torch.bfloat16) -> torch.Tensor:
     """aiter's torch reference, written its way: out [T, H, Dv] in out_dtype.
 
     Every request's rows gathered at once as stored, split per request; per request an fp32 einsum
     over all 576 dims, a causal bias (bottom-right: the n new tokens are the last n positions),
-    logsumexp, softmax and an fp32 einsum with V (the first kv_lora_rank dims).
+    logsumexp, softmax and an fp32 einsum with V (the first kv_lora_rank dims). A peer's own
+    formulation: it reads kv_indptr / qo_indptr itself, on purpose (not refmla.attended).
     """
+    kv_lora_rank, sm_scale, logit_cap, k_scale, v_scale = sc.kv_lora_rank, sc.sm_scale, sc.logit_cap, sc.k_scale, sc.v_scale
     T = q.shape[0]
     qo = torch.arange(T + 1) if qo_indptr is None else qo_indptr.long()
     rows = kv_buffer.index_select(0, kv_indices[: int(kv_indptr[-1])].long())  # [nnz, 1, D] as stored
@@ -79,8 +80,7 @@ def fp32_einsum(q, kv_buffer, kv_indptr, kv_indices, qo_indptr, *, kv_lora_rank,
 def _fp32_einsum(p: Planting):
     t = p.t
     _causal_only(t, "aiter's torch reference")
-    out = fp32_einsum(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], t.get("qo_indptr"), **p.scales,
-                      out_dtype=p.spec.dtype)  # fmt: skip
+    out = fp32_einsum(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], t.get("qo_indptr"), p.scales, p.spec.dtype)
     return out, {}
 
 
@@ -92,8 +92,7 @@ def _flex(p: Planting):
         raise ValueError(f"flex_attention cannot run here: {why}")
     t = p.t
     _causal_only(t, "the flex backend")
-    out, _, info = run_flex_mla(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], **p.scales,
-                                qo_indptr=t.get("qo_indptr"), out_dtype=p.spec.dtype, device="cpu")  # fmt: skip
+    out, _, info = run_flex_mla(t["q"], t["kv_buffer"], p.att, p.scales, p.spec.dtype, "cpu")
     return out, {"torch_version": info["torch_version"]}
 
 

@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 
+from refmla.attended import Attended
 from refmla.capture import write_capture
-from refmla.control import mla_control
+from refmla.control import mla_control_split
+from refmla.scales import Scales
 from refmla.synth.disagg_faults import DISAGG_FAULTS, Planted, World
 from refmla.synth.inputs import geometry_meta
 from refmla.synth.spec import SynthSpec
@@ -147,8 +149,8 @@ def write_decode(spec: DisaggSpec, w: World, out: Path, planted: Planted, fault_
              "num_kv_splits": torch.tensor([min(b.max_kv_splits, max(1, L // 128)) for L in lens], dtype=torch.int32),
              "req_to_token": r2t.to(torch.int32)}  # fmt: skip
         if spec.with_out:
-            t["out"] = mla_control(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], kv_lora_rank=b.kv_lora_rank,
-                                   sm_scale=b.sm_scale, out_dtype=b.dtype, num_kv_splits=t["num_kv_splits"])[0]  # fmt: skip
+            t["out"] = mla_control_split(t["q"], t["kv_buffer"], Attended.from_tensors(t), t["num_kv_splits"],
+                                         Scales(b.kv_lora_rank, b.sm_scale), b.dtype)[0]  # fmt: skip
             if fault_here and s == spec.fault_step:
                 t["out"] = DISAGG_FAULTS[planted.fault].decode_out(w, t, s)
         path = out / "decode" / f"L{w.layer}-R{w.rank}-s{s}.safetensors"

@@ -23,7 +23,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from refmla import reference as ref
+from refmla.attended import Attended
 from refmla.regions import DEFAULT_MR_LIMIT
+from refmla.scales import Scales
 from refmla.schedule import MIN_BLOCK_KV
 from refmla.synth.spec import SynthSpec
 
@@ -137,8 +139,8 @@ def _dropped_block(w: World, t: dict, s: int) -> torch.Tensor:
     keep[unit : 2 * unit] = False
     idx = t["kv_indices"][lo:hi][keep]
     indptr = torch.tensor([0, idx.numel()], dtype=torch.int32)
-    row = ref.mla_decode_ref(t["q"][fr : fr + 1], t["kv_buffer"], indptr, idx, kv_lora_rank=b.kv_lora_rank,
-                             sm_scale=b.sm_scale)[0]  # fmt: skip
+    row = ref.mla_decode_ref(t["q"][fr : fr + 1], t["kv_buffer"], Attended.token_index(indptr, idx),
+                             Scales(b.kv_lora_rank, b.sm_scale))[0]  # fmt: skip
     out = t["out"].clone()
     out[fr] = row[0].to(out.dtype)
     return out

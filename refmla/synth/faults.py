@@ -14,7 +14,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from refmla import reference as ref
-from refmla.control import mla_control
+from refmla.attended import Attended
+from refmla.control import control_output
+from refmla.scales import Scales
 from refmla.schedule import MIN_BLOCK_KV
 from refmla.synth.spec import SynthSpec
 
@@ -27,10 +29,13 @@ class Planting:
     t: dict[str, torch.Tensor]  # the capture's tensors (q, kv_buffer, kv_indptr, kv_indices, ...)
 
     @property
-    def scales(self) -> dict[str, Any]:
-        s = self.spec
-        return dict(kv_lora_rank=s.kv_lora_rank, sm_scale=s.sm_scale, logit_cap=s.logit_cap,
-                    k_scale=s.k_scale, v_scale=s.v_scale)  # fmt: skip
+    def scales(self) -> Scales:
+        return self.spec.scales()
+
+    @property
+    def att(self) -> Attended:
+        """What each query row of the capture reads (refmla.attended)."""
+        return Attended.from_tensors(self.t)
 
     @property
     def request(self) -> int:
@@ -46,13 +51,10 @@ class Planting:
         t = self.t
         q = t["q"] if q is None else q
         kvb = t["kv_buffer"] if kvb is None else kvb
-        indptr = t["kv_indptr"] if indptr is None else indptr
-        idx = t["kv_indices"] if idx is None else idx
-        args = {**self.scales, **scales}
-        if t.get("qo_indptr") is None:
-            return ref.mla_decode_ref(q, kvb, indptr, idx, **args)[0]
-        return ref.mla_verify_ref(q, kvb, indptr, idx, t["qo_indptr"], t.get("custom_mask"), t.get("mask_indptr"),
-                                  **args)[0]  # fmt: skip
+        att = self.att if indptr is None and idx is None else Attended.from_tensors(
+            {**t, "kv_indptr": t["kv_indptr"] if indptr is None else indptr, "kv_indices": t["kv_indices"] if idx is None else idx}
+        )  # fmt: skip
+        return ref.mla_ref(q, kvb, att, self.scales.but(**scales))[0]
 
     def without(self, b: int, start: int, end: int) -> torch.Tensor:
         """The reference with positions [start, end) of request b dropped from its sequence."""
@@ -127,9 +129,7 @@ def faulty_output(spec: SynthSpec, t: dict[str, torch.Tensor], name: str) -> tup
 @fault("none", "a correct kernel: the low-precision control at the split kernel's rounding points", expect=None)
 def _none(p: Planting):
     t = p.t
-    out, _ = mla_control(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], **p.scales, out_dtype=p.spec.dtype,
-                         qo_indptr=t.get("qo_indptr"), num_kv_splits=t.get("num_kv_splits"),
-                         custom_mask=t.get("custom_mask"), mask_indptr=t.get("mask_indptr"))  # fmt: skip
+    out, _ = control_output(t["q"], t["kv_buffer"], p.att, p.scales, p.spec.dtype, t.get("num_kv_splits"))
     return out, {}
 
 
@@ -190,8 +190,7 @@ def _split_missing(p: Planting):
     t, b = p.t, p.request
     if "num_kv_splits" not in t:
         raise ValueError("split_missing needs split-KV decode (num_kv_splits); this capture has none")
-    parts, lses, valid = ref.mla_decode_split_ref(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"],
-                                                  t["num_kv_splits"], **p.scales)  # fmt: skip
+    parts, lses, valid = ref.mla_decode_split_ref(t["q"], t["kv_buffer"], p.att, t["num_kv_splits"], p.scales)
     if int(valid[b].sum()) < 2:
         raise ValueError(f"request {b} has fewer than 2 non-empty splits")
     valid = valid.clone()

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from refmla.attended import tree_visibility
 from refmla.synth.spec import SynthSpec
 
 
@@ -64,15 +65,7 @@ def tree_mask(spec: SynthSpec, g: torch.Generator) -> tuple[torch.Tensor, torch.
     ancestors and itself), flattened and concatenated; mask_indptr [B + 1] int32."""
     n, parts = spec.draft_token_num, []
     for L in spec.seq_lens:
-        parents = tree_parents(n, spec.topk, g)
-        m = torch.zeros(n, L, dtype=torch.bool)
-        m[:, : L - n] = True
-        for i in range(n):
-            j = i
-            while j >= 0:
-                m[i, L - n + j] = True
-                j = parents[j]
-        parts.append(m.reshape(-1))
+        parts.append(tree_visibility(L, tree_parents(n, spec.topk, g)).reshape(-1))
     sizes = torch.tensor([n * L for L in spec.seq_lens], dtype=torch.int64)
     indptr = torch.zeros(len(sizes) + 1, dtype=torch.int32)
     indptr[1:] = torch.cumsum(sizes, 0)

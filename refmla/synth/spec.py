@@ -9,6 +9,8 @@ from typing import Any, Optional
 
 import torch
 
+from refmla.scales import Scales
+
 
 def yarn_sm_scale(qk_head_dim: int, factor: float, mscale_all_dim: float = 1.0) -> float:
     """DeepSeek-V3 / Kimi-K2 softmax scale: qk_head_dim**-0.5 * mscale**2 (yarn rope scaling)."""
@@ -55,6 +57,9 @@ class SynthSpec:
     @property
     def head_dim(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def scales(self) -> Scales:
+        return Scales(self.kv_lora_rank, self.sm_scale, self.logit_cap, self.k_scale, self.v_scale)
 
 
 PRESETS: dict[str, SynthSpec] = {

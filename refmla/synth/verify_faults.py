@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from refmla import reference as ref
+from refmla.attended import Attended
 from refmla.synth.faults import Planting, fault
 
 Visibility = Callable[[int, int, int], torch.Tensor]  # (b, L, n) -> [n, L] bool
@@ -34,7 +35,7 @@ def _verify_parts(p: Planting) -> list[tuple[int, int, int]]:
 
 def _own(p: Planting, b: int, L: int, n: int) -> torch.Tensor:
     """[n, L] what request b's queries see in the capture (its tree mask, or causal)."""
-    return ref.verify_visibility(L, n, b, p.t.get("custom_mask"), p.t.get("mask_indptr"))
+    return p.att.visibility(b)
 
 
 def run_visible(p: Planting, visible: Visibility, **kw) -> torch.Tensor:
@@ -44,8 +45,8 @@ def run_visible(p: Planting, visible: Visibility, **kw) -> torch.Tensor:
     indptr = torch.zeros(len(parts) + 1, dtype=torch.int64)
     indptr[1:] = torch.cumsum(torch.tensor([n * L for _, L, n in parts], dtype=torch.int64), 0)
     t = p.t
-    return ref.mla_verify_ref(kw.pop("q", t["q"]), kw.pop("kvb", t["kv_buffer"]), t["kv_indptr"], t["kv_indices"],
-                              t["qo_indptr"], torch.cat(masks), indptr, **p.scales)[0]  # fmt: skip
+    att = Attended.from_tensors({**t, "custom_mask": torch.cat(masks), "mask_indptr": indptr})
+    return ref.mla_verify_ref(kw.pop("q", t["q"]), kw.pop("kvb", t["kv_buffer"]), att, p.scales)[0]
 
 
 @fault("causal_top_left", "causal mask aligned top-left: query i of n sees positions 0..i, not 0..L-n+i",

@@ -138,8 +138,7 @@ def _empty_split_merged(p: Planting):
     splits = t["num_kv_splits"].clone()
     splits[b] = n  # the kernel ran this request with the fixed maximum, as the capture records
     t["num_kv_splits"] = splits
-    parts, lses, valid = ref.mla_decode_split_ref(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], splits,
-                                                  **p.scales, max_kv_splits=n)  # fmt: skip
+    parts, lses, valid = ref.mla_decode_split_ref(t["q"], t["kv_buffer"], p.att, splits, p.scales, max_kv_splits=n)
     empty = [s for s in range(n) if not bool(valid[b, s])]
     parts[b, :, empty] = math.nan  # stage 1 of an empty split: acc / e_sum = 0 / 0
     valid = valid.clone()

@@ -9,6 +9,8 @@
     persistent  one persistent mla_decode_fwd call (metadata built first)
     gluon       one Gluon mla_gluon call
     backend     AiterBackend: capture in, the production path's output and a BackendResult out
+    verify      AiterVerifyBackend, the ``aiter`` backend by name: AiterBackend on decode, and a verify
+                capture through mla_decode_fwd with max_seqlen_q > 1
 
 See docs/aiter.md.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from refmla.backends.aiter.backend import AiterBackend
 from refmla.backends.aiter.heads import AITER_HEADS, pad_heads
-from refmla.backends.aiter.indices import aiter_decode_args, kernel_kwargs
+from refmla.backends.aiter.indices import AiterCall, aiter_decode_args, kernel_kwargs
 from refmla.backends.aiter.probe import aiter_status, locate_aiter
 from refmla.backends.aiter.gluon import run_gluon_decode
 from refmla.backends.aiter.paths import AiterPath, production_path
@@ -26,6 +28,7 @@ from refmla.backends.aiter.run import run_aiter_decode
 
 __all__ = [
     "AITER_HEADS",
+    "AiterCall",
     "AiterBackend",
     "AiterPath",
     "aiter_decode_args",

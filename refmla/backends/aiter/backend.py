@@ -4,21 +4,26 @@ The path comes from the capture's meta (refmla.backends.aiter.paths): ``persiste
 ``non_persistent`` or ``gluon`` are replayed; any other (DCP, a name this refmla does not know)
 is ``skipped`` naming it. ``info.path`` says which path ran, ``info.production_path`` what the
 capture recorded and the knobs used. Rebuilt persistent metadata that differs from the captured
-buffers is a :class:`~refmla.backends.base.Finding` (the backend then fails).
+buffers is a :class:`~refmla.backends.base.BackendFinding` (the backend then fails).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from refmla.backends.aiter.gluon import run_gluon_decode
+from refmla.backends.aiter.indices import AiterCall
 from refmla.backends.aiter.metadata import CAPTURED
 from refmla.backends.aiter.paths import GLUON, PERSISTENT, REPLAYABLE, production_path
 from refmla.backends.aiter.persistent import run_persistent_decode
 from refmla.backends.aiter.probe import aiter_status
 from refmla.backends.aiter.run import check_kv_scales, run_aiter_decode
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
+from refmla.capture import Capture
+from refmla.options import ReplayOptions
 
 
-def captured_buffers(cap) -> dict:
+def captured_buffers(cap: Capture) -> dict:
     """Production's persistent work buffers the capture carries (tensor ``aiter_<name>``), by name."""
     return {name: getattr(cap, f"aiter_{name}", None) for name in CAPTURED}
 
@@ -29,7 +34,7 @@ class AiterBackend(Backend):
     def availability(self) -> tuple[bool, str]:
         return aiter_status()
 
-    def run(self, cap, opts) -> BackendResult:
+    def run(self, cap: Capture, opts: ReplayOptions) -> BackendResult:
         m = cap.meta
         if not cap.is_decode:
             raise BackendUnavailable("decode kernel; capture is extend mode")
@@ -54,27 +59,24 @@ class AiterBackend(Backend):
         return BackendResult(out=out, info=info, defines_empty_rows=not bool((lens == 0).any()), findings=findings)
 
     @staticmethod
-    def _run_path(cap, opts, path):
-        m, device = cap.meta, getattr(opts, "device", None)
-        common = dict(kv_lora_rank=m.kv_lora_rank, sm_scale=m.sm_scale, out_dtype=cap.out_dtype, device=device)
+    def _run_path(cap: Capture, opts: ReplayOptions, path):
+        m, sc, call = cap.meta, cap.scales(), AiterCall(out_dtype=cap.out_dtype, device=opts.device)
         if path.name == PERSISTENT:
             check_kv_scales(cap.kv_buffer, m.k_scale, m.v_scale)
-            return run_persistent_decode(cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices, path=path,
-                                         logit_cap=m.logit_cap, kv_scale=m.k_scale, page_size=m.page_size,
-                                         captured=captured_buffers(cap), **common)  # fmt: skip
+            return run_persistent_decode(cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices, sc, path,
+                                         dataclasses.replace(call, page_size=m.page_size), captured_buffers(cap))  # fmt: skip
         if path.name == GLUON:
             check_kv_scales(cap.kv_buffer, m.k_scale, m.v_scale)
             if m.logit_cap > 0:
                 raise BackendUnavailable(f"aiter's gluon kernel has no logit_cap (capture has {m.logit_cap})")
-            out, info = run_gluon_decode(cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices,
-                                         kv_scale=m.k_scale, **common)  # fmt: skip
+            out, info = run_gluon_decode(cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices, sc, call)
             return out, info, []
         # non-persistent: page-level when asked or when no path is recorded (refmla's long-standing
         # default); token-level, as SGLang 0.5.23 calls it, when the capture records the path
-        page_mode = getattr(opts, "aiter_page_size", None)
+        page_mode = opts.aiter_page_size
         P = int(page_mode) if page_mode else (1 if path.recorded else m.page_size)
-        out, info = run_aiter_decode(cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices, logit_cap=m.logit_cap,
-                                     k_scale=m.k_scale, v_scale=m.v_scale, page_size=P, **common)  # fmt: skip
+        out, info = run_aiter_decode(cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices, sc,
+                                     dataclasses.replace(call, page_size=P))  # fmt: skip
         return out, info, []
 
 

@@ -13,38 +13,36 @@ Called by keyword from its signature. A release without the module is ``skipped`
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
-from refmla.backends.aiter.indices import call_kernel, kernel_kwargs
+from refmla.backends.aiter.indices import AiterCall, call_kernel, kernel_kwargs
 from refmla.backends.aiter.probe import locate_aiter
 from refmla.backends.base import BackendUnavailable
 from refmla.backends.calling import KernelNotFound, find_function
+from refmla.scales import Scales
 
 GLUON_MODULES = ("aiter.ops.triton.gluon.mla_gluon",)
 
 
 def run_gluon_decode(q: torch.Tensor, kv_buffer: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                     *, kv_lora_rank: int, sm_scale: float, kv_scale: float = 1.0,
-                     out_dtype: Optional[torch.dtype] = None,
-                     device: Optional[torch.device] = None) -> tuple[torch.Tensor, dict]:  # fmt: skip
+                     sc: Scales, call: AiterCall = AiterCall()) -> tuple[torch.Tensor, dict]:  # fmt: skip
     """aiter's Gluon MLA decode on plain tensors: (out [B, H, Dv] on CPU, info)."""
     _, version, standin = locate_aiter()
     try:
         fn, where = find_function(GLUON_MODULES, "mla_gluon", "aiter's Gluon MLA decode")
     except KernelNotFound as e:
         raise BackendUnavailable(f"production ran aiter's gluon kernel, not replayed here: {e}") from None
-    dev = torch.device(device or ("cpu" if standin else "cuda"))
+    dev = torch.device(call.device or ("cpu" if standin else "cuda"))
     B, H, D = q.shape
-    Dv = int(kv_lora_rank)
+    Dv = int(sc.kv_lora_rank)
     q_nope, q_pe = q.to(dev).split([Dv, D - Dv], dim=-1)
     lens = (kv_indptr[1:] - kv_indptr[:-1]).long()
-    o = torch.empty(B, H, Dv, dtype=out_dtype or q.dtype, device=dev)
+    o = torch.empty(B, H, Dv, dtype=call.out_dtype or q.dtype, device=dev)
     values = dict(
         q_nope=q_nope, q_pe=q_pe, kv_c=kv_buffer.to(dev).reshape(-1, D), o=o,
         page_table=kv_indices.to(dev, torch.int32).contiguous(), seq_info=kv_indptr.to(dev, torch.int32).contiguous(),
-        sm_scale=float(sm_scale), k_pe=None, kv_pe_offset=Dv, use_2d_view=False, kv_scale=float(kv_scale),
+        sm_scale=float(sc.sm_scale), k_pe=None, kv_pe_offset=Dv, use_2d_view=False, kv_scale=float(sc.k_scale),
         min_kv_seq_len=int(lens.max()) if B else 1,
     )  # fmt: skip
     kwargs = kernel_kwargs(fn, values)

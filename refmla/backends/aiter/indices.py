@@ -17,6 +17,7 @@ aiter reads the page size from ``kv_buffer.shape[1]``, which the view already se
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -27,6 +28,15 @@ from refmla.paged import token_to_page
 # Parameters refmla fills, and names some releases use for the same thing.
 _ALIASES = {"max_seqlen_qo": "max_seqlen_q"}
 
+
+
+@dataclass(frozen=True)
+class AiterCall:
+    """How one aiter kernel is called, besides its tensors and scales (run, persistent, gluon)."""
+
+    out_dtype: Optional[torch.dtype] = None  # default q's
+    device: Optional[torch.device] = None  # default CUDA (CPU for the test stand-in)
+    page_size: int = 1  # the page size the index arguments are built for (refmla.paged)
 
 def kernel_kwargs(fn: Callable, values: dict[str, Any]) -> dict[str, Any]:
     """Keyword arguments for an aiter kernel by its signature (see refmla.backends.calling)."""

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from refmla.backends.aiter.paths import AiterPath, sglang_modes
-from refmla.backends.base import BackendUnavailable, Finding
+from refmla.backends.base import BackendUnavailable, BackendFinding
 from refmla.backends.calling import KernelSignatureError, kwargs_for
 
 BUFFERS = ("work_meta_data", "work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map", "reduce_partial_map")
@@ -135,8 +135,8 @@ def used(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def compare_buffers(captured: dict[str, Optional[torch.Tensor]], rebuilt: dict[str, torch.Tensor]) -> list[Finding]:
-    """One Finding per captured buffer whose used part differs from the rebuilt one."""
+def compare_buffers(captured: dict[str, Optional[torch.Tensor]], rebuilt: dict[str, torch.Tensor]) -> list[BackendFinding]:
+    """One BackendFinding per captured buffer whose used part differs from the rebuilt one."""
     prod, mine = used(captured), used(rebuilt)
     findings = []
     for name in CAPTURED:
@@ -151,7 +151,7 @@ def compare_buffers(captured: dict[str, Optional[torch.Tensor]], rebuilt: dict[s
             first = int(torch.nonzero(diff)[0])
             detail.update(first_row=first, rows_differing=int(diff.sum()),
                           production=a[first].tolist(), rebuilt=b[first].tolist())  # fmt: skip
-        findings.append(Finding(
+        findings.append(BackendFinding(
             kind="aiter_metadata_mismatch",
             message=f"aiter's persistent metadata rebuilt here differs from production's in {name} "
                     "(the kernel read a split plan other than the one these indices give)",

@@ -25,11 +25,12 @@ from typing import Optional
 import torch
 
 from refmla.backends.aiter import heads
-from refmla.backends.aiter.indices import aiter_decode_args, call_kernel, kernel_kwargs
+from refmla.backends.aiter.indices import AiterCall, aiter_decode_args, call_kernel, kernel_kwargs
 from refmla.backends.aiter.metadata import build_metadata, compare_buffers, plan_modes
 from refmla.backends.aiter.paths import AiterPath
 from refmla.backends.aiter.probe import locate_aiter
-from refmla.backends.base import BackendUnavailable, Finding
+from refmla.backends.base import BackendUnavailable, BackendFinding
+from refmla.scales import Scales
 
 FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e4m3fnuz": torch.float8_e4m3fnuz}
 
@@ -55,14 +56,12 @@ def _row0(kv_buffer: torch.Tensor, kv_indices: torch.Tensor) -> tuple[torch.Tens
 
 
 def run_persistent_decode(q: torch.Tensor, kv_buffer: torch.Tensor, kv_indptr: torch.Tensor,
-                          kv_indices: torch.Tensor, *, path: AiterPath, kv_lora_rank: int, sm_scale: float,
-                          logit_cap: float = 0.0, kv_scale: float = 1.0, page_size: int = 1,
-                          out_dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None,
-                          captured: Optional[dict] = None) -> tuple[torch.Tensor, dict, list[Finding]]:  # fmt: skip
+                          kv_indices: torch.Tensor, sc: Scales, path: AiterPath, call: AiterCall = AiterCall(),
+                          captured: Optional[dict] = None) -> tuple[torch.Tensor, dict, list[BackendFinding]]:  # fmt: skip
     """aiter's persistent mla_decode_fwd on plain tensors: (out [B, H, Dv] on CPU, info, findings)."""
     mla, version, standin = locate_aiter()
     fn = mla.mla_decode_fwd
-    dev = torch.device(device or ("cpu" if standin else "cuda"))
+    dev = torch.device(call.device or ("cpu" if standin else "cuda"))
     B, D = q.shape[0], q.shape[2]
     fp8_kv = kv_buffer.dtype.itemsize == 1
     q_pad, unpad, pad_how = heads.pad_heads(q.to(dev).contiguous())
@@ -71,15 +70,15 @@ def run_persistent_decode(q: torch.Tensor, kv_buffer: torch.Tensor, kv_indptr: t
     kv_buffer, row0 = _row0(kv_buffer, kv_indices)
     args, convention = aiter_decode_args(q_in, kv_buffer, kv_indptr, kv_indices, page_size=1, device=dev)
     buffers, calls = build_metadata(path, args["qo_indptr"], args["kv_indptr"], args["kv_last_page_lens"],
-                                    kernel_heads=Hk, kv_dtype=kv_buffer.dtype, page_size=page_size, device=dev)  # fmt: skip
+                                    kernel_heads=Hk, kv_dtype=kv_buffer.dtype, page_size=call.page_size, device=dev)  # fmt: skip
     findings = compare_buffers(captured or {}, buffers)
     fast, intra, splits = plan_modes(path, Hk)
     num_kv_splits = None if path.auto_kv_splits else (path.num_kv_splits if path.num_kv_splits is not None else splits)
     f32 = dict(dtype=torch.float32, device=dev)
-    kv_s = torch.tensor([float(kv_scale)], **f32) if fp8_kv else None
+    kv_s = torch.tensor([float(sc.k_scale)], **f32) if fp8_kv else None
     q_s = torch.tensor([q_scale], **f32) if q_scale is not None else kv_s
-    o = torch.empty(B, Hk, int(kv_lora_rank), dtype=out_dtype or q.dtype, device=dev)  # [B, Hk, Dv]
-    values = dict(q=q_in, o=o, sm_scale=float(sm_scale), logit_cap=float(logit_cap), q_scale=q_s, kv_scale=kv_s,
+    o = torch.empty(B, Hk, int(sc.kv_lora_rank), dtype=call.out_dtype or q.dtype, device=dev)  # [B, Hk, Dv]
+    values = dict(q=q_in, o=o, sm_scale=float(sc.sm_scale), logit_cap=float(sc.logit_cap), q_scale=q_s, kv_scale=kv_s,
                   intra_batch_mode=intra, num_kv_splits=num_kv_splits, **args, **buffers)  # fmt: skip
     kwargs = kernel_kwargs(fn, values)
     if "work_meta_data" not in kwargs:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
 from refmla.backends.aiter import heads
-from refmla.backends.aiter.indices import aiter_decode_args, call_kernel, kernel_kwargs
+from refmla.backends.aiter.indices import AiterCall, aiter_decode_args, call_kernel, kernel_kwargs
 from refmla.backends.aiter.probe import locate_aiter
 from refmla.backends.base import BackendUnavailable
+from refmla.scales import Scales
 
 
 def check_kv_scales(kv_buffer: torch.Tensor, k_scale: float, v_scale: float) -> bool:
@@ -29,31 +29,24 @@ def run_aiter_decode(
     kv_buffer: torch.Tensor,
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
-    *,
-    kv_lora_rank: int,
-    sm_scale: float,
-    logit_cap: float = 0.0,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    page_size: int = 1,
-    out_dtype: Optional[torch.dtype] = None,
-    device: Optional[torch.device] = None,
+    sc: Scales,
+    call: AiterCall = AiterCall(),
 ) -> tuple[torch.Tensor, dict]:
     """aiter.mla.mla_decode_fwd on plain tensors: out [B, H, Dv] (on CPU) and an info dict."""
     mla, version, standin = locate_aiter()
     fn = mla.mla_decode_fwd
-    dev = torch.device(device or ("cpu" if standin else "cuda"))
+    dev = torch.device(call.device or ("cpu" if standin else "cuda"))
     B, _, D = q.shape
-    Dv = int(kv_lora_rank)
+    Dv, k_scale, v_scale = int(sc.kv_lora_rank), sc.k_scale, sc.v_scale
     if kv_buffer.dim() != 3 or kv_buffer.shape[1] != 1 or kv_buffer.shape[2] != D:
         raise ValueError(f"kv_buffer shape {list(kv_buffer.shape)}, expected [N, 1, {D}]")
     fp8 = check_kv_scales(kv_buffer, k_scale, v_scale)
     q_in, unpad, pad_how = heads.pad_heads(q.to(dev).contiguous())
-    args, convention = aiter_decode_args(q_in, kv_buffer, kv_indptr, kv_indices, page_size=page_size, device=dev)
-    o = torch.empty(B, q_in.shape[1], Dv, dtype=out_dtype or q.dtype, device=dev)  # [B, Hk, Dv]
+    args, convention = aiter_decode_args(q_in, kv_buffer, kv_indptr, kv_indices, page_size=call.page_size, device=dev)
+    o = torch.empty(B, q_in.shape[1], Dv, dtype=call.out_dtype or q.dtype, device=dev)  # [B, Hk, Dv]
     scale = torch.tensor([float(k_scale)], dtype=torch.float32, device=dev) if fp8 else None
     values = dict(
-        q=q_in, o=o, sm_scale=float(sm_scale), logit_cap=float(logit_cap), q_scale=scale, kv_scale=scale, **args
+        q=q_in, o=o, sm_scale=float(sc.sm_scale), logit_cap=float(sc.logit_cap), q_scale=scale, kv_scale=scale, **args
     )
     kwargs = kernel_kwargs(fn, values)
     notes = []

@@ -11,9 +11,10 @@ from refmla.backends.aiter.indices import kernel_kwargs
 from refmla.backends.aiter.probe import locate_aiter
 from refmla.backends.base import BackendUnavailable
 from refmla.backends.extend.inputs import ExtendInputs
+from refmla.capture import Capture
 
 
-def run_aiter_prefill(cap, inp: ExtendInputs, out_dtype: torch.dtype, device: Optional[str] = None):
+def run_aiter_prefill(cap: Capture, inp: ExtendInputs, out_dtype: torch.dtype, device: Optional[str] = None):
     """aiter.mla.mla_prefill_fwd over the whole sequence (new tokens read from the cache, page size 1)."""
     mla, version, standin = locate_aiter()
     fn = getattr(mla, "mla_prefill_fwd", None)

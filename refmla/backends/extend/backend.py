@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import math
 import os
 import time
@@ -12,14 +10,17 @@ from typing import Any, Optional
 import torch
 
 from refmla.backends import aiter as aiter_backend
+from refmla.backends import triton_interp
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 from refmla.backends.extend.aiter_prefill import run_aiter_prefill
 from refmla.backends.extend.inputs import ExtendInputs, as_extend, scatter_rows
 from refmla.backends.extend.local import mla_extend_local
 from refmla.backends.extend.sglang_triton import run_triton_extend, triton_extend_status
 from refmla.backends.reference import reference_output
+from refmla.capture import Capture
 from refmla.compare import Comparison, compare
 from refmla.control import mla_control
+from refmla.options import ReplayOptions
 from refmla.util import error_text
 
 IMPL_ENV = "REFMLA_EXTEND_IMPL"
@@ -27,8 +28,8 @@ IMPL_ENV = "REFMLA_EXTEND_IMPL"
 Triton = tuple[torch.Tensor, Optional[torch.Tensor], dict]  # run_triton_extend's out, lse, info
 
 
-def _chosen_impl(opts) -> str:
-    impl = (getattr(opts, "extend_impl", None) or os.environ.get(IMPL_ENV) or "auto").lower()
+def _chosen_impl(opts: ReplayOptions) -> str:
+    impl = (opts.extend_impl or os.environ.get(IMPL_ENV) or "auto").lower()
     if impl not in ("auto", "torch", "triton"):
         raise BackendUnavailable(f"{IMPL_ENV}={impl!r}: choose auto, torch or triton")
     return impl
@@ -55,10 +56,8 @@ class _Judge:
     def __call__(self, name: str, out: torch.Tensor) -> dict:
         cap = self.cap
         if self.truth is None:
-            qo = None if cap.is_decode else cap.qo_indptr
-            args = (cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices)
             expected = reference_output(cap)[0]
-            control = mla_control(*args, **asdict(cap.scales()), out_dtype=self.out_dtype, qo_indptr=qo, **cap.mask_args())[0]
+            control = mla_control(cap.q, cap.kv_buffer, cap.attended(), cap.scales(), self.out_dtype)[0]  # unsplit
             self.truth = (expected, control)
         expected, control = self.truth
         rows = cap.request_of_row()
@@ -66,31 +65,34 @@ class _Judge:
         return summarize(cmp)
 
 
-def _try_triton(impl: str, cap, inp: ExtendInputs, out_dtype: torch.dtype, opts) -> tuple[Optional[Triton], dict]:
+def _try_triton(impl: str, cap, inp: ExtendInputs, out_dtype: torch.dtype, opts: ReplayOptions) -> tuple[Optional[Triton], dict]:
     """SGLang's Triton extend unless ``impl`` is torch: (its result or None, the entry saying why not)."""
     if impl == "torch":
         return None, {"status": "skipped", "reason": f"{IMPL_ENV}=torch"}
     ok, note = triton_extend_status()
+    if ok and triton_interp.interpreter_active():
+        why = triton_interp.over_budget(cap)
+        ok, note = (False, why) if why else (ok, note)
     if not ok:
         if impl == "triton":
             raise BackendUnavailable(f"SGLang Triton extend: {note}")
         return None, {"status": "skipped", "reason": note}
     try:
-        device = getattr(opts, "device", None)
-        return run_triton_extend(inp, cap.kv_buffer, **asdict(cap.scales()), out_dtype=out_dtype, device=device), {}
+        device = opts.device
+        return run_triton_extend(inp, cap.kv_buffer, cap.scales(), out_dtype, device), {}
     except Exception as e:
         if impl == "triton":
             raise
         return None, {"status": "error", "reason": error_text(e)}
 
 
-def _aiter_prefill(cap, inp: ExtendInputs, out_dtype: torch.dtype, opts, judge: _Judge) -> dict:
+def _aiter_prefill(cap: Capture, inp: ExtendInputs, out_dtype: torch.dtype, opts: ReplayOptions, judge: _Judge) -> dict:
     """aiter's prefill judged against the reference, or why it did not run."""
     ok, why = aiter_backend.aiter_status()
     if not ok:
         return {"status": "skipped", "reason": why}
     try:
-        o, info = run_aiter_prefill(cap, inp, out_dtype, getattr(opts, "device", None))
+        o, info = run_aiter_prefill(cap, inp, out_dtype, opts.device)
     except Exception as e:
         return {"status": "error", "reason": error_text(e)}
     return {**judge("aiter_prefill", scatter_rows(o, inp)), **info}
@@ -105,15 +107,15 @@ class ExtendBackend(Backend):
             return True, f"local extend: {note}; pure PyTorch alongside"
         return True, f"local extend: pure PyTorch {torch.__version__} (SGLang Triton extend unavailable: {note})"
 
-    def run(self, cap, opts) -> BackendResult:
+    def run(self, cap: Capture, opts: ReplayOptions) -> BackendResult:
         impl = _chosen_impl(opts)
         out_dtype = cap.out_dtype
         inp = as_extend(cap)
         t0 = time.perf_counter()
-        t_out, t_lse = mla_extend_local(inp, cap.kv_buffer, **asdict(cap.scales()), out_dtype=out_dtype)
+        t_out, t_lse = mla_extend_local(inp, cap.kv_buffer, cap.scales(), out_dtype)
         torch_s = round(time.perf_counter() - t0, 3)
         tri, tri_entry = _try_triton(impl, cap, inp, out_dtype, opts)
-        judge = _Judge(cap, out_dtype, getattr(opts, "tol", None))
+        judge = _Judge(cap, out_dtype, opts.tol)
 
         info: dict[str, Any] = {
             "prefix": "positions 0..L-n-1 through kv_indptr/kv_indices",

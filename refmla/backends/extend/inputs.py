@@ -7,7 +7,8 @@ from typing import Optional
 
 import torch
 
-from refmla import reference as ref
+from refmla.attended import Attended
+from refmla.capture import Capture
 
 
 @dataclass
@@ -22,9 +23,19 @@ class ExtendInputs:
     prefix_indices: torch.Tensor  # [sum(L_b - n_b)] int64 token slots of the prefixes, position order
     out_rows: torch.Tensor  # [T] which row of the capture's `out` each new token is
     num_rows: int  # rows of the capture's `out` (decode: B; extend: T)
+    att: Attended  # the capture's: what each query row sees (the new tokens' columns of a tree mask)
     custom_mask: Optional[torch.Tensor] = None  # verify: SGLang's [sum n_b * L_b] mask (see verify_mask)
     mask_indptr: Optional[torch.Tensor] = None  # verify: [B + 1]
     mask_source: Optional[str] = None  # "capture" | "causal (built: a chain's mask)" | None
+
+    def prefix_rows(self, b: int) -> torch.Tensor:
+        """[L_b - n_b] int64: request b's cached prefix slots, in position order."""
+        return self.prefix_indices[int(self.prefix_indptr[b]) : int(self.prefix_indptr[b + 1])]
+
+    def new_token_visibility(self, b: int) -> torch.Tensor:
+        """[n_b, n_b] bool: which of request b's new tokens each new token sees (causal, or the tree)."""
+        n = int(self.qo_indptr[b + 1] - self.qo_indptr[b])
+        return self.att.visibility(b)[:n, self.att.visibility(b).shape[1] - n :]
 
     @property
     def max_len_extend(self) -> int:
@@ -46,31 +57,31 @@ def _indptr(lens: torch.Tensor) -> torch.Tensor:
     return indptr
 
 
-def _new_tokens(cap) -> tuple[torch.Tensor, list[list[int]], int]:
-    """(new tokens per request [B], the capture's `out` rows of each request, rows of `out`)."""
-    B = cap.batch_size
-    if cap.is_decode:
-        lens = (cap.kv_indptr[1:] - cap.kv_indptr[:-1]).long()  # [B]
-        n = (lens > 0).long()  # [B]
+def _new_tokens(att: Attended) -> tuple[torch.Tensor, list[list[int]], int]:
+    """(new tokens per request [B], the capture's `out` rows of each request, rows of `out`);
+    decode: one new token per request that has a token."""
+    B = att.num_groups
+    if att.one_query_per_group:
+        n = (att.lengths() > 0).long()  # [B]
         return n, [[b] if int(n[b]) else [] for b in range(B)], B
-    qo = cap.qo_indptr.long()
-    return qo[1:] - qo[:-1], [list(range(int(qo[b]), int(qo[b + 1]))) for b in range(B)], cap.q.shape[0]
+    qo = att.query_indptr
+    return qo[1:] - qo[:-1], [list(att.queries(b)) for b in range(B)], att.num_rows
 
 
-def as_extend(cap) -> ExtendInputs:
+def as_extend(cap: Capture) -> ExtendInputs:
     """Split every request of a capture into its cached prefix and its new tokens.
 
     Decode: one new token per request with L >= 1 (a zero-length request has no token to
     recompute; its output row stays 0, the reference's value). Extend: the capture's qo_indptr.
     """
-    m = cap.meta
-    B, Dv = cap.batch_size, m.kv_lora_rank
-    lens = (cap.kv_indptr[1:] - cap.kv_indptr[:-1]).long()  # [B]
-    n, rows_of_b, num_rows = _new_tokens(cap)
+    m, att = cap.meta, cap.attended()
+    B, Dv = att.num_groups, m.kv_lora_rank
+    lens = att.lengths()  # [B]
+    n, rows_of_b, num_rows = _new_tokens(att)
     prefix_lens = lens - n  # [B]
     prefix, new = [], []
     for b in range(B):
-        rows = ref.request_rows(cap.kv_indptr, cap.kv_indices, b)  # [L_b]
+        rows = att.group_rows(b)  # [L_b]
         prefix.append(rows[: int(prefix_lens[b])])
         new.append(rows[int(prefix_lens[b]) :])
     empty = torch.zeros(0, dtype=torch.int64)
@@ -88,13 +99,14 @@ def as_extend(cap) -> ExtendInputs:
         prefix_indices=torch.cat(prefix) if prefix else empty,
         out_rows=out_rows,
         num_rows=num_rows,
+        att=att,
         custom_mask=mask,
         mask_indptr=mask_indptr,
         mask_source=mask_source,
     )
 
 
-def verify_mask(cap, n: torch.Tensor, lens: torch.Tensor):
+def verify_mask(cap: Capture, n: torch.Tensor, lens: torch.Tensor):
     """(custom_mask, mask_indptr, source) for a verify capture, None otherwise.
 
     The capture's tree mask when it has one; for a chain (no mask in the capture, e.g. made on
@@ -105,7 +117,8 @@ def verify_mask(cap, n: torch.Tensor, lens: torch.Tensor):
         return None, None, None
     if cap.custom_mask is not None:
         return cap.custom_mask.bool(), cap.mask_indptr.long(), "capture"
-    parts = [ref.verify_visibility(int(L), int(k)).reshape(-1) for L, k in zip(lens.tolist(), n.tolist())]
+    att = cap.attended()
+    parts = [att.visibility(b).reshape(-1) for b in range(att.num_groups)]  # [n_b * L_b] each, causal
     mask = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
     return mask, _indptr(n * lens), "causal (built: a chain's mask)"
 

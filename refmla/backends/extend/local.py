@@ -8,18 +8,11 @@ import torch
 
 from refmla import reference as ref
 from refmla.backends.extend.inputs import ExtendInputs
+from refmla.scales import Scales
 
 
 def mla_extend_local(
-    inp: ExtendInputs,
-    kv_buffer: torch.Tensor,
-    *,
-    kv_lora_rank: int,
-    sm_scale: float,
-    logit_cap: float = 0.0,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    out_dtype: torch.dtype = torch.bfloat16,
+    inp: ExtendInputs, kv_buffer: torch.Tensor, sc: Scales, out_dtype: torch.dtype = torch.bfloat16
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Extend attention as SGLang's extend kernel rounds it: out [T, H, Dv] out_dtype, lse [T, H] fp32.
 
@@ -28,7 +21,8 @@ def mla_extend_local(
     over both, causal for the new tokens; probabilities rounded to each V's dtype before P.V, fp32
     sums from the unrounded probabilities; prefix P.V times v_scale; output rounded to out_dtype.
     """
-    f32, Dv = torch.float32, int(kv_lora_rank)
+    f32, Dv = torch.float32, int(sc.kv_lora_rank)
+    sm_scale, logit_cap, k_scale, v_scale = sc.sm_scale, sc.logit_cap, sc.k_scale, sc.v_scale
     T, H, _ = inp.q_extend.shape
     out = torch.zeros(T, H, Dv, dtype=out_dtype)  # [T, H, Dv]
     lse = torch.full((T, H), -math.inf, dtype=f32)  # [T, H]
@@ -38,17 +32,15 @@ def mla_extend_local(
             continue
         n = t1 - t0
         q = inp.q_extend[t0:t1]  # [n, H, D]
-        pre = ref.gather(kv_buffer, ref.request_rows(inp.prefix_indptr, inp.prefix_indices, b), kv_buffer.dtype)
+        pre = ref.gather(kv_buffer, inp.prefix_rows(b), kv_buffer.dtype)  # [Lp, D]
         k_new, v_new = inp.k_extend[t0:t1, 0], inp.v_extend[t0:t1, 0]  # [n, D], [n, Dv]
         s_pre = torch.einsum("thd,ld->thl", q.to(pre.dtype).to(f32), pre.to(f32)) * (sm_scale * k_scale)  # [n, H, Lp]
         s_new = torch.einsum("thd,ld->thl", q.to(f32), k_new.to(f32)) * sm_scale  # [n, H, n]
         if logit_cap > 0:
             s_pre = logit_cap * torch.tanh(s_pre / logit_cap)
             s_new = logit_cap * torch.tanh(s_new / logit_cap)
-        causal = torch.ones(n, n, dtype=torch.bool).tril()  # token i sees new tokens 0..i
-        if inp.custom_mask is not None:  # verify: the mask's draft columns (prefix columns: all, as the kernel)
-            L = pre.shape[0] + n
-            causal = ref.verify_visibility(L, n, b, inp.custom_mask, inp.mask_indptr)[:, L - n :]  # [n, n]
+        # token i sees new tokens 0..i, or (verify) the tree mask's draft columns; prefix columns: all, as the kernel
+        causal = inp.new_token_visibility(b)  # [n, n]
         s_new = s_new.masked_fill(~causal[:, None, :], -math.inf)
         m = torch.maximum(
             s_pre.amax(-1) if s_pre.shape[-1] else torch.full((n, H), -math.inf), s_new.amax(-1)

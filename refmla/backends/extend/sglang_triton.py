@@ -15,6 +15,7 @@ import torch
 from refmla.backends import triton_interp
 from refmla.backends.calling import find_function, kwargs_for
 from refmla.backends.extend.inputs import ExtendInputs
+from refmla.scales import Scales
 
 # Where SGLang keeps the extend kernel: from 0.5.16 on, then up to 0.5.15.
 EXTEND_KERNEL_MODULES = (
@@ -71,17 +72,9 @@ def triton_extend_status() -> tuple[bool, str]:
 
 
 def run_triton_extend(
-    inp: ExtendInputs,
-    kv_buffer: torch.Tensor,
-    *,
-    kv_lora_rank: int,
-    sm_scale: float,
-    logit_cap: float = 0.0,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    out_dtype: torch.dtype = torch.bfloat16,
+    inp: ExtendInputs, kv_buffer: torch.Tensor, sc: Scales, out_dtype: torch.dtype = torch.bfloat16,
     device: Optional[torch.device] = None,
-) -> tuple[torch.Tensor, Optional[torch.Tensor], dict]:
+) -> tuple[torch.Tensor, Optional[torch.Tensor], dict]:  # fmt: skip
     """SGLang's ``extend_attention_fwd`` on the prefix/new-token split: out [T, H, Dv], lse [T, H] or None, info."""
     fn, path = locate_extend_kernel()
     interpreted = _interpreted_with_fix(path)
@@ -89,9 +82,8 @@ def run_triton_extend(
     T, H, _ = inp.q_extend.shape
     wants_lse = "lse_extend" in inspect.signature(fn).parameters
     lse = torch.full((T, H), math.nan, dtype=torch.float32, device=dev) if wants_lse else None  # [T, H]
-    o = torch.full((T, H, int(kv_lora_rank)), math.nan, dtype=out_dtype, device=dev)  # [T, H, Dv]
-    scales = dict(k_scale=float(k_scale), v_scale=float(v_scale), sm_scale=float(sm_scale), logit_cap=float(logit_cap))
-    kwargs = kwargs_for(fn, _kernel_values(inp, kv_buffer, o, lse, scales, dev))
+    o = torch.full((T, H, int(sc.kv_lora_rank)), math.nan, dtype=out_dtype, device=dev)  # [T, H, Dv]
+    kwargs = kwargs_for(fn, _kernel_values(inp, kv_buffer, o, lse, sc, dev))
     seconds = _call(fn, kwargs, T, dev)
     info = {
         "kernel": f"{path}.{fn.__name__}",
@@ -124,7 +116,7 @@ def _kernel_values(
     kv_buffer: torch.Tensor,
     o: torch.Tensor,
     lse: Optional[torch.Tensor],
-    scales: dict[str, float],
+    sc: Scales,
     dev: torch.device,
 ) -> dict[str, Any]:
     """Every value refmla can give ``extend_attention_fwd``, by parameter name, on ``dev``."""
@@ -138,8 +130,8 @@ def _kernel_values(
         kv_indices=inp.prefix_indices.to(dev, i32), is_causal=True,
         custom_mask=None if inp.custom_mask is None else inp.custom_mask.to(dev).contiguous(),
         mask_indptr=None if inp.mask_indptr is None else inp.mask_indptr.to(dev, torch.int64),
-        max_len_extend=inp.max_len_extend, k_scale=scales["k_scale"], v_scale=scales["v_scale"],
-        sm_scale=scales["sm_scale"], logit_cap=scales["logit_cap"], lse_extend=lse, page_size=1,
+        max_len_extend=inp.max_len_extend, k_scale=float(sc.k_scale), v_scale=float(sc.v_scale),
+        sm_scale=float(sc.sm_scale), logit_cap=float(sc.logit_cap), lse_extend=lse, page_size=1,
     )  # fmt: skip
 
 

@@ -23,7 +23,9 @@ import torch
 
 from aiter.ops.attention import ContractViolation, check_persistent
 from refmla import reference as ref
+from refmla.attended import Attended
 from refmla.paged import page_to_token
+from refmla.scales import Scales
 
 CALLS: list[dict] = []  # one record per call, newest last
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -116,9 +118,9 @@ def _semantics(
     s = float(kv_scale) if kv_scale is not None else 1.0
     kw = dict(kv_lora_rank=o.shape[2], sm_scale=sm_scale, k_scale=s, v_scale=s)
     if decode:
-        out, _ = ref.mla_decode_ref(q.cpu(), flat, tok_indptr, tok_indices, **kw)
+        out, _ = ref.mla_decode_ref(q.cpu(), flat, Attended.token_index(tok_indptr, tok_indices), Scales(**kw))
     else:
-        out, _ = ref.mla_extend_ref(q.cpu(), flat, tok_indptr, tok_indices, qo_indptr.long().cpu(), **kw)
+        out, _ = ref.mla_verify_ref(q.cpu(), flat, Attended.token_index(tok_indptr, tok_indices, qo_indptr.long().cpu()), Scales(**kw))
     o.copy_(out.to(o.dtype))
 
 

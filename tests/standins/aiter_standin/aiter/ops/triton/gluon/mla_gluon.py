@@ -12,6 +12,8 @@ import torch
 
 from aiter.ops.attention import ContractViolation
 from refmla import reference as ref
+from refmla.attended import Attended
+from refmla.scales import Scales
 
 GLUON_CALLS: list[dict] = []
 
@@ -38,7 +40,6 @@ def mla_gluon(q_nope, q_pe, kv_c, o, page_table, seq_info, sm_scale, k_pe=None, 
     _need(isinstance(sm_scale, float) and sm_scale > 0, f"sm_scale {sm_scale!r}")
     GLUON_CALLS.append({"fn": "mla_gluon", "heads": H, "B": B, "kv_scale": kv_scale, "min_kv_seq_len": min_kv_seq_len})
     q = torch.cat([q_nope, q_pe], dim=-1)  # [B, H, D]
-    out, lse = ref.mla_decode_ref(q.cpu(), kv_c.reshape(-1, 1, D).cpu(), seq_info.long().cpu(), page_table.long().cpu(),
-                                  kv_lora_rank=Dv, sm_scale=sm_scale, k_scale=kv_scale, v_scale=kv_scale)  # fmt: skip
+    out, lse = ref.mla_decode_ref(q.cpu(), kv_c.reshape(-1, 1, D).cpu(), Attended.token_index(seq_info.long().cpu(), page_table.long().cpu()), Scales(kv_lora_rank=Dv, sm_scale=sm_scale, k_scale=kv_scale, v_scale=kv_scale))  # fmt: skip
     o.copy_(out.to(o.dtype))
     return (o, lse.float()) if return_lse else o

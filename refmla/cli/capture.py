@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 from refmla.hook.config import ENV_PREFIX, ConfigError, HookConfig, parse_bytes, parse_int_set
 
-SITE_DIR = Path(__file__).resolve().parent / "sitecustomize"
+SITE_DIR = Path(__file__).resolve().parents[1] / "hook" / "sitecustomize"
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the folder that holds refmla/
 
 
@@ -71,6 +71,8 @@ def _names(text: str) -> frozenset[str]:
 
 def config_from_args(args) -> HookConfig:
     """The HookConfig that ``capture run``'s options describe; ConfigError when one cannot be parsed."""
+    if not args.out.strip():  # abspath("") is the working directory: never by accident
+        raise ConfigError(f"--out {args.out!r} is empty: name the output folder")
     cfg = HookConfig(
         out_dir=os.path.abspath(args.out),
         layers=parse_int_set(args.layers, "--layers"),

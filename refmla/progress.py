@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 from typing import Optional, TextIO
 
+from refmla.util import PrintableStream, printable
+
 
 class Progress:
     """``step(label)`` after each of ``total`` items, ``close()`` at the end. Silent for one item."""
@@ -16,6 +18,8 @@ class Progress:
     def __init__(self, total: int, stream: Optional[TextIO] = None, unit: str = "capture"):
         self.total, self.done = total, 0
         self.stream = stream if stream is not None else sys.stderr
+        if isinstance(self.stream, PrintableStream):  # the bar's own \r and tqdm's cursor codes pass;
+            self.stream = self.stream.stream  # the labels (file names) are escaped in step()
         isatty = getattr(self.stream, "isatty", None)
         self.live = total > 1 and bool(isatty and isatty())
         self._bar = None
@@ -29,6 +33,7 @@ class Progress:
 
     def step(self, label: str) -> None:
         self.done += 1
+        label = printable(label)
         if self._bar is not None:
             self._bar.set_postfix_str(label[-50:], refresh=False)
             self._bar.update(1)

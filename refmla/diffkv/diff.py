@@ -19,7 +19,7 @@ import torch
 from refmla.capture import Capture, CaptureError, read_capture
 from refmla.diffkv.pairing import PairedRequest, Pairing, pair_requests
 from refmla.diffkv.runs import MAX_RANGES, ranges, transfer_runs
-from refmla.diffkv.types import DiffResult, MismatchDetail, Mismatches, PrefillDisagreement, RequestDiff
+from refmla.diffkv.result import DiffResult, MismatchDetail, Mismatches, PrefillDisagreement, RequestDiff
 from refmla.pool import row_stats, rows_differ
 from refmla.util import dtype_name, single_thread
 

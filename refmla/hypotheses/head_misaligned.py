@@ -19,12 +19,16 @@ from refmla.results import Explanation
 NAME = "head_misaligned"
 
 
+HEADS_WORK = 1 << 28  # elements the cost matrix may read (rows x H x H x Dv); the candidate is confirmed on all rows
+
+
 def search(s: Search) -> Optional[Explanation]:
     o, e = s.o64, s.ref
     R, H, _ = o.shape
     rows = torch.arange(R) if s.mask is None else torch.nonzero(s.mask).flatten()
     if H < 2 or len(rows) == 0:
         return None
+    rows = rows[: max(1, HEADS_WORK // (H * H * o.shape[-1]))]  # the cost matrix from a bounded sample of rows
     cost = torch.empty(H, H, dtype=torch.float64)  # [output head, reference head]
     for h in range(H):
         d = (o[rows, h][:, None, :] - e[rows]).abs().amax(-1)  # [r, H]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from refmla.diffkv.types import DiffResult, RequestDiff
+from refmla.diffkv.result import DiffResult, RequestDiff
 from refmla.render.table import table
+from refmla.util import printable
 
 MAX_RUN_LINES = 32  # transfer runs listed under the table
 HEADER = ["request", "compared", "mismatched", "first", "pages", "max_abs_diff", "norms p/d @first", "note"]
@@ -18,12 +19,13 @@ def render_diff(result: DiffResult) -> str:
 def _head(result: DiffResult) -> list[str]:
     pre = result.prefill
     chunks = f" (+{len(pre) - 1} chunk capture(s): {', '.join(pre[1:])})" if len(pre) > 1 else ""
-    return [
+    lines = [
         f"prefill  {pre[0]}{chunks}",
         f"decode   {result.decode}",
         f"paired by {result.pairing}, pages of {result.page_size} (decode side), compared {result.compared}",
         *(f"note     {n}" for n in result.notes),
     ]
+    return [printable(line) for line in lines]
 
 
 def _row(e: RequestDiff) -> list[str]:

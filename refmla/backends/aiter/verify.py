@@ -24,26 +24,22 @@ from typing import Any, Optional
 
 import torch
 
-from refmla import reference as ref
-from refmla.backends.aiter import AiterBackend, aiter_decode_args, kernel_kwargs, locate_aiter, pad_heads
-from refmla.backends.aiter.indices import call_kernel
+from refmla.backends.aiter.backend import AiterBackend
+from refmla.backends.aiter.heads import pad_heads
+from refmla.backends.aiter.indices import aiter_decode_args, call_kernel, kernel_kwargs
+from refmla.backends.aiter.probe import locate_aiter
 from refmla.backends.base import BackendResult, BackendUnavailable
+from refmla.capture import Capture
+from refmla.options import ReplayOptions
 
 
-def is_chain(cap) -> bool:
+def is_chain(cap: Capture) -> bool:
     """Whether the capture's mask (if any) is the causal bottom-right one on every request."""
-    mask = cap.mask_args()
-    if mask["custom_mask"] is None:
-        return True
-    qo = cap.qo_indptr.long()
-    for b in range(cap.batch_size):
-        L, n = int(cap.seq_lens[b]), int(qo[b + 1] - qo[b])
-        if not torch.equal(ref.verify_visibility(L, n, b, **mask), ref.verify_visibility(L, n)):
-            return False
-    return True
+    att = cap.attended()
+    return not att.has_mask or att.is_bottom_right_causal()
 
 
-def run_aiter_verify(cap, page_size: int, out_dtype: torch.dtype, device: Optional[str] = None) -> tuple[torch.Tensor, dict]:
+def run_aiter_verify(cap: Capture, page_size: int, out_dtype: torch.dtype, device: Optional[str] = None) -> tuple[torch.Tensor, dict]:
     """mla_decode_fwd with max_seqlen_q > 1 over the capture: out [T, H, Dv] (CPU) and info."""
     mla, version, standin = locate_aiter()
     fn, m = mla.mla_decode_fwd, cap.meta
@@ -79,7 +75,7 @@ def run_aiter_verify(cap, page_size: int, out_dtype: torch.dtype, device: Option
 class AiterVerifyBackend(AiterBackend):
     """The ``aiter`` backend: decode as :class:`AiterBackend`, verify through :func:`run_aiter_verify`."""
 
-    def run(self, cap, opts) -> BackendResult:
+    def run(self, cap: Capture, opts: ReplayOptions) -> BackendResult:
         if not cap.is_verify:
             return super().run(cap, opts)
         ok, why = self.availability()
@@ -89,9 +85,9 @@ class AiterVerifyBackend(AiterBackend):
             raise BackendUnavailable("aiter's mla_decode_fwd has no tree mask: a topk > 1 verify is not an aiter call")
         # token level (page size 1), as SGLang's target_verify passes K_Buffer.view(-1, 1, 1, D);
         # opts.aiter_page_size asks for aiter's page-level convention instead
-        P = int(getattr(opts, "aiter_page_size", None) or 1)
+        P = int(opts.aiter_page_size or 1)
         try:
-            out, info = run_aiter_verify(cap, P, cap.out_dtype, getattr(opts, "device", None))
+            out, info = run_aiter_verify(cap, P, cap.out_dtype, opts.device)
         except AssertionError as e:  # aiter asserts what it does not support (logit_cap > 0, head counts)
             raise BackendUnavailable(f"aiter refused this input: {e}") from None
         return BackendResult(out=out, info=info)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from refmla.control import Rounding, mla_control, store_as
+from refmla.control import Rounding, control_output, store_as
 from refmla.synth.faults import MAY_AGREE, Planting, fault  # noqa: F401  (MAY_AGREE: re-exported)
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -24,9 +24,7 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 def _control(p: Planting, out_dtype: torch.dtype, rnd: Rounding = Rounding()) -> torch.Tensor:
     t = p.t
-    return mla_control(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], **p.scales, out_dtype=out_dtype,
-                       qo_indptr=t.get("qo_indptr"), num_kv_splits=t.get("num_kv_splits"), rounding=rnd,
-                       custom_mask=t.get("custom_mask"), mask_indptr=t.get("mask_indptr"))[0]  # fmt: skip
+    return control_output(t["q"], t["kv_buffer"], p.att, p.scales, out_dtype, t.get("num_kv_splits"), rnd)[0]
 
 
 def _stored(p: Planting, how: str):

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-from refmla.disagg.types import DisaggReport, Row
+from refmla.disagg.report import DisaggReport, Row
 from refmla.render.table import clip, table
+from refmla.util import printable
 
 HEADER = ["request", "layer", "rank", "transfer", "metadata", "decode", "diagnosis", "fault"]
 MAX_ROWS = 400  # table rows printed (the JSON has all)
@@ -13,11 +14,11 @@ MAX_ROWS = 400  # table rows printed (the JSON has all)
 def render_disagg(report: DisaggReport) -> str:
     lines = [f"prefill  {len(report.prefill)} path(s), decode {len(report.decode)} path(s): "
              f"{len(report.replays)} decode capture(s) replayed, {len(report.diffs)} diff-kv run(s)"]  # fmt: skip
-    lines += [f"note     {n}" for n in report.notes]
-    lines += [f"invalid  {p}: {e}" for p, e in report.invalid]
+    lines += [printable(f"note     {n}") for n in report.notes]
+    lines += [printable(f"invalid  {e if str(e).startswith(p) else f'{p}: {e}'}") for p, e in report.invalid]
     for side, path, check in report.regions:
         if check.status in ("finding", "warning"):
-            lines.append(f"region   {check.status.upper()} ({side} {path}): {check.message}")
+            lines.append(printable(f"region   {check.status.upper()} ({side} {path}): {check.message}"))
     unrecorded = sum(c.status == "not_recorded" for _, _, c in report.regions)
     if unrecorded:
         lines.append(f"region   not recorded in {unrecorded} capture(s): the MR region size was not checked there")
@@ -27,7 +28,7 @@ def render_disagg(report: DisaggReport) -> str:
         lines.append(f"... {len(report.rows) - MAX_ROWS} more rows (all in --json)")
     faults = [r for r in report.rows if r.fault != "none"]
     if faults:
-        lines += ["", "faults:"] + [f"  {r.sentence}" for r in faults[:32]]
+        lines += ["", "faults:"] + [printable(f"  {r.sentence}") for r in faults[:32]]
     lines += ["", f"verdict  {report.sentence}"]
     return "\n".join(lines)
 

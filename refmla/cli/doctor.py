@@ -1,0 +1,40 @@
+"""`refmla doctor [--json]`: which backends are usable here, with versions and why not, and the
+engine and kernel each one runs (refmla.backends.engines)."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+from refmla.backends import ALL_NAMES, get_backend
+from refmla.backends.engines import KERNELS, package_versions
+from refmla.cli.common import EXIT_OK, print_json
+
+
+def add_parser(sub) -> None:
+    dr = sub.add_parser("doctor", help="which backends are usable here, with versions and why not")
+    dr.add_argument("--json", action="store_true")
+    dr.set_defaults(func=doctor)
+
+
+def doctor(args) -> int:
+    rows = []
+    for name in ALL_NAMES:
+        ok, why = get_backend(name).availability()
+        of = KERNELS.get(name)
+        rows.append({"backend": name, "usable": ok, "detail": why, "engine": of.engine if of else None,
+                     "kernel": of.kernel if of else None})  # fmt: skip
+    if args.json:
+        print_json(rows)
+        return EXIT_OK
+    gpu = "yes: " + torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no"
+    print(f"python {platform.python_version()}  torch {torch.__version__}  gpu {gpu}  "
+          f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}")  # fmt: skip
+    print("engines and kernel packages: " + ", ".join(f"{k} {v}" for k, v in package_versions().items()))
+    width = max(len(r["backend"]) for r in rows)
+    for r in rows:
+        print(f"  {r['backend']:<{width}} {'usable' if r['usable'] else 'unavailable':<12} "
+              f"[{r['engine']}: {r['kernel']}] {r['detail']}")  # fmt: skip
+    return EXIT_OK
