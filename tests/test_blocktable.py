@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
 import subprocess
 import sys
 
@@ -46,7 +45,7 @@ def test_reader_builds_rows_and_the_reference_reads_them(tmp_path):
     path = tmp_path / "bt.safetensors"
     raw_write(path, {"q": q, "kv_buffer": pool, "seq_lens": seq, "block_table": table}, META)
     cap = read_capture(path)
-    out, lse = mla_decode_ref(cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices, **asdict(cap.scales()))
+    out, lse = mla_decode_ref(cap.q, cap.kv_buffer, cap.attended(), cap.scales())
     want, want_lse = dense_reference(q, pool, cap.kv_indptr, cap.kv_indices, 512, 0.125)
     assert torch.isfinite(out[[0, 2]]).all()  # the NaN rows (null block, page tails) are never read
     torch.testing.assert_close(out[[0, 2]].double(), want[[0, 2]], rtol=1e-9, atol=1e-9)

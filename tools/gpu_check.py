@@ -105,7 +105,9 @@ def time_reference(shape: str, tbps) -> dict:
     """The fp64 reference on the GPU vs the HBM time of reading the attended KV once."""
     import torch
 
+    from refmla.attended import Attended
     from refmla.reference import mla_decode_ref
+    from refmla.scales import Scales
 
     name = gpu_name()
     if not name:
@@ -115,13 +117,13 @@ def time_reference(shape: str, tbps) -> dict:
     g = torch.Generator(device="cpu").manual_seed(0)
     q = torch.randn(B, H, 576, generator=g).to(dev, torch.bfloat16)
     pool = torch.randn(B * L, 1, 576, generator=g).to(dev, torch.bfloat16)
-    indptr = (torch.arange(B + 1) * L).to(dev)
-    idx = torch.randperm(B * L, generator=g).to(dev)
-    kw = dict(kv_lora_rank=512, sm_scale=0.1352)
-    mla_decode_ref(q[:1], pool, indptr[:2], idx[:L], **kw)  # warm-up
+    indptr = torch.arange(B + 1) * L  # [B + 1]
+    idx = torch.randperm(B * L, generator=g)  # [B * L]
+    sc = Scales(kv_lora_rank=512, sm_scale=0.1352)
+    mla_decode_ref(q[:1], pool, Attended.token_index(indptr[:2], idx[:L]), sc)  # warm-up
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    mla_decode_ref(q, pool, indptr, idx, **kw)
+    mla_decode_ref(q, pool, Attended.token_index(indptr, idx), sc)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     bw = tbps or next((v for k, v in HBM_TBPS.items() if k in name.upper()), None)

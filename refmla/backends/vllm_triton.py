@@ -22,7 +22,7 @@ through a page-size-1 table of its slots, the layout vLLM's ROCM_AITER_MLA build
 
 from __future__ import annotations
 
-from dataclasses import asdict
+import importlib
 from typing import Any, Optional
 
 import torch
@@ -33,7 +33,10 @@ from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 from refmla.backends.calling import KernelNotFound, KernelSignatureError, find_function, kwargs_for
 from refmla.backends.vllm_compat import vllm_triton_on_cpu
 from refmla.backends.triton import call_kernel, device_for, interpreter_ready, unsupported_shape
-from refmla.control import mla_control
+from refmla.capture import Capture
+from refmla.control import control_output
+from refmla.options import ReplayOptions
+from refmla.scales import Scales
 from refmla.schedule import SPLIT_BLOCKS, vllm_num_kv_splits
 
 KERNEL_MODULES = (
@@ -81,22 +84,20 @@ def split_count(cap, cu_count: int) -> tuple[int, str]:
 
 def run_vllm_decode(
     q: torch.Tensor, kv_buffer: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
-    page_size: int, num_kv_splits: int, kv_lora_rank: int, sm_scale: float, logit_cap: float = 0.0,
-    scales: tuple[float, float] = (1.0, 1.0), out_dtype: Optional[torch.dtype] = None,
+    page_size: int, num_kv_splits: int, sc: Scales, out_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:  # fmt: skip
     """Run vLLM's ``decode_attention_fwd`` (MLA) on plain tensors, on q's device.
 
     q [B, H, D], kv_buffer [N, 1, D] (N a multiple of page_size; V = its first kv_lora_rank dims),
-    block_table [B, M], seq_lens [B], scales (k_scale, v_scale). Returns out [B, H, Dv], lse [B, H]
+    block_table [B, M], seq_lens [B], sc the call's scales (kv_lora_rank, sm_scale, logit_cap,
+    k_scale, v_scale). Returns out [B, H, Dv], lse [B, H]
     fp32, attn_logits [B, H, S, Dv + 1] fp32 as the kernel leaves them (NaN where unwritten), info.
     ``is_mla`` (V as K's transpose, dequantized with k_scale) where the two scales agree, as
     forward_mqa passes them; else the kernel's separate-V path, which applies v_scale.
     """
     fn, module_path, version = locate_vllm_kernel()
-    import importlib
-
     interpreted, dot_fix = interpreter_ready(importlib.import_module(module_path), q, kv_buffer, out_dtype)
-    dev, P, Dv, S = q.device, int(page_size), int(kv_lora_rank), int(num_kv_splits)
+    dev, P, Dv, S = q.device, int(page_size), int(sc.kv_lora_rank), int(num_kv_splits)
     B, H, _ = q.shape
     if kv_buffer.shape[0] % P:
         raise ValueError(f"kv_buffer has {kv_buffer.shape[0]} rows, not whole pages of {P}")
@@ -107,9 +108,9 @@ def run_vllm_decode(
     values = dict(
         q=q.contiguous(), k_buffer=cache, v_buffer=cache[..., :Dv], o=out, lse=lse,
         req_to_token=block_table.to(dev, torch.int32).contiguous(), b_seq_len=seq_lens.to(dev, torch.int32),
-        attn_logits=logits, num_kv_splits=S, sm_scale=float(sm_scale), page_size=P, logit_cap=float(logit_cap),
-        k_scale=torch.tensor([float(scales[0])], dtype=torch.float32, device=dev),
-        v_scale=torch.tensor([float(scales[1])], dtype=torch.float32, device=dev), is_mla=scales[0] == scales[1],
+        attn_logits=logits, num_kv_splits=S, sm_scale=float(sc.sm_scale), page_size=P, logit_cap=float(sc.logit_cap),
+        k_scale=torch.tensor([float(sc.k_scale)], dtype=torch.float32, device=dev),
+        v_scale=torch.tensor([float(sc.v_scale)], dtype=torch.float32, device=dev), is_mla=sc.k_scale == sc.v_scale,
     )  # fmt: skip
     kwargs = kwargs_for(fn, values)
     seconds = call_kernel(fn, kwargs, dev)
@@ -137,7 +138,7 @@ class VllmTritonBackend(Backend):
             return False, str(e)
         return True, f"vllm {version} {module_path}.{fn.__name__}"
 
-    def run(self, cap, opts) -> BackendResult:
+    def run(self, cap: Capture, opts: ReplayOptions) -> BackendResult:
         m = cap.meta
         if m.mode != "decode":
             raise BackendUnavailable(f"decode kernel; capture is {m.mode} mode")
@@ -148,14 +149,13 @@ class VllmTritonBackend(Backend):
         if why:
             raise BackendUnavailable(why)
         table, P, table_source = block_table_of(cap)
-        S, split_source = split_count(cap, int(getattr(opts, "cu_count", 0) or 0) or 132)
+        S, split_source = split_count(cap, opts.cu_count)
         fn, module_path, _ = locate_vllm_kernel()
         device = device_for(module_path, opts)
         try:
             out, lse, logits, info = run_vllm_decode(
                 cap.q.to(device), cap.kv_buffer, table, cap.seq_lens, page_size=P, num_kv_splits=S,
-                kv_lora_rank=m.kv_lora_rank, sm_scale=m.sm_scale, logit_cap=m.logit_cap,
-                scales=(m.k_scale, m.v_scale), out_dtype=cap.out_dtype,
+                sc=cap.scales(), out_dtype=cap.out_dtype,
             )  # fmt: skip
         except KernelSignatureError as e:
             raise BackendUnavailable(str(e)) from e
@@ -182,9 +182,8 @@ def _result(cap, out, lse, logits, S: int, info: dict[str, Any]) -> BackendResul
     splits = torch.full((cap.batch_size,), S, dtype=torch.int32)
     control = None
     if m.split_schedule != "uniform":  # the noise floor of the schedule that ran here
-        control = mla_control(
-            cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices, **asdict(cap.scales()), out_dtype=cap.out_dtype,
-            num_kv_splits=splits, split_block=SPLIT_BLOCKS["uniform"],
+        control = control_output(
+            cap.q, cap.kv_buffer, cap.attended(), cap.scales(), cap.out_dtype, splits, split_block=SPLIT_BLOCKS["uniform"],
         )[0]  # fmt: skip
     # stage 1 dequantizes V on load, so its partials carry v_scale; refmla's convention (SGLang's
     # kernel) is partials before v_scale, which the split comparison applies

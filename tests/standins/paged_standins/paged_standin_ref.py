@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 
 from refmla import blocktable
+from refmla.attended import Attended
 from refmla.reference import mla_decode_ref
+from refmla.scales import Scales
 
 CALLS: list[dict] = []  # one record per stand-in call, newest last
 
@@ -37,6 +39,6 @@ def attend(q: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, seq_lens: t
     P = pool.shape[1]
     need(bool((table.long() < pool.shape[0]).all()), "a block_table entry is past the pool")
     indptr, rows = blocktable.token_rows(table.cpu(), seq_lens.cpu(), P)
-    out, lse = mla_decode_ref(q.cpu(), pool.reshape(-1, 1, pool.shape[-1]).cpu(), indptr, rows, kv_lora_rank=512,
-                              sm_scale=float(sm_scale))  # fmt: skip
+    att, sc = Attended.token_index(indptr, rows), Scales(kv_lora_rank=512, sm_scale=float(sm_scale))
+    out, lse = mla_decode_ref(q.cpu(), pool.reshape(-1, 1, pool.shape[-1]).cpu(), att, sc)
     return out.to(q.dtype), lse.float()
