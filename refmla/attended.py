@@ -114,6 +114,8 @@ class Attended:
         rows = [table[b][p // P] * P + p % P for b, p in enumerate(pos)]  # [L_b] each
         kv_indices = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
         return cls.token_index(kv_indptr, kv_indices, query_start_loc)
+
+    @classmethod
     def from_tensors(cls, t: Mapping[str, torch.Tensor]) -> "Attended":
         """:meth:`token_index` of a capture's tensors by name (synthetic and golden inputs, before a
         Capture exists); a decode dict has no qo_indptr."""
