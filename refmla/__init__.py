@@ -14,6 +14,7 @@ copy of the layout (the README links here).
     pool.py         pool rows by their bytes: zero / NaN rows, row-by-row comparison
     scales.py       Scales: the scalars of one call's math, passed whole everywhere
     attended.py     Attended: which pool rows each query row reads (built once per capture)
+    blocktable.py   block tables (vLLM, FlashMLA, FlashInfer, CUTLASS, FA3): token rows, consistency
     capture/        the refmla.capture/1 file: format, validation, read (lazy), write (compacted, atomic)
     blocked.py      the reference's work in cache-sized blocks under a memory budget, short rows batched
     reference.py    the math, fp64: decode, split-KV partials and merge, extend and verify
@@ -42,10 +43,15 @@ copy of the layout (the README links here).
     sparse/         DeepSeek's sparse MLA decode (V3.2 DSA, V4): packed layouts, capture, reference, replay
     plots.py        pictures of a replay or a diff-kv (matplotlib, optional)
     render/         text for people: tables, reports, diff-kv and disagg results
-    hook/           the capture hook for a live SGLang server (imports only refmla, util.py,
-                    schedule.py, capture/ and sparse/)
+    hook/           the capture hooks for a live SGLang or vLLM server (imports only refmla, util.py,
+                    schedule.py, blocktable.py, capture/ and sparse/)
     cli/            the thin command line, one module per command (the top)
     __main__.py     ``python -m refmla``: the command line
+
+blocktable.py is inside the hook's boundary because it is capture-layer: it sits above capture/,
+imports only attended.py and util.py, and capture/ reads and validates block-table captures with
+it; the vLLM hook (hook/vllm_extract.py, hook/modes.py) builds token rows from the kernel's block
+table and compacts its pages with the same functions the reader checks them with.
 """
 
 __version__ = "0.1.0"

@@ -19,8 +19,8 @@ search and the backends' input builders read only this object; only :meth:`Atten
 
 New layouts are one constructor each, building the same fields; no consumer changes:
 
-- **block table** (vLLM / FlashMLA): ``Attended.block_table(block_table [B, P], seq_lens [B],
-  page_size, qo_indptr=None)``: group b's rows are ``block_table[b, j // page_size] * page_size +
+- **block table** (vLLM / FlashMLA, issue 20): ``Attended.block_table(block_table [B, M], seq_lens [B],
+  page_size, query_start_loc=None)``: group b's rows are ``block_table[b, j // page_size] * page_size +
   j % page_size`` for positions j < seq_lens[b]; causal_len as :meth:`token_index` computes it.
 - **sparse top-k** (DeepSeek-V3.2 DSA): ``Attended.sparse_topk(indices [R, K], lengths [R])``: one
   group per query row (G = R, group_of_row = arange(R)), its rows the first lengths[r] entries of
@@ -91,6 +91,29 @@ class Attended:
         L, n_t = lens[group_of_row], n[group_of_row]  # [T]
         causal_len = torch.minimum(torch.clamp(L - n_t + i + 1, min=0), L)  # [T]
         return cls(indptr, rows, group_of_row, causal_len=causal_len)
+
+    @classmethod
+    def block_table(
+        cls,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        page_size: int,
+        query_start_loc: Optional[torch.Tensor] = None,
+    ) -> "Attended":
+        """A block table (vLLM, FlashMLA, FlashInfer / TRT-LLM, CUTLASS, FA3): group b reads
+        positions j < seq_lens[b] at row ``block_table[b, j // page_size] * page_size + j % page_size``.
+        ``query_start_loc`` (vLLM's multi-token decode, one table row per request): request b's
+        query rows, bottom-right causal as :meth:`token_index`; None: one query row per table row
+        (decode, and vLLM's TRITON_MLA call, which repeats a request's row per query row)."""
+        P = int(page_size)
+        lens = seq_lens.long().cpu()  # [B]
+        kv_indptr = torch.zeros(lens.shape[0] + 1, dtype=torch.int64)
+        kv_indptr[1:] = torch.cumsum(lens, 0)
+        table = block_table.long().cpu()  # [B, M]
+        pos = [torch.arange(int(n)) for n in lens.tolist()]  # [L_b] each
+        rows = [table[b][p // P] * P + p % P for b, p in enumerate(pos)]  # [L_b] each
+        kv_indices = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+        return cls.token_index(kv_indptr, kv_indices, query_start_loc)
 
     @classmethod
     def from_tensors(cls, t: Mapping[str, torch.Tensor]) -> "Attended":

@@ -52,7 +52,9 @@ class ReplayContext:
         if key not in self._splits:
             c = self.cap
             split_ref = mla_decode_split_control if control else ref.mla_decode_split_ref
-            self._splits[key] = split_ref(c.q, c.kv_buffer, c.attended(), num_kv_splits.cpu(), c.scales(), max_kv_splits=S)
+            self._splits[key] = split_ref(
+                c.q, c.kv_buffer, c.attended(), num_kv_splits.cpu(), c.scales(), max_kv_splits=S, split_block=c.split_block,
+            )  # fmt: skip
         return self._splits[key]
 
     def empty_rows(self) -> torch.Tensor:

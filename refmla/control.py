@@ -25,7 +25,7 @@ from refmla.blocked import GROUP_BYTES, Spans, plan
 from refmla.capture import Capture
 from refmla.reference import gather, mla_decode_split_ref, one_pool
 from refmla.scales import Scales
-from refmla.schedule import split_bounds
+from refmla.schedule import MIN_BLOCK_KV, split_bounds
 
 STORES = ("nearest_even", "toward_zero", "half_away", "via_fp16")  # fp32 result -> output dtype
 MERGES = ("ln", "log2_as_ln", "ln_as_log2", "unnormalized")  # how split partials are merged
@@ -163,16 +163,17 @@ def mla_control(
 
 def mla_control_split(
     q: torch.Tensor, kv_buffer: torch.Tensor, att: Attended, num_kv_splits: torch.Tensor, sc: Scales,
-    out_dtype: torch.dtype, rounding: Rounding = STANDARD,
+    out_dtype: torch.dtype, rounding: Rounding = STANDARD, split_block: int = MIN_BLOCK_KV,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The control of a decode call under its split schedule: each request's fp32 partials merged
-    in fp32, then rounded (the split kernels' rounding points). out [B, H, Dv], lse [B, H] fp32."""
+    """The control of a decode call under its split schedule (granularity ``split_block``: 32
+    SGLang, 1 vLLM's uniform ceil(L / n)): each request's fp32 partials merged in fp32, then
+    rounded (the split kernels' rounding points). out [B, H, Dv], lse [B, H] fp32."""
     B, H = q.shape[0], q.shape[1]
     out = torch.zeros(B, H, sc.kv_lora_rank, dtype=out_dtype, device=q.device)  # [B, H, Dv]
     lse = torch.full((B, H), -math.inf, dtype=torch.float32, device=q.device)  # [B, H]
     for b in range(B):
         kv = gather(kv_buffer, att.group_rows(b), kv_buffer.dtype)  # [L, D] as stored
-        out[b], lse[b] = attend_control_split(q[b], kv, sc, out_dtype, int(num_kv_splits[b]), rounding)
+        out[b], lse[b] = attend_control_split(q[b], kv, sc, out_dtype, int(num_kv_splits[b]), rounding, split_block)
     return out, lse
 
 
@@ -229,10 +230,11 @@ def attend_control_rows(
 
 def attend_control_split(
     q: torch.Tensor, kv: torch.Tensor, sc: Scales, out_dtype: torch.dtype, num_splits: int,
-    rnd: Rounding = STANDARD,
+    rnd: Rounding = STANDARD, split_block: int = MIN_BLOCK_KV,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """attend_control over SGLang's split schedule: fp32 partials [S, H, Dv], an fp32 merge."""
-    bounds = [(s, e) for s, e in split_bounds(kv.shape[0], num_splits) if e > s]
+    """attend_control over the kernel's split schedule (granularity ``split_block``: 32 SGLang,
+    1 vLLM): fp32 partials [S, H, Dv], an fp32 merge."""
+    bounds = [(s, e) for s, e in split_bounds(kv.shape[0], num_splits, split_block) if e > s]
     if len(bounds) <= 1:
         return attend_control(q, kv, sc, out_dtype, rnd)
     parts = [_attend32(q, kv[s:e], sc, rnd) for s, e in bounds]
@@ -267,7 +269,7 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor, sums: torch.Tensor, r
 
 def mla_decode_split_control(
     q: torch.Tensor, kv_buffer: torch.Tensor, att: Attended, num_kv_splits: torch.Tensor, sc: Scales,
-    max_kv_splits: int | None = None,
+    max_kv_splits: int | None = None, split_block: int = MIN_BLOCK_KV,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`refmla.reference.mla_decode_split_ref` at the control's rounding points: fp32 partials
     [B, H, S, Dv] and lse [B, H, S], as the Triton stage-1 kernel stores them, and valid [B, S]."""
@@ -275,17 +277,19 @@ def mla_decode_split_control(
     def split32(qb: torch.Tensor, kv: torch.Tensor, sc: Scales):
         return attend_control(qb, kv, sc, torch.float32)
 
-    return mla_decode_split_ref(q, kv_buffer, att, num_kv_splits, sc, max_kv_splits=max_kv_splits, attend_fn=split32)
+    return mla_decode_split_ref(
+        q, kv_buffer, att, num_kv_splits, sc, max_kv_splits=max_kv_splits, attend_fn=split32, split_block=split_block,
+    )  # fmt: skip
 
 
 def control_output(
     q: torch.Tensor, kv_buffer: torch.Tensor, att: Attended, sc: Scales, out_dtype: torch.dtype,
-    num_kv_splits: Optional[torch.Tensor] = None, rounding: Rounding = STANDARD,
+    num_kv_splits: Optional[torch.Tensor] = None, rounding: Rounding = STANDARD, split_block: int = MIN_BLOCK_KV,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The control a replay judges against: under the split schedule when ``num_kv_splits`` is
-    given (decode, :func:`mla_control_split`), else :func:`mla_control`."""
+    given (decode, :func:`mla_control_split`, granularity ``split_block``), else :func:`mla_control`."""
     if num_kv_splits is not None:
-        return mla_control_split(q, kv_buffer, att, num_kv_splits, sc, out_dtype, rounding)
+        return mla_control_split(q, kv_buffer, att, num_kv_splits, sc, out_dtype, rounding, split_block)
     return mla_control(q, kv_buffer, att, sc, out_dtype, rounding)
 
 
@@ -297,4 +301,5 @@ def capture_control(
     scales or another q than the capture's (a hypothesis's candidate)."""
     splits = cap.num_kv_splits if cap.is_decode else None
     q = cap.q if q is None else q
-    return control_output(q, cap.kv_buffer, cap.attended(), sc or cap.scales(), out_dtype, splits, rounding)
+    att, sc = cap.attended(), sc or cap.scales()
+    return control_output(q, cap.kv_buffer, att, sc, out_dtype, splits, rounding, cap.split_block)

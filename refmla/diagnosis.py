@@ -35,7 +35,7 @@ from typing import Any, Mapping, Optional
 
 from refmla.util import request_label
 
-DECODE_KERNELS = ("triton", "aiter", "flex")  # offline decode paths (flex: an independent compiled kernel)
+DECODE_KERNELS = ("triton", "aiter", "flex", "vllm_triton", "flashmla", "flashinfer_mla", "cutlass_mla", "fa3_mla")  # offline decode paths (flex: an independent compiled kernel)
 EXTEND = "extend"
 
 SENTENCES = {

@@ -32,7 +32,7 @@ from refmla.attended import Attended, Positions
 from refmla.blocked import Spans, attend_spans
 from refmla.paged import page_to_token
 from refmla.scales import Scales
-from refmla.schedule import nonempty_splits_batch, split_bounds
+from refmla.schedule import MIN_BLOCK_KV, nonempty_splits_batch, split_bounds
 
 
 # --------------------------------------------------------------------------------------------
@@ -93,24 +93,27 @@ def mla_decode_split_ref(
     max_kv_splits: int | None = None,
     accum_dtype: torch.dtype = torch.float64,
     attend_fn=None,
+    split_block: int = MIN_BLOCK_KV,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-split partials of the Triton schedule (decode: query row b reads group b).
 
     Returns attn_logits [B, H, S, Dv] (each split's normalized output, v_scale applied),
     attn_lse [B, H, S] and valid [B, S] (False for empty splits, whose partials are 0 / -inf).
     S = max_kv_splits, or the most splits that hold a token (at least 1) when not given.
+    ``split_block``: the schedule's granularity (32 SGLang, 1 vLLM's uniform ceil(L / n)).
     ``attend_fn(q [H, D], kv [L, D], sc)`` replaces :func:`attend` per split, on the inputs in
     their stored dtypes (the low-precision control passes its own: refmla.control.mla_decode_split_control).
     """
     B, H, _ = q.shape
     lens = att.lengths()  # [B]
-    most = int(nonempty_splits_batch(lens, num_kv_splits).max()) if B else 1  # splits that hold a token
+    most = int(nonempty_splits_batch(lens, num_kv_splits, split_block).max()) if B else 1  # splits that hold a token
     S = int(max_kv_splits) if max_kv_splits else max(most, 1)
     parts = torch.zeros(B, H, S, sc.kv_lora_rank, dtype=accum_dtype, device=q.device)
     lses = torch.full((B, H, S), -math.inf, dtype=accum_dtype, device=q.device)
     valid = torch.zeros(B, S, dtype=torch.bool)
     held = [(b, s, int(att.indptr[b]) + start, end - start) for b in range(B)
-            for s, (start, end) in enumerate(split_bounds(int(lens[b]), int(num_kv_splits[b]))[:S]) if end > start]
+            for s, (start, end) in enumerate(split_bounds(int(lens[b]), int(num_kv_splits[b]), split_block)[:S])
+            if end > start]  # fmt: skip
     b_of, s_of, starts, span_lens = (list(c) for c in zip(*held)) if held else ([], [], [], [])  # splits with a token
     if attend_fn is not None:  # the control: its own math per split, on the inputs as stored
         for b, s, start, n in zip(b_of, s_of, starts, span_lens):

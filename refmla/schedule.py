@@ -7,6 +7,10 @@ The Triton decode kernel splits request b's L_b positions into n_b splits of
 split s covering [s * per_b, min((s + 1) * per_b, L_b)); the trailing ones may be empty. How many
 splits production asks for (``num_kv_splits``) comes from :func:`default_num_kv_splits`, bounded
 by :func:`mla_max_kv_splits`.
+
+vLLM's TRITON_MLA kernel (adapted from SGLang's) splits uniformly: per_b = ceil(L_b / n), the same
+formula with a granularity of 1 (:data:`SPLIT_BLOCKS`), and one batch-wide n
+(:func:`vllm_num_kv_splits`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,13 @@ from refmla.util import cdiv
 
 MIN_BLOCK_KV = 32  # SGLang's Triton split granularity (_MIN_BLOCK_KV)
 MI355X_CU_COUNT = 256
+H200_SM_COUNT = 132
+# a capture's meta ``split_schedule`` -> the split granularity of its kernel: SGLang rounds a
+# split's length up to 32 tokens; vLLM's TRITON_MLA splits uniformly, ceil(L / n) (granularity 1)
+SPLIT_BLOCKS = {"sglang": MIN_BLOCK_KV, "uniform": 1}
+# vLLM's TRITON_MLA (v1/attention/backends/mla/triton_mla.py, 0.33.0): one batch-wide split count
+VLLM_MIN_WORK_PER_SPLIT = 512
+VLLM_SPLIT_OCCUPANCY = 2
 
 
 # --------------------------------------------------------------------------------------------
@@ -75,6 +86,13 @@ def mla_max_kv_splits(cu_count: int = MI355X_CU_COUNT, max_context_len: int = 13
         return 1 << max(int(x) - 1, 0).bit_length()
 
     return max(base, min(npow2(cu_count), npow2(cdiv(max_context_len, MIN_BLOCK_KV))))
+
+
+def vllm_num_kv_splits(max_seq_len: int, sm_count: int = H200_SM_COUNT) -> int:
+    """vLLM TRITON_MLA's batch-wide split count (``_compute_num_kv_splits``, 0.33.0): the next
+    power of two of max(1, max_seq_len // 512), capped at 2 x the SM (CU) count."""
+    ideal = max(1, int(max_seq_len) // VLLM_MIN_WORK_PER_SPLIT)
+    return min(1 << (ideal - 1).bit_length(), max(1, int(sm_count)) * VLLM_SPLIT_OCCUPANCY)
 
 
 def default_num_kv_splits(

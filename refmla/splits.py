@@ -69,7 +69,7 @@ def compare_splits(ctx: ReplayContext, res) -> SplitCheck:
         return SplitCheck("skipped", reason="no num_kv_splits to place the partials")
     S = res.attn_logits.shape[2]
     lens = ctx.cap.seq_lens.tolist()
-    needed = max((nonempty_splits(L, int(n)) for L, n in zip(lens, splits.tolist())), default=0)
+    needed = max((nonempty_splits(L, int(n), ctx.cap.split_block) for L, n in zip(lens, splits.tolist())), default=0)
     if needed > S:
         return SplitCheck("fail", reason=f"{needed} non-empty splits but only {S} partials")
     rows = split_rows(ctx, res, splits)

@@ -85,7 +85,7 @@ def test_doctor_lists_every_backend(capsys):
     rows = json.loads(capsys.readouterr().out)
     names = [r["backend"] for r in rows]  # only ever added to
     assert names == ["reference", "observed", "triton", "aiter", "extend", "flex", "triton_decode_per_query",
-                     "aiter_decode_per_query"]
+                     "aiter_decode_per_query", "vllm_triton", "flashmla", "flashinfer_mla", "cutlass_mla", "fa3_mla"]
     assert all(isinstance(r["usable"], bool) and r["detail"] for r in rows)
 
 

@@ -10,9 +10,17 @@
                verify captures only: each verify query as a one-token decode over the positions
                it sees (refmla.backends.per_query), the plain-decode path over the same KV
     flex       PyTorch's flex_attention compiled by Inductor: an independent kernel (opt-in, see below)
+    vllm_triton  vLLM's TRITON_MLA decode kernel over a block table, its uniform split schedule (opt-in)
+    flashmla, flashinfer_mla, cutlass_mla, fa3_mla
+               the NVIDIA block-table MLA decode kernels (refmla.backends.paged; opt-in, CUDA)
+
+Support modules: base.py (Backend, BackendResult), calling.py (find a kernel, call it by keyword),
+triton_interp.py / cpu_compat.py / vllm_compat.py (the kernels on a CPU-only machine), engines.py
+(installed engines and which kernel each backend calls: ``refmla doctor``).
 
 NAMES run by default; OPT_IN backends run only when named (``--backend flex``): flex compiles
-for seconds per shape on first use, which a default replay (make demo, the tests) should not pay.
+for seconds per shape on first use, which a default replay (make demo, the tests) should not pay;
+the other engines' kernels (vllm_triton) are asked for by the engineer who runs that engine.
 ALL_NAMES is every name a user may ask for.
 
 A backend module is imported only when its name is asked for, so a missing optional package
@@ -24,10 +32,14 @@ Modules:
     calling.py        finding a kernel function and calling it by its parameter names
     cpu_compat.py     shims that let CUDA-built wheels import on a CPU-only machine
     triton_interp.py  the Triton interpreter on CPU (and its bf16 dot fix)
+    vllm_compat.py    vLLM's Triton MLA decode module importable on a CPU-only machine
+    engines.py        installed engines and the kernel each backend calls (``refmla doctor``)
     reference.py      the ``reference`` and ``observed`` backends
     triton.py         the ``triton`` backend: SGLang's decode kernel
     per_query.py      the ``*_decode_per_query`` backends
     flex.py           the ``flex`` backend
+    vllm_triton.py    the ``vllm_triton`` backend: vLLM's TRITON_MLA decode over a block table
+    paged/            the NVIDIA block-table backends (flashmla, flashinfer_mla, cutlass_mla, fa3_mla)
     aiter/            the ``aiter`` backend (decode and verify)
     extend/           the ``extend`` backend
 """
@@ -43,8 +55,9 @@ from refmla.options import ReplayOptions
 _FIRST = ("reference", "observed", "triton", "aiter", "extend")
 VERIFY_ONLY = ("triton_decode_per_query", "aiter_decode_per_query")  # left out of other modes' default list
 NAMES = _FIRST + VERIFY_ONLY
-OPT_IN = ("flex",)
-ALL_NAMES = _FIRST + OPT_IN + VERIFY_ONLY  # every name, in the order they were added
+PAGED = ("flashmla", "flashinfer_mla", "cutlass_mla", "fa3_mla")  # refmla.backends.paged
+OPT_IN = ("flex", "vllm_triton", *PAGED)
+ALL_NAMES = _FIRST + ("flex",) + VERIFY_ONLY + ("vllm_triton", *PAGED)  # every name, in the order they were added
 
 _WHERE = {
     "reference": "refmla.backends.reference:ReferenceBackend",
@@ -55,6 +68,11 @@ _WHERE = {
     "triton_decode_per_query": "refmla.backends.per_query:TritonDecodePerQueryBackend",
     "aiter_decode_per_query": "refmla.backends.per_query:AiterDecodePerQueryBackend",
     "flex": "refmla.backends.flex:FlexBackend",
+    "vllm_triton": "refmla.backends.vllm_triton:VllmTritonBackend",
+    "flashmla": "refmla.backends.paged.flashmla:FlashMLABackend",
+    "flashinfer_mla": "refmla.backends.paged.flashinfer_mla:FlashInferMLABackend",
+    "cutlass_mla": "refmla.backends.paged.cutlass_mla:CutlassMLABackend",
+    "fa3_mla": "refmla.backends.paged.fa3_mla:FA3MLABackend",
 }
 
 
@@ -87,4 +105,4 @@ def get_backend(name: str) -> Backend:
     return _CACHE[name]
 
 
-__all__ = ["ALL_NAMES", "NAMES", "OPT_IN", "VERIFY_ONLY", "Backend", "BackendResult", "BackendUnavailable", "get_backend"]
+__all__ = ["ALL_NAMES", "NAMES", "OPT_IN", "PAGED", "VERIFY_ONLY", "Backend", "BackendResult", "BackendUnavailable", "get_backend"]

@@ -182,7 +182,7 @@ def run_triton_decode(
     fn, module_path, version = locate_decode_kernel()
     mod = _kernel_module(module_path)
     Dv = int(sc.kv_lora_rank)
-    interpreted, dot_fix = _interpreter_ready(mod, q, kv_buffer, launch.out_dtype)
+    interpreted, dot_fix = interpreter_ready(mod, q, kv_buffer, launch.out_dtype)
     q, kv_buffer, kv_indptr, kv_indices, splits = _kernel_inputs(q, kv_buffer, kv_indptr, kv_indices, num_kv_splits)
     plan = _split_plan(mod, q, kv_buffer, kv_indptr, splits, launch.max_kv_splits, launch.trim)
     out, attn_logits, attn_lse = _buffers(q, plan.used, Dv, launch.out_dtype or q.dtype)
@@ -193,7 +193,7 @@ def run_triton_decode(
         logit_cap=float(sc.logit_cap), has_mla=True, page_size=int(launch.page_size),
     )  # fmt: skip
     kwargs, notes = build_kernel_kwargs(fn, values)
-    seconds = _call(fn, kwargs, q.device)
+    seconds = call_kernel(fn, kwargs, q.device)
     info = {
         "sglang_version": version,
         "kernel_module": module_path,
@@ -214,7 +214,7 @@ def run_triton_decode(
     return out, attn_logits, attn_lse, info
 
 
-def _interpreter_ready(
+def interpreter_ready(
     mod, q: torch.Tensor, kv_buffer: torch.Tensor, out_dtype: Optional[torch.dtype]
 ) -> tuple[bool, bool]:
     """(kernel runs in the interpreter, bf16 dot fix installed). Raises RuntimeError when bf16 /
@@ -274,7 +274,7 @@ def _buffers(q: torch.Tensor, S: int, Dv: int, out_dtype: torch.dtype) -> tuple[
     return out, attn_logits, attn_lse
 
 
-def _call(fn: Callable, kwargs: dict[str, Any], dev: torch.device) -> float:
+def call_kernel(fn: Callable, kwargs: dict[str, Any], dev: torch.device) -> float:
     """Run the kernel; its wall time in seconds."""
     t0 = time.perf_counter()
     # the interpreter computes masked-off lanes too (NaN-poisoned rows, empty splits): numpy's
@@ -390,9 +390,13 @@ def unsupported_shape(kv_lora_rank: int, qk_rope_head_dim: int) -> Optional[str]
 
 
 def _device(opts: ReplayOptions) -> torch.device:
-    """The device to run on: ``opts.device``, else CPU for the interpreter and CUDA for compiled
-    kernels. Raises BackendUnavailable for a device the located kernel cannot use."""
-    _, module_path, _ = locate_decode_kernel()
+    """The device to run SGLang's kernel on (:func:`device_for`)."""
+    return device_for(locate_decode_kernel()[1], opts)
+
+
+def device_for(module_path: str, opts: ReplayOptions) -> torch.device:
+    """The device to run the kernels of ``module_path`` on: ``opts.device``, else CPU for the
+    interpreter and CUDA for compiled kernels. Raises BackendUnavailable for a device they cannot use."""
     interpreted = bool(triton_interp.module_is_interpreted(_kernel_module(module_path)))
     device = opts.device
     if device is None:
@@ -424,6 +428,9 @@ __all__ = [
     "TritonBackend",
     "TritonLaunch",
     "build_kernel_kwargs",
+    "call_kernel",
+    "device_for",
+    "interpreter_ready",
     "locate_decode_kernel",
     "run_triton_decode",
     "unsupported_shape",

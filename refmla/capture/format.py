@@ -16,6 +16,7 @@ import torch
 from refmla import CAPTURE_FORMAT
 from refmla.attended import Attended
 from refmla.scales import Scales
+from refmla.schedule import MIN_BLOCK_KV, SPLIT_BLOCKS
 from refmla.util import printable, request_label
 
 FLOAT_DTYPES = {
@@ -33,7 +34,13 @@ TENSORS = {
     # aiter's persistent work buffers as production's kernel read them (docs/contract.md section 1)
     "aiter_work_indptr": False, "aiter_work_info_set": False, "aiter_reduce_indptr": False,
     "aiter_reduce_final_map": False, "aiter_reduce_partial_map": False,
+    # block-table kernels (vLLM, FlashMLA, FlashInfer / TRT-LLM, CUTLASS MLA, FA3): the table the
+    # kernel got and vLLM's multi-token decode rows (docs/contract.md section 1, "block tables")
+    "block_table": False, "query_start_loc": False,
 }  # fmt: skip
+# without kv_indptr / kv_indices, a capture with a block_table has them built by the reader
+BUILT_FROM_BLOCK_TABLE = ("kv_indptr", "kv_indices")
+SPLIT_SCHEDULES = tuple(SPLIT_BLOCKS)  # meta split_schedule: "sglang" (default) or "uniform" (vLLM)
 
 MODES = ("decode", "extend", "verify")  # verify: speculative target-verify / draft-extend (several queries)
 MASK_DTYPES = {torch.bool, torch.uint8, torch.int8}  # custom_mask as SGLang keeps it (bool) or its int8 buffer
@@ -86,6 +93,11 @@ class CaptureMeta:
     kv_pool_region_bytes: Optional[list] = None  # data_lens: bytes of each registered buffer
     kv_pool_region_item_bytes: Optional[list] = None  # item_lens: bytes of one transfer item (one page) of each
     kv_pool_page_size: Optional[int] = None  # tokens one transfer item holds (the pool's page_size)
+    engine: Optional[str] = None  # "sglang" | "vllm": the serving engine the hook ran in
+    engine_version: Optional[str] = None  # its version (sglang_version stays for SGLang captures)
+    engine_backend: Optional[str] = None  # the engine's own backend name, e.g. vLLM's "TRITON_MLA"
+    split_schedule: Optional[str] = None  # "sglang" (None: ceil to 32 tokens) | "uniform" (vLLM: ceil(L / n))
+    null_block: Optional[int] = None  # block_table captures: the engine's null block id (vLLM: 0)
     extra: dict = field(default_factory=dict)  # keys this version does not know, kept as given
 
     @property
@@ -125,6 +137,8 @@ META_KEYS = {
     "draft_token_num": (int, False), "topk": (int, False),
     "kv_pool_class": (str, False), "kv_pool_region_bytes": (list, False), "kv_pool_region_item_bytes": (list, False),
     "kv_pool_page_size": (int, False),
+    "engine": (str, False), "engine_version": (str, False), "engine_backend": (str, False),
+    "split_schedule": (str, False), "null_block": (int, False),
 }  # fmt: skip
 MAX_META_DEPTH = 32  # nesting of a meta value (lists / objects): production's are 1 deep; the JSON encoder recurses
 INT_RANGE = (-(2**63), 2**63)  # every int key fits int64: sizes multiply, and tensors / floats are made of them
@@ -252,6 +266,14 @@ def _check_verify_keys(kw: dict, path: Any) -> None:
             raise _bad_key(path, key, f"must be >= 1, got {kw[key]}")
 
 
+def _check_engine_keys(kw: dict, path: Any) -> None:
+    schedule = kw.get("split_schedule")
+    if schedule is not None and schedule not in SPLIT_SCHEDULES:
+        raise _bad_key(path, "split_schedule", f"must be one of {', '.join(SPLIT_SCHEDULES)}, got {schedule!r}")
+    if kw.get("null_block") is not None and kw["null_block"] < 0:
+        raise _bad_key(path, "null_block", f"must be >= 0, got {kw['null_block']}")
+
+
 def _check_geometry(kw: dict, path: Any) -> None:
     for key in (*GEOMETRY_KEYS, "kv_pool_layers", "mori_max_mr_bytes"):
         if kw.get(key) is not None and kw[key] < 1:
@@ -287,6 +309,7 @@ META_CHECKS: tuple[Callable[[dict, Any], None], ...] = (
     _check_ids,
     _check_geometry,
     _check_verify_keys,
+    _check_engine_keys,
 )
 
 
@@ -321,6 +344,8 @@ class Capture:
     aiter_reduce_indptr: Optional[torch.Tensor] = None  # [tiles + 1]
     aiter_reduce_final_map: Optional[torch.Tensor] = None  # [tiles, 2]
     aiter_reduce_partial_map: Optional[torch.Tensor] = None  # [partials]
+    block_table: Optional[torch.Tensor] = None  # [B, M] page numbers (kv_buffer rows / page_size)
+    query_start_loc: Optional[torch.Tensor] = None  # [B + 1] vLLM: request b's query rows
     warnings: list = field(default_factory=list)
     _attended: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
 
@@ -356,16 +381,25 @@ class Capture:
     def attended(self) -> Attended:
         """What each query row reads (:mod:`refmla.attended`), built once (read_capture builds it
         after validation) and rebuilt only when an index tensor is replaced or changed in place."""
-        sources = (self.kv_indptr, self.kv_indices, self.qo_indptr, self.custom_mask, self.mask_indptr)
+        sources = (self.kv_indptr, self.kv_indices, self.qo_indptr, self.custom_mask, self.mask_indptr,
+                   self.block_table, self.seq_lens)
         key = tuple((id(t), t._version) if t is not None else None for t in sources)
         if self._attended is None or self._attended[0] != key:
             tree = self.is_verify and self.custom_mask is not None
-            att = Attended.token_index(
-                self.kv_indptr, self.kv_indices, None if self.is_decode else self.qo_indptr,
-                self.custom_mask if tree else None, self.mask_indptr if tree else None,
-            )  # fmt: skip
+            if self.block_table is not None and self.is_decode:  # the kernel's own layout (issue 20)
+                att = Attended.block_table(self.block_table, self.seq_lens, self.meta.page_size)
+            else:
+                att = Attended.token_index(
+                    self.kv_indptr, self.kv_indices, None if self.is_decode else self.qo_indptr,
+                    self.custom_mask if tree else None, self.mask_indptr if tree else None,
+                )  # fmt: skip
             self._attended = (key, att)
         return self._attended[1]
+
+    @property
+    def split_block(self) -> int:
+        """The split granularity of the kernel that ran: 32 (SGLang), 1 (vLLM's uniform schedule)."""
+        return SPLIT_BLOCKS.get(self.meta.split_schedule or "sglang", MIN_BLOCK_KV)
 
     @property
     def out_dtype(self) -> torch.dtype:
@@ -391,6 +425,7 @@ class Capture:
 
 
 __all__ = [
+    "BUILT_FROM_BLOCK_TABLE",
     "CAPTURE_FORMAT",
     "FLOAT_DTYPES",
     "GEOMETRY_KEYS",
@@ -403,6 +438,7 @@ __all__ = [
     "MAX_KV_SPLITS",
     "MAX_PAGE_SIZE",
     "SCALE_RANGE",
+    "SPLIT_SCHEDULES",
     "TENSORS",
     "Capture",
     "CaptureError",

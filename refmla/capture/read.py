@@ -15,7 +15,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from refmla import CAPTURE_FORMAT
-from refmla.capture.format import MAX_META_DEPTH, TENSORS, Capture, CaptureError, CaptureMeta, parse_meta
+from refmla import blocktable
+from refmla.capture.format import BUILT_FROM_BLOCK_TABLE, MAX_META_DEPTH, TENSORS, Capture, CaptureError, CaptureMeta, parse_meta
 from refmla.capture.validation import validate
 from refmla.util import first_line, printable
 
@@ -23,7 +24,9 @@ from refmla.util import first_line, printable
 def read_capture(path: Any) -> Capture:
     """Open, validate and load a capture. Raises CaptureError (file + tensor/key + reason)."""
     path = Path(path)
-    meta, loaded, names = open_capture(path, TENSORS, _read_meta)
+    meta, loaded, names = open_capture(path, TENSORS, _read_meta, built_from_table=BUILT_FROM_BLOCK_TABLE)
+    if "block_table" in names and not any(n in names for n in BUILT_FROM_BLOCK_TABLE):
+        loaded.update(_token_rows(path, meta, loaded))
     cap = Capture(path=str(path), meta=meta, **loaded)
     cap.warnings.extend(validate(cap))
     cap.attended()  # built once, here, from the validated indices
@@ -33,10 +36,15 @@ def read_capture(path: Any) -> Capture:
     return cap
 
 
-def open_capture(path: Path, spec: dict, read_meta: Callable[[Path, dict], Any]) -> tuple[Any, dict, set]:
+def open_capture(
+    path: Path, spec: dict, read_meta: Callable[[Path, dict], Any], built_from_table: tuple[str, ...] = ()
+) -> tuple[Any, dict, set]:
     """(meta, tensors, names in the file) of a capture file whose tensors ``spec`` names (name ->
     required): the file checked by stat, the header's meta parsed by ``read_meta``, the required
-    tensors present, the known ones lazily mapped. Raises CaptureError naming the file."""
+    tensors present, the known ones lazily mapped. Raises CaptureError naming the file.
+
+    ``built_from_table``: required tensors a ``block_table`` stands in for when none of them is in
+    the file (the caller builds them from the table)."""
     from safetensors import SafetensorError, safe_open
 
     _check_file(path)
@@ -44,8 +52,9 @@ def open_capture(path: Path, spec: dict, read_meta: Callable[[Path, dict], Any])
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = read_meta(path, f.metadata() or {})
             names = set(f.keys())
+            by_table = "block_table" in names and not any(n in names for n in built_from_table)
             for name, required in spec.items():
-                if required and name not in names:
+                if required and name not in names and not (by_table and name in built_from_table):
                     raise CaptureError(path, f"tensor '{name}'", "missing")
             return meta, _map_tensors(path, [n for n in spec if n in names], f), names
     except CaptureError:
@@ -53,6 +62,24 @@ def open_capture(path: Path, spec: dict, read_meta: Callable[[Path, dict], Any])
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         reason = first_line(e) or type(e).__name__
         raise CaptureError(path, "file", f"not a readable safetensors file ({reason})") from None
+
+
+def _token_rows(path: Path, meta: CaptureMeta, t: dict) -> dict[str, torch.Tensor]:
+    """kv_indptr / kv_indices built from the block table (docs/contract.md section 1, "block
+    tables"); every inconsistency that would make the rows unreadable is one line of the error."""
+    table, seq, pool = t["block_table"], t["seq_lens"], t["kv_buffer"]
+    if table.dim() != 2 or seq.dim() != 1 or table.shape[0] != seq.shape[0] or pool.dim() != 3:
+        raise CaptureError(path, "tensor 'block_table'", f"shape {list(table.shape)}, expected [B, max_blocks] "
+                           f"with B = {seq.shape[0] if seq.dim() == 1 else '?'} (seq_lens) and kv_buffer [N, 1, D]")  # fmt: skip
+    if table.dtype not in (torch.int32, torch.int64) or seq.dtype not in (torch.int32, torch.int64):
+        raise CaptureError(path, "tensor 'block_table'", "block_table and seq_lens must be int32 / int64")
+    if bool((seq < 0).any()):
+        raise CaptureError(path, "tensor 'seq_lens'", "negative length")
+    found = blocktable.problems(table, seq, meta.page_size, pool.shape[0])
+    if found.errors:
+        raise CaptureError(path, "tensor 'block_table'", found.text(found.errors))
+    kv_indptr, kv_indices = blocktable.token_rows(table, seq, meta.page_size)
+    return {"kv_indptr": kv_indptr, "kv_indices": kv_indices}
 
 
 def _check_file(path: Path) -> None:

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from refmla import blocktable
 from refmla.capture.format import (
     FLOAT_DTYPES, INDEX_DTYPES, MASK_DTYPES, MAX_HEADS, MAX_KV_SPLITS, Capture, CaptureError,
 )  # fmt: skip
@@ -22,9 +23,9 @@ AITER_BUFFERS = {  # aiter's persistent work buffers: name -> trailing shape (No
     "aiter_reduce_final_map": 2, "aiter_reduce_partial_map": None,
 }  # fmt: skip
 INDEX_TENSORS = ("kv_indptr", "kv_indices", "seq_lens", "num_kv_splits", "req_to_token", "orig_kv_indices",
-                 "qo_indptr", "mask_indptr", *AITER_BUFFERS)  # fmt: skip
+                 "qo_indptr", "mask_indptr", *AITER_BUFFERS, "block_table", "query_start_loc")  # fmt: skip
 FLOAT_TENSORS = ("q", "kv_buffer", "out", "lse", "attn_logits", "attn_lse")
-KNOWN_BACKENDS = ("triton", "aiter", "unknown")
+KNOWN_BACKENDS = ("triton", "aiter", "unknown", "vllm_triton", "flashmla", "flashinfer_mla", "cutlass_mla", "fa3_mla")
 # q and the pool in what a kernel reads (docs/contract.md section 1): no fp64, no integers
 INPUT_DTYPES = FLOAT_DTYPES - {torch.float64}
 
@@ -235,7 +236,7 @@ def warn_q_values(cap: Capture, warnings: list[str]) -> None:
 def warn_backend_name(cap: Capture, warnings: list[str]) -> None:
     """meta backend outside triton / aiter / unknown."""
     if cap.meta.backend not in KNOWN_BACKENDS:
-        warnings.append(f"meta backend {cap.meta.backend!r} is not one of triton, aiter, unknown")
+        warnings.append(f"meta backend {cap.meta.backend!r} is not one of {', '.join(KNOWN_BACKENDS)}")
 
 
 def check_verify(cap: Capture, warnings: list[str]) -> None:
@@ -305,6 +306,31 @@ def _check_mask_rows(cap: Capture, warnings: list[str], qo, seq, m) -> None:
                         "kernel ignores prefix columns (skip_prefix_custom_mask); the reference applies them")  # fmt: skip
 
 
+def check_block_table(cap: Capture, warnings: list[str]) -> None:
+    """block_table [B, M] consistent with seq_lens, the pool and kv_indices (one line per
+    inconsistency; the null block inside a sequence is warned); query_start_loc [R + 1] from 0,
+    monotone, ending at B (vLLM's multi-token decode: request r's rows of the call)."""
+    table = cap.block_table
+    if table is not None:
+        _shape(cap, "block_table", table, (cap.batch_size, None))
+        found = blocktable.problems(table, cap.seq_lens, cap.meta.page_size, cap.kv_buffer.shape[0])
+        if found.errors:
+            raise _err(cap, "block_table", found.text(found.errors))
+        _, rows = blocktable.token_rows(table, cap.seq_lens, cap.meta.page_size)
+        if not torch.equal(rows, cap.kv_indices.long()):
+            j = _first(rows != cap.kv_indices.long())
+            raise _err(cap, "kv_indices", f"kv_indices[{j}]={int(cap.kv_indices[j])} but block_table gives row {int(rows[j])}")
+    if cap.meta.null_block is not None:
+        physical = cap.orig_kv_indices if cap.orig_kv_indices is not None else cap.kv_indices
+        warnings.extend(blocktable.null_block_reads(cap.kv_indptr, physical, cap.meta.page_size, cap.meta.null_block))
+    qsl = cap.query_start_loc
+    if qsl is not None:
+        _shape(cap, "query_start_loc", qsl, (None,))
+        q = qsl.long()
+        if q.numel() < 1 or int(q[0]) != 0 or bool((q[1:] < q[:-1]).any()) or int(q[-1]) != cap.q.shape[0]:
+            raise _err(cap, "query_start_loc", f"must start at 0, be monotone and end at q's {cap.q.shape[0]} rows")
+
+
 Check = Callable[[Capture, list], None]
 
 # run in this order: each relies on the ones before it
@@ -322,6 +348,7 @@ CHECKS: tuple[Check, ...] = (
     check_meta_lists,
     check_verify,
     check_custom_mask,
+    check_block_table,
     warn_q_values,
     warn_backend_name,
 )

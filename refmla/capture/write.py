@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import torch
 
-from refmla import CAPTURE_FORMAT
+from refmla import CAPTURE_FORMAT, blocktable
 from refmla.atomic import write_bytes
 from refmla.capture.format import TENSORS, Capture, CaptureError, parse_meta
 from refmla.capture.validation import validate
@@ -22,12 +22,15 @@ from refmla.capture.validation import validate
 # --------------------------------------------------------------------------------------------
 
 
-def compact_pool(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def compact_pool(tensors: dict[str, torch.Tensor], page_size: int = 1) -> dict[str, torch.Tensor]:
     """Keep only the pool rows that kv_indices (and req_to_token up to each seq_len) reference.
 
     kv_indices and req_to_token are remapped to the compacted numbering; req_to_token entries
-    past a request's seq_len become -1; orig_kv_indices keeps the physical slots.
+    past a request's seq_len become -1; orig_kv_indices keeps the physical slots. A capture with
+    a block_table keeps whole pages instead (:func:`compact_block_table`).
     """
+    if tensors.get("block_table") is not None:
+        return compact_block_table(tensors, page_size)
     t = dict(tensors)
     idx = t["kv_indices"].long()
     seq = t["seq_lens"].long()
@@ -43,6 +46,24 @@ def compact_pool(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     t["kv_indices"] = torch.searchsorted(rows, idx).to(t["kv_indices"].dtype)
     if r2t is not None:
         t["req_to_token"] = _remap_req_to_token(r2t, seq, rows)
+    return t
+
+
+def compact_block_table(tensors: dict[str, torch.Tensor], page_size: int) -> dict[str, torch.Tensor]:
+    """Keep the pages the block table names (refmla.blocktable.compact_pages), renumber the table,
+    and store kv_indptr / kv_indices of the compacted pool; orig_kv_indices keeps the physical slots.
+    The table must be consistent (write_capture checks it first)."""
+    t = dict(tensors)
+    P, pool = int(page_size), t["kv_buffer"]
+    table, seq = t["block_table"], t["seq_lens"]
+    _, physical = blocktable.token_rows(table, seq, P)
+    kept, renumbered = blocktable.compact_pages(table, P, pool.shape[0])
+    paged = pool[: (pool.shape[0] // P) * P].unflatten(0, (-1, P))  # [pages, P, 1, D]
+    t["kv_buffer"] = paged.index_select(0, kept.to(pool.device)).flatten(0, 1)  # [K * P, 1, D]
+    t["block_table"] = renumbered
+    t["kv_indptr"], t["kv_indices"] = blocktable.token_rows(renumbered, seq, P)
+    orig = t.get("orig_kv_indices")
+    t["orig_kv_indices"] = (orig.long() if orig is not None else physical).clone()
     return t
 
 
@@ -80,14 +101,26 @@ def write_capture(
     if unknown:
         raise CaptureError(path, f"tensor '{sorted(unknown)[0]}'", "not part of refmla.capture/1")
     t = {k: v.detach().to("cpu") for k, v in tensors.items() if v is not None}
-    if compact:
-        t = compact_pool(t)
     parsed = parse_meta(dict(meta), path)
+    if t.get("block_table") is not None:
+        _check_block_table(path, t, parsed.page_size)
+    if compact:
+        t = compact_pool(t, parsed.page_size)
     if validate_first:
         validate(Capture(path=str(path), meta=parsed, **t))
     header = {"format": CAPTURE_FORMAT, "meta": json.dumps(parsed.to_json(), sort_keys=True)}
     _write_atomic(path, {k: v.contiguous() for k, v in t.items()}, header)
     return path
+
+
+def _check_block_table(path: Path, t: dict[str, torch.Tensor], page_size: int) -> None:
+    """Every inconsistency of the block table, one line each (CaptureError); kv_indptr /
+    kv_indices built from it when not given."""
+    found = blocktable.problems(t["block_table"], t["seq_lens"], page_size, t["kv_buffer"].shape[0])
+    if found.errors:
+        raise CaptureError(path, "tensor 'block_table'", found.text(found.errors))
+    if "kv_indptr" not in t or "kv_indices" not in t:
+        t["kv_indptr"], t["kv_indices"] = blocktable.token_rows(t["block_table"], t["seq_lens"], page_size)
 
 
 def _write_atomic(path: Path, tensors: dict[str, torch.Tensor], header: dict[str, str]) -> None:
@@ -110,4 +143,4 @@ def sorted_header(data: bytes) -> list:
     return [data[:8], text + b" " * (n - len(text)), memoryview(data)[8 + n :]]
 
 
-__all__ = ["compact_pool", "write_capture"]
+__all__ = ["compact_block_table", "compact_pool", "write_capture"]

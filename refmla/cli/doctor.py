@@ -1,4 +1,5 @@
-"""`refmla doctor [--json]`: which backends are usable here, with versions and why not."""
+"""`refmla doctor [--json]`: which backends are usable here, with versions and why not, and the
+engine and kernel each one runs (refmla.backends.engines)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import platform
 import torch
 
 from refmla.backends import ALL_NAMES, get_backend
+from refmla.backends.engines import KERNELS, package_versions
 from refmla.cli.common import EXIT_OK, print_json
 
 
@@ -21,14 +23,18 @@ def doctor(args) -> int:
     rows = []
     for name in ALL_NAMES:
         ok, why = get_backend(name).availability()
-        rows.append({"backend": name, "usable": ok, "detail": why})
+        of = KERNELS.get(name)
+        rows.append({"backend": name, "usable": ok, "detail": why, "engine": of.engine if of else None,
+                     "kernel": of.kernel if of else None})  # fmt: skip
     if args.json:
         print_json(rows)
         return EXIT_OK
     gpu = "yes: " + torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no"
     print(f"python {platform.python_version()}  torch {torch.__version__}  gpu {gpu}  "
           f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}")  # fmt: skip
+    print("engines and kernel packages: " + ", ".join(f"{k} {v}" for k, v in package_versions().items()))
     width = max(len(r["backend"]) for r in rows)
     for r in rows:
-        print(f"  {r['backend']:<{width}} {'usable' if r['usable'] else 'unavailable':<12} {r['detail']}")
+        print(f"  {r['backend']:<{width}} {'usable' if r['usable'] else 'unavailable':<12} "
+              f"[{r['engine']}: {r['kernel']}] {r['detail']}")  # fmt: skip
     return EXIT_OK

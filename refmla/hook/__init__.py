@@ -1,5 +1,6 @@
 """Capture from a live SGLang server: an env-gated hook on the Triton and aiter MLA backends, and on
-DeepSeek-V4's sparse decode entrypoint (``REFMLA_CAPTURE_BACKENDS=dsv4``).
+DeepSeek-V4's sparse decode entrypoint (``REFMLA_CAPTURE_BACKENDS=dsv4``); and from a live vLLM
+server: the same hook through vLLM's plugin entry point (``vllm_patch``).
 
 Two ways to switch it on (see ``docs/capture.md``):
 
@@ -36,6 +37,9 @@ call that passes the filters. The rest are torch-free, as they run at interprete
     patching.py       install / uninstall; the forward_decode / forward_extend wrapper; the DeepSeek-V4
                       sparse entrypoint's wrapper (REFMLA_CAPTURE_BACKENDS=dsv4)
     sparse_call.py    (torch) DeepSeek-V4 sparse decode: the entrypoint's keyword arguments as a sparse capture
+    vllm_paths.py     where vLLM keeps its MLA Impl classes (forward_mqa), and their capture names
+    vllm_patch.py     vLLM: the ``vllm.general_plugins`` entry point, install, the forward_mqa wrapper
+    vllm_extract.py   (torch) vLLM: the kernel's block table, split count, pool pages -> a capture
     sitecustomize/    the start-up file that ``capture run`` puts first on PYTHONPATH
 
 Where to extend it (each without touching the rest):

@@ -37,6 +37,18 @@ class Call:
     kernel_notes: dict = field(default_factory=dict)  # what the kernel-module probes saw during the call
 
 
+@dataclass
+class VllmCall:
+    """One wrapped vLLM ``forward_mqa`` call that passed the filters (refmla.hook.vllm_patch)."""
+
+    backend: str  # the capture's meta backend (refmla.hook.vllm_paths)
+    engine_backend: str  # vLLM's own name, e.g. TRITON_MLA
+    layer: Any  # vLLM's MLAAttention layer (its _k_scale, layer_name)
+    layer_id: int
+    step: int
+    rank: int
+
+
 @dataclass(frozen=True)
 class Indices:
     """What the kernel attended, whole sequences, on the host (int64), from a mode reader."""

@@ -30,7 +30,7 @@ from refmla.hook import kernel_probes
 from refmla.hook.call import Skip
 from refmla.hook.config import HookConfig, id_text
 from refmla.hook.filters import before
-from refmla.hook.postimport import PostImportFinder
+from refmla.hook.postimport import PostImportFinder, activate
 from refmla.hook.sglang_paths import BACKEND_CLASSES, MARK, METHODS
 from refmla.hook.writer import HookState
 
@@ -90,13 +90,7 @@ def install(cfg: HookConfig) -> HookState:
     os.makedirs(cfg.out_dir, exist_ok=True)
     inst = _Installed(state=HookState(cfg))
     _INSTALLED = inst
-    targets = _targets(cfg)
-    inst.finder = PostImportFinder(targets, on_error=_fail)
-    sys.meta_path.insert(0, inst.finder)
-    for module in targets:  # already imported: patch now
-        mod = sys.modules.get(module)
-        if mod is not None:
-            inst.finder.run_callback(module, mod)
+    inst.finder = activate(_targets(cfg), on_error=_fail)  # modules already imported are patched now
     inst.state.log.info(
         "capture hook active: dir=%s layers=%s modes=%s min_seq_len=%d ranks=%s backends=%s every=%d "
         "max_files=%d max_bytes=%d partials=%s",

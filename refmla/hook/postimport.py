@@ -71,3 +71,14 @@ class CallbackLoader(importlib.abc.Loader):
 
     def __getattr__(self, name):  # get_source, get_code, is_package, get_resource_reader, ...
         return getattr(self._inner, name)
+
+
+def activate(targets: dict[str, Callable[[Any], None]], on_error: Callable[[Exception], None]) -> PostImportFinder:
+    """A finder for ``targets`` first on ``sys.meta_path``, with the targets already imported patched now."""
+    finder = PostImportFinder(targets, on_error=on_error)
+    sys.meta_path.insert(0, finder)
+    for module in targets:
+        mod = sys.modules.get(module)
+        if mod is not None:
+            finder.run_callback(module, mod)
+    return finder

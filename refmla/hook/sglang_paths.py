@@ -25,6 +25,9 @@ from typing import Any, Iterable, Optional
 BACKEND_CLASSES: dict[str, tuple[tuple[str, str], ...]] = {
     "triton": (("sglang.srt.layers.attention.triton_backend", "TritonAttnBackend"),),
     "aiter": (("sglang.srt.layers.attention.aiter_backend", "AiterAttnBackend"),),
+    # NVIDIA (issue 20): FlashMLA's decode reads forward_metadata.block_kv_indices, a block table of
+    # page 64 built from req_to_token (create_flashmla_kv_indices_triton); refmla.hook.modes reads it
+    "flashmla": (("sglang.srt.layers.attention.flashmla_backend", "FlashMLABackend"),),
 }
 # modules whose aiter MLA entry points are probed (refmla.hook.kernel_probes): SGLang's backend module
 # (it calls mla_decode_fwd, mla_gluon_decode, get_mla_metadata_*_v1 through its globals) and aiter.mla

@@ -7,7 +7,8 @@ report the first, in the table's order, that brings the backend's error back to 
     empty_split_merged  {"split", "num_kv_splits",    an empty split's NaN / zero-scratch partial merged in
                          "went_in"}
     seq_len_off_by      {"delta": k}                  attended seq_len + k tokens, k in -4..4, k != 0
-                                                      (delta -1: newest_kv_unwritten listed as an
+                                                      (k > 0 through the block table: a read past it;
+                                                      delta -1: newest_kv_unwritten listed as an
                                                       alternative when it fits too)
     newest_kv_unwritten {"how": "zero"}               the newest position's KV row read as zeros
     offset_overflow     {"first_slot", "position",    a 32-bit row offset wrapped: positions past the
@@ -18,13 +19,19 @@ report the first, in the table's order, that brings the backend's error back to 
                          "from_page"}                 capture's pool (another request's, or its own)
     kv_range_missing    {"start", "end", "how"}       positions [start, end) dropped or read as zeros,
                                                       at page or split granularity
+    null_block_read     {"page", "null_block"}        block_table captures: page j read from the null block
+    pages_as_tokens     {"read"}                      block_table captures: page ids taken for token slots
+                                                      (or the reverse)
     split_missing       {"split": s}                  split s's partial left out of the merge
-    kv_scale_misapplied {"scale", "applied"}          fp8 k_scale / v_scale applied twice or not at all
+    kv_scale_misapplied {"scale", "applied"}          fp8 k_scale / v_scale applied twice, not at all, or
+                                                      one in the other's place
     wrong_sm_scale      {"ratio": r}                  used r * sm_scale
     head_misaligned     {"mapping": "...", "heads"}   output head h holds reference head heads[h]
     output_rows_permuted {"rows": {r: r2}}            output row r holds request r2's output
     rope_mishandled     {"how"}                       q . k without its rope part, or parts swapped
     logit_cap_mismatch  {"logit_cap": c}              soft cap c applied (0: omitted)
+    padded_row_leak     {"padded_requests",           a zero-length request's NaN leaked into other rows
+                         "nan_requests"}              (stated, not recomputed: tried last)
 
     verify captures only (verify.py, tried right after last_page_len_swapped):
     draft_kv_missing    {"how", "drafts"}             the drafts' KV rows zeroed / not attended
@@ -56,7 +63,7 @@ The package (imports go down this list):
     (the speculative verify families), and the faults of real
     MLA kernels (refmla/synth/zoo.py plants them): pages.py (two families), empty_split.py,
     overflow.py, kv_scale.py, rope.py, misplaced.py (four families: KV read or output written in the
-    wrong place)
+    wrong place), blocktable.py (three families of block-table kernels)
 
 A new family is a module like those (its candidates through ``per_request`` when each failing
 request gets its own detail, ``global_hypothesis`` when one setting explains the whole output)
@@ -78,8 +85,8 @@ import torch
 from refmla.compare import Comparison
 from refmla.context import ReplayContext
 from refmla.hypotheses import (
-    empty_split, head_misaligned, kv_range, kv_scale, logit_cap, misplaced, numerics, overflow, pages, rope, seq_len, sm_scale,
-    split, verify,
+    blocktable, empty_split, head_misaligned, kv_range, kv_scale, logit_cap, misplaced, numerics, overflow, pages, rope,
+    seq_len, sm_scale, split, verify,
 )
 from refmla.hypotheses.search import Search, SearchFn
 from refmla.results import Alternative, Explanation
@@ -102,6 +109,8 @@ SEARCHES: dict[str, SearchFn] = {
     misplaced.PAGES_OFF: misplaced.search_pages_off,
     misplaced.OTHER_ROWS: misplaced.search_other_rows,
     kv_range.NAME: kv_range.search,
+    blocktable.NULL_BLOCK: blocktable.search_null_block,
+    blocktable.PAGES_AS_TOKENS: blocktable.search_pages_as_tokens,
     split.NAME: split.search,
     kv_scale.NAME: kv_scale.search,
     sm_scale.NAME: sm_scale.search,
@@ -109,6 +118,9 @@ SEARCHES: dict[str, SearchFn] = {
     misplaced.PERMUTED: misplaced.search_permuted,
     rope.NAME: rope.search,
     logit_cap.NAME: logit_cap.search,
+    # stated, not recomputed: last, so any family that recomputes the NaN (a read past the end into
+    # a NaN row, an empty split's 0 / 0) is preferred
+    blocktable.PADDED_LEAK: blocktable.search_padded_leak,
 }
 HYPOTHESES = tuple(SEARCHES)
 # Tried after all of SEARCHES: numerics' accumulation variants (judged by their noise's size only)

@@ -48,7 +48,7 @@ def find_empty(s: Search, b: int) -> Iterator[Candidate]:
         n = split_count(s, b)
     except Exception:
         return
-    empty = list(range(nonempty_splits(r.L, n), n))  # the trailing splits that hold no token
+    empty = list(range(nonempty_splits(r.L, n, s.cap.split_block), n))  # the trailing splits that hold no token
     if not r.L or not empty:
         return
     source = "capture" if s.cap.num_kv_splits is not None else "SGLang Triton default (computed)"

@@ -1,5 +1,6 @@
 """kv_scale_misapplied {"scale", "applied"}: on a pool stored with dequant scales (fp8), the kernel
-applied k_scale and/or v_scale twice or not at all.
+applied k_scale and/or v_scale twice or not at all, or one in the other's place (applied "the other
+scale in its place": vLLM #37054, a kernel that reads V through K dequantizes it with k_scale).
 
 Whole output. K's scale multiplies every logit, V's the output:
 
@@ -27,6 +28,15 @@ from refmla.results import Explanation
 
 NAME = "kv_scale_misapplied"
 APPLIED = {"twice": lambda x: x * x, "not at all": lambda x: 1.0}
+# one scale used in the other's place (vLLM #37054; TRITON_MLA reads V as K, dequantized with k_scale)
+SWAPPED = "the other scale in its place"
+
+
+def used(scale: str, applied: str, k: float, v: float) -> tuple[float, float]:
+    """(k_scale, v_scale) the kernel used under the mistake."""
+    if applied == SWAPPED:
+        return (v, v) if scale == "k_scale" else (k, k)
+    return (APPLIED[applied](k) if "k_scale" in scale else k, APPLIED[applied](v) if "v_scale" in scale else v)
 
 
 def search(s: Search) -> Optional[Explanation]:
@@ -35,8 +45,7 @@ def search(s: Search) -> Optional[Explanation]:
         return None
     guesses = []  # (score, preference, k_used, v_used, detail)
     for pref, (scale, applied) in enumerate(mistakes(k, v)):
-        k2 = APPLIED[applied](k) if "k_scale" in scale else k
-        v2 = APPLIED[applied](v) if "v_scale" in scale else v
+        k2, v2 = used(scale, applied, k, v)
         out = worst_out(s, s.sc.sm_scale * k2 / k, s.sc.logit_cap) * (v2 / v)
         guesses.append((rescore(s, s.worst_request, out), pref, k2, v2, {"scale": scale, "applied": applied}))
     ok = sorted((g for g in guesses if g[0] <= 1.0), key=lambda g: g[1])  # within tolerance: simplest first
@@ -59,10 +68,16 @@ def mistakes(k: float, v: float) -> list[tuple[str, str]]:
             out += [(scale, "twice"), (scale, "not at all")]
     if k != 1.0 and v != 1.0:
         out += [("k_scale and v_scale", "twice"), ("k_scale and v_scale", "not at all")]
+    if k != v:
+        out += [("v_scale", SWAPPED), ("k_scale", SWAPPED)]
     return out
 
 
 def why(detail: dict, k: float, v: float) -> str:
+    if detail["applied"] == SWAPPED:
+        other = "k_scale" if detail["scale"] == "v_scale" else "v_scale"
+        return (f"{detail['scale']} replaced by {other} ({k:.6g} / {v:.6g}): K and V dequantized with one scale, "
+                f"as a kernel reading V through K does")  # fmt: skip
     r = k if detail["applied"] == "twice" else 1.0 / k
     if "k_scale" in detail["scale"]:
         return (f"{detail['scale']} {detail['applied']}: logits scaled by {r:.6g}, the same arithmetic as "

@@ -191,7 +191,7 @@ def request_under(s: Search, b: int, v: Variant) -> tuple[torch.Tensor, torch.Te
     for t in range(r.T):
         q = cap.q[r.rows[t]]
         if n > 1:
-            ctl[t] = attend_control_split(q, r.kvs, s.sc, s.dtype, n, v.rounding)[0]
+            ctl[t] = attend_control_split(q, r.kvs, s.sc, s.dtype, n, v.rounding, cap.split_block)[0]
         else:
             ctl[t] = attend_control(q, r.kvs[: int(r.vis[t])], s.sc, s.dtype, v.rounding)[0]
     exp = s.ref[r.rows]
@@ -208,7 +208,7 @@ def merged64(s: Search, b: int, n: int, rnd: Rounding) -> torch.Tensor:
         S = sc.logit_cap * torch.tanh(S / sc.logit_cap)
     V = r.kv64[:, : sc.kv_lora_rank] * sc.v_scale  # [L, Dv]
     outs, lses, sums = [], [], []
-    for a, e in split_bounds(r.L, n):
+    for a, e in split_bounds(r.L, n, s.cap.split_block):
         if e <= a:
             continue
         m = S[:, a:e].amax(-1, keepdim=True)  # [H, 1]

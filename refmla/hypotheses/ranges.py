@@ -23,7 +23,9 @@ import torch
 
 from refmla import reference as ref
 from refmla.hypotheses.search import Search
-from refmla.schedule import MIN_BLOCK_KV, default_num_kv_splits, mla_max_kv_splits, split_bounds
+from refmla.schedule import (
+    H200_SM_COUNT, MIN_BLOCK_KV, default_num_kv_splits, mla_max_kv_splits, split_bounds, vllm_num_kv_splits,
+)  # fmt: skip
 
 PAIR_BUDGET = 2**26  # elements scored exactly per range search; above it, projection ranking
 
@@ -34,10 +36,14 @@ PAIR_BUDGET = 2**26  # elements scored exactly per range search; above it, proje
 
 
 def split_count(s: Search, b: int) -> int:
-    """Request b's split count: the capture's num_kv_splits, else SGLang's default for this batch."""
+    """Request b's split count: the capture's num_kv_splits, else the kernel's default for this
+    batch (SGLang's get_num_kv_splits; vLLM's batch-wide count for a uniform schedule)."""
     cap = s.cap
     if cap.num_kv_splits is not None:
         return int(cap.num_kv_splits[b])
+    if cap.meta.split_schedule == "uniform":
+        longest = int(cap.seq_lens.max()) if cap.batch_size else 0
+        return vllm_num_kv_splits(longest, int(getattr(s.ctx.opts, "cu_count", 0) or H200_SM_COUNT))
 
     cu = int(getattr(s.ctx.opts, "cu_count", 256) or 0)
     mx = cap.meta.max_kv_splits or mla_max_kv_splits(cu)
@@ -52,7 +58,7 @@ def split_schedule(s: Search, b: int) -> Optional[list[tuple[int, int]]]:
         n = split_count(s, b)
     except Exception:
         return None
-    return [(a, e) for a, e in split_bounds(s.req(b).L, n) if e > a]
+    return [(a, e) for a, e in split_bounds(s.req(b).L, n, s.cap.split_block) if e > a]
 
 
 def boundaries(s: Search, b: int, Lp: int) -> torch.Tensor:

@@ -44,11 +44,19 @@ def find_seq_len(s: Search, b: int) -> Iterator[Candidate]:
 def extra_rows(s: Search, b: int, k: int) -> Optional[torch.Tensor]:
     """The k pool rows after request b's last position, or None when the capture cannot say.
 
-    req_to_token[b, L:L+k] when the capture has them; else the next slots of the last page when
-    page_size > 1 and they stay inside it.
+    req_to_token[b, L:L+k] when the capture has them; positions L..L+k-1 through the block table
+    (its padding entries too: a kernel that reads past the table reads those pages, vLLM #51065);
+    else the next slots of the last page when page_size > 1 and they stay inside it.
     """
     cap, r = s.cap, s.req(b)
     L, N = r.L, cap.kv_buffer.shape[0]
+    if cap.block_table is not None:
+        P = cap.meta.page_size
+        pos = torch.arange(L, L + k)
+        if int(pos[-1]) // P < cap.block_table.shape[1]:
+            nxt = cap.block_table[b].long()[pos // P] * P + pos % P
+            if bool(((nxt >= 0) & (nxt < N)).all()):
+                return nxt
     if cap.req_to_token is not None and cap.req_to_token.shape[1] >= L + k:
         nxt = cap.req_to_token[b, L : L + k].long()
         if bool(((nxt >= 0) & (nxt < N)).all()):

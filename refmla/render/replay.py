@@ -85,7 +85,9 @@ def backend_row(name: str, b: BackendEntry) -> list[str]:
         note = b.explanation.text()
         if b.explanation.other_causes:  # another hypothesis gives the same output within noise
             note += "; or " + alternatives_text({}, b.explanation.other_causes)
-    if b.localization is not None:
+    if b.localization is not None and (b.explanation is None or not b.explanation.complete):
+        # the table's where for a failure nothing (or not all) explains; an explanation names its own
+        # positions, and the localization stays in the JSON beside it
         note += (" | " if note else "") + b.localization.text()
     if b.splits is not None and b.splits.status in ("pass", "fail"):
         note += f" | splits {b.splits.status} ({b.splits.compared_splits} partials)"

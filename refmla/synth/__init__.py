@@ -8,6 +8,8 @@
     disagg_faults.py  its faults (transfer, metadata, compute) and what `refmla disagg` must name
     verify_faults.py  the speculative-verify faults (draft KV, causal alignment, masks, qlen padding)
     benign.py   correct kernels that round their own way (expect=None): they must pass
+    blocktable_faults.py  the block-table kernels' faults (vLLM, FlashMLA, FlashInfer), planted
+                with their own loop
     zoo.py      faults taken from real bugs in real MLA kernels (pages, empty splits, 32-bit
                 offsets, fp8 scales, rope), each with the hypothesis that must name it
 
@@ -24,7 +26,7 @@ from typing import Any
 
 from refmla.capture import write_capture
 from refmla.schedule import MIN_BLOCK_KV
-from refmla.synth import benign, verify_faults, zoo  # noqa: F401  (register the benign variants, the verify
+from refmla.synth import benign, blocktable_faults, verify_faults, zoo  # noqa: F401  (register the benign variants, the verify
 #                                                    faults and the zoo's faults)
 from refmla.synth import rounding as _rounding  # noqa: F401  (registers the numerics faults)
 from refmla.synth.faults import EXPECT, FAULT_MODES, FAULTS, MAY_AGREE, VERIFY_PRESET, faulty_output, spec_for

@@ -7,8 +7,25 @@ import math
 import torch
 
 from refmla import reference as ref
+from refmla.backends.base import BackendUnavailable
 from refmla.backends.extend.inputs import ExtendInputs
 from refmla.scales import Scales
+
+# The local extend holds one request's prefix whole (as stored, and twice in fp32) and its [n, H, Lp]
+# logits and probabilities in fp32: past this many bytes it is skipped with the figure, so a capture
+# whose indices all name one row (a long sequence from a tiny pool) cannot ask for gigabytes here.
+LOCAL_EXTEND_BUDGET = 1 << 30
+
+
+def working_set(inp: ExtendInputs, kv_buffer: torch.Tensor) -> tuple[int, int]:
+    """(bytes, request) of the largest per-request working set of :func:`mla_extend_local`."""
+    D, item, H = kv_buffer.shape[-1], kv_buffer.element_size(), inp.q_extend.shape[1]
+    worst = (0, 0)
+    for b in range(len(inp.qo_indptr) - 1):
+        n, Lp = int(inp.qo_indptr[b + 1] - inp.qo_indptr[b]), int(inp.prefix_rows(b).shape[0])
+        need = Lp * D * (item + 2 * 4) + 4 * n * H * Lp * 4  # prefix stored + 2 fp32 copies; s, p, p rounded, p fp32
+        worst = max(worst, (need, b))
+    return worst
 
 
 def mla_extend_local(
@@ -21,6 +38,13 @@ def mla_extend_local(
     over both, causal for the new tokens; probabilities rounded to each V's dtype before P.V, fp32
     sums from the unrounded probabilities; prefix P.V times v_scale; output rounded to out_dtype.
     """
+    need, b = working_set(inp, kv_buffer)
+    if need > LOCAL_EXTEND_BUDGET:
+        raise BackendUnavailable(
+            f"the local torch extend would hold {need / 2**30:.1f} GiB for request {b}'s prefix "
+            f"({int(inp.prefix_rows(b).shape[0]):,} rows), past its budget {LOCAL_EXTEND_BUDGET / 2**30:.0f} GiB; "
+            "the reference and the decode kernels judge this capture"
+        )
     f32, Dv = torch.float32, int(sc.kv_lora_rank)
     sm_scale, logit_cap, k_scale, v_scale = sc.sm_scale, sc.logit_cap, sc.k_scale, sc.v_scale
     T, H, _ = inp.q_extend.shape
@@ -54,4 +78,4 @@ def mla_extend_local(
     return out, lse
 
 
-__all__ = ["mla_extend_local"]
+__all__ = ["LOCAL_EXTEND_BUDGET", "mla_extend_local", "working_set"]

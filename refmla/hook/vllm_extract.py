@@ -1,0 +1,156 @@
+"""After vLLM's ``forward_mqa`` ran: the kernel's inputs and output -> a block-table capture.
+
+Reads, never writes. The capture describes the kernel call itself: for TRITON_MLA's multi-token
+decode (several query rows per request) the rows' block-table rows and causal extents exactly as
+``forward_mqa`` expands them, with ``query_start_loc`` saying which rows belong to which request;
+the split count it chose (``_compute_num_kv_splits`` of its module, one batch-wide constexpr
+count, uniform splits: meta ``split_schedule: "uniform"``). The pool is copied page by page, only
+the pages the block table names (refmla.capture.write compacts further). Recorded in meta: which
+vLLM backend ran, its page size, the dtypes, and the scales the kernel got (forward_mqa passes
+``layer._k_scale`` as both K and V scale; ``layer._v_scale`` is noted as ``vllm_v_scale``). The
+returned lse is stored only when fp32: TRITON_MLA returns it in q's dtype (bf16), rounded past
+what the format's lse means; meta ``lse_dtype`` says which it was.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from refmla import blocktable
+from refmla.hook.call import Skip, VllmCall
+from refmla.hook.writer import HookState, capture_name
+
+
+def after(state: HookState, call: VllmCall, impl: Any, inputs: tuple, result: Any) -> None:
+    q, cache, md = inputs
+    out, lse = _outputs(result)
+    q = torch.cat(q, dim=-1) if isinstance(q, tuple) else q  # [B, H, D]
+    decode = getattr(md, "decode", None)
+    if decode is None or cache is None or cache.dim() != 3:
+        raise Skip("no decode metadata or a KV cache that is not [blocks, page, D]")
+    if int(getattr(impl, "dcp_world_size", 1) or 1) > 1:
+        raise Skip("decode context parallelism (dcp_world_size > 1)")
+    table, seq, qsl = kernel_rows(impl, md, q.shape[0], call.engine_backend)
+    if int(seq.max() if seq.numel() else 0) < state.cfg.min_seq_len:
+        return
+    P = int(cache.shape[1])
+    pages = torch.unique(_used_pages(table, seq, P))  # [K] the pages the sequences read
+    est = q.numel() * q.element_size() * 2 + pages.numel() * P * cache.shape[2] * cache.element_size() + 4096
+    if not state.admit(est):
+        return
+    tensors = host_tensors(q, out, lse, cache, table, seq, qsl, pages)
+    splits = num_kv_splits(impl, md, call.engine_backend)
+    if splits is not None:
+        tensors["num_kv_splits"] = torch.full((q.shape[0],), splits, dtype=torch.int32)
+    meta = capture_meta(call, impl, q, cache, splits)
+    if lse is not None:
+        meta["lse_dtype"] = str(lse.dtype).replace("torch.", "")
+    name = capture_name(mode="decode", rank=call.rank, layer=call.layer_id, step=call.step, backend=call.backend,
+                        pid=os.getpid())  # fmt: skip
+    state.write(name, tensors, meta)
+
+
+def _outputs(result: Any) -> tuple[torch.Tensor, Any]:
+    out, lse = (tuple(result) + (None, None))[:2] if isinstance(result, tuple) else (result, None)
+    if not torch.is_tensor(out) or out.dim() != 3:
+        raise Skip("forward_mqa returned no [B, H, Dv] output")
+    return out, lse if torch.is_tensor(lse) else None
+
+
+def kernel_rows(impl: Any, md: Any, rows: int, engine_backend: str) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """(block_table [R, M], seq_lens [R], query_start_loc or None) as the kernel read them."""
+    table, seq = md.decode.block_table, md.decode.seq_lens
+    n = int(seq.shape[0])
+    q_len, rem = divmod(rows, n) if n else (1, 0)
+    if rem:
+        raise Skip(f"non-uniform decode block: {rows} query rows over {n} requests")
+    if q_len == 1:
+        return table, seq, None
+    if engine_backend != "TRITON_MLA":
+        raise Skip(f"multi-token decode of {engine_backend} is not captured (per-row layout known for TRITON_MLA)")
+    table = table.repeat_interleave(q_len, dim=0)
+    if getattr(md, "causal", True):  # forward_mqa: row t sees the prefix plus block tokens 0..t
+        offsets = torch.arange(1 - q_len, 1, device=seq.device, dtype=seq.dtype)
+        seq = (seq.unsqueeze(1) + offsets).flatten().clamp(min=0)
+    else:
+        seq = seq.repeat_interleave(q_len)
+    return table, seq, torch.arange(0, rows + 1, q_len, dtype=torch.int32)
+
+
+def _used_pages(table: torch.Tensor, seq: torch.Tensor, P: int) -> torch.Tensor:
+    need = (seq.long() + P - 1) // P  # [R]
+    cols = torch.arange(table.shape[1], device=table.device)
+    used = table.long()[cols[None, :] < need[:, None]]
+    return used.clamp(min=0).cpu()
+
+
+def host_tensors(q, out, lse, cache, table, seq, qsl, pages) -> dict[str, torch.Tensor]:
+    """The capture's tensors on the host: only the named pages of the pool, the table renumbered."""
+    P, D = int(cache.shape[1]), int(cache.shape[2])
+    pages = pages[pages < cache.shape[0]]  # a page past the pool is left out; validation names it
+    pool = cache.index_select(0, pages.to(cache.device)).reshape(-1, 1, D).to("cpu")  # [K * P, 1, D]
+    host_table = table.to("cpu").long()
+    renum = torch.searchsorted(pages, host_table.clamp(min=0))
+    hit = renum < pages.numel()
+    hit[hit.clone()] = pages[renum[hit]] == host_table[hit]
+    host_seq = seq.to("cpu", torch.int32)
+    tensors = {
+        "q": q.detach().to("cpu"), "kv_buffer": pool, "seq_lens": host_seq,
+        "block_table": torch.where(hit, renum, -1).to(torch.int32), "out": out.detach().to("cpu"),
+        "orig_kv_indices": blocktable.token_rows(host_table, host_seq, P)[1],  # production pool rows
+    }  # fmt: skip
+    if lse is not None and lse.shape == out.shape[:2] and lse.dtype == torch.float32:
+        tensors["lse"] = lse.detach().to("cpu")  # a narrower lse is not the format's (meta lse_dtype)
+    if qsl is not None:
+        tensors["query_start_loc"] = qsl
+    return tensors
+
+
+def num_kv_splits(impl: Any, md: Any, engine_backend: str):
+    """TRITON_MLA's batch-wide split count as forward_mqa computes it, else None."""
+    if engine_backend != "TRITON_MLA":
+        return None
+    import importlib
+
+    mod = importlib.import_module(type(impl).__module__)
+    try:
+        import vllm.envs as envs
+
+        if getattr(envs, "VLLM_BATCH_INVARIANT", False):
+            return 1
+    except Exception:
+        pass
+    rule = getattr(mod, "_compute_num_kv_splits", None)
+    return int(rule(int(md.max_seq_len), int(impl._sm_count))) if rule is not None else None
+
+
+def capture_meta(call: VllmCall, impl: Any, q: torch.Tensor, cache: torch.Tensor, splits) -> dict[str, Any]:
+    layer, Dv = call.layer, int(impl.kv_lora_rank)
+    k_scale = float(getattr(layer, "_k_scale_float", 1.0))
+    meta = {
+        "mode": "decode", "backend": call.backend, "engine": "vllm", "engine_backend": call.engine_backend,
+        "engine_version": _vllm_version(), "kv_lora_rank": Dv, "qk_rope_head_dim": int(q.shape[-1]) - Dv,
+        "sm_scale": float(impl.scale), "logit_cap": 0.0, "page_size": int(cache.shape[1]),
+        "k_scale": k_scale, "v_scale": k_scale, "layer_id": call.layer_id, "tp_rank": call.rank, "step": call.step,
+        "null_block": 0, "kv_cache_dtype": str(getattr(impl, "kv_cache_dtype", "auto")),
+        "q_dtype": str(q.dtype).replace("torch.", ""), "kv_dtype": str(cache.dtype).replace("torch.", ""),
+        "vllm_v_scale": float(getattr(layer, "_v_scale_float", 1.0)),
+    }  # fmt: skip
+    if splits is not None:
+        meta.update(split_schedule="uniform", max_kv_splits=int(splits))
+    return meta
+
+
+def _vllm_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("vllm")
+    except Exception:
+        return "unknown"
+
+
+__all__ = ["after", "capture_meta", "host_tensors", "kernel_rows", "num_kv_splits"]

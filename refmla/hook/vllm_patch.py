@@ -1,0 +1,163 @@
+"""The vLLM capture hook: vLLM's plugin entry point, and the ``forward_mqa`` wrapper.
+
+vLLM runs every ``vllm.general_plugins`` entry point in each of its processes (API server, engine
+core, workers; ``vllm.plugins.load_general_plugins``). refmla registers :func:`plugin` there
+(pyproject.toml). With ``REFMLA_CAPTURE_DIR`` unset it returns at once: nothing is patched or
+imported. With it set, the same :class:`~refmla.hook.config.HookConfig` as the SGLang hook
+(``REFMLA_CAPTURE_LAYERS`` / ``EVERY`` / ``RANKS`` / ``MIN_SEQ_LEN`` / ``MAX_FILES`` /
+``MAX_BYTES``) drives a post-import patch of each MLA ``Impl.forward_mqa`` of
+:mod:`refmla.hook.vllm_paths`. Per call: inactive -> the original; inside CUDA-graph capture or
+torch.compile tracing -> the original, noted once; else the original runs, its result is returned
+untouched, and :func:`refmla.hook.vllm_extract.after` reads (never writes) the call. A Skip is
+counted; any other exception disables the hook, logged once. Torch-free at install time.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from refmla.hook.call import Skip, VllmCall
+from refmla.hook.config import HookConfig
+from refmla.hook.filters import GRAPH_NOTE
+from refmla.hook.postimport import PostImportFinder, activate
+from refmla.hook.runtime import compiling, graph_capturing
+from refmla.hook.vllm_paths import MARK, METHODS, VLLM_IMPLS
+from refmla.hook.writer import HookState
+
+
+@dataclass
+class _Installed:
+    state: HookState
+    finder: Optional[PostImportFinder] = None
+    patched: list = field(default_factory=list)  # (class, method, original)
+
+
+_INSTALLED: Optional[_Installed] = None
+
+
+def plugin() -> None:
+    """vLLM's ``vllm.general_plugins`` entry point: install when REFMLA_CAPTURE_DIR is set. Never raises."""
+    try:
+        cfg = HookConfig.from_env()
+        if cfg is not None:
+            install(cfg)
+    except Exception as e:  # a bad REFMLA_CAPTURE_* value must not stop vLLM
+        logging.getLogger("refmla.hook").error("refmla capture hook not installed: %s", e)
+
+
+def install(cfg: HookConfig) -> HookState:
+    """Install in this process (idempotent)."""
+    global _INSTALLED
+    if _INSTALLED is not None:
+        return _INSTALLED.state
+    import os
+
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    inst = _Installed(state=HookState(cfg))
+    _INSTALLED = inst
+    inst.finder = activate({module: _patcher(*spec) for module, spec in VLLM_IMPLS.items()}, on_error=inst.state.fail)
+    inst.state.log.info("vLLM capture hook active: dir=%s", cfg.out_dir)
+    return inst.state
+
+
+def uninstall() -> None:
+    global _INSTALLED
+    inst, _INSTALLED = _INSTALLED, None
+    if inst is None:
+        return
+    if inst.finder in sys.meta_path:
+        sys.meta_path.remove(inst.finder)
+    for cls, name, original in reversed(inst.patched):
+        setattr(cls, name, original)
+
+
+def current_state() -> Optional[HookState]:
+    return _INSTALLED.state if _INSTALLED is not None else None
+
+
+def _patcher(cls_name: str, engine_backend: str, backend: str) -> Callable[[Any], None]:
+    def patch(module) -> None:
+        inst = _INSTALLED
+        cls = getattr(module, cls_name, None) if inst is not None else None
+        if cls is None:
+            return
+        for name in METHODS:
+            original = cls.__dict__.get(name)
+            if original is not None and getattr(original, MARK, None) is None:
+                wrapper = _wrapper(original, backend, engine_backend)
+                setattr(wrapper, MARK, original)
+                wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+                setattr(cls, name, wrapper)
+                inst.patched.append((cls, name, original))
+                inst.state.log.info("wrapped %s.%s.%s (%s)", module.__name__, cls_name, name, engine_backend)
+                return
+
+    return patch
+
+
+def layer_index(layer: Any) -> int:
+    """The layer number in vLLM's ``layer_name`` ("model.layers.3.self_attn.attn" -> 3), else -1."""
+    found = re.findall(r"\.(\d+)\.", "." + str(getattr(layer, "layer_name", "")) + ".")
+    return int(found[-1]) if found else -1
+
+
+def _before(state: HookState, backend: str, engine_backend: str, layer: Any) -> Optional[VllmCall]:
+    if graph_capturing():
+        state.once("graph", logging.WARNING, GRAPH_NOTE.replace("--disable-cuda-graph", "--enforce-eager"))
+        return None
+    if compiling():
+        state.once("compile", logging.WARNING, "torch.compile is tracing the attention: not captured there")
+        return None
+    layer_id = layer_index(layer)
+    step = state.next_step(backend, layer_id)
+    if not state.cfg.wants_layer(layer_id) or step % state.cfg.every:
+        return None
+    rank = _tp_rank()
+    if not state.cfg.wants_rank(rank):
+        return None
+    return VllmCall(backend, engine_backend, layer, layer_id, step, rank)
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:
+        return 0
+
+
+def _wrapper(original: Callable, backend: str, engine_backend: str) -> Callable:
+    def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer, *args, **kwargs):
+        inst = _INSTALLED
+        state = inst.state if inst is not None else None
+        if state is None or not state.active:
+            return original(self, q, kv_c_and_k_pe_cache, attn_metadata, layer, *args, **kwargs)
+        call = None
+        try:
+            call = _before(state, backend, engine_backend, layer)
+        except Exception as e:
+            state.fail(e)
+        result = original(self, q, kv_c_and_k_pe_cache, attn_metadata, layer, *args, **kwargs)
+        if call is None:
+            return result
+        try:
+            from refmla.hook.vllm_extract import after
+
+            after(state, call, self, (q, kv_c_and_k_pe_cache, attn_metadata), result)
+        except Skip as s:
+            state.skip(str(s))
+        except Exception as e:
+            state.fail(e)
+        return result
+
+    forward_mqa.__name__ = getattr(original, "__name__", "forward_mqa")
+    forward_mqa.__qualname__ = getattr(original, "__qualname__", "forward_mqa")
+    return forward_mqa
+
+
+__all__ = ["current_state", "install", "layer_index", "plugin", "uninstall"]

@@ -1,0 +1,2 @@
+"""STAND-IN for ``flashinfer`` (tests only): see flashinfer.decode."""
+__refmla_standin__ = True

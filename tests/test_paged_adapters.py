@@ -1,0 +1,113 @@
+"""The NVIDIA block-table adapters against stand-ins written from the kernels' real signatures.
+
+A stand-in (tests/standins/paged_standins) checks every argument the adapter passes and answers
+with refmla's fp64 reference; a wrong convention raises ContractViolation (the backend errors),
+and a wrong result fails the comparison. Without the real packages and a CUDA GPU, each backend
+is skipped with its reason (the last test).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from helpers import STANDINS
+from refmla.backends import PAGED, get_backend
+from refmla.backends import _CACHE as BACKEND_CACHE
+from refmla.capture import read_capture, write_capture
+from refmla.context import ReplayOptions
+from refmla.replay import replay_capture
+
+PAGED_STANDINS = STANDINS / "paged_standins"
+FAKES = ("flash_mla", "flashinfer", "sgl_kernel", "paged_standin_ref", "vllm.vllm_flash_attn", "vllm_flash_attn_standin")
+
+
+@pytest.fixture
+def standins(monkeypatch):
+    """The stand-ins first on sys.path (and as vllm.vllm_flash_attn) for one test."""
+    def forget():
+        for name in [k for k in sys.modules if k.split(".")[0] in FAKES or k in FAKES]:
+            sys.modules.pop(name)
+        for name in PAGED:
+            BACKEND_CACHE.pop(name, None)
+
+    forget()
+    monkeypatch.syspath_prepend(str(PAGED_STANDINS))
+    import paged_standin_ref
+    import vllm_flash_attn_standin
+
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", vllm_flash_attn_standin)
+    paged_standin_ref.CALLS.clear()
+    yield paged_standin_ref
+    forget()
+
+
+def _capture(tmp_path, page_size: int, heads: int = 16):
+    """A decode capture: shuffled pages, NaN rows outside the sequences, a one-token request."""
+    from helpers import paged_case
+
+    q, pool, indptr, idx = paged_case([130, 1, 64], heads, page_size=page_size, dtype=torch.bfloat16, seed=3)
+    meta = dict(mode="decode", backend="unknown", kv_lora_rank=512, qk_rope_head_dim=64, sm_scale=0.1352,
+                logit_cap=0.0, page_size=page_size)  # fmt: skip
+    tensors = dict(q=q, kv_buffer=pool, kv_indptr=indptr, kv_indices=idx, seq_lens=(indptr[1:] - indptr[:-1]).int())
+    return read_capture(write_capture(tmp_path / "c.safetensors", tensors, meta))
+
+
+@pytest.mark.parametrize("name", PAGED)
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_adapter_meets_the_contract(standins, tmp_path, name, page_size):
+    cap = _capture(tmp_path, page_size)
+    report = replay_capture(cap, ReplayOptions(backends=[name]))
+    entry = report.backends[name]
+    assert entry.status == "pass", entry.reason
+    assert entry.info["standin"] is True and "stand-in" in entry.info["version"]
+    assert len(standins.CALLS) == 1
+    kernel_page = standins.CALLS[0].get("page")
+    if name == "cutlass_mla":
+        assert kernel_page == 128 and entry.info["layout"].startswith("re-paged")
+    if name == "flashinfer_mla" and page_size == 64:
+        assert kernel_page == 64  # the capture's page size fits: no re-paging
+
+
+def test_a_broken_convention_is_an_error_not_a_pass(standins, tmp_path, monkeypatch):
+    """The stand-in refuses an int64 table: the adapter's own conventions are what is tested."""
+    from refmla.backends.paged import inputs
+
+    real = inputs.paged_inputs
+
+    def int64_table(*a, **k):
+        x = real(*a, **k)
+        return inputs.PagedInputs(x.q, x.pool, x.block_table.long(), x.seq_lens, x.page_size, x.layout)
+
+    monkeypatch.setattr(inputs, "paged_inputs", int64_table)
+    entry = replay_capture(_capture(tmp_path, 64), ReplayOptions(backends=["flashmla"])).backends["flashmla"]
+    assert entry.status == "error" and "block_table must be an int32 tensor" in entry.reason
+
+
+def test_cutlass_refuses_more_than_128_heads(standins, tmp_path):
+    entry = replay_capture(_capture(tmp_path, 1, heads=144), ReplayOptions(backends=["cutlass_mla"])).backends["cutlass_mla"]
+    assert entry.status == "error" and "at most 128 heads" in entry.reason
+
+
+@pytest.mark.parametrize("name", PAGED)
+def test_without_the_kernel_each_is_skipped_with_its_reason(name):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the real kernels may be usable")
+    BACKEND_CACHE.pop(name, None)
+    ok, why = get_backend(name).availability()
+    assert not ok and why
+    assert any(w in why for w in ("not found", "CUDA", "not built", "not available", "extension"))
+
+
+def test_doctor_lists_engines_and_kernels(capsys):
+    from refmla.cli import main
+
+    assert main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    assert "engines and kernel packages: sglang" in text and "vllm " in text
+    for name in ("vllm_triton", *PAGED):
+        line = next(l for l in text.splitlines() if l.strip().startswith(name + " "))
+        assert "[" in line and "]" in line  # engine and kernel
+    assert "trtllm_batch_decode_with_kv_cache_mla" in text and "flash_mla_with_kvcache" in text
