@@ -31,7 +31,12 @@ def file_meta(path: Any) -> dict:
 
 
 def is_sparse_file(path: Any) -> bool:
-    return Path(path).is_file() and is_sparse_meta(file_meta(path))
+    """A regular file whose meta says sparse decode; any path the OS refuses (a name too long, no
+    permission) is not, and the dense reader names the file and the reason."""
+    try:
+        return Path(path).is_file() and is_sparse_meta(file_meta(path))
+    except (OSError, ValueError):
+        return False
 
 
 def _sparse_meta(path: Path, header: dict) -> SparseMeta:
