@@ -123,7 +123,8 @@ def test_golden_generate_writes_the_manifest_last(tmp_path, monkeypatch):
 
     out = tmp_path / "g"
     out.mkdir()
-    (out / build.MANIFEST).write_text(json.dumps({"cases": []}))  # a previous run's
+    previous = {"format": "refmla.golden.manifest/1", "cases": []}  # a previous run's
+    (out / build.MANIFEST).write_text(json.dumps(previous))
     calls = []
 
     def dies_on_the_second(case, out_dir):
