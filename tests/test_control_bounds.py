@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import paged_case
+from helpers import MEASURE_ENV, ROOT, measure_control, paged_case
 from refmla import control
 from refmla.attended import Attended
 from refmla.control import Rounding, merge_partials, mla_control_split, store_as
@@ -23,8 +23,6 @@ from refmla.reference import gather
 from refmla.scales import Scales
 from refmla.schedule import split_bounds
 
-ROOT = Path(__file__).resolve().parents[1]
-MEASURE_ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "MALLOC_MMAP_THRESHOLD_": "131072"}
 SC = Scales(kv_lora_rank=512, sm_scale=0.1309)
 ROUNDINGS = [Rounding(), Rounding(merge="log2_as_ln"), Rounding(merge="unnormalized"), Rounding(split_lse=torch.bfloat16)]
 
@@ -74,39 +72,12 @@ def test_split_control_past_the_fan_in_is_the_flat_merge_to_fp32_rounding(rnd):
         assert not torch.equal(out, torch.zeros_like(out))
 
 
-SPLIT_HOSTILE = textwrap.dedent(
-    """
-    import json, sys, torch
-    from refmla import control
-    from refmla.attended import Attended
-    from refmla.scales import Scales
-    L, n, H, D = int(sys.argv[1]), int(sys.argv[2]), 16, 576
-    g = torch.Generator().manual_seed(0)
-    pool = torch.randn(1, 1, D, generator=g).to(torch.bfloat16)
-    q = torch.randn(1, H, D, generator=g).to(torch.bfloat16)
-    idx, indptr = torch.zeros(L, dtype=torch.int32), torch.tensor([0, L], dtype=torch.int32)
-    def kib(key):
-        return int(next(l for l in open("/proc/self/status") if l.startswith(key + ":")).split()[1])
-    att, sc = Attended.token_index(indptr, idx), Scales(kv_lora_rank=512, sm_scale=0.1)  # the input: 1e6 rows
-    open("/proc/self/clear_refs", "w").write("5")
-    base = kib("VmRSS")
-    out, lse = control.mla_control_split(q, pool, att, torch.tensor([n]), sc, torch.bfloat16)
-    v = pool[0, 0, :512].float()
-    print(json.dumps({"peak": (kib("VmHWM") - base) * 1024, "budget": control.control_budget(H, D, 512, 2),
-                      "out_err": float(((out[0].float() - v).abs() / v.abs().clamp(min=1e-3)).max())}))
-    """
-)
-
-
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to measure the peak")
 @pytest.mark.parametrize("splits", [16, 4096])
 def test_the_split_control_of_a_million_indices_at_one_row_stays_within_its_budget(splits):
     """As stored, 1e6 rows are 1.15 GB (the whole request gathered at once was a 1.8 GB peak); each
     split is gathered on its own, CONTROL_BLOCK_ROWS at a time. Every row equal: out = v."""
-    r = subprocess.run([sys.executable, "-c", SPLIT_HOSTILE, "1000000", str(splits)], capture_output=True,
-                       text=True, cwd=ROOT, env=MEASURE_ENV, timeout=600)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = measure_control(1000000, 16, splits)
     assert got["peak"] <= got["budget"] + (16 << 20), f"peak {got['peak'] / 2**20:.1f} MiB > budget {got['budget'] / 2**20:.1f} MiB"
     assert math.isfinite(got["out_err"]) and got["out_err"] <= 2 * torch.finfo(torch.bfloat16).eps, got
 
