@@ -28,7 +28,7 @@ from refmla.hook.call import Skip
 from refmla.hook.config import HookConfig, id_text
 from refmla.hook.filters import before
 from refmla.hook.postimport import Installation, InstallSlot
-from refmla.hook.sglang_paths import BACKEND_CLASSES, MARK, METHODS
+from refmla.hook.sglang_paths import BACKEND_CLASSES, DECODE_ONLY, MARK, METHODS
 from refmla.hook.writer import HookState
 
 _SLOT = InstallSlot()  # the hook's one installation in this process (refmla.hook.postimport)
@@ -106,7 +106,8 @@ def _make_backend_patcher(backend: str, cls_name: str) -> Callable[[Any], None]:
             inst.state.once(f"nocls:{module.__name__}", logging.WARNING,
                             "%s has no %s in this SGLang: %s backend not captured", module.__name__, cls_name, backend)  # fmt: skip
             return
-        for mode in sorted(inst.state.cfg.modes):
+        modes = {"decode"} & inst.state.cfg.modes if backend in DECODE_ONLY else inst.state.cfg.modes
+        for mode in sorted(modes):
             _wrap_method(inst, cls, METHODS[mode], backend, mode)
 
     return patch
@@ -217,6 +218,8 @@ def _make_wrapper(original: Callable, arg: Callable[..., Any], backend: str, mod
 
             call.q = arg(args, kwargs, "q")
             call.k = arg(args, kwargs, "k")
+            call.q_rope = arg(args, kwargs, "q_rope")
+            call.llama_4_scaling = arg(args, kwargs, "llama_4_scaling")
             call.sinks = arg(args, kwargs, "sinks")
             call.kernel_notes = kernel_probes.take_notes()
             after(state, call, self, result)
