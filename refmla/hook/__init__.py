@@ -29,6 +29,8 @@ call that passes the filters. The rest are torch-free, as they run at interprete
     filters.py        before the kernel: the cheap filters (layer, rank, EVERY, mode, MIN_SEQ_LEN)
     kernel_probes.py  notes from inside SGLang's kernel module (gfx950 forced splits, Lean)
     tensors.py        (torch) pool rows gathered, slots renumbered, unwritten splits blanked
+    nvidia.py         (torch) SGLang's NVIDIA MLA decode backends: the metadata, block table or plan
+                      each read, the page size, the KV scales each applied, q from q + q_rope
     aiter_meta.py     (torch) the aiter path production ran (meta) and its persistent work buffers
     geometry.py       the production pool's geometry (rows, bytes per row, layers per buffer) for the meta
     meta.py           (torch) the meta providers and their assembly
