@@ -17,6 +17,7 @@ Modules, imports going down this list:
     judge.py       the one comparator on sparse outputs, and the lse
     hypotheses.py  which sparse mistake explains a diverging output (with its detail)
     replay.py      capture -> paths -> judged, explained -> SparseReport
-    render.py      the report as text
+    inspection.py  `refmla inspect` of a sparse capture: layout, packing, caches' geometry, top-k, ratio, regions
+    render.py      the report and the inspect description as text
     golden.py      the sparse golden cases (golden/sparse/) and their check
 """

@@ -31,6 +31,7 @@ import torch
 from refmla.capture import CaptureError
 from refmla.capture.format import META_KEYS as DENSE_META_KEYS
 from refmla.capture.format import _check_geometry as check_geometry
+from refmla.regions import PoolMeta, RegionCheck, check_region
 from refmla.sparse.layouts import FP8_DTYPES, LAYOUTS, PackedLayout
 
 SPARSE_MODE = "sparse_decode"
@@ -179,6 +180,10 @@ class SparseCapture:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {n: getattr(self, n) for n in TENSORS if getattr(self, n) is not None}
+
+    def region(self) -> RegionCheck:
+        """The MR region-size check of the pool geometry in meta (refmla.regions)."""
+        return check_region(PoolMeta.from_raw({**self.meta.to_json(), "page_size": self.meta.page_size}))
 
     def cache_tokens(self, extra: bool = False) -> int:
         cache, page = (self.extra_k_cache, self.meta.extra_page_size) if extra else (self.k_cache, self.meta.page_size)

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 from refmla.capture import CaptureError
 from refmla.compare import Tolerance, Worst
-from refmla.regions import PoolMeta, RegionCheck, check_region
+from refmla.regions import RegionCheck
 from refmla.sparse.backends import BACKENDS, DEFAULT_BACKENDS, Unavailable
 from refmla.sparse.format import SparseCapture
 from refmla.sparse.hypotheses import SparseExplanation, explain
@@ -116,7 +116,7 @@ def replay_sparse(path: str, backends: Optional[Sequence[str]] = None, tol: Tole
                         "Dv": cap.meta.head_dim_v, "K": cap.indices.shape[2],
                         "K_extra": None if cap.extra_indices is None else cap.extra_indices.shape[2]},
                         noise=noise, lonely_rows=int(rows.lonely.sum()), entries=entries, diagnosis=diagnose(entries),
-                        region=check_region(PoolMeta.from_raw({**cap.meta.to_json(), "page_size": cap.meta.page_size})))  # fmt: skip
+                        region=cap.region())  # fmt: skip
 
 
 __all__ = ["SparseEntry", "SparseReport", "diagnose", "replay_sparse"]
