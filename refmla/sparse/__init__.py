@@ -16,6 +16,7 @@ Modules, imports going down this list:
     backends.py    the paths by name: reference, observed, triton (SGLang's), aiter_sparse, tilelang
     judge.py       the one comparator on sparse outputs, and the lse
     hypotheses.py  which sparse mistake explains a diverging output (with its detail)
+    diagnosis.py   which path diverges: the dense Diagnosis (same classes and JSON keys), sparse sentences
     replay.py      capture -> paths -> judged, explained -> SparseReport
     inspection.py  `refmla inspect` of a sparse capture: layout, packing, caches' geometry, top-k, ratio, regions
     render.py      the report and the inspect description as text

@@ -35,7 +35,8 @@ def render_sparse(r: SparseReport) -> str:
         lines.append("  ".join(str(c).ljust(w) for c, w in zip(row[:5], widths)) + "  " + row[5])
         if i == 0:
             lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 10)
-    lines += ["", f"verdict  {r.verdict}", f"diagnosis {r.diagnosis}"]
+    d = r.diagnosis  # as dense replay prints it (refmla.render.replay)
+    lines += ["", f"verdict  {r.verdict}", f"diagnosis {d.name}: {d.text}" if d.name else f"diagnosis {d.text}"]
     if r.region is not None and r.region.status != "not_recorded":
         lines.append(f"region   {r.region.status}: {r.region.message}")
     return "\n".join(lines)
