@@ -20,7 +20,8 @@ def render_sparse(r: SparseReport) -> str:
         f"capture  {r.capture}",
         f"shape    sparse_decode  requests={s['B']} q_tokens={s['S']} heads={s['H']} D={s['D']} Dv={s['Dv']}  "
         f"layout {m['kv_layout']} page {m['page_size']} K={s['K']}{extra}  "
-        f"compress_ratio {m.get('compress_ratio', '-')} ({m.get('layer_role', '-')})  produced by {m['backend']}",
+        f"layer {m.get('layer_id', '-')} compress_ratio {m.get('compress_ratio', '-')} ({m.get('layer_role', '-')})  "
+        f"produced by {m['backend']}",
         f"noise    control (the Triton sparse kernel's rounding points) max abs err {_num(r.noise)}"
         + (f"; {r.lonely_rows} row(s) with no valid index (lonely: out 0, lse +inf)" if r.lonely_rows else ""),
         "",
