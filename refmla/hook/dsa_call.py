@@ -27,7 +27,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from refmla.hook.call import Skip
-from refmla.hook.runtime import graph_capturing, tp_rank, versions
+from refmla.hook.filters import after_call_filters
+from refmla.hook.runtime import versions
 from refmla.hook.writer import HookState, capture_name
 
 ARGS = ("q_all", "kv_cache", "page_table_1", "layer", "metadata", "bs")  # _forward_aiter's parameters
@@ -83,14 +84,12 @@ def _kv_scale(layer: Any, kv_cache: torch.Tensor) -> Optional[float]:
 
 def capture_dsa(state: HookState, a: dict, out: Any) -> None:
     """Filters, budget, host copy, write: one DSA aiter decode capture (or a counted skip)."""
-    cfg, layer = state.cfg, a["layer"]
+    layer = a["layer"]
     layer_id = int(getattr(layer, "layer_id", -1))
-    rank = tp_rank()
-    step = state.next_step("dsa", layer_id)
-    if graph_capturing():
-        return state.skip("graph capture", "tensors are placeholders while a graph is captured")
-    if (layer_id >= 0 and not cfg.wants_layer(layer_id)) or not cfg.wants_rank(rank) or step % cfg.every:
-        return state.skip("filtered", "layer, rank or REFMLA_CAPTURE_EVERY")
+    wanted = after_call_filters(state, "dsa", layer_id)
+    if wanted is None:
+        return None
+    rank, step = wanted
     if not torch.is_tensor(out) or a["page_table_1"] is None or a["page_table_1"].dim() != 2:
         raise Skip("DSA aiter call without an output tensor or a [rows, topk] page_table_1")
     per_token = a["kv_cache"].element_size() * int(layer.head_dim)

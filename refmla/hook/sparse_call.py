@@ -24,7 +24,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from refmla.hook.geometry import disagg_meta, pool_counts, registered_regions
-from refmla.hook.runtime import graph_capturing, tp_rank, versions
+from refmla.hook.filters import after_call_filters
+from refmla.hook.runtime import versions
 from refmla.hook.writer import HookState, capture_name
 from refmla.sparse.io import write_sparse
 from refmla.sparse.layouts import LAYOUTS
@@ -127,15 +128,12 @@ def ratio_meta(layer_id: int) -> dict:
 
 def capture_call(state: HookState, kw: dict, result: Any, backend: str) -> None:
     """Filters, budget, host copy, write: one sparse capture (or a counted skip)."""
-    cfg = state.cfg
     layer = _caller_local("layer")
     layer_id = int(getattr(layer, "layer_id", -1))
-    rank = tp_rank()
-    step = state.next_step("dsv4", layer_id)
-    if graph_capturing():
-        return state.skip("graph capture", "tensors are placeholders while a graph is captured")
-    if (layer_id >= 0 and not cfg.wants_layer(layer_id)) or not cfg.wants_rank(rank) or step % cfg.every:
-        return state.skip("filtered", "layer, rank or REFMLA_CAPTURE_EVERY")
+    wanted = after_call_filters(state, "dsv4", layer_id)
+    if wanted is None:
+        return None
+    rank, step = wanted
     estimate = sum(int(v.numel() * v.element_size()) for v in kw.values() if isinstance(v, torch.Tensor))
     if not state.admit(estimate):
         return None
