@@ -43,7 +43,9 @@ def _targets(cfg: HookConfig) -> dict[str, Callable[[Any], None]]:
     targets: dict[str, Callable[[Any], None]] = {}
     if "dsv4" in cfg.backends:
         targets[DSV4_MODULE] = _patch_dsv4_entrypoint
-    for backend in sorted(cfg.backends - {"dsv4"}):
+    if "dsa" in cfg.backends:
+        targets[DSA_MODULE] = _patch_dsa_aiter
+    for backend in sorted(cfg.backends - {"dsv4", "dsa"}):
         for module, cls_name in BACKEND_CLASSES[backend]:
             targets[module] = _make_backend_patcher(backend, cls_name)
     for backend, (modules, probes) in kernel_probes.KERNEL_PROBES.items():
@@ -113,6 +115,7 @@ def _make_backend_patcher(backend: str, cls_name: str) -> Callable[[Any], None]:
     return patch
 
 
+DSA_MODULE, DSA_CLASS, DSA_METHOD = "sglang.srt.layers.attention.dsa_backend", "DeepseekSparseAttnBackend", "_forward_aiter"
 DSV4_MODULE = "sglang.srt.layers.attention.deepseek_v4_backend_hip_radix"
 DSV4_ENTRY = "flash_mla_with_kvcache_entrypoint"
 
@@ -142,6 +145,28 @@ def _patch_dsv4_entrypoint(module) -> None:
     setattr(wrapper, MARK, original)
     setattr(module, DSV4_ENTRY, wrapper)
     inst.module_attrs.append((module, DSV4_ENTRY, original))
+
+
+def _patch_dsa_aiter(module) -> None:
+    """Wrap the DSA backend's aiter decode path (V3.2 on ROCm; refmla.hook.dsa_call)."""
+    inst = _INSTALLED
+    cls = getattr(module, DSA_CLASS, None)
+    original = cls.__dict__.get(DSA_METHOD) if cls is not None else None
+    if inst is None:
+        return
+    if original is None:
+        inst.state.once(f"nodsa:{module.__name__}", logging.WARNING,
+                        "%s has no %s.%s in this SGLang: DSA aiter decode not captured", module.__name__, DSA_CLASS, DSA_METHOD)  # fmt: skip
+        return
+    if getattr(original, MARK, None) is not None:
+        return
+    from refmla.hook.dsa_call import wrap_forward_aiter
+
+    wrapper = wrap_forward_aiter(original, current_state)
+    setattr(wrapper, MARK, original)
+    setattr(cls, DSA_METHOD, wrapper)
+    inst.patched.append((cls, DSA_METHOD, original))
+    inst.state.log.info("wrapped %s.%s.%s (dsa)", module.__name__, DSA_CLASS, DSA_METHOD)
 
 
 def _make_kernel_patcher(probes: dict[str, Callable[[Callable], Callable]]) -> Callable[[Any], None]:

@@ -9,6 +9,7 @@ Checked against SGLang 0.5.23; older paths are kept as fall-backs, newest first 
 | NVIDIA MLA backends (decode) | ``sglang.srt.layers.attention.{flashmla,trtllm_mla,flashinfer_mla}_backend``, ``.flashattention_backend`` | ``FlashMLABackend``, ``TRTLLMMLABackend``, ``FlashInferMLAAttnBackend``, ``FlashAttentionBackend`` (no CUTLASS MLA backend in 0.5.23) |
 | Triton decode kernel | ``sglang.kernels.ops.attention.decode_attention`` (0.5.16+), ``sglang.srt.layers.attention.triton_ops.decode_attention`` (before) | ``_mla_launch_plan``, ``_decode_lean_attention_fwd`` (probed, optional), ``_MIN_BLOCK_KV`` |
 | aiter MLA entry points | ``sglang.srt.layers.attention.aiter_backend``, ``aiter.mla`` | ``mla_decode_fwd``, ``mla_gluon_decode``, ``get_mla_metadata_v1``, ``get_mla_metadata_info_v1``, ``_use_persistent_mla_decode`` (probed, each optional) |
+| DSA aiter decode (V3.2, ROCm) | ``sglang.srt.layers.attention.dsa_backend`` | ``DeepseekSparseAttnBackend._forward_aiter`` (refmla.hook.patching wraps it) |
 | graph-capture flag | ``sglang.srt.model_executor.runner_utils.capture_mode`` (0.5.x), ``sglang.srt.model_executor.cuda_graph_runner`` (0.4.x) | ``get_is_capture_mode`` |
 
 ``forward_decode`` and ``forward_extend`` take ``(q, k, v, layer, forward_batch,
