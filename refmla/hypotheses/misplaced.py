@@ -13,7 +13,7 @@
 Per request each, but output_rows_permuted (whole output). Candidates are screened with per-page
 block sums of exp(logit) and exp(logit) * v over the whole pool (one q . k per request), so
 every (page, source page) pair costs O(H * Dv) (page_size 1: a page is one row, and the pairs are
-ranked with the value axis projected to 16, at most PAIR_LIMIT of them); the best few are
+ranked with the value axis projected to RANK_WIDTH, at most PAIR_LIMIT of them); the best few are
 confirmed by the comparator.
 """
 
@@ -34,7 +34,9 @@ PAGES_OFF = "pages_read_off"
 OTHER_ROWS = "other_rows_read"
 PERMUTED = "output_rows_permuted"
 OFFSETS = (1, -1, 2, -2, 3, -3)  # pages read on / back, simplest first
-PAIR_LIMIT = 2**20  # (own page, source page) pairs screened per request, at most
+PAIR_LIMIT = 2**19  # (own page, source page) pairs screened per request, at most
+RANK_CHUNK = 2**15  # pairs ranked at a time
+RANK_WIDTH = 8  # the value axis projected to this many dimensions to rank the pairs
 PAIR_BUDGET = 2**26  # values scored exactly; past it the pairs are ranked with the value axis projected
 
 
@@ -137,15 +139,18 @@ def find_other_rows(s: Search, b: int) -> Iterator[Candidate]:
     js, ts = _pairs(effect, own, torch.nonzero(whole).flatten())
 
     def ratio(js, ts, Wb, W, target, rms=False):  # [K] worst-head error / allowed of page js holding ts
-        out = (Wb[None] - W[js] + W[ts]) / (S_b[None] - S[:, js].T + S[:, ts].T)[..., None]  # [K, H, w]
-        d = out - target[None]
+        St = ST[W.dtype]  # [pages, H] rows gathered (columns of S would be a strided gather)
+        den = (S_b.to(W.dtype)[None] - St.index_select(0, js) + St.index_select(0, ts))[..., None]  # [K, H, 1]
+        d = (Wb[None] - W.index_select(0, js) + W.index_select(0, ts)) / den - target[None]  # [K, H, w]
         err = d.norm(dim=-1) / math.sqrt(d.shape[-1]) if rms else d.abs().amax(-1)  # [K, H]
-        return torch.nan_to_num(err / tol[None], nan=math.inf).amax(-1)
+        return torch.nan_to_num(err / tol.to(err.dtype)[None], nan=math.inf).amax(-1)
 
+    ST = {torch.float64: S.T.contiguous(), torch.float32: S.T.float().contiguous()}
     if len(js) * W.shape[1] * W.shape[2] > PAIR_BUDGET:  # rank with the value axis projected
-        proj = torch.randn(W.shape[2], 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-        Wp, Wbp, tp = W @ proj, W_b @ proj, target @ proj
-        rank = torch.cat([ratio(js[a : a + 4096], ts[a : a + 4096], Wbp, Wp, tp, True) for a in range(0, len(js), 4096)])
+        proj = torch.randn(W.shape[2], RANK_WIDTH, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        Wp, Wbp, tp = ((x @ proj).float() for x in (W, W_b, target))  # ranking precision is plenty
+        n = RANK_CHUNK
+        rank = torch.cat([ratio(js[a : a + n], ts[a : a + n], Wbp, Wp, tp, True) for a in range(0, len(js), n)])
         keep = torch.argsort(rank)[:64]
         js, ts = js[keep], ts[keep]
     scores = ratio(js, ts, W_b, W, target)
@@ -155,11 +160,23 @@ def find_other_rows(s: Search, b: int) -> Iterator[Candidate]:
             break
         fb, fp, rows = pages[t]
         page = pages[j][1]
+        if _without_page_fits(s, b, page, P):
+            continue  # the page's own rows not read at all fits too: its source is not identified
         seq = r.pool_rows.clone()
         seq[page * P : (page + 1) * P] = rows
         exp, ctl = s.attend_rows(b, seq, r.vis)
         yield Candidate({"page": page, "from_request": fb, "from_page": fp}, exp, ctl, score,
                         simplicity=(fb == b, page))  # fmt: skip
+
+
+def _without_page_fits(s: Search, b: int, page: int, P: int) -> bool:
+    """Request b with page ``page`` not read passes the comparator: whatever row stood in for it
+    weighs nothing, so any light row of the pool fits as its source (a look-elsewhere fit)."""
+    r = s.req(b)
+    keep = torch.ones(r.L, dtype=torch.bool)
+    keep[page * P : (page + 1) * P] = False
+    exp, ctl = s.attend_rows(b, r.pool_rows, r.vis, keep=keep)
+    return s.confirm(exp, ctl, s.rows_of(b)).passed
 
 
 def _page_sums(s: Search, r, pages) -> tuple[torch.Tensor, torch.Tensor]:

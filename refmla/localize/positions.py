@@ -6,9 +6,11 @@ within its allowance is narrowed: its start moved forward and its end back while
 restores: the pages are reported, the narrowed positions as the evidence inside them (the last
 positions of a page can weigh too little to tell apart; a page is what a transfer or page-table
 bug loses). Neighbouring blocks are added while they help, so a run of missing pages is reported
-whole. When no block restores, parts of the most promising block are tried (single positions: a
-split that drops its last one; a page's head or tail), and failing that the block whose removal
-takes most of the error away is reported as carrying it.
+whole. When no block restores, every block's heads and tails (halves, quarters, ...) and the blocks
+shifted by half a block (a range straddling two blocks) are tried, the best that restores reported
+and narrowed; then parts of the most promising block (single positions: a split that drops its
+last one; a page's head or tail), and failing that the block whose removal takes most of the error
+away is reported as carrying it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from refmla.localize.types import Span
 
 BLOCK = 64  # positions per block when the capture is not paged
 SINGLES = 512  # a split up to this long has each of its positions tried alone
+HEAD_MIN = 8  # the shortest head or tail of a block the bisection tries
+BISECT_CONFIRM = 8  # ranges of the bisection recomputed after the screen
 
 
 @dataclass
@@ -85,11 +89,66 @@ def locate(seg: Segment) -> Optional[Span]:
     how = "reading them as zeros restores the output" if zero else "their removal restores the output"
     if r <= 1:
         return seg.span(a, e, how, evidence=_narrow(seg, a, e, zero))
+    part = _bisect(seg)
+    if part is not None:
+        (x, y), zero = part
+        how = "reading them as zeros restores the output" if zero else "their removal restores the output"
+        return seg.span(x, y, how + " (not whole pages')" if seg.page_size > 1 else how,
+                        evidence=_narrow(seg, x, y, zero))  # fmt: skip
     for x, y in _inside(seg, best):  # a part of a page: only when the data tell it from the page
         if seg.ratio((x, y)) <= 1:
             return seg.span(x, y, "their removal restores the output (not the whole page's)")
     share = 1 - tried[(best, zero)] / base
     return seg.span(*best, "carries the error", share=share) if share > 0.05 else None
+
+
+def _bisect(seg: Segment) -> Optional[tuple[tuple[int, int], bool]]:
+    """A range no whole block holds whose removal (or zeroing) restores the row, or None: every
+    block's heads and tails (halves, quarters, ... down to HEAD_MIN positions) and the blocks shifted
+    by half a block (a range straddling two blocks), screened at once from prefix sums of the
+    softmax (:func:`_screen`), the best BISECT_CONFIRM recomputed; the best that restores."""
+    L, P = seg.kv.shape[0], seg.page_size if seg.page_size > 1 else BLOCK
+    tries: set[tuple[int, int]] = set()
+    for a, e in blocks(seg) + [(max(0, a + P // 2), min(L, e + P // 2)) for a, e in blocks(seg)]:
+        k = e - a
+        while k >= HEAD_MIN:
+            tries |= {(a, e), (a, a + k), (e - k, e)}
+            k //= 2
+    ranges = sorted(t for t in tries if t[1] > t[0])
+    if not ranges:
+        return None
+    starts, ends = torch.tensor([a for a, _ in ranges]), torch.tensor([e for _, e in ranges])
+    screened = [(float(r), i, z) for z in (False, True) for i, r in enumerate(_screen(seg, starts, ends, z))]
+    restoring = []
+    for _, i, z in sorted(screened)[:BISECT_CONFIRM]:
+        r = seg.ratio(ranges[i], z)
+        if r <= 1:
+            restoring.append((r, -(ranges[i][1] - ranges[i][0]), ranges[i], z))
+    if not restoring:
+        return None
+    _, _, x, z = min(restoring)
+    return x, z
+
+
+def _screen(seg: Segment, starts: torch.Tensor, ends: torch.Tensor, zero: bool) -> torch.Tensor:
+    """Worst head's |target - attention| / allowance with each [starts[k], ends[k]) removed (or
+    zeroed) [K], from prefix sums of exp(logit) and exp(logit) v: a ranking (the softmax is linear
+    in the kept positions), the verdict stays :meth:`Segment.ratio`."""
+    sc, Dv = seg.sc, seg.sc.kv_lora_rank
+    s = seg.q @ seg.kv.T * (sc.sm_scale * sc.k_scale)  # [H, L]
+    if sc.logit_cap > 0:
+        s = sc.logit_cap * torch.tanh(s / sc.logit_cap)
+    m = s.amax(-1, keepdim=True)  # [H, 1]
+    p = torch.exp(s - m)  # [H, L]
+    pv = p[..., None] * (seg.kv[None, :, :Dv] * sc.v_scale)  # [H, L, Dv]
+    Zc = torch.cat([torch.zeros_like(p[:, :1]), p.cumsum(-1)], -1)  # [H, L + 1]
+    Ac = torch.cat([torch.zeros_like(pv[:, :1]), pv.cumsum(1)], 1)  # [H, L + 1, Dv]
+    Z = Zc[:, -1:] - (Zc[:, ends] - Zc[:, starts])  # [H, K]
+    if zero:
+        Z = Z + (ends - starts).double()[None] * torch.exp(-m)  # zero rows: logit 0
+    A = Ac[:, -1:] - (Ac[:, ends] - Ac[:, starts])  # [H, K, Dv]
+    err = (seg.target[:, None] - A / Z[..., None]).abs().amax(-1) / seg.tol[:, None]  # [H, K]
+    return err.nan_to_num(float("inf")).amax(0)
 
 
 def _inside(seg: Segment, blk: tuple[int, int]) -> list[tuple[int, int]]:
