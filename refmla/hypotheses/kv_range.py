@@ -3,7 +3,9 @@ zeros, at page granularity (page_size > 1) or in 32-token split units, plus the 
 
 Per request: every block-aligned range is scored at once (refmla.hypotheses.ranges), the best few
 dropped and zeroed are recomputed and confirmed on the request's rows; the smallest range that
-confirms is reported, the others are its ``alternatives``. A dropped range that is
+confirms is reported, the others are its ``alternatives``. When no block-aligned range confirms
+(and no split fits), ranges whose ends lie inside the blocks are searched (:func:`sub_ranges`: a
+sub-page range only when the data tell it from the whole pages), the roundest reported. A dropped range that is
 exactly one split of the kernel's schedule is left to ``split_missing``: dropping a split's
 partial from the merge and dropping its positions are the same arithmetic, so split_missing lists
 the dropped range under ``other_causes`` (:func:`dropped_alternative`: a page that never arrived
