@@ -17,6 +17,10 @@ from refmla.compare import Comparison, compare, judged_dtype
 from refmla.control import capture_control, mla_decode_split_control
 from refmla.options import ReplayOptions
 
+# The hypothesis search and the localization hold one request's rows in fp64 (and its logits per
+# query row and head): a request past this many bytes is not searched, and says so (issue 22).
+SEARCH_REQUEST_BYTES = 2 << 30
+
 
 class ReplayContext:
     """What every backend of one replay shares, computed at most once."""
@@ -56,6 +60,17 @@ class ReplayContext:
                 c.q, c.kv_buffer, c.attended(), num_kv_splits.cpu(), c.scales(), max_kv_splits=S, split_block=c.split_block,
             )  # fmt: skip
         return self._splits[key]
+
+    def too_large_to_search(self, b: int) -> Optional[str]:
+        """Why request b is past the search's budget (SEARCH_REQUEST_BYTES), or None: its rows in
+        fp64 and as stored [L, D], and its logits [T, H, L] in fp64."""
+        att, q, kv = self.cap.attended(), self.cap.q, self.cap.kv_buffer
+        L, T = int(att.indptr[b + 1] - att.indptr[b]), len(att.queries(b))
+        need = L * kv.shape[-1] * (8 + kv.dtype.itemsize) + T * q.shape[1] * L * 8
+        if need <= SEARCH_REQUEST_BYTES:
+            return None
+        return (f"request {b} attends {L} rows: searching it would hold {need / 2**30:.1f} GiB "
+                f"(budget {SEARCH_REQUEST_BYTES / 2**30:.0f} GiB); not searched")  # fmt: skip
 
     def empty_rows(self) -> torch.Tensor:
         """[R] True where the row's request attends no token."""

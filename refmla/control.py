@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from refmla.attended import Attended
@@ -167,13 +167,16 @@ def mla_control_split(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The control of a decode call under its split schedule (granularity ``split_block``: 32
     SGLang, 1 vLLM's uniform ceil(L / n)): each request's fp32 partials merged in fp32, then
-    rounded (the split kernels' rounding points). out [B, H, Dv], lse [B, H] fp32."""
+    rounded (the split kernels' rounding points). out [B, H, Dv], lse [B, H] fp32.
+
+    Each split's rows are gathered on their own (CONTROL_BLOCK_ROWS at a time), never the whole
+    request: memory follows the largest block, not the sequence."""
     B, H = q.shape[0], q.shape[1]
     out = torch.zeros(B, H, sc.kv_lora_rank, dtype=out_dtype, device=q.device)  # [B, H, Dv]
     lse = torch.full((B, H), -math.inf, dtype=torch.float32, device=q.device)  # [B, H]
     for b in range(B):
-        kv = gather(kv_buffer, att.group_rows(b), kv_buffer.dtype)  # [L, D] as stored
-        out[b], lse[b] = attend_control_split(q[b], kv, sc, out_dtype, int(num_kv_splits[b]), rounding, split_block)
+        rows = att.group_rows(b)  # [L] pool rows, position order
+        out[b], lse[b] = attend_rows_split(q[b], kv_buffer, rows, sc, out_dtype, int(num_kv_splits[b]), rounding, split_block)
     return out, lse
 
 
@@ -218,14 +221,51 @@ def attend_control_rows(
     """attend_control over pool ``rows``, gathered CONTROL_BLOCK_ROWS at a time: one block is
     :func:`attend_control` itself; a longer span's blocks are fp32 partials merged in fp32, as a
     split kernel merges its splits (so memory stays at one block whatever the length)."""
+    o, lse, _ = _attend32_rows(q, kv_buffer, rows, sc, rnd)
+    return store_as(o, out_dtype, rnd.store), lse
+
+
+def _attend32_rows(
+    q: torch.Tensor, kv_buffer: torch.Tensor, rows: torch.Tensor, sc: Scales, rnd: Rounding
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`_attend32` over pool ``rows`` [n], gathered CONTROL_BLOCK_ROWS at a time: (o [H, Dv],
+    lse [H], sum [H]) fp32. One block is _attend32 itself; longer, the blocks merge in fp32
+    (:class:`Partials`), the sum taken relative to the largest block maximum."""
+    def block(s: int) -> tuple[torch.Tensor, ...]:
+        return _attend32(q, gather(kv_buffer, rows[s : s + CONTROL_BLOCK_ROWS].long(), kv_buffer.dtype), sc, rnd)
+
     if rows.shape[0] <= CONTROL_BLOCK_ROWS:
-        return attend_control(q, gather(kv_buffer, rows.long(), kv_buffer.dtype), sc, out_dtype, rnd)
-    parts = [_attend32(q, gather(kv_buffer, rows[s : s + CONTROL_BLOCK_ROWS].long(), kv_buffer.dtype), sc, rnd)
-             for s in range(0, rows.shape[0], CONTROL_BLOCK_ROWS)]  # fmt: skip
-    outs = torch.stack([o for o, _, _ in parts])  # [S, H, Dv] fp32
-    lses = torch.stack([l for _, l, _ in parts])  # [S, H] fp32
-    lse = torch.logsumexp(lses, dim=0)  # [H]
-    return store_as((torch.exp(lses - lse)[..., None] * outs).sum(dim=0), out_dtype, rnd.store), lse
+        return block(0)
+    parts = Partials()
+    for s in range(0, rows.shape[0], CONTROL_BLOCK_ROWS):
+        parts.add(*block(s))
+    return parts.merged()
+
+
+MERGE_FANIN = 64  # partials held at once; more are merged 64 at a time (the budget's headroom)
+
+
+class Partials:
+    """fp32 partials (o [H, Dv] normalized, lse [H], sum [H]) merged in the standard way (exp of
+    lse - logsumexp), at most MERGE_FANIN held: up to that many the merge is the flat one, bit for bit."""
+
+    def __init__(self):
+        self.parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def add(self, o: torch.Tensor, lse: torch.Tensor, z: torch.Tensor) -> None:
+        self.parts.append((o, lse, z))
+        if len(self.parts) == MERGE_FANIN:
+            self.parts = [self.merged()]
+
+    def merged(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if len(self.parts) == 1:
+            return self.parts[0]
+        outs = torch.stack([o for o, _, _ in self.parts])  # [S, H, Dv]
+        lses = torch.stack([l for _, l, _ in self.parts])  # [S, H]
+        sums = torch.stack([z for _, _, z in self.parts])  # [S, H]
+        lse = torch.logsumexp(lses, dim=0)  # [H]
+        m = (lses - torch.log(sums)).amax(dim=0)  # [H] the largest partial maximum
+        return (torch.exp(lses - lse)[..., None] * outs).sum(dim=0), lse, torch.exp(lse - m)
 
 
 def attend_control_split(
@@ -233,19 +273,77 @@ def attend_control_split(
     rnd: Rounding = STANDARD, split_block: int = MIN_BLOCK_KV,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """attend_control over the kernel's split schedule (granularity ``split_block``: 32 SGLang,
-    1 vLLM): fp32 partials [S, H, Dv], an fp32 merge."""
-    bounds = [(s, e) for s, e in split_bounds(kv.shape[0], num_splits, split_block) if e > s]
+    1 vLLM), on one request's rows kv [L, D] as stored: fp32 partials [S, H, Dv], an fp32 merge."""
+    def parts(bounds):
+        return (_attend32(q, kv[s:e], sc, rnd) for s, e in bounds)
+
+    return _split(kv.shape[0], parts, out_dtype, num_splits, rnd, split_block)
+
+
+def attend_rows_split(
+    q: torch.Tensor, kv_buffer: torch.Tensor, rows: torch.Tensor, sc: Scales, out_dtype: torch.dtype,
+    num_splits: int, rnd: Rounding = STANDARD, split_block: int = MIN_BLOCK_KV,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`attend_control_split` over pool ``rows`` [L], each split gathered on its own (in
+    blocks of CONTROL_BLOCK_ROWS; short splits of one length batched): the same numbers while a
+    split fits one block."""
+    def parts(bounds):
+        return _split_parts(q, kv_buffer, rows, bounds, sc, rnd)
+
+    def whole() -> tuple[torch.Tensor, torch.Tensor]:
+        return attend_control_rows(q, kv_buffer, rows, sc, out_dtype, rnd)
+
+    return _split(rows.shape[0], parts, out_dtype, num_splits, rnd, split_block, whole)
+
+
+def _split_parts(q, kv_buffer, rows, bounds, sc: Scales, rnd: Rounding) -> Iterator[tuple[torch.Tensor, ...]]:
+    """(o, lse, sum) fp32 of each split (start, end) of pool ``rows``, in order. Consecutive splits of
+    one length run as one batch of at most CONTROL_BLOCK_ROWS rows (the same ops per entry); a split
+    longer than a block is gathered a block at a time."""
+    i = 0
+    while i < len(bounds):
+        s, e = bounds[i]
+        L = e - s
+        if L > CONTROL_BLOCK_ROWS:
+            yield _attend32_rows(q, kv_buffer, rows[s:e], sc, rnd)
+            i += 1
+            continue
+        j = i + 1
+        while j < len(bounds) and j - i < CONTROL_BLOCK_ROWS // L and bounds[j][1] - bounds[j][0] == L:
+            j += 1
+        G = j - i  # splits [i, j): contiguous rows rows[s : s + G * L]
+        kv = gather(kv_buffer, rows[s : s + G * L].long(), kv_buffer.dtype).view(G, L, -1)  # [G, L, D]
+        o, lse, z = _attend32(q.expand(G, *q.shape), kv, sc, rnd)  # [G, H, Dv], [G, H], [G, H]
+        yield from zip(o, lse, z)
+        i = j
+
+
+def _split(L: int, parts, out_dtype, num_splits: int, rnd: Rounding, split_block: int, whole=None):
+    """The split merge over ``parts(bounds)``, the (o, lse, sum) fp32 of each non-empty split in
+    order: the standard merge (:class:`Partials`), or :func:`merge_partials` under ``rnd`` (streamed
+    MERGE_FANIN splits at a time). One split: the unsplit control (``whole()``, or its one part)."""
+    bounds = [(s, e) for s, e in split_bounds(L, num_splits, split_block) if e > s]
     if len(bounds) <= 1:
-        return attend_control(q, kv, sc, out_dtype, rnd)
-    parts = [_attend32(q, kv[s:e], sc, rnd) for s, e in bounds]
-    outs = torch.stack([o for o, _, _ in parts])  # [S, H, Dv] fp32
-    lses = torch.stack([l for _, l, _ in parts])  # [S, H] fp32
-    lse = torch.logsumexp(lses, dim=0)  # [H]
-    if not rnd.standard_merge:
-        sums = torch.stack([z for _, _, z in parts])  # [S, H]
-        return store_as(merge_partials(outs, lses, sums, rnd), out_dtype, rnd.store), lse
-    w = torch.exp(lses - lse)  # [S, H]
-    return store_as((w[..., None] * outs).sum(dim=0), out_dtype, rnd.store), lse
+        if whole is not None:
+            return whole()
+        o, lse, _ = next(parts([(0, L)]))
+        return store_as(o, out_dtype, rnd.store), lse
+    if rnd.standard_merge:
+        merged = Partials()
+        for part in parts(bounds):
+            merged.add(*part)
+        o, lse, _ = merged.merged()
+        return store_as(o, out_dtype, rnd.store), lse
+    stream, chunk = _StreamMerge(rnd), []
+    for part in parts(bounds):
+        chunk.append(part)
+        if len(chunk) == MERGE_FANIN:
+            stream.add(chunk)
+            chunk = []
+    if chunk:
+        stream.add(chunk)
+    o, lse = stream.result()
+    return store_as(o, out_dtype, rnd.store), lse
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor, sums: torch.Tensor, rnd: Rounding) -> torch.Tensor:
@@ -254,17 +352,54 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor, sums: torch.Tensor, r
     outs [S, H, Dv] normalized partials, lses [S, H], sums [S, H] each partial's sum of p (its
     normalization, for ``unnormalized``) -> [H, Dv].
     """
+    num, den, _ = _weighted(outs, lses, sums, rnd)
+    return num / den[..., None]
+
+
+def _weighted(outs: torch.Tensor, lses: torch.Tensor, sums: torch.Tensor, rnd: Rounding) -> tuple[torch.Tensor, ...]:
+    """:func:`merge_partials` before its division: sum_s w_s o_s [H, Dv], sum_s w_s [H], and the
+    maximum m [H] the weights w_s = exp(c (lse_s - m)) are taken against (c: the merge's base)."""
     if rnd.split_lse is not None:
         lses = lses.to(rnd.split_lse).to(lses.dtype)
     if rnd.merge == "unnormalized":
         outs = outs * sums[..., None]
-    d = lses - lses.amax(dim=0)
+    m = lses.amax(dim=0)  # [H]
+    w = torch.exp(_in_base(lses - m, rnd))  # [S, H]
+    return (w[..., None] * outs).sum(dim=0), w.sum(dim=0), m
+
+
+def _in_base(d: torch.Tensor, rnd: Rounding) -> torch.Tensor:
+    """A difference of lses as the merge exponentiates it (log2 units read as ln, or the reverse)."""
     if rnd.merge == "log2_as_ln":  # lse stored as log2, merged with exp
-        d = d * LOG2E
-    elif rnd.merge == "ln_as_log2":  # natural lse merged with exp2
-        d = d * LN2
-    w = torch.exp(d)  # [S, H]
-    return (w[..., None] * outs).sum(dim=0) / w.sum(dim=0)[..., None]
+        return d * LOG2E
+    if rnd.merge == "ln_as_log2":  # natural lse merged with exp2
+        return d * LN2
+    return d
+
+
+class _StreamMerge:
+    """:func:`merge_partials` over chunks of splits, folded as they come (a running numerator,
+    denominator and maximum); with one chunk it is merge_partials itself, bit for bit."""
+
+    def __init__(self, rnd: Rounding):
+        self.rnd, self.acc, self.lse = rnd, None, None
+
+    def add(self, parts: list[tuple[torch.Tensor, ...]]) -> None:
+        outs, lses, sums = (torch.stack([p[i] for p in parts]) for i in range(3))  # [S, H, Dv], [S, H], [S, H]
+        num, den, m = _weighted(outs, lses, sums, self.rnd)
+        lse = torch.logsumexp(lses, dim=0)  # [H]
+        if self.acc is None:
+            self.acc, self.lse = (num, den, m), lse
+            return
+        num0, den0, m0 = self.acc
+        top = torch.maximum(m0, m)
+        a, b = torch.exp(_in_base(m0 - top, self.rnd)), torch.exp(_in_base(m - top, self.rnd))  # [H]
+        self.acc = (num0 * a[:, None] + num * b[:, None], den0 * a + den * b, top)
+        self.lse = torch.logaddexp(self.lse, lse)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        num, den, _ = self.acc
+        return num / den[..., None], self.lse
 
 
 def mla_decode_split_control(
@@ -274,8 +409,8 @@ def mla_decode_split_control(
     """:func:`refmla.reference.mla_decode_split_ref` at the control's rounding points: fp32 partials
     [B, H, S, Dv] and lse [B, H, S], as the Triton stage-1 kernel stores them, and valid [B, S]."""
 
-    def split32(qb: torch.Tensor, kv: torch.Tensor, sc: Scales):
-        return attend_control(qb, kv, sc, torch.float32)
+    def split32(qb: torch.Tensor, kv_buffer: torch.Tensor, rows: torch.Tensor, sc: Scales):
+        return attend_control_rows(qb, kv_buffer, rows, sc, torch.float32)  # this split's rows only, in blocks
 
     return mla_decode_split_ref(
         q, kv_buffer, att, num_kv_splits, sc, max_kv_splits=max_kv_splits, attend_fn=split32, split_block=split_block,

@@ -171,6 +171,9 @@ def _worst_row(report: ReplayReport) -> Optional[tuple[int, int, str, Optional[E
     return None
 
 
+PLOT_BLOCK_ROWS = 16384  # rows upcast at once for the attention figure's logits
+
+
 def _attention_figure(cap, report: ReplayReport, row: int, head: int, backend: str,
                       expl: Optional[Explanation]) -> Figure:  # fmt: skip
     att = cap.attended()
@@ -179,8 +182,9 @@ def _attention_figure(cap, report: ReplayReport, row: int, head: int, backend: s
     seen = att.rows_seen(row)  # [L_seen] the rows this query row attends, position order
     L_seen = seen.numel()
     m = cap.meta
-    kv = ref.gather(cap.kv_buffer, seen, torch.float64)  # [L_seen, D]
-    s = (kv @ cap.q[row, head].double()) * (m.sm_scale * m.k_scale)  # [L_seen]
+    qd = cap.q[row, head].double()  # [D]
+    s = torch.cat([ref.gather(cap.kv_buffer, seen[i : i + PLOT_BLOCK_ROWS], torch.float64) @ qd  # a block at a time
+                   for i in range(0, L_seen, PLOT_BLOCK_ROWS)] or [qd.new_zeros(0)]) * (m.sm_scale * m.k_scale)  # [L_seen]
     if m.logit_cap > 0:
         s = m.logit_cap * torch.tanh(s / m.logit_cap)
     p = torch.softmax(s, dim=0).numpy() if L_seen else s.numpy()  # [L_seen]

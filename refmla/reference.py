@@ -101,8 +101,9 @@ def mla_decode_split_ref(
     attn_lse [B, H, S] and valid [B, S] (False for empty splits, whose partials are 0 / -inf).
     S = max_kv_splits, or the most splits that hold a token (at least 1) when not given.
     ``split_block``: the schedule's granularity (32 SGLang, 1 vLLM's uniform ceil(L / n)).
-    ``attend_fn(q [H, D], kv [L, D], sc)`` replaces :func:`attend` per split, on the inputs in
-    their stored dtypes (the low-precision control passes its own: refmla.control.mla_decode_split_control).
+    ``attend_fn(q [H, D], kv_buffer, rows [n], sc)`` replaces :func:`attend` per split, reading the
+    split's pool rows as stored (the low-precision control passes its own:
+    refmla.control.mla_decode_split_control).
     """
     B, H, _ = q.shape
     lens = att.lengths()  # [B]
@@ -117,8 +118,7 @@ def mla_decode_split_ref(
     b_of, s_of, starts, span_lens = (list(c) for c in zip(*held)) if held else ([], [], [], [])  # splits with a token
     if attend_fn is not None:  # the control: its own math per split, on the inputs as stored
         for b, s, start, n in zip(b_of, s_of, starts, span_lens):
-            kv = gather(kv_buffer, att.rows[start : start + n], kv_buffer.dtype)  # [n, D] this split only
-            parts[b, :, s], lses[b, :, s] = attend_fn(q[b], kv, sc)
+            parts[b, :, s], lses[b, :, s] = attend_fn(q[b], kv_buffer, att.rows[start : start + n], sc)
     elif b_of:
         spans = Spans(att.rows, torch.tensor(starts), torch.tensor(span_lens), torch.tensor(b_of))
         o, l = attend_spans(q, kv_buffer, spans, sc, accum_dtype)  # [P, H, Dv], [P, H]

@@ -124,6 +124,9 @@ def compare_lse(ctx: ReplayContext, lse: torch.Tensor, out_dtype: torch.dtype, r
     return check
 
 
+SLACK_BLOCK_ROWS = 16384  # rows upcast at once for the slack (fp64 [n, Dv]: 64 MiB)
+
+
 def q_rounding_slack(cap) -> torch.Tensor:
     """[R, H] how far a kernel's lse may move by its choice of rounding q's latent part to a narrower
     pool's dtype or not (the control rounds, as SGLang's Triton decode does; an extend kernel may
@@ -137,9 +140,11 @@ def q_rounding_slack(cap) -> torch.Tensor:
     dq = (q[..., :Dv].double() - q[..., :Dv].to(kv.dtype).double())  # [R, H, Dv]
     scale = cap.meta.sm_scale * cap.meta.k_scale
     for b, r in enumerate(_rows_of_requests(cap)):
-        k = ref.gather(kv, cap.attended().group_rows(b), torch.float64)[:, :Dv]  # [L, Dv]
-        if len(r) and k.shape[0]:
-            slack[r] = (dq[r] @ k.T).abs().amax(dim=-1).nan_to_num(0.0) * scale  # [r, H]
+        pool_rows = cap.attended().group_rows(b)  # [L]
+        for s in range(0, pool_rows.shape[0] if len(r) else 0, SLACK_BLOCK_ROWS):  # a block of rows at a time
+            k = ref.gather(kv, pool_rows[s : s + SLACK_BLOCK_ROWS], torch.float64)[:, :Dv]  # [n, Dv]
+            worst = (dq[r] @ k.T).abs().amax(dim=-1).nan_to_num(0.0) * scale  # [r, H]
+            slack[r] = torch.maximum(slack[r], worst)
     return slack
 
 

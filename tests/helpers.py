@@ -73,3 +73,47 @@ def forget_aiter() -> None:
     """Drop every imported ``aiter`` module, so the next import finds whichever one is on sys.path."""
     for name in [k for k in sys.modules if k == "aiter" or k.startswith("aiter.")]:
         sys.modules.pop(name)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# The peak is read as resident memory in a fresh process. A fixed mmap threshold makes glibc serve
+# every allocation over 128 KiB with its own mapping, returned on free, so the peak counts the bytes
+# live at once (not what a dynamic threshold left cached in the heap).
+MEASURE_ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "MALLOC_MMAP_THRESHOLD_": "131072"}
+# The control of one request of L indices that all point at the one row of a one-row pool, in a fresh
+# process: argv L, H, splits (0: unsplit, refmla.control.mla_control; else mla_control_split). Prints
+# the peak above the inputs, the control's stated budget and the output's error against v (every row
+# equal: out = v to the output's rounding).
+CONTROL_HOSTILE = """
+import json, sys, torch
+from refmla import control
+from refmla.attended import Attended
+from refmla.scales import Scales
+L, H, n, D = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), 576
+g = torch.Generator().manual_seed(0)
+pool = torch.randn(1, 1, D, generator=g).to(torch.bfloat16)
+q = torch.randn(1, H, D, generator=g).to(torch.bfloat16)
+idx, indptr = torch.zeros(L, dtype=torch.int32), torch.tensor([0, L], dtype=torch.int32)
+def kib(key):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(key + ":")).split()[1])
+att, sc = Attended.token_index(indptr, idx), Scales(kv_lora_rank=512, sm_scale=0.1)  # the input
+open("/proc/self/clear_refs", "w").write("5")
+base = kib("VmRSS")
+if n:
+    out, lse = control.mla_control_split(q, pool, att, torch.tensor([n]), sc, torch.bfloat16)
+else:
+    out, lse = control.mla_control(q, pool, att, sc, torch.bfloat16)
+v = pool[0, 0, :512].float()
+print(json.dumps({"peak": (kib("VmHWM") - base) * 1024, "budget": control.control_budget(H, D, 512, 2),
+                  "out_err": float(((out[0].float() - v).abs() / v.abs().clamp(min=1e-3)).max())}))
+"""
+
+
+def measure_control(L: int, H: int, splits: int = 0) -> dict:
+    """Run CONTROL_HOSTILE in a fresh process; its JSON line."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", CONTROL_HOSTILE, str(L), str(H), str(splits)], capture_output=True,
+                       text=True, cwd=ROOT, env=MEASURE_ENV, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])

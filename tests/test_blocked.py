@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import paged_case
+from helpers import MEASURE_ENV, ROOT, measure_control, paged_case
 from refmla import blocked
 from refmla import reference as ref
 from refmla.attended import Attended
@@ -22,11 +22,6 @@ from refmla.control import mla_control
 from refmla.scales import Scales
 
 SCALE = 0.1309
-ROOT = Path(__file__).resolve().parents[1]
-# The peak is read as resident memory in a fresh process. A fixed mmap threshold makes glibc serve
-# every allocation over 128 KiB with its own mapping, returned on free, so the peak counts the bytes
-# live at once (not what a dynamic threshold left cached in the heap).
-MEASURE_ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "MALLOC_MMAP_THRESHOLD_": "131072"}
 # lengths on both sides of one block and of several, and the empty request
 LENGTHS = [0, 1, 2, 31, blocked.BLOCK_ROWS - 1, blocked.BLOCK_ROWS, blocked.BLOCK_ROWS + 1, 3 * blocked.BLOCK_ROWS + 7, 1300]
 
@@ -208,37 +203,10 @@ def test_the_control_of_a_batch_is_each_requests_control_alone():
     assert 0 < err < 8 * torch.finfo(torch.bfloat16).eps * truth.abs().max(), "the control is rounding noise"
 
 
-CONTROL_HOSTILE = textwrap.dedent(
-    """
-    import json, sys, torch
-    from refmla import control
-    from refmla.attended import Attended
-    from refmla.scales import Scales
-    L, H, D = int(sys.argv[1]), 2, 576
-    g = torch.Generator().manual_seed(0)
-    pool = torch.randn(1, 1, D, generator=g).to(torch.bfloat16)
-    q = torch.randn(1, H, D, generator=g).to(torch.bfloat16)
-    idx, indptr = torch.zeros(L, dtype=torch.int32), torch.tensor([0, L], dtype=torch.int32)
-    def kib(key):
-        return int(next(l for l in open("/proc/self/status") if l.startswith(key + ":")).split()[1])
-    open("/proc/self/clear_refs", "w").write("5")
-    base = kib("VmRSS")
-    att, sc = Attended.token_index(indptr, idx), Scales(kv_lora_rank=512, sm_scale=0.1)
-    out, lse = control.mla_control(q, pool, att, sc, torch.bfloat16)
-    v = pool[0, 0, :512].float()
-    print(json.dumps({"peak": (kib("VmHWM") - base) * 1024, "budget": control.control_budget(H, D, 512, 2),
-                      "out_err": float(((out[0].float() - v).abs() / v.abs().clamp(min=1e-3)).max())}))
-    """
-)
-
-
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to measure the peak")
 def test_the_control_of_half_a_million_indices_at_one_row_stays_within_its_budget():
     """As stored, 5e5 rows are 576 MB and 1.2 GB in fp32; the control gathers CONTROL_BLOCK_ROWS at
     a time. Every row equal: out = v to bf16 rounding."""
-    r = subprocess.run([sys.executable, "-c", CONTROL_HOSTILE, "500000"], capture_output=True, text=True,
-                       cwd=ROOT, env=MEASURE_ENV, timeout=600)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = measure_control(500000, 2)
     assert got["peak"] <= got["budget"] + (16 << 20), f"peak {got['peak'] / 2**20:.1f} MiB > budget {got['budget'] / 2**20:.1f} MiB"
     assert got["out_err"] <= 2 * torch.finfo(torch.bfloat16).eps, got

@@ -138,13 +138,17 @@ def explain_failure(
 
     out: the backend's output [R, H, Dv]; cmp: its comparison with the reference (ctx.compare).
     notes (optional): filled with what the search learnt besides the answer: ``numerics_tried``,
-    the numerics variants and their residuals (whatever explains the output).
+    the numerics variants and their residuals (whatever explains the output); ``search_skipped``,
+    the failing requests past the search's budget (ReplayContext.too_large_to_search), which are
+    never reported as explained.
     """
     t0 = time.perf_counter()
     if cmp.row_err is None or tuple(out.shape) != tuple(ctx.ref_out.shape):
         return None
     with single_thread(), torch.no_grad():
         s = Search(ctx, out, cmp)
+        if notes is not None and s.too_large:
+            notes["search_skipped"] = "; ".join(s.too_large.values())
         if not s.failing:
             return None
         partial = None
@@ -158,6 +162,8 @@ def explain_failure(
             notes["numerics_tried"] = s.memo(numerics.TRIED, list)
         if found is not None:
             cross_alternatives(s, found)
+            if s.too_large:  # not searched: never reported as explained
+                found.unexplained_requests = sorted({*(found.unexplained_requests or []), *s.too_large})
             found.seconds = round(time.perf_counter() - t0, 3)
     return found
 

@@ -80,6 +80,7 @@ class Search:
         R, H = self.o64.shape[0], self.o64.shape[1]
         self.mask = None if cmp.compared_rows >= R * H else ~ctx.empty_rows()  # as the replay compared
         self.row_tol = cmp.row_tol.clamp(min=1e-300)  # [R, H]
+        self.too_large: dict[int, str] = {}  # failing requests past the search's budget: why
         self.bad_rows, self.failing = self._failing()  # [R, H]; failing requests, worst first
         self.worst_request = self.failing[0] if self.failing else None
         self._reqs: dict[int, Req] = {}
@@ -95,6 +96,10 @@ class Search:
         for r in torch.nonzero(bad.any(-1)).flatten().tolist():
             b = int(self.req_of_row[r])
             per_req[b] = max(per_req.get(b, 0.0), float(worst[r]))
+        for b in list(per_req):  # past the search's budget: left out, and said (explain_failure)
+            if (why := self.ctx.too_large_to_search(b)) is not None:
+                self.too_large[b] = why
+                del per_req[b]
         return bad, sorted(per_req, key=lambda b: -per_req[b])
 
     # -- row measures ------------------------------------------------------------------------

@@ -53,8 +53,12 @@ def _localize(ctx: ReplayContext, res, entry: BackendEntry) -> Localization:
         splits = res.num_kv_splits if res.num_kv_splits is not None else cap.num_kv_splits
         loc.spans = [_split_span(ctx, b, s, "its split lse is off", splits) for b, s in found.pairs[:MAX_REQUESTS]]
     elif found.stage is None and "out" in parts:
-        loc.spans = [s for b in sorted(parts["out"], key=reqs.index)[:MAX_REQUESTS] if (s := _request_span(ctx, res, entry, b))]
-        loc.tried.append("positions: removing or zeroing each " + ("page" if cap.meta.page_size > 1 else "64 positions"))
+        worst = sorted(parts["out"], key=reqs.index)[:MAX_REQUESTS]
+        loc.tried += [why for b in worst if (why := ctx.too_large_to_search(b))]
+        searched = [b for b in worst if not ctx.too_large_to_search(b)]
+        loc.spans = [s for b in searched if (s := _request_span(ctx, res, entry, b))]
+        if searched:
+            loc.tried.append("positions: removing or zeroing each " + ("page" if cap.meta.page_size > 1 else "64 positions"))
     return loc
 
 
@@ -99,6 +103,9 @@ def _split_spans(ctx: ReplayContext, res, found) -> list[Span]:
     splits = res.num_kv_splits if res.num_kv_splits is not None else ctx.cap.num_kv_splits
     for b, s in found.pairs[:MAX_REQUESTS]:
         a, e = split_bounds(int(ctx.cap.seq_lens[b]), int(splits[b]))[s]
+        if ctx.too_large_to_search(b):  # a split of a request past the search's budget: the split itself
+            spans.append(_split_span(ctx, b, s, "its partial fails", splits))
+            continue
         vrow = int(torch.nonzero((rows.b_idx == b) & (rows.s_idx == s)).flatten()[0])
         target = res.attn_logits[b, :, s].detach().cpu().double() * v
         span = locate(_segment(ctx, b, a, e, target, rows.cmp.row_tol[vrow], split=s))
