@@ -125,10 +125,15 @@ def test_a_range_straddling_two_pages_is_localized(tmp_path):
     assert (span.start, span.end, span.pages) == (32, 96, (0, 1)), span
 
 
-def test_the_bisection_screen_ranks_as_the_reference_recomputes():
+@pytest.mark.parametrize("chunk", [None, 50])
+def test_the_bisection_screen_ranks_as_the_reference_recomputes(monkeypatch, chunk):
     """_screen's prefix sums give the same ratio as Segment.ratio recomputing the attention, dropped
-    and zeroed, on hostile data (a large logit range, a cap)."""
+    and zeroed, on hostile data (a large logit range, a cap, fp8-like scales), in one chunk or many."""
+    from refmla.localize import positions
     from refmla.localize.positions import _screen
+
+    if chunk:
+        monkeypatch.setattr(positions, "CHUNK", chunk)  # 50 values: 2 positions / ranges per chunk
 
     g = torch.Generator().manual_seed(3)
     sc = Scales(8, 0.7, logit_cap=5.0, k_scale=0.5, v_scale=2.0)

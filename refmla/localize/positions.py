@@ -27,6 +27,8 @@ BLOCK = 64  # positions per block when the capture is not paged
 SINGLES = 512  # a split up to this long has each of its positions tried alone
 HEAD_MIN = 8  # the shortest head or tail of a block the bisection tries
 BISECT_CONFIRM = 8  # ranges of the bisection recomputed after the screen
+SCREEN_BUDGET = 2**25  # values (fp64) the bisection's screen may hold: [points, H, Dv]
+CHUNK = 2**22  # values per chunk of positions / ranges in the screen
 
 
 @dataclass
@@ -115,8 +117,8 @@ def _bisect(seg: Segment) -> Optional[tuple[tuple[int, int], bool]]:
             tries |= {(a, e), (a, a + k), (e - k, e)}
             k //= 2
     ranges = sorted(t for t in tries if t[1] > t[0])
-    if not ranges:
-        return None
+    if not ranges or 2 * len(ranges) * seg.q.shape[0] * seg.sc.kv_lora_rank > SCREEN_BUDGET:
+        return None  # nothing to try, or a request too long for the screen's sums (bounded memory)
     starts, ends = torch.tensor([a for a, _ in ranges]), torch.tensor([e for _, e in ranges])
     screened = [(float(r), i, z) for z in (False, True) for i, r in enumerate(_screen(seg, starts, ends, z))]
     restoring = []
@@ -132,23 +134,35 @@ def _bisect(seg: Segment) -> Optional[tuple[tuple[int, int], bool]]:
 
 def _screen(seg: Segment, starts: torch.Tensor, ends: torch.Tensor, zero: bool) -> torch.Tensor:
     """Worst head's |target - attention| / allowance with each [starts[k], ends[k]) removed (or
-    zeroed) [K], from prefix sums of exp(logit) and exp(logit) v: a ranking (the softmax is linear
-    in the kept positions), the verdict stays :meth:`Segment.ratio`."""
-    sc, Dv = seg.sc, seg.sc.kv_lora_rank
+    zeroed) [K], from sums of exp(logit) and exp(logit) v between the ranges' ends: a ranking (the
+    softmax is linear in the kept positions), the verdict stays :meth:`Segment.ratio`. Holds
+    [points, H, Dv] (the caller bounds it: SCREEN_BUDGET) and chunks of positions and of ranges."""
+    sc, Dv, L = seg.sc, seg.sc.kv_lora_rank, seg.kv.shape[0]
     s = seg.q @ seg.kv.T * (sc.sm_scale * sc.k_scale)  # [H, L]
     if sc.logit_cap > 0:
         s = sc.logit_cap * torch.tanh(s / sc.logit_cap)
     m = s.amax(-1, keepdim=True)  # [H, 1]
     p = torch.exp(s - m)  # [H, L]
-    pv = p[..., None] * (seg.kv[None, :, :Dv] * sc.v_scale)  # [H, L, Dv]
-    Zc = torch.cat([torch.zeros_like(p[:, :1]), p.cumsum(-1)], -1)  # [H, L + 1]
-    Ac = torch.cat([torch.zeros_like(pv[:, :1]), pv.cumsum(1)], 1)  # [H, L + 1, Dv]
-    Z = Zc[:, -1:] - (Zc[:, ends] - Zc[:, starts])  # [H, K]
-    if zero:
-        Z = Z + (ends - starts).double()[None] * torch.exp(-m)  # zero rows: logit 0
-    A = Ac[:, -1:] - (Ac[:, ends] - Ac[:, starts])  # [H, K, Dv]
-    err = (seg.target[:, None] - A / Z[..., None]).abs().amax(-1) / seg.tol[:, None]  # [H, K]
-    return err.nan_to_num(float("inf")).amax(0)
+    pts, inv = torch.unique(torch.cat([starts, ends, torch.tensor([0, L])]), return_inverse=True)  # sorted
+    i0, i1 = inv[: len(starts)], inv[len(starts) : 2 * len(starts)]  # each range's ends among pts
+    Zc = torch.cat([torch.zeros_like(p[:, :1]), p.cumsum(-1)], -1)[:, pts]  # [H, npts] sum p before pts[k]
+    blk = torch.bucketize(torch.arange(L), pts[1:], right=True) + 1  # position x counts from point blk[x]
+    H, step = p.shape[0], max(1, CHUNK // max(p.shape[0] * Dv, 1))
+    Ac = torch.zeros(len(pts), H, Dv, dtype=p.dtype)  # [npts, H, Dv]
+    for a in range(0, L, step):
+        e = min(a + step, L)
+        Ac.index_add_(0, blk[a:e], (p[:, a:e, None] * (seg.kv[None, a:e, :Dv] * sc.v_scale)).transpose(0, 1))
+    Ac = Ac.cumsum(0)  # sum p v over the positions before pts[k]
+    out = torch.empty(len(starts), dtype=p.dtype)
+    for a in range(0, len(starts), step):
+        j0, j1 = i0[a : a + step], i1[a : a + step]
+        Z = Zc[:, -1:] - (Zc[:, j1] - Zc[:, j0])  # [H, K]
+        if zero:
+            Z = Z + (ends - starts)[a : a + step].to(p.dtype)[None] * torch.exp(-m)  # zero rows: logit 0
+        A = Ac[-1][:, None] - (Ac[j1] - Ac[j0]).transpose(0, 1)  # [H, K, Dv]
+        err = (seg.target[:, None] - A / Z[..., None]).abs().amax(-1) / seg.tol[:, None]  # [H, K]
+        out[a : a + step] = err.nan_to_num(float("inf")).amax(0)
+    return out
 
 
 def _inside(seg: Segment, blk: tuple[int, int]) -> list[tuple[int, int]]:
