@@ -22,6 +22,13 @@ How the child is made:
            pipe. It costs an interpreter start and the imports per kernel run (seconds), which a
            GPU replay pays for a context no fault of one kernel can poison.
 
+A forked child inherits every lock of the parent in the state it was in at the fork; one held
+then by another of the parent's threads is never released in the child (a long-lived, threaded
+process: a test runner, a server). A watchdog turns such a child into a finding instead of a
+hang: a forked child that neither replies nor uses any CPU time for ``REFMLA_STALL_S`` seconds
+(default 60; read from /proc) is killed and reported as KernelCrashed ("made no progress for
+60 s ..."), the backend's ``error``, every other backend's result kept.
+
 ``REFMLA_ISOLATE=0`` (or ``ReplayOptions.isolate = False``) runs backends in-process (a debugger
 wants that); then a crashing kernel takes the process down, as it would without refmla.
 """
@@ -33,6 +40,7 @@ import io
 import multiprocessing as mp
 import os
 import pickle
+import select
 import signal
 import struct
 import sys
@@ -44,6 +52,11 @@ from refmla.backends.base import BackendUnavailable
 from refmla.util import error_text
 
 ENV = "REFMLA_ISOLATE"
+STALL_ENV = "REFMLA_STALL_S"
+DEFAULT_STALL_S = 60.0
+WATCH_S = 0.25  # how often the parent looks at a silent child's CPU time
+STALL_TEXT = ("made no progress for {s:g} s (no CPU used, no reply): a deadlock, e.g. on a lock a thread of "
+              "the replay's process held at the fork; rerun with REFMLA_ISOLATE=0 to run it in-process")
 
 # What a signal most likely means for a kernel, said with the signal's name.
 _LIKELY = {
@@ -175,14 +188,61 @@ def _forked(fn: Callable[..., Any], args: tuple) -> Any:
             os._exit(code)
     os.close(w)
     try:
-        data = _read_all(r)
+        data, stalled = _read_watched(r, pid)
     finally:
         os.close(r)
+    if stalled:
+        os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
+    if stalled:
+        raise KernelCrashed(STALL_TEXT.format(s=stall_seconds()))
     payload = _framed(data)
     if payload is None or os.WIFSIGNALED(status):
         raise KernelCrashed(crash_text(status))
     return _unpack(payload)
+
+
+def stall_seconds() -> float:
+    """Seconds a forked child may go without using CPU nor replying (``REFMLA_STALL_S``, default 60)."""
+    try:
+        return max(0.1, float(os.environ.get(STALL_ENV, "") or DEFAULT_STALL_S))
+    except ValueError:
+        return DEFAULT_STALL_S
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """The process's user + system CPU time in clock ticks (all its threads), None without /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)": comm may hold spaces
+        return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _read_watched(fd: int, pid: int) -> tuple[bytes, bool]:
+    """Everything the child writes to ``fd`` until it closes it; (bytes, True) instead when the
+    child neither writes nor uses CPU for stall_seconds() (a forked CPU kernel that progresses
+    computes: one asleep that long waits on what will never come, e.g. a lock held at the fork by a
+    thread the child does not have). Without /proc, a plain read (no watchdog)."""
+    chunks, limit = [], stall_seconds()
+    ticks, idle = cpu_ticks(pid), 0.0
+    if ticks is None:
+        return _read_all(fd), False
+    while True:
+        ready, _, _ = select.select([fd], [], [], WATCH_S)
+        if ready:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return b"".join(chunks), False
+            chunks.append(chunk)
+            idle = 0.0
+            continue
+        now = cpu_ticks(pid)
+        idle = 0.0 if now is None or now != ticks else idle + WATCH_S
+        ticks = now if now is not None else ticks
+        if idle >= limit:
+            return b"".join(chunks), True
 
 
 def _spawn_main(conn) -> None:

@@ -95,3 +95,72 @@ def test_the_spawned_child_used_when_cuda_is_in_play(monkeypatch):
         isolation.run_isolated(_segfault)
     with pytest.raises(isolation.KernelError, match="^ValueError: bad shape$"):
         isolation.run_isolated(_raise)
+
+
+def _deadlock_after_fork():
+    """A lock held by another thread of this process at the fork: the child waits on it forever."""
+    import threading
+    import time
+
+    lock, held = threading.Lock(), threading.Event()
+
+    def holder():
+        with lock:
+            held.set()
+            time.sleep(30)
+
+    threading.Thread(target=holder, daemon=True).start()
+    held.wait()
+    return lambda: lock.acquire()  # runs in the child: the holder thread is not there to release it
+
+
+def test_a_child_deadlocked_on_an_inherited_lock_is_an_error_not_a_hang(monkeypatch):
+    import time
+
+    monkeypatch.setenv(isolation.STALL_ENV, "1")
+    fn = _deadlock_after_fork()
+    t0 = time.monotonic()
+    with pytest.raises(isolation.KernelCrashed, match="^made no progress for 1 s .*REFMLA_ISOLATE=0"):
+        isolation.run_isolated(fn)
+    assert time.monotonic() - t0 < 10  # killed by the watchdog, not after the holder's 30 s
+
+
+def _busy(seconds: float) -> int:
+    import time
+
+    t0, n = time.process_time(), 0
+    while time.process_time() - t0 < seconds:
+        n += 1
+    return n
+
+
+def test_a_child_that_computes_longer_than_the_stall_limit_is_kept(monkeypatch):
+    monkeypatch.setenv(isolation.STALL_ENV, "0.5")
+    assert isolation.run_isolated(_busy, 1.5) > 0  # CPU used all along: progress, never killed
+
+
+def test_a_deadlocked_kernel_is_that_backends_error_and_the_others_are_kept(hostile, monkeypatch):
+    """A kernel backend whose child blocks on a lock held at the fork: ``error`` naming the stall,
+    the triton backend after it and the observed output kept, exit 1 (not a hang)."""
+    import refmla.backends as backends
+    import refmla.replay as replay
+    from refmla.backends.triton import TritonBackend
+
+    monkeypatch.setenv(isolation.STALL_ENV, "1")
+    stuck = _deadlock_after_fork()
+
+    class Stuck(TritonBackend):
+        name = "triton_stuck"
+
+        def run(self, cap, opts):
+            stuck()
+            return super().run(cap, opts)
+
+    monkeypatch.setitem(backends._CACHE, Stuck.name, Stuck())
+    monkeypatch.setitem(backends._WHERE, Stuck.name, "tests/test_isolation.py")
+    monkeypatch.setattr(replay, "ALL_NAMES", tuple(replay.ALL_NAMES) + (Stuck.name,))
+    report = replay_capture(read_capture(hostile), ReplayOptions(backends=[Stuck.name, "triton"]))
+    entry = report.backends[Stuck.name]
+    assert entry.status == "error" and entry.reason.startswith("made no progress for 1 s"), entry.reason
+    assert report.backends["triton"].status == "pass" and report.backends["observed"].status == "pass"
+    assert report.exit_code == 1 and report.diagnosis == "backend_error"

@@ -92,3 +92,55 @@ def test_positions_say_when_nothing_is_found():
     seg = Segment(0, 0, q, kv, target=torch.full((2, 4), 100.0, dtype=torch.float64),
                   tol=torch.full((2,), 1e-3, dtype=torch.float64), sc=sc)  # fmt: skip
     assert locate(seg) is None  # no removal brings an output of 100s back
+
+
+def test_the_demo_range_inside_a_block_is_localized(tmp_path):
+    """The demo (`refmla synth --preset kimi-k2-tp8 --fault kv_range_zero`): positions 32..63 read as
+    zeros, inside the first 64-position block whose removal makes the output worse (positions 0..31
+    weigh most): the bisection's heads and tails find them."""
+    path = tmp_path / "demo.safetensors"
+    planted = synth_capture(path, preset("kimi-k2-tp8"), "kv_range_zero")
+    report = replay_capture(read_capture(path), ReplayOptions(backends=["reference"]))
+    loc = report.backends["observed"].localization
+    (span,) = [s for s in loc.spans if s.request == planted["request"]]
+    assert (span.start, span.end) == (planted["start"], planted["end"]) == (32, 64), loc.text()
+    assert "positions 32..63" in loc.text() and "no positions found" not in loc.text()
+
+
+def test_a_range_straddling_two_pages_is_localized(tmp_path):
+    """DeepSeek-V3 page 64: positions 32..95 read as zeros (half of page 0, half of page 1): no whole
+    page restores; the block shifted by half a page does, and the two pages are named."""
+    spec = preset("deepseek-v3-tp8", num_heads=4, seq_lens=(300, 200, 420, 150))
+    t = make_inputs(spec)
+    b, Dv = spec.fault_request, spec.kv_lora_rank
+    pool = t["kv_buffer"].clone()
+    lo = int(t["kv_indptr"][b])
+    pool[t["kv_indices"][lo + 32 : lo + 96].long()] = 0
+    out, _ = dense_reference(t["q"], pool, t["kv_indptr"], t["kv_indices"], Dv, spec.sm_scale)
+    t["out"] = out.to(spec.dtype)
+    path = tmp_path / "c.safetensors"
+    write_capture(path, t, make_meta(spec), compact=False)
+    report = replay_capture(read_capture(path), ReplayOptions(backends=["reference"]))
+    (span,) = [s for s in report.backends["observed"].localization.spans if s.request == b]
+    assert (span.start, span.end, span.pages) == (32, 96, (0, 1)), span
+
+
+@pytest.mark.parametrize("chunk", [None, 50])
+def test_the_bisection_screen_ranks_as_the_reference_recomputes(monkeypatch, chunk):
+    """_screen's prefix sums give the same ratio as Segment.ratio recomputing the attention, dropped
+    and zeroed, on hostile data (a large logit range, a cap, fp8-like scales), in one chunk or many."""
+    from refmla.localize import positions
+    from refmla.localize.positions import _screen
+
+    if chunk:
+        monkeypatch.setattr(positions, "CHUNK", chunk)  # 50 values: 2 positions / ranges per chunk
+
+    g = torch.Generator().manual_seed(3)
+    sc = Scales(8, 0.7, logit_cap=5.0, k_scale=0.5, v_scale=2.0)
+    q, kv = torch.randn(3, 12, generator=g, dtype=torch.float64) * 3, torch.randn(50, 12, generator=g, dtype=torch.float64)
+    seg = Segment(0, 0, q, kv, target=torch.randn(3, 8, generator=g, dtype=torch.float64),
+                  tol=torch.full((3,), 1e-2, dtype=torch.float64), sc=sc)  # fmt: skip
+    starts, ends = torch.tensor([0, 5, 17, 40]), torch.tensor([3, 30, 18, 50])
+    for zero in (False, True):
+        want = torch.tensor([seg.ratio((int(a), int(e)), zero) for a, e in zip(starts, ends)], dtype=torch.float64)
+        assert torch.allclose(_screen(seg, starts, ends, zero), want, rtol=1e-9), zero

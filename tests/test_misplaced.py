@@ -21,7 +21,8 @@ SPECS = {
     "deepseek-v3-tp8-page64": preset("deepseek-v3-tp8", num_heads=4, seq_lens=(300, 200, 420, 150)),
     "kimi-k2-tp8": preset("kimi-k2-tp8", num_heads=4, seq_lens=(300, 200, 420, 150)),
 }
-NAMED = ["seq_len_short", "newest_kv_zero", "pages_read_off", "other_rows_read", "rows_permuted"]
+NAMED = ["seq_len_short", "newest_kv_zero", "pages_read_off", "other_rows_read", "rows_permuted", "page_missing",
+         "kv_zero_block"]
 
 
 def replay_planted(tmp_path, spec_name: str, plant: str):
@@ -46,8 +47,6 @@ def _names(e) -> list[tuple[str, dict]]:
 @pytest.mark.parametrize("plant", NAMED)
 def test_each_class_is_named_with_its_detail(tmp_path, spec_name, plant):
     entry, hypothesis, want = replay_planted(tmp_path, spec_name, plant)
-    if plant == "other_rows_read" and SPECS[spec_name].page_size == 1:
-        pytest.skip("page_size 1: a 'page' is one row; other_rows_read searches pages of page_size > 1")
     assert entry.status == "fail" and entry.explanation is not None, entry.reason
     named = [(h, d) for h, d in _names(entry.explanation) if h == hypothesis]
     assert named, entry.explanation.text()
@@ -73,3 +72,52 @@ def test_a_scale_applied_twice_says_so(tmp_path):
     e = entry.explanation
     assert e.hypothesis == "wrong_sm_scale" and "applied twice" in e.extra["why"], e.to_json()
     assert abs(e.detail["ratio"] - SPECS["kimi-k2-tp8"].sm_scale) < 1e-9
+
+
+@pytest.mark.parametrize("spec_name", list(SPECS))
+def test_a_missing_page_on_a_split_bound_names_both_causes(tmp_path, spec_name):
+    """Page 1 = positions 64..127 = split 1 of the schedule: a page that never arrived and a split
+    left out of the merge are the same arithmetic; both are named, the split first."""
+    entry, _, _ = replay_planted(tmp_path, spec_name, "page_missing")
+    e = entry.explanation
+    assert e.hypothesis == "split_missing" and e.detail == {"split": 1}, e.text()
+    assert [(a.hypothesis, a.detail, a.request) for a in e.other_causes] == [
+        ("kv_range_missing", {"start": 64, "end": 128, "how": "dropped"}, 2)]
+    assert e.to_json()["other_causes"][0]["detail"] == {"start": 64, "end": 128, "how": "dropped"}
+
+
+def test_a_sub_page_zeroing_is_named_at_its_positions(tmp_path):
+    """Positions 32..95 zeroed at page size 64 straddle pages 0 and 1: no whole-page range fits, so
+    the range inside the pages is searched; the roundest range within noise is reported."""
+    entry, _, _ = replay_planted(tmp_path, "deepseek-v3-tp8-page64", "kv_zero_block")
+    e = entry.explanation
+    assert e.hypothesis == "kv_range_missing" and (e.detail["start"], e.detail["end"]) == (32, 96), e.text()
+    assert "zeroed" in e.detail["how"] and e.extra["granularity"].startswith("positions: no range of whole pages")
+
+
+def test_a_single_row_of_another_request_is_found_at_page_size_1(tmp_path):
+    """page_size 1: one position holding request 0's position 1 (each side alone moves the output
+    by less than the row tolerance; the pair fails the cosine check): every pair is screened."""
+    entry, _, want = replay_planted(tmp_path, "kimi-k2-tp8", "other_rows_read")
+    e = entry.explanation
+    assert e is not None and e.hypothesis == "other_rows_read" and e.detail == want, entry.reason
+    assert e.seconds < 10, e.seconds
+
+
+def test_the_pairs_screened_past_the_limit_keep_each_heavy_side(monkeypatch):
+    """Past PAIR_LIMIT the (own page, source) pairs are those with the heaviest own page or source:
+    bounded, never a page standing for itself, and every pair with a heavy side kept."""
+    import torch
+
+    from refmla.hypotheses import misplaced
+
+    monkeypatch.setattr(misplaced, "PAIR_LIMIT", 4000)
+    effect = torch.rand(1000, generator=torch.Generator().manual_seed(1))
+    effect[[7, 900]] = 5.0  # a heavy own page (7) and a heavy source (900)
+    own, src = torch.arange(0, 100), torch.arange(0, 1000)
+    js, ts = misplaced._pairs(effect, own, src)
+    pairs = set(zip(js.tolist(), ts.tolist()))
+    assert len(js) <= 4000 and all(j != t for j, t in pairs)
+    assert {(7, t) for t in range(1000) if t != 7} <= pairs and {(j, 900) for j in range(100)} <= pairs
+    js, ts = misplaced._pairs(effect, torch.arange(0, 10), torch.arange(0, 30))  # under the limit: all
+    assert len(js) == 10 * 30 - 10

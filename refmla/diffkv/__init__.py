@@ -16,7 +16,7 @@ on either side, so the two captures can be compared position by position, bit fo
                  positions contiguous in both pools -- what one RDMA write moves -- that hold
                  mismatches, with a detected position offset or not-landed (zero) rows
     provenance.py every prefill row hashed by its bytes: where each mismatched decode row's bytes
-                 are (another request's page, the same request k pages off)
+                 are (another request's page, the same request k pages off, a page written twice)
     result.py    the typed result (DiffResult > RequestDiff > Mismatches, TransferRuns) and its JSON
                  (rendered as text by refmla.render.diffkv)
 

@@ -5,6 +5,9 @@ prefill request at one constant shift form a :class:`Source`:
 
     "decode page 8 of rid1 holds prefill rid3's page 4"          (another request's page)
     "pages 8-10 hold pages 9-11 (one page ahead)"                (the same request, k pages off)
+    "page 3 holds page 2 (one page behind); prefill page 2 written twice (also at decode page 2)"
+                                                                 (a prefill page found at two decode
+                                                                 pages: :func:`mark_twice`)
 
 All-zero rows (not landed) are never looked up: every zero row matches every other one.
 """
@@ -33,6 +36,7 @@ class Source:
     source_start: int
     same_request: bool
     page_size: int = 1
+    also_at: Optional[int] = None  # the same prefill rows also found at decode positions [also_at, +n)
 
     @property
     def shift(self) -> int:
@@ -53,12 +57,17 @@ class Source:
             unit = "page" if k is not None else "position"
             k = k if k is not None else self.shift
             ahead = f"{_count(abs(k))} {unit}{'s' if abs(k) != 1 else ''} {'ahead' if k > 0 else 'behind'}"
-            return f"{mine} hold {theirs} ({ahead})"
-        return f"decode {mine} of {here or 'this request'} hold{'s' if n <= P else ''} prefill {self.rid}'s {theirs}"
+            line = f"{mine} hold{'s' if n <= P else ''} {theirs} ({ahead})"
+        else:
+            line = f"decode {mine} of {here or 'this request'} hold{'s' if n <= P else ''} prefill {self.rid}'s {theirs}"
+        if self.also_at is not None:
+            line += f"; prefill {theirs} written twice (also at decode {self._pages(self.also_at, n)})"
+        return line
 
     def to_json(self) -> dict:
         return {"start": self.start, "end": self.end, "source_rid": self.rid, "source_start": self.source_start,
-                "offset": self.shift, "same_request": self.same_request, "text": self.text()}  # fmt: skip
+                "offset": self.shift, "same_request": self.same_request, "also_at": self.also_at,
+                "text": self.text()}  # fmt: skip
 
 
 def _count(k: int) -> str:
@@ -105,4 +114,19 @@ def sources_of(index: RowIndex, decode: Capture, rows: torch.Tensor, pos: torch.
             last.end += 1
         elif len(out) < MAX_SOURCES:
             out.append(Source(j, j + 1, src_rid, p, same_request=src_rid == rid, page_size=P))
-    return out
+    return mark_twice(out, set(pos.tolist()))
+
+
+def mark_twice(sources: list[Source], mismatched: set[int]) -> list[Source]:
+    """Set ``also_at`` where one prefill run is found at two decode places: a run of the request's
+    own rows whose source positions all match (the rows sit at their own place too), or two runs
+    holding the same prefill rows."""
+    for src in sources:
+        n = src.end - src.start
+        if src.same_request and not mismatched & set(range(src.source_start, src.source_start + n)):
+            src.also_at = src.source_start
+    for i, a in enumerate(sources):
+        for b in sources[i + 1 :]:
+            if (a.rid, a.source_start, a.end - a.start) == (b.rid, b.source_start, b.end - b.start):
+                a.also_at, b.also_at = b.start, a.start
+    return sources

@@ -22,7 +22,8 @@ report the first, in the table's order, that brings the backend's error back to 
     null_block_read     {"page", "null_block"}        block_table captures: page j read from the null block
     pages_as_tokens     {"read"}                      block_table captures: page ids taken for token slots
                                                       (or the reverse)
-    split_missing       {"split": s}                  split s's partial left out of the merge
+    split_missing       {"split": s}                  split s's partial left out of the merge (its positions
+                                                      dropped listed as kv_range_missing under other_causes)
     kv_scale_misapplied {"scale", "applied"}          fp8 k_scale / v_scale applied twice, not at all, or
                                                       one in the other's place
     wrong_sm_scale      {"ratio": r}                  used r * sm_scale
@@ -111,7 +112,7 @@ SEARCHES: dict[str, SearchFn] = {
     kv_range.NAME: kv_range.search,
     blocktable.NULL_BLOCK: blocktable.search_null_block,
     blocktable.PAGES_AS_TOKENS: blocktable.search_pages_as_tokens,
-    split.NAME: split.search,
+    split.NAME: lambda s: kv_range.dropped_alternative(s, split.search(s)),  # and its positions dropped
     kv_scale.NAME: kv_scale.search,
     sm_scale.NAME: sm_scale.search,
     head_misaligned.NAME: head_misaligned.search,

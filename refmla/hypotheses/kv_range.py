@@ -3,10 +3,14 @@ zeros, at page granularity (page_size > 1) or in 32-token split units, plus the 
 
 Per request: every block-aligned range is scored at once (refmla.hypotheses.ranges), the best few
 dropped and zeroed are recomputed and confirmed on the request's rows; the smallest range that
-confirms is reported, the others are its ``alternatives``. A dropped range that is
+confirms is reported, the others are its ``alternatives``. When no block-aligned range confirms
+(and no split fits), ranges whose ends lie inside the blocks are searched (:func:`sub_ranges`: a
+sub-page range only when the data tell it from the whole pages), the roundest reported. A dropped range that is
 exactly one split of the kernel's schedule is left to ``split_missing``: dropping a split's
-partial from the merge and dropping its positions are the same arithmetic, and the split names
-the mechanism.
+partial from the merge and dropping its positions are the same arithmetic, so split_missing lists
+the dropped range under ``other_causes`` (:func:`dropped_alternative`: a page that never arrived
+and a split left out of the merge are told apart by nothing in the output, where a page boundary
+and a split bound coincide).
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ from typing import Iterator, Optional
 
 import torch
 
-from refmla.hypotheses.drivers import per_request
-from refmla.hypotheses.ranges import BlockSums, best_pairs, block_sums, split_schedule
+from refmla.hypotheses.drivers import per_request, residual
+from refmla.hypotheses.ranges import BlockSums, best_of, best_pairs, block_sums, split_schedule, window_pairs
 from refmla.hypotheses.search import CONFIRM_TOP, SCREEN, Candidate, Search
-from refmla.results import Explanation
+from refmla.results import Alternative, Explanation
 from refmla.schedule import MIN_BLOCK_KV
 
 NAME = "kv_range_missing"
+SUB_BUDGET = 2**24  # values of the finer block sums a sub-block search may hold
 
 
 def search(s: Search) -> Optional[Explanation]:
@@ -29,7 +34,8 @@ def search(s: Search) -> Optional[Explanation]:
 
 
 def find_range(s: Search, b: int) -> Iterator[Candidate]:
-    """Block-aligned ranges of request b, best first, each confirmed as dropped and as zeroed."""
+    """Block-aligned ranges of request b, best first, each confirmed as dropped and as zeroed; when
+    none confirms (and no split of the schedule fits), ranges inside the blocks (:func:`sub_ranges`)."""
     bs = block_sums(s, b, s.sc)
     if bs is None:
         return
@@ -50,6 +56,56 @@ def find_range(s: Search, b: int) -> Iterator[Candidate]:
             cand.score = rng.score
             cand.simplicity = (bnd[rng.j] - bnd[rng.i], bnd[rng.i])  # the smallest range first
             yield cand
+            seen.add((-1, -1))  # a block-aligned range confirmed: the blocks are the answer's unit
+    if not seen & ({(-1, -1)} | splits):  # nothing block-aligned confirmed nor screened as one split
+        yield from sub_ranges(s, b, bs, splits)
+
+
+def sub_ranges(s: Search, b: int, bs: BlockSums, splits: set[tuple[int, int]]) -> Iterator[Candidate]:
+    """Ranges whose ends lie inside blocks: the best block range (dropped, then zeroed) with each end
+    moved position by position up to one block either way, scored at once, the best few confirmed.
+
+    Reported only because no block-aligned range fits: the data tell the sub-page range apart from
+    the whole pages (issue 21 part 4). Bounded: the finer sums hold at most SUB_BUDGET values.
+    """
+    r, bnd = s.req(b), bs.bnd.tolist()
+    TH, Dv = bs.W.shape
+    radius = min(unit(s), (SUB_BUDGET // max(TH * Dv, 1) - len(bnd)) // 4)
+    if radius < 2:
+        return
+    Lp, seen = bnd[-1], set()
+    split_pos = {(bnd[i], bnd[j]) for i, j in splits}
+    for zeroed in (False, True):
+        for coarse in best_pairs(bs, zeroed, set(), 1):
+            p0, p1 = bnd[coarse.i], bnd[coarse.j]
+            near = {p for p in range(max(0, p0 - radius), min(Lp, p1 + radius) + 1) if min(abs(p - p0), abs(p - p1)) <= radius}
+            fine = sorted(set(bnd) | near)
+            fs = block_sums(s, b, s.sc, torch.tensor(fine, dtype=torch.int64))
+            starts, ends = window_pairs(fine, p0, p1, radius)
+            for rng in best_of(fs, starts, ends, zeroed, CONFIRM_TOP, budget=SUB_BUDGET // 4):
+                a, e = fine[rng.i], fine[rng.j]
+                if rng.score >= SCREEN or (a, e) in seen:
+                    continue
+                seen.add((a, e))
+                cand = range_candidate(s, b, fs, a, e, whole=(a, e) == (0, Lp), one_split=(a, e) in split_pos)
+                if cand is not None:
+                    cand.score, cand.simplicity = rng.score, (-aligned(a, e), e - a, a)
+                    cand.extra["granularity"] = (f"positions: no range of whole {granularity(s)} fits "
+                                                 f"(ends searched within {radius} of the best, {p0}..{p1})")  # fmt: skip
+                    yield cand
+
+
+def aligned(a: int, e: int) -> int:
+    """How round both ends are (the trailing zero bits of the less round): among sub-block ranges
+    within noise of each other (the ends carry little attention mass), the one a transfer or a
+    write of aligned chunks would leave is reported, not the smallest."""
+    return min((x & -x).bit_length() - 1 if x else 63 for x in (a, e))
+
+
+def unit(s: Search) -> int:
+    """The block a range is first searched in: the page (page_size > 1), else the 32-token split unit."""
+    P = s.cap.meta.page_size
+    return P if P > 1 else MIN_BLOCK_KV
 
 
 def split_pairs(s: Search, b: int, bnd: list[int]) -> set[tuple[int, int]]:
@@ -87,5 +143,26 @@ def range_candidate(
 
 
 def granularity(s: Search) -> str:
-    P = s.cap.meta.page_size
-    return f"{'pages' if P > 1 else 'split units'} of {P if P > 1 else MIN_BLOCK_KV} positions, and split bounds"
+    return f"{'pages' if s.cap.meta.page_size > 1 else 'split units'} of {unit(s)} positions, and split bounds"
+
+
+def dropped_alternative(s: Search, e: Optional[Explanation]) -> Optional[Explanation]:
+    """split_missing(split=k) drops the same positions as kv_range_missing(start, end, "dropped")
+    with [start, end) split k's bounds: list that range under ``other_causes`` when it confirms too,
+    so the engineer checks the transfer (a page missing) as well as the merge."""
+    if e is None:
+        return e
+    details = {b["request"]: b["detail"] for b in e.extra.get("requests", [])} or {e.request: e.detail}
+    for b in e.explained_requests or [e.request]:
+        splits = split_schedule(s, b) or []
+        k = details.get(b, {}).get("split")
+        if k is None or k >= len(splits):
+            continue
+        p0, p1 = splits[k]
+        r = s.req(b)
+        span = (torch.arange(r.L) >= p0) & (torch.arange(r.L) < p1)
+        exp, ctl = s.attend_rows(b, r.pool_rows, r.vis, keep=~span)
+        cmp = s.confirm(exp, ctl, s.rows_of(b))
+        if cmp.passed:
+            e.other_causes.append(Alternative(NAME, {"start": p0, "end": p1, "how": "dropped"}, b, residual(cmp)))
+    return e

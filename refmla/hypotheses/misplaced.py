@@ -12,7 +12,9 @@
 
 Per request each, but output_rows_permuted (whole output). Candidates are screened with per-page
 block sums of exp(logit) and exp(logit) * v over the whole pool (one q . k per request), so
-every (page, source page) pair costs O(H * Dv); the best few are confirmed by the comparator.
+every (page, source page) pair costs O(H * Dv) (page_size 1: a page is one row, and the pairs are
+ranked with the value axis projected to RANK_WIDTH, at most PAIR_LIMIT of them); the best few are
+confirmed by the comparator.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ PAGES_OFF = "pages_read_off"
 OTHER_ROWS = "other_rows_read"
 PERMUTED = "output_rows_permuted"
 OFFSETS = (1, -1, 2, -2, 3, -3)  # pages read on / back, simplest first
+SUMS_BUDGET = 2**26  # values (fp64) of the pool's page sums [pages, H, Dv] a search may hold
+PAIR_LIMIT = 2**19  # (own page, source page) pairs screened per request, at most
+RANK_CHUNK = 2**15  # pairs ranked at a time
+RANK_WIDTH = 8  # the value axis projected to this many dimensions to rank the pairs
+PAIR_BUDGET = 2**26  # values scored exactly; past it the pairs are ranked with the value axis projected
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,47 +121,98 @@ def _pool_pages(s: Search) -> list[tuple[int, int, torch.Tensor]]:
 
 
 def find_other_rows(s: Search, b: int) -> Iterator[Candidate]:
-    """Each (own page, source page) by block sums; the best few recomputed exactly."""
+    """Each (own page, source page) by block sums; the best few recomputed exactly. At page_size 1
+    a page is one row: every (position, pool row) pair, ranked with the value axis projected and,
+    past PAIR_LIMIT pairs, only the pairs where one side holds the most attention mass."""
     r, cap, P = s.req(b), s.cap, max(1, s.cap.meta.page_size)
-    if r.T != 1 or r.L == 0 or P == 1:
+    if r.T != 1 or r.L == 0:
         return
     pages = s.memo("misplaced.pool_pages", lambda: _pool_pages(s))
-    src = torch.cat([rows for _, _, rows in pages])  # [N] every row any request reads
-    kv = ref.gather(cap.kv_buffer, src, torch.float64)  # [N, D]
-    logits = torch.einsum("hd,nd->hn", r.q64[0], kv) * s.sc.k_scale * s.sc.sm_scale  # [H, N]
-    if s.sc.logit_cap > 0:
-        logits = s.sc.logit_cap * torch.tanh(logits / s.sc.logit_cap)
-    m = logits.max(-1, keepdim=True).values
-    w = torch.exp(logits - m).nan_to_num(0.0)  # [H, N]
-    v = kv[:, : s.sc.kv_lora_rank] * s.sc.v_scale  # [N, Dv]
-    seg = torch.repeat_interleave(torch.arange(len(pages)), torch.tensor([len(x) for _, _, x in pages]))  # [N]
-    S = torch.zeros(w.shape[0], len(pages), dtype=torch.float64).index_add_(1, seg, w)  # [H, pages]
-    W = torch.zeros(len(pages), w.shape[0], v.shape[1], dtype=torch.float64).index_add_(
-        0, seg, torch.einsum("hn,nv->nhv", w, v))  # [pages, H, Dv]  # fmt: skip
-    own = [j for j, (bb, _, _) in enumerate(pages) if bb == b]
-    S_b, W_b = S[:, own].sum(-1), W[own].sum(0)  # [H], [H, Dv]
-    target = s.o64[r.rows[0]]  # [H, Dv]
-    tol = s.row_tol[r.rows[0]]  # [H]
-    partial = torch.tensor([len(x) != P for _, _, x in pages])  # [pages] a last page cut short
-    scored = []
-    for j in own:
-        if len(pages[j][2]) != P:
-            continue  # a partial last page: its source would have to be cut as well
-        out = (W_b - W[j] + W) / (S_b - S[:, j] + S.T)[..., None]  # [pages, H, Dv]
-        ratio = ((out - target).abs().amax(-1) / tol).amax(-1)  # [pages]
-        ratio[j] = math.inf
-        ratio[partial] = math.inf  # a source must be a whole page, as the page it stands for
-        for t in torch.argsort(ratio)[:2].tolist():
-            scored.append((float(ratio[t]), pages[j][1], t))
-    for score, page, t in sorted(scored)[:3]:
+    if len(pages) * r.q64.shape[1] * s.sc.kv_lora_rank > SUMS_BUDGET:
+        return  # the pool's page sums would not fit the budget (page_size 1 over a large pool)
+    S, W = _page_sums(s, r, pages)  # [H, pages], [pages, H, Dv]
+    own = torch.tensor([j for j, (bb, _, x) in enumerate(pages) if bb == b and len(x) == P])  # whole pages
+    whole = torch.tensor([len(x) == P for _, _, x in pages])  # a source must be a whole page, as its target
+    own_all = [j for j, (bb, _, _) in enumerate(pages) if bb == b]
+    S_b, W_b = S[:, own_all].sum(-1), W[own_all].sum(0)  # [H], [H, Dv]
+    if len(own) == 0:
+        return
+    target, tol = s.o64[r.rows[0]], s.row_tol[r.rows[0]]  # [H, Dv], [H]
+    effect = ((W - S.T[..., None] * target[None]).abs().amax(-1) / (S_b * tol)[None]).amax(-1)  # [pages]
+    js, ts = _pairs(effect, own, torch.nonzero(whole).flatten())
+
+    def ratio(js, ts, Wb, W, target, rms=False):  # [K] worst-head error / allowed of page js holding ts
+        St = ST[W.dtype]  # [pages, H] rows gathered (columns of S would be a strided gather)
+        den = (S_b.to(W.dtype)[None] - St.index_select(0, js) + St.index_select(0, ts))[..., None]  # [K, H, 1]
+        d = (Wb[None] - W.index_select(0, js) + W.index_select(0, ts)) / den - target[None]  # [K, H, w]
+        err = d.norm(dim=-1) / math.sqrt(d.shape[-1]) if rms else d.abs().amax(-1)  # [K, H]
+        return torch.nan_to_num(err / tol.to(err.dtype)[None], nan=math.inf).amax(-1)
+
+    ST = {torch.float64: S.T.contiguous(), torch.float32: S.T.float().contiguous()}
+    if len(js) * W.shape[1] * W.shape[2] > PAIR_BUDGET:  # rank with the value axis projected
+        proj = torch.randn(W.shape[2], RANK_WIDTH, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        Wp, Wbp, tp = ((x @ proj).float() for x in (W, W_b, target))  # ranking precision is plenty
+        n = RANK_CHUNK
+        rank = torch.cat([ratio(js[a : a + n], ts[a : a + n], Wbp, Wp, tp, True) for a in range(0, len(js), n)])
+        keep = torch.argsort(rank)[:64]
+        js, ts = js[keep], ts[keep]
+    scores = ratio(js, ts, W_b, W, target)
+    for k in torch.argsort(scores)[:3].tolist():
+        score, j, t = float(scores[k]), int(js[k]), int(ts[k])
         if score >= SCREEN:
             break
         fb, fp, rows = pages[t]
+        page = pages[j][1]
+        if _without_page_fits(s, b, page, P):
+            continue  # the page's own rows not read at all fits too: its source is not identified
         seq = r.pool_rows.clone()
         seq[page * P : (page + 1) * P] = rows
         exp, ctl = s.attend_rows(b, seq, r.vis)
         yield Candidate({"page": page, "from_request": fb, "from_page": fp}, exp, ctl, score,
                         simplicity=(fb == b, page))  # fmt: skip
+
+
+def _without_page_fits(s: Search, b: int, page: int, P: int) -> bool:
+    """Request b with page ``page`` not read passes the comparator: whatever row stood in for it
+    weighs nothing, so any light row of the pool fits as its source (a look-elsewhere fit)."""
+    r = s.req(b)
+    keep = torch.ones(r.L, dtype=torch.bool)
+    keep[page * P : (page + 1) * P] = False
+    exp, ctl = s.attend_rows(b, r.pool_rows, r.vis, keep=keep)
+    return s.confirm(exp, ctl, s.rows_of(b)).passed
+
+
+def _page_sums(s: Search, r, pages) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per page of the pool, under request r's query: sum exp(logit - max) [H, pages] and its
+    weighted values [pages, H, Dv]."""
+    src = s.memo("misplaced.pool_rows", lambda: torch.cat([rows for _, _, rows in pages]))  # [N]
+    kv = s.memo("misplaced.pool_kv", lambda: ref.gather(s.cap.kv_buffer, src, torch.float64))  # [N, D]
+    logits = torch.einsum("hd,nd->hn", r.q64[0], kv) * s.sc.k_scale * s.sc.sm_scale  # [H, N]
+    if s.sc.logit_cap > 0:
+        logits = s.sc.logit_cap * torch.tanh(logits / s.sc.logit_cap)
+    w = torch.exp(logits - logits.max(-1, keepdim=True).values).nan_to_num(0.0)  # [H, N]
+    v = kv[:, : s.sc.kv_lora_rank] * s.sc.v_scale  # [N, Dv]
+    seg = torch.repeat_interleave(torch.arange(len(pages)), torch.tensor([len(x) for _, _, x in pages]))  # [N]
+    S = torch.zeros(w.shape[0], len(pages), dtype=torch.float64).index_add_(1, seg, w)  # [H, pages]
+    W = torch.zeros(len(pages), w.shape[0], v.shape[1], dtype=torch.float64).index_add_(
+        0, seg, torch.einsum("hn,nv->nhv", w, v))  # [pages, H, Dv]  # fmt: skip
+    return S, W
+
+
+def _pairs(effect: torch.Tensor, own: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(own page, source page) pairs to score, a page never standing for itself: all of them up to
+    PAIR_LIMIT, else those whose own page or source moves the output most (``effect`` [pages]: how
+    far removing or adding the page alone moves it; two light pages swapped move it by little)."""
+    if len(own) * len(src) > PAIR_LIMIT:
+        k = max(1, PAIR_LIMIT // (2 * max(len(own), len(src))))
+        top_own = own[torch.argsort(effect[own], descending=True)[:k]]
+        top_src = src[torch.argsort(effect[src], descending=True)[:k]]
+        js = torch.cat([top_own.repeat_interleave(len(src)), own.repeat_interleave(len(top_src))])
+        ts = torch.cat([src.repeat(len(top_own)), top_src.repeat(len(own))])
+    else:
+        js, ts = own.repeat_interleave(len(src)), src.repeat(len(own))
+    keep = js != ts
+    return js[keep], ts[keep]
 
 
 def search_other_rows(s: Search) -> Optional[Explanation]:

@@ -100,9 +100,16 @@ class BlockRange:
     j: int
 
 
-def block_sums(s: Search, b: int, sc: ref.Scales) -> Optional[BlockSums]:
+def searchable(s: Search, b: int) -> int:
+    """Positions of request b a range may cover: the cache (decode) / the prefix (extend)."""
     r = s.req(b)
-    Lp = r.L if s.cap.is_decode else r.L - r.T  # searchable: the cache (decode) / the prefix (extend)
+    return r.L if s.cap.is_decode else r.L - r.T
+
+
+def block_sums(s: Search, b: int, sc: ref.Scales, bnd: Optional[torch.Tensor] = None) -> Optional[BlockSums]:
+    """Request b's softmax pieces summed per block of ``bnd`` (default :func:`boundaries`)."""
+    r = s.req(b)
+    Lp = searchable(s, b)
     if Lp < 1:
         return None
     T, H, Dv = r.T, r.q64.shape[1], sc.kv_lora_rank
@@ -114,7 +121,7 @@ def block_sums(s: Search, b: int, sc: ref.Scales) -> Optional[BlockSums]:
     m = S.amax(-1)  # [T, H]
     P = torch.exp(S - m[..., None]).reshape(T * H, r.L)  # [TH, L]
     V = r.kv64[:, :Dv] * sc.v_scale  # [L, Dv]
-    bnd = boundaries(s, b, Lp)
+    bnd = boundaries(s, b, Lp) if bnd is None else bnd
     nb = len(bnd) - 1
     blk = torch.bucketize(torch.arange(Lp), bnd[1:], right=True)  # [Lp] block of each position
     Zb = torch.zeros(T * H, nb, dtype=torch.float64).index_add_(1, blk, P[:, :Lp]).T  # [nb, TH]
@@ -172,24 +179,41 @@ def project(bs: BlockSums, width: int) -> BlockSums:
 
 
 def best_pairs(bs: BlockSums, zeroed: bool, exclude: set[tuple[int, int]], top: int) -> list[BlockRange]:
-    """The ``top`` best block ranges [i, j), i < j, exactly scored, best first.
-
-    Every range is scored from the prefix sums; past PAIR_BUDGET values the value axis is first
-    projected to rank them, and only the best few are scored exactly.
-    """
+    """The ``top`` best block ranges [i, j), i < j, exactly scored, best first."""
     nb = len(bs.bnd) - 1
     starts, ends = torch.triu_indices(nb + 1, nb + 1, offset=1)
     if exclude:
         drop = torch.tensor([i * (nb + 1) + j for i, j in exclude], dtype=torch.int64)
         keep = ~torch.isin(starts * (nb + 1) + ends, drop)
         starts, ends = starts[keep], ends[keep]
+    return best_of(bs, starts, ends, zeroed, top)
+
+
+def best_of(
+    bs: BlockSums, starts: torch.Tensor, ends: torch.Tensor, zeroed: bool, top: int, budget: int = PAIR_BUDGET
+) -> list[BlockRange]:
+    """The ``top`` best of the block ranges [starts[k], ends[k]), exactly scored, best first.
+
+    Every range is scored from the prefix sums; past ``budget`` values the value axis is first
+    projected to rank them, and only the best few are scored exactly.
+    """
     if len(starts) == 0:
         return []
     TH, Dv = bs.W.shape
-    if len(starts) * TH * Dv > PAIR_BUDGET:
-        width = max(4, min(Dv, 16, PAIR_BUDGET // max(len(starts) * TH, 1)))
+    if len(starts) * TH * Dv > budget:
+        width = max(4, min(Dv, 16, budget // max(len(starts) * TH, 1)))
         order = torch.argsort(score_pairs(project(bs, width), starts, ends, zeroed))[: max(64, 8 * top)]
         starts, ends = starts[order], ends[order]
     scores = score_pairs(bs, starts, ends, zeroed)
     order = torch.argsort(scores)[:top]
     return [BlockRange(float(scores[o]), int(starts[o]), int(ends[o])) for o in order]
+
+
+def window_pairs(bnd: list[int], p0: int, p1: int, radius: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices into ``bnd`` of every range [a, e), a < e, with a within ``radius`` of p0 and e of p1."""
+    pos = {p: i for i, p in enumerate(bnd)}
+    lo = torch.tensor([pos[p] for p in bnd if abs(p - p0) <= radius])
+    hi = torch.tensor([pos[p] for p in bnd if abs(p - p1) <= radius])
+    starts, ends = lo.repeat_interleave(len(hi)), hi.repeat(len(lo))
+    keep = starts < ends
+    return starts[keep], ends[keep]

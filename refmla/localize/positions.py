@@ -6,9 +6,11 @@ within its allowance is narrowed: its start moved forward and its end back while
 restores: the pages are reported, the narrowed positions as the evidence inside them (the last
 positions of a page can weigh too little to tell apart; a page is what a transfer or page-table
 bug loses). Neighbouring blocks are added while they help, so a run of missing pages is reported
-whole. When no block restores, parts of the most promising block are tried (single positions: a
-split that drops its last one; a page's head or tail), and failing that the block whose removal
-takes most of the error away is reported as carrying it.
+whole. When no block restores, every block's heads and tails (halves, quarters, ...) and the blocks
+shifted by half a block (a range straddling two blocks) are tried, the best that restores reported
+and narrowed; then parts of the most promising block (single positions: a split that drops its
+last one; a page's head or tail), and failing that the block whose removal takes most of the error
+away is reported as carrying it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from refmla.localize.types import Span
 
 BLOCK = 64  # positions per block when the capture is not paged
 SINGLES = 512  # a split up to this long has each of its positions tried alone
+HEAD_MIN = 8  # the shortest head or tail of a block the bisection tries
+BISECT_CONFIRM = 8  # ranges of the bisection recomputed after the screen
+SCREEN_BUDGET = 2**25  # values (fp64) the bisection's screen may hold: [points, H, Dv]
+CHUNK = 2**22  # values per chunk of positions / ranges in the screen
 
 
 @dataclass
@@ -85,11 +91,78 @@ def locate(seg: Segment) -> Optional[Span]:
     how = "reading them as zeros restores the output" if zero else "their removal restores the output"
     if r <= 1:
         return seg.span(a, e, how, evidence=_narrow(seg, a, e, zero))
+    part = _bisect(seg)
+    if part is not None:
+        (x, y), zero = part
+        how = "reading them as zeros restores the output" if zero else "their removal restores the output"
+        return seg.span(x, y, how + " (not whole pages')" if seg.page_size > 1 else how,
+                        evidence=_narrow(seg, x, y, zero))  # fmt: skip
     for x, y in _inside(seg, best):  # a part of a page: only when the data tell it from the page
         if seg.ratio((x, y)) <= 1:
             return seg.span(x, y, "their removal restores the output (not the whole page's)")
     share = 1 - tried[(best, zero)] / base
     return seg.span(*best, "carries the error", share=share) if share > 0.05 else None
+
+
+def _bisect(seg: Segment) -> Optional[tuple[tuple[int, int], bool]]:
+    """A range no whole block holds whose removal (or zeroing) restores the row, or None: every
+    block's heads and tails (halves, quarters, ... down to HEAD_MIN positions) and the blocks shifted
+    by half a block (a range straddling two blocks), screened at once from prefix sums of the
+    softmax (:func:`_screen`), the best BISECT_CONFIRM recomputed; the best that restores."""
+    L, P = seg.kv.shape[0], seg.page_size if seg.page_size > 1 else BLOCK
+    tries: set[tuple[int, int]] = set()
+    for a, e in blocks(seg) + [(max(0, a + P // 2), min(L, e + P // 2)) for a, e in blocks(seg)]:
+        k = e - a
+        while k >= HEAD_MIN:
+            tries |= {(a, e), (a, a + k), (e - k, e)}
+            k //= 2
+    ranges = sorted(t for t in tries if t[1] > t[0])
+    if not ranges or 2 * len(ranges) * seg.q.shape[0] * seg.sc.kv_lora_rank > SCREEN_BUDGET:
+        return None  # nothing to try, or a request too long for the screen's sums (bounded memory)
+    starts, ends = torch.tensor([a for a, _ in ranges]), torch.tensor([e for _, e in ranges])
+    screened = [(float(r), i, z) for z in (False, True) for i, r in enumerate(_screen(seg, starts, ends, z))]
+    restoring = []
+    for _, i, z in sorted(screened)[:BISECT_CONFIRM]:
+        r = seg.ratio(ranges[i], z)
+        if r <= 1:
+            restoring.append((r, -(ranges[i][1] - ranges[i][0]), ranges[i], z))
+    if not restoring:
+        return None
+    _, _, x, z = min(restoring)
+    return x, z
+
+
+def _screen(seg: Segment, starts: torch.Tensor, ends: torch.Tensor, zero: bool) -> torch.Tensor:
+    """Worst head's |target - attention| / allowance with each [starts[k], ends[k]) removed (or
+    zeroed) [K], from sums of exp(logit) and exp(logit) v between the ranges' ends: a ranking (the
+    softmax is linear in the kept positions), the verdict stays :meth:`Segment.ratio`. Holds
+    [points, H, Dv] (the caller bounds it: SCREEN_BUDGET) and chunks of positions and of ranges."""
+    sc, Dv, L = seg.sc, seg.sc.kv_lora_rank, seg.kv.shape[0]
+    s = seg.q @ seg.kv.T * (sc.sm_scale * sc.k_scale)  # [H, L]
+    if sc.logit_cap > 0:
+        s = sc.logit_cap * torch.tanh(s / sc.logit_cap)
+    m = s.amax(-1, keepdim=True)  # [H, 1]
+    p = torch.exp(s - m)  # [H, L]
+    pts, inv = torch.unique(torch.cat([starts, ends, torch.tensor([0, L])]), return_inverse=True)  # sorted
+    i0, i1 = inv[: len(starts)], inv[len(starts) : 2 * len(starts)]  # each range's ends among pts
+    Zc = torch.cat([torch.zeros_like(p[:, :1]), p.cumsum(-1)], -1)[:, pts]  # [H, npts] sum p before pts[k]
+    blk = torch.bucketize(torch.arange(L), pts[1:], right=True) + 1  # position x counts from point blk[x]
+    H, step = p.shape[0], max(1, CHUNK // max(p.shape[0] * Dv, 1))
+    Ac = torch.zeros(len(pts), H, Dv, dtype=p.dtype)  # [npts, H, Dv]
+    for a in range(0, L, step):
+        e = min(a + step, L)
+        Ac.index_add_(0, blk[a:e], (p[:, a:e, None] * (seg.kv[None, a:e, :Dv] * sc.v_scale)).transpose(0, 1))
+    Ac = Ac.cumsum(0)  # sum p v over the positions before pts[k]
+    out = torch.empty(len(starts), dtype=p.dtype)
+    for a in range(0, len(starts), step):
+        j0, j1 = i0[a : a + step], i1[a : a + step]
+        Z = Zc[:, -1:] - (Zc[:, j1] - Zc[:, j0])  # [H, K]
+        if zero:
+            Z = Z + (ends - starts)[a : a + step].to(p.dtype)[None] * torch.exp(-m)  # zero rows: logit 0
+        A = Ac[-1][:, None] - (Ac[j1] - Ac[j0]).transpose(0, 1)  # [H, K, Dv]
+        err = (seg.target[:, None] - A / Z[..., None]).abs().amax(-1) / seg.tol[:, None]  # [H, K]
+        out[a : a + step] = err.nan_to_num(float("inf")).amax(0)
+    return out
 
 
 def _inside(seg: Segment, blk: tuple[int, int]) -> list[tuple[int, int]]:
