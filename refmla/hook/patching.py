@@ -149,7 +149,7 @@ def _patch_dsv4_entrypoint(module) -> None:
 
 def _patch_dsa_aiter(module) -> None:
     """Wrap the DSA backend's aiter decode path (V3.2 on ROCm; refmla.hook.dsa_call)."""
-    inst = _INSTALLED
+    inst = _SLOT.current
     cls = getattr(module, DSA_CLASS, None)
     original = cls.__dict__.get(DSA_METHOD) if cls is not None else None
     if inst is None:
