@@ -2,7 +2,8 @@
 
 One entry per capture, with the MR region-size check of its pool geometry (refmla.regions: a
 ``finding`` exits 1, a ``warning`` -- within 5 % below the limit -- is reported and exits 0, a
-capture without geometry is ``not_recorded``); with several captures each readable one also gets its series findings
+capture without geometry is ``not_recorded``); a sparse decode capture's entry is built by
+refmla.sparse.inspection (the same entry with ``sparse`` added); with several captures each readable one also gets its series findings
 (refmla.series) against the previous capture of its layer and rank.
 """
 
@@ -28,6 +29,7 @@ class InspectEntry:
     error: Optional[str] = None  # unreadable: why, in one line
     series: Optional[list[Finding]] = None
     region: Optional[RegionCheck] = None  # the MR region-size check (readable captures)
+    sparse: Optional[Any] = None  # sparse decode captures: refmla.sparse.inspection.SparseInspection
 
     @property
     def exit_code(self) -> int:
@@ -48,6 +50,8 @@ class InspectEntry:
             d["series"] = [f.to_json() for f in self.series]
         if self.region is not None:
             d["region"] = self.region.to_json()
+        if self.sparse is not None:
+            d.update(kind="sparse_decode", sparse=self.sparse.to_json())
         return d
 
 

@@ -88,3 +88,46 @@ def test_an_exception_inside_the_capture_disables_the_hook_not_the_call(tmp_path
         out = forward_attention(dsv4_module, Layer(), kernel_kwargs(cap))
     assert out.shape == (4, 1, 8, 512) and state.disabled and "ZeroDivisionError" in state.disabled
     assert not list(tmp_path.glob("*.safetensors"))
+
+
+def forward_attention_of_layer(mod, layer, kwargs, compress_ratio, token_to_kv_pool):
+    """Stands for _forward_attention with its ``compress_ratio`` argument and ``token_to_kv_pool``
+    local (the names SGLang 0.5.23's method has), calling the module-level entrypoint."""
+    return mod.flash_mla_with_kvcache_entrypoint(**kwargs, backend="triton")[0]
+
+
+class RatioPool:
+    """The one attribute of DeepSeekV4TokenToKVPool the ratio needs: the model's per-layer list."""
+
+    def __init__(self, ratios):
+        self.compression_ratios = ratios
+
+
+@pytest.mark.parametrize("pool_ratio", [128, 4])
+def test_the_hook_records_the_layers_compress_ratio_and_the_models_list(tmp_path, dsv4_module, pool_ratio):
+    from refmla.backends.triton_interp import ensure_interpreter, install_bf16_dot_fix
+    from refmla.hook import patching
+    from refmla.sparse.backends import TRITON_FUSED, one_config_each
+    from refmla.sparse.presets import V4_FLASH_COMPRESS_RATIOS
+
+    ensure_interpreter()
+    install_bf16_dot_fix()
+    patching.install(HookConfig(out_dir=str(tmp_path), backends=frozenset({"dsv4"})))
+    case = build_case(sparse_preset("deepseek-v4-flash-tp8-c128"))
+    cap = SparseCapture(path="mem", meta=parse_sparse_meta(case.meta()), **case.tensors())
+    ratios = list(V4_FLASH_COMPRESS_RATIOS)
+    ratios[3] = pool_ratio  # 128: the pool agrees with the call at layer 3; 4: it does not
+
+    class Layer3:
+        layer_id = 3
+
+    with one_config_each(TRITON_FUSED, True):
+        forward_attention_of_layer(dsv4_module, Layer3(), kernel_kwargs(cap), 128, RatioPool(ratios))
+    (path,) = sorted(tmp_path.glob("sparse-*.safetensors"))
+    got = read_sparse(path)
+    assert got.meta.compress_ratio == 128 and got.meta.layer_role == "compressed" and got.meta.layer_id == 3
+    if pool_ratio == 128:
+        assert got.meta.compress_ratios == ratios and "compress_ratios_mismatch" not in got.meta.extra
+    else:
+        assert got.meta.compress_ratios is None
+        assert got.meta.extra["compress_ratios_mismatch"] == "pool compression_ratios[3] = 4, the call's 128"

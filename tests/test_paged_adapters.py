@@ -111,3 +111,88 @@ def test_doctor_lists_engines_and_kernels(capsys):
         line = next(l for l in text.splitlines() if l.strip().startswith(name + " "))
         assert "[" in line and "]" in line  # engine and kernel
     assert "trtllm_batch_decode_with_kv_cache_mla" in text and "flash_mla_with_kvcache" in text
+
+
+# -- fp8 (e4m3) caches: FlashMLA's and TRT-LLM's fp8 paths, the others skipped with the reason ------
+
+FP8_KERNELS = {"flashmla": "flash_mla_with_kvcache_fp8", "flashinfer_mla": "trtllm_batch_decode_with_kv_cache_mla"}
+
+
+@pytest.fixture
+def fp8_standins(standins, monkeypatch):
+    """The stand-ins, plus vLLM's dense fp8 FlashMLA module (vllm.v1.attention.ops.flashmla)."""
+    import types
+
+    sys.modules.pop("vllm_flashmla_standin", None)  # bound to this test's paged_standin_ref.CALLS
+    import vllm_flashmla_standin
+
+    monkeypatch.setitem(sys.modules, "vllm", sys.modules.get("vllm") or types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.v1.attention.ops.flashmla", vllm_flashmla_standin)
+    yield standins
+
+
+def _fp8_capture(tmp_path, page_size=64, k_scale=0.5, v_scale=0.5, dtype=torch.float8_e4m3fn):
+    """The hostile decode capture with its pool stored in fp8 at scale k_scale (kv = stored * k_scale).
+
+    q's values are e4m3 values (stored bf16): these kernels take q in e4m3, rope part included, a
+    rounding the control models for the latent part only; with such a q the adapter's quantization
+    is exact and what is tested is its conventions (dtypes, descales, bmm scales)."""
+    from helpers import paged_case
+
+    q, pool, indptr, idx = paged_case([130, 1, 64], 16, page_size=page_size, dtype=torch.float32, seed=4)
+    meta = dict(mode="decode", backend="unknown", kv_lora_rank=512, qk_rope_head_dim=64, sm_scale=0.1352,
+                logit_cap=0.0, page_size=page_size, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    tensors = dict(q=q.to(torch.float8_e4m3fn).to(torch.bfloat16), kv_buffer=(pool / k_scale).to(dtype), kv_indptr=indptr, kv_indices=idx,
+                   seq_lens=(indptr[1:] - indptr[:-1]).int())  # fmt: skip
+    return read_capture(write_capture(tmp_path / "c8.safetensors", tensors, meta))
+
+
+@pytest.mark.parametrize("name", sorted(FP8_KERNELS))
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_fp8_adapter_meets_the_contract(fp8_standins, tmp_path, name, page_size):
+    report = replay_capture(_fp8_capture(tmp_path, page_size), ReplayOptions(backends=[name], explain=False))
+    entry = report.backends[name]
+    assert entry.status == "pass", entry.reason
+    assert entry.info["kernel"].endswith(FP8_KERNELS[name]) and entry.info["standin"] is True
+    assert fp8_standins.CALLS[-1]["kernel"] == FP8_KERNELS[name]
+
+
+def test_fp8_scale_dropped_is_a_failure_not_a_pass(fp8_standins, tmp_path, monkeypatch):
+    """The contract test can fail: an adapter that forgot the k_scale (descale_k 1) fails the comparison."""
+    import vllm_flashmla_standin
+
+    import functools
+
+    real = vllm_flashmla_standin.flash_mla_with_kvcache_fp8
+
+    @functools.wraps(real)
+    def no_descale_k(**kw):
+        return real(**{**kw, "descale_k": torch.ones(1)})
+
+    monkeypatch.setattr(vllm_flashmla_standin, "flash_mla_with_kvcache_fp8", no_descale_k)
+    entry = replay_capture(_fp8_capture(tmp_path), ReplayOptions(backends=["flashmla"], explain=False)).backends["flashmla"]
+    assert entry.status == "fail"
+
+
+@pytest.mark.parametrize(("name", "case", "why"), [
+    ("cutlass_mla", {}, "no fp8 KV cache path"),
+    ("fa3_mla", {}, "no fp8 KV cache path"),
+    ("flashmla", {"dtype": torch.float8_e5m2}, "reads fp8 e4m3"),
+    ("flashinfer_mla", {"dtype": torch.float8_e5m2}, "reads fp8 e4m3"),
+    ("flashmla", {"v_scale": 0.25}, "one KV scale to the latent K and V"),
+    ("flashinfer_mla", {"v_scale": 0.25}, "one KV scale to the latent K and V"),
+])  # fmt: skip
+def test_fp8_a_cache_the_kernel_cannot_take_is_skipped_with_the_reason(fp8_standins, tmp_path, name, case, why):
+    entry = replay_capture(_fp8_capture(tmp_path, **case), ReplayOptions(backends=[name], explain=False)).backends[name]
+    assert entry.status == "skipped" and why in entry.reason, (entry.status, entry.reason)
+    assert not fp8_standins.CALLS
+
+
+def test_fp8_flashmla_without_its_fp8_entry_point_is_skipped(standins, tmp_path, monkeypatch):
+    """DeepSeek's flash_mla alone (no dense fp8 decode) and no vLLM fp8 module: skipped, never an error."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "vllm", sys.modules.get("vllm") or types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.v1.attention.ops.flashmla", types.ModuleType("vllm.v1.attention.ops.flashmla"))
+    entry = replay_capture(_fp8_capture(tmp_path), ReplayOptions(backends=["flashmla"], explain=False)).backends["flashmla"]
+    assert entry.status == "skipped" and "flash_mla_with_kvcache_fp8" in entry.reason, entry.reason

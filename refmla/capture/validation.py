@@ -25,7 +25,8 @@ AITER_BUFFERS = {  # aiter's persistent work buffers: name -> trailing shape (No
 INDEX_TENSORS = ("kv_indptr", "kv_indices", "seq_lens", "num_kv_splits", "req_to_token", "orig_kv_indices",
                  "qo_indptr", "mask_indptr", *AITER_BUFFERS, "block_table", "query_start_loc")  # fmt: skip
 FLOAT_TENSORS = ("q", "kv_buffer", "out", "lse", "attn_logits", "attn_lse")
-KNOWN_BACKENDS = ("triton", "aiter", "unknown", "vllm_triton", "flashmla", "flashinfer_mla", "cutlass_mla", "fa3_mla")
+KNOWN_BACKENDS = ("triton", "aiter", "unknown", "vllm_triton", "flashmla", "flashinfer_mla", "cutlass_mla", "fa3_mla",
+                  "trtllm_mla")
 # q and the pool in what a kernel reads (docs/contract.md section 1): no fp64, no integers
 INPUT_DTYPES = FLOAT_DTYPES - {torch.float64}
 

@@ -39,11 +39,12 @@ def replay_sparse_files(paths: Sequence[str], args, tol: Tolerance) -> int:
 
 def synth_sparse_cmd(args) -> int:
     try:
-        planted = synth_sparse(args.out, args.preset, args.fault, args.seed)
+        planted = synth_sparse(args.out, args.preset, args.fault, args.seed, layer=args.layer)
     except (ValueError, CaptureError) as e:
         print(f"refmla: error: {args.out}: {e}", file=sys.stderr)
         return EXIT_INVALID
-    print(f"wrote {args.out} (preset {args.preset}, planted {json.dumps(planted)})")
+    layer = "" if args.layer is None else f" layer {args.layer}"
+    print(f"wrote {args.out} (preset {args.preset}{layer}, planted {json.dumps(planted)})")
     return EXIT_OK
 
 

@@ -18,6 +18,8 @@ def add_parser(sub) -> None:
     s.add_argument("--preset", default="kimi-k2-tp8")
     s.add_argument("--fault", default="none")
     s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--layer", type=int, default=None, metavar="N",
+                   help="DeepSeek-V4 presets: layer N of the model, its compress ratio from the model's per-layer list")
     s.set_defaults(func=synth)
 
     sd = sub.add_parser("synth-disagg", help="write a synthetic prefill/decode pair (OUT/prefill, OUT/decode)")
@@ -31,6 +33,8 @@ def add_parser(sub) -> None:
 def synth(args) -> int:
     if args.preset in SPARSE_PRESETS:
         return synth_sparse_cmd(args)
+    if args.layer is not None:
+        raise UsageError(f"--layer applies to the sparse presets ({', '.join(SPARSE_PRESETS)}), not {args.preset!r}")
     try:
         spec = preset(args.preset, seed=args.seed) if args.seed is not None else preset(args.preset)
     except KeyError as e:

@@ -29,6 +29,8 @@ call that passes the filters. The rest are torch-free, as they run at interprete
     filters.py        before the kernel: the cheap filters (layer, rank, EVERY, mode, MIN_SEQ_LEN)
     kernel_probes.py  notes from inside SGLang's kernel module (gfx950 forced splits, Lean)
     tensors.py        (torch) pool rows gathered, slots renumbered, unwritten splits blanked
+    nvidia.py         (torch) SGLang's NVIDIA MLA decode backends: the metadata, block table or plan
+                      each read, the page size, the KV scales each applied, q from q + q_rope
     aiter_meta.py     (torch) the aiter path production ran (meta) and its persistent work buffers
     geometry.py       the production pool's geometry (rows, bytes per row, layers per buffer) for the meta
     meta.py           (torch) the meta providers and their assembly
@@ -37,6 +39,7 @@ call that passes the filters. The rest are torch-free, as they run at interprete
     patching.py       install / uninstall; the forward_decode / forward_extend wrapper; the DeepSeek-V4
                       sparse entrypoint's wrapper (REFMLA_CAPTURE_BACKENDS=dsv4)
     sparse_call.py    (torch) DeepSeek-V4 sparse decode: the entrypoint's keyword arguments as a sparse capture
+    dsa_call.py       (torch) DeepSeek-V3.2 DSA's aiter decode on ROCm (_forward_aiter) as a dense decode capture
     vllm_paths.py     where vLLM keeps its MLA Impl classes (forward_mqa), and their capture names
     vllm_patch.py     vLLM: the ``vllm.general_plugins`` entry point, install, the forward_mqa wrapper
     vllm_extract.py   (torch) vLLM: the kernel's block table, split count, pool pages -> a capture

@@ -33,6 +33,8 @@ class Call:
     rank: int  # TP rank
     q: Any = None  # the call's arguments, set after the kernel ran
     k: Any = None
+    llama_4_scaling: Any = None  # TRT-LLM's query scale (not in refmla.capture/1: such a call is skipped)
+    q_rope: Any = None  # the rope part when the backend takes it apart (TRT-LLM, FlashInfer, FA3 MLA)
     sinks: Any = None
     kernel_notes: dict = field(default_factory=dict)  # what the kernel-module probes saw during the call
 
@@ -80,6 +82,8 @@ class CallContext:
     num_kv_splits: Any = None  # [B] int32 host, the split counts the kernel used (Triton decode)
     attn_logits: Any = None  # [B, H, S, Dv] device view of the stage-1 partials (Triton decode)
     attn_lse: Any = None  # [B, H, S] device view
+    block_table: Any = None  # [B, M] int64 host: the block table a block-table kernel read (refmla.hook.nvidia)
+    page_size: Optional[int] = None  # the page size that kernel read it with
     custom_mask: Any = None  # verify: [sum n_b * L_b] bool host, SGLang's tree mask as the kernel read it
     mask_indptr: Any = None  # verify: [B + 1] int64 host, from 0
     notes: dict = field(default_factory=dict)  # extra meta keys found on the way

@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
+from refmla import blocktable
 from refmla.hook import meta as meta_providers
+from refmla.hook import nvidia
 from refmla.hook.aiter_meta import aiter_buffers
 from refmla.hook.call import Call, CallContext, Skip
 from refmla.hook.modes import READERS
@@ -42,6 +44,8 @@ def after(state: HookState, call: Call, backend_obj: Any, result: Any) -> None:
     read_pool(ctx)
     reader.kernel(ctx, state.cfg.partials)
     rows = referenced_rows(ctx.idx.kv_indices, ctx.req_to_token, ctx.seq_lens, ctx.k_buf.shape[0])
+    if ctx.block_table is not None:  # whole pages, the table renumbered (docs/contract.md, block tables)
+        rows = page_rows(ctx)
     if not state.admit(estimate_bytes(ctx, rows)):
         return
     tensors = host_tensors(ctx, rows)
@@ -67,6 +71,8 @@ def _check_absorbed_mla(call: Call, backend_obj: Any, result: Any, D: int, Dv: i
         raise Skip("decode context parallelism (dcp_size > 1)")
     if call.sinks is not None or (getattr(layer, "xai_temperature_len", -1) or -1) > 0:
         raise Skip("attention sinks / xai temperature are not in refmla.capture/1")
+    if call.llama_4_scaling is not None:
+        raise Skip("llama 4 query scaling is not in refmla.capture/1")
     if call.q is None or result is None or not torch.is_tensor(result):
         raise Skip("no q or no output tensor")
 
@@ -74,7 +80,7 @@ def _check_absorbed_mla(call: Call, backend_obj: Any, result: Any, D: int, Dv: i
 def open_call(call: Call, backend_obj: Any, result: Any) -> CallContext:
     """The call's geometry and q / out views, after the guards of :func:`_check_absorbed_mla`."""
     layer = call.layer
-    md = getattr(backend_obj, "forward_metadata", None)
+    md = nvidia.metadata(call.backend, backend_obj, call.forward_batch)
     if md is None:
         raise Skip("backend has no forward_metadata")
     H = int(layer.tp_q_head_num)
@@ -83,7 +89,7 @@ def open_call(call: Call, backend_obj: Any, result: Any) -> CallContext:
     pool = backend_obj.token_to_kv_pool
     kv_lora_rank = int(getattr(pool, "kv_lora_rank", Dv))
     _check_absorbed_mla(call, backend_obj, result, D, Dv, kv_lora_rank)
-    q = call.q.reshape(-1, H, D)  # [B, H, D] decode / [T, H, D] extend; a view, never written
+    q = nvidia.full_query(call.q, call.q_rope, H, D, Dv)  # [B, H, D] decode / [T, H, D] extend; never written
     out = result.reshape(-1, H, Dv)  # [B, H, Dv] / [T, H, Dv]
     if out.shape[0] != q.shape[0]:
         raise Skip(f"output rows {out.shape[0]} != query rows {q.shape[0]}")
@@ -108,6 +114,13 @@ def read_pool(ctx: CallContext) -> None:
         ctx.req_to_token = r2t_src[:, :M].index_select(0, rpi[:B].to(r2t_src.device).long()).to("cpu")
 
 
+def page_rows(ctx: CallContext) -> torch.Tensor:
+    """Every row of every in-pool page the block table names, padding included, sorted [K * P]."""
+    P = int(ctx.page_size)
+    kept, _ = blocktable.compact_pages(ctx.block_table, P, ctx.k_buf.shape[0])  # [K]
+    return (kept[:, None] * P + torch.arange(P)).flatten()
+
+
 def estimate_bytes(ctx: CallContext, rows: torch.Tensor) -> int:
     """The capture's size from tensor sizes alone (before anything is copied), + 4 KiB of header."""
     q, out, k_buf, n_idx, B = ctx.q, ctx.out, ctx.k_buf, ctx.idx.kv_indices.numel(), ctx.batch_size
@@ -130,6 +143,8 @@ def host_tensors(ctx: CallContext, rows: torch.Tensor) -> dict[str, torch.Tensor
         "seq_lens": ctx.seq_lens,
         "out": ctx.out.detach().to("cpu"),
     }
+    if ctx.block_table is not None:  # renumbered to the pages page_rows kept
+        _, tensors["block_table"] = blocktable.compact_pages(ctx.block_table, ctx.page_size, ctx.k_buf.shape[0])
     if ctx.req_to_token is not None:
         tensors["req_to_token"] = remap_req_to_token(ctx.req_to_token, rows, ctx.seq_lens)
     if idx.qo_indptr is not None:

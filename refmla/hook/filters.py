@@ -3,6 +3,8 @@
 In order: CUDA/HIP graph capture and torch.compile tracing (never captured), the step count,
 layer and ``EVERY`` filters, the rank, the forward kind (speculative modes the format cannot
 describe yet), and the batch's longest request against ``MIN_SEQ_LEN`` from its host copy.
+:func:`after_call_filters` is the same graph / layer / rank / ``EVERY`` decision for the wrappers
+that decide after their kernel (DeepSeek-V4's sparse entrypoint, V3.2 DSA's aiter decode).
 """
 
 from __future__ import annotations
@@ -73,3 +75,19 @@ def before(state: HookState, backend: str, mode: str, layer, forward_batch) -> O
             return None
     return Call(backend=backend, mode=kind, layer=layer, forward_batch=forward_batch,
                 layer_id=layer_id, step=step, rank=rank)  # fmt: skip
+
+
+def after_call_filters(state: HookState, family: str, layer_id: int) -> Optional[tuple[int, int]]:
+    """The filters of a capture decided after its kernel ran (the sparse entrypoint, the DSA aiter
+    decode): (rank, step) when the call is wanted; None when it is skipped (counted): inside graph
+    capture, or by the layer, rank and ``EVERY`` filters (each call counts its step either way)."""
+    cfg = state.cfg
+    rank = tp_rank()
+    step = state.next_step(family, layer_id)
+    if graph_capturing():
+        state.skip("graph capture", "tensors are placeholders while a graph is captured")
+        return None
+    if (layer_id >= 0 and not cfg.wants_layer(layer_id)) or not cfg.wants_rank(rank) or step % cfg.every:
+        state.skip("filtered", "layer, rank or REFMLA_CAPTURE_EVERY")
+        return None
+    return rank, step

@@ -25,9 +25,9 @@ from typing import Callable
 
 import torch
 
-from refmla import blocktable
 from refmla.hook.call import CallContext, Indices, Skip
 from refmla.hook.meta import MetaProvider, triton_decode_meta, verify_meta
+from refmla.hook.nvidia import NVIDIA, nvidia_meta
 from refmla.hook.tensors import gather_rows
 
 
@@ -44,29 +44,16 @@ class ModeReader:
 
 
 def decode_indices(ctx: CallContext) -> Indices:
-    """Exactly what the kernel read (``forward_metadata.kv_indptr / kv_indices``, or the block
-    table ``block_kv_indices`` of SGLang's NVIDIA backends: :func:`block_table_indices`)."""
+    """Exactly what the kernel read (``forward_metadata.kv_indptr / kv_indices``, or what each of
+    SGLang's NVIDIA backends read: :data:`refmla.hook.nvidia.NVIDIA`)."""
     B = ctx.q.shape[0]
-    if getattr(ctx.md, "block_kv_indices", None) is not None and getattr(ctx.md, "kv_indices", None) is None:
-        return block_table_indices(ctx)
+    if ctx.call.backend in NVIDIA:
+        return NVIDIA[ctx.call.backend].indices(ctx)
     kv_indptr = ctx.md.kv_indptr[: B + 1].to("cpu", torch.int64)  # [B + 1]
     if kv_indptr.shape[0] != B + 1:
         raise Skip(f"kv_indptr has {kv_indptr.shape[0]} entries for {B} requests")
     kv_indices = ctx.md.kv_indices[int(kv_indptr[0]) : int(kv_indptr[-1])].to("cpu", torch.int64)
     return Indices(kv_indptr - kv_indptr[0], kv_indices, None, B)
-
-
-def block_table_indices(ctx: CallContext) -> Indices:
-    """Token slots of a block-table backend's decode: ``block_kv_indices [B, max_blocks]`` pages of
-    ``backend.page_size`` rows over ``forward_batch.seq_lens`` (refmla.blocktable.token_rows)."""
-    B, P = ctx.q.shape[0], int(getattr(ctx.backend, "page_size", 1) or 1)
-    table = ctx.md.block_kv_indices[:B].to("cpu", torch.int64)  # [B, M]
-    seq = ctx.forward_batch.seq_lens[:B].to("cpu", torch.int64)  # [B]
-    found = blocktable.problems(table, seq, P, ctx.pool.get_key_buffer(ctx.layer.layer_id).shape[0])
-    if found.errors:
-        raise Skip("block_kv_indices: " + found.text(found.errors))
-    kv_indptr, kv_indices = blocktable.token_rows(table, seq, P)
-    return Indices(kv_indptr.long(), kv_indices, None, B)
 
 
 def decode_kernel(ctx: CallContext, partials: bool) -> None:
@@ -222,7 +209,7 @@ def read_mask(ctx: CallContext, qo_indptr: torch.Tensor, lens: torch.Tensor) -> 
 
 
 READERS: dict[str, ModeReader] = {
-    "decode": ModeReader(indices=decode_indices, kernel=decode_kernel, meta=(triton_decode_meta,)),
+    "decode": ModeReader(indices=decode_indices, kernel=decode_kernel, meta=(triton_decode_meta, nvidia_meta)),
     "extend": ModeReader(indices=extend_indices, kernel=extend_kernel),
     "verify": ModeReader(indices=verify_indices, kernel=extend_kernel, meta=(verify_meta,)),
 }

@@ -21,39 +21,21 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
-import sys
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from refmla.hook import kernel_probes
 from refmla.hook.call import Skip
 from refmla.hook.config import HookConfig, id_text
 from refmla.hook.filters import before
-from refmla.hook.postimport import PostImportFinder, activate
-from refmla.hook.sglang_paths import BACKEND_CLASSES, MARK, METHODS
+from refmla.hook.postimport import Installation, InstallSlot
+from refmla.hook.sglang_paths import BACKEND_CLASSES, DECODE_ONLY, MARK, METHODS
 from refmla.hook.writer import HookState
 
-
-@dataclass
-class _Installed:
-    state: HookState
-    finder: Optional[PostImportFinder] = None
-    patched: list[tuple[type, str, Callable]] = field(default_factory=list)  # (class, method, original)
-    kernel_patched: list[tuple[Any, str, Callable]] = field(default_factory=list)  # (module, attr, original)
-
-
-_INSTALLED: Optional[_Installed] = None
+_SLOT = InstallSlot()  # the hook's one installation in this process (refmla.hook.postimport)
 
 
 def current_state() -> Optional[HookState]:
-    return _INSTALLED.state if _INSTALLED is not None else None
-
-
-def _fail(e: Exception) -> None:
-    state = current_state()
-    if state is not None:
-        state.fail(e)
+    return _SLOT.state
 
 
 def _targets(cfg: HookConfig) -> dict[str, Callable[[Any], None]]:
@@ -61,7 +43,9 @@ def _targets(cfg: HookConfig) -> dict[str, Callable[[Any], None]]:
     targets: dict[str, Callable[[Any], None]] = {}
     if "dsv4" in cfg.backends:
         targets[DSV4_MODULE] = _patch_dsv4_entrypoint
-    for backend in sorted(cfg.backends - {"dsv4"}):
+    if "dsa" in cfg.backends:
+        targets[DSA_MODULE] = _patch_dsa_aiter
+    for backend in sorted(cfg.backends - {"dsv4", "dsa"}):
         for module, cls_name in BACKEND_CLASSES[backend]:
             targets[module] = _make_backend_patcher(backend, cls_name)
     for backend, (modules, probes) in kernel_probes.KERNEL_PROBES.items():
@@ -84,13 +68,9 @@ def _chain(first: Optional[Callable[[Any], None]], then: Callable[[Any], None]) 
 
 def install(cfg: HookConfig) -> HookState:
     """Install the hook for ``cfg`` in this process (idempotent; a second call keeps the first)."""
-    global _INSTALLED
-    if _INSTALLED is not None:
-        return _INSTALLED.state
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    inst = _Installed(state=HookState(cfg))
-    _INSTALLED = inst
-    inst.finder = activate(_targets(cfg), on_error=_fail)  # modules already imported are patched now
+    if _SLOT.current is not None:
+        return _SLOT.state
+    inst = _SLOT.install(cfg.out_dir, lambda: HookState(cfg), lambda: _targets(cfg), on_error=_SLOT.fail)
     inst.state.log.info(
         "capture hook active: dir=%s layers=%s modes=%s min_seq_len=%d ranks=%s backends=%s every=%d "
         "max_files=%d max_bytes=%d partials=%s",
@@ -103,24 +83,14 @@ def install(cfg: HookConfig) -> HookState:
 
 def uninstall() -> None:
     """Restore every patched method and kernel-module attribute and drop the import hook."""
-    global _INSTALLED
-    inst = _INSTALLED
-    if inst is None:
-        return
-    if inst.finder is not None and inst.finder in sys.meta_path:
-        sys.meta_path.remove(inst.finder)
-    for cls, name, original in reversed(inst.patched):
-        setattr(cls, name, original)
-    for mod, attr, original in reversed(inst.kernel_patched):
-        setattr(mod, attr, original)
-    _INSTALLED = None
+    _SLOT.uninstall()
 
 
 def patched_methods() -> list[str]:
     """``module.Class.method`` of every method wrapped now."""
-    if _INSTALLED is None:
+    if _SLOT.current is None:
         return []
-    return [f"{c.__module__}.{c.__qualname__}.{n}" for c, n, _ in _INSTALLED.patched]
+    return [f"{c.__module__}.{c.__qualname__}.{n}" for c, n, _ in _SLOT.current.patched]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,7 +100,7 @@ def patched_methods() -> list[str]:
 
 def _make_backend_patcher(backend: str, cls_name: str) -> Callable[[Any], None]:
     def patch(module) -> None:
-        inst = _INSTALLED
+        inst = _SLOT.current
         if inst is None:
             return
         cls = getattr(module, cls_name, None)
@@ -138,12 +108,14 @@ def _make_backend_patcher(backend: str, cls_name: str) -> Callable[[Any], None]:
             inst.state.once(f"nocls:{module.__name__}", logging.WARNING,
                             "%s has no %s in this SGLang: %s backend not captured", module.__name__, cls_name, backend)  # fmt: skip
             return
-        for mode in sorted(inst.state.cfg.modes):
+        modes = {"decode"} & inst.state.cfg.modes if backend in DECODE_ONLY else inst.state.cfg.modes
+        for mode in sorted(modes):
             _wrap_method(inst, cls, METHODS[mode], backend, mode)
 
     return patch
 
 
+DSA_MODULE, DSA_CLASS, DSA_METHOD = "sglang.srt.layers.attention.dsa_backend", "DeepseekSparseAttnBackend", "_forward_aiter"
 DSV4_MODULE = "sglang.srt.layers.attention.deepseek_v4_backend_hip_radix"
 DSV4_ENTRY = "flash_mla_with_kvcache_entrypoint"
 
@@ -163,7 +135,7 @@ def _resolved_backend(backend: Optional[str]) -> str:
 
 def _patch_dsv4_entrypoint(module) -> None:
     """Wrap the sparse entrypoint the DeepSeek-V4 HIP radix backend calls (refmla.hook.sparse_call)."""
-    inst = _INSTALLED
+    inst = _SLOT.current
     original = getattr(module, DSV4_ENTRY, None)
     if inst is None or original is None or getattr(original, MARK, None) is not None:
         return
@@ -172,22 +144,44 @@ def _patch_dsv4_entrypoint(module) -> None:
     wrapper = wrap_entrypoint(original, current_state, _resolved_backend)
     setattr(wrapper, MARK, original)
     setattr(module, DSV4_ENTRY, wrapper)
-    inst.kernel_patched.append((module, DSV4_ENTRY, original))
+    inst.module_attrs.append((module, DSV4_ENTRY, original))
+
+
+def _patch_dsa_aiter(module) -> None:
+    """Wrap the DSA backend's aiter decode path (V3.2 on ROCm; refmla.hook.dsa_call)."""
+    inst = _INSTALLED
+    cls = getattr(module, DSA_CLASS, None)
+    original = cls.__dict__.get(DSA_METHOD) if cls is not None else None
+    if inst is None:
+        return
+    if original is None:
+        inst.state.once(f"nodsa:{module.__name__}", logging.WARNING,
+                        "%s has no %s.%s in this SGLang: DSA aiter decode not captured", module.__name__, DSA_CLASS, DSA_METHOD)  # fmt: skip
+        return
+    if getattr(original, MARK, None) is not None:
+        return
+    from refmla.hook.dsa_call import wrap_forward_aiter
+
+    wrapper = wrap_forward_aiter(original, current_state)
+    setattr(wrapper, MARK, original)
+    setattr(cls, DSA_METHOD, wrapper)
+    inst.patched.append((cls, DSA_METHOD, original))
+    inst.state.log.info("wrapped %s.%s.%s (dsa)", module.__name__, DSA_CLASS, DSA_METHOD)
 
 
 def _make_kernel_patcher(probes: dict[str, Callable[[Callable], Callable]]) -> Callable[[Any], None]:
     """Probe a kernel module (see :mod:`refmla.hook.kernel_probes`); uninstall restores it."""
 
     def patch(module) -> None:
-        inst = _INSTALLED
+        inst = _SLOT.current
         if inst is None:
             return
-        kernel_probes.probe_module(module, probes, lambda mod, attr, fn: inst.kernel_patched.append((mod, attr, fn)))
+        kernel_probes.probe_module(module, probes, lambda mod, attr, fn: inst.module_attrs.append((mod, attr, fn)))
 
     return patch
 
 
-def _wrap_method(inst: _Installed, cls: type, name: str, backend: str, mode: str) -> None:
+def _wrap_method(inst: Installation, cls: type, name: str, backend: str, mode: str) -> None:
     original = cls.__dict__.get(name)
     if original is None or getattr(original, MARK, None) is not None:
         return
@@ -231,7 +225,7 @@ def _argument_reader(params: list[str]) -> Callable[..., Any]:
 
 def _make_wrapper(original: Callable, arg: Callable[..., Any], backend: str, mode: str) -> Callable:
     def wrapper(self, *args, **kwargs):
-        inst_now = _INSTALLED
+        inst_now = _SLOT.current
         state = inst_now.state if inst_now is not None else None
         if state is None or not state.active:
             return original(self, *args, **kwargs)
@@ -249,6 +243,8 @@ def _make_wrapper(original: Callable, arg: Callable[..., Any], backend: str, mod
 
             call.q = arg(args, kwargs, "q")
             call.k = arg(args, kwargs, "k")
+            call.q_rope = arg(args, kwargs, "q_rope")
+            call.llama_4_scaling = arg(args, kwargs, "llama_4_scaling")
             call.sinks = arg(args, kwargs, "sinks")
             call.kernel_notes = kernel_probes.take_notes()
             after(state, call, self, result)

@@ -3,13 +3,19 @@
 This is how the hook patches SGLang's classes without importing SGLang itself: the finder wraps
 the loader of each target module, and the wrapped loader calls back once the module's code has
 run (or :meth:`PostImportFinder.run_callback` is called at once for a module already imported).
+
+:class:`InstallSlot` is the one installation of a hook in a process, shared by the SGLang hook
+(:mod:`refmla.hook.patching`) and the vLLM hook (:mod:`refmla.hook.vllm_patch`): install once
+(a second install keeps the first), patch through a finder, restore every original on uninstall.
 """
 
 from __future__ import annotations
 
 import importlib.abc
+import os
 import sys
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 
 class PostImportFinder(importlib.abc.MetaPathFinder):
@@ -82,3 +88,56 @@ def activate(targets: dict[str, Callable[[Any], None]], on_error: Callable[[Exce
         if mod is not None:
             finder.run_callback(module, mod)
     return finder
+
+
+@dataclass
+class Installation:
+    """One hook installed in this process: its state, its import finder, and what it replaced."""
+
+    state: Any  # refmla.hook.writer.HookState
+    finder: Optional[PostImportFinder] = None
+    patched: list = field(default_factory=list)  # (class, method, original) wrapped methods
+    module_attrs: list = field(default_factory=list)  # (module, attribute, original) replaced functions
+
+    def restore(self) -> None:
+        """Drop the finder and put every original back, the latest patch first."""
+        if self.finder is not None and self.finder in sys.meta_path:
+            sys.meta_path.remove(self.finder)
+        for owner, name, original in reversed(self.patched):
+            setattr(owner, name, original)
+        for owner, name, original in reversed(self.module_attrs):
+            setattr(owner, name, original)
+
+
+class InstallSlot:
+    """The (at most one) :class:`Installation` of a hook in this process."""
+
+    def __init__(self) -> None:
+        self.current: Optional[Installation] = None
+
+    def install(self, out_dir: str, make_state: Callable[[], Any],
+                targets: Callable[[], dict[str, Callable[[Any], None]]],
+                on_error: Callable[[Exception], None]) -> Installation:  # fmt: skip
+        """Install once: the output folder, the state, then the finder (``targets()`` is built once
+        the slot holds the installation, so patchers that run at once already see it)."""
+        if self.current is not None:
+            return self.current
+        os.makedirs(out_dir, exist_ok=True)
+        inst = Installation(state=make_state())
+        self.current = inst
+        inst.finder = activate(targets(), on_error=on_error)  # modules already imported are patched now
+        return inst
+
+    def uninstall(self) -> None:
+        inst, self.current = self.current, None
+        if inst is not None:
+            inst.restore()
+
+    def fail(self, e: Exception) -> None:
+        """A patcher's exception: disable the installed hook (logged once); never raises."""
+        if self.current is not None:
+            self.current.state.fail(e)
+
+    @property
+    def state(self) -> Any:
+        return self.current.state if self.current is not None else None

@@ -6,8 +6,10 @@ Checked against SGLang 0.5.23; older paths are kept as fall-backs, newest first 
 | --- | --- | --- |
 | Triton backend | ``sglang.srt.layers.attention.triton_backend`` | ``TritonAttnBackend`` |
 | aiter backend | ``sglang.srt.layers.attention.aiter_backend`` | ``AiterAttnBackend`` |
+| NVIDIA MLA backends (decode) | ``sglang.srt.layers.attention.{flashmla,trtllm_mla,flashinfer_mla}_backend``, ``.flashattention_backend`` | ``FlashMLABackend``, ``TRTLLMMLABackend``, ``FlashInferMLAAttnBackend``, ``FlashAttentionBackend`` (no CUTLASS MLA backend in 0.5.23) |
 | Triton decode kernel | ``sglang.kernels.ops.attention.decode_attention`` (0.5.16+), ``sglang.srt.layers.attention.triton_ops.decode_attention`` (before) | ``_mla_launch_plan``, ``_decode_lean_attention_fwd`` (probed, optional), ``_MIN_BLOCK_KV`` |
 | aiter MLA entry points | ``sglang.srt.layers.attention.aiter_backend``, ``aiter.mla`` | ``mla_decode_fwd``, ``mla_gluon_decode``, ``get_mla_metadata_v1``, ``get_mla_metadata_info_v1``, ``_use_persistent_mla_decode`` (probed, each optional) |
+| DSA aiter decode (V3.2, ROCm) | ``sglang.srt.layers.attention.dsa_backend`` | ``DeepseekSparseAttnBackend._forward_aiter`` (refmla.hook.patching wraps it) |
 | graph-capture flag | ``sglang.srt.model_executor.runner_utils.capture_mode`` (0.5.x), ``sglang.srt.model_executor.cuda_graph_runner`` (0.4.x) | ``get_is_capture_mode`` |
 
 ``forward_decode`` and ``forward_extend`` take ``(q, k, v, layer, forward_batch,
@@ -25,10 +27,15 @@ from typing import Any, Iterable, Optional
 BACKEND_CLASSES: dict[str, tuple[tuple[str, str], ...]] = {
     "triton": (("sglang.srt.layers.attention.triton_backend", "TritonAttnBackend"),),
     "aiter": (("sglang.srt.layers.attention.aiter_backend", "AiterAttnBackend"),),
-    # NVIDIA (issue 20): FlashMLA's decode reads forward_metadata.block_kv_indices, a block table of
-    # page 64 built from req_to_token (create_flashmla_kv_indices_triton); refmla.hook.modes reads it
+    # NVIDIA (issue 20), decode only: what each decode read is refmla.hook.nvidia's (FlashMLA's
+    # block_kv_indices at page 64, TRT-LLM's at 32 / 64, FlashInfer's page-1 plan, FA3's page_table)
     "flashmla": (("sglang.srt.layers.attention.flashmla_backend", "FlashMLABackend"),),
+    "trtllm_mla": (("sglang.srt.layers.attention.trtllm_mla_backend", "TRTLLMMLABackend"),),
+    "flashinfer_mla": (("sglang.srt.layers.attention.flashinfer_mla_backend", "FlashInferMLAAttnBackend"),),
+    "fa3_mla": (("sglang.srt.layers.attention.flashattention_backend", "FlashAttentionBackend"),),
 }
+# backends wrapped in decode only (their forward_extend runs other kernels, or a parent's)
+DECODE_ONLY = frozenset({"flashmla", "trtllm_mla", "flashinfer_mla", "fa3_mla"})
 # modules whose aiter MLA entry points are probed (refmla.hook.kernel_probes): SGLang's backend module
 # (it calls mla_decode_fwd, mla_gluon_decode, get_mla_metadata_*_v1 through its globals) and aiter.mla
 # (its _use_persistent_mla_decode gate)

@@ -4,7 +4,8 @@ SGLang's ``DeepseekV4HipRadixBackend._forward_attention`` calls
 ``flash_mla_with_kvcache_entrypoint(backend=..., q=, k_cache=, indices=, topk_length=, attn_sink=,
 extra_k_cache=, extra_indices_in_kvcache=, extra_topk_length=, softmax_scale=, head_dim_v=, ...,
 [inv_rope=])``: those keyword arguments are the capture (docs/contract.md, "sparse decode
-captures"), with the backend SGLang resolved (``resolve_hip_flashmla_backend``) in meta. The
+captures"), with the backend SGLang resolved (``resolve_hip_flashmla_backend``) in meta, and the
+layer's compress ratio from the caller's ``compress_ratio`` (with the model's per-layer list). The
 caches are saved as their padded page rows, only the pages the indices reference (renumbered).
 
 :func:`wrap_entrypoint` returns the wrapper the patcher installs: the original runs first and its
@@ -23,7 +24,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from refmla.hook.geometry import disagg_meta, pool_counts, registered_regions
-from refmla.hook.runtime import graph_capturing, tp_rank, versions
+from refmla.hook.filters import after_call_filters
+from refmla.hook.runtime import versions
 from refmla.hook.writer import HookState, capture_name
 from refmla.sparse.io import write_sparse
 from refmla.sparse.layouts import LAYOUTS
@@ -101,22 +103,43 @@ def pool_meta() -> dict:
     return {**geometry, **disagg_meta()}
 
 
+def ratio_meta(layer_id: int) -> dict:
+    """The layer's compress ratio as the call was made with it (``_forward_attention``'s
+    ``compress_ratio``: 0 window only, 4 C4, 128 C128, 1, 2), its role, and the model's per-layer
+    list the pool was built from (``DeepSeekV4TokenToKVPool.compression_ratios``) when it agrees
+    with the call at this layer; when it does not, the disagreement itself is recorded."""
+    ratio = _caller_local("compress_ratio")
+    if isinstance(ratio, bool) or not isinstance(ratio, int):
+        return {}
+    meta: dict = {"compress_ratio": int(ratio), "layer_role": "compressed" if ratio > 0 else "window"}
+    pool = _caller_local("token_to_kv_pool")
+    ratios = getattr(pool, "compression_ratios", None) if pool is not None else None
+    try:
+        ratios = [int(r) for r in ratios] if ratios is not None else None
+    except (TypeError, ValueError):
+        ratios = None
+    if ratios and 0 <= layer_id < len(ratios):
+        if ratios[layer_id] == ratio:
+            meta["compress_ratios"] = ratios
+        else:
+            meta["compress_ratios_mismatch"] = f"pool compression_ratios[{layer_id}] = {ratios[layer_id]}, the call's {ratio}"
+    return meta
+
+
 def capture_call(state: HookState, kw: dict, result: Any, backend: str) -> None:
     """Filters, budget, host copy, write: one sparse capture (or a counted skip)."""
-    cfg = state.cfg
     layer = _caller_local("layer")
     layer_id = int(getattr(layer, "layer_id", -1))
-    rank = tp_rank()
-    step = state.next_step("dsv4", layer_id)
-    if graph_capturing():
-        return state.skip("graph capture", "tensors are placeholders while a graph is captured")
-    if (layer_id >= 0 and not cfg.wants_layer(layer_id)) or not cfg.wants_rank(rank) or step % cfg.every:
-        return state.skip("filtered", "layer, rank or REFMLA_CAPTURE_EVERY")
+    wanted = after_call_filters(state, "dsv4", layer_id)
+    if wanted is None:
+        return None
+    rank, step = wanted
     estimate = sum(int(v.numel() * v.element_size()) for v in kw.values() if isinstance(v, torch.Tensor))
     if not state.admit(estimate):
         return None
     tensors, meta = sparse_tensors(kw, result)
     meta.update(pool_meta())
+    meta.update(ratio_meta(layer_id))
     meta.update(backend=backend, layer_id=max(layer_id, 0), tp_rank=rank, step=step,
                 sglang_version=versions().get("sglang_version"), capture_tool="refmla.hook.sparse_call")  # fmt: skip
     name = capture_name(mode="sparse", rank=rank, layer=max(layer_id, 0), step=step, backend=backend, pid=os.getpid())

@@ -16,27 +16,18 @@ from __future__ import annotations
 
 import logging
 import re
-import sys
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from refmla.hook.call import Skip, VllmCall
 from refmla.hook.config import HookConfig
 from refmla.hook.filters import GRAPH_NOTE
-from refmla.hook.postimport import PostImportFinder, activate
+from refmla.hook.postimport import InstallSlot
 from refmla.hook.runtime import compiling, graph_capturing
 from refmla.hook.vllm_paths import MARK, METHODS, VLLM_IMPLS
 from refmla.hook.writer import HookState
 
 
-@dataclass
-class _Installed:
-    state: HookState
-    finder: Optional[PostImportFinder] = None
-    patched: list = field(default_factory=list)  # (class, method, original)
-
-
-_INSTALLED: Optional[_Installed] = None
+_SLOT = InstallSlot()  # the hook's one installation in this process (refmla.hook.postimport)
 
 
 def plugin() -> None:
@@ -51,37 +42,25 @@ def plugin() -> None:
 
 def install(cfg: HookConfig) -> HookState:
     """Install in this process (idempotent)."""
-    global _INSTALLED
-    if _INSTALLED is not None:
-        return _INSTALLED.state
-    import os
-
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    inst = _Installed(state=HookState(cfg))
-    _INSTALLED = inst
-    inst.finder = activate({module: _patcher(*spec) for module, spec in VLLM_IMPLS.items()}, on_error=inst.state.fail)
+    if _SLOT.current is not None:
+        return _SLOT.state
+    targets = lambda: {module: _patcher(*spec) for module, spec in VLLM_IMPLS.items()}  # noqa: E731
+    inst = _SLOT.install(cfg.out_dir, lambda: HookState(cfg), targets, on_error=_SLOT.fail)
     inst.state.log.info("vLLM capture hook active: dir=%s", cfg.out_dir)
     return inst.state
 
 
 def uninstall() -> None:
-    global _INSTALLED
-    inst, _INSTALLED = _INSTALLED, None
-    if inst is None:
-        return
-    if inst.finder in sys.meta_path:
-        sys.meta_path.remove(inst.finder)
-    for cls, name, original in reversed(inst.patched):
-        setattr(cls, name, original)
+    _SLOT.uninstall()
 
 
 def current_state() -> Optional[HookState]:
-    return _INSTALLED.state if _INSTALLED is not None else None
+    return _SLOT.state
 
 
 def _patcher(cls_name: str, engine_backend: str, backend: str) -> Callable[[Any], None]:
     def patch(module) -> None:
-        inst = _INSTALLED
+        inst = _SLOT.current
         cls = getattr(module, cls_name, None) if inst is not None else None
         if cls is None:
             return
@@ -133,7 +112,7 @@ def _tp_rank() -> int:
 
 def _wrapper(original: Callable, backend: str, engine_backend: str) -> Callable:
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer, *args, **kwargs):
-        inst = _INSTALLED
+        inst = _SLOT.current
         state = inst.state if inst is not None else None
         if state is None or not state.active:
             return original(self, q, kv_c_and_k_pe_cache, attn_metadata, layer, *args, **kwargs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from refmla.inspection import InspectEntry
+from refmla.sparse.render import render_sparse_inspect
 from refmla.util import printable
 
 
@@ -14,6 +15,8 @@ def render_inspect(e: InspectEntry) -> str:
         return "\n".join(lines + [f"invalid  {e.error}"])
     lines.append(f"meta     {json.dumps(e.meta, sort_keys=True)}")
     lines += [f"  {n:<16} {str(t['shape']):<22} {t['dtype']}" for n, t in e.tensors.items()]
+    if e.sparse is not None:
+        lines += render_sparse_inspect(e.sparse)
     md = e.metadata
     lines.append("metadata " + ("ok" if md.ok else "INVALID"))
     lines += [f"  warning: {w}" for w in md.warnings]

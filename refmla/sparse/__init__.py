@@ -9,14 +9,16 @@ Modules, imports going down this list:
     io.py          read / write (atomic, validated), telling a sparse capture file from a dense one
     rows.py        what each query row reads: both caches' valid entries (the Attended seam's sparse_topk)
     reference.py   the math in fp64, the inverse rope, and the control at the kernels' rounding points
-    presets.py     DeepSeek-V4-Flash TP8 (C4, C128, window) and DeepSeek-V3.2 TP8 shapes as SGLang reads them
+    presets.py     DeepSeek-V4-Flash TP8 (C4, C128, window; the model's per-layer ratios) and V3.2 TP8 shapes
     synth.py       synthetic calls with hostile data (shuffled pages, stale tails, NaN garbage, clamped lengths)
     faults.py      production's output with a planted fault: its own plain loop, never the reference
     make.py        `refmla synth OUT --preset deepseek-v4-flash-tp8 [--fault NAME]`
     backends.py    the paths by name: reference, observed, triton (SGLang's), aiter_sparse, tilelang
     judge.py       the one comparator on sparse outputs, and the lse
     hypotheses.py  which sparse mistake explains a diverging output (with its detail)
+    diagnosis.py   which path diverges: the dense Diagnosis (same classes and JSON keys), sparse sentences
     replay.py      capture -> paths -> judged, explained -> SparseReport
-    render.py      the report as text
+    inspection.py  `refmla inspect` of a sparse capture: layout, packing, caches' geometry, top-k, ratio, regions
+    render.py      the report and the inspect description as text
     golden.py      the sparse golden cases (golden/sparse/) and their check
 """

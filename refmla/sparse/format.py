@@ -31,6 +31,7 @@ import torch
 from refmla.capture import CaptureError
 from refmla.capture.format import META_KEYS as DENSE_META_KEYS
 from refmla.capture.format import _check_geometry as check_geometry
+from refmla.regions import PoolMeta, RegionCheck, check_region
 from refmla.sparse.layouts import FP8_DTYPES, LAYOUTS, PackedLayout
 
 SPARSE_MODE = "sparse_decode"
@@ -41,6 +42,7 @@ TENSORS = {
 }  # fmt: skip
 KERNEL_BACKENDS = ("aiter_sparse", "triton", "tilelang", "torch", "flashmla", "aiter", "synth", "unknown")
 ROLES = ("window", "compressed")
+COMPRESS_RATIOS = (0, 1, 2, 4, 128)  # what SGLang's DeepseekV4Attention accepts per layer
 
 # key -> (type, required)
 META_KEYS = {
@@ -49,6 +51,7 @@ META_KEYS = {
     "extra_page_size": (int, False), "kv_fp8_dtype": (str, False), "compress_ratio": (int, False),
     "layer_role": (str, False), "window": (int, False), "model": (str, False), "layer_id": (int, False),
     "tp_rank": (int, False), "step": (int, False), "sglang_version": (str, False), "rids": (list, False),
+    "compress_ratios": (list, False),
 }  # fmt: skip
 
 
@@ -72,6 +75,7 @@ class SparseMeta:
     step: Optional[int] = None
     sglang_version: Optional[str] = None
     rids: Optional[list] = None
+    compress_ratios: Optional[list] = None  # the model's per-layer ratios (config.compress_ratios), when known
     extra: dict = field(default_factory=dict)  # keys this version does not know, kept as given
 
     @property
@@ -102,9 +106,33 @@ def parse_sparse_meta(raw: Mapping[str, Any], path: Any = "<meta>") -> SparseMet
         kw[key] = _coerce(raw[key], typ, path, key)
     for problem in meta_problems(kw):
         raise CaptureError(path, *problem)
+    _layer_ratio(kw, path)
     extra = {k: v for k, v in raw.items() if k not in META_KEYS and k != "format"}
     _check_pool_geometry(extra, path)
     return SparseMeta(**kw, extra=extra)
+
+
+def _layer_ratio(kw: dict, path: Any) -> None:
+    """The layer's ratio from the model's per-layer list (``compress_ratios[layer_id]``), as SGLang's
+    DeepseekV4Attention reads it: filled in when absent, refused when the capture says another."""
+    ratios = kw.get("compress_ratios")
+    if ratios is None:
+        return
+    bad = [r for r in ratios if isinstance(r, bool) or not isinstance(r, int) or r not in COMPRESS_RATIOS]
+    if bad:
+        raise CaptureError(path, "meta key 'compress_ratios'", f"entries must be one of {COMPRESS_RATIOS}, got {bad[0]!r}")
+    layer = kw.get("layer_id")
+    if layer is None:
+        return
+    if not 0 <= layer < len(ratios):
+        raise CaptureError(path, "meta key 'layer_id'", f"{layer} is outside compress_ratios ({len(ratios)} layers)")
+    if kw.get("compress_ratio") is None:
+        kw["compress_ratio"] = ratios[layer]
+    elif kw["compress_ratio"] != ratios[layer]:
+        raise CaptureError(path, "meta key 'compress_ratio'",
+                           f"{kw['compress_ratio']}, but the model's compress_ratios[{layer}] is {ratios[layer]}")
+    if kw.get("layer_role") is None:
+        kw["layer_role"] = "compressed" if kw["compress_ratio"] > 0 else "window"
 
 
 def _check_pool_geometry(extra: dict, path: Any) -> None:
@@ -179,6 +207,10 @@ class SparseCapture:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {n: getattr(self, n) for n in TENSORS if getattr(self, n) is not None}
+
+    def region(self) -> RegionCheck:
+        """The MR region-size check of the pool geometry in meta (refmla.regions)."""
+        return check_region(PoolMeta.from_raw({**self.meta.to_json(), "page_size": self.meta.page_size}))
 
     def cache_tokens(self, extra: bool = False) -> int:
         cache, page = (self.extra_k_cache, self.meta.extra_page_size) if extra else (self.k_cache, self.meta.page_size)

@@ -1,4 +1,4 @@
-"""`refmla synth OUT --preset deepseek-v4-flash-tp8 [--fault NAME]`: write a synthetic sparse
+"""`refmla synth OUT --preset deepseek-v4-flash-tp8 [--fault NAME] [--layer N]`: write a synthetic sparse
 decode capture, production's output planted by refmla.sparse.faults."""
 
 from __future__ import annotations
@@ -9,13 +9,17 @@ from typing import Any, Optional
 
 from refmla.sparse.faults import APPLIES, FAULTS, planted_output
 from refmla.sparse.io import write_sparse
-from refmla.sparse.presets import sparse_preset
+from refmla.sparse.presets import for_layer, sparse_preset
 from refmla.sparse.synth import build_case
 
 
-def synth_sparse(out: Any, preset_name: str, fault: Optional[str] = None, seed: Optional[int] = None) -> dict:
-    """Write the capture; returns what was planted ({"fault": name or "none", ...})."""
+def synth_sparse(out: Any, preset_name: str, fault: Optional[str] = None, seed: Optional[int] = None,
+                 layer: Optional[int] = None) -> dict:  # fmt: skip
+    """Write the capture; returns what was planted ({"fault": name or "none", ...}). ``layer``: that
+    layer of the model (its ratio and extra cache from the model's per-layer list, named in meta)."""
     p = sparse_preset(preset_name)
+    if layer is not None:
+        p = for_layer(p, layer)
     if seed is not None:
         p = dataclasses.replace(p, seed=seed)
     fault = None if fault in (None, "none") else fault

@@ -1,5 +1,5 @@
 """One sparse decode capture through its compute paths: reference, control, each backend judged,
-the failing ones explained, a verdict and a diagnosis sentence (typed: :class:`SparseReport`)."""
+the failing ones explained, a verdict and the typed Diagnosis (:class:`SparseReport`)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,16 @@ from typing import Optional, Sequence
 
 from refmla.capture import CaptureError
 from refmla.compare import Tolerance, Worst
-from refmla.regions import PoolMeta, RegionCheck, check_region
+from refmla.regions import RegionCheck
+from refmla.diagnosis import Diagnosis
 from refmla.sparse.backends import BACKENDS, DEFAULT_BACKENDS, Unavailable
+from refmla.sparse.diagnosis import diagnose_sparse, invalid_diagnosis
 from refmla.sparse.format import SparseCapture
 from refmla.sparse.hypotheses import SparseExplanation, explain
 from refmla.sparse.io import read_sparse
 from refmla.sparse.judge import LseJudgement, judge_lse, judge_out
 from refmla.sparse.reference import SparseOutput, rows_of, sparse_control, sparse_reference
 from refmla.util import first_line
-
-KERNEL_PATHS = ("triton", "aiter_sparse", "tilelang")
-
 
 @dataclass
 class SparseEntry:
@@ -51,9 +50,8 @@ class SparseReport:
     noise: Optional[float] = None  # the control's max abs error
     lonely_rows: int = 0
     entries: list = field(default_factory=list)
-    diagnosis: str = ""
+    diagnosis: Diagnosis = field(default_factory=invalid_diagnosis)  # class, sentence, backends (refmla.sparse.diagnosis)
     region: Optional[RegionCheck] = None  # the MR region check of the pool geometry in meta
-
 
     @property
     def exit_code(self) -> int:
@@ -62,7 +60,8 @@ class SparseReport:
     def to_json(self) -> dict:
         return {"capture": self.capture, "kind": "sparse_decode", "verdict": self.verdict, "error": self.error,
                 "meta": self.meta, "shape": self.shape, "noise": self.noise, "lonely_rows": self.lonely_rows,
-                "backends": [e.to_json() for e in self.entries], "diagnosis": self.diagnosis,
+                "backends": [e.to_json() for e in self.entries], "diagnosis": self.diagnosis.name,
+                "diagnosis_text": self.diagnosis.text, "diagnosis_backends": self.diagnosis.backends,
                 "region": self.region.to_json() if self.region else None}  # fmt: skip
 
 
@@ -84,21 +83,6 @@ def _judge(name: str, cap: SparseCapture, ref: SparseOutput, ctrl: SparseOutput,
     return entry
 
 
-def diagnose(entries: list[SparseEntry]) -> str:
-    st = {e.backend: e.status for e in entries}
-    bad = [e for e in entries if e.status in ("FAIL", "error")]
-    if not bad:
-        return "every path that ran agrees with the reference"
-    kernels_ok = [k for k in KERNEL_PATHS if st.get(k) == "pass"]
-    why = "; ".join(f"{e.backend}: {e.explanation.text()}" for e in bad if e.explanation)
-    if [e.backend for e in bad] == ["observed"] and kernels_ok:
-        verb = "agrees" if len(kernels_ok) == 1 else "agree"
-        return (f"observed: only the production output diverges: {' and '.join(kernels_ok)} {verb} with the reference "
-                "on the captured inputs, so what production read differed from the capture or it ran a kernel "
-                "not replayed here (meta backend names it)" + (f"; {why}" if why else ""))  # fmt: skip
-    return "sparse decode: " + ", ".join(e.backend for e in bad) + " diverge" + (f"; {why}" if why else "")
-
-
 def replay_sparse(path: str, backends: Optional[Sequence[str]] = None, tol: Tolerance = Tolerance(),
                   explain_failures: bool = True) -> SparseReport:  # fmt: skip
     try:
@@ -115,8 +99,8 @@ def replay_sparse(path: str, backends: Optional[Sequence[str]] = None, tol: Tole
     return SparseReport(str(path), verdict, meta=cap.meta.to_json(), shape={"B": B, "S": S, "H": H, "D": D,
                         "Dv": cap.meta.head_dim_v, "K": cap.indices.shape[2],
                         "K_extra": None if cap.extra_indices is None else cap.extra_indices.shape[2]},
-                        noise=noise, lonely_rows=int(rows.lonely.sum()), entries=entries, diagnosis=diagnose(entries),
-                        region=check_region(PoolMeta.from_raw({**cap.meta.to_json(), "page_size": cap.meta.page_size})))  # fmt: skip
+                        noise=noise, lonely_rows=int(rows.lonely.sum()), entries=entries, diagnosis=diagnose_sparse(entries, cap.meta.backend),
+                        region=cap.region())  # fmt: skip
 
 
-__all__ = ["SparseEntry", "SparseReport", "diagnose", "replay_sparse"]
+__all__ = ["SparseEntry", "SparseReport", "replay_sparse"]

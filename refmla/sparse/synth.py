@@ -55,10 +55,12 @@ class SparseCase:
         p = self.preset
         m = {"mode": "sparse_decode", "backend": backend, "kv_layout": p.kv_layout, "page_size": p.page_size,
              "softmax_scale": p.softmax_scale, "head_dim_v": p.head_dim_v, "compress_ratio": p.compress_ratio,
-             "layer_role": p.layer_role, "model": p.model, "layer_id": 0, "tp_rank": 0, "step": 0,
+             "layer_role": p.layer_role, "model": p.model, "layer_id": p.layer_id or 0, "tp_rank": 0, "step": 0,
              "rids": [f"synth-{b}" for b in range(len(p.seq_lens))]}  # fmt: skip
         if p.window is not None:
             m["window"] = p.window
+        if p.layer_id is not None and p.compress_ratios:  # a named layer of the model: its per-layer list
+            m["compress_ratios"] = list(p.compress_ratios)
         if self.extra is not None:
             m.update(extra_kv_layout=self.extra.layout, extra_page_size=self.extra.page_size)
         return m

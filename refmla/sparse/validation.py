@@ -17,6 +17,19 @@ from refmla.sparse.layouts import PackedLayout
 from refmla.util import dtype_name
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+def _ratio(cap: SparseCapture) -> list[tuple[str, str]]:
+    """A compressed layer's call carries its compressed cache, a window-only layer's none (SGLang's
+    _forward_attention passes extra_k_cache exactly when the layer's ratio is > 0)."""
+    r = cap.meta.compress_ratio
+    if r is None or cap.meta.kv_layout != "v4":
+        return []
+    if r > 0 and cap.extra_k_cache is None:
+        return [("extra_k_cache", f"missing: meta compress_ratio {r} is a compressed layer (its call reads the compressed cache)")]
+    if r == 0 and cap.extra_k_cache is not None:
+        return [("extra_k_cache", "present, but meta compress_ratio 0 is a window-only layer")]
+    return []
+
+
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -29,7 +42,7 @@ def validate(cap: SparseCapture) -> None:
 
 def problems(cap: SparseCapture) -> list[CaptureError]:
     out: list[CaptureError] = []
-    for check in (_q, _caches, _scopes, _sink_out_lse, _inv_rope):
+    for check in (_q, _caches, _scopes, _ratio, _sink_out_lse, _inv_rope):
         out += [CaptureError(cap.path, f"tensor '{name}'", msg) for name, msg in check(cap)]
         if out and check in (_q, _caches):  # later checks read the shapes these establish
             break

@@ -28,8 +28,10 @@ class CutlassMLABackend(PagedKernelBackend):
     what = "CUTLASS MLA decode"
     page_sizes = (128,)
     table_multiple = 1  # 128 / P with P = 128
+    fp8_why = ("it takes no q / KV scales (vLLM's CutlassMLAImpl raises for q_scale or k_scale != 1), "
+               "so its fp8 cache is not adapted")  # fmt: skip
 
-    def locate(self):
+    def locate(self, attr=None):
         """The first entry that imports and can run here, else the first that imports, else why not."""
         found, causes = [], []
         for module, attr, _ in ENTRIES:

@@ -21,6 +21,8 @@ class FA3MLABackend(PagedKernelBackend):
     attr = "flash_attn_varlen_func"
     what = "FlashAttention 3 MLA (qv)"
     page_sizes = (16, 32, 64, 128, 256)
+    fp8_why = ("vLLM's FLASH_ATTN_MLA takes bf16 / fp16 caches only (no fp8 KV dtype); SGLang's FA3 MLA casts "
+               "an fp8 pool to q's dtype before the kernel")  # fmt: skip
 
     def call(self, fn, x: PagedInputs, cap):
         m = cap.meta

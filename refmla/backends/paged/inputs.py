@@ -5,6 +5,12 @@ capture's own pool and block table when the capture's page size is P; otherwise 
 rows are copied, in position order, into fresh pages of P rows (the same KV, laid out as that
 kernel's engine would have written it), noted in the result's info. Pages past a sequence hold
 NaN, so a kernel that reads past its sequence shows it.
+
+An fp8 pool (e4m3, OCP: what the NVIDIA kernels read) goes to a kernel only through its fp8 path
+(:meth:`PagedKernelBackend.refuses_fp8` says why not, else the backend's ``fp8_attr``): q is
+quantized to e4m3 as the engines do before these kernels (:func:`quantize_q`), and the capture's ``k_scale`` goes in as the kernel takes it (FlashMLA's
+``descale_k``, TRT-LLM's ``bmm1_scale`` / ``bmm2_scale``); those kernels apply one scale to the
+latent K and V, so ``k_scale != v_scale`` is refused with the reason.
 """
 
 from __future__ import annotations
@@ -15,8 +21,20 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
-from refmla.backends.calling import KernelSignatureError, find_function
+from refmla.backends.calling import KernelNotFound, KernelSignatureError, find_function
 from refmla.util import cdiv
+
+FP8_E4M3 = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0  # the largest finite e4m3fn value
+
+
+def quantize_q(q: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(q in e4m3 [B, H, D], its dequant scale) as the engines quantize q for an fp8 cache: scale 1
+    (vLLM's default ``_q_scale``; SGLang's TRT-LLM path casts, unscaled), the rounding the control
+    models for the latent part; amax / 448 only where q would saturate e4m3."""
+    amax = float(q.float().abs().max()) if q.numel() else 0.0
+    scale = amax / FP8_E4M3_MAX if amax > FP8_E4M3_MAX else 1.0
+    return (q.float() / scale).to(FP8_E4M3), scale
 
 
 @dataclass(frozen=True)
@@ -67,12 +85,14 @@ class PagedKernelBackend(Backend):
 
     modules: tuple = ()
     attr: str = ""
+    fp8_attr: str = ""  # the kernel's fp8-cache entry point, when it has one (else fp8 is refused)
+    fp8_why: str = "bf16 / fp16 pools only"  # why not, when it has none
     what: str = ""
     page_sizes: tuple = (64,)
     table_multiple: int = 1
 
-    def locate(self) -> tuple[Callable, str]:
-        fn, where = find_function(self.modules, self.attr, self.what)
+    def locate(self, attr: Optional[str] = None) -> tuple[Callable, str]:
+        fn, where = find_function(self.modules, attr or self.attr, self.what)
         why = unavailable_stub(fn, where)
         if why:
             raise BackendUnavailable(why)
@@ -96,14 +116,20 @@ class PagedKernelBackend(Backend):
         why = self.refuses(cap)
         if why:
             raise BackendUnavailable(why)
-        fn, where = self.locate()
+        try:
+            fn, where = self.locate(self.fp8_attr) if is_fp8(cap) else self.locate()
+        except KernelNotFound as e:  # the fp8 entry point of this release may be absent
+            raise BackendUnavailable(str(e)) from e
+        attr = self.fp8_attr if is_fp8(cap) else self.attr
+        if not runs_here(where):
+            raise BackendUnavailable(f"{where}.{attr} found, but it needs a CUDA GPU and there is none")
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         inputs = paged_inputs(cap, self.page_sizes, device, self.table_multiple)
         try:
             out, lse = self.call(fn, inputs, cap)
         except KernelSignatureError as e:
             raise BackendUnavailable(str(e)) from e
-        info = {"kernel": f"{where}.{self.attr}", "layout": inputs.layout, "page_size": inputs.page_size,
+        info = {"kernel": f"{where}.{attr}", "layout": inputs.layout, "page_size": inputs.page_size,
                 "device": str(device), "standin": is_standin(where)}  # fmt: skip
         return BackendResult(out=out.cpu(), lse=None if lse is None else lse.float().cpu(), info=info,
                              defines_empty_rows=False)  # fmt: skip
@@ -115,12 +141,30 @@ class PagedKernelBackend(Backend):
             return f"{self.what} takes 512 + 64 (DeepSeek / Kimi MLA); this capture has {m.kv_lora_rank} + {m.qk_rope_head_dim}"
         if m.logit_cap:
             return f"{self.what} has no logit cap"
-        if cap.kv_buffer.dtype.itemsize == 1 or m.k_scale != 1.0 or m.v_scale != 1.0:
-            return f"{self.what}: the fp8 cache and its scales are not adapted yet (bf16 / fp16 only)"
+        if is_fp8(cap):
+            return self.refuses_fp8(cap)
+        if m.k_scale != 1.0 or m.v_scale != 1.0:
+            return f"{self.what}: KV scales on a {str(cap.kv_buffer.dtype)[6:]} pool (scales go with an fp8 cache)"
+        return None
+
+    def refuses_fp8(self, cap) -> Optional[str]:
+        """Why this kernel cannot take the capture's fp8 pool, or None (the kernel's fp8 path exists)."""
+        dtype = str(cap.kv_buffer.dtype)[6:]
+        if not self.fp8_attr:
+            return f"{self.what} has no fp8 KV cache path: {self.fp8_why}"
+        if cap.kv_buffer.dtype != FP8_E4M3:
+            return f"{self.what} reads fp8 e4m3 (float8_e4m3fn) caches; this pool is {dtype}"
+        if cap.meta.k_scale != cap.meta.v_scale:
+            return (f"{self.what} applies one KV scale to the latent K and V; this capture has k_scale "
+                    f"{cap.meta.k_scale:g}, v_scale {cap.meta.v_scale:g}")  # fmt: skip
         return None
 
     def call(self, fn: Callable, x: PagedInputs, cap) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         raise NotImplementedError
+
+
+def is_fp8(cap) -> bool:
+    return cap.kv_buffer.dtype.itemsize == 1
 
 
 def runs_here(module_path: str) -> bool:
@@ -135,12 +179,16 @@ def is_standin(module_path: str) -> bool:
 
 
 def unavailable_stub(fn: Callable, where: str) -> Optional[str]:
-    """vLLM binds its kernel names to a raiser when the extension is absent: that is no kernel."""
-    if getattr(fn, "__name__", "").startswith("_raise_"):
-        import sys
+    """vLLM binds its kernel names to a raiser when the extension is absent, and its fp8 entry
+    points raise from inside (they ask ``_is_flashmla_available`` first): neither is a kernel."""
+    import sys
 
-        probe = getattr(sys.modules.get(where), "_is_flashmla_available", None)
-        reason = probe()[1] if callable(probe) else None
+    probe = getattr(sys.modules.get(where), "_is_flashmla_available", None)
+    try:
+        available, reason = probe() if callable(probe) else (True, None)
+    except Exception as e:
+        available, reason = False, f"{type(e).__name__}: {e}"
+    if getattr(fn, "__name__", "").startswith("_raise_") or not available:
         return f"{where}: kernel not built here ({reason or fn.__name__})"
     return None
 
@@ -152,4 +200,5 @@ def call_result(value: Any, out: torch.Tensor) -> tuple[torch.Tensor, Optional[t
     return (value if torch.is_tensor(value) else out), None
 
 
-__all__ = ["PagedInputs", "PagedKernelBackend", "call_result", "is_standin", "paged_inputs", "repage", "runs_here"]
+__all__ = ["FP8_E4M3", "PagedInputs", "PagedKernelBackend", "call_result", "is_fp8", "is_standin", "paged_inputs",
+           "quantize_q", "repage", "runs_here"]

@@ -5,7 +5,8 @@ FLASHINFER_MLA calls it): query [B, q_len, H, 576], kv_cache [pages, 1, P, 576] 
 with P in (32, 64), workspace_buffer (zeroed), qk_nope_head_dim, kv_lora_rank 512,
 qk_rope_head_dim 64, block_tables int32 [B, M], seq_lens int32 [B], max_seq_len >= every seq_len,
 bmm1_scale (the softmax scale), bmm2_scale (the output scale) -> out [B, q_len, H, 512]
-(and lse when return_lse).
+(and lse when return_lse). An fp8 (e4m3) cache wants an e4m3 query; the scores are then
+(query . kv) * bmm1_scale and the output (P . V) * bmm2_scale, in bf16.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ def trtllm_batch_decode_with_kv_cache_mla(
     int32_table("block_tables", block_tables, B)
     int32_lens("seq_lens", seq_lens, B)
     need(int(seq_lens.max()) <= max_seq_len, f"max_seq_len {max_seq_len} is below a seq_len")
-    o, l = attend(query[:, 0], cache, block_tables, seq_lens, float(bmm1_scale))
-    o = (o.float() * float(bmm2_scale)).to(query.dtype)[:, None]
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    need(not fp8 or query.dtype == cache.dtype, f"an fp8 cache wants an fp8 query, got {query.dtype}")
+    need(fp8 or query.dtype in (torch.bfloat16, torch.float16), f"query must be bf16 / fp16 (or fp8 with an fp8 cache), got {query.dtype}")
+    o, l = attend(query[:, 0].float(), cache.float(), block_tables, seq_lens, float(bmm1_scale))
+    o = (o.float() * float(bmm2_scale)).to(torch.bfloat16 if fp8 else query.dtype)[:, None]
     CALLS.append({"kernel": "trtllm_batch_decode_with_kv_cache_mla", "B": B, "H": H, "page": cache.shape[1]})
     return (o, l) if return_lse else o
