@@ -34,7 +34,7 @@ PAGES_OFF = "pages_read_off"
 OTHER_ROWS = "other_rows_read"
 PERMUTED = "output_rows_permuted"
 OFFSETS = (1, -1, 2, -2, 3, -3)  # pages read on / back, simplest first
-SUMS_BUDGET = 2**26  # values (fp64) of the pool's page sums [pages, H, Dv] a search may hold
+SUMS_BUDGET = 2**26  # values (fp64) of the pool's rows [N, D] or page sums [pages, H, Dv] a search may hold
 PAIR_LIMIT = 2**19  # (own page, source page) pairs screened per request, at most
 RANK_CHUNK = 2**15  # pairs ranked at a time
 RANK_WIDTH = 8  # the value axis projected to this many dimensions to rank the pairs
@@ -127,9 +127,11 @@ def find_other_rows(s: Search, b: int) -> Iterator[Candidate]:
     r, cap, P = s.req(b), s.cap, max(1, s.cap.meta.page_size)
     if r.T != 1 or r.L == 0:
         return
+    ip = cap.attended().indptr[: cap.batch_size + 1]  # the requests' rows, as _pool_pages reads them
+    rows, n_pages = int(ip[-1] - ip[0]), int(((ip[1:] - ip[:-1]) + P - 1).div(P, rounding_mode="floor").sum())
+    if max(n_pages * r.q64.shape[1] * s.sc.kv_lora_rank, rows * cap.kv_buffer.shape[-1]) > SUMS_BUDGET:
+        return  # the pool's rows in fp64 or its page sums would not fit the budget (a large pool)
     pages = s.memo("misplaced.pool_pages", lambda: _pool_pages(s))
-    if len(pages) * r.q64.shape[1] * s.sc.kv_lora_rank > SUMS_BUDGET:
-        return  # the pool's page sums would not fit the budget (page_size 1 over a large pool)
     S, W = _page_sums(s, r, pages)  # [H, pages], [pages, H, Dv]
     own = torch.tensor([j for j, (bb, _, x) in enumerate(pages) if bb == b and len(x) == P])  # whole pages
     whole = torch.tensor([len(x) == P for _, _, x in pages])  # a source must be a whole page, as its target
