@@ -141,7 +141,7 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
     if res.attn_logits is not None and res.attn_lse is not None and ctx.cap.is_decode:
         entry.splits = compare_splits(ctx, res)
     if res.lse is not None:
-        entry.lse = compare_lse(ctx, res.lse, judged_dtype(res.out.dtype), row_mask=mask)
+        entry.lse = compare_lse(ctx, res.lse, judged_dtype(res.out.dtype), row_mask=mask, control_lse=res.control_lse)
     entry.judge_parts()  # a failing lse or split partial fails the backend
     if entry.status == "fail" and ctx.opts.explain:
         try:  # where it goes wrong, explained or not (refmla.localize): an aid, never the replay's cost

@@ -95,14 +95,18 @@ def compare_splits(ctx: ReplayContext, res) -> SplitCheck:
     return check
 
 
-def compare_lse(ctx: ReplayContext, lse: torch.Tensor, out_dtype: torch.dtype, row_mask=None) -> LseCheck:
+def compare_lse(
+    ctx: ReplayContext, lse: torch.Tensor, out_dtype: torch.dtype, row_mask=None, control_lse=None
+) -> LseCheck:
     """A backend's lse [R, H] against the reference's: within k times the control's lse error plus
     1e-5 * (1 + |lse|), NaN / Inf anywhere the reference is finite failing. ``row_mask`` [R]: rows
-    compared (the others are zero-length requests the kernel leaves undefined)."""
+    compared (the others are zero-length requests the kernel leaves undefined). ``control_lse``
+    [R, H]: the backend's own control's lse (BackendResult.control_lse), else the replay's."""
     ref_lse = ctx.ref_lse.double()  # [R, H]
     rows = torch.ones(ref_lse.shape[0], dtype=torch.bool) if row_mask is None else row_mask.cpu()
     got = lse.detach().double().cpu()[rows]  # [r, H]
-    want, ctl = ref_lse[rows], ctx.control_lse(out_dtype).double().cpu()[rows]
+    ctl = ctx.control_lse(out_dtype) if control_lse is None else control_lse
+    want, ctl = ref_lse[rows], ctl.double().cpu()[rows]
     if got.numel() == 0:
         return LseCheck("pass", compared_rows=0)
     slack = ctx.cached("q_rounding_slack", lambda: q_rounding_slack(ctx.cap))[rows]

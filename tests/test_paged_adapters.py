@@ -131,18 +131,19 @@ def fp8_standins(standins, monkeypatch):
     yield standins
 
 
-def _fp8_capture(tmp_path, page_size=64, k_scale=0.5, v_scale=0.5, dtype=torch.float8_e4m3fn):
+def _fp8_capture(tmp_path, page_size=64, k_scale=0.5, v_scale=0.5, dtype=torch.float8_e4m3fn, exact_q=True):
     """The hostile decode capture with its pool stored in fp8 at scale k_scale (kv = stored * k_scale).
 
-    q's values are e4m3 values (stored bf16): these kernels take q in e4m3, rope part included, a
-    rounding the control models for the latent part only; with such a q the adapter's quantization
-    is exact and what is tested is its conventions (dtypes, descales, bmm scales)."""
+    exact_q: q's values are e4m3 values (stored bf16), so the adapter's quantization is exact and
+    what is tested is its conventions (dtypes, descales, bmm scales); else a general bf16 q, which
+    these kernels quantize whole (rope part included): judged by that path's own control."""
     from helpers import paged_case
 
     q, pool, indptr, idx = paged_case([130, 1, 64], 16, page_size=page_size, dtype=torch.float32, seed=4)
     meta = dict(mode="decode", backend="unknown", kv_lora_rank=512, qk_rope_head_dim=64, sm_scale=0.1352,
                 logit_cap=0.0, page_size=page_size, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
-    tensors = dict(q=q.to(torch.float8_e4m3fn).to(torch.bfloat16), kv_buffer=(pool / k_scale).to(dtype), kv_indptr=indptr, kv_indices=idx,
+    q = q.to(torch.float8_e4m3fn).to(torch.bfloat16) if exact_q else q.to(torch.bfloat16)
+    tensors = dict(q=q, kv_buffer=(pool / k_scale).to(dtype), kv_indptr=indptr, kv_indices=idx,
                    seq_lens=(indptr[1:] - indptr[:-1]).int())  # fmt: skip
     return read_capture(write_capture(tmp_path / "c8.safetensors", tensors, meta))
 
@@ -155,6 +156,21 @@ def test_fp8_adapter_meets_the_contract(fp8_standins, tmp_path, name, page_size)
     assert entry.status == "pass", entry.reason
     assert entry.info["kernel"].endswith(FP8_KERNELS[name]) and entry.info["standin"] is True
     assert fp8_standins.CALLS[-1]["kernel"] == FP8_KERNELS[name]
+
+
+@pytest.mark.parametrize("name", sorted(FP8_KERNELS))
+def test_fp8_a_general_q_is_judged_at_the_kernels_own_rounding_of_it(fp8_standins, tmp_path, name):
+    """A bf16 q that is not e4m3-exact: the kernel rounds all of it to e4m3 (rope part too), far past
+    the replay's control (which rounds only the latent part), so the backend's own control models
+    that rounding; its out and lse pass, where judged by the replay's control they failed (cosine
+    difference 0.000514 > 0.000334, the one-token request's lse -0.877 vs -0.945)."""
+    cap = _fp8_capture(tmp_path, exact_q=False)
+    assert not torch.equal(cap.q, cap.q.to(torch.float8_e4m3fn).to(cap.q.dtype)), "q must not be e4m3-exact"
+    entry = replay_capture(cap, ReplayOptions(backends=[name], explain=False)).backends[name]
+    assert entry.status == "pass", entry.reason
+    assert "e4m3 whole" in entry.info["control"]
+    if name == "flashmla":
+        assert entry.lse is not None and entry.lse.status == "pass", entry.lse
 
 
 def test_fp8_scale_dropped_is_a_failure_not_a_pass(fp8_standins, tmp_path, monkeypatch):
@@ -196,3 +212,29 @@ def test_fp8_flashmla_without_its_fp8_entry_point_is_skipped(standins, tmp_path,
     monkeypatch.setitem(sys.modules, "vllm.v1.attention.ops.flashmla", types.ModuleType("vllm.v1.attention.ops.flashmla"))
     entry = replay_capture(_fp8_capture(tmp_path), ReplayOptions(backends=["flashmla"], explain=False)).backends["flashmla"]
     assert entry.status == "skipped" and "flash_mla_with_kvcache_fp8" in entry.reason, entry.reason
+
+
+
+@pytest.mark.parametrize("kernel_q", ["float8_e4m3fn", None])
+def test_fp8_observed_output_of_a_kernel_that_took_q_in_e4m3(tmp_path, kernel_q):
+    """A hook capture of an fp8-query kernel (meta kernel_q_dtype, as refmla.hook.nvidia records it):
+    the production output is this test's own dense formulation over q rounded to e4m3 whole. With
+    the key, observed is judged at that rounding and passes; without it, the replay's control
+    (the latent part rounded only) is too tight for it and it fails: what the key changes."""
+    from helpers import dense_reference
+
+    cap = _fp8_capture(tmp_path, exact_q=False)
+    q8 = cap.q.to(torch.float8_e4m3fn)  # |q| < 448: scale 1, as the engines cast it
+    m = cap.meta
+    pool = cap.kv_buffer.float()
+    out, lse = dense_reference(q8, pool, cap.kv_indptr, cap.kv_indices, 512, m.sm_scale, k_scale=m.k_scale, v_scale=m.v_scale)
+    tensors = {k: getattr(cap, k) for k in ("q", "kv_buffer", "kv_indptr", "kv_indices", "seq_lens")}
+    meta = {**m.to_json(), **({"kernel_q_dtype": kernel_q} if kernel_q else {})}
+    tensors.update(out=out.to(torch.bfloat16), lse=lse.float())
+    path = write_capture(tmp_path / "observed8.safetensors", tensors, meta)
+    entry = replay_capture(read_capture(path), ReplayOptions(backends=["observed"], explain=False)).backends["observed"]
+    if kernel_q:
+        assert entry.status == "pass" and entry.lse.status == "pass", (entry.reason, entry.lse)
+        assert "e4m3 whole" in entry.info["control"]
+    else:
+        assert entry.status == "fail", "the replay's control judged the e4m3-rounded q as within its noise"

@@ -45,6 +45,7 @@ class BackendResult:
     # split schedule the capture does not carry: the per-query decode of a verify capture); None:
     # the replay's control (refmla.context.ReplayContext.control).
     control: Optional[torch.Tensor] = None
+    control_lse: Optional[torch.Tensor] = None  # [R, H] fp32: that control's lse (None: the replay's)
     findings: list[BackendFinding] = field(default_factory=list)  # each one fails the backend (never a pass)
 
 

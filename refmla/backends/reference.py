@@ -6,7 +6,9 @@ import torch
 
 from refmla import reference as ref
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
+from refmla.backends.paged.inputs import fp8_query_control, is_fp8
 from refmla.capture import Capture
+from refmla.compare import judged_dtype
 from refmla.options import ReplayOptions
 
 
@@ -35,9 +37,13 @@ class ObservedBackend(Backend):
     def run(self, cap: Capture, opts: ReplayOptions) -> BackendResult:
         if cap.out is None:
             raise BackendUnavailable("capture has no `out` tensor")
-        return BackendResult(
+        res = BackendResult(
             out=cap.out, lse=cap.lse, attn_logits=cap.attn_logits, attn_lse=cap.attn_lse, num_kv_splits=cap.num_kv_splits,
             info={"produced_by": cap.meta.backend},
             # a production kernel's rows for zero-length requests are whatever it left there
             defines_empty_rows=False,
         )  # fmt: skip
+        if is_fp8(cap) and cap.meta.extra.get("kernel_q_dtype") == "float8_e4m3fn":  # the hook saw q go in as e4m3
+            res.control, res.control_lse = fp8_query_control(cap, judged_dtype(cap.out.dtype))
+            res.info["control"] = "q quantized to e4m3 whole (latent and rope), as the production kernel took it"
+        return res

@@ -22,6 +22,8 @@ import torch
 
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 from refmla.backends.calling import KernelNotFound, KernelSignatureError, find_function
+from refmla.compare import judged_dtype
+from refmla.control import capture_control
 from refmla.util import cdiv
 
 FP8_E4M3 = torch.float8_e4m3fn
@@ -35,6 +37,15 @@ def quantize_q(q: torch.Tensor) -> tuple[torch.Tensor, float]:
     amax = float(q.float().abs().max()) if q.numel() else 0.0
     scale = amax / FP8_E4M3_MAX if amax > FP8_E4M3_MAX else 1.0
     return (q.float() / scale).to(FP8_E4M3), scale
+
+
+def fp8_query_control(cap, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The control of a kernel that takes q in e4m3 (:func:`quantize_q`: the rope part too, which the
+    replay's control keeps as stored): (out [B, H, Dv], lse [B, H] fp32) over q as the kernel reads it,
+    its dequant scale folded into sm_scale (the e4m3 values themselves meet the pool unrounded)."""
+    q8, q_scale = quantize_q(cap.q)
+    sc = cap.scales().but(sm_scale=cap.scales().sm_scale * q_scale)
+    return capture_control(cap, out_dtype, sc=sc, q=q8.float())
 
 
 @dataclass(frozen=True)
@@ -131,8 +142,12 @@ class PagedKernelBackend(Backend):
             raise BackendUnavailable(str(e)) from e
         info = {"kernel": f"{where}.{attr}", "layout": inputs.layout, "page_size": inputs.page_size,
                 "device": str(device), "standin": is_standin(where)}  # fmt: skip
-        return BackendResult(out=out.cpu(), lse=None if lse is None else lse.float().cpu(), info=info,
-                             defines_empty_rows=False)  # fmt: skip
+        res = BackendResult(out=out.cpu(), lse=None if lse is None else lse.float().cpu(), info=info,
+                            defines_empty_rows=False)  # fmt: skip
+        if is_fp8(cap):  # q went in as e4m3, rope part included: the noise floor of that rounding
+            res.control, res.control_lse = fp8_query_control(cap, judged_dtype(res.out.dtype))
+            info["control"] = "q quantized to e4m3 whole (latent and rope), as this fp8 path takes it"
+        return res
 
     def refuses(self, cap) -> Optional[str]:
         """Why this kernel cannot take the capture (shape, scales), or None."""
@@ -200,5 +215,5 @@ def call_result(value: Any, out: torch.Tensor) -> tuple[torch.Tensor, Optional[t
     return (value if torch.is_tensor(value) else out), None
 
 
-__all__ = ["FP8_E4M3", "PagedInputs", "PagedKernelBackend", "call_result", "is_fp8", "is_standin", "paged_inputs",
+__all__ = ["FP8_E4M3", "PagedInputs", "PagedKernelBackend", "call_result", "fp8_query_control", "is_fp8", "is_standin", "paged_inputs",
            "quantize_q", "repage", "runs_here"]
