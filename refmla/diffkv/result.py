@@ -142,7 +142,6 @@ class RequestDiff:
     summary: Optional[str] = None  # one line on the mismatches
     transfer_runs: Optional[TransferRuns] = None  # with physical slots on both sides
     sources: Optional[list] = None  # refmla.diffkv.provenance.Source: where mismatched rows' bytes are in the prefill
-    sources: Optional[list] = None  # refmla.diffkv.provenance.Source: where mismatched rows' bytes are in the prefill
 
     @property
     def paired(self) -> bool:

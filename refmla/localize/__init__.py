@@ -54,8 +54,9 @@ def _localize(ctx: ReplayContext, res, entry: BackendEntry) -> Localization:
         loc.spans = [_split_span(ctx, b, s, "its split lse is off", splits) for b, s in found.pairs[:MAX_REQUESTS]]
     elif found.stage is None and "out" in parts:
         worst = sorted(parts["out"], key=reqs.index)[:MAX_REQUESTS]
-        loc.tried += [why for b in worst if (why := ctx.too_large_to_search(b))]
-        searched = [b for b in worst if not ctx.too_large_to_search(b)]
+        too_large = {b: why for b in worst if (why := ctx.too_large_to_search(b))}
+        loc.tried += list(too_large.values())
+        searched = [b for b in worst if b not in too_large]
         loc.spans = [s for b in searched if (s := _request_span(ctx, res, entry, b))]
         if searched:
             loc.tried.append("positions: removing or zeroing each " + ("page" if cap.meta.page_size > 1 else "64 positions"))
