@@ -69,6 +69,13 @@ def request_label(b: Optional[int], rid: Optional[str] = None) -> str:
     return f"request {b}" + (f" (rid {rid})" if rid is not None else "")
 
 
+def roundness(a: int, e: int) -> int:
+    """How round both ends of a range [a, e) are: the trailing zero bits of the less round end
+    (0 counts as round as can be). Among ranges within noise of each other (their ends carry little
+    attention mass) the one a transfer or a write of aligned chunks would leave is the roundest."""
+    return min((x & -x).bit_length() - 1 if x else 63 for x in (a, e))
+
+
 def cdiv(a, b):
     """ceil(a / b) for non-negative ints or integer tensors."""
     return (a + b - 1) // b

@@ -144,3 +144,19 @@ def test_the_bisection_screen_ranks_as_the_reference_recomputes(monkeypatch, chu
     for zero in (False, True):
         want = torch.tensor([seg.ratio((int(a), int(e)), zero) for a, e in zip(starts, ends)], dtype=torch.float64)
         assert torch.allclose(_screen(seg, starts, ends, zero), want, rtol=1e-9), zero
+
+
+def test_a_run_no_head_or_tail_of_a_block_matches_is_localized():
+    """Positions 16..23 of a 40-position segment read as zeros, with an allowance so tight that any
+    other row matters: no block, head or tail restores; every range is screened (projected) and
+    the run found, narrowed to itself."""
+    g = torch.Generator().manual_seed(4)
+    sc = Scales(8, 0.3)
+    q, kv = torch.randn(2, 12, generator=g, dtype=torch.float64), torch.randn(40, 12, generator=g, dtype=torch.float64)
+    zeroed = kv.clone()
+    zeroed[16:24] = 0
+    target = torch.softmax(q @ zeroed.T * 0.3, -1) @ zeroed[:, :8]  # [2, 8], written out here
+    seg = Segment(0, 0, q, kv, target=target, tol=torch.full((2,), 1e-9, dtype=torch.float64), sc=sc)
+    span = locate(seg)
+    assert span is not None and (span.start, span.end) == (16, 24), span
+    assert "zeros" in span.how

@@ -45,8 +45,10 @@ def _named(entry, hypothesis: str, want: dict) -> bool:
         return loc is not None and loc.cause is not None and loc.cause["detail"] == want
     if e is None:
         return False
+    per_request = [(e.hypothesis, x["detail"]) for x in e.extra.get("requests", [])]  # each request's own detail
     return any(h == hypothesis and all(d.get(k) == v for k, v in want.items())
-               for h, d in [(e.hypothesis, e.detail)] + [(a.hypothesis, a.detail) for a in e.alternatives + e.other_causes])  # fmt: skip
+               for h, d in [(e.hypothesis, e.detail)] + per_request
+               + [(a.hypothesis, a.detail) for a in e.alternatives + e.other_causes])  # fmt: skip
 
 
 def judge(report, plant: str, b: int, want: dict) -> str:
@@ -61,7 +63,7 @@ def judge(report, plant: str, b: int, want: dict) -> str:
     e = entry.explanation
     if e is not None and e.complete:  # a whole explanation naming another cause
         return "wrong"
-    hit = {0, 1} if plant == "rows_permuted" else {b}
+    hit = {0, 1} if plant == "rows_permuted" else {0, b} if plant == "kv_swapped" else {b}
     loc = entry.localization
     return "localized-only" if loc is not None and hit & set(loc.requests) else "unexplained"
 
@@ -75,7 +77,7 @@ def run_case(folder: Path, spec, plant: str) -> tuple[str, str, float]:
     else:
         out, lse, detail = planting.PLANTS[plant][0](t, spec, b)
     t["out"] = out.to(spec.dtype)
-    if plant in ("none", "lse_log2"):
+    if plant in ("none", "lse_log2", "lse_ln"):
         t["lse"] = lse.float()
     path = folder / f"{plant}.safetensors"
     write_capture(path, t, make_meta(spec), compact=False)

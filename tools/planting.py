@@ -40,9 +40,13 @@ def attention(q, pool, indptr, indices, Dv: int, sm_scale: float, rows=None):
 
 def salient_newest(t, spec, b) -> None:
     """Make request b's newest token one its heads attend to (in a model a decode step's own token
-    is): its row along the mean of b's query heads, scaled to a mean logit of 8. A random newest
-    row among hundreds holds too little softmax mass for any fault in it to be seen."""
-    slot = int(t["kv_indices"][int(t["kv_indptr"][b + 1]) - 1])
+    is). A random newest row among hundreds holds too little softmax mass for any fault in it to be seen."""
+    salient_row(t, spec, b, int(t["kv_indices"][int(t["kv_indptr"][b + 1]) - 1]))
+
+
+def salient_row(t, spec, b, slot: int) -> None:
+    """Pool row ``slot`` made one request b's heads attend to: along the mean of b's query heads,
+    scaled to a mean logit of 8."""
     m = t["q"][b].double().mean(0)  # [D]
     mean_logit = float((t["q"][b].double() @ m).mean()) * spec.sm_scale
     if mean_logit > 0:
@@ -77,12 +81,16 @@ def pages_read_off(t, spec, b):
     return out, lse, {"pages": -1}
 
 
-def other_rows_read(t, spec, b):
-    """Page 2 of request b holds page 1 of request 0 (a page reused before its transfer landed)."""
+def other_rows_read(t, spec, b, salient: bool = True):
+    """Page 2 of request b holds page 1 of request 0 (a page reused before its transfer landed).
+    At page_size 1 a page is one row: request 0's row is made one b attends to (``salient``), else
+    one random row among hundreds may move nothing."""
     P, lo, lo0 = max(1, spec.page_size), int(t["kv_indptr"][b]), int(t["kv_indptr"][0])
-    pool = t["kv_buffer"].clone()
     mine = t["kv_indices"][lo + 2 * P : lo + 3 * P].long()
     theirs = t["kv_indices"][lo0 + P : lo0 + 2 * P].long()
+    if P == 1 and salient:
+        salient_row(t, spec, b, int(theirs[0]))
+    pool = t["kv_buffer"].clone()
     pool[mine] = t["kv_buffer"][theirs]
     out, lse = attention(t["q"], pool, t["kv_indptr"], t["kv_indices"], spec.kv_lora_rank, spec.sm_scale)
     return out, lse, {"page": 2, "from_request": 0, "from_page": 1}
@@ -138,22 +146,6 @@ def heads_rotated(t, spec, b):
     return torch.roll(out, -1, dims=1), torch.roll(lse, -1, dims=1), {}
 
 
-Plant = Callable  # (t, spec, b) -> (out [B, H, Dv], lse [B, H], detail)
-
-# name -> (planter, the hypothesis that names it, detail keys that must match)
-PLANTS: dict[str, tuple[Plant, str, tuple]] = {
-    "seq_len_short": (seq_len_short, "seq_len_off_by", ("delta",)),
-    "newest_kv_zero": (newest_kv_zero, "newest_kv_unwritten", ()),
-    "pages_read_off": (pages_read_off, "pages_read_off", ("pages",)),
-    "other_rows_read": (other_rows_read, "other_rows_read", ("page", "from_request", "from_page")),
-    "page_missing": (page_missing, "kv_range_missing", ("start", "end")),
-    "kv_zero_block": (kv_zero_block, "kv_range_missing", ()),
-    "sm_scale_twice": (sm_scale_twice, "wrong_sm_scale", ()),
-    "heads_rotated": (heads_rotated, "head_misaligned", ()),
-    "rows_permuted": (rows_permuted, "output_rows_permuted", ("rows",)),
-}
-
-
 def lse_log2(t, spec, b):
     """Request b's final lse written in log2 units (the output is right)."""
     out, lse = _clean(t, spec)
@@ -162,4 +154,66 @@ def lse_log2(t, spec, b):
     return out, lse, {"units": "log2"}
 
 
-PLANTS["lse_log2"] = (lse_log2, "lse_units", ("units",))
+def lse_ln(t, spec, b):
+    """Request b's final lse written as lse * ln 2 (ln units where log2 was meant; the output is right)."""
+    out, lse = _clean(t, spec)
+    lse = lse.clone()
+    lse[b] = lse[b] * math.log(2)
+    return out, lse, {"units": "ln"}
+
+
+def whole_request_read(t, spec, b):
+    """Request b attends request 0's rows instead of its own (its page table pointed at request 0's
+    pages): b's query over request 0's KV."""
+    ip, idx = t["kv_indptr"], t["kv_indices"]
+    lo0, hi0 = int(ip[0]), int(ip[1])
+    ip2 = ip.clone()
+    idx2 = torch.cat([idx[: int(ip[b])], idx[lo0:hi0], idx[int(ip[b + 1]) :]])
+    ip2[b + 1 :] += (hi0 - lo0) - (int(ip[b + 1]) - int(ip[b]))
+    out, lse = attention(t["q"], t["kv_buffer"], ip2, idx2, spec.kv_lora_rank, spec.sm_scale)
+    return out, lse, {"from_request": 0}
+
+
+def kv_swapped(t, spec, b):
+    """Requests 0 and b read each other's rows (two requests' KV swapped)."""
+    ip, idx = t["kv_indptr"], t["kv_indices"]
+    own = [idx[int(ip[r]) : int(ip[r + 1])] for r in range(len(ip) - 1)]
+    own[0], own[b] = own[b], own[0]
+    ip2 = torch.cat([ip[:1], ip[0] + torch.cumsum(torch.tensor([len(x) for x in own]), 0)]).to(ip.dtype)
+    out, lse = attention(t["q"], t["kv_buffer"], ip2, torch.cat(own), spec.kv_lora_rank, spec.sm_scale)
+    return out, lse, {"from_request": 0}
+
+
+def newest_kv_stale(t, spec, b):
+    """Request b's newest KV row not yet written: the slot still holds an older token's row, one b
+    attends to as well (the salient newest row plus noise of its own size: other values)."""
+    salient_newest(t, spec, b)
+    pool = t["kv_buffer"].clone()
+    slot = int(t["kv_indices"][int(t["kv_indptr"][b + 1]) - 1])
+    row = pool[slot, 0].double()
+    g = torch.Generator().manual_seed(11)
+    noise = torch.randn(row.shape[0], generator=g, dtype=torch.float64)
+    pool[slot, 0] = (row + noise * (row.norm() / noise.norm())).to(pool.dtype)
+    out, lse = attention(t["q"], pool, t["kv_indptr"], t["kv_indices"], spec.kv_lora_rank, spec.sm_scale)
+    return out, lse, {"how": "stale"}
+
+
+Plant = Callable  # (t, spec, b) -> (out [B, H, Dv], lse [B, H], detail)
+
+# name -> (planter, the hypothesis that names it, detail keys that must match)
+PLANTS: dict[str, tuple[Plant, str, tuple]] = {
+    "seq_len_short": (seq_len_short, "seq_len_off_by", ("delta",)),
+    "newest_kv_zero": (newest_kv_zero, "newest_kv_unwritten", ()),
+    "newest_kv_stale": (newest_kv_stale, "newest_kv_unwritten", ("how",)),
+    "pages_read_off": (pages_read_off, "pages_read_off", ("pages",)),
+    "whole_request_read": (whole_request_read, "other_request_read", ("from_request",)),
+    "kv_swapped": (kv_swapped, "other_request_read", ("from_request",)),
+    "other_rows_read": (other_rows_read, "other_rows_read", ("page", "from_request", "from_page")),
+    "page_missing": (page_missing, "kv_range_missing", ("start", "end")),
+    "kv_zero_block": (kv_zero_block, "kv_range_missing", ()),
+    "sm_scale_twice": (sm_scale_twice, "wrong_sm_scale", ()),
+    "heads_rotated": (heads_rotated, "head_misaligned", ()),
+    "rows_permuted": (rows_permuted, "output_rows_permuted", ("rows",)),
+    "lse_log2": (lse_log2, "lse_units", ("units",)),
+    "lse_ln": (lse_ln, "lse_units", ("units",)),
+}

@@ -11,10 +11,14 @@ report the first, in the table's order, that brings the backend's error back to 
                                                       delta -1: newest_kv_unwritten listed as an
                                                       alternative when it fits too)
     newest_kv_unwritten {"how": "zero"}               the newest position's KV row read as zeros
+                        {"how": "stale"}              ... or as other bytes, a row fitted to the output
+                                                      (stale.py: tried last of all, after LATE numerics)
     offset_overflow     {"first_slot", "position",    a 32-bit row offset wrapped: positions past the
                          "offset", "reads"}           wrap read another slot's bytes, or zeros
     last_page_len_swapped {"from_request", ...}       the last page's length from another request
     pages_read_off      {"pages": k, "page_size"}     the request's positions read k pages on (k < 0: back)
+    other_request_read  {"from_request": c}           the request attended request c's rows (both ways:
+                                                      "swapped" in extra)
     other_rows_read     {"page", "from_request",      a page of the request holds another page of the
                          "from_page"}                 capture's pool (another request's, or its own)
     kv_range_missing    {"start", "end", "how"}       positions [start, end) dropped or read as zeros,
@@ -63,8 +67,9 @@ The package (imports go down this list):
     seq_len.py, kv_range.py, split.py, sm_scale.py, head_misaligned.py, logit_cap.py, numerics.py, verify.py
     (the speculative verify families), and the faults of real
     MLA kernels (refmla/synth/zoo.py plants them): pages.py (two families), empty_split.py,
-    overflow.py, kv_scale.py, rope.py, misplaced.py (four families: KV read or output written in the
-    wrong place), blocktable.py (three families of block-table kernels)
+    overflow.py, kv_scale.py, rope.py, misplaced.py (five families: KV read or output written in the
+    wrong place), blocktable.py (three families of block-table kernels); stale.py (the newest row
+    read as stale bytes, fitted: tried last)
 
 A new family is a module like those (its candidates through ``per_request`` when each failing
 request gets its own detail, ``global_hypothesis`` when one setting explains the whole output)
@@ -87,7 +92,7 @@ from refmla.compare import Comparison
 from refmla.context import ReplayContext
 from refmla.hypotheses import (
     blocktable, empty_split, head_misaligned, kv_range, kv_scale, logit_cap, misplaced, numerics, overflow, pages, rope,
-    seq_len, sm_scale, split, verify,
+    seq_len, sm_scale, split, stale, verify,
 )
 from refmla.hypotheses.search import Search, SearchFn
 from refmla.results import Alternative, Explanation
@@ -108,6 +113,7 @@ SEARCHES: dict[str, SearchFn] = {
     "mask_wrong_request": verify.search_mask,
     "qlen_pow2_padding": verify.search_pow2,
     misplaced.PAGES_OFF: misplaced.search_pages_off,
+    misplaced.OTHER_REQUEST: misplaced.search_other_request,
     misplaced.OTHER_ROWS: misplaced.search_other_rows,
     kv_range.NAME: kv_range.search,
     blocktable.NULL_BLOCK: blocktable.search_null_block,
@@ -124,8 +130,9 @@ SEARCHES: dict[str, SearchFn] = {
     blocktable.PADDED_LEAK: blocktable.search_padded_leak,
 }
 HYPOTHESES = tuple(SEARCHES)
-# Tried after all of SEARCHES: numerics' accumulation variants (judged by their noise's size only)
-LATE: tuple[SearchFn, ...] = (numerics.search_late,)
+# Tried after all of SEARCHES: numerics' accumulation variants (judged by their noise's size only),
+# then the newest row read as stale bytes (a row fitted to the output: the freest hypothesis)
+LATE: tuple[SearchFn, ...] = (numerics.search_late, stale.search)
 
 
 def explain_failure(

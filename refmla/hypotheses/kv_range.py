@@ -24,9 +24,12 @@ from refmla.hypotheses.ranges import BlockSums, best_of, best_pairs, block_sums,
 from refmla.hypotheses.search import CONFIRM_TOP, SCREEN, Candidate, Search
 from refmla.results import Alternative, Explanation
 from refmla.schedule import MIN_BLOCK_KV
+from refmla.util import roundness
 
 NAME = "kv_range_missing"
 SUB_BUDGET = 2**24  # values of the finer block sums a sub-block search may hold
+SUB_PAIRS = 2**21  # ranges of positions ranked at once, at most (a request of up to ~2,000 positions)
+COARSE_TOP = 4  # past the budgets: block ranges whose ends are moved inside their blocks
 
 
 def search(s: Search) -> Optional[Explanation]:
@@ -62,26 +65,19 @@ def find_range(s: Search, b: int) -> Iterator[Candidate]:
 
 
 def sub_ranges(s: Search, b: int, bs: BlockSums, splits: set[tuple[int, int]]) -> Iterator[Candidate]:
-    """Ranges whose ends lie inside blocks: the best block range (dropped, then zeroed) with each end
-    moved position by position up to one block either way, scored at once, the best few confirmed.
+    """Ranges whose ends lie inside blocks, scored at once, the best few confirmed (dropped, then zeroed).
 
-    Reported only because no block-aligned range fits: the data tell the sub-page range apart from
-    the whole pages (issue 21 part 4). Bounded: the finer sums hold at most SUB_BUDGET values.
+    Every range of positions when the request's per-position sums fit SUB_BUDGET values and its
+    ranges SUB_PAIRS; else the best COARSE_TOP block ranges with each end moved position by
+    position up to one block either way. Reported only because no block-aligned range fits: the
+    data tell the sub-page range apart from the whole pages (issue 21 part 4).
     """
-    r, bnd = s.req(b), bs.bnd.tolist()
-    TH, Dv = bs.W.shape
-    radius = min(unit(s), (SUB_BUDGET // max(TH * Dv, 1) - len(bnd)) // 4)
-    if radius < 2:
-        return
+    bnd = bs.bnd.tolist()
     Lp, seen = bnd[-1], set()
     split_pos = {(bnd[i], bnd[j]) for i, j in splits}
-    for zeroed in (False, True):
-        for coarse in best_pairs(bs, zeroed, set(), 1):
-            p0, p1 = bnd[coarse.i], bnd[coarse.j]
-            near = {p for p in range(max(0, p0 - radius), min(Lp, p1 + radius) + 1) if min(abs(p - p0), abs(p - p1)) <= radius}
-            fine = sorted(set(bnd) | near)
-            fs = block_sums(s, b, s.sc, torch.tensor(fine, dtype=torch.int64))
-            starts, ends = window_pairs(fine, p0, p1, radius)
+    for fine, starts, ends, where in fine_windows(s, b, bs):
+        fs = block_sums(s, b, s.sc, torch.tensor(fine, dtype=torch.int64))
+        for zeroed in (False, True):
             for rng in best_of(fs, starts, ends, zeroed, CONFIRM_TOP, budget=SUB_BUDGET // 4):
                 a, e = fine[rng.i], fine[rng.j]
                 if rng.score >= SCREEN or (a, e) in seen:
@@ -89,17 +85,30 @@ def sub_ranges(s: Search, b: int, bs: BlockSums, splits: set[tuple[int, int]]) -
                 seen.add((a, e))
                 cand = range_candidate(s, b, fs, a, e, whole=(a, e) == (0, Lp), one_split=(a, e) in split_pos)
                 if cand is not None:
-                    cand.score, cand.simplicity = rng.score, (-aligned(a, e), e - a, a)
-                    cand.extra["granularity"] = (f"positions: no range of whole {granularity(s)} fits "
-                                                 f"(ends searched within {radius} of the best, {p0}..{p1})")  # fmt: skip
+                    cand.score, cand.simplicity = rng.score, (-roundness(a, e), e - a, a)
+                    cand.extra["granularity"] = f"positions: no range of whole {granularity(s)} fits (ends searched {where})"
                     yield cand
 
 
-def aligned(a: int, e: int) -> int:
-    """How round both ends are (the trailing zero bits of the less round): among sub-block ranges
-    within noise of each other (the ends carry little attention mass), the one a transfer or a
-    write of aligned chunks would leave is reported, not the smallest."""
-    return min((x & -x).bit_length() - 1 if x else 63 for x in (a, e))
+def fine_windows(s: Search, b: int, bs: BlockSums) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor, str]]:
+    """(boundaries, range starts, range ends, what was searched) of the sub-block search: every
+    range of positions, or, past the budgets, windows of one block around the best block ranges."""
+    bnd = bs.bnd.tolist()
+    TH, Dv = bs.W.shape
+    Lp = bnd[-1]
+    if (Lp + 1) * TH * Dv <= SUB_BUDGET and Lp * (Lp + 1) // 2 <= SUB_PAIRS:
+        starts, ends = torch.triu_indices(Lp + 1, Lp + 1, offset=1)
+        yield list(range(Lp + 1)), starts, ends, "at every position"
+        return
+    radius = min(unit(s), (SUB_BUDGET // max(TH * Dv, 1) - len(bnd)) // 4)
+    if radius < 2:
+        return
+    coarse = {(c.i, c.j): None for z in (False, True) for c in best_pairs(bs, z, set(), COARSE_TOP)}
+    for i, j in coarse:  # the best block ranges, dropped or zeroed, in that order
+        p0, p1 = bnd[i], bnd[j]
+        near = {p for p in range(max(0, p0 - radius), min(Lp, p1 + radius) + 1) if min(abs(p - p0), abs(p - p1)) <= radius}
+        fine = sorted(set(bnd) | near)
+        yield (fine, *window_pairs(fine, p0, p1, radius), f"within {radius} of the block range {p0}..{p1}")
 
 
 def unit(s: Search) -> int:

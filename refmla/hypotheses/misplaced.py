@@ -5,6 +5,8 @@
                                                            offered with seq_len_off_by(-1) when both fit
     pages_read_off        {"pages": k, "page_size": P}     request b's positions read k pages on
                                                            (k < 0: back) in the flat page table
+    other_request_read    {"from_request": c}              request b attended request c's rows instead
+                                                           of its own (both ways: their KV swapped)
     other_rows_read       {"page", "from_request",         page `page` of request b holds page
                            "from_page"}                    `from_page` of request `from_request`
                                                            (searched in the capture's own pool)
@@ -13,8 +15,9 @@
 Per request each, but output_rows_permuted (whole output). Candidates are screened with per-page
 block sums of exp(logit) and exp(logit) * v over the whole pool (one q . k per request), so
 every (page, source page) pair costs O(H * Dv) (page_size 1: a page is one row, and the pairs are
-ranked with the value axis projected to RANK_WIDTH, at most PAIR_LIMIT of them); the best few are
-confirmed by the comparator.
+ranked with the value axis projected to RANK_WIDTH; past PAIR_LIMIT of them, every pair is ranked
+by one GEMM, a nearest-neighbour search, and the nearest kept); the best few are confirmed by the
+comparator.
 """
 
 from __future__ import annotations
@@ -32,10 +35,13 @@ from refmla.results import Alternative, Explanation
 NEWEST = "newest_kv_unwritten"
 PAGES_OFF = "pages_read_off"
 OTHER_ROWS = "other_rows_read"
+OTHER_REQUEST = "other_request_read"
+OTHER_REQUEST_SOURCES = 64  # requests (nearest by index) whose rows a request is tried over
 PERMUTED = "output_rows_permuted"
 OFFSETS = (1, -1, 2, -2, 3, -3)  # pages read on / back, simplest first
 SUMS_BUDGET = 2**26  # values (fp64) of the pool's rows [N, D] or page sums [pages, H, Dv] a search may hold
 PAIR_LIMIT = 2**19  # (own page, source page) pairs screened per request, at most
+NEAREST_PAIRS = 2**27  # past PAIR_LIMIT, pairs ranked by one GEMM (the nearest PAIR_LIMIT / 8 screened)
 RANK_CHUNK = 2**15  # pairs ranked at a time
 RANK_WIDTH = 8  # the value axis projected to this many dimensions to rank the pairs
 PAIR_BUDGET = 2**26  # values scored exactly; past it the pairs are ranked with the value axis projected
@@ -106,6 +112,43 @@ def search_pages_off(s: Search) -> Optional[Explanation]:
 
 
 # --------------------------------------------------------------------------------------------
+# Another request's rows read whole
+# --------------------------------------------------------------------------------------------
+
+
+def find_other_request(s: Search, b: int) -> Iterator[Candidate]:
+    """Request b's query over each other request's rows (its page table or indptr pointed at them),
+    the nearest OTHER_REQUEST_SOURCES requests by index; screened in fp64, the best few with their
+    control."""
+    r, cap = s.req(b), s.cap
+    if r.T != 1 or not cap.is_decode:
+        return
+    att, scored = cap.attended(), []
+    sources = sorted((c for c in range(cap.batch_size) if c != b), key=lambda c: (abs(c - b), c))
+    for c in sources[:OTHER_REQUEST_SOURCES]:
+        rows = att.group_rows(c)
+        if len(rows) == 0:
+            continue
+        exp = ref.attend(r.q64[0], ref.gather(cap.kv_buffer, rows, torch.float64), s.sc)[0][None]  # [1, H, Dv]
+        scored.append((rescore(s, b, exp), c, rows))
+    for score, c, rows in sorted(scored, key=lambda x: x[0])[:3]:
+        if score >= SCREEN:
+            break
+        exp, ctl = s.attend_rows(b, rows, torch.tensor([len(rows)]))
+        yield Candidate({"from_request": c}, exp, ctl, score, simplicity=(abs(c - b), c))
+
+
+def search_other_request(s: Search) -> Optional[Explanation]:
+    e = per_request(s, OTHER_REQUEST, find_other_request) if s.cap.is_decode else None
+    if e is not None:  # two requests that read each other's rows: their KV swapped
+        src = {x["request"]: x["detail"]["from_request"] for x in e.extra.get("requests", [])}
+        pairs = sorted({tuple(sorted((b, c))) for b, c in src.items() if src.get(c) == b})
+        if pairs:
+            e.extra["swapped"] = [list(p) for p in pairs]
+    return e
+
+
+# --------------------------------------------------------------------------------------------
 # A page holding another request's page
 # --------------------------------------------------------------------------------------------
 
@@ -123,7 +166,8 @@ def _pool_pages(s: Search) -> list[tuple[int, int, torch.Tensor]]:
 def find_other_rows(s: Search, b: int) -> Iterator[Candidate]:
     """Each (own page, source page) by block sums; the best few recomputed exactly. At page_size 1
     a page is one row: every (position, pool row) pair, ranked with the value axis projected and,
-    past PAIR_LIMIT pairs, only the pairs where one side holds the most attention mass."""
+    past PAIR_LIMIT pairs, first by one GEMM (:func:`_nearest_pairs`; past NEAREST_PAIRS, only the
+    pairs where one side holds the most attention mass)."""
     r, cap, P = s.req(b), s.cap, max(1, s.cap.meta.page_size)
     if r.T != 1 or r.L == 0:
         return
@@ -141,7 +185,11 @@ def find_other_rows(s: Search, b: int) -> Iterator[Candidate]:
         return
     target, tol = s.o64[r.rows[0]], s.row_tol[r.rows[0]]  # [H, Dv], [H]
     effect = ((W - S.T[..., None] * target[None]).abs().amax(-1) / (S_b * tol)[None]).amax(-1)  # [pages]
-    js, ts = _pairs(effect, own, torch.nonzero(whole).flatten())
+    src = torch.nonzero(whole).flatten()
+    if PAIR_LIMIT < len(own) * len(src) <= NEAREST_PAIRS:  # every pair ranked by one GEMM, the nearest kept
+        js, ts = _nearest_pairs(S, W, S_b, W_b, target, tol, own, src, PAIR_LIMIT // 8)
+    else:
+        js, ts = _pairs(effect, own, src)
 
     def ratio(js, ts, Wb, W, target, rms=False):  # [K] worst-head error / allowed of page js holding ts
         St = ST[W.dtype]  # [pages, H] rows gathered (columns of S would be a strided gather)
@@ -199,6 +247,36 @@ def _page_sums(s: Search, r, pages) -> tuple[torch.Tensor, torch.Tensor]:
     W = torch.zeros(len(pages), w.shape[0], v.shape[1], dtype=torch.float64).index_add_(
         0, seg, torch.einsum("hn,nv->nhv", w, v))  # [pages, H, Dv]  # fmt: skip
     return S, W
+
+
+def _nearest_pairs(S, W, S_b, W_b, target, tol, own, src, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``keep`` (own page j, source page t) pairs whose predicted outputs lie nearest the target.
+
+    Page j holding page t's rows moves the output's numerator by e_t - e_j, e_p = W_p - S_p o
+    (o the target): the pair fits when e_t - e_j = R = S_b o - W_b, up to noise. With each head
+    scaled by S_b * tol (the denominator taken as S_b: a ranking) and the value axis projected to
+    RANK_WIDTH, that is a nearest-neighbour search, ||c_t - a_j||^2 with a_j = e_j + R and
+    c_t = e_t, computed as one GEMM per block of own pages.
+    """
+    proj = torch.randn(W.shape[2], RANK_WIDTH, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    scale = (S_b * tol)[:, None]  # [H, 1]
+    e = ((W - S.T[..., None] * target[None]) @ proj) / scale  # [pages, H, w]
+    R = ((S_b[:, None] * target - W_b) @ proj) / scale  # [H, w]
+    a, c = (e[own] + R).flatten(1), e[src].flatten(1)  # [n_own, F], [n_src, F]
+    an, cn = (a * a).sum(1), (c * c).sum(1)
+    step = max(1, RANK_CHUNK * 32 // len(src))
+    best_d, best_k = torch.empty(0, dtype=torch.float64), torch.empty(0, dtype=torch.int64)
+    for i in range(0, len(own), step):
+        d = an[i : i + step, None] + cn[None] - 2 * a[i : i + step] @ c.T  # [k, n_src]
+        d[own[i : i + step, None] == src[None]] = math.inf  # a page never stands for itself
+        k = min(keep, d.numel())
+        top = torch.topk(d.flatten(), k, largest=False)
+        best_d, best_k = torch.cat([best_d, top.values]), torch.cat([best_k, top.indices + i * len(src)])
+        if len(best_d) > keep:
+            order = torch.topk(best_d, keep, largest=False).indices
+            best_d, best_k = best_d[order], best_k[order]
+    best_k = best_k[torch.isfinite(best_d)]
+    return own[best_k // len(src)], src[best_k % len(src)]
 
 
 def _pairs(effect: torch.Tensor, own: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -158,8 +158,10 @@ def score_pairs(bs: BlockSums, starts: torch.Tensor, ends: torch.Tensor, zeroed:
     step = max(1, PAIR_BUDGET // 8 // max(TH * width, 1))
     for a in range(0, len(starts), step):
         i, j = starts[a : a + step], ends[a : a + step]
-        D = C[j] - C[i] - bs.W[None]  # [k, TH, width]
-        err = D.norm(dim=-1) / math.sqrt(width) if bs.projected else D.abs().amax(-1)  # [k, TH]
+        D = C[j]  # [k, TH, width] (a gathered copy: updated in place)
+        D -= C[i]
+        D -= bs.W[None]
+        err = torch.linalg.vector_norm(D, dim=-1) / math.sqrt(width) if bs.projected else D.abs().amax(-1)  # [k, TH]
         den = bs.Z[None] - (bs.Zc[j] - bs.Zc[i])
         if zeroed:
             den = den + (bs.bnd[j] - bs.bnd[i]).to(den.dtype)[:, None] * bs.E[None]

@@ -7,8 +7,9 @@ restores: the pages are reported, the narrowed positions as the evidence inside 
 positions of a page can weigh too little to tell apart; a page is what a transfer or page-table
 bug loses). Neighbouring blocks are added while they help, so a run of missing pages is reported
 whole. When no block restores, every block's heads and tails (halves, quarters, ...) and the blocks
-shifted by half a block (a range straddling two blocks) are tried, the best that restores reported
-and narrowed; then parts of the most promising block (single positions: a split that drops its
+shifted by half a block (a range straddling two blocks) are tried, then (a short segment) every
+range of positions, ranked with the value axis projected; the roundest that restores reported and
+narrowed; then parts of the most promising block (single positions: a split that drops its
 last one; a page's head or tail), and failing that the block whose removal takes most of the error
 away is reported as carrying it.
 """
@@ -22,6 +23,7 @@ import torch
 
 from refmla import reference as ref
 from refmla.localize.types import Span
+from refmla.util import roundness
 
 BLOCK = 64  # positions per block when the capture is not paged
 SINGLES = 512  # a split up to this long has each of its positions tried alone
@@ -29,6 +31,8 @@ HEAD_MIN = 8  # the shortest head or tail of a block the bisection tries
 BISECT_CONFIRM = 8  # ranges of the bisection recomputed after the screen
 SCREEN_BUDGET = 2**25  # values (fp64) the bisection's screen may hold: [points, H, Dv]
 CHUNK = 2**22  # values per chunk of positions / ranges in the screen
+RANK_WIDTH = 8  # the every-range screen's value axis, projected
+EVERY_RANGE_BUDGET = 2**26  # values (ranges x heads x RANK_WIDTH) the every-range screen ranks, at most
 
 
 @dataclass
@@ -91,7 +95,7 @@ def locate(seg: Segment) -> Optional[Span]:
     how = "reading them as zeros restores the output" if zero else "their removal restores the output"
     if r <= 1:
         return seg.span(a, e, how, evidence=_narrow(seg, a, e, zero))
-    part = _bisect(seg)
+    part = _bisect(seg) or _every_range(seg)
     if part is not None:
         (x, y), zero = part
         how = "reading them as zeros restores the output" if zero else "their removal restores the output"
@@ -120,24 +124,51 @@ def _bisect(seg: Segment) -> Optional[tuple[tuple[int, int], bool]]:
     if not ranges or 2 * len(ranges) * seg.q.shape[0] * seg.sc.kv_lora_rank > SCREEN_BUDGET:
         return None  # nothing to try, or a request too long for the screen's sums (bounded memory)
     starts, ends = torch.tensor([a for a, _ in ranges]), torch.tensor([e for _, e in ranges])
-    screened = [(float(r), i, z) for z in (False, True) for i, r in enumerate(_screen(seg, starts, ends, z))]
+    return _restoring(seg, starts, ends)
+
+
+def _every_range(seg: Segment) -> Optional[tuple[tuple[int, int], bool]]:
+    """Every range of positions of a short segment (a zeroed run inside a page that no head or tail
+    of a block matches), ranked at once with the value axis projected to RANK_WIDTH; the best
+    BISECT_CONFIRM recomputed, the best that restores. None past EVERY_RANGE_BUDGET."""
+    L, H = seg.kv.shape[0], seg.q.shape[0]
+    if L * (L + 1) // 2 * H * RANK_WIDTH > EVERY_RANGE_BUDGET or (L + 1) * H * RANK_WIDTH > SCREEN_BUDGET:
+        return None
+    starts, ends = torch.triu_indices(L + 1, L + 1, offset=1)
+    return _restoring(seg, starts, ends, width=RANK_WIDTH)
+
+
+def _restoring(seg: Segment, starts: torch.Tensor, ends: torch.Tensor, width: Optional[int] = None):
+    """Of the ranges [starts[k], ends[k]), screened removed and zeroed, the best BISECT_CONFIRM
+    recomputed: (the range, zeroed) that restores, the roundest (util.roundness), then with the
+    lowest ratio, then the longest; or None."""
+    scores = torch.stack([_screen(seg, starts, ends, z, width) for z in (False, True)])  # [2, K]
+    best = torch.argsort(scores.flatten())[:BISECT_CONFIRM].tolist()
     restoring = []
-    for _, i, z in sorted(screened)[:BISECT_CONFIRM]:
-        r = seg.ratio(ranges[i], z)
+    for k in best:
+        z, i = divmod(k, len(starts))
+        rng = (int(starts[i]), int(ends[i]))
+        r = seg.ratio(rng, bool(z))
         if r <= 1:
-            restoring.append((r, -(ranges[i][1] - ranges[i][0]), ranges[i], z))
+            restoring.append((-roundness(*rng), r, -(rng[1] - rng[0]), rng, bool(z)))
     if not restoring:
         return None
-    _, _, x, z = min(restoring)
+    *_, x, z = min(restoring)
     return x, z
 
 
-def _screen(seg: Segment, starts: torch.Tensor, ends: torch.Tensor, zero: bool) -> torch.Tensor:
+def _screen(seg: Segment, starts: torch.Tensor, ends: torch.Tensor, zero: bool, width: Optional[int] = None) -> torch.Tensor:
     """Worst head's |target - attention| / allowance with each [starts[k], ends[k]) removed (or
     zeroed) [K], from sums of exp(logit) and exp(logit) v between the ranges' ends: a ranking (the
-    softmax is linear in the kept positions), the verdict stays :meth:`Segment.ratio`. Holds
-    [points, H, Dv] (the caller bounds it: SCREEN_BUDGET) and chunks of positions and of ranges."""
+    softmax is linear in the kept positions), the verdict stays :meth:`Segment.ratio`. With
+    ``width`` the value axis is randomly projected to that many dimensions (the error is their
+    RMS). Holds [points, H, Dv or width] (the caller bounds it: SCREEN_BUDGET) and chunks of
+    positions and of ranges."""
     sc, Dv, L = seg.sc, seg.sc.kv_lora_rank, seg.kv.shape[0]
+    V, target = seg.kv[:, :Dv] * sc.v_scale, seg.target  # [L, Dv], [H, Dv]
+    if width is not None:  # a ranking: fp32 is plenty
+        proj = torch.randn(Dv, width, generator=torch.Generator().manual_seed(0), dtype=V.dtype)
+        V, target, Dv = V @ proj, (target @ proj).float(), width
     s = seg.q @ seg.kv.T * (sc.sm_scale * sc.k_scale)  # [H, L]
     if sc.logit_cap > 0:
         s = sc.logit_cap * torch.tanh(s / sc.logit_cap)
@@ -151,17 +182,23 @@ def _screen(seg: Segment, starts: torch.Tensor, ends: torch.Tensor, zero: bool) 
     Ac = torch.zeros(len(pts), H, Dv, dtype=p.dtype)  # [npts, H, Dv]
     for a in range(0, L, step):
         e = min(a + step, L)
-        Ac.index_add_(0, blk[a:e], (p[:, a:e, None] * (seg.kv[None, a:e, :Dv] * sc.v_scale)).transpose(0, 1))
+        Ac.index_add_(0, blk[a:e], (p[:, a:e, None] * V[None, a:e]).transpose(0, 1))
     Ac = Ac.cumsum(0)  # sum p v over the positions before pts[k]
+    ZcT, E = Zc.T.contiguous(), torch.exp(-m)[:, 0]  # [npts, H], [H]
+    if width is not None:
+        Ac, ZcT, E = Ac.float(), ZcT.float(), E.float()
     out = torch.empty(len(starts), dtype=p.dtype)
     for a in range(0, len(starts), step):
         j0, j1 = i0[a : a + step], i1[a : a + step]
-        Z = Zc[:, -1:] - (Zc[:, j1] - Zc[:, j0])  # [H, K]
+        Z = ZcT[-1][None] - (ZcT[j1] - ZcT[j0])  # [K, H]
         if zero:
-            Z = Z + (ends - starts)[a : a + step].to(p.dtype)[None] * torch.exp(-m)  # zero rows: logit 0
-        A = Ac[-1][:, None] - (Ac[j1] - Ac[j0]).transpose(0, 1)  # [H, K, Dv]
-        err = (seg.target[:, None] - A / Z[..., None]).abs().amax(-1) / seg.tol[:, None]  # [H, K]
-        out[a : a + step] = err.nan_to_num(float("inf")).amax(0)
+            Z += (ends - starts)[a : a + step].to(Z.dtype)[:, None] * E[None]  # zero rows: logit 0
+        d = Ac[j1] - Ac[j0]  # [K, H, Dv] the range's part of sum p v
+        d -= Ac[-1][None]  # minus the whole: -A
+        d /= Z[..., None]
+        d += target[None]  # target - A / Z
+        err = (torch.linalg.vector_norm(d, dim=-1) / width**0.5 if width else d.abs().amax(-1)) / seg.tol[None]
+        out[a : a + step] = err.nan_to_num(float("inf")).amax(-1)  # [K]
     return out
 
 
