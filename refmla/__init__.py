@@ -6,6 +6,7 @@ order, the hook's boundary and that every package docstring lists its modules. T
 copy of the layout (the README links here).
 
     util.py         small idioms every layer uses (the bottom)
+    nearest.py      the pairs of two point sets nearest each other, by one GEMM (the searches' rankings)
     atomic.py       atomic file writes for every writer: refuse non-regular targets, O_TMPFILE, sweep
     signals.py      SIGINT / SIGTERM as exceptions (exit 130 / 143), deferred around a whole write
     progress.py     the progress bar on stderr (batch, disagg)

@@ -184,8 +184,10 @@ def test_the_nearest_pairs_hold_the_planted_pair(monkeypatch):
     j, t = 7, 41
     target = (W_b - W[j] + W[t]) / (S_b - S[:, j] + S[:, t])[:, None]
     tol = torch.full((H,), 1e-3, dtype=torch.float64)
-    for chunk in (2**15, 1):
-        monkeypatch.setattr(misplaced, "RANK_CHUNK", chunk)  # 1: 32 pairs a block, one own page
+    from refmla import nearest
+
+    for chunk in (2**22, n):
+        monkeypatch.setattr(nearest, "BLOCK_VALUES", chunk)  # n: one own page a block
         js, ts = misplaced._nearest_pairs(S, W, S_b, W_b, target, tol, own, src, keep=10)
         pairs = list(zip(js.tolist(), ts.tolist()))
         assert (j, t) == pairs[0] if chunk > 1 else (j, t) in pairs, pairs

@@ -20,7 +20,9 @@ from typing import Iterator, Optional
 import torch
 
 from refmla.hypotheses.drivers import per_request, residual
-from refmla.hypotheses.ranges import BlockSums, best_of, best_pairs, block_sums, split_schedule, window_pairs
+from refmla.hypotheses.ranges import (
+    BlockSums, best_of, best_pairs, block_sums, nearest_ranges, split_schedule, window_pairs,
+)
 from refmla.hypotheses.search import CONFIRM_TOP, SCREEN, Candidate, Search
 from refmla.results import Alternative, Explanation
 from refmla.schedule import MIN_BLOCK_KV
@@ -28,7 +30,7 @@ from refmla.util import roundness
 
 NAME = "kv_range_missing"
 SUB_BUDGET = 2**24  # values of the finer block sums a sub-block search may hold
-SUB_PAIRS = 2**21  # ranges of positions ranked at once, at most (a request of up to ~2,000 positions)
+NEAREST_KEEP = 1024  # ranges of positions kept by the nearest-neighbour ranking, then scored exactly
 COARSE_TOP = 4  # past the budgets: block ranges whose ends are moved inside their blocks
 
 
@@ -67,17 +69,18 @@ def find_range(s: Search, b: int) -> Iterator[Candidate]:
 def sub_ranges(s: Search, b: int, bs: BlockSums, splits: set[tuple[int, int]]) -> Iterator[Candidate]:
     """Ranges whose ends lie inside blocks, scored at once, the best few confirmed (dropped, then zeroed).
 
-    Every range of positions when the request's per-position sums fit SUB_BUDGET values and its
-    ranges SUB_PAIRS; else the best COARSE_TOP block ranges with each end moved position by
+    Every range of positions when the request's per-position sums fit SUB_BUDGET values (ranked
+    by one GEMM, :func:`nearest_ranges`); else the best COARSE_TOP block ranges with each end moved position by
     position up to one block either way. Reported only because no block-aligned range fits: the
     data tell the sub-page range apart from the whole pages (issue 21 part 4).
     """
     bnd = bs.bnd.tolist()
     Lp, seen = bnd[-1], set()
     split_pos = {(bnd[i], bnd[j]) for i, j in splits}
-    for fine, starts, ends, where in fine_windows(s, b, bs):
+    for fine, windows, where in fine_windows(s, b, bs):
         fs = block_sums(s, b, s.sc, torch.tensor(fine, dtype=torch.int64))
         for zeroed in (False, True):
+            starts, ends = windows if windows is not None else nearest_ranges(fs, zeroed, NEAREST_KEEP)
             for rng in best_of(fs, starts, ends, zeroed, CONFIRM_TOP, budget=SUB_BUDGET // 4):
                 a, e = fine[rng.i], fine[rng.j]
                 if rng.score >= SCREEN or (a, e) in seen:
@@ -90,15 +93,15 @@ def sub_ranges(s: Search, b: int, bs: BlockSums, splits: set[tuple[int, int]]) -
                     yield cand
 
 
-def fine_windows(s: Search, b: int, bs: BlockSums) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor, str]]:
-    """(boundaries, range starts, range ends, what was searched) of the sub-block search: every
-    range of positions, or, past the budgets, windows of one block around the best block ranges."""
+def fine_windows(s: Search, b: int, bs: BlockSums) -> Iterator[tuple[list[int], Optional[tuple], str]]:
+    """(boundaries, (range starts, range ends), what was searched) of the sub-block search: every
+    position a boundary and every range ranked (None: :func:`nearest_ranges`), or, past the
+    budget, windows of one block around the best block ranges."""
     bnd = bs.bnd.tolist()
     TH, Dv = bs.W.shape
     Lp = bnd[-1]
-    if (Lp + 1) * TH * Dv <= SUB_BUDGET and Lp * (Lp + 1) // 2 <= SUB_PAIRS:
-        starts, ends = torch.triu_indices(Lp + 1, Lp + 1, offset=1)
-        yield list(range(Lp + 1)), starts, ends, "at every position"
+    if (Lp + 1) * TH * Dv <= SUB_BUDGET:
+        yield list(range(Lp + 1)), None, "at every position"
         return
     radius = min(unit(s), (SUB_BUDGET // max(TH * Dv, 1) - len(bnd)) // 4)
     if radius < 2:
@@ -108,7 +111,7 @@ def fine_windows(s: Search, b: int, bs: BlockSums) -> Iterator[tuple[list[int], 
         p0, p1 = bnd[i], bnd[j]
         near = {p for p in range(max(0, p0 - radius), min(Lp, p1 + radius) + 1) if min(abs(p - p0), abs(p - p1)) <= radius}
         fine = sorted(set(bnd) | near)
-        yield (fine, *window_pairs(fine, p0, p1, radius), f"within {radius} of the block range {p0}..{p1}")
+        yield fine, window_pairs(fine, p0, p1, radius), f"within {radius} of the block range {p0}..{p1}"
 
 
 def unit(s: Search) -> int:

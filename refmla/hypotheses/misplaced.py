@@ -28,6 +28,7 @@ from typing import Iterator, Optional
 import torch
 
 from refmla import reference as ref
+from refmla.nearest import nearest_pairs, projection
 from refmla.hypotheses.drivers import global_hypothesis, per_request, rescore
 from refmla.hypotheses.search import SCREEN, Candidate, Search
 from refmla.results import Alternative, Explanation
@@ -255,28 +256,15 @@ def _nearest_pairs(S, W, S_b, W_b, target, tol, own, src, keep: int) -> tuple[to
     Page j holding page t's rows moves the output's numerator by e_t - e_j, e_p = W_p - S_p o
     (o the target): the pair fits when e_t - e_j = R = S_b o - W_b, up to noise. With each head
     scaled by S_b * tol (the denominator taken as S_b: a ranking) and the value axis projected to
-    RANK_WIDTH, that is a nearest-neighbour search, ||c_t - a_j||^2 with a_j = e_j + R and
-    c_t = e_t, computed as one GEMM per block of own pages.
+    RANK_WIDTH, that is a nearest-neighbour search between e_j + R and e_t (refmla.nearest).
     """
-    proj = torch.randn(W.shape[2], RANK_WIDTH, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    proj = projection(W.shape[2], RANK_WIDTH)
     scale = (S_b * tol)[:, None]  # [H, 1]
     e = ((W - S.T[..., None] * target[None]) @ proj) / scale  # [pages, H, w]
     R = ((S_b[:, None] * target - W_b) @ proj) / scale  # [H, w]
-    a, c = (e[own] + R).flatten(1), e[src].flatten(1)  # [n_own, F], [n_src, F]
-    an, cn = (a * a).sum(1), (c * c).sum(1)
-    step = max(1, RANK_CHUNK * 32 // len(src))
-    best_d, best_k = torch.empty(0, dtype=torch.float64), torch.empty(0, dtype=torch.int64)
-    for i in range(0, len(own), step):
-        d = an[i : i + step, None] + cn[None] - 2 * a[i : i + step] @ c.T  # [k, n_src]
-        d[own[i : i + step, None] == src[None]] = math.inf  # a page never stands for itself
-        k = min(keep, d.numel())
-        top = torch.topk(d.flatten(), k, largest=False)
-        best_d, best_k = torch.cat([best_d, top.values]), torch.cat([best_k, top.indices + i * len(src)])
-        if len(best_d) > keep:
-            order = torch.topk(best_d, keep, largest=False).indices
-            best_d, best_k = best_d[order], best_k[order]
-    best_k = best_k[torch.isfinite(best_d)]
-    return own[best_k // len(src)], src[best_k % len(src)]
+    i, j, _ = nearest_pairs((e[own] + R).flatten(1), e[src].flatten(1), keep,
+                            allowed=lambda i0, i1: own[i0:i1, None] != src[None])  # a page never stands for itself
+    return own[i], src[j]
 
 
 def _pairs(effect: torch.Tensor, own: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

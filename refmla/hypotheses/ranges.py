@@ -22,12 +22,14 @@ from typing import Optional
 import torch
 
 from refmla import reference as ref
+from refmla.nearest import nearest_pairs, projection
 from refmla.hypotheses.search import Search
 from refmla.schedule import (
     H200_SM_COUNT, MIN_BLOCK_KV, default_num_kv_splits, mla_max_kv_splits, split_bounds, vllm_num_kv_splits,
 )  # fmt: skip
 
 PAIR_BUDGET = 2**26  # elements scored exactly per range search; above it, projection ranking
+RANK_WIDTH = 8  # the value axis projected to this many dimensions for :func:`nearest_ranges`
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,6 +211,22 @@ def best_of(
     scores = score_pairs(bs, starts, ends, zeroed)
     order = torch.argsort(scores)[:top]
     return [BlockRange(float(scores[o]), int(starts[o]), int(ends[o])) for o in order]
+
+
+def nearest_ranges(bs: BlockSums, zeroed: bool, keep: int, width: int = RANK_WIDTH) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``keep`` ranges [i, j) of the boundaries whose dropping (zeroing) lies nearest the
+    output, of every range at once: dropping [i, j) fits when C_j - C_i = W up to noise, so the
+    points C_i + W and C_j are near (each row scaled by 1 / (Z tol), the denominator taken as Z:
+    a ranking; the value axis projected to ``width``), one GEMM (refmla.nearest). Each range's
+    exact score is :func:`best_of`'s."""
+    C = bs.Cz if zeroed else bs.Cd  # [nb + 1, TH, Dv]
+    proj = projection(C.shape[-1], width, C.dtype)
+    scale = (1 / (bs.Z * bs.tol))[:, None]  # [TH, 1]
+    P = ((C @ proj) * scale[None]).flatten(1)  # [nb + 1, F]
+    Wp = ((bs.W @ proj) * scale).flatten()[None]  # [1, F]
+    idx = torch.arange(P.shape[0])
+    i, j, _ = nearest_pairs(P + Wp, P, keep, allowed=lambda a, e: idx[None] > idx[a:e, None])
+    return i, j
 
 
 def window_pairs(bnd: list[int], p0: int, p1: int, radius: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ positions of a page can weigh too little to tell apart; a page is what a transfe
 bug loses). Neighbouring blocks are added while they help, so a run of missing pages is reported
 whole. When no block restores, every block's heads and tails (halves, quarters, ...) and the blocks
 shifted by half a block (a range straddling two blocks) are tried, then (a short segment) every
-range of positions, ranked with the value axis projected; the roundest that restores reported and
+range of positions, ranked by one GEMM (a nearest-neighbour search); the roundest that restores reported and
 narrowed; then parts of the most promising block (single positions: a split that drops its
 last one; a page's head or tail), and failing that the block whose removal takes most of the error
 away is reported as carrying it.
@@ -23,6 +23,7 @@ import torch
 
 from refmla import reference as ref
 from refmla.localize.types import Span
+from refmla.nearest import nearest_pairs, projection
 from refmla.util import roundness
 
 BLOCK = 64  # positions per block when the capture is not paged
@@ -31,8 +32,8 @@ HEAD_MIN = 8  # the shortest head or tail of a block the bisection tries
 BISECT_CONFIRM = 8  # ranges of the bisection recomputed after the screen
 SCREEN_BUDGET = 2**25  # values (fp64) the bisection's screen may hold: [points, H, Dv]
 CHUNK = 2**22  # values per chunk of positions / ranges in the screen
-RANK_WIDTH = 8  # the every-range screen's value axis, projected
-EVERY_RANGE_BUDGET = 2**26  # values (ranges x heads x RANK_WIDTH) the every-range screen ranks, at most
+RANK_WIDTH = 8  # the every-range ranking's value axis, projected
+NEAREST_KEEP = 512  # ranges (removed, and zeroed) the every-range ranking keeps for the screen
 
 
 @dataclass
@@ -128,21 +129,44 @@ def _bisect(seg: Segment) -> Optional[tuple[tuple[int, int], bool]]:
 
 
 def _every_range(seg: Segment) -> Optional[tuple[tuple[int, int], bool]]:
-    """Every range of positions of a short segment (a zeroed run inside a page that no head or tail
-    of a block matches), ranked at once with the value axis projected to RANK_WIDTH; the best
-    BISECT_CONFIRM recomputed, the best that restores. None past EVERY_RANGE_BUDGET."""
+    """Every range of positions (a zeroed run inside a page that no head or tail of a block
+    matches), ranked at once by one GEMM (:func:`_nearest`), the nearest NEAREST_KEEP screened and
+    the best BISECT_CONFIRM recomputed: the best that restores. None past SCREEN_BUDGET."""
     L, H = seg.kv.shape[0], seg.q.shape[0]
-    if L * (L + 1) // 2 * H * RANK_WIDTH > EVERY_RANGE_BUDGET or (L + 1) * H * RANK_WIDTH > SCREEN_BUDGET:
+    if (L + 1) * H * seg.sc.kv_lora_rank > SCREEN_BUDGET:
         return None
-    starts, ends = torch.triu_indices(L + 1, L + 1, offset=1)
-    return _restoring(seg, starts, ends, width=RANK_WIDTH)
+    ranges = torch.cat([torch.stack(_nearest(seg, z)) for z in (False, True)], 1).unique(dim=1)  # [2, K]
+    return _restoring(seg, ranges[0], ranges[1])
 
 
-def _restoring(seg: Segment, starts: torch.Tensor, ends: torch.Tensor, width: Optional[int] = None):
+def _nearest(seg: Segment, zero: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The NEAREST_KEEP ranges [a, e) whose removal (zeroing) nearest restores the target: removing
+    [a, e) fits when Q_e - Q_a = R, Q_p = sum_{x < p} w_x (v_x - target) (zeroing: plus p e^-m
+    target), R = sum of all w (v - target); each head scaled by 1 / (Z tol), the value axis
+    projected to RANK_WIDTH: a nearest-neighbour search between Q_a + R and Q_e (refmla.nearest)."""
+    sc, Dv, L = seg.sc, seg.sc.kv_lora_rank, seg.kv.shape[0]
+    s = seg.q @ seg.kv.T * (sc.sm_scale * sc.k_scale)  # [H, L]
+    if sc.logit_cap > 0:
+        s = sc.logit_cap * torch.tanh(s / sc.logit_cap)
+    m = s.amax(-1, keepdim=True)  # [H, 1]
+    p = torch.exp(s - m)  # [H, L]
+    proj = projection(Dv, RANK_WIDTH)
+    w = p.T[..., None] * ((seg.kv[:, :Dv] * sc.v_scale) @ proj)[:, None] - p.T[..., None] * (seg.target @ proj)[None]  # [L, H, w]
+    if zero:
+        w = w + torch.exp(-m)[None] * (seg.target @ proj)[None]  # a zero row: weight e^-m, value 0
+    Q = torch.cat([torch.zeros_like(w[:1]), w.cumsum(0)])  # [L + 1, H, w]
+    scale = (1 / (p.sum(-1) * seg.tol))[None, :, None]  # [1, H, 1]
+    Q = (Q * scale).flatten(1)
+    idx = torch.arange(L + 1)
+    a, e, _ = nearest_pairs(Q + Q[-1:], Q, NEAREST_KEEP, allowed=lambda i0, i1: idx[None] > idx[i0:i1, None])
+    return a, e
+
+
+def _restoring(seg: Segment, starts: torch.Tensor, ends: torch.Tensor):
     """Of the ranges [starts[k], ends[k]), screened removed and zeroed, the best BISECT_CONFIRM
     recomputed: (the range, zeroed) that restores, the roundest (util.roundness), then with the
     lowest ratio, then the longest; or None."""
-    scores = torch.stack([_screen(seg, starts, ends, z, width) for z in (False, True)])  # [2, K]
+    scores = torch.stack([_screen(seg, starts, ends, z) for z in (False, True)])  # [2, K]
     best = torch.argsort(scores.flatten())[:BISECT_CONFIRM].tolist()
     restoring = []
     for k in best:
@@ -157,18 +181,13 @@ def _restoring(seg: Segment, starts: torch.Tensor, ends: torch.Tensor, width: Op
     return x, z
 
 
-def _screen(seg: Segment, starts: torch.Tensor, ends: torch.Tensor, zero: bool, width: Optional[int] = None) -> torch.Tensor:
+def _screen(seg: Segment, starts: torch.Tensor, ends: torch.Tensor, zero: bool) -> torch.Tensor:
     """Worst head's |target - attention| / allowance with each [starts[k], ends[k]) removed (or
     zeroed) [K], from sums of exp(logit) and exp(logit) v between the ranges' ends: a ranking (the
-    softmax is linear in the kept positions), the verdict stays :meth:`Segment.ratio`. With
-    ``width`` the value axis is randomly projected to that many dimensions (the error is their
-    RMS). Holds [points, H, Dv or width] (the caller bounds it: SCREEN_BUDGET) and chunks of
-    positions and of ranges."""
+    softmax is linear in the kept positions), the verdict stays :meth:`Segment.ratio`. Holds
+    [points, H, Dv] (the caller bounds it: SCREEN_BUDGET) and chunks of positions and of ranges."""
     sc, Dv, L = seg.sc, seg.sc.kv_lora_rank, seg.kv.shape[0]
     V, target = seg.kv[:, :Dv] * sc.v_scale, seg.target  # [L, Dv], [H, Dv]
-    if width is not None:  # a ranking: fp32 is plenty
-        proj = torch.randn(Dv, width, generator=torch.Generator().manual_seed(0), dtype=V.dtype)
-        V, target, Dv = V @ proj, (target @ proj).float(), width
     s = seg.q @ seg.kv.T * (sc.sm_scale * sc.k_scale)  # [H, L]
     if sc.logit_cap > 0:
         s = sc.logit_cap * torch.tanh(s / sc.logit_cap)
@@ -185,8 +204,6 @@ def _screen(seg: Segment, starts: torch.Tensor, ends: torch.Tensor, zero: bool, 
         Ac.index_add_(0, blk[a:e], (p[:, a:e, None] * V[None, a:e]).transpose(0, 1))
     Ac = Ac.cumsum(0)  # sum p v over the positions before pts[k]
     ZcT, E = Zc.T.contiguous(), torch.exp(-m)[:, 0]  # [npts, H], [H]
-    if width is not None:
-        Ac, ZcT, E = Ac.float(), ZcT.float(), E.float()
     out = torch.empty(len(starts), dtype=p.dtype)
     for a in range(0, len(starts), step):
         j0, j1 = i0[a : a + step], i1[a : a + step]
@@ -197,7 +214,7 @@ def _screen(seg: Segment, starts: torch.Tensor, ends: torch.Tensor, zero: bool, 
         d -= Ac[-1][None]  # minus the whole: -A
         d /= Z[..., None]
         d += target[None]  # target - A / Z
-        err = (torch.linalg.vector_norm(d, dim=-1) / width**0.5 if width else d.abs().amax(-1)) / seg.tol[None]
+        err = d.abs().amax(-1) / seg.tol[None]  # [K, H]
         out[a : a + step] = err.nan_to_num(float("inf")).amax(-1)  # [K]
     return out
 
