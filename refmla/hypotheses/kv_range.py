@@ -21,16 +21,18 @@ import torch
 
 from refmla.hypotheses.drivers import per_request, residual
 from refmla.hypotheses.ranges import (
-    BlockSums, best_of, best_pairs, block_sums, nearest_ranges, split_schedule, window_pairs,
+    PAIR_BUDGET, RANK_WIDTH, BlockSums, beyond_screen, best_of, best_pairs, block_sums, nearest_ranges, split_schedule,
+    window_pairs,
 )
 from refmla.hypotheses.search import CONFIRM_TOP, SCREEN, Candidate, Search
+from refmla.nearest import projection
 from refmla.results import Alternative, Explanation
 from refmla.schedule import MIN_BLOCK_KV
 from refmla.util import roundness
 
 NAME = "kv_range_missing"
 SUB_BUDGET = 2**24  # values of the finer block sums a sub-block search may hold
-NEAREST_KEEP = 1024  # ranges of positions kept by the nearest-neighbour ranking, then scored exactly
+NEAREST_KEEP = 256  # ranges of positions kept by the nearest-neighbour ranking, then scored exactly
 COARSE_TOP = 4  # past the budgets: block ranges whose ends are moved inside their blocks
 
 
@@ -78,10 +80,17 @@ def sub_ranges(s: Search, b: int, bs: BlockSums, splits: set[tuple[int, int]]) -
     Lp, seen = bnd[-1], set()
     split_pos = {(bnd[i], bnd[j]) for i, j in splits}
     for fine, windows, where in fine_windows(s, b, bs):
-        fs = block_sums(s, b, s.sc, torch.tensor(fine, dtype=torch.int64))
+        bnd_fine = torch.tensor(fine, dtype=torch.int64)
+        if windows is None:  # every range: ranked on projected sums, skipped when none is near
+            fp = block_sums(s, b, s.sc, bnd_fine, proj=projection(s.sc.kv_lora_rank, RANK_WIDTH))
+            near = {z: nearest_ranges(fp, z, NEAREST_KEEP) for z in (False, True)}
+            if all(beyond_screen(d, fp, s.sc.kv_lora_rank, SCREEN) for _, _, d in near.values()):
+                continue
+        fs = block_sums(s, b, s.sc, bnd_fine)
         for zeroed in (False, True):
-            starts, ends = windows if windows is not None else nearest_ranges(fs, zeroed, NEAREST_KEEP)
-            for rng in best_of(fs, starts, ends, zeroed, CONFIRM_TOP, budget=SUB_BUDGET // 4):
+            starts, ends = windows if windows is not None else near[zeroed][:2]
+            budget = SUB_BUDGET // 4 if windows is not None else PAIR_BUDGET  # the nearest: scored exactly
+            for rng in best_of(fs, starts, ends, zeroed, CONFIRM_TOP, budget=budget):
                 a, e = fine[rng.i], fine[rng.j]
                 if rng.score >= SCREEN or (a, e) in seen:
                     continue

@@ -15,7 +15,7 @@
 Per request each, but output_rows_permuted (whole output). Candidates are screened with per-page
 block sums of exp(logit) and exp(logit) * v over the whole pool (one q . k per request), so
 every (page, source page) pair costs O(H * Dv) (page_size 1: a page is one row, and the pairs are
-ranked with the value axis projected to RANK_WIDTH; past PAIR_LIMIT of them, every pair is ranked
+ranked with the value axis projected to RANK_WIDTH; past NEAREST_MIN of them, every pair is ranked
 by one GEMM, a nearest-neighbour search, and the nearest kept); the best few are confirmed by the
 comparator.
 """
@@ -42,7 +42,9 @@ PERMUTED = "output_rows_permuted"
 OFFSETS = (1, -1, 2, -2, 3, -3)  # pages read on / back, simplest first
 SUMS_BUDGET = 2**26  # values (fp64) of the pool's rows [N, D] or page sums [pages, H, Dv] a search may hold
 PAIR_LIMIT = 2**19  # (own page, source page) pairs screened per request, at most
-NEAREST_PAIRS = 2**27  # past PAIR_LIMIT, pairs ranked by one GEMM (the nearest PAIR_LIMIT / 8 screened)
+NEAREST_MIN = 512  # past this many pairs, every pair ranked by one GEMM and the NEAREST_KEEP nearest screened
+NEAREST_KEEP = 512
+NEAREST_PAIRS = 2**27  # past this many, only the pairs with a heavy side (PAIR_LIMIT of them)
 RANK_CHUNK = 2**15  # pairs ranked at a time
 RANK_WIDTH = 8  # the value axis projected to this many dimensions to rank the pairs
 PAIR_BUDGET = 2**26  # values scored exactly; past it the pairs are ranked with the value axis projected
@@ -167,7 +169,7 @@ def _pool_pages(s: Search) -> list[tuple[int, int, torch.Tensor]]:
 def find_other_rows(s: Search, b: int) -> Iterator[Candidate]:
     """Each (own page, source page) by block sums; the best few recomputed exactly. At page_size 1
     a page is one row: every (position, pool row) pair, ranked with the value axis projected and,
-    past PAIR_LIMIT pairs, first by one GEMM (:func:`_nearest_pairs`; past NEAREST_PAIRS, only the
+    past NEAREST_MIN pairs, first by one GEMM (:func:`_nearest_pairs`; past NEAREST_PAIRS, only the
     pairs where one side holds the most attention mass)."""
     r, cap, P = s.req(b), s.cap, max(1, s.cap.meta.page_size)
     if r.T != 1 or r.L == 0:
@@ -187,8 +189,8 @@ def find_other_rows(s: Search, b: int) -> Iterator[Candidate]:
     target, tol = s.o64[r.rows[0]], s.row_tol[r.rows[0]]  # [H, Dv], [H]
     effect = ((W - S.T[..., None] * target[None]).abs().amax(-1) / (S_b * tol)[None]).amax(-1)  # [pages]
     src = torch.nonzero(whole).flatten()
-    if PAIR_LIMIT < len(own) * len(src) <= NEAREST_PAIRS:  # every pair ranked by one GEMM, the nearest kept
-        js, ts = _nearest_pairs(S, W, S_b, W_b, target, tol, own, src, PAIR_LIMIT // 8)
+    if NEAREST_MIN < len(own) * len(src) <= NEAREST_PAIRS:  # every pair ranked by one GEMM, the nearest kept
+        js, ts = _nearest_pairs(S, W, S_b, W_b, target, tol, own, src, NEAREST_KEEP)
     else:
         js, ts = _pairs(effect, own, src)
 

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from refmla import reference as ref
-from refmla.nearest import nearest_pairs, projection
+from refmla.nearest import nearest_pairs
 from refmla.hypotheses.search import Search
 from refmla.schedule import (
     H200_SM_COUNT, MIN_BLOCK_KV, default_num_kv_splits, mla_max_kv_splits, split_bounds, vllm_num_kv_splits,
@@ -108,8 +108,11 @@ def searchable(s: Search, b: int) -> int:
     return r.L if s.cap.is_decode else r.L - r.T
 
 
-def block_sums(s: Search, b: int, sc: ref.Scales, bnd: Optional[torch.Tensor] = None) -> Optional[BlockSums]:
-    """Request b's softmax pieces summed per block of ``bnd`` (default :func:`boundaries`)."""
+def block_sums(
+    s: Search, b: int, sc: ref.Scales, bnd: Optional[torch.Tensor] = None, proj: Optional[torch.Tensor] = None
+) -> Optional[BlockSums]:
+    """Request b's softmax pieces summed per block of ``bnd`` (default :func:`boundaries`); with
+    ``proj`` [Dv, w] the value axis projected first (``projected``: a ranking, at w / Dv the cost)."""
     r = s.req(b)
     Lp = searchable(s, b)
     if Lp < 1:
@@ -123,6 +126,9 @@ def block_sums(s: Search, b: int, sc: ref.Scales, bnd: Optional[torch.Tensor] = 
     m = S.amax(-1)  # [T, H]
     P = torch.exp(S - m[..., None]).reshape(T * H, r.L)  # [TH, L]
     V = r.kv64[:, :Dv] * sc.v_scale  # [L, Dv]
+    o = s.o64[r.rows].reshape(T * H, Dv)  # [TH, Dv]
+    if proj is not None:
+        V, o, Dv = V @ proj, o @ proj, proj.shape[1]
     bnd = boundaries(s, b, Lp) if bnd is None else bnd
     nb = len(bnd) - 1
     blk = torch.bucketize(torch.arange(Lp), bnd[1:], right=True)  # [Lp] block of each position
@@ -135,7 +141,6 @@ def block_sums(s: Search, b: int, sc: ref.Scales, bnd: Optional[torch.Tensor] = 
     Ab = Ab.transpose(0, 1)  # [nb, TH, Dv]
     Z = Zb.sum(0) + P[:, Lp:].sum(-1)  # [TH] with the fixed (new-token) part
     A = Ab.sum(0) + P[:, Lp:] @ V[Lp:]  # [TH, Dv]
-    o = s.o64[r.rows].reshape(T * H, Dv)  # [TH, Dv]
     E = torch.exp(-m).reshape(T * H)  # [TH]
     cnt = (bnd[1:] - bnd[:-1]).double()  # [nb]
     w = Ab - o[None] * Zb[..., None]  # [nb, TH, Dv]
@@ -144,7 +149,7 @@ def block_sums(s: Search, b: int, sc: ref.Scales, bnd: Optional[torch.Tensor] = 
     return BlockSums(
         bnd=bnd, Zc=torch.cat([torch.zeros(1, T * H, dtype=torch.float64), Zb.cumsum(0)]),
         Cd=torch.cat([zero, w.cumsum(0)]), Cz=torch.cat([zero, wz.cumsum(0)]),
-        W=A - o * Z[:, None], Z=Z, E=E, tol=s.row_tol[r.rows].reshape(T * H),
+        W=A - o * Z[:, None], Z=Z, E=E, tol=s.row_tol[r.rows].reshape(T * H), projected=proj is not None,
     )  # fmt: skip
 
 
@@ -213,20 +218,29 @@ def best_of(
     return [BlockRange(float(scores[o]), int(starts[o]), int(ends[o])) for o in order]
 
 
-def nearest_ranges(bs: BlockSums, zeroed: bool, keep: int, width: int = RANK_WIDTH) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``keep`` ranges [i, j) of the boundaries whose dropping (zeroing) lies nearest the
-    output, of every range at once: dropping [i, j) fits when C_j - C_i = W up to noise, so the
-    points C_i + W and C_j are near (each row scaled by 1 / (Z tol), the denominator taken as Z:
-    a ranking; the value axis projected to ``width``), one GEMM (refmla.nearest). Each range's
-    exact score is :func:`best_of`'s."""
-    C = bs.Cz if zeroed else bs.Cd  # [nb + 1, TH, Dv]
-    proj = projection(C.shape[-1], width, C.dtype)
-    scale = (1 / (bs.Z * bs.tol))[:, None]  # [TH, 1]
-    P = ((C @ proj) * scale[None]).flatten(1)  # [nb + 1, F]
-    Wp = ((bs.W @ proj) * scale).flatten()[None]  # [1, F]
+def nearest_ranges(fp: BlockSums, zeroed: bool, keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``keep`` ranges [i, j) of ``fp``'s boundaries (block sums with the value axis projected)
+    whose dropping (zeroing) lies nearest the output, of every range at once, nearest first, with
+    each one's squared distance: dropping [i, j) fits when C_j - C_i = W up to noise, so the points
+    C_i + W and C_j are near (each row scaled by 1 / (Z tol), the denominator taken as Z: a
+    ranking), one GEMM (refmla.nearest). Each range's exact score is :func:`best_of`'s.
+
+    A range within the screen (every error at most SCREEN allowances) lies within about
+    SCREEN^2 * TH * width * Dv of its point (a projected coordinate of an error e has variance
+    |e|^2 <= Dv max|e|^2): :func:`beyond_screen`."""
+    C = fp.Cz if zeroed else fp.Cd  # [nb + 1, TH, w]
+    scale = (1 / (fp.Z * fp.tol))[None, :, None]  # [1, TH, 1]
+    P = (C * scale).flatten(1)  # [nb + 1, F]
+    Wp = (fp.W[None] * scale).flatten(1)  # [1, F]
     idx = torch.arange(P.shape[0])
-    i, j, _ = nearest_pairs(P + Wp, P, keep, allowed=lambda a, e: idx[None] > idx[a:e, None])
-    return i, j
+    return nearest_pairs(P + Wp, P, keep, allowed=lambda a, e: idx[None] > idx[a:e, None])
+
+
+def beyond_screen(d: torch.Tensor, fp: BlockSums, Dv: int, screen: float) -> bool:
+    """True when even the nearest range (squared distance ``d[0]``, :func:`nearest_ranges`) lies
+    past four times the distance a range within the screen can have: none passes, skip it."""
+    TH, w = fp.W.shape
+    return len(d) == 0 or float(d[0]) > 4 * screen**2 * TH * w * Dv
 
 
 def window_pairs(bnd: list[int], p0: int, p1: int, radius: int) -> tuple[torch.Tensor, torch.Tensor]:
