@@ -29,6 +29,7 @@ from refmla.schedule import (
 )  # fmt: skip
 
 PAIR_BUDGET = 2**26  # elements scored exactly per range search; above it, projection ranking
+SCORE_CHUNK = 2**19  # values scored at a time: a chunk that stays in cache (5x faster than 2^23)
 RANK_WIDTH = 8  # the value axis projected to this many dimensions for :func:`nearest_ranges`
 
 
@@ -134,7 +135,7 @@ def block_sums(
     blk = torch.bucketize(torch.arange(Lp), bnd[1:], right=True)  # [Lp] block of each position
     Zb = torch.zeros(T * H, nb, dtype=torch.float64).index_add_(1, blk, P[:, :Lp]).T  # [nb, TH]
     Ab = torch.zeros(T * H, nb, Dv, dtype=torch.float64)  # [TH, nb, Dv]
-    step = max(1, 2**22 // max(T * H * Dv, 1))
+    step = max(1, SCORE_CHUNK // max(T * H * Dv, 1))
     for a in range(0, Lp, step):  # segment sums of p v, a chunk of positions at a time
         e = min(a + step, Lp)
         Ab.index_add_(1, blk[a:e], P[:, a:e, None] * V[None, a:e])
@@ -162,7 +163,7 @@ def score_pairs(bs: BlockSums, starts: torch.Tensor, ends: torch.Tensor, zeroed:
     C = bs.Cz if zeroed else bs.Cd
     out = torch.empty(len(starts), dtype=torch.float64)
     TH, width = bs.W.shape
-    step = max(1, PAIR_BUDGET // 8 // max(TH * width, 1))
+    step = max(1, SCORE_CHUNK // max(TH * width, 1))
     for a in range(0, len(starts), step):
         i, j = starts[a : a + step], ends[a : a + step]
         D = C[j]  # [k, TH, width] (a gathered copy: updated in place)

@@ -31,7 +31,7 @@ SINGLES = 512  # a split up to this long has each of its positions tried alone
 HEAD_MIN = 8  # the shortest head or tail of a block the bisection tries
 BISECT_CONFIRM = 8  # ranges of the bisection recomputed after the screen
 SCREEN_BUDGET = 2**25  # values (fp64) the bisection's screen may hold: [points, H, Dv]
-CHUNK = 2**22  # values per chunk of positions / ranges in the screen
+CHUNK = 2**19  # values per chunk of positions / ranges in the screen (one that stays in cache)
 RANK_WIDTH = 8  # the every-range ranking's value axis, projected
 NEAREST_KEEP = 512  # ranges (removed, and zeroed) the every-range ranking keeps for the screen
 
