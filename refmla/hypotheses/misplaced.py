@@ -23,6 +23,7 @@ comparator.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
@@ -156,14 +157,34 @@ def search_other_request(s: Search) -> Optional[Explanation]:
 # --------------------------------------------------------------------------------------------
 
 
-def _pool_pages(s: Search) -> list[tuple[int, int, torch.Tensor]]:
-    """(request, page, pool rows) of every page the capture's requests read, in request order."""
+@dataclass
+class PoolPages:
+    """Every page the capture's requests read, in request order (page_size 1: a row each)."""
+
+    rows: torch.Tensor  # [N] the pool rows of every request, concatenated
+    request: torch.Tensor  # [pages] the request reading each page
+    page: torch.Tensor  # [pages] its page number in that request
+    start: torch.Tensor  # [pages] its first row in ``rows``
+    length: torch.Tensor  # [pages] its rows (the last page of a request may be partial)
+
+    def rows_of(self, k: int) -> torch.Tensor:
+        a = int(self.start[k])
+        return self.rows[a : a + int(self.length[k])]
+
+
+def _pool_pages(s: Search) -> PoolPages:
     cap, P = s.cap, max(1, s.cap.meta.page_size)
-    out = []
-    for b in range(cap.batch_size):
-        rows = cap.attended().group_rows(b)
-        out += [(b, i, rows[i * P : (i + 1) * P]) for i in range(math.ceil(len(rows) / P))]
-    return out
+    att = cap.attended()
+    lens = torch.tensor([len(att.group_rows(b)) for b in range(cap.batch_size)], dtype=torch.int64)  # [B]
+    n = (lens + P - 1) // P  # [B] pages per request
+    request = torch.repeat_interleave(torch.arange(cap.batch_size), n)  # [pages]
+    first = torch.cumsum(n, 0) - n  # [B] each request's first page
+    page = torch.arange(int(n.sum())) - first[request]
+    offset = torch.cumsum(lens, 0) - lens  # [B] each request's first row
+    start = offset[request] + page * P
+    length = torch.minimum(lens[request] - page * P, torch.tensor(P))
+    rows = torch.cat([att.group_rows(b) for b in range(cap.batch_size)]) if cap.batch_size else torch.empty(0, dtype=torch.int64)
+    return PoolPages(rows.long(), request, page, start, length)
 
 
 def find_other_rows(s: Search, b: int) -> Iterator[Candidate]:
@@ -180,18 +201,18 @@ def find_other_rows(s: Search, b: int) -> Iterator[Candidate]:
         return  # the pool's rows in fp64 or its page sums would not fit the budget (a large pool)
     pages = s.memo("misplaced.pool_pages", lambda: _pool_pages(s))
     S, W = _page_sums(s, r, pages)  # [H, pages], [pages, H, Dv]
-    own = torch.tensor([j for j, (bb, _, x) in enumerate(pages) if bb == b and len(x) == P])  # whole pages
-    whole = torch.tensor([len(x) == P for _, _, x in pages])  # a source must be a whole page, as its target
-    own_all = [j for j, (bb, _, _) in enumerate(pages) if bb == b]
+    whole = pages.length == P  # a source must be a whole page, as its target
+    own = torch.nonzero((pages.request == b) & whole).flatten()  # whole pages
+    own_all = torch.nonzero(pages.request == b).flatten()
     S_b, W_b = S[:, own_all].sum(-1), W[own_all].sum(0)  # [H], [H, Dv]
     if len(own) == 0:
         return
     target, tol = s.o64[r.rows[0]], s.row_tol[r.rows[0]]  # [H, Dv], [H]
-    effect = ((W - S.T[..., None] * target[None]).abs().amax(-1) / (S_b * tol)[None]).amax(-1)  # [pages]
     src = torch.nonzero(whole).flatten()
     if NEAREST_MIN < len(own) * len(src) <= NEAREST_PAIRS:  # every pair ranked by one GEMM, the nearest kept
         js, ts = _nearest_pairs(S, W, S_b, W_b, target, tol, own, src, NEAREST_KEEP)
     else:
+        effect = ((W - S.T[..., None] * target[None]).abs().amax(-1) / (S_b * tol)[None]).amax(-1)  # [pages]
         js, ts = _pairs(effect, own, src)
 
     def ratio(js, ts, Wb, W, target, rms=False):  # [K] worst-head error / allowed of page js holding ts
@@ -214,8 +235,8 @@ def find_other_rows(s: Search, b: int) -> Iterator[Candidate]:
         score, j, t = float(scores[k]), int(js[k]), int(ts[k])
         if score >= SCREEN:
             break
-        fb, fp, rows = pages[t]
-        page = pages[j][1]
+        fb, fp, rows = int(pages.request[t]), int(pages.page[t]), pages.rows_of(t)
+        page = int(pages.page[j])
         if _without_page_fits(s, b, page, P):
             continue  # the page's own rows not read at all fits too: its source is not identified
         seq = r.pool_rows.clone()
@@ -235,19 +256,19 @@ def _without_page_fits(s: Search, b: int, page: int, P: int) -> bool:
     return s.confirm(exp, ctl, s.rows_of(b)).passed
 
 
-def _page_sums(s: Search, r, pages) -> tuple[torch.Tensor, torch.Tensor]:
+def _page_sums(s: Search, r, pages: PoolPages) -> tuple[torch.Tensor, torch.Tensor]:
     """Per page of the pool, under request r's query: sum exp(logit - max) [H, pages] and its
     weighted values [pages, H, Dv]."""
-    src = s.memo("misplaced.pool_rows", lambda: torch.cat([rows for _, _, rows in pages]))  # [N]
-    kv = s.memo("misplaced.pool_kv", lambda: ref.gather(s.cap.kv_buffer, src, torch.float64))  # [N, D]
+    kv = s.memo("misplaced.pool_kv", lambda: ref.gather(s.cap.kv_buffer, pages.rows, torch.float64))  # [N, D]
     logits = torch.einsum("hd,nd->hn", r.q64[0], kv) * s.sc.k_scale * s.sc.sm_scale  # [H, N]
     if s.sc.logit_cap > 0:
         logits = s.sc.logit_cap * torch.tanh(logits / s.sc.logit_cap)
     w = torch.exp(logits - logits.max(-1, keepdim=True).values).nan_to_num(0.0)  # [H, N]
     v = kv[:, : s.sc.kv_lora_rank] * s.sc.v_scale  # [N, Dv]
-    seg = torch.repeat_interleave(torch.arange(len(pages)), torch.tensor([len(x) for _, _, x in pages]))  # [N]
-    S = torch.zeros(w.shape[0], len(pages), dtype=torch.float64).index_add_(1, seg, w)  # [H, pages]
-    W = torch.zeros(len(pages), w.shape[0], v.shape[1], dtype=torch.float64).index_add_(
+    n = len(pages.length)
+    seg = torch.repeat_interleave(torch.arange(n), pages.length)  # [N]
+    S = torch.zeros(w.shape[0], n, dtype=torch.float64).index_add_(1, seg, w)  # [H, pages]
+    W = torch.zeros(n, w.shape[0], v.shape[1], dtype=torch.float64).index_add_(
         0, seg, torch.einsum("hn,nv->nhv", w, v))  # [pages, H, Dv]  # fmt: skip
     return S, W
 
@@ -262,7 +283,7 @@ def _nearest_pairs(S, W, S_b, W_b, target, tol, own, src, keep: int) -> tuple[to
     """
     proj = projection(W.shape[2], RANK_WIDTH)
     scale = (S_b * tol)[:, None]  # [H, 1]
-    e = ((W - S.T[..., None] * target[None]) @ proj) / scale  # [pages, H, w]
+    e = (W @ proj - S.T[..., None] * (target @ proj)[None]) / scale  # [pages, H, w]
     R = ((S_b[:, None] * target - W_b) @ proj) / scale  # [H, w]
     i, j, _ = nearest_pairs((e[own] + R).flatten(1), e[src].flatten(1), keep,
                             allowed=lambda i0, i1: own[i0:i1, None] != src[None])  # a page never stands for itself
