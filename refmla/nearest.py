@@ -1,6 +1,7 @@
 """The pairs of two point sets nearest each other, by one GEMM per block of rows: how the searches
 rank every (own page, source page) pair and every (start, end) range of a request at once
-(||x - y||^2 = |x|^2 + |y|^2 - 2 x . y), holding one block of distances at a time."""
+(||x - y||^2 = |x|^2 + |y|^2 - 2 x . y), holding one block of distances at a time; and the fixed
+random projection their rankings use."""
 
 from __future__ import annotations
 
@@ -39,6 +40,15 @@ def nearest_pairs(
     best_d, best_k = best_d[order], best_k[order]
     fin = torch.isfinite(best_d)
     return best_k[fin] // m, best_k[fin] % m, best_d[fin]
+
+
+def nearest_ranges(prefix: torch.Tensor, total: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``keep`` ranges [i, j), i < j, of prefix points ``prefix`` [n + 1, F] whose part
+    prefix[j] - prefix[i] lies nearest ``total`` [F], nearest first: (i, j, squared distance). A
+    range whose removal explains an output is one whose part equals the whole residual: the points
+    prefix[i] + total and prefix[j] are near."""
+    idx = torch.arange(prefix.shape[0])
+    return nearest_pairs(prefix + total[None], prefix, keep, allowed=lambda a, e: idx[None] > idx[a:e, None])
 
 
 def projection(dim: int, width: int, dtype=torch.float64) -> torch.Tensor:

@@ -201,7 +201,7 @@ def test_a_stale_newest_row_is_recovered_from_the_heads_outputs():
     import torch
 
     from refmla.hypotheses.stale import fit_row
-    from refmla.reference import Scales
+    from refmla.reference import Scales, attend
 
     g = torch.Generator().manual_seed(2)
     H, L, D, Dv = 8, 50, 24, 16
@@ -210,10 +210,11 @@ def test_a_stale_newest_row_is_recovered_from_the_heads_outputs():
     stale = torch.randn(D, generator=g, dtype=torch.float64) * 2
     rows = torch.cat([kv[:-1], stale[None]])
     out = torch.softmax(q @ rows.T * 0.4, -1) @ rows[:, :Dv]  # [H, Dv]
-    row = fit_row(q, kv[:-1], out, sc)
+    row = fit_row(q, *attend(q, kv[:-1], sc), out, sc)
     assert row is not None and torch.allclose(row[:Dv], stale[:Dv], atol=1e-8), (row[:Dv] - stale[:Dv]).abs().max()
     assert torch.allclose(q @ row, q @ stale, atol=1e-8)
-    assert fit_row(q, kv[:-1], torch.softmax(q @ kv[:-1].T * 0.4, -1) @ kv[:-1, :Dv], sc) is None  # nothing moved
+    o1, lse1 = attend(q, kv[:-1], sc)
+    assert fit_row(q, o1, lse1, o1, sc) is None  # nothing moved: no row of positive weight
 
 
 def test_two_requests_reading_each_others_rows_are_named_swapped(tmp_path):

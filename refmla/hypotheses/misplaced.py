@@ -15,7 +15,7 @@
 Per request each, but output_rows_permuted (whole output). Candidates are screened with per-page
 block sums of exp(logit) and exp(logit) * v over the whole pool (one q . k per request), so
 every (page, source page) pair costs O(H * Dv) (page_size 1: a page is one row, and the pairs are
-ranked with the value axis projected to RANK_WIDTH; past NEAREST_MIN of them, every pair is ranked
+ranked with the value axis projected to RANK_WIDTH; past NEAREST_KEEP of them, every pair is ranked
 by one GEMM, a nearest-neighbour search, and the nearest kept); the best few are confirmed by the
 comparator.
 """
@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
 from refmla import reference as ref
-from refmla.nearest import nearest_pairs, projection
 from refmla.hypotheses.drivers import global_hypothesis, per_request, rescore
 from refmla.hypotheses.search import SCREEN, Candidate, Search
+from refmla.nearest import nearest_pairs, projection
 from refmla.results import Alternative, Explanation
 
 NEWEST = "newest_kv_unwritten"
@@ -43,8 +43,7 @@ PERMUTED = "output_rows_permuted"
 OFFSETS = (1, -1, 2, -2, 3, -3)  # pages read on / back, simplest first
 SUMS_BUDGET = 2**26  # values (fp64) of the pool's rows [N, D] or page sums [pages, H, Dv] a search may hold
 PAIR_LIMIT = 2**19  # (own page, source page) pairs screened per request, at most
-NEAREST_MIN = 512  # past this many pairs, every pair ranked by one GEMM and the NEAREST_KEEP nearest screened
-NEAREST_KEEP = 512
+NEAREST_KEEP = 512  # past this many pairs, every pair ranked by one GEMM and this many nearest screened
 NEAREST_PAIRS = 2**27  # past this many, only the pairs with a heavy side (PAIR_LIMIT of them)
 RANK_CHUNK = 2**15  # pairs ranked at a time
 RANK_WIDTH = 8  # the value axis projected to this many dimensions to rank the pairs
@@ -66,10 +65,15 @@ def newest_candidate(s: Search, b: int) -> Optional[Candidate]:
     return Candidate({"how": "zero"}, exp, ctl, rescore(s, b, exp), extra={"position": r.L - 1})
 
 
+def screened(candidate: Callable[[Search, int], Optional[Candidate]]) -> Callable[[Search, int], Iterator[Candidate]]:
+    """A finder of the one candidate ``candidate(s, b)`` gives, when it passes the screen."""
+    return lambda s, b: iter([c] if (c := candidate(s, b)) is not None and c.score < SCREEN else [])
+
+
 def search_newest(s: Search) -> Optional[Explanation]:
     if not s.cap.is_decode:
         return None
-    return per_request(s, NEWEST, lambda s, b: iter([c] if (c := newest_candidate(s, b)) and c.score < SCREEN else []))
+    return per_request(s, NEWEST, screened(newest_candidate))
 
 
 def newest_alternative(s: Search, e: Optional[Explanation]) -> Optional[Explanation]:
@@ -131,7 +135,7 @@ def find_other_request(s: Search, b: int) -> Iterator[Candidate]:
     sources = sorted((c for c in range(cap.batch_size) if c != b), key=lambda c: (abs(c - b), c))
     for c in sources[:OTHER_REQUEST_SOURCES]:
         rows = att.group_rows(c)
-        if len(rows) == 0:
+        if len(rows) == 0 or s.ctx.too_large_to_search(c):  # a source is held in fp64 as a searched request is
             continue
         exp = ref.attend(r.q64[0], ref.gather(cap.kv_buffer, rows, torch.float64), s.sc)[0][None]  # [1, H, Dv]
         scored.append((rescore(s, b, exp), c, rows))
@@ -190,7 +194,7 @@ def _pool_pages(s: Search) -> PoolPages:
 def find_other_rows(s: Search, b: int) -> Iterator[Candidate]:
     """Each (own page, source page) by block sums; the best few recomputed exactly. At page_size 1
     a page is one row: every (position, pool row) pair, ranked with the value axis projected and,
-    past NEAREST_MIN pairs, first by one GEMM (:func:`_nearest_pairs`; past NEAREST_PAIRS, only the
+    past NEAREST_KEEP pairs, first by one GEMM (:func:`_nearest_pairs`; past NEAREST_PAIRS, only the
     pairs where one side holds the most attention mass)."""
     r, cap, P = s.req(b), s.cap, max(1, s.cap.meta.page_size)
     if r.T != 1 or r.L == 0:
@@ -209,7 +213,7 @@ def find_other_rows(s: Search, b: int) -> Iterator[Candidate]:
         return
     target, tol = s.o64[r.rows[0]], s.row_tol[r.rows[0]]  # [H, Dv], [H]
     src = torch.nonzero(whole).flatten()
-    if NEAREST_MIN < len(own) * len(src) <= NEAREST_PAIRS:  # every pair ranked by one GEMM, the nearest kept
+    if NEAREST_KEEP < len(own) * len(src) <= NEAREST_PAIRS:  # every pair ranked by one GEMM, the nearest kept
         js, ts = _nearest_pairs(S, W, S_b, W_b, target, tol, own, src, NEAREST_KEEP)
     else:
         effect = ((W - S.T[..., None] * target[None]).abs().amax(-1) / (S_b * tol)[None]).amax(-1)  # [pages]
@@ -224,7 +228,7 @@ def find_other_rows(s: Search, b: int) -> Iterator[Candidate]:
 
     ST = {torch.float64: S.T.contiguous(), torch.float32: S.T.float().contiguous()}
     if len(js) * W.shape[1] * W.shape[2] > PAIR_BUDGET:  # rank with the value axis projected
-        proj = torch.randn(W.shape[2], RANK_WIDTH, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        proj = projection(W.shape[2], RANK_WIDTH)
         Wp, Wbp, tp = ((x @ proj).float() for x in (W, W_b, target))  # ranking precision is plenty
         n = RANK_CHUNK
         rank = torch.cat([ratio(js[a : a + n], ts[a : a + n], Wbp, Wp, tp, True) for a in range(0, len(js), n)])

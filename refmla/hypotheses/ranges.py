@@ -22,7 +22,8 @@ from typing import Optional
 import torch
 
 from refmla import reference as ref
-from refmla.nearest import nearest_pairs
+from refmla.nearest import nearest_ranges as nearest_prefix_ranges
+from refmla.nearest import projection
 from refmla.hypotheses.search import Search
 from refmla.schedule import (
     H200_SM_COUNT, MIN_BLOCK_KV, default_num_kv_splits, mla_max_kv_splits, split_bounds, vllm_num_kv_splits,
@@ -180,8 +181,7 @@ def score_pairs(bs: BlockSums, starts: torch.Tensor, ends: torch.Tensor, zeroed:
 
 def project(bs: BlockSums, width: int) -> BlockSums:
     """The same sums with the value axis randomly projected to ``width`` (the sums are linear in it)."""
-    g = torch.Generator().manual_seed(0)
-    proj = torch.randn(bs.W.shape[1], width, generator=g, dtype=torch.float64)
+    proj = projection(bs.W.shape[1], width)
     f = torch.float32  # ranking precision is plenty
     cd, cz, w = (bs.Cd @ proj).to(f), (bs.Cz @ proj).to(f), (bs.W @ proj).to(f)
     low = {k: getattr(bs, k).to(f) for k in ("Zc", "Z", "E", "tol")}
@@ -230,11 +230,8 @@ def nearest_ranges(fp: BlockSums, zeroed: bool, keep: int) -> tuple[torch.Tensor
     SCREEN^2 * TH * width * Dv of its point (a projected coordinate of an error e has variance
     |e|^2 <= Dv max|e|^2): :func:`beyond_screen`."""
     C = fp.Cz if zeroed else fp.Cd  # [nb + 1, TH, w]
-    scale = (1 / (fp.Z * fp.tol))[None, :, None]  # [1, TH, 1]
-    P = (C * scale).flatten(1)  # [nb + 1, F]
-    Wp = (fp.W[None] * scale).flatten(1)  # [1, F]
-    idx = torch.arange(P.shape[0])
-    return nearest_pairs(P + Wp, P, keep, allowed=lambda a, e: idx[None] > idx[a:e, None])
+    scale = (1 / (fp.Z * fp.tol))[:, None]  # [TH, 1]
+    return nearest_prefix_ranges((C * scale[None]).flatten(1), (fp.W * scale).flatten(), keep)
 
 
 def beyond_screen(d: torch.Tensor, fp: BlockSums, Dv: int, screen: float) -> bool:

@@ -181,6 +181,11 @@ class Search:
             ctl[t] = attend_control(self.cap.q[r.rows[t]], kvs[sel], sc, self.dtype)[0]
         return exp, ctl
 
+    def own_rows(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request b's rows in position order, fp64 and as stored [L, D] (gathered once; not to be
+        written: clone before changing them)."""
+        return self._sequence(self.req(b), self.req(b).pool_rows, None)
+
     def _sequence(
         self, r: Req, seq_rows: torch.Tensor, zero: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:

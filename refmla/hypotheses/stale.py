@@ -29,8 +29,8 @@ import torch
 
 from refmla import reference as ref
 from refmla.hypotheses.drivers import per_request, rescore
-from refmla.hypotheses.misplaced import NEWEST
-from refmla.hypotheses.search import SCREEN, Candidate, Search
+from refmla.hypotheses.misplaced import NEWEST, screened
+from refmla.hypotheses.search import Candidate, Search
 from refmla.results import Explanation
 
 MIN_HEADS = 4  # fewer heads leave the shared row too free (Dv + H unknowns for H * Dv equations)
@@ -39,14 +39,11 @@ FIT_ROUNDS = 30  # alternations of the per-head weights and the shared value
 ALPHA_EDGE = 1e-9  # weights kept inside [0, 1 - edge]; a head below it: the row's logit for weight edge
 
 
-def fit_row(q: torch.Tensor, kv: torch.Tensor, o: torch.Tensor, sc) -> Optional[torch.Tensor]:
-    """The row [D] that, appended to ``kv`` [L', D] as the newest position, gives each head's
-    output ``o`` [H, Dv] under queries ``q`` [H, D] (fp64), or None when the fit finds no row of
-    positive weight (see the module docstring)."""
+def fit_row(q: torch.Tensor, o1: torch.Tensor, lse1: torch.Tensor, o: torch.Tensor, sc) -> Optional[torch.Tensor]:
+    """The row [D] that, appended as the newest position to the rows whose attention under
+    queries ``q`` [H, D] is ``o1`` [H, Dv] with ``lse1`` [H] (ref.attend), gives each head's output
+    ``o`` [H, Dv] (fp64); None when the fit finds no row of positive weight (see the module docstring)."""
     Dv, scale = sc.kv_lora_rank, sc.sm_scale * sc.k_scale
-    s = (q @ kv.T) * scale  # [H, L']
-    lse1 = torch.logsumexp(s, -1)  # [H]
-    o1 = torch.softmax(s, -1) @ (kv[:, :Dv] * sc.v_scale)  # [H, Dv] without the newest row
     d, c = o - o1, o1.mean(0)[None] - o1  # [H, Dv]
     H = q.shape[0]
     A = torch.diag((d * d).sum(-1)) - (d @ d.T) / H  # [H, H] normal equations in beta
@@ -67,29 +64,21 @@ def fit_row(q: torch.Tensor, kv: torch.Tensor, o: torch.Tensor, sc) -> Optional[
     return torch.cat([k_lat, k_rope])
 
 
-def moved_heads(s: Search, b: int) -> int:
-    """How many heads of request b's output lie beyond their allowance from the reference without
-    its newest row: the heads whose outputs constrain a fitted row."""
-    r, sc = s.req(b), s.sc
-    o1 = ref.attend(r.q64[0], r.kv64[:-1], sc)[0]  # [H, Dv]
-    return int(((s.o64[r.rows[0]] - o1).abs().amax(-1) > s.row_tol[r.rows[0]]).sum())
-
-
 def stale_candidate(s: Search, b: int) -> Optional[Candidate]:
     r, sc = s.req(b), s.sc
     H = r.q64.shape[1]
     if r.L < 2 or r.T != 1 or H < MIN_HEADS or sc.logit_cap > 0 or sc.v_scale == 0 or sc.k_scale == 0:
         return None
     o = s.o64[r.rows[0]]  # [H, Dv]
-    if not bool(torch.isfinite(o).all()) or moved_heads(s, b) < MIN_MOVED_HEADS:
+    o1, lse1 = ref.attend(r.q64[0], r.kv64[:-1], sc)  # [H, Dv], [H] without the newest row
+    moved = int(((o - o1).abs().amax(-1) > s.row_tol[r.rows[0]]).sum())  # the heads that constrain the row
+    if not bool(torch.isfinite(o).all()) or moved < MIN_MOVED_HEADS:
         return None
-    row = fit_row(r.q64[0], r.kv64[:-1], o, sc)
+    row = fit_row(r.q64[0], o1, lse1, o, sc)
     if row is None:
         return None
-    kv64, kvs = s._sequence(r, r.pool_rows, None)
-    kvs = kvs.clone()
+    kv64, kvs = (x.clone() for x in s.own_rows(b))
     kvs[-1] = row.to(kvs.dtype)  # the stale bytes as the pool stores them
-    kv64 = kv64.clone()
     kv64[-1] = kvs[-1].double()
     if not bool(torch.isfinite(kv64[-1]).all()):
         return None
@@ -103,7 +92,7 @@ def stale_candidate(s: Search, b: int) -> Optional[Candidate]:
 def search(s: Search) -> Optional[Explanation]:
     if not s.cap.is_decode:
         return None
-    return per_request(s, NEWEST, lambda s, b: iter([c] if (c := stale_candidate(s, b)) and c.score < SCREEN else []))
+    return per_request(s, NEWEST, screened(stale_candidate))
 
 
-__all__ = ["MIN_HEADS", "MIN_MOVED_HEADS", "fit_row", "moved_heads", "search", "stale_candidate"]
+__all__ = ["MIN_HEADS", "MIN_MOVED_HEADS", "fit_row", "search", "stale_candidate"]

@@ -23,7 +23,7 @@ import torch
 
 from refmla import reference as ref
 from refmla.localize.types import Span
-from refmla.nearest import nearest_pairs, projection
+from refmla.nearest import nearest_ranges, projection
 from refmla.util import roundness
 
 BLOCK = 64  # positions per block when the capture is not paged
@@ -143,7 +143,8 @@ def _nearest(seg: Segment, zero: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The NEAREST_KEEP ranges [a, e) whose removal (zeroing) nearest restores the target: removing
     [a, e) fits when Q_e - Q_a = R, Q_p = sum_{x < p} w_x (v_x - target) (zeroing: plus p e^-m
     target), R = sum of all w (v - target); each head scaled by 1 / (Z tol), the value axis
-    projected to RANK_WIDTH: a nearest-neighbour search between Q_a + R and Q_e (refmla.nearest)."""
+    projected to RANK_WIDTH: a nearest-neighbour search between Q_a + R and Q_e (refmla.nearest;
+    R = Q_L)."""
     sc, Dv, L = seg.sc, seg.sc.kv_lora_rank, seg.kv.shape[0]
     s = seg.q @ seg.kv.T * (sc.sm_scale * sc.k_scale)  # [H, L]
     if sc.logit_cap > 0:
@@ -155,10 +156,8 @@ def _nearest(seg: Segment, zero: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if zero:
         w = w + torch.exp(-m)[None] * (seg.target @ proj)[None]  # a zero row: weight e^-m, value 0
     Q = torch.cat([torch.zeros_like(w[:1]), w.cumsum(0)])  # [L + 1, H, w]
-    scale = (1 / (p.sum(-1) * seg.tol))[None, :, None]  # [1, H, 1]
-    Q = (Q * scale).flatten(1)
-    idx = torch.arange(L + 1)
-    a, e, _ = nearest_pairs(Q + Q[-1:], Q, NEAREST_KEEP, allowed=lambda i0, i1: idx[None] > idx[i0:i1, None])
+    Q = (Q * (1 / (p.sum(-1) * seg.tol))[None, :, None]).flatten(1)  # each head scaled by 1 / (Z tol)
+    a, e, _ = nearest_ranges(Q, Q[-1], NEAREST_KEEP)
     return a, e
 
 
