@@ -15,13 +15,18 @@ stays small:
         one for p.v, instead of one Python iteration per row.
 
 A row's blocking depends only on its own length, never on its neighbours or the thread count, so a
-row's result is the same alone, in any batch and with any number of threads. Units (one long row, or
-one group of short rows) run on ``torch.get_num_threads()`` worker threads, each single-threaded: the
-[H, D] x [D, n] GEMMs with H = 16 are too skinny to split, and a worker never waits on another at a
-barrier (so a loaded machine slows it in proportion, not by a convoy).
+row's result is the same alone, in any batch and with any number of threads. Units run on
+``torch.get_num_threads()`` worker threads, each single-threaded (the [H, D] x [D, n] GEMMs with
+H = 16 are too skinny to split, and a worker never waits on another at a barrier), longest first: a
+unit is one group of short rows, or up to :func:`long_batch` long rows in lockstep (block j of each
+at once: one bmm for q.k and one for p.v over the rows that have a whole block j, the softmax merge
+as one op over all of them, a row's last partial block alone). Every torch call from Python takes
+the GIL, and two workers issuing ~20 calls per block hand it back and forth; in lockstep a call
+covers several blocks. Batching changes no bits: bmm runs one GEMM per entry, and the elementwise
+ops and reductions work row by row (tests/test_blocked.py checks rows alone, batched, 1 and 2 threads).
 
-Memory: each worker holds one block (:func:`unit_budget` bytes, the stated budget), besides the
-outputs [R, H, Dv] and [R, H] and the int64 row spans [R]; it never depends on L.
+Memory: each worker holds at most :func:`unit_budget` bytes (the stated budget), besides the outputs
+[R, H, Dv] and [R, H] and the int64 row spans [R]; it never depends on L.
 """
 
 from __future__ import annotations
@@ -75,27 +80,45 @@ def unit_budget(H: int, D: int, Dv: int, stored_itemsize: int, itemsize: int = 8
     return block + GROUP_BYTES + BLOCK_ROWS * D * stored_itemsize
 
 
+def long_batch(H: int, D: int, Dv: int, stored_itemsize: int, itemsize: int = 8) -> int:
+    """How many long rows one unit runs in lockstep within :func:`unit_budget`: each holds one block
+    (rows as stored and upcast) and its q, logits, acc and merge state (3 at H = 16, D = 576)."""
+    block = BLOCK_ROWS * D * (stored_itemsize + itemsize) + H * (BLOCK_ROWS + D + 2 * Dv + 4) * itemsize
+    return max(1, unit_budget(H, D, Dv, stored_itemsize, itemsize) // block)
+
+
 def attend_spans(
     q: torch.Tensor, kv_buffer: torch.Tensor, spans: Spans, sc: Scales, accum_dtype: torch.dtype = torch.float64
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [Q, H, D] (stored dtype), kv_buffer [N, 1, D] -> out [R, H, Dv], lse [R, H] in accum_dtype.
 
     Span r: attention of its query row's H heads over its rows; an empty span gives 0 / -inf."""
-    R, H = spans.lens.shape[0], q.shape[1]
-    out = torch.zeros(R, H, sc.kv_lora_rank, dtype=accum_dtype, device=q.device)  # [R, H, Dv]
+    R, H, D, Dv = spans.lens.shape[0], q.shape[1], q.shape[-1], sc.kv_lora_rank
+    out = torch.zeros(R, H, Dv, dtype=accum_dtype, device=q.device)  # [R, H, Dv]
     lse = torch.full((R, H), -math.inf, dtype=accum_dtype, device=q.device)  # [R, H]
     job = _Job(q, kv_buffer[:, 0], spans, sc, accum_dtype, out, lse)
-    units = list(plan(spans.lens, H, q.shape[-1], sc.kv_lora_rank, accum_dtype.itemsize))
+    most = long_batch(H, D, Dv, kv_buffer.dtype.itemsize, accum_dtype.itemsize)
+    units = list(plan(spans.lens, H, D, Dv, accum_dtype.itemsize, most, torch.get_num_threads()))
     run_units(job.run, units)
     return out, lse
 
 
-def plan(lens: torch.Tensor, H: int, D: int, Dv: int, itemsize: int = 8) -> Iterator[tuple[str, torch.Tensor]]:
-    """The units of work: ("long", [r]) for each row past BLOCK_ROWS, ("short", rows) for groups of
-    short rows of one length (stable order), each within GROUP_BYTES and MAX_GROUP rows."""
+UNITS_PER_WORKER = 4  # lockstep batches shrink until each worker has this many long units, when it can
+
+
+def plan(
+    lens: torch.Tensor, H: int, D: int, Dv: int, itemsize: int = 8, lockstep: int = 1, workers: int = 1
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The units of work: ("long", rows) for the rows past BLOCK_ROWS, longest first, up to
+    ``lockstep`` of them each (fewer when ``workers`` would get under UNITS_PER_WORKER units:
+    the split never changes a row's bits, only how evenly the workers finish), ("short", rows) for
+    groups of short rows of one length (stable order), each within GROUP_BYTES and MAX_GROUP rows."""
     n = lens.cpu().numpy()  # numpy: its stable sort of 10^6 lengths takes milliseconds
-    for r in np.flatnonzero(n > BLOCK_ROWS).tolist():
-        yield "long", torch.tensor([r])
+    long = np.flatnonzero(n > BLOCK_ROWS)
+    long = long[np.argsort(-n[long], kind="stable")]  # longest first: the last units to start are short
+    k = max(1, min(lockstep, len(long) // (UNITS_PER_WORKER * max(workers, 1))))
+    for i in range(0, len(long), k):
+        yield "long", torch.from_numpy(long[i : i + k].copy())
     short = np.flatnonzero((n > 0) & (n <= BLOCK_ROWS))
     order = short[np.argsort(n[short], kind="stable")]  # short rows, shortest first
     values, firsts, counts = np.unique(n[order], return_index=True, return_counts=True)  # <= BLOCK_ROWS lengths
@@ -146,8 +169,7 @@ class _Job:
     def run(self, unit: tuple[str, torch.Tensor]) -> None:
         kind, rows = unit
         if kind == "long":
-            r = int(rows[0])
-            self.out[r], self.lse[r] = self.long_row(r)
+            self.out[rows], self.lse[rows] = self.long_rows(rows)
         elif int(rows[-1]) - int(rows[0]) + 1 == len(rows):  # consecutive rows (ascending): write in place
             r0, r1 = int(rows[0]), int(rows[-1]) + 1
             self.short_group(rows, self.out[r0:r1], self.lse[r0:r1])
@@ -168,31 +190,36 @@ class _Job:
             self.local.bufs = bufs
         return bufs[0][:n], bufs[1][:n]
 
-    def long_row(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One row over its span in blocks of BLOCK_ROWS, merged online (module docstring)."""
-        sc, Dv = self.sc, self.sc.kv_lora_rank
-        q = self.q[self.qrow(r)].to(self.dtype)  # [H, D]
-        start, L = int(self.spans.starts[r]), int(self.spans.lens[r])
-        m = l = acc = None
-        for b0 in range(0, L, BLOCK_ROWS):
-            n = min(BLOCK_ROWS, L - b0)
-            stored, kv = self.block(n)
-            torch.index_select(self.pool, 0, self.indices[start + b0 : start + b0 + n].long(), out=stored)
-            kv.copy_(stored)  # [n, D]
-            s = logits(q @ kv.T, sc)  # [H, n]
-            mb = s.amax(dim=-1)  # [H]
-            if m is None:
-                m = mb
-                p = s.sub_(m[:, None]).exp_()  # [H, n]
-                l, acc = p.sum(dim=-1), p @ kv[:, :Dv]  # [H], [H, Dv]
-                continue
-            m_new = torch.maximum(m, mb)  # [H]
-            alpha = (m - m_new).exp_()  # [H]
-            p = s.sub_(m_new[:, None]).exp_()  # [H, n]
-            l = l.mul_(alpha).add_(p.sum(dim=-1))  # [H]
-            acc = acc.mul_(alpha[:, None]).addmm_(p, kv[:, :Dv])  # [H, Dv]
-            m = m_new
-        return acc.div_(l[:, None]).mul_(sc.v_scale), m.add_(l.log())
+    def long_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k rows (longest first) over their spans in blocks of BLOCK_ROWS, in lockstep, merged online
+        (module docstring): block j of the rows that have a whole one as one bmm pair, a row's last
+        partial block alone. Returns out [k, H, Dv], lse [k, H]."""
+        sc, Dv, k = self.sc, self.sc.kv_lora_rank, len(rows)
+        q = self.q[self.qrow(rows).to(self.q.device)].to(self.dtype)  # [k, H, D]
+        starts, lens = self.spans.starts[rows].tolist(), self.spans.lens[rows].tolist()
+        blocks = [self.indices[s : s + L].split(BLOCK_ROWS) for s, L in zip(starts, lens)]  # views, per row
+        stored, kv = (b.view(k, BLOCK_ROWS, -1) for b in self.block(k * BLOCK_ROWS))  # [k, BLOCK_ROWS, D]
+        kv_t, v, each = kv.transpose(1, 2), kv[..., :Dv], stored.unbind(0)  # [k, D, n], [k, n, Dv], k x [n, D]
+        m = l = acc = None  # [k, H, 1], [k, H, 1], [k, H, Dv]
+        for j in range(len(blocks[0])):
+            active = [b[j] for b in blocks if len(b) > j]  # this block's pool rows, per row still going
+            whole = sum(len(a) == BLOCK_ROWS for a in active)  # a prefix: the rows are longest first
+            for i, a in enumerate(active):
+                torch.index_select(self.pool, 0, a, out=each[i] if i < whole else each[i][: len(a)])
+            if whole:
+                w = slice(None) if whole == k else slice(0, whole)
+                kv[w].copy_(stored[w])  # [w, BLOCK_ROWS, D]
+                s = logits(torch.bmm(q[w], kv_t[w]), sc)  # [w, H, BLOCK_ROWS]
+                if m is None:  # every long row has a whole first block
+                    m = s.amax(dim=-1, keepdim=True)
+                    p = s.sub_(m).exp_()  # [k, H, BLOCK_ROWS]
+                    l, acc = p.sum(dim=-1, keepdim=True), torch.bmm(p, v)
+                else:
+                    merge(m[w], l[w], acc[w], s, v[w])
+            for i in range(whole, len(active)):  # a last partial block: [n, D]
+                part = kv[i, : len(active[i])].copy_(each[i][: len(active[i])])
+                merge(m[i], l[i], acc[i], logits(q[i] @ part.T, sc), part[:, :Dv])
+        return acc.div_(l).mul_(sc.v_scale), m.add_(l.log()).squeeze(-1)
 
     def short_group(self, rows: torch.Tensor, out=None, lse=None) -> tuple[torch.Tensor, torch.Tensor]:
         """G rows of one length L <= BLOCK_ROWS: q.k and p.v as one bmm each (into ``out`` [G, H, Dv]
@@ -213,6 +240,18 @@ class _Job:
         l = p.sum(dim=-1)  # [G, H]
         acc = torch.bmm(p, kv[..., :Dv], out=out)  # [G, H, Dv]
         return acc.div_(l[..., None]).mul_(sc.v_scale), torch.add(m, l.log_(), out=lse)
+
+
+def merge(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, s: torch.Tensor, v: torch.Tensor) -> None:
+    """One block into the running state, in place: m, l [.., H, 1], acc [.., H, Dv], logits s
+    [.., H, n], v [.., n, Dv] (one row, or a batch of them)."""
+    m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # [.., H, 1]
+    alpha = (m - m_new).exp_()  # [.., H, 1]
+    p = s.sub_(m_new).exp_()  # [.., H, n]
+    l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+    acc.mul_(alpha)
+    acc.baddbmm_(p, v) if acc.dim() == 3 else acc.addmm_(p, v)
+    m.copy_(m_new)
 
 
 def logits(s: torch.Tensor, sc: Scales) -> torch.Tensor:
