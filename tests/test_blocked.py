@@ -20,6 +20,7 @@ from refmla import reference as ref
 from refmla.attended import Attended
 from refmla.control import mla_control
 from refmla.scales import Scales
+from refmla.schedule import split_bounds
 
 SCALE = 0.1309
 # lengths on both sides of one block and of several, and the empty request
@@ -107,6 +108,72 @@ def test_a_row_is_the_same_alone_in_a_batch_and_at_any_thread_count():
         assert torch.equal(alone[0][0], one[0][b]) and torch.equal(alone[1][0], one[1][b]), f"request {b}"
 
 
+# long rows on both sides of whole blocks, of 2 to 12 blocks: in lockstep units their steps end apart
+LOCKSTEP = [257, 3 * blocked.BLOCK_ROWS, 1300, 2 * blocked.BLOCK_ROWS + 1, 600, 1100, 511, 4 * blocked.BLOCK_ROWS,
+            900, 1025, 700, 260, 800, 999, 3 * blocked.BLOCK_ROWS - 1, 300]  # fmt: skip
+
+
+def test_long_rows_run_in_lockstep_units_longest_first_within_the_budget():
+    H, D, Dv = 16, 576, 512
+    k = blocked.long_batch(H, D, Dv, 2)
+    block = blocked.BLOCK_ROWS * D * (2 + 8) + H * (blocked.BLOCK_ROWS + D + 2 * Dv + 4) * 8
+    assert k >= 3 and k * block <= blocked.unit_budget(H, D, Dv, 2), "k blocks within one worker's budget"
+    lens = torch.tensor(LOCKSTEP + [5, 5, 40])
+    units = list(blocked.plan(lens, H, D, Dv, lockstep=k, workers=1))
+    long = [rows for kind, rows in units if kind == "long"]
+    assert [len(r) for r in long] == [k] * (len(LOCKSTEP) // k) + ([len(LOCKSTEP) % k] if len(LOCKSTEP) % k else [])
+    order = torch.cat(long)
+    assert torch.equal(lens[order], lens[: len(LOCKSTEP)].sort(descending=True, stable=True).values), "longest first"
+    assert sorted(order.tolist()) == list(range(len(LOCKSTEP)))
+    shrunk = [rows for kind, rows in blocked.plan(lens, H, D, Dv, lockstep=k, workers=2) if kind == "long"]
+    assert len(shrunk) >= blocked.UNITS_PER_WORKER * 2, "enough units for every worker to share the tail"
+    assert [len(rows) for _, rows in blocked.plan(lens[:3], H, D, Dv, lockstep=k, workers=1)] == [1, 1, 1]
+
+
+def test_a_long_row_in_lockstep_has_its_own_bits_alone_and_at_any_thread_count():
+    """16 long rows: lockstep units of long_batch rows at 1 thread, single rows at 2 (too few to share);
+    every row's out and lse bit-equal to it run alone, and to fp64 rounding of the dense formulation
+    (a logit cap that bites, and a running max that moves: q scaled up)."""
+    q, kv, indptr, idx = paged_case(LOCKSTEP, 4, 16, seed=11)
+    q, logit_cap = q * 4, 2.5
+    sc = Scales(kv_lora_rank=512, sm_scale=SCALE, logit_cap=logit_cap)
+    before = torch.get_num_threads()
+    try:
+        runs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            runs.append(ref.mla_decode_ref(q, kv, Attended.token_index(indptr, idx), sc))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    for b in range(len(LOCKSTEP)):
+        alone = ref.mla_decode_ref(q[b : b + 1], kv, Attended.token_index(torch.tensor([0, LOCKSTEP[b]]),
+                                                                           idx[int(indptr[b]) : int(indptr[b + 1])]), sc)  # fmt: skip
+        assert torch.equal(alone[0][0], runs[0][0][b]) and torch.equal(alone[1][0], runs[0][1][b]), f"row {b}"
+    assert_fp64_close(*runs[0], *dense(q, kv, indptr, idx, 512, SCALE, logit_cap))
+
+
+def test_split_partials_in_lockstep_read_their_own_query_rows():
+    """Split partials: the spans of several requests' splits, each with its query row (Spans.query),
+    long enough to run in lockstep; every split equal to its request run alone."""
+    lens, splits = [1300, 3000, 2100, 900], torch.tensor([3, 5, 6, 3])
+    q, kv, indptr, idx = paged_case(lens, 4, 16, seed=12)
+    sc = Scales(kv_lora_rank=512, sm_scale=SCALE)
+    spans = torch.tensor([e - s for L, n in zip(lens, splits.tolist()) for s, e in split_bounds(L, n, 1)])
+    assert max(len(r) for _, r in blocked.plan(spans, 4, 576, 512, lockstep=blocked.long_batch(4, 576, 512, 4))) > 1
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        parts, lses, _ = ref.mla_decode_split_ref(q, kv, Attended.token_index(indptr, idx), splits, sc, split_block=1)
+    finally:
+        torch.set_num_threads(before)
+    for b in range(len(lens)):
+        alone = Attended.token_index(torch.tensor([0, lens[b]]), idx[int(indptr[b]) : int(indptr[b + 1])])
+        p1, l1, _ = ref.mla_decode_split_ref(q[b : b + 1], kv, alone, splits[b : b + 1], sc, split_block=1)
+        S = p1.shape[2]
+        assert torch.equal(p1[0], parts[b, :, :S]) and torch.equal(l1[0], lses[b, :, :S]), f"request {b}"
+
+
 def test_split_partials_and_extend_go_through_the_same_core():
     lens = [blocked.BLOCK_ROWS * 2 + 9, 33]
     q, kv, indptr, idx = paged_case(lens, 4, 16, seed=9)
@@ -147,12 +214,12 @@ HOSTILE = textwrap.dedent(
     from refmla.attended import Attended
     from refmla.scales import Scales
     torch.set_num_threads(int(sys.argv[2]))
-    L, H, D = int(sys.argv[1]), 2, 576
+    L, R, H, D = int(sys.argv[1]), int(sys.argv[3]), 2, 576
     g = torch.Generator().manual_seed(0)
     pool = torch.randn(1, 1, D, generator=g).to(torch.bfloat16)  # a one-row pool
-    q = torch.randn(1, H, D, generator=g).to(torch.bfloat16)
+    q = torch.randn(1, H, D, generator=g).to(torch.bfloat16).expand(R, H, D).contiguous()
     idx = torch.zeros(L, dtype=torch.int32)  # every index at that row
-    indptr = torch.tensor([0, L], dtype=torch.int32)
+    indptr = torch.linspace(0, L, R + 1).round().to(torch.int32)  # R rows of about L / R indices
     def kib(key):
         return int(next(l for l in open("/proc/self/status") if l.startswith(key + ":")).split()[1])
     open("/proc/self/clear_refs", "w").write("5")
@@ -161,24 +228,25 @@ HOSTILE = textwrap.dedent(
     peak = (kib("VmHWM") - base) * 1024
     v = pool[0, 0, :512].double()
     s = (q[0].double() @ pool[0, 0].double()) * 0.1
+    want = s + torch.log((indptr[1:] - indptr[:-1]).double())[:, None]  # [R, H]
     print(json.dumps({"peak": peak, "budget": torch.get_num_threads() * blocked.unit_budget(H, D, 512, 2),
-                      "out_exact": bool(torch.equal(out[0], v.expand(H, 512))),
-                      "lse_err": float(((lse[0] - (s + math.log(L))).abs() / (s + math.log(L)).abs()).max())}))
+                      "out_exact": bool(torch.equal(out, v.expand(R, H, 512))),
+                      "lse_err": float(((lse - want).abs() / want.abs()).max())}))
     """
 )
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to measure the peak")
-@pytest.mark.parametrize("threads", [1, 2])
-def test_a_million_indices_at_one_row_stay_within_the_budget(threads):
+@pytest.mark.parametrize("threads,rows", [(1, 1), (2, 1), (2, 40)])
+def test_a_million_indices_at_one_row_stay_within_the_budget(threads, rows):
     """The issue's capture scaled down (it had 4,000,000): 500,000 kv_indices all at the one row of a
-    one-row pool. Gathering the sequence in fp64 would ask for 5e5 x 576 x 8 = 2.3 GB (18 GB for
-    the issue's); blocked, the peak resident memory above
-    the inputs stays within unit_budget per thread (+ 16 MiB for the interpreter and BLAS), and the
-    answer is exact: every row equal, so out = v and lse = s + log(L)."""
+    one-row pool, as one request or as 40 (run in lockstep, long_batch at a time). Gathering the
+    sequence in fp64 would ask for 5e5 x 576 x 8 = 2.3 GB (18 GB for the issue's); blocked, the peak
+    resident memory above the inputs stays within unit_budget per thread (+ 16 MiB for the
+    interpreter and BLAS), and the answer is exact: every row equal, so out = v and lse = s + log(L)."""
     L = 500_000
-    r = subprocess.run([sys.executable, "-c", HOSTILE, str(L), str(threads)], capture_output=True, text=True,
-                       cwd=ROOT, env=MEASURE_ENV, timeout=600)  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", HOSTILE, str(L), str(threads), str(rows)], capture_output=True,
+                       text=True, cwd=ROOT, env=MEASURE_ENV, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["peak"] <= got["budget"] + (16 << 20), f"peak {got['peak'] / 2**20:.1f} MiB > budget {got['budget'] / 2**20:.1f} MiB"
