@@ -104,7 +104,7 @@ def test_the_loader_runs_only_what_the_entry_point_reaches(tmp_path):
         ("import torch\n\ndef other():\n    return torch\n", "no module-level function torch_mla_extend"),
         ("from aiter import dtypes\n\ndef torch_mla_extend(q):\n    return q.to(dtypes.fp32)\n",
          "needs dtypes, which comes from aiter"),
-        ("def torch_mla_extend(q):\n    return helper(q)\n", "torch_mla_extend uses helper, which the file does not bind"),
+        ("def torch_mla_extend(q):\n    return helper(q)\n", "torch_mla_extend uses helper, which the file does not"),
         ("def torch_mla_extend(q:\n", "cannot be parsed"),
     ],
 )  # fmt: skip

@@ -147,8 +147,8 @@ def test_a_long_row_in_lockstep_has_its_own_bits_alone_and_at_any_thread_count()
         torch.set_num_threads(before)
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     for b in range(len(LOCKSTEP)):
-        alone = ref.mla_decode_ref(q[b : b + 1], kv, Attended.token_index(torch.tensor([0, LOCKSTEP[b]]),
-                                                                           idx[int(indptr[b]) : int(indptr[b + 1])]), sc)  # fmt: skip
+        one = Attended.token_index(torch.tensor([0, LOCKSTEP[b]]), idx[int(indptr[b]) : int(indptr[b + 1])])
+        alone = ref.mla_decode_ref(q[b : b + 1], kv, one, sc)
         assert torch.equal(alone[0][0], runs[0][0][b]) and torch.equal(alone[1][0], runs[0][1][b]), f"row {b}"
     assert_fp64_close(*runs[0], *dense(q, kv, indptr, idx, 512, SCALE, logit_cap))
 

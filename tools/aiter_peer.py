@@ -37,7 +37,7 @@ class AiterPeerError(ValueError):
 class AiterPeer:
     """aiter's torch_mla_extend as loaded, with where it came from."""
 
-    fn: Callable  # torch_mla_extend(q, kvc_cache, qo_indptr, kv_indptr, kv_indices, sm_scale, kv_lora_rank, qk_rope_head_dim, dtype, ...)
+    fn: Callable  # torch_mla_extend(q, kvc_cache, qo_indptr, kv_indptr, kv_indices, sm_scale, Dv, rope, dtype)
     path: Path  # the test_mla.py it was read from
     functions: tuple[str, ...]  # the functions executed, in file order
     commit: str  # the checkout's HEAD ("" when not a git checkout)
@@ -79,11 +79,12 @@ def load_aiter_peer(repo: str | Path) -> AiterPeer:
     for g, node in sorted(bound.items()):
         root = ((node.module or "") if isinstance(node, ast.ImportFrom) else _only(node, g).names[0].name).split(".")[0]
         if root == "aiter" or (isinstance(node, ast.ImportFrom) and node.level):
-            raise AiterPeerError(f"{path}: the reference needs {g}, which comes from {root or 'a relative import'} (not loadable here)")
+            where = root or "a relative import"
+            raise AiterPeerError(f"{path}: the reference needs {g}, which comes from {where} (not loadable here)")
     keep = [defs[n] for n in needed]
     body = [_only(node, g) for g, node in sorted(bound.items())] + [n for n in tree.body if any(n is k for k in keep)]
     namespace: dict = {"__name__": "aiter_op_tests_test_mla", "__file__": str(path)}
-    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), namespace)  # noqa: S102 - the user's checkout
+    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), namespace)  # noqa: S102 (their checkout)
     functions = tuple(n.name for n in body if isinstance(n, ast.FunctionDef))
     return AiterPeer(namespace[ENTRY], path, functions, _commit(Path(repo)))
 

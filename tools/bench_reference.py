@@ -243,7 +243,7 @@ def main() -> int:
               f"bf16, {size_mib:.0f} MiB; torch {torch.__version__}, best of {args.repeat}, interleaved")  # fmt: skip
         for t in threads:
             cmd = [sys.executable, __file__, "--child", path, "--threads", str(t), "--repeat", str(args.repeat),
-                   "--gemm-n", str(args.gemm_n)] + (["--aiter-repo", args.aiter_repo] if args.aiter_repo else [])  # fmt: skip
+                   "--gemm-n", str(args.gemm_n), *(["--aiter-repo", args.aiter_repo] if args.aiter_repo else [])]
             results[t] = json.loads(subprocess.check_output(cmd))
     H, D, Dv = args.heads, spec.head_dim, spec.kv_lora_rank
     shape = Shape(H, D, Dv, spec.kv_dtype.itemsize, sum(2 * H * L * D + 2 * H * L * Dv for L in lens),
@@ -293,8 +293,8 @@ def report(t: int, r: dict, x: Shape, gemm_n: int) -> bool:
                  frac >= TARGET_FRACTION, f">= {TARGET_FRACTION:.0%}")]  # fmt: skip
     if "aiter" in times:
         err = r["aiter_error"]
-        verdicts.append((f"aiter's output against the reference: max error {err:.1e} of max |out|", err <= PEER_TOLERANCE,
-                         f"<= {PEER_TOLERANCE:.1e}, bf16 rounding"))  # fmt: skip
+        verdicts.append((f"aiter's output against the reference: max error {err:.1e} of max |out|",
+                         err <= PEER_TOLERANCE, f"<= {PEER_TOLERANCE:.1e}, bf16 rounding"))  # fmt: skip
         target = TARGET_PEER.get(t, TARGET_PEER[2])
         ratio = ref_t / times["aiter"]
         verdicts.append((f"ratio reference / aiter = {ratio:.3f}", ratio <= target, f"<= {target}"))
