@@ -207,15 +207,15 @@ class _Job:
             for i, a in enumerate(active):
                 torch.index_select(self.pool, 0, a, out=each[i] if i < whole else each[i][: len(a)])
             if whole:
-                w = slice(None) if whole == k else slice(0, whole)
-                kv[w].copy_(stored[w])  # [w, BLOCK_ROWS, D]
-                s = logits(torch.bmm(q[w], kv_t[w]), sc)  # [w, H, BLOCK_ROWS]
+                w = (lambda x: x) if whole == k else (lambda x: x[:whole])  # no view to make when all are whole
+                w(kv).copy_(w(stored))  # [w, BLOCK_ROWS, D]
+                s = logits(torch.bmm(w(q), w(kv_t)), sc)  # [w, H, BLOCK_ROWS]
                 if m is None:  # every long row has a whole first block
                     m = s.amax(dim=-1, keepdim=True)
                     p = s.sub_(m).exp_()  # [k, H, BLOCK_ROWS]
                     l, acc = p.sum(dim=-1, keepdim=True), torch.bmm(p, v)
                 else:
-                    merge(m[w], l[w], acc[w], s, v[w])
+                    merge(w(m), w(l), w(acc), s, w(v))
             for i in range(whole, len(active)):  # a last partial block: [n, D]
                 part = kv[i, : len(active[i])].copy_(each[i][: len(active[i])])
                 merge(m[i], l[i], acc[i], logits(q[i] @ part.T, sc), part[:, :Dv])
