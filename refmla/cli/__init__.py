@@ -8,6 +8,7 @@ One module per command group, each adding its parser, and what they share:
     inspect.py   refmla inspect
     diffkv.py    refmla diff-kv
     disagg.py    refmla disagg
+    regions.py   refmla regions (the MR region check of a capture or of a model's pool)
     synth.py     refmla synth / synth-disagg
     sparse.py    the sparse decode part of replay and synth (DeepSeek-V4 / V3.2, refmla.sparse)
     doctor.py    refmla doctor
@@ -29,7 +30,7 @@ from refmla import __version__
 from refmla.backends.triton_interp import ensure_interpreter
 from refmla.capture import CaptureError
 from refmla.atomic import WriteError
-from refmla.cli import diffkv, disagg, doctor, golden, inspect, replay, synth
+from refmla.cli import diffkv, disagg, doctor, golden, inspect, regions, replay, synth
 from refmla.cli.capture import add_capture_parser
 from refmla.cli.common import EXIT_INVALID, UsageError, describe_inputs
 from refmla.signals import EXIT_SIGINT, EXIT_SIGTERM, Terminated, sigterm_raises
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_parser(sub)
     diffkv.add_parser(sub)
     disagg.add_parser(sub)
+    regions.add_parser(sub)
     synth.add_parser(sub)
     doctor.add_parser(sub)
     golden.add_parser(sub)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from refmla.backends import NAMES
-from refmla.cli.common import UsageError, expand_captures, need_matplotlib, print_json
+from refmla.cli.common import UsageError, expand_captures, need_matplotlib, print_json, unrun_exit, worst_exit
 from refmla.cli.replay_flags import add_replay_flags, replay_options
 from refmla.disagg import run_disagg
 from refmla.render.disagg import render_disagg
@@ -44,7 +44,7 @@ def run(args) -> int:
         print_json(report)
     else:
         print(render_disagg(report))
-    return report.exit_code
+    return worst_exit(report.exit_code, unrun_exit(report.replays, args.backend, args.allow_skip))
 
 
 def _plots(report, out_dir) -> list[str]:
