@@ -78,8 +78,6 @@ def fitting_tokens(limit: int, bytes_per_row: int, page_size: int) -> int:
     return clamp_tokens(limit, bytes_per_row * page_size, page_size)
 
 
-fitting_tokens_per_item = clamp_tokens  # the name older callers use
-
 
 def size_text(n: int, against: Optional[int] = None) -> str:
     """``n`` bytes with its GB / GiB, rounded so that it never reads as equal to ``against`` nor as a
