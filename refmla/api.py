@@ -54,8 +54,10 @@ def replay(path_or_capture: Union[str, Path, Capture], backends: Optional[Sequen
 
 def unrun_backends(report: Any, asked: Sequence[str]) -> list[tuple[str, str]]:
     """(backend, reason) for each backend in ``asked`` the report holds as skipped (it did not run)."""
-    entries = getattr(report, "backends", None) or {}
-    named = entries.items() if isinstance(entries, dict) else [(e.backend, e) for e in getattr(report, "entries", [])]
+    if isinstance(getattr(report, "backends", None), dict):  # a ReplayReport: name -> BackendEntry
+        named = list(report.backends.items())
+    else:  # a SparseReport: a list of entries, each with its backend's name
+        named = [(e.backend, e) for e in getattr(report, "entries", [])]
     return [(n, getattr(e, "reason", None) or getattr(e, "note", None) or "skipped") for n, e in named
             if n in asked and e.status == "skipped"]  # fmt: skip
 

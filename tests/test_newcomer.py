@@ -20,6 +20,7 @@ from refmla.results import BackendEntry
 from refmla.sparse.presets import PRESETS as SPARSE_PRESETS
 from refmla.synth import preset, synth_capture
 from refmla.synth.disagg import DisaggSpec, synth_disagg
+from refmla.api import synth as synth_capture_api
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,6 +34,10 @@ def pair(tmp_path_factory):
 
 
 def test_a_named_backend_that_does_not_run_exits_3_with_one_line(tmp_path, capsys):
+    from refmla.backends import get_backend
+
+    if get_backend("aiter").availability()[0]:
+        pytest.skip("aiter runs here: it is not skipped")
     path = tmp_path / "x.safetensors"
     synth_capture(path, preset("kimi-k2-tp8"))
     assert main(["replay", str(path), "--backend", "aiter", "--no-explain"]) == EXIT_NOT_RUN  # no aiter here
@@ -40,6 +45,11 @@ def test_a_named_backend_that_does_not_run_exits_3_with_one_line(tmp_path, capsy
     assert len(err) == 1 and "backend aiter was asked for and did not run" in err[0] and str(path) in err[0]
     assert main(["replay", str(path), "--backend", "aiter", "--allow-skip", "--no-explain"]) == 0
     assert capsys.readouterr().err == ""
+    sparse = tmp_path / "s.safetensors"  # a sparse decode capture: the same rule
+    synth_capture_api(sparse, "deepseek-v4-flash-tp8-swa")
+    assert main(["replay", str(sparse), "--backend", "aiter_sparse", "--no-explain"]) == EXIT_NOT_RUN
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "backend aiter_sparse was asked for and did not run" in err[0]
 
 
 class _Report:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from refmla.cli.common import print_json
+from refmla.cli.common import print_json, unrun_exit, worst_exit
 from refmla.compare import Tolerance
 from refmla.sparse.io import is_sparse_file
 from refmla.sparse.render import render_sparse
@@ -31,7 +31,8 @@ def replay_sparse_files(paths: Sequence[str], args, tol: Tolerance) -> int:
         print_json(good[0] if len(good) == 1 else good)
     elif good:
         print("\n\n".join(render_sparse(r) for r in good))
-    return max(r.exit_code for r in reports)
+    not_run = unrun_exit(good, args.backend, getattr(args, "allow_skip", False))  # asked for, did not run: 3
+    return worst_exit(max(r.exit_code for r in reports), not_run)
 
 
 __all__ = ["replay_sparse_files", "split_sparse"]
