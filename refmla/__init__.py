@@ -35,17 +35,19 @@ copy of the layout (the README links here).
     replay.py       capture -> backends -> comparison -> ReplayReport
     series.py       one layer and rank across decode steps
     batch.py        many captures, serial or in worker processes, with the same result
-    regions.py      the MR region-size check of a capture's pool geometry (meta only)
+    regions.py      the MR region-size check: SGLang's clamp and MORI's measured sizes (one table)
     inspection.py   `refmla inspect` entries
     diffkv/         prefill vs decode KV rows, bit for bit (transfer fidelity)
     disagg/         `refmla disagg`: diffkv + checks + series + replay per (request, layer, rank)
     synth/          synthetic captures with planted faults
     golden/         the golden suite: deterministic cases, build, check
     sparse/         DeepSeek's sparse MLA decode (V3.2 DSA, V4): packed layouts, capture, reference, replay
+    poolplan.py     the KV buffers a model's SGLang pool registers (the region check before a server starts)
     plots.py        pictures of a replay or a diff-kv (matplotlib, optional)
     render/         text for people: tables, reports, diff-kv and disagg results
     hook/           the capture hooks for a live SGLang or vLLM server (imports only refmla, util.py,
                     schedule.py, blocktable.py, capture/ and sparse/)
+    api.py          the Python API: replay(), synth(), regions() (what the command line calls)
     cli/            the thin command line, one module per command (the top)
     __main__.py     ``python -m refmla``: the command line
 
@@ -57,3 +59,13 @@ table and compacts its pages with the same functions the reader checks them with
 
 __version__ = "0.1.0"
 CAPTURE_FORMAT = "refmla.capture/1"
+API = ("replay", "synth", "regions", "api")  # refmla.replay(...) etc.: refmla/api.py, loaded on first use
+
+
+def __getattr__(name: str):
+    """``refmla.replay`` / ``synth`` / ``regions`` (callable modules, refmla.api) without importing them at ``import refmla``."""
+    if name in API:
+        import importlib
+
+        return importlib.import_module(f"refmla.{name}")
+    raise AttributeError(f"module 'refmla' has no attribute {name!r}")

@@ -47,6 +47,11 @@ SENTENCES = {
         "so what the production kernel read differed from the capture (KV not yet transferred or "
         "overwritten, CUDA/HIP graph replay, metadata at capture time) or it ran a different kernel build"
     ),
+    "observed_masking": (
+        "only the production output diverges, and a masking mistake explains it ({hypothesis}): the "
+        "production kernel{kernel} applied the verify mask wrongly while {agree} with the reference on the "
+        "same captured inputs; the mask is the kernel's, not a state or transfer problem"
+    ),
     "observed_unconfirmed": (
         "the production output diverges and no offline path ran here to tell a state problem from "
         "a kernel problem; replay on a machine with the kernels"
@@ -101,6 +106,7 @@ class Diagnosis:
 
 
 NUMERICS = "numerics"  # the hypothesis family whose explanations make the diagnosis ``numerics``
+MASKING = ("causal_alignment", "mask_wrong_request", "qlen_pow2_padding")  # the verify mask's families
 
 # verify captures: which backend stands for which path over the same KV
 VERIFY_PATHS = {"extend": "verify", "aiter": "verify", "triton_decode_per_query": "plain decode",
@@ -178,6 +184,9 @@ def diagnose(
             agree = "no decode path ran to compare"
         return _say("extend", [EXTEND], agree=agree)
     if observed_bad:
+        masking = (explained or {}).get("observed")
+        if masking is not None and masking[0] in MASKING and (decode_ok or extend == "pass"):
+            return Diagnosis("observed", _masking_sentence(masking, decode_ok, extend == "pass", produced_by), ["observed"])
         return Diagnosis(*_observed(decode_ok, extend == "pass", produced_by, unreplayed), ["observed"])
     errored = [n for n, s in statuses.items() if s == "error"]
     if errored:
@@ -232,6 +241,17 @@ def _observed(
     return "observed", sentence
 
 
+def _masking_sentence(explanation: tuple[str, Mapping[str, Any]], decode_ok: list[str], extend_ok: bool,
+                      produced_by: Optional[str]) -> str:
+    """The ``observed`` sentence when a masking family explains the production output (never "KV not yet transferred")."""
+    hyp, detail = explanation
+    fields = ", ".join(f"{k}={v}" for k, v in detail.items() if isinstance(v, (str, int, float)))
+    agree = decode_ok + ([EXTEND] if extend_ok else [])
+    what = f"the offline paths ({' and '.join(agree)}) agree" if len(agree) > 1 else f"the offline path ({agree[0]}) agrees"
+    return SENTENCES["observed_masking"].format(hypothesis=f"{hyp}({fields})", agree=what,
+                                                kernel=f" ({produced_by})" if produced_by else "")  # fmt: skip
+
+
 def _say(name: str, backends: list[str], **fields: str) -> Diagnosis:
     return Diagnosis(name, SENTENCES[name].format(**fields), backends)
 
@@ -254,6 +274,9 @@ def diagnose_verify(
     if v and d:
         sentence = SENTENCES["verify_shared"].format(verify=", ".join(v), decode=", ".join(d))
         return Diagnosis("shared_input", sentence, v + d)
+    masking = (rest.get("explained") or {}).get("observed")
+    if v == ["observed"] and ok["plain decode"] and masking is not None and masking[0] in MASKING:
+        return Diagnosis("verify", _masking_sentence(masking, ok["plain decode"], False, produced_by), v)
     if v == ["observed"] and ok["plain decode"]:
         return Diagnosis("verify", SENTENCES["verify_observed"].format(agree=", ".join(ok["plain decode"])), v)
     if v:

@@ -23,7 +23,7 @@ from refmla.isolation import KernelCrashed, KernelError, enabled, run_isolated
 from refmla.localize import localize
 from refmla.results import PART_NAMES, BackendEntry, MetadataReport, NoiseFloor, ReplayReport, Shape
 from refmla.splits import compare_lse, compare_splits
-from refmla.util import dtype_name, error_text
+from refmla.util import dtype_name, error_text, callable_module
 
 
 def replay_file(path: Any, opts: ReplayOptions) -> ReplayReport:
@@ -165,3 +165,6 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
 def worst_status(reports: list[ReplayReport]) -> int:
     """Exit code over reports: 2 invalid > 1 diverged > 0 agree."""
     return max((r.exit_code for r in reports), default=0)
+
+
+callable_module(__name__)  # refmla.replay(...) calls refmla.api (the Python API)

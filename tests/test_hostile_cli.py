@@ -134,7 +134,8 @@ def test_a_shape_the_triton_kernel_does_not_support_is_skipped_with_its_constrai
     r = json.loads(out)
     tri = r["backends"]["triton"]
     assert tri["status"] == "skipped" and f"{dv} + {rope}" in tri["reason"], tri
-    assert code == 0 and r["verdict"] == "agree"
+    assert code == 3 and r["verdict"] == "agree"  # the backend asked for did not run (issue 29): exit 3, one line
+    assert "backend triton was asked for and did not run" in err
 
 
 # --- diff-kv -----------------------------------------------------------------------------------

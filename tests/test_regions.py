@@ -10,7 +10,8 @@ import torch
 from refmla.capture import CaptureError, parse_meta
 from refmla.cli import main
 from refmla.hook.geometry import buffer_geometry, disagg_meta, pool_counts
-from refmla.regions import DEFAULT_MR_LIMIT, check_region, fitting_tokens
+from refmla.regions import (DEFAULT_MR_LIMIT, LARGEST_REGISTERED, MEASURED, SMALLEST_FAILED, check_region,
+                            clamp_tokens, fitting_tokens, size_text)
 from refmla.synth import preset, synth_capture
 
 BASE = {"mode": "decode", "backend": "triton", "kv_lora_rank": 512, "qk_rope_head_dim": 64,
@@ -28,41 +29,42 @@ def geometry_for(region_bytes: int, row_bytes: int = 1152, page: int = 64) -> di
             "kv_pool_size": rows - page}  # fmt: skip
 
 
-def test_over_the_default_limit_is_a_finding_with_the_numbers():
-    rows = 3_500_000  # Kimi-K2 bf16 rows of 1152 bytes: 4.03 GB, the size that failed to register
+def test_past_the_smallest_measured_failure_is_a_finding_with_the_numbers():
+    rows = 4_000_000  # Kimi-K2 bf16 rows of 1152 bytes: 4.61 GB, past the 4294836224 bytes measured to fail
     r = check_region(meta(kv_pool_rows=rows, kv_pool_row_bytes=1152, kv_pool_layers_per_buffer=1, kv_pool_size=rows - 64))
-    assert r.status == "finding" and r.is_finding
+    assert r.status == "finding" and r.is_finding and r.band == "fails"
     assert r.region_bytes == rows * 1152 and r.limit_bytes == DEFAULT_MR_LIMIT and r.limit_source == "default"
     fits = r.fits_max_total_num_tokens
-    assert fits % 64 == 0 and (fits + 64) * 1152 < DEFAULT_MR_LIMIT <= (fits + 128) * 1152
-    assert str(rows * 1152) in r.message and str(fits) in r.message
+    assert fits % 64 == 0 and (fits + 64) * 1152 < DEFAULT_MR_LIMIT <= (fits + 128) * 1152  # SGLang's clamp
+    assert str(rows * 1152) in r.message and str(fits) in r.message and "4294836224" in r.message
     j = r.to_json()
-    assert j["status"] == "finding" and j["region_bytes"] == rows * 1152 and j["fits_max_total_num_tokens"] == fits
+    assert j["status"] == "finding" and j["band"] == "fails" and j["fits_max_total_num_tokens"] == fits
+    assert j["smallest_failed_bytes"] == SMALLEST_FAILED and j["largest_registered_bytes"] == LARGEST_REGISTERED
 
 
-def test_exactly_at_the_limit_is_a_finding():
+def test_at_the_clamp_is_not_a_finding_the_clamp_is_not_moris_limit():
     r = check_region(meta(kv_pool_rows=DEFAULT_MR_LIMIT // 1024, kv_pool_row_bytes=1024))
-    assert r.region_bytes == DEFAULT_MR_LIMIT and r.status == "finding"
+    assert r.region_bytes == DEFAULT_MR_LIMIT and r.status == "ok" and r.band == "registers"
+    assert "registers above SGLang's clamp" in r.message
 
 
-def test_just_under_is_a_warning_well_under_is_ok():
-    just = check_region(meta(**geometry_for(DEFAULT_MR_LIMIT - 2 * 1152)))
-    assert just.status == "warning" and just.region_bytes < DEFAULT_MR_LIMIT
-    near_edge = check_region(meta(**geometry_for(int(DEFAULT_MR_LIMIT * 0.951))))
-    assert near_edge.status == "warning"
-    below = check_region(meta(**geometry_for(int(DEFAULT_MR_LIMIT * 0.94))))
-    assert below.status == "ok"
-    assert check_region(meta(**geometry_for(1 << 30))).status == "ok"
+def test_the_bands_in_order_of_size():
+    assert check_region(meta(**geometry_for(1 << 30))).band == "under_clamp"
+    assert check_region(meta(**geometry_for(DEFAULT_MR_LIMIT + 2 * 1152))).band == "registers"
+    mid = check_region(meta(**geometry_for(3 << 30)))
+    assert mid.band == "unmeasured" and mid.status == "warning" and "unmeasured" in mid.message
+    assert check_region(meta(**geometry_for(SMALLEST_FAILED + 1152))).band == "fails"
 
 
-def test_the_captured_env_limit_and_layers_per_buffer_count():
-    g = {"kv_pool_rows": 1_000_000, "kv_pool_row_bytes": 1152}  # 1.15 GB: ok under 2 GiB
-    assert check_region(meta(**g)).status == "ok"
-    r = check_region(meta(**g, mori_max_mr_bytes=1 << 30))  # SGLANG_MORI_MAX_MR_BYTES=1 GiB
-    assert r.status == "finding" and r.limit_bytes == 1 << 30 and r.limit_source == "SGLANG_MORI_MAX_MR_BYTES"
-    r = check_region(meta(**g, kv_pool_layers_per_buffer=2))  # two layers in one registered buffer
-    assert r.status == "finding" and r.region_bytes == 2 * 1_000_000 * 1152
-    assert (r.fits_max_total_num_tokens + 64) * 2 * 1152 < DEFAULT_MR_LIMIT
+def test_the_captured_env_clamp_and_layers_per_buffer_count():
+    g = {"kv_pool_rows": 1_000_000, "kv_pool_row_bytes": 1152, "kv_pool_size": 1_000_000 - 64}  # 1.15 GB
+    assert check_region(meta(**g)).band == "under_clamp"
+    r = check_region(meta(**g, mori_max_mr_bytes=1 << 30))  # SGLANG_MORI_MAX_MR_BYTES=1 GiB: over it, still registers
+    assert r.band == "registers" and r.limit_bytes == 1 << 30 and r.limit_source == "SGLANG_MORI_MAX_MR_BYTES"
+    assert (r.fits_max_total_num_tokens + 64) * 1152 < 1 << 30
+    r = check_region(meta(**g, kv_pool_layers_per_buffer=4))  # four layers in one registered buffer: 4.6 GB
+    assert r.status == "finding" and r.region_bytes == 4 * 1_000_000 * 1152
+    assert (r.fits_max_total_num_tokens + 64) * 4 * 1152 < DEFAULT_MR_LIMIT
 
 
 @pytest.mark.parametrize("missing", [{}, {"kv_pool_rows": 10}, {"kv_pool_row_bytes": 1152}])
@@ -75,6 +77,19 @@ def test_missing_geometry_is_not_recorded_never_a_pass(missing):
 def test_fitting_tokens_edges():
     assert fitting_tokens(1000, 10, 1) == 98  # 99 rows < 1000 bytes, minus the padded page
     assert fitting_tokens(100, 1000, 16) == 0
+
+
+def test_one_clamp_formula_reproduces_the_region_measured_to_fail():
+    """A 4 GiB clamp gives 16776704 tokens: x 256 B that is the 4294836224-byte region that failed."""
+    assert clamp_tokens(4 << 30, 256 * 256, 256) == 16_776_704 and 16_776_704 * 256 == SMALLEST_FAILED
+    assert clamp_tokens(DEFAULT_MR_LIMIT, 256 * 256, 256) == 8_388_096  # the 2 GiB default's cap (README, contract)
+    assert all(m.region_bytes > 0 for m in MEASURED) and LARGEST_REGISTERED < SMALLEST_FAILED
+
+
+def test_sizes_never_read_as_equal_to_the_limit():
+    over = size_text(DEFAULT_MR_LIMIT + 28672, DEFAULT_MR_LIMIT)  # 2147512320 bytes, the issue's example
+    assert "2.00000 GiB" not in over and "2.00003 GiB" in over
+    assert "4.000 GiB" not in size_text(SMALLEST_FAILED) and "3.9999 GiB" in size_text(SMALLEST_FAILED)
 
 
 @pytest.mark.parametrize("key,value", [("kv_pool_rows", 0), ("kv_pool_row_bytes", -1), ("mori_max_mr_bytes", 0),

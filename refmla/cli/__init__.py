@@ -8,8 +8,9 @@ One module per command group, each adding its parser, and what they share:
     inspect.py   refmla inspect
     diffkv.py    refmla diff-kv
     disagg.py    refmla disagg
+    regions.py   refmla regions (the MR region check of a capture or of a model's pool)
     synth.py     refmla synth / synth-disagg
-    sparse.py    the sparse decode part of replay and synth (DeepSeek-V4 / V3.2, refmla.sparse)
+    sparse.py    the sparse decode part of replay (DeepSeek-V4 / V3.2, refmla.sparse)
     doctor.py    refmla doctor
     golden.py    refmla golden generate
     capture.py   refmla capture run (the hook itself is refmla.hook)
@@ -29,10 +30,12 @@ from refmla import __version__
 from refmla.backends.triton_interp import ensure_interpreter
 from refmla.capture import CaptureError
 from refmla.atomic import WriteError
-from refmla.cli import diffkv, disagg, doctor, golden, inspect, replay, synth
+from refmla.cli import diffkv, disagg, doctor, golden, inspect, regions, replay, synth
 from refmla.cli.capture import add_capture_parser
 from refmla.cli.common import EXIT_INVALID, UsageError, describe_inputs
 from refmla.signals import EXIT_SIGINT, EXIT_SIGTERM, Terminated, sigterm_raises
+
+EXIT_EPIPE = 141  # stdout closed early (a pipe to head): 128 + SIGPIPE, nothing on stderr
 from refmla.util import PrintableStream, error_text, first_line, printable
 
 
@@ -52,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_parser(sub)
     diffkv.add_parser(sub)
     disagg.add_parser(sub)
+    regions.add_parser(sub)
     synth.add_parser(sub)
     doctor.add_parser(sub)
     golden.add_parser(sub)
@@ -66,12 +70,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         with sigterm_raises():
             return _main(argv)
+    except BrokenPipeError:  # stdout closed early (`refmla ... | head`): no blame on any input, no traceback
+        return _closed_stdout(out)
     except KeyboardInterrupt:  # a signal before or after the command's own handling
         return EXIT_SIGINT
     except Terminated:
         return EXIT_SIGTERM
     finally:
         sys.stdout, sys.stderr = out, err
+
+
+def _closed_stdout(out) -> int:
+    """The reader of stdout went away: point stdout at /dev/null (no second error at exit), exit 141 (128 + SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, out.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+    return EXIT_EPIPE
 
 
 def _main(argv: Optional[Sequence[str]] = None) -> int:
@@ -86,6 +102,8 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_SIGINT
     except Terminated:
         return EXIT_SIGTERM
+    except BrokenPipeError:
+        raise  # main() ends quietly: the reader went away, nothing is wrong with the input
     except Exception as e:  # never a traceback for the user; REFMLA_DEBUG=1 shows it
         if os.environ.get("REFMLA_DEBUG"):
             raise

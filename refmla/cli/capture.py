@@ -58,11 +58,26 @@ def run_with_capture(cmd: Sequence[str], cfg: HookConfig) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-def _summary(out_dir: str) -> str:
+def _summary(out_dir: str, args: Optional[argparse.Namespace] = None) -> str:
     from refmla.hook.writer import folder_usage
 
     files, size = folder_usage(out_dir)
-    return f"refmla capture: {files} capture file(s), {size} bytes in {out_dir}"
+    line = f"refmla capture: {files} capture file(s), {size} bytes in {out_dir}"
+    return line if files or args is None else f"{line}\n{why_nothing(args)}"
+
+
+def why_nothing(args: argparse.Namespace) -> str:
+    """What can keep a run from writing any capture, with the options in effect."""
+    return "\n".join([
+        "refmla capture: nothing was captured; the possible reasons, with this run's options:",
+        f"  filters: no call matched --modes {args.modes} --layers {args.layers} --ranks {args.ranks} "
+        f"--backends {args.backends} --every {args.every}, or no request reached --min-seq-len {args.min_seq_len}",
+        "  modes: MTP / EAGLE verify calls need --modes decode,verify (the default captures decode only)",
+        "  graphs: decode replayed from a CUDA/HIP graph runs no Python: launch SGLang with --disable-cuda-graph",
+        f"  budget: --max-files {args.max_files} / --max-bytes {args.max_bytes} (a capture larger than the bytes is not written)",
+        "  hook not installed: the server's Python must import refmla (pip install --no-deps -e /path/to/refmla); "
+        "look for '[refmla.hook' lines on the server's stderr",
+    ])  # fmt: skip
 
 
 def _names(text: str) -> frozenset[str]:
@@ -108,7 +123,7 @@ def cmd_capture_run(args) -> int:
         rc = run_with_capture(cmd, cfg)
     except (FileNotFoundError, PermissionError) as e:
         return _error(str(e))
-    print(_summary(cfg.out_dir), file=sys.stderr)
+    print(_summary(cfg.out_dir, args), file=sys.stderr)
     return rc
 
 

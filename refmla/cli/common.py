@@ -10,10 +10,18 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from refmla.api import unrun_backends
 from refmla.signals import signals_deferred
 from refmla.util import first_line, json_safe, printable
 
 EXIT_OK, EXIT_DIVERGED, EXIT_INVALID = 0, 1, 2
+EXIT_NOT_RUN = 3  # a backend named with --backend did not run (skipped) and --allow-skip was not given
+PRIORITY = (EXIT_INVALID, EXIT_DIVERGED, EXIT_NOT_RUN, EXIT_OK)  # the worst first: 2 > 1 > 3 > 0
+
+
+def worst_exit(*codes: int) -> int:
+    """The worst of several exit codes in PRIORITY's order (3 is worse than 0, better than a finding)."""
+    return min(codes, key=PRIORITY.index, default=EXIT_OK)
 
 
 class UsageError(Exception):
@@ -77,6 +85,18 @@ def report_invalid(capture: str, error: Optional[str], errors: Sequence[str]) ->
         line = f"{capture}: {line}"
     line = printable(line)
     print(f"refmla: error: {line}", file=sys.stderr)
+
+
+def unrun_exit(reports: Sequence[Any], asked: Optional[Sequence[str]], allow_skip: bool) -> int:
+    """One stderr line per backend named with --backend that a report holds as skipped; EXIT_NOT_RUN
+    unless ``allow_skip``. No --backend (the default set): skipping stays quiet, EXIT_OK."""
+    if not asked or allow_skip:
+        return EXIT_OK
+    missing = [(getattr(r, "capture", "?"), n, why) for r in reports for n, why in unrun_backends(r, asked)]
+    for capture, name, why in missing:
+        print(printable(f"refmla: error: {capture}: backend {name} was asked for and did not run ({first_line(why)}); "
+                        "--allow-skip accepts that"), file=sys.stderr)  # fmt: skip
+    return EXIT_NOT_RUN if missing else EXIT_OK
 
 
 def print_json(obj: Any) -> None:

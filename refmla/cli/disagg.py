@@ -6,9 +6,11 @@ from __future__ import annotations
 import sys
 
 from refmla.backends import NAMES
-from refmla.cli.common import UsageError, expand_captures, need_matplotlib, print_json
+from refmla.cli.common import UsageError, expand_captures, need_matplotlib, print_json, unrun_exit, worst_exit
 from refmla.cli.replay_flags import add_replay_flags, replay_options
+from refmla.capture import CaptureError
 from refmla.disagg import run_disagg
+from refmla.disagg.plan import read_header
 from refmla.render.disagg import render_disagg
 
 
@@ -30,11 +32,25 @@ def sides(args) -> tuple[list[str], list[str]]:
     return expand_captures(args.paths), expand_captures(args.decode)
 
 
+def check_sides(prefill: list[str], decode: list[str]) -> None:
+    """UsageError when a capture's meta disagg_mode names the other side (the arguments swapped)."""
+    for side, paths in (("prefill", prefill), ("decode", decode)):
+        for path in paths:
+            try:
+                mode = read_header(path).meta.disagg_mode
+            except CaptureError:
+                continue  # reported as invalid by the run, with the others still checked
+            if mode in ("prefill", "decode") and mode != side:
+                raise UsageError(f"{path}: meta disagg_mode is {mode!r} but it was given as the {side} side: "
+                                 "the arguments are swapped? give PREFILL DECODE (or PREFILL... --decode DECODE...)")  # fmt: skip
+
+
 def run(args) -> int:
     opts = replay_options(args)
     if args.plot:
         need_matplotlib()
     prefill, decode = sides(args)
+    check_sides(prefill, decode)
     report = run_disagg(prefill, decode, opts, jobs=args.jobs)
     for path, error in report.invalid:  # each unusable capture: one line on stderr (exit 2)
         print(f"refmla: error: {error}", file=sys.stderr)
@@ -44,7 +60,7 @@ def run(args) -> int:
         print_json(report)
     else:
         print(render_disagg(report))
-    return report.exit_code
+    return worst_exit(report.exit_code, unrun_exit(report.replays, args.backend, args.allow_skip))
 
 
 def _plots(report, out_dir) -> list[str]:

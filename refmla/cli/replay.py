@@ -7,7 +7,8 @@ import sys
 from refmla.atomic import WriteError
 from refmla.backends import ALL_NAMES
 from refmla.batch import replay_many
-from refmla.cli.common import EXIT_INVALID, expand_captures, need_matplotlib, print_json, report_invalid, single_file
+from refmla.cli.common import (EXIT_INVALID, expand_captures, need_matplotlib, print_json, report_invalid, single_file,
+                               unrun_exit, worst_exit)
 from refmla.cli.replay_flags import add_replay_flags, replay_options
 from refmla.cli.sparse import replay_sparse_files, split_sparse
 from refmla.compare import Tolerance
@@ -32,6 +33,7 @@ def run(args) -> int:
     sparse_code = replay_sparse_files(sparse, args, Tolerance(k=args.k, ulps=args.ulps, cos=args.cos)) if sparse else 0
     if not paths:
         return sparse_code
+    asked = args.backend
     if args.backend:  # the dense backends asked for (a sparse-only name is for the sparse captures)
         args.backend = [b for b in args.backend if b not in SPARSE_ONLY] or None
     opts = replay_options(args)
@@ -52,7 +54,8 @@ def run(args) -> int:
             print("\n" + summary_table(reports))
     for line in failed:  # after the reports: a plot that fails costs no report
         print(f"refmla: error: {line}", file=sys.stderr)
-    return max(worst_status(reports), EXIT_INVALID if failed else 0, sparse_code)
+    not_run = unrun_exit(reports, asked, args.allow_skip)  # a backend asked for that did not run: exit 3
+    return worst_exit(worst_status(reports), EXIT_INVALID if failed else 0, sparse_code, not_run)
 
 
 def _plots(reports, out_dir) -> list[str]:

@@ -1,17 +1,14 @@
-"""The sparse decode part of `refmla replay` (sparse captures are handed here) and of
-`refmla synth` (a sparse preset)."""
+"""The sparse decode part of `refmla replay` (sparse captures are handed here; `refmla synth` of a
+sparse preset is refmla.api.synth)."""
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Sequence
 
-from refmla.capture import CaptureError
-from refmla.cli.common import EXIT_INVALID, EXIT_OK, print_json
+from refmla.cli.common import print_json, unrun_exit, worst_exit
 from refmla.compare import Tolerance
 from refmla.sparse.io import is_sparse_file
-from refmla.sparse.make import synth_sparse
 from refmla.sparse.render import render_sparse
 from refmla.sparse.replay import replay_sparse
 
@@ -34,18 +31,8 @@ def replay_sparse_files(paths: Sequence[str], args, tol: Tolerance) -> int:
         print_json(good[0] if len(good) == 1 else good)
     elif good:
         print("\n\n".join(render_sparse(r) for r in good))
-    return max(r.exit_code for r in reports)
+    not_run = unrun_exit(good, args.backend, getattr(args, "allow_skip", False))  # asked for, did not run: 3
+    return worst_exit(max(r.exit_code for r in reports), not_run)
 
 
-def synth_sparse_cmd(args) -> int:
-    try:
-        planted = synth_sparse(args.out, args.preset, args.fault, args.seed, layer=args.layer)
-    except (ValueError, CaptureError) as e:
-        print(f"refmla: error: {args.out}: {e}", file=sys.stderr)
-        return EXIT_INVALID
-    layer = "" if args.layer is None else f" layer {args.layer}"
-    print(f"wrote {args.out} (preset {args.preset}{layer}, planted {json.dumps(planted)})")
-    return EXIT_OK
-
-
-__all__ = ["replay_sparse_files", "split_sparse", "synth_sparse_cmd"]
+__all__ = ["replay_sparse_files", "split_sparse"]

@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import json
 
+import argparse
+
+from refmla.api import ALL_PRESETS, synth as synth_api
+from refmla.capture import CaptureError
 from refmla.cli.common import EXIT_OK, UsageError, output_path
-from refmla.cli.sparse import synth_sparse_cmd
+from refmla.sparse.faults import FAULTS as SPARSE_FAULTS
 from refmla.sparse.presets import PRESETS as SPARSE_PRESETS
-from refmla.synth import FAULTS, preset, synth_capture
+from refmla.synth import FAULTS
 from refmla.synth.disagg import DISAGG_PRESETS, disagg_preset, synth_disagg
 from refmla.synth.disagg_faults import DISAGG_FAULTS
 
 
 def add_parser(sub) -> None:
-    s = sub.add_parser("synth", help="write a synthetic capture")
+    s = sub.add_parser("synth", help="write a synthetic capture", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=f"presets: {', '.join(ALL_PRESETS)}\n\nfaults (dense presets): {', '.join(FAULTS)}\n\n"
+                       f"faults (sparse presets {', '.join(SPARSE_PRESETS)}): none, {', '.join(SPARSE_FAULTS)}")  # fmt: skip
     s.add_argument("out", type=output_path)
-    s.add_argument("--preset", default="kimi-k2-tp8")
-    s.add_argument("--fault", default="none")
+    s.add_argument("--preset", default="kimi-k2-tp8", metavar="PRESET", help="one of the presets below (kimi-k2-tp8)")
+    s.add_argument("--fault", default="none", metavar="FAULT", help="a fault to plant, listed below (none)")
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--layer", type=int, default=None, metavar="N",
                    help="DeepSeek-V4 presets: layer N of the model, its compress ratio from the model's per-layer list")
@@ -31,21 +37,14 @@ def add_parser(sub) -> None:
 
 
 def synth(args) -> int:
-    if args.preset in SPARSE_PRESETS:
-        return synth_sparse_cmd(args)
-    if args.layer is not None:
-        raise UsageError(f"--layer applies to the sparse presets ({', '.join(SPARSE_PRESETS)}), not {args.preset!r}")
+    """The CLI of refmla.api.synth (dense and sparse presets)."""
     try:
-        spec = preset(args.preset, seed=args.seed) if args.seed is not None else preset(args.preset)
-    except KeyError as e:
-        raise UsageError(str(e.args[0])) from None
-    if args.fault not in FAULTS:
-        raise UsageError(f"unknown fault {args.fault!r}; choose from {', '.join(FAULTS)}")
-    try:
-        planted = synth_capture(args.out, spec, args.fault)
-    except ValueError as e:
-        raise UsageError(f"{args.out}: {e}") from None
-    print(f"wrote {args.out} (preset {spec.name}, planted {json.dumps(planted)})")
+        planted = synth_api(args.out, args.preset, args.fault, args.seed, layer=args.layer)
+    except (ValueError, KeyError, CaptureError) as e:
+        text = str(e.args[0]) if isinstance(e, KeyError) else str(e)
+        raise UsageError(text if text.startswith(("unknown", "layer")) else f"{args.out}: {text}") from None
+    layer = "" if args.layer is None else f" layer {args.layer}"
+    print(f"wrote {args.out} (preset {args.preset}{layer}, planted {json.dumps(planted)})")
     return EXIT_OK
 
 

@@ -5,4 +5,5 @@
     inspect.py   one `refmla inspect` entry
     diffkv.py    a diff-kv result (refmla.diffkv)
     disagg.py    a disagg report (refmla.disagg)
+    regions.py   a region check's buffers and verdict (refmla regions)
 """

@@ -16,9 +16,13 @@ def render_disagg(report: DisaggReport) -> str:
              f"{len(report.replays)} decode capture(s) replayed, {len(report.diffs)} diff-kv run(s)"]  # fmt: skip
     lines += [printable(f"note     {n}") for n in report.notes]
     lines += [printable(f"invalid  {e if str(e).startswith(p) else f'{p}: {e}'}") for p, e in report.invalid]
+    distinct: dict[tuple[str, str], list[str]] = {}  # one line per distinct region, its captures counted
     for side, path, check in report.regions:
         if check.status in ("finding", "warning"):
-            lines.append(printable(f"region   {check.status.upper()} ({side} {path}): {check.message}"))
+            distinct.setdefault((check.status, check.message), []).append(f"{side} {path}")
+    for (status, message), where in distinct.items():
+        more = f" and {len(where) - 1} more capture(s)" if len(where) > 1 else ""
+        lines.append(printable(f"region   {status.upper()} ({where[0]}{more}): {message}"))
     unrecorded = sum(c.status == "not_recorded" for _, _, c in report.regions)
     if unrecorded:
         lines.append(f"region   not recorded in {unrecorded} capture(s): the MR region size was not checked there")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from refmla.util import callable_module
 from refmla.capture import write_capture
 from refmla.schedule import MIN_BLOCK_KV
 from refmla.synth import benign, blocktable_faults, verify_faults, zoo  # noqa: F401  (register the benign variants, the verify
@@ -52,3 +53,6 @@ __all__ = [
     "SynthSpec", "VERIFY_PRESET", "faulty_output", "geometry_meta", "make_inputs", "make_meta", "preset", "spec_for",
     "synth_capture", "yarn_sm_scale",
 ]  # fmt: skip
+
+
+callable_module(__name__)  # refmla.synth(...) calls refmla.api (the Python API)

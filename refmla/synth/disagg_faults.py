@@ -9,7 +9,7 @@ the request, layer, rank, position, page, run offset or step that must be named.
     page_missing   one page of the fault request's prompt never transferred (decode rows all zero)
     run_shifted    one transfer (MORI) run written one position off: decode row j holds prefill row j+1
     other_request  the fault request's prompt rows hold another request's KV
-    region_over    the pool's KV region is over the MR limit: MORI cannot register it, no prompt KV
+    region_over    the pool's KV region is past the size measured to fail MORI registration, no prompt KV
                    arrives anywhere (every row), the geometry meta says why
     seq_len_stuck  metadata: at the fault step the request's seq_len did not grow by one
     kernel_dropped compute: the production kernel left a block of the request's positions out
@@ -24,7 +24,7 @@ import torch
 
 from refmla import reference as ref
 from refmla.attended import Attended
-from refmla.regions import DEFAULT_MR_LIMIT
+from refmla.regions import SMALLEST_FAILED
 from refmla.scales import Scales
 from refmla.schedule import MIN_BLOCK_KV
 from refmla.synth.spec import SynthSpec
@@ -123,7 +123,7 @@ def _nothing_arrives(w: World, planted: Planted, spec) -> None:
 
 def _over_limit_tokens(b: SynthSpec) -> int:
     row = b.head_dim * b.kv_dtype.itemsize
-    return (DEFAULT_MR_LIMIT // row // b.page_size + 1) * b.page_size  # (T + page) rows of `row` bytes > 2 GiB
+    return (SMALLEST_FAILED // row // b.page_size + 1) * b.page_size  # (T + page) rows: past the size measured to fail
 
 
 def _stuck(w: World, lens: list, s: int) -> list:

@@ -1,0 +1,126 @@
+"""The Python API: what the command line calls, for a notebook or a script.
+
+    refmla.replay(path_or_capture, backends=None, tol=None, **options) -> ReplayReport | SparseReport
+    refmla.synth(out, preset="kimi-k2-tp8", fault="none", seed=None, layer=None) -> dict (what was planted)
+    refmla.regions(capture=None, model=None, config=None, tokens=None, ...) -> RegionCheck
+    refmla.api.unrun_backends(report, asked) -> [(backend, reason)]: backends asked for that did not run
+
+``refmla.replay`` / ``refmla.synth`` / ``refmla.regions`` are the modules of those names made
+callable (:func:`refmla.util.callable_module`): calling one calls the function here, and
+``import refmla`` loads none of them until first used. Bad input raises :class:`ValueError` (or
+refmla.capture.CaptureError, a ValueError) with the one line the CLI prints.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+from refmla.capture import Capture, CaptureError, read_capture
+from refmla.compare import Tolerance
+from refmla.hook.geometry import MORI_ENV
+from refmla.options import ReplayOptions
+from refmla.poolplan import KV_DTYPES, MODELS, buffers, geometry_from_config, model_geometry
+from refmla.regions import PoolMeta, RegionCheck, check_region, plan_regions
+from refmla.replay import replay_capture, replay_file
+from refmla.results import ReplayReport
+from refmla.sparse.faults import FAULTS as SPARSE_FAULTS
+from refmla.sparse.io import is_sparse_file, read_sparse
+from refmla.sparse.make import synth_sparse
+from refmla.sparse.presets import PRESETS as SPARSE_PRESETS
+from refmla.sparse.replay import SparseReport, replay_sparse
+from refmla.synth import FAULTS, PRESETS, preset, synth_capture
+
+ALL_PRESETS = [*PRESETS, *SPARSE_PRESETS]
+TRANSFER_BACKENDS = ("mori", "mooncake", "nixl", "ascend", "fake")
+
+
+def replay(path_or_capture: Union[str, Path, Capture], backends: Optional[Sequence[str]] = None,
+           tol: Optional[Tolerance] = None, **options: Any) -> Union[ReplayReport, SparseReport]:
+    """One capture (a path, or a Capture already read) through ``backends`` (None: every backend
+    usable here), judged with ``tol``; ``options``: the other ReplayOptions fields (device,
+    cu_count, explain, ...). A sparse decode capture (DeepSeek-V4 / V3.2) gets the sparse replay."""
+    tol = tol or Tolerance()
+    if not isinstance(path_or_capture, Capture) and is_sparse_file(path_or_capture):
+        return replay_sparse(str(path_or_capture), backends=backends, tol=tol,
+                             explain_failures=options.get("explain", True))  # fmt: skip
+    opts = ReplayOptions(backends=list(backends) if backends else None, tol=tol, **options)
+    opts.check()
+    if isinstance(path_or_capture, Capture):
+        return replay_capture(path_or_capture, opts)
+    return replay_file(path_or_capture, opts)
+
+
+def unrun_backends(report: Any, asked: Sequence[str]) -> list[tuple[str, str]]:
+    """(backend, reason) for each backend in ``asked`` the report holds as skipped (it did not run)."""
+    if isinstance(getattr(report, "backends", None), dict):  # a ReplayReport: name -> BackendEntry
+        named = list(report.backends.items())
+    else:  # a SparseReport: a list of entries, each with its backend's name
+        named = [(e.backend, e) for e in getattr(report, "entries", [])]
+    return [(n, getattr(e, "reason", None) or getattr(e, "note", None) or "skipped") for n, e in named
+            if n in asked and e.status == "skipped"]  # fmt: skip
+
+
+def synth(out: Union[str, Path], preset_name: str = "kimi-k2-tp8", fault: str = "none", seed: Optional[int] = None,
+          layer: Optional[int] = None) -> dict:
+    """Write a synthetic capture to ``out``; returns what was planted. A DeepSeek-V4 / V3.2 preset
+    writes a sparse decode capture (``layer``: that layer of the model)."""
+    if preset_name in SPARSE_PRESETS:
+        if fault not in ("none", *SPARSE_FAULTS):
+            raise ValueError(f"unknown fault {fault!r} for a sparse preset; choose from none, {', '.join(SPARSE_FAULTS)}")
+        return synth_sparse(out, preset_name, None if fault == "none" else fault, seed, layer=layer)
+    if preset_name not in PRESETS:
+        raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(ALL_PRESETS)}")
+    if layer is not None:
+        raise ValueError(f"layer applies to the sparse presets ({', '.join(SPARSE_PRESETS)}), not {preset_name!r}")
+    if fault not in FAULTS:
+        raise ValueError(f"unknown fault {fault!r}; choose from {', '.join(FAULTS)}")
+    spec = preset(preset_name, seed=seed) if seed is not None else preset(preset_name)
+    return synth_capture(out, spec, fault)
+
+
+def env_clamp() -> Optional[int]:
+    """SGLANG_MORI_MAX_MR_BYTES from the environment (None: unset); a bad value raises ValueError naming it."""
+    raw = os.environ.get(MORI_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(float(raw))
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{MORI_ENV}={raw!r}: must be a number of bytes >= 1")
+    return value
+
+
+def regions(capture: Union[str, Path, None] = None, model: Optional[str] = None, config: Optional[str] = None,
+            tokens: Optional[int] = None, page_size: Optional[int] = None, kv_dtype: str = "bf16", tp: int = 1,
+            transfer_backend: str = "mori", clamp: Optional[int] = None) -> RegionCheck:
+    """The region check: of a capture's recorded pool, or of a model's pool of ``tokens``
+    (max_total_num_tokens) before a server starts. ``clamp``: SGLANG_MORI_MAX_MR_BYTES (None: the
+    environment's, else 2 GiB). ``tp`` is recorded only: MLA's KV is replicated on every rank."""
+    if capture is not None:
+        if model or config or tokens is not None:
+            raise ValueError("give a capture, or --model / --config with --tokens, not both")
+        if is_sparse_file(capture):
+            return read_sparse(capture).region()
+        meta = read_capture(capture).meta
+        return check_region(meta if clamp is None else PoolMeta.from_raw({**meta.to_json(), "mori_max_mr_bytes": clamp}))
+    if (model is None) == (config is None):
+        raise ValueError(f"name a model (--model {' | '.join(MODELS)}) or a config (--config config.json), one of them")
+    if tokens is None or tokens < 1:
+        raise ValueError(f"--tokens: max_total_num_tokens must be an int >= 1 (got {tokens!r})")
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"--kv-dtype {kv_dtype!r}: choose from {', '.join(KV_DTYPES)}")
+    if page_size is not None and page_size < 1 or tp < 1:
+        raise ValueError("--page-size and --tp must be >= 1")
+    try:
+        geometry = model_geometry(model) if model else geometry_from_config(config)
+    except KeyError as e:
+        raise ValueError(str(e.args[0])) from None
+    clamp = env_clamp() if clamp is None else clamp
+    return plan_regions(buffers(geometry, kv_dtype, page_size), tokens, clamp, transfer_backend, what=geometry.name)
+
+
+__all__ = ["ALL_PRESETS", "CaptureError", "env_clamp", "regions", "replay", "synth", "unrun_backends"]

@@ -1,0 +1,24 @@
+"""`refmla regions` as text: every registered buffer's size and band, then the verdict line."""
+
+from __future__ import annotations
+
+from refmla.regions import BAND_STATUS, RegionCheck, size_text
+
+BAND_TEXT = {"fails": "FAILS (at / past the smallest measured to fail)",
+             "unmeasured": "UNMEASURED (between the largest registered and the smallest failed)",
+             "registers": "registers (over SGLang's clamp, at most the largest measured to register)",
+             "under_clamp": "under SGLang's clamp (registers)"}  # fmt: skip
+
+
+def render_regions(check: RegionCheck) -> str:
+    """One line per kind of buffer (alike ones counted), then the deciding sentence."""
+    lines = []
+    for b in check.buffers:
+        count = f" x{b.count}" if b.count > 1 else ""
+        lines.append(f"  {b.name}{count}: {size_text(b.region_bytes, check.limit_bytes)}, "
+                     f"{b.bytes_per_token:g} B/token -> {BAND_TEXT[b.band]}; clamp -> {b.clamp_tokens} tokens")  # fmt: skip
+    head = {"finding": "FINDING", "warning": "WARNING"}.get(check.status, BAND_STATUS.get(check.band, check.status))
+    return "\n".join([f"regions  {head}: {check.message}", *lines])
+
+
+__all__ = ["render_regions"]
