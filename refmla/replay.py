@@ -168,6 +168,8 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
             entry.explanation = explain_failure(ctx, res.out, cmp, notes)
             if entry.explanation is None and notes.get("numerics_tried"):
                 entry.info["numerics_tried"] = notes["numerics_tried"]  # the rounding variants ruled out
+            if notes.get("hypothesis_errors"):  # families that raised: their errors, the others went on
+                entry.info["hypothesis_errors"] = notes["hypothesis_errors"]
             if notes.get("search_skipped"):
                 entry.info["search_skipped"] = notes["search_skipped"]  # requests past the search's budget
         except Exception as e:  # the search is an aid: its failure must not cost the replay

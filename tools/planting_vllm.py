@@ -138,6 +138,7 @@ def table_read_one_on(t, spec, b):
     table = t["block_table"].clone()
     table[b, :-1] = t["block_table"][b, 1:]
     _finite_null(t, spec)
+    _finite_tail(t, spec, b)
     out, lse = attention(t, spec, {b: rows_of(t, spec, b, table)})
     return out, lse, {"entries": 1}
 
@@ -154,13 +155,15 @@ def row_pointer_off(t, spec, b):
 
 
 def pages_shift_partial(t, spec, b):
-    """Request b's positions read one page on (position j at j + P of its own pages), its last page partial:
-    the positions past its last real row read its last page's tail."""
-    rows = rows_of(t, spec, b, L=spec.seq_lens[b] + spec.block)[spec.block :]
-    _finite_tail(t, spec, b)
+    """Request b's pages read one table entry back in the row-major table (page 0 from the previous row's
+    last entry, its padding: the null block), its last page partial: a page-level shift, not a token one."""
+    flat = t["block_table"].flatten().long()
+    M, P, L = t["block_table"].shape[1], spec.block, spec.seq_lens[b]
+    pos = torch.arange(L)
+    rows = flat[b * M + pos // P - 1] * P + pos % P
     _finite_null(t, spec)
     out, lse = attention(t, spec, {b: rows})
-    return out, lse, {"pages": 1}
+    return out, lse, {"entries": -1}
 
 
 def other_request_rows(t, spec, b):
@@ -200,9 +203,9 @@ def _finite_tail(t, spec, b) -> None:
 
 # name -> (planter, the hypothesis that names it, detail keys that must match)
 PLANTS = {
-    "table_read_one_on": (table_read_one_on, "block_table_read_on", ("entries",)),
+    "table_read_one_on": (table_read_one_on, "block_table_read_off", ("entries",)),
     "row_pointer_off": (row_pointer_off, "other_table_row_read", ("from_request",)),
-    "pages_shift_partial": (pages_shift_partial, "pages_read_off", ("pages",)),
+    "pages_shift_partial": (pages_shift_partial, "block_table_read_off", ("entries",)),
     "other_request_rows": (other_request_rows, "other_request_read", ("from_request",)),
     "null_block_for_page": (null_block_for_page, "null_block_read", ("page", "null_block")),
 }
