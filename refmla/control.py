@@ -16,7 +16,7 @@ The default, STANDARD, is the control described above, bit for bit.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 import torch
@@ -27,8 +27,8 @@ from refmla.capture import Capture
 from refmla.reference import gather, mla_decode_split_ref, one_pool
 from refmla.scales import Scales
 from refmla.schedule import MIN_BLOCK_KV, split_bounds
+from refmla.stores import STORES, store_as  # noqa: F401  (re-exported: the control's stores)
 
-STORES = ("nearest_even", "toward_zero", "half_away", "via_fp16")  # fp32 result -> output dtype
 MERGES = ("ln", "log2_as_ln", "ln_as_log2", "unnormalized")  # how split partials are merged
 QK_CHUNK = 64  # dims summed in fp32 before a narrow q.k accumulator rounds (the rope part is one chunk)
 CONTROL_BLOCK_ROWS = 16384  # rows the control gathers and upcasts at once; a longer span is merged in fp32
@@ -63,39 +63,6 @@ class Rounding:
 
 
 STANDARD = Rounding()
-
-
-def store_as(x: torch.Tensor, dtype: torch.dtype, how: str = "nearest_even") -> torch.Tensor:
-    """fp32 (or fp64) ``x`` stored in ``dtype``: to nearest even (``.to``), toward zero, to nearest
-    with ties away from zero, or through fp16 first (STORES)."""
-    y = x.to(dtype)
-    if how == "nearest_even" or not dtype.is_floating_point or dtype.itemsize >= x.dtype.itemsize:
-        return y
-    if how == "via_fp16":
-        return x.to(torch.float16).to(dtype)
-    lo = torch.where(y.double().abs() > x.double().abs(), _toward_zero(y), y)  # |lo| <= |x|
-    if how == "toward_zero":
-        return lo
-    hi = torch.where(lo.double() == x.double(), lo, _away_from_zero(lo, x))
-    tie = (x.double() - lo.double()).abs() == (hi.double() - x.double()).abs()
-    return torch.where(tie & torch.isfinite(x), hi, y)  # half_away
-
-
-def _bits(y: torch.Tensor) -> torch.Tensor:
-    return y.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[y.dtype.itemsize])
-
-
-def _toward_zero(y: torch.Tensor) -> torch.Tensor:
-    """One ulp toward zero (finite non-zero values; sign-magnitude bits: the magnitude minus one)."""
-    ok = torch.isfinite(y) & (y != 0)
-    return torch.where(ok, (_bits(y) - 1).view(y.dtype), y)
-
-
-def _away_from_zero(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """One ulp away from zero, with the sign of ``like`` where ``y`` is zero."""
-    z = torch.where(y == 0, torch.zeros_like(y).copysign(like.to(y.dtype)), y)
-    nxt = (_bits(z) + 1).view(y.dtype)
-    return torch.where(torch.isfinite(y), nxt, y)
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor, accum: Optional[torch.dtype], chunk: int) -> torch.Tensor:
@@ -456,7 +423,7 @@ def capture_control(
     rounding points (a numerics variant); ``sc`` / ``q``: a hypothesis's candidate scales or q."""
     arith = producer_arithmetic(cap) if arith is None else arith
     q, sc, declared = declared_inputs(cap, arith, sc or cap.scales(), cap.q if q is None else q)
+    rnd = replace(rounding, q_round=arith.q_round, dequant=arith.dequant) if rounding else declared
     splits = num_kv_splits if num_kv_splits is not None else cap.num_kv_splits
     splits = splits if cap.is_decode and arith.split_block is not None else None
-    block = arith.split_block or MIN_BLOCK_KV
-    return control_output(q, cap.kv_buffer, cap.attended(), sc, out_dtype, splits, rounding or declared, block)
+    return control_output(q, cap.kv_buffer, cap.attended(), sc, out_dtype, splits, rnd, arith.split_block or MIN_BLOCK_KV)

@@ -43,4 +43,6 @@ class ObservedBackend(Backend):
             defines_empty_rows=False,
         )  # fmt: skip
         res.arithmetic = producer_arithmetic(cap)  # its split schedule, rounding and lse base
+        if res.arithmetic.q_round == "whole_e4m3":  # the hook saw q go in as e4m3
+            res.info["control"] = "q quantized to e4m3 whole (latent and rope), as the production kernel took it"
         return res

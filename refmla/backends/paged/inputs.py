@@ -130,6 +130,8 @@ class PagedKernelBackend(Backend):
         res = BackendResult(out=out.cpu(), lse=None if lse is None else lse.float().cpu(), info=info,
                             defines_empty_rows=False)  # fmt: skip
         res.arithmetic = declared_arithmetic(cap)  # q in e4m3 whole on an fp8 pool: that rounding's noise floor
+        if is_fp8(cap):
+            info["control"] = "q quantized to e4m3 whole (latent and rope), as this fp8 path takes it"
         return res
 
     def refuses(self, cap) -> Optional[str]:
