@@ -52,7 +52,8 @@ class ReplayContext:
 
     def _control(self, out_dtype: torch.dtype, arith: Optional[Arithmetic], splits) -> tuple[torch.Tensor, torch.Tensor]:
         arith = arith or self.producer
-        key = (out_dtype, arith, None if splits is None else tuple(splits.tolist()))
+        splits = self.cap.num_kv_splits if splits is None else splits  # as capture_control defaults it
+        key = (out_dtype, arith, None if splits is None or arith.split_block is None else tuple(splits.tolist()))
         if key not in self._controls:
             self._controls[key] = capture_control(self.cap, out_dtype, arith=arith, num_kv_splits=splits)
         return self._controls[key]

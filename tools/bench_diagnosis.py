@@ -229,7 +229,7 @@ def summary(rows: list[Row]) -> tuple[str, bool]:
 # --------------------------------------------------------------------------------------------
 
 VLLM_FULL = {"deepseek-v3-tp8": {"heads": 16}, "kimi-k2-tp8": {"heads": 8}}  # heads per TP8 rank
-VLLM_QUICK = {"deepseek-v3-tp8 (4 heads)": {"heads": 4}}
+VLLM_QUICK = {"2 heads, 1617 tokens": {"heads": 2, "seq_lens": (1030, 77, 283, 227)}}
 
 
 def vllm_leg(quick: bool) -> int:
