@@ -11,6 +11,8 @@ copy of the layout (the README links here).
     signals.py      SIGINT / SIGTERM as exceptions (exit 130 / 143), deferred around a whole write
     progress.py     the progress bar on stderr (batch, disagg)
     schedule.py     SGLang's split-KV schedule (split bounds, num_kv_splits, max_kv_splits)
+    arithmetic.py   what a kernel declares of its arithmetic: split schedule, rounding points, lse base
+    stores.py       an fp32 result stored in a narrower dtype: to nearest even, toward zero, ... (the control's)
     paged.py        index conventions: SGLang token slots <-> aiter pages
     pool.py         pool rows by their bytes: zero / NaN rows, row-by-row comparison
     scales.py       Scales: the scalars of one call's math, passed whole everywhere

@@ -14,7 +14,8 @@ from refmla import reference as ref
 from refmla.backends.reference import reference_output
 from refmla.capture import Capture
 from refmla.compare import Comparison, compare, judged_dtype
-from refmla.control import capture_control, mla_decode_split_control
+from refmla.arithmetic import Arithmetic, producer_arithmetic
+from refmla.control import capture_control, declared_inputs, mla_decode_split_control
 from refmla.options import ReplayOptions
 
 # The hypothesis search and the localization hold one request's rows in fp64 (and its logits per
@@ -28,7 +29,8 @@ class ReplayContext:
     def __init__(self, cap: Capture, opts: ReplayOptions):
         self.cap, self.opts = cap, opts
         self.ref_out, self.ref_lse = reference_output(cap)  # [R, H, Dv], [R, H] fp64
-        self._controls: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.producer = producer_arithmetic(cap)  # the arithmetic of ``observed`` and of undeclared backends
+        self._controls: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._splits: dict[tuple, tuple] = {}
         self._cache: dict[str, Any] = {}
 
@@ -39,26 +41,35 @@ class ReplayContext:
             self._cache[key] = compute()
         return self._cache[key]
 
-    def control(self, out_dtype: torch.dtype) -> torch.Tensor:
-        """The low-precision control's output in ``out_dtype`` (cached per dtype)."""
-        if out_dtype not in self._controls:
-            self._controls[out_dtype] = capture_control(self.cap, out_dtype)
-        return self._controls[out_dtype][0]
+    def control(self, out_dtype: torch.dtype, arith: Optional[Arithmetic] = None, splits=None) -> torch.Tensor:
+        """The low-precision control's output in ``out_dtype`` at the arithmetic a backend declares
+        (default the capture producer's), over ``splits`` (default the capture's); cached."""
+        return self._control(out_dtype, arith, splits)[0]
 
-    def control_lse(self, out_dtype: torch.dtype) -> torch.Tensor:
+    def control_lse(self, out_dtype: torch.dtype, arith: Optional[Arithmetic] = None, splits=None) -> torch.Tensor:
         """The low-precision control's lse [R, H] (fp32), of the same run as :meth:`control`."""
-        self.control(out_dtype)
-        return self._controls[out_dtype][1]
+        return self._control(out_dtype, arith, splits)[1]
 
-    def split_reference(self, num_kv_splits: torch.Tensor, S: int, control: bool = False):
-        """(attn_logits, attn_lse, valid) of the split schedule, reference or control."""
-        key = (tuple(num_kv_splits.tolist()), S, control)
+    def _control(self, out_dtype: torch.dtype, arith: Optional[Arithmetic], splits) -> tuple[torch.Tensor, torch.Tensor]:
+        arith = arith or self.producer
+        splits = self.cap.num_kv_splits if splits is None else splits  # as capture_control defaults it
+        key = (out_dtype, arith, None if splits is None or arith.split_block is None else tuple(splits.tolist()))
+        if key not in self._controls:
+            self._controls[key] = capture_control(self.cap, out_dtype, arith=arith, num_kv_splits=splits)
+        return self._controls[key]
+
+    def split_reference(self, num_kv_splits: torch.Tensor, S: int, control: bool = False,
+                        arith: Optional[Arithmetic] = None):  # fmt: skip
+        """(attn_logits, attn_lse, valid) of the split schedule a backend declares (default the
+        producer's), reference or control (at the rounding points it declares)."""
+        arith = arith or self.producer
+        key = (tuple(num_kv_splits.tolist()), S, control, arith if control else arith.split_block)
         if key not in self._splits:
             c = self.cap
-            split_ref = mla_decode_split_control if control else ref.mla_decode_split_ref
-            self._splits[key] = split_ref(
-                c.q, c.kv_buffer, c.attended(), num_kv_splits.cpu(), c.scales(), max_kv_splits=S, split_block=c.split_block,
-            )  # fmt: skip
+            q, sc, rnd = declared_inputs(c, arith, c.scales(), c.q) if control else (c.q, c.scales(), None)
+            args = (q, c.kv_buffer, c.attended(), num_kv_splits.cpu(), sc)
+            kw = dict(max_kv_splits=S, split_block=arith.split_block or c.split_block)
+            self._splits[key] = mla_decode_split_control(*args, **kw, rounding=rnd) if control else ref.mla_decode_split_ref(*args, **kw)
         return self._splits[key]
 
     def too_large_to_search(self, b: int) -> Optional[str]:

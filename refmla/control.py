@@ -16,18 +16,19 @@ The default, STANDARD, is the control described above, bit for bit.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 import torch
+from refmla.arithmetic import Arithmetic, producer_arithmetic, quantize_q
 from refmla.attended import Attended
 from refmla.blocked import GROUP_BYTES, Spans, plan
 from refmla.capture import Capture
 from refmla.reference import gather, mla_decode_split_ref, one_pool
 from refmla.scales import Scales
 from refmla.schedule import MIN_BLOCK_KV, split_bounds
+from refmla.stores import STORES, store_as  # noqa: F401  (re-exported: the control's stores)
 
-STORES = ("nearest_even", "toward_zero", "half_away", "via_fp16")  # fp32 result -> output dtype
 MERGES = ("ln", "log2_as_ln", "ln_as_log2", "unnormalized")  # how split partials are merged
 QK_CHUNK = 64  # dims summed in fp32 before a narrow q.k accumulator rounds (the rope part is one chunk)
 CONTROL_BLOCK_ROWS = 16384  # rows the control gathers and upcasts at once; a longer span is merged in fp32
@@ -53,6 +54,8 @@ class Rounding:
     store: str = "nearest_even"
     split_lse: Optional[torch.dtype] = None
     merge: str = "ln"
+    q_round: str = "latent_to_pool"  # refmla.arithmetic.Q_ROUNDS: "keep" leaves q's latent part as stored
+    dequant: str = "upcast"  # refmla.arithmetic.DEQUANTS: "to_q_dtype" rounds fp8 * scale to q's dtype (vLLM)
 
     @property
     def standard_merge(self) -> bool:
@@ -60,39 +63,6 @@ class Rounding:
 
 
 STANDARD = Rounding()
-
-
-def store_as(x: torch.Tensor, dtype: torch.dtype, how: str = "nearest_even") -> torch.Tensor:
-    """fp32 (or fp64) ``x`` stored in ``dtype``: to nearest even (``.to``), toward zero, to nearest
-    with ties away from zero, or through fp16 first (STORES)."""
-    y = x.to(dtype)
-    if how == "nearest_even" or not dtype.is_floating_point or dtype.itemsize >= x.dtype.itemsize:
-        return y
-    if how == "via_fp16":
-        return x.to(torch.float16).to(dtype)
-    lo = torch.where(y.double().abs() > x.double().abs(), _toward_zero(y), y)  # |lo| <= |x|
-    if how == "toward_zero":
-        return lo
-    hi = torch.where(lo.double() == x.double(), lo, _away_from_zero(lo, x))
-    tie = (x.double() - lo.double()).abs() == (hi.double() - x.double()).abs()
-    return torch.where(tie & torch.isfinite(x), hi, y)  # half_away
-
-
-def _bits(y: torch.Tensor) -> torch.Tensor:
-    return y.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[y.dtype.itemsize])
-
-
-def _toward_zero(y: torch.Tensor) -> torch.Tensor:
-    """One ulp toward zero (finite non-zero values; sign-magnitude bits: the magnitude minus one)."""
-    ok = torch.isfinite(y) & (y != 0)
-    return torch.where(ok, (_bits(y) - 1).view(y.dtype), y)
-
-
-def _away_from_zero(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """One ulp away from zero, with the sign of ``like`` where ``y`` is zero."""
-    z = torch.where(y == 0, torch.zeros_like(y).copysign(like.to(y.dtype)), y)
-    nxt = (_bits(z) + 1).view(y.dtype)
-    return torch.where(torch.isfinite(y), nxt, y)
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor, accum: Optional[torch.dtype], chunk: int) -> torch.Tensor:
@@ -131,9 +101,15 @@ def _attend32(q: torch.Tensor, kv: torch.Tensor, sc: Scales, rnd: Rounding) -> t
         lead = q.shape[:-1]
         return q.new_zeros(*lead, Dv, dtype=f32), q.new_full(lead, -math.inf, dtype=f32), q.new_zeros(lead, dtype=f32)
     q_nope, q_pe = q[..., :Dv], q[..., Dv:]  # [H, Dv], [H, Dr]
-    if kv.dtype.itemsize < q.dtype.itemsize:  # narrower pool: the dot runs in the pool dtype
-        q_nope = q_nope.to(kv.dtype)
-    k32 = kv.to(f32)  # [L, D]
+    narrow, ks, vs, p_dtype = kv.dtype.itemsize < q.dtype.itemsize, sc.k_scale, sc.v_scale, kv.dtype
+    if narrow and rnd.dequant == "to_q_dtype":  # vLLM: (fp8 * scale).to(q.dtype) on load, P in q's dtype
+        k32, ks, vs, p_dtype = (kv.to(f32) * sc.k_scale).to(q.dtype).to(f32), 1.0, 1.0, q.dtype  # [L, D]
+        v32 = k32[..., :Dv] if sc.v_scale == sc.k_scale else (kv[..., :Dv].to(f32) * sc.v_scale).to(q.dtype).to(f32)
+    else:
+        if narrow and rnd.q_round == "latent_to_pool":  # narrower pool: the dot runs in the pool dtype
+            q_nope = q_nope.to(kv.dtype)
+        k32 = kv.to(f32)  # [L, D]
+        v32 = k32[..., :Dv]  # [L, Dv]
     kT = k32.transpose(-1, -2)  # [D, L]
     if rnd.qk_accum is None and kv.shape[-2] == 1:  # one row: a dot (a GEMV's order depends on the batch)
         s = ((q_nope.to(f32) * k32[..., :Dv]).sum(-1) + (q_pe.to(f32) * k32[..., Dv:]).sum(-1))[..., None]  # [H, 1]
@@ -141,15 +117,15 @@ def _attend32(q: torch.Tensor, kv: torch.Tensor, sc: Scales, rnd: Rounding) -> t
         s = q_nope.to(f32) @ kT[..., :Dv, :] + q_pe.to(f32) @ kT[..., Dv:, :]  # [H, L]
     else:
         s = _dot(torch.cat([q_nope.to(f32), q_pe.to(f32)], -1), kT, rnd.qk_accum, QK_CHUNK)
-    s = s * (sc.sm_scale * sc.k_scale)
+    s = s * (sc.sm_scale * ks)
     if sc.logit_cap > 0:
         s = sc.logit_cap * torch.tanh(s / sc.logit_cap)
     m = s.max(dim=-1, keepdim=True).values  # [H, 1]
     p = torch.exp(s - m)  # [H, L] fp32
     l = p.sum(dim=-1, keepdim=True)  # [H, 1] fp32, from the unrounded probabilities
-    pr = p.to(rnd.p_dtype or kv.dtype).to(f32)  # P rounded to the value dtype
-    acc = _dot(pr, k32[..., :Dv], rnd.pv_accum, PV_BLOCK)  # [H, Dv]
-    return acc / l * sc.v_scale, (m + torch.log(l))[..., 0], l[..., 0]
+    pr = p.to(rnd.p_dtype or p_dtype).to(f32)  # P rounded to the value dtype
+    acc = _dot(pr, v32, rnd.pv_accum, PV_BLOCK)  # [H, Dv]
+    return acc / l * vs, (m + torch.log(l))[..., 0], l[..., 0]
 
 
 def mla_control(
@@ -404,13 +380,13 @@ class _StreamMerge:
 
 def mla_decode_split_control(
     q: torch.Tensor, kv_buffer: torch.Tensor, att: Attended, num_kv_splits: torch.Tensor, sc: Scales,
-    max_kv_splits: int | None = None, split_block: int = MIN_BLOCK_KV,
+    max_kv_splits: int | None = None, split_block: int = MIN_BLOCK_KV, rounding: Rounding = STANDARD,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`refmla.reference.mla_decode_split_ref` at the control's rounding points: fp32 partials
     [B, H, S, Dv] and lse [B, H, S], as the Triton stage-1 kernel stores them, and valid [B, S]."""
 
     def split32(qb: torch.Tensor, kv_buffer: torch.Tensor, rows: torch.Tensor, sc: Scales):
-        return attend_control_rows(qb, kv_buffer, rows, sc, torch.float32)  # this split's rows only, in blocks
+        return attend_control_rows(qb, kv_buffer, rows, sc, torch.float32, rounding)  # this split's rows, in blocks
 
     return mla_decode_split_ref(
         q, kv_buffer, att, num_kv_splits, sc, max_kv_splits=max_kv_splits, attend_fn=split32, split_block=split_block,
@@ -428,13 +404,26 @@ def control_output(
     return mla_control(q, kv_buffer, att, sc, out_dtype, rounding)
 
 
+def declared_inputs(cap: Capture, arith: Arithmetic, sc: Scales, q: torch.Tensor) -> tuple[torch.Tensor, Scales, Rounding]:
+    """(q, scales, rounding) of a kernel declaring ``arith``: q quantized whole to e4m3 (its scale
+    folded into sm_scale) for ``whole_e4m3`` over an fp8 pool, the rounding points it declares."""
+    if arith.q_round == "whole_e4m3" and cap.kv_buffer.dtype.itemsize == 1:
+        q8, q_scale = quantize_q(q)
+        q, sc = q8.float(), sc.but(sm_scale=sc.sm_scale * q_scale)
+    return q, sc, Rounding(q_round=arith.q_round, dequant=arith.dequant)
+
+
 def capture_control(
-    cap: Capture, out_dtype: torch.dtype, rounding: Rounding = STANDARD, sc: Optional[Scales] = None,
-    q: Optional[torch.Tensor] = None,
+    cap: Capture, out_dtype: torch.dtype, rounding: Optional[Rounding] = None, sc: Optional[Scales] = None,
+    q: Optional[torch.Tensor] = None, arith: Optional[Arithmetic] = None, num_kv_splits: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """:func:`control_output` of a capture (its split schedule in decode). ``sc`` / ``q``: other
-    scales or another q than the capture's (a hypothesis's candidate)."""
-    splits = cap.num_kv_splits if cap.is_decode else None
-    q = cap.q if q is None else q
-    att, sc = cap.attended(), sc or cap.scales()
-    return control_output(q, cap.kv_buffer, att, sc, out_dtype, splits, rounding, cap.split_block)
+    """:func:`control_output` of a capture at the arithmetic a kernel declares (``arith``, default
+    the capture producer's, refmla.arithmetic): its split schedule over ``num_kv_splits`` (default
+    the capture's) in decode, its rounding of q and of the dequantized K / V. ``rounding``: other
+    rounding points (a numerics variant); ``sc`` / ``q``: a hypothesis's candidate scales or q."""
+    arith = producer_arithmetic(cap) if arith is None else arith
+    q, sc, declared = declared_inputs(cap, arith, sc or cap.scales(), cap.q if q is None else q)
+    rnd = replace(rounding, q_round=arith.q_round, dequant=arith.dequant) if rounding else declared
+    splits = num_kv_splits if num_kv_splits is not None else cap.num_kv_splits
+    splits = splits if cap.is_decode and arith.split_block is not None else None
+    return control_output(q, cap.kv_buffer, cap.attended(), sc, out_dtype, splits, rnd, arith.split_block or MIN_BLOCK_KV)

@@ -42,15 +42,25 @@ def invalid_report(path: str, e: Exception) -> ReplayReport:
                         metadata=MetadataReport.invalid(str(e)))  # fmt: skip
 
 
-def backend_names(opts: ReplayOptions, mode: str = "verify") -> list[str]:
+def backend_names(opts: ReplayOptions, mode: str = "verify", engine: tuple = ()) -> list[str]:
     """reference and observed always; then the named backends, or all others but the opt-in ones (the
-    verify-only per-query decode paths only for a verify capture)."""
-    default = [n for n in NAMES[2:] if mode == "verify" or n not in VERIFY_ONLY]
+    verify-only per-query decode paths only for a verify capture) plus ``engine``: the producing
+    engine's own kernel (:func:`engine_default`)."""
+    default = [n for n in NAMES[2:] if mode == "verify" or n not in VERIFY_ONLY] + list(engine)
     chosen = default if opts.backends is None else [n for n in opts.backends if n not in NAMES[:2]]
     for n in chosen:
         if n not in ALL_NAMES:
             raise KeyError(f"unknown backend {n!r}; choose from {', '.join(ALL_NAMES)}")
     return ["reference", "observed", *dict.fromkeys(chosen)]
+
+
+def engine_default(cap: Capture) -> tuple:
+    """The producing engine's own kernel, replayed by default when it can run here: vLLM's
+    TRITON_MLA (``vllm_triton``) for a capture vLLM's Triton MLA wrote (issue 27)."""
+    m = cap.meta
+    if m.mode == "decode" and (m.backend == "vllm_triton" or m.engine_backend == "TRITON_MLA"):
+        return ("vllm_triton",) if get_backend("vllm_triton").availability()[0] else ()
+    return ()
 
 
 def replay_capture(cap: Capture, opts: ReplayOptions) -> ReplayReport:
@@ -65,7 +75,7 @@ def replay_capture(cap: Capture, opts: ReplayOptions) -> ReplayReport:
         report.diagnosis, report.diagnosis_text = d.name, d.text
         return report
     ctx = ReplayContext(cap, opts)
-    for name in backend_names(opts, cap.meta.mode):
+    for name in backend_names(opts, cap.meta.mode, engine_default(cap)):
         report.backends[name] = run_backend(name, ctx)
     ctl = ctx.compare("control", ctx.control(cap.out_dtype))
     report.control = NoiseFloor(dtype_name(cap.out_dtype), ctl.max_abs_err, ctl.cos_diff)
@@ -131,17 +141,21 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
     except Exception as e:  # a kernel that crashes is a finding, not a crash of refmla
         return BackendEntry("error", reason=error_text(e))
     mask = None if res.defines_empty_rows else ~ctx.empty_rows()
-    cmp = ctx.compare(name, res.out, row_mask=mask, control=res.control)
-    entry = BackendEntry.judged(cmp, info={"version": why, **res.info})
+    arith = res.arithmetic or ctx.producer  # the kernel's own arithmetic (refmla.arithmetic): its control
+    splits = res.num_kv_splits if res.num_kv_splits is not None else ctx.cap.num_kv_splits
+    control = res.control if res.control is not None else ctx.control(judged_dtype(res.out.dtype), arith, splits)
+    cmp = ctx.compare(name, res.out, row_mask=mask, control=control)
+    entry = BackendEntry.judged(cmp, info={"version": why, **res.info, "arithmetic": arith.to_json()})
     if res.findings:  # a finding is never a pass (e.g. aiter's rebuilt persistent metadata differs)
         entry.status = "fail"
         entry.reason = "; ".join([r for r in (entry.reason,) if r] + [f.message for f in res.findings])
     if mask is not None and not bool(mask.all()):
         entry.info["not_compared"] = "rows of zero-length requests (this path leaves them undefined)"
     if res.attn_logits is not None and res.attn_lse is not None and ctx.cap.is_decode:
-        entry.splits = compare_splits(ctx, res)
+        entry.splits = compare_splits(ctx, res, arith)
     if res.lse is not None:
-        entry.lse = compare_lse(ctx, res.lse, judged_dtype(res.out.dtype), row_mask=mask, control_lse=res.control_lse)
+        ctl_lse = res.control_lse if res.control is not None else ctx.control_lse(judged_dtype(res.out.dtype), arith, splits)
+        entry.lse = compare_lse(ctx, res.lse, judged_dtype(res.out.dtype), row_mask=mask, control_lse=ctl_lse, arith=arith)
     entry.judge_parts()  # a failing lse or split partial fails the backend
     if entry.status == "fail" and ctx.opts.explain:
         try:  # where it goes wrong, explained or not (refmla.localize): an aid, never the replay's cost
@@ -154,6 +168,8 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
             entry.explanation = explain_failure(ctx, res.out, cmp, notes)
             if entry.explanation is None and notes.get("numerics_tried"):
                 entry.info["numerics_tried"] = notes["numerics_tried"]  # the rounding variants ruled out
+            if notes.get("hypothesis_errors"):  # families that raised: their errors, the others went on
+                entry.info["hypothesis_errors"] = notes["hypothesis_errors"]
             if notes.get("search_skipped"):
                 entry.info["search_skipped"] = notes["search_skipped"]  # requests past the search's budget
         except Exception as e:  # the search is an aid: its failure must not cost the replay

@@ -18,8 +18,10 @@ from typing import Optional
 import torch
 
 from refmla import reference as ref
+from refmla.arithmetic import Arithmetic
 from refmla.compare import Comparison, Worst, compare, judge_lse
 from refmla.context import ReplayContext
+from refmla.control import LN2
 from refmla.results import LseCheck, SplitCheck
 from refmla.schedule import nonempty_splits
 
@@ -41,12 +43,14 @@ class SplitRows:
         return ~(self.cmp.row_err <= self.cmp.row_tol) | self.misplaced
 
 
-def split_rows(ctx: ReplayContext, res, splits: torch.Tensor) -> Optional[SplitRows]:
-    """The stage-1 partials of a BackendResult judged per (request, split, head) row; None when no
-    split holds a token."""
+def split_rows(ctx: ReplayContext, res, splits: torch.Tensor, arith: Optional[Arithmetic] = None) -> Optional[SplitRows]:
+    """The stage-1 partials of a BackendResult judged per (request, split, head) row, on the split
+    schedule and at the rounding points its kernel declares (``arith``, default the result's or the
+    producer's); None when no split holds a token."""
+    arith = arith or res.arithmetic or ctx.producer
     S = res.attn_logits.shape[2]  # may be trimmed to the splits that hold tokens
-    r_out, r_lse, valid = ctx.split_reference(splits, S)
-    c_out, c_lse, _ = ctx.split_reference(splits, S, control=True)
+    r_out, r_lse, valid = ctx.split_reference(splits, S, arith=arith)
+    c_out, c_lse, _ = ctx.split_reference(splits, S, control=True, arith=arith)
     b_idx, s_idx = torch.nonzero(valid, as_tuple=True)  # [V] one row per non-empty split
     if len(b_idx) == 0:
         return None
@@ -54,6 +58,8 @@ def split_rows(ctx: ReplayContext, res, splits: torch.Tensor) -> Optional[SplitR
     actual = res.attn_logits.float().cpu()[b_idx, :, s_idx] * v  # [V, H, Dv]
     # partials are fp32 but P.V ran on P rounded to the value dtype: its ulp is the unit of noise
     value_dtype = ctx.cap.kv_buffer.dtype if ctx.cap.kv_buffer.dtype.itemsize < 4 else torch.float32
+    if arith.dequant == "to_q_dtype" and value_dtype.itemsize < ctx.cap.q.dtype.itemsize:
+        value_dtype = ctx.cap.q.dtype  # V dequantized to q's dtype, P rounded to it
     cmp = compare("splits", actual, r_out[b_idx, :, s_idx], c_out[b_idx, :, s_idx],
                   out_dtype=value_dtype, tol=ctx.opts.tol, request_of_row=b_idx)  # fmt: skip
     lse = judge_lse(res.attn_lse.cpu()[b_idx, :, s_idx], r_lse[b_idx, :, s_idx], c_lse[b_idx, :, s_idx], ctx.opts.tol.k)
@@ -62,17 +68,21 @@ def split_rows(ctx: ReplayContext, res, splits: torch.Tensor) -> Optional[SplitR
     return SplitRows(b_idx, s_idx, cmp, lse.err, lse.bad, misplaced)
 
 
-def compare_splits(ctx: ReplayContext, res) -> SplitCheck:
-    """Stage-1 partials of a BackendResult against the split reference, per valid (request, split)."""
+def compare_splits(ctx: ReplayContext, res, arith: Optional[Arithmetic] = None) -> SplitCheck:
+    """Stage-1 partials of a BackendResult against the split reference of the schedule its kernel
+    declares (``arith``), per valid (request, split)."""
+    arith = arith or res.arithmetic or ctx.producer
+    if arith.split_block is None:
+        return SplitCheck("skipped", reason="this kernel declares no split schedule to place its partials")
     splits = res.num_kv_splits if res.num_kv_splits is not None else ctx.cap.num_kv_splits
     if splits is None:
         return SplitCheck("skipped", reason="no num_kv_splits to place the partials")
     S = res.attn_logits.shape[2]
     lens = ctx.cap.seq_lens.tolist()
-    needed = max((nonempty_splits(L, int(n), ctx.cap.split_block) for L, n in zip(lens, splits.tolist())), default=0)
+    needed = max((nonempty_splits(L, int(n), arith.split_block) for L, n in zip(lens, splits.tolist())), default=0)
     if needed > S:
         return SplitCheck("fail", reason=f"{needed} non-empty splits but only {S} partials")
-    rows = split_rows(ctx, res, splits)
+    rows = split_rows(ctx, res, splits, arith)
     if rows is None:
         return SplitCheck("pass", compared_splits=0)
     b_idx, s_idx, cmp, lse_err, lse_bad = rows.b_idx, rows.s_idx, rows.cmp, rows.lse_err, rows.lse_bad
@@ -96,15 +106,19 @@ def compare_splits(ctx: ReplayContext, res) -> SplitCheck:
 
 
 def compare_lse(
-    ctx: ReplayContext, lse: torch.Tensor, out_dtype: torch.dtype, row_mask=None, control_lse=None
-) -> LseCheck:
+    ctx: ReplayContext, lse: torch.Tensor, out_dtype: torch.dtype, row_mask=None, control_lse=None,
+    arith: Optional[Arithmetic] = None,
+) -> LseCheck:  # fmt: skip
     """A backend's lse [R, H] against the reference's: within k times the control's lse error plus
     1e-5 * (1 + |lse|), NaN / Inf anywhere the reference is finite failing. ``row_mask`` [R]: rows
     compared (the others are zero-length requests the kernel leaves undefined). ``control_lse``
-    [R, H]: the backend's own control's lse (BackendResult.control_lse), else the replay's."""
+    [R, H]: the backend's own control's lse (BackendResult.control_lse), else the replay's. ``arith``:
+    the kernel's declared arithmetic; an lse it declares in log2 is compared in ln (times ln 2)."""
     ref_lse = ctx.ref_lse.double()  # [R, H]
     rows = torch.ones(ref_lse.shape[0], dtype=torch.bool) if row_mask is None else row_mask.cpu()
     got = lse.detach().double().cpu()[rows]  # [r, H]
+    if arith is not None and arith.lse_base == "log2":
+        got = got * LN2
     ctl = ctx.control_lse(out_dtype) if control_lse is None else control_lse
     want, ctl = ref_lse[rows], ctl.double().cpu()[rows]
     if got.numel() == 0:

@@ -90,7 +90,8 @@ def test_planted_fault_is_named(tmp_path, capsys, spec, fault, hypothesis, detai
 def test_hypotheses_in_contract_order():
     assert HYPOTHESES == ("numerics", "last_page_read_full", "empty_split_merged", "seq_len_off_by",
                           "newest_kv_unwritten", "offset_overflow", "last_page_len_swapped", "draft_kv_missing",
-                          "causal_alignment", "mask_wrong_request", "qlen_pow2_padding", "pages_read_off",
+                          "causal_alignment", "mask_wrong_request", "qlen_pow2_padding", "block_table_read_off",
+                          "other_table_row_read", "pages_read_off",
                           "other_request_read", "other_rows_read", "kv_range_missing", "null_block_read", "pages_as_tokens",
                           "split_missing", "kv_scale_misapplied", "wrong_sm_scale", "head_misaligned",
                           "output_rows_permuted", "rope_mishandled", "logit_cap_mismatch", "padded_row_leak")  # fmt: skip

@@ -20,6 +20,7 @@ naming, needs fixing, and the exit code says so.
     python tools/bench_diagnosis.py             # 2 presets x page sizes 1, 256, every fault
     python tools/bench_diagnosis.py --quick     # Kimi-K2 TP8, page size 1, split counts 1, 2, 16 only
     python tools/bench_diagnosis.py --fault seq_len_off_by --page-size 256 --json rows.json
+    python tools/bench_diagnosis.py --independent --leg vllm   # vLLM block-table captures (vllm_leg below)
 
 Prints a table and "N/N named, M false alarms, D/C details right, max search S s"; exits 1
 unless every fault is named with its detail and no correct kernel is flagged (or a search took
@@ -221,6 +222,63 @@ def summary(rows: list[Row]) -> tuple[str, bool]:
     return line, ok
 
 
+# --------------------------------------------------------------------------------------------
+# The vLLM leg of --independent (issue 27): block-table captures tools/planting_vllm.py writes
+# with its own loop (vLLM's null block, uniform split schedule and batch-wide split count, bf16 /
+# fp8), each replayed by default (vLLM's own kernel among the backends) and through vllm_triton.
+# --------------------------------------------------------------------------------------------
+
+VLLM_FULL = {"deepseek-v3-tp8": {"heads": 16}, "kimi-k2-tp8": {"heads": 8}}  # heads per TP8 rank
+VLLM_QUICK = {"2 heads, 1617 tokens": {"heads": 2, "seq_lens": (1030, 77, 283, 227)}}
+
+
+def vllm_leg(quick: bool) -> int:
+    """Every (shape, block 16 / 64, bf16 / fp8, clean or planted) case replayed by default and through
+    vllm_triton: a clean one must agree, a fault be named with its detail and diagnosed ``observed``."""
+    import planting_vllm as pv
+
+    from refmla.capture import write_capture
+
+    tally: dict[str, int] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, over in (VLLM_QUICK if quick else VLLM_FULL).items():
+            for block in (16, 64):
+                for fp8 in (False, True):
+                    spec = pv.VllmSpec(block=block, fp8=fp8, **over)
+                    for plant in ("none", *pv.PLANTS):
+                        t, meta, detail = pv.capture(spec, plant)
+                        path = write_capture(Path(tmp) / f"{plant}.safetensors", t, meta, compact=False)
+                        for leg in ("default", "vllm_triton"):
+                            t0 = time.perf_counter()
+                            report = replay_file(path, ReplayOptions(backends=None if leg == "default" else [leg]))
+                            outcome, said = _vllm_outcome(report, pv, plant, detail)
+                            tally[outcome] = tally.get(outcome, 0) + 1
+                            print(f"{label:26s} block {block:2d} {'fp8' if fp8 else 'bf16':4s} {plant:20s} {leg:11s} "
+                                  f"{outcome:15s} {time.perf_counter() - t0:6.1f}s  {said[:100]}", flush=True)  # fmt: skip
+    clean = tally.get("agree", 0) + tally.get("false alarm", 0)
+    faults = sum(tally.values()) - clean
+    print(f"vLLM leg: {tally.get('false alarm', 0)} false alarms of {clean} clean; {tally.get('named', 0)}/{faults} "
+          f"named and diagnosed observed, {tally.get('named elsewhere', 0)} named but not diagnosed observed, "
+          f"{tally.get('wrong', 0)} wrong, {tally.get('unexplained', 0)} unexplained, "
+          f"{tally.get('below noise', 0)} below noise")  # fmt: skip
+    return 0 if tally.get("named", 0) == faults and not tally.get("false alarm") else 1
+
+
+def _vllm_outcome(report, pv, plant: str, detail: dict) -> tuple[str, str]:
+    """(outcome, what the replay said) of one vLLM-leg case."""
+    entry = report.backends["observed"]
+    e = entry.explanation
+    said = e.text() if e else (entry.localization.text() if entry.localization else report.diagnosis_text)
+    if plant == "none":
+        return ("agree" if report.verdict == "agree" else "false alarm"), report.diagnosis_text
+    if report.verdict == "agree":
+        return "below noise", said
+    _, hypothesis, keys = pv.PLANTS[plant]
+    if e is not None and e.hypothesis == hypothesis and all(e.detail.get(k) == detail[k] for k in keys):
+        return ("named" if report.diagnosis == "observed" else "named elsewhere"), said
+    return ("wrong" if e is not None and e.complete else "unexplained"), said
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", action="append", help=f"repeatable (default: {', '.join(PRESETS)})")
@@ -233,14 +291,22 @@ def main(argv=None) -> int:
     p.add_argument("--independent", action="store_true",
                    help="faults planted by tools/planting.py (its own loop, not refmla's): tools/bench_planted.py")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--leg", choices=("all", "sglang", "vllm"), default="all",
+                   help="with --independent: both legs (default), tools/planting.py's only, or the vLLM leg only")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    vllm_rc = 0
+    if args.independent and args.leg != "sglang":  # the vLLM leg (tools/planting_vllm.py), then the other
+        sys.path.insert(0, os.path.dirname(__file__))
+        vllm_rc = vllm_leg(args.quick)
+        if args.leg == "vllm":
+            return vllm_rc
     if args.independent:
         sys.path.insert(0, os.path.dirname(__file__))
         from bench_planted import independent_main
 
-        return independent_main(args.quick)
+        return independent_main(args.quick) or vllm_rc
     presets = args.preset or (PRESETS[:1] if args.quick else PRESETS)
     pages = args.page_size or ((1,) if args.quick else PAGE_SIZES)
     opts = ReplayOptions(backends=args.backend)

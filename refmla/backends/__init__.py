@@ -10,7 +10,8 @@
                verify captures only: each verify query as a one-token decode over the positions
                it sees (refmla.backends.per_query), the plain-decode path over the same KV
     flex       PyTorch's flex_attention compiled by Inductor: an independent kernel (opt-in, see below)
-    vllm_triton  vLLM's TRITON_MLA decode kernel over a block table, its uniform split schedule (opt-in)
+    vllm_triton  vLLM's TRITON_MLA decode kernel over a block table, its uniform split schedule (opt-in;
+                 by default for a capture vLLM's TRITON_MLA wrote: refmla.replay.engine_default)
     flashmla, flashinfer_mla, cutlass_mla, fa3_mla
                the NVIDIA block-table MLA decode kernels (refmla.backends.paged; opt-in, CUDA)
 
@@ -21,7 +22,8 @@ triton_interp.py / cpu_compat.py / vllm_compat.py (the kernels on a CPU-only mac
 NAMES run by default; OPT_IN backends run only when named (``--backend flex``): flex compiles
 for seconds per shape on first use, which a default replay (make demo, the tests) should not pay;
 the other engines' kernels (vllm_triton) are asked for by the engineer who runs that engine.
-ALL_NAMES is every name a user may ask for.
+ALL_NAMES is every name a user may ask for. Each backend declares its arithmetic on its result
+(``BackendResult.arithmetic``, refmla.arithmetic): the control it is judged against follows it.
 
 A backend module is imported only when its name is asked for, so a missing optional package
 makes that one backend unavailable (with the reason), never the tool.

@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import torch
 
+from refmla.arithmetic import Arithmetic
 from refmla.capture import Capture
 from refmla.options import ReplayOptions
 
@@ -47,6 +48,9 @@ class BackendResult:
     control: Optional[torch.Tensor] = None
     control_lse: Optional[torch.Tensor] = None  # [R, H] fp32: that control's lse (None: the replay's)
     findings: list[BackendFinding] = field(default_factory=list)  # each one fails the backend (never a pass)
+    # the kernel's own arithmetic (refmla.arithmetic): its control, split reference and lse base are
+    # built from it; None: the capture producer's (refmla.arithmetic.producer_arithmetic)
+    arithmetic: Optional[Arithmetic] = None
 
 
 class Backend:

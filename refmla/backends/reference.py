@@ -6,9 +6,8 @@ import torch
 
 from refmla import reference as ref
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
-from refmla.backends.paged.inputs import fp8_query_control, is_fp8
+from refmla.arithmetic import producer_arithmetic
 from refmla.capture import Capture
-from refmla.compare import judged_dtype
 from refmla.options import ReplayOptions
 
 
@@ -43,7 +42,7 @@ class ObservedBackend(Backend):
             # a production kernel's rows for zero-length requests are whatever it left there
             defines_empty_rows=False,
         )  # fmt: skip
-        if is_fp8(cap) and cap.meta.extra.get("kernel_q_dtype") == "float8_e4m3fn":  # the hook saw q go in as e4m3
-            res.control, res.control_lse = fp8_query_control(cap, judged_dtype(cap.out.dtype))
+        res.arithmetic = producer_arithmetic(cap)  # its split schedule, rounding and lse base
+        if res.arithmetic.q_round == "whole_e4m3":  # the hook saw q go in as e4m3
             res.info["control"] = "q quantized to e4m3 whole (latent and rope), as the production kernel took it"
         return res

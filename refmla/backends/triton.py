@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from refmla.arithmetic import SGLANG_TRITON
 from refmla.backends import triton_interp
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 from refmla.backends.calling import KernelNotFound, KernelSignatureError, find_function, kwargs_for
@@ -369,7 +370,7 @@ class TritonBackend(Backend):
             splits = torch.full_like(splits.cpu(), info["forced_kv_splits"])
         return BackendResult(
             out=out.cpu(), attn_logits=logits.cpu(), attn_lse=lse.cpu(),
-            num_kv_splits=splits.to(torch.int32).cpu(), info=info,
+            num_kv_splits=splits.to(torch.int32).cpu(), info=info, arithmetic=SGLANG_TRITON,  # its own 32-token splits
             defines_empty_rows=False,  # stage 2 divides 0 by 0 for a request with no tokens: NaN
         )  # fmt: skip
 

@@ -28,16 +28,16 @@ from typing import Any, Optional
 import torch
 
 from refmla import blocktable
+from refmla.arithmetic import VLLM_TRITON
 from refmla.backends import triton_interp
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 from refmla.backends.calling import KernelNotFound, KernelSignatureError, find_function, kwargs_for
 from refmla.backends.vllm_compat import vllm_triton_on_cpu
 from refmla.backends.triton import call_kernel, device_for, interpreter_ready, unsupported_shape
 from refmla.capture import Capture
-from refmla.control import control_output
 from refmla.options import ReplayOptions
 from refmla.scales import Scales
-from refmla.schedule import SPLIT_BLOCKS, vllm_num_kv_splits
+from refmla.schedule import vllm_num_kv_splits
 
 KERNEL_MODULES = (
     "vllm.v1.attention.ops.triton_decode_attention",  # vLLM >= 0.10
@@ -175,23 +175,16 @@ def _scale_mismatch(cap) -> Optional[str]:
 
 
 def _result(cap, out, lse, logits, S: int, info: dict[str, Any]) -> BackendResult:
-    """The BackendResult: partials only where the capture's split schedule is vLLM's (else they
-    cannot be placed), and this path's own control when the capture's schedule differs."""
-    m, Dv = cap.meta, cap.meta.kv_lora_rank
-    own = m.split_schedule == "uniform" or S == 1
+    """The BackendResult: vLLM's own arithmetic (uniform splits of one batch-wide count, q kept, K / V
+    dequantized to q's dtype: refmla.arithmetic.VLLM_TRITON) places its partials and builds its control."""
+    Dv = cap.meta.kv_lora_rank
     splits = torch.full((cap.batch_size,), S, dtype=torch.int32)
-    control = None
-    if m.split_schedule != "uniform":  # the noise floor of the schedule that ran here
-        control = control_output(
-            cap.q, cap.kv_buffer, cap.attended(), cap.scales(), cap.out_dtype, splits, split_block=SPLIT_BLOCKS["uniform"],
-        )[0]  # fmt: skip
     # stage 1 dequantizes V on load, so its partials carry v_scale; refmla's convention (SGLang's
     # kernel) is partials before v_scale, which the split comparison applies
     info["attn_logits_include_v_scale"] = True
     return BackendResult(
-        out=out.cpu(), lse=lse.cpu(),
-        attn_logits=(logits[..., :Dv] / m.v_scale).cpu() if own else None, attn_lse=logits[..., Dv].cpu() if own else None,
-        num_kv_splits=splits if own else None, info=info, control=control,
+        out=out.cpu(), lse=lse.cpu(), attn_logits=(logits[..., :Dv] / cap.meta.v_scale).cpu(),
+        attn_lse=logits[..., Dv].cpu(), num_kv_splits=splits, info=info, arithmetic=VLLM_TRITON,
         defines_empty_rows=False,  # stage 2 divides 0 by 0 for a request with no tokens
     )  # fmt: skip
 

@@ -70,11 +70,12 @@ class GoldenContext(ReplayContext):
         self.stored = stored
         self.ref_out, self.ref_lse = stored["out"].double(), stored["lse"].double()
 
-    def split_reference(self, num_kv_splits: torch.Tensor, S: int, control: bool = False):
+    def split_reference(self, num_kv_splits: torch.Tensor, S: int, control: bool = False, arith=None):
         logits, lses = self.stored["attn_logits"], self.stored["attn_lse"]
         S0 = logits.shape[2]
-        if control or S < S0 or not torch.equal(num_kv_splits.cpu().long(), self.cap.num_kv_splits.long()):
-            return super().split_reference(num_kv_splits, S, control)
+        other = arith is not None and arith.split_block != self.cap.split_block  # another kernel's schedule
+        if control or other or S < S0 or not torch.equal(num_kv_splits.cpu().long(), self.cap.num_kv_splits.long()):
+            return super().split_reference(num_kv_splits, S, control, arith)
         B, H, _, Dv = logits.shape
         parts = torch.zeros(B, H, S, Dv, dtype=torch.float64)
         lse = torch.full((B, H, S), -math.inf, dtype=torch.float64)

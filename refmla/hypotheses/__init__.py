@@ -26,6 +26,9 @@ report the first, in the table's order, that brings the backend's error back to 
     null_block_read     {"page", "null_block"}        block_table captures: page j read from the null block
     pages_as_tokens     {"read"}                      block_table captures: page ids taken for token slots
                                                       (or the reverse)
+    block_table_read_off {"entries": k}               block_table captures: page j read from table entry j + k
+    other_table_row_read {"from_request": c}          block_table captures: the request's positions read
+                                                      through table row c (its row pointer off)
     split_missing       {"split": s}                  split s's partial left out of the merge (its positions
                                                       dropped listed as kv_range_missing under other_causes)
     kv_scale_misapplied {"scale", "applied"}          fp8 k_scale / v_scale applied twice, not at all, or
@@ -96,7 +99,7 @@ from refmla.hypotheses import (
 )
 from refmla.hypotheses.search import Search, SearchFn
 from refmla.results import Alternative, Explanation
-from refmla.util import single_thread
+from refmla.util import error_text, single_thread
 
 # The families in the order they are tried: the contract's order, simplest first.
 SEARCHES: dict[str, SearchFn] = {
@@ -112,6 +115,8 @@ SEARCHES: dict[str, SearchFn] = {
     "causal_alignment": verify.search_causal,
     "mask_wrong_request": verify.search_mask,
     "qlen_pow2_padding": verify.search_pow2,
+    blocktable.TABLE_OFF: blocktable.search_table_off,  # block tables: the page-level shift first
+    blocktable.TABLE_ROW: blocktable.search_table_row,
     misplaced.PAGES_OFF: misplaced.search_pages_off,
     misplaced.OTHER_REQUEST: misplaced.search_other_request,
     misplaced.OTHER_ROWS: misplaced.search_other_rows,
@@ -167,6 +172,8 @@ def explain_failure(
             found = partial
         if notes is not None and s.memo(numerics.TRIED, list):
             notes["numerics_tried"] = s.memo(numerics.TRIED, list)
+        if notes is not None and s.memo(ERRORS, dict):
+            notes[ERRORS] = dict(s.memo(ERRORS, dict))
         if found is not None:
             cross_alternatives(s, found)
             if s.too_large:  # not searched: never reported as explained
@@ -187,16 +194,29 @@ def cross_alternatives(s: Search, found: Explanation) -> None:
         return
     have = {(a.hypothesis, repr(sorted(a.detail.items()))) for a in found.other_causes}
     for name in CROSS:
-        other = SEARCHES[name](s) if name != found.hypothesis else None
+        try:
+            other = SEARCHES[name](s) if name != found.hypothesis else None
+        except Exception as e:  # that family's error, never the explanation's
+            s.memo(ERRORS, dict)[name] = error_text(e)
+            continue
         if other is not None and other.complete and (name, repr(sorted(other.detail.items()))) not in have:
             found.other_causes.append(Alternative(name, other.detail, other.request, other.residual_ratio))
 
 
+ERRORS = "hypothesis_errors"  # Search.memo key: family -> the error it raised
+
+
 def explanations(s: Search) -> Iterator[Explanation]:
     """Each family's confirmed explanation, in SEARCHES order; lazily, so the first costs only
-    the families before it."""
-    for search in (*SEARCHES.values(), *LATE):
-        found = search(s)
+    the families before it. A family that raises is that family's error (kept under ERRORS, the
+    replay's ``info.hypothesis_errors``) and the others go on."""
+    late = ((f"{f.__module__.rsplit('.', 1)[-1]}.{f.__name__}", f) for f in LATE)
+    for name, search in (*SEARCHES.items(), *late):
+        try:
+            found = search(s)
+        except Exception as e:  # never a bare localization: the rest of the search goes on
+            s.memo(ERRORS, dict)[name] = error_text(e)
+            continue
         if found is not None:
             yield found
 

@@ -6,6 +6,14 @@
                                                slots for page ids: SGLang #11985, FlashMLA at page 32)
     padded_row_leak   {"padded_requests",      a zero-length (padded) request's NaN spread into other
                        "nan_requests"}         rows (vLLM #37442, FlashInfer #2883: fp8 amax)
+    block_table_read_off {"entries": k}        page j of request b read from the table's entry j + k
+                                               (the row-major table: past the row's end its padding,
+                                               the null block, then the next row; before its start
+                                               the previous row's tail); the last page partial, so
+                                               not a token shift by k pages
+    other_table_row_read {"from_request": c}   request b read its seq_len positions through table
+                                               row c (a row pointer off by c - b; c's padding, the
+                                               null block, where c has fewer pages)
 
 The null block is the capture's meta ``null_block`` when it has one (the id in the capture's own
 page numbering), else the page the table pads with past every sequence (vLLM pads with it).
@@ -22,6 +30,10 @@ from refmla.hypotheses.search import SCREEN, Candidate, Search
 from refmla.results import Explanation
 
 NULL_BLOCK = "null_block_read"
+TABLE_OFF = "block_table_read_off"
+TABLE_ROW = "other_table_row_read"
+TABLE_OFFSETS = (1, -1, 2, -2)  # entries on / back, simplest first
+TABLE_ROWS = 8  # other table rows tried per request, nearest first
 PAGES_AS_TOKENS = "pages_as_tokens"
 PADDED_LEAK = "padded_row_leak"
 
@@ -102,5 +114,66 @@ def search_padded_leak(s: Search) -> Optional[Explanation]:
                                      "(a padded row left undefined, then an amax or a merge across rows)"})  # fmt: skip
 
 
-__all__ = ["NULL_BLOCK", "PADDED_LEAK", "PAGES_AS_TOKENS", "null_page", "search_null_block", "search_padded_leak",
-           "search_pages_as_tokens"]  # fmt: skip
+def table_rows(s: Search, b: int, row: int, shift: int) -> Optional[torch.Tensor]:
+    """Request b's positions read through the row-major table from row ``row``, ``shift`` entries
+    on: pool rows [L], or None when an entry falls outside the table or its page outside the pool."""
+    cap, P = s.cap, s.cap.meta.page_size
+    flat, M = cap.block_table.long().flatten(), cap.block_table.shape[1]
+    pos = torch.arange(s.req(b).L)
+    e = row * M + pos // P + shift  # [L] flat entries read
+    if len(e) == 0 or int(e.min()) < 0 or int(e.max()) >= flat.numel():
+        return None
+    pages = flat[e]
+    if int(pages.min()) < 0 or int(pages.max()) >= cap.kv_buffer.shape[0] // P:
+        return None
+    return pages * P + pos % P
+
+
+def _read_as(s: Search, b: int, rows: Optional[torch.Tensor], detail: dict, extra: dict) -> Optional[Candidate]:
+    """The candidate of request b reading pool ``rows``; None where it reads a NaN row (no evidence) or its own rows."""
+    r = s.req(b)
+    if rows is None or torch.equal(rows, r.pool_rows):
+        return None
+    exp, ctl = s.attend_rows(b, rows, r.vis)
+    if not bool(torch.isfinite(exp).all()):  # a NaN row read explains any NaN output: no evidence
+        return None
+    return Candidate(detail, exp, ctl, rescore(s, b, exp), extra=extra)
+
+
+def search_table_off(s: Search) -> Optional[Explanation]:
+    if s.cap.block_table is None or not s.cap.is_decode:
+        return None
+    return per_request(s, TABLE_OFF, find_table_off)
+
+
+def find_table_off(s: Search, b: int) -> Iterator[Candidate]:
+    null, P = null_page(s), s.cap.meta.page_size
+    for k in TABLE_OFFSETS:
+        rows = table_rows(s, b, b, k)
+        extra = {"last_page_tokens": s.req(b).L - (s.req(b).L - 1) // P * P if s.req(b).L else 0}
+        if rows is not None and null is not None:
+            extra["null_block_pages"] = int((rows[::P] // P == null).sum()) if P > 1 else int((rows == null).sum())
+        cand = _read_as(s, b, rows, {"entries": k}, extra)
+        if cand is not None and cand.score < SCREEN:
+            yield cand
+
+
+def search_table_row(s: Search) -> Optional[Explanation]:
+    if s.cap.block_table is None or not s.cap.is_decode or s.cap.batch_size < 2:
+        return None
+    return per_request(s, TABLE_ROW, find_table_row)
+
+
+def find_table_row(s: Search, b: int) -> Iterator[Candidate]:
+    B = s.cap.batch_size
+    others = sorted((c for c in range(B) if c != b), key=lambda c: (abs(c - b), c < b))[:TABLE_ROWS]  # b + 1 first
+    cands = []
+    for c in others:
+        cand = _read_as(s, b, table_rows(s, b, c, 0), {"from_request": c}, {"row_offset": c - b})
+        if cand is not None and cand.score < SCREEN:
+            cands.append(cand)
+    yield from sorted(cands, key=lambda x: x.score)
+
+
+__all__ = ["NULL_BLOCK", "PADDED_LEAK", "PAGES_AS_TOKENS", "TABLE_OFF", "TABLE_ROW", "null_page", "search_null_block",
+           "search_padded_leak", "search_pages_as_tokens", "search_table_off", "search_table_row"]  # fmt: skip

@@ -13,7 +13,7 @@ import torch
 from refmla import reference as ref
 from refmla.compare import Comparison, compare, judged_dtype
 from refmla.context import ReplayContext
-from refmla.control import attend_control
+from refmla.control import Rounding, attend_control
 from refmla.results import Explanation
 from refmla.scales import Scales
 
@@ -75,6 +75,8 @@ class Search:
         self.o64 = self.out.double()  # [R, H, Dv]
         self.ref = ctx.ref_out  # [R, H, Dv] fp64
         self.ctrl = ctx.control(self.dtype)  # [R, H, Dv]
+        p = ctx.producer  # candidates' controls round as the producer declares (q whole_e4m3: as the pool)
+        self.rounding = Rounding(q_round="latent_to_pool" if p.q_round == "whole_e4m3" else p.q_round, dequant=p.dequant)
         self.tol = ctx.opts.tol
         self.req_of_row = cap.request_of_row()  # [R]
         R, H = self.o64.shape[0], self.o64.shape[1]
@@ -178,7 +180,7 @@ class Search:
             if keep is not None:
                 sel = sel[keep[sel]]
             exp[t] = ref.attend(r.q64[t], kv64[sel], sc)[0]
-            ctl[t] = attend_control(self.cap.q[r.rows[t]], kvs[sel], sc, self.dtype)[0]
+            ctl[t] = attend_control(self.cap.q[r.rows[t]], kvs[sel], sc, self.dtype, self.rounding)[0]
         return exp, ctl
 
     def own_rows(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:

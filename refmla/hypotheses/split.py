@@ -13,7 +13,7 @@ from typing import Iterator, Optional
 import torch
 
 from refmla import reference as ref
-from refmla.control import mla_decode_split_control
+from refmla.control import declared_inputs, mla_decode_split_control
 from refmla.hypotheses.drivers import per_request
 from refmla.hypotheses.ranges import block_sums, score_pairs, split_count, split_schedule
 from refmla.hypotheses.search import SCREEN, Candidate, Search
@@ -66,8 +66,10 @@ class SplitPartials:
         cap, r = s.cap, s.req(b)
         splits = torch.tensor([n], dtype=torch.int32)
         args = (cap.q[b : b + 1], cap.kv_buffer, s.att.select([b]), splits, s.sc)
-        parts, lses, valid = ref.mla_decode_split_ref(*args)
-        cparts, clses, _ = mla_decode_split_control(*args)
+        block = cap.split_block  # the capture's schedule (vLLM's uniform: 1), as split_schedule placed them
+        parts, lses, valid = ref.mla_decode_split_ref(*args, split_block=block)
+        q, sc, rnd = declared_inputs(cap, s.ctx.producer, s.sc, cap.q[b : b + 1])  # the producer's rounding
+        cparts, clses, _ = mla_decode_split_control(q, *args[1:4], sc, split_block=block, rounding=rnd)
         return cls(parts, lses, valid, cparts, clses)
 
     def merged_without(self, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

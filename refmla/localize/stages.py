@@ -49,7 +49,7 @@ def split_stage(ctx: ReplayContext, res, out_failed: bool, lse_failed: bool) -> 
             return StageFinding(stage, pairs, rows, tried="stages: stage-1 partials and lse against the split reference")
     tried = "stages: stage-1 partials and lse right"
     S = res.attn_logits.shape[2]
-    _, _, valid = ctx.split_reference(splits, S)
+    _, _, valid = ctx.split_reference(splits, S, arith=res.arithmetic)
     merged, merged_lse = ref.merge_splits(res.attn_logits.double().cpu() * ctx.cap.meta.v_scale,
                                           res.attn_lse.double().cpu(), valid)  # fmt: skip
     if out_failed:

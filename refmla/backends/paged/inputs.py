@@ -22,30 +22,15 @@ import torch
 
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 from refmla.backends.calling import KernelNotFound, KernelSignatureError, find_function
-from refmla.compare import judged_dtype
-from refmla.control import capture_control
+from refmla.arithmetic import FP8_E4M3, FP8_E4M3_MAX, Arithmetic, producer_arithmetic, quantize_q  # noqa: F401
 from refmla.util import cdiv
 
-FP8_E4M3 = torch.float8_e4m3fn
-FP8_E4M3_MAX = 448.0  # the largest finite e4m3fn value
+def declared_arithmetic(cap) -> Arithmetic:
+    """These kernels' arithmetic: over an fp8 pool q goes in as e4m3 whole (:func:`quantize_q`, the
+    rope part too); the split schedule the control models is the capture's (refmla.arithmetic)."""
+    schedule = producer_arithmetic(cap).split_schedule
+    return Arithmetic(split_schedule=schedule, q_round="whole_e4m3" if is_fp8(cap) else "latent_to_pool")
 
-
-def quantize_q(q: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """(q in e4m3 [B, H, D], its dequant scale) as the engines quantize q for an fp8 cache: scale 1
-    (vLLM's default ``_q_scale``; SGLang's TRT-LLM path casts, unscaled), the rounding the control
-    models for the latent part; amax / 448 only where q would saturate e4m3."""
-    amax = float(q.float().abs().max()) if q.numel() else 0.0
-    scale = amax / FP8_E4M3_MAX if amax > FP8_E4M3_MAX else 1.0
-    return (q.float() / scale).to(FP8_E4M3), scale
-
-
-def fp8_query_control(cap, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The control of a kernel that takes q in e4m3 (:func:`quantize_q`: the rope part too, which the
-    replay's control keeps as stored): (out [B, H, Dv], lse [B, H] fp32) over q as the kernel reads it,
-    its dequant scale folded into sm_scale (the e4m3 values themselves meet the pool unrounded)."""
-    q8, q_scale = quantize_q(cap.q)
-    sc = cap.scales().but(sm_scale=cap.scales().sm_scale * q_scale)
-    return capture_control(cap, out_dtype, sc=sc, q=q8.float())
 
 
 @dataclass(frozen=True)
@@ -144,8 +129,8 @@ class PagedKernelBackend(Backend):
                 "device": str(device), "standin": is_standin(where)}  # fmt: skip
         res = BackendResult(out=out.cpu(), lse=None if lse is None else lse.float().cpu(), info=info,
                             defines_empty_rows=False)  # fmt: skip
-        if is_fp8(cap):  # q went in as e4m3, rope part included: the noise floor of that rounding
-            res.control, res.control_lse = fp8_query_control(cap, judged_dtype(res.out.dtype))
+        res.arithmetic = declared_arithmetic(cap)  # q in e4m3 whole on an fp8 pool: that rounding's noise floor
+        if is_fp8(cap):
             info["control"] = "q quantized to e4m3 whole (latent and rope), as this fp8 path takes it"
         return res
 
@@ -215,5 +200,5 @@ def call_result(value: Any, out: torch.Tensor) -> tuple[torch.Tensor, Optional[t
     return (value if torch.is_tensor(value) else out), None
 
 
-__all__ = ["FP8_E4M3", "PagedInputs", "PagedKernelBackend", "call_result", "fp8_query_control", "is_fp8", "is_standin", "paged_inputs",
+__all__ = ["FP8_E4M3", "PagedInputs", "PagedKernelBackend", "call_result", "declared_arithmetic", "is_fp8", "is_standin", "paged_inputs",
            "quantize_q", "repage", "runs_here"]

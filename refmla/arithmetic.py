@@ -1,0 +1,93 @@
+"""A kernel's own arithmetic, declared by its backend (docs/contract.md section 5, issue 27).
+
+Each kernel splits, rounds and logs in its own way; a replay judges it against a control built
+from what it declares, never from what the capture's producer did:
+
+    split_schedule  "sglang"   SGLang's Triton: splits of ceil(ceil(L / n) / 32) * 32 tokens
+                    "uniform"  vLLM's TRITON_MLA: ceil(L / n) tokens, one batch-wide n
+                    "none"     one pass over the whole sequence (extend, flex, the paged kernels)
+    q_round         "latent_to_pool"  the latent part of q rounded to a narrower pool's dtype
+                                      (SGLang's ``q.to(K_Buffer.dtype)``; the rope part meets K upcast)
+                    "keep"            q kept as stored (vLLM's Triton: K is dequantized to q's dtype)
+                    "whole_e4m3"      all of q quantized to e4m3 with a per-tensor scale
+                                      (FlashMLA / TRT-LLM fp8 paths, the ``kernel_q_dtype`` hook key)
+    dequant         "upcast"          an fp8 K / V upcast as stored, k_scale on the logits and
+                                      v_scale on the output; P rounded to the pool dtype before P.V
+                    "to_q_dtype"      K and V dequantized on load and rounded to q's dtype,
+                                      ``(fp8 * scale).to(q.dtype)``; P rounded to q's dtype (vLLM)
+    lse_base        "ln" | "log2"     the base of the lse the kernel returns (compared in ln)
+
+The capture's producer has one too (:func:`producer_arithmetic`): it describes only ``observed``
+and is the control of a backend that declares none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+from refmla.schedule import SPLIT_BLOCKS
+
+FP8_E4M3 = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0  # the largest finite e4m3fn value
+SCHEDULES = ("sglang", "uniform", "none")
+Q_ROUNDS = ("latent_to_pool", "keep", "whole_e4m3")
+DEQUANTS = ("upcast", "to_q_dtype")
+LSE_BASES = ("ln", "log2")
+
+
+@dataclass(frozen=True)
+class Arithmetic:
+    """Where a kernel splits and rounds, and the base of its lse (the module docstring lists the values)."""
+
+    split_schedule: str = "sglang"
+    q_round: str = "latent_to_pool"
+    dequant: str = "upcast"
+    lse_base: str = "ln"
+
+    def __post_init__(self):
+        for name, allowed in (("split_schedule", SCHEDULES), ("q_round", Q_ROUNDS), ("dequant", DEQUANTS),
+                              ("lse_base", LSE_BASES)):  # fmt: skip
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+
+    @property
+    def split_block(self) -> Optional[int]:
+        """The split granularity (32 SGLang, 1 vLLM), None for an unsplit kernel."""
+        return SPLIT_BLOCKS.get(self.split_schedule)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+SGLANG_TRITON = Arithmetic()
+VLLM_TRITON = Arithmetic(split_schedule="uniform", q_round="keep", dequant="to_q_dtype")
+UNSPLIT = Arithmetic(split_schedule="none")
+
+
+def quantize_q(q: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(q in e4m3 [B, H, D], its dequant scale) as the engines quantize q for an fp8 cache
+    (``whole_e4m3``): scale 1 (vLLM's default ``_q_scale``; SGLang's TRT-LLM path casts, unscaled);
+    amax / 448 only where q would saturate e4m3."""
+    amax = float(q.float().abs().max()) if q.numel() else 0.0
+    scale = amax / FP8_E4M3_MAX if amax > FP8_E4M3_MAX else 1.0
+    return (q.float() / scale).to(FP8_E4M3), scale
+
+
+def producer_arithmetic(cap) -> Arithmetic:
+    """The arithmetic of the kernel that wrote the capture's ``out`` (the ``observed`` backend):
+    vLLM's TRITON_MLA for a vLLM capture, the capture's ``split_schedule`` (SGLang's by default),
+    q quantized whole where the hook saw it go in as e4m3, the lse base of meta ``lse_base``."""
+    m = cap.meta
+    schedule = m.split_schedule or "sglang"
+    vllm = m.backend == "vllm_triton" or m.engine_backend == "TRITON_MLA"
+    e4m3_q = m.extra.get("kernel_q_dtype") == "float8_e4m3fn" and cap.kv_buffer.dtype.itemsize == 1
+    q_round = "whole_e4m3" if e4m3_q else ("keep" if vllm else "latent_to_pool")
+    base = m.extra.get("lse_base", "ln")
+    return Arithmetic(schedule, q_round, "to_q_dtype" if vllm else "upcast", base if base in LSE_BASES else "ln")
+
+
+__all__ = ["Arithmetic", "DEQUANTS", "FP8_E4M3", "FP8_E4M3_MAX", "quantize_q", "LSE_BASES", "Q_ROUNDS", "SCHEDULES", "SGLANG_TRITON", "UNSPLIT", "VLLM_TRITON",
+           "producer_arithmetic"]  # fmt: skip

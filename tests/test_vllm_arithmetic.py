@@ -1,0 +1,142 @@
+"""Each kernel judged by its own arithmetic (issue 27), on vLLM-layout captures refmla did not write.
+
+tools/planting_vllm.py writes them with its own plain loop: a shuffled block table padded with
+vLLM's null block (NaN in it and past each sequence's end), vLLM's uniform split schedule and its
+batch-wide split count (2 splits: the longest request is past 1024 tokens), bf16 or fp8 e4m3 KV
+with k_scale, and ``out`` from an fp64 loop over the block table rounded once to bf16. A clean
+capture agrees by default (vLLM's own kernel among the backends) and through vllm_triton, SGLang's
+triton (on its own 32-token schedule) and extend; the five block-table mistakes are named with
+their detail; a fault on ``observed`` is diagnosed ``observed``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from refmla.arithmetic import SGLANG_TRITON, UNSPLIT, VLLM_TRITON, Arithmetic, producer_arithmetic
+from refmla.backends import get_backend
+from refmla.capture import read_capture, write_capture
+from refmla.context import ReplayOptions
+from refmla.replay import replay_capture
+
+_PATH = Path(__file__).resolve().parents[1] / "tools" / "planting_vllm.py"
+_spec = importlib.util.spec_from_file_location("planting_vllm", _PATH)
+pv = importlib.util.module_from_spec(_spec)
+sys.modules["planting_vllm"] = pv  # dataclasses look their module up by name
+_spec.loader.exec_module(pv)
+
+SMALL = {"seq_lens": (1030, 77, 283), "heads": 2}  # 2 vLLM splits on the longest request
+CLEAN = {"seq_lens": (1030, 45)}  # the clean replays run every kernel under the interpreter: fewer tokens
+
+
+def _capture(tmp_path, block: int, fp8: bool, plant: str = "none", **over):
+    spec = pv.VllmSpec(block=block, fp8=fp8, **{**SMALL, **over})
+    t, meta, detail = pv.capture(spec, plant)
+    path = write_capture(tmp_path / f"{plant}-{block}-{fp8}.safetensors", t, meta, compact=False)
+    return read_capture(path), detail
+
+
+def _vllm_ready() -> None:
+    ok, why = get_backend("vllm_triton").availability()
+    if not ok:
+        pytest.skip(f"vllm_triton unavailable: {why}")
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("block", [16, 64])
+def test_a_clean_vllm_capture_agrees_by_default_and_through_each_kernel(tmp_path, block, fp8):
+    _vllm_ready()
+    cap, _ = _capture(tmp_path, block, fp8, **CLEAN)
+    assert cap.meta.split_schedule == "uniform" and set(cap.num_kv_splits.tolist()) == {2}
+    report = replay_capture(cap, ReplayOptions(explain=False))
+    assert report.verdict == "agree", report.diagnosis_text
+    for name, arith in (("vllm_triton", VLLM_TRITON), ("triton", SGLANG_TRITON), ("extend", UNSPLIT)):
+        entry = report.backends[name]  # vllm_triton: in the default list for a vLLM capture
+        assert entry.status == "pass", (name, entry.reason)
+        assert entry.info["arithmetic"] == arith.to_json(), name
+    assert report.backends["vllm_triton"].splits.status == "pass"  # its partials on its own uniform schedule
+    assert report.backends["triton"].splits.status == "pass"  # SGLang's on its 32-token one
+    assert report.backends["observed"].info["arithmetic"]["split_schedule"] == "uniform"
+
+
+def test_judged_on_the_captures_schedule_sglangs_partials_would_fail(tmp_path):
+    """The false alarm this replaces: SGLang's partials against vLLM's uniform split reference."""
+    from refmla.context import ReplayContext
+    from refmla.splits import compare_splits
+
+    cap, _ = _capture(tmp_path, 16, False, **CLEAN)
+    res = get_backend("triton").run(cap, ReplayOptions())
+    ctx = ReplayContext(cap, ReplayOptions())
+    assert compare_splits(ctx, res, SGLANG_TRITON).status == "pass"
+    assert compare_splits(ctx, res, producer_arithmetic(cap)).status == "fail"  # the capture's (vLLM's) schedule
+
+
+@pytest.mark.parametrize(("plant", "block", "fp8"), [
+    ("table_read_one_on", 16, False),
+    ("row_pointer_off", 64, True),
+    ("pages_shift_partial", 16, True),
+    ("other_request_rows", 64, False),
+    ("null_block_for_page", 16, False),
+])  # fmt: skip
+def test_block_table_mistakes_are_named_with_their_detail(tmp_path, plant, block, fp8):
+    cap, detail = _capture(tmp_path, block, fp8, plant)
+    entry = replay_capture(cap, ReplayOptions(backends=["reference"])).backends["observed"]
+    _, hypothesis, keys = pv.PLANTS[plant]
+    e = entry.explanation
+    assert e is not None and e.complete, entry.localization.text() if entry.localization else entry.reason
+    assert e.hypothesis == hypothesis and e.request == 1, e.text()
+    assert {k: e.detail[k] for k in keys} == {k: detail[k] for k in keys}, e.text()
+    assert not entry.info.get("hypothesis_errors"), entry.info["hypothesis_errors"]
+
+
+def test_a_fault_on_observed_is_diagnosed_observed(tmp_path):
+    _vllm_ready()
+    cap, _ = _capture(tmp_path, 16, True, "null_block_for_page")
+    report = replay_capture(cap, ReplayOptions(backends=["vllm_triton"]))
+    assert report.backends["vllm_triton"].status == "pass"
+    assert report.diagnosis == "observed", report.diagnosis_text
+    assert report.backends["observed"].explanation.hypothesis == "null_block_read"
+
+
+def test_a_family_that_raises_is_its_error_and_the_search_goes_on(tmp_path, monkeypatch):
+    from refmla import hypotheses
+
+    def broken(s):
+        raise IndexError("index 7 is out of bounds for dimension 1 with size 2")
+
+    monkeypatch.setitem(hypotheses.SEARCHES, "seq_len_off_by", broken)
+    cap, _ = _capture(tmp_path, 16, False, "other_request_rows")
+    entry = replay_capture(cap, ReplayOptions(backends=["reference"])).backends["observed"]
+    assert "IndexError" in entry.info["hypothesis_errors"]["seq_len_off_by"]
+    assert entry.explanation is not None and entry.explanation.hypothesis == "other_request_read"
+
+
+def test_declarations():
+    with pytest.raises(ValueError, match="lse_base"):
+        Arithmetic(lse_base="log10")
+    assert VLLM_TRITON.split_block == 1 and SGLANG_TRITON.split_block == 32 and UNSPLIT.split_block is None
+
+
+@pytest.mark.parametrize("documented", [True, False])
+def test_the_lse_is_compared_in_the_base_its_producer_documents(tmp_path, documented):
+    """A producer whose lse is log2 and says so (meta lse_base) passes; one that does not say so is named."""
+    import math
+
+    spec = pv.VllmSpec(block=16, fp8=False, **SMALL)
+    t, meta, _ = pv.capture(spec)
+    t["lse"] = t["lse"] / math.log(2)
+    if documented:
+        meta["lse_base"] = "log2"
+    cap = read_capture(write_capture(tmp_path / "lse.safetensors", t, meta, compact=False))
+    report = replay_capture(cap, ReplayOptions(backends=["reference"]))
+    entry = report.backends["observed"]
+    assert entry.info["arithmetic"]["lse_base"] == ("log2" if documented else "ln")
+    if documented:
+        assert report.verdict == "agree", report.diagnosis_text
+    else:
+        assert entry.lse.status == "fail"
+        assert entry.localization.cause["detail"] == {"units": "log2"}, entry.localization.text()
