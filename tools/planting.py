@@ -71,6 +71,18 @@ def page_missing(t, spec, b):
     return out, lse, {"start": P, "end": 2 * P}
 
 
+def page_missing_faint(t, spec, b):
+    """Page 1 of request b never arrived, and its first quarter holds rows b's heads barely attend
+    to (mean logit -30: ~1e-16 of the mass), so a range starting a quarter page later fits as well:
+    the page-aligned one must be named."""
+    P, lo = _page(spec), int(t["kv_indptr"][b])
+    m = t["q"][b].double().mean(0)  # [D]
+    mean_logit = float((t["q"][b].double() @ m).mean()) * spec.sm_scale
+    for slot in t["kv_indices"][lo + P : lo + P + P // 4].tolist():
+        t["kv_buffer"][slot, 0] = (m * (-30.0 / mean_logit)).to(t["kv_buffer"].dtype)
+    return page_missing(t, spec, b)
+
+
 def pages_read_off(t, spec, b):
     """Request b reads its page table one page back (page_size 1: one position back)."""
     salient_newest(t, spec, b)
@@ -210,6 +222,7 @@ PLANTS: dict[str, tuple[Plant, str, tuple]] = {
     "kv_swapped": (kv_swapped, "other_request_read", ("from_request",)),
     "other_rows_read": (other_rows_read, "other_rows_read", ("page", "from_request", "from_page")),
     "page_missing": (page_missing, "kv_range_missing", ("start", "end")),
+    "page_missing_faint": (page_missing_faint, "kv_range_missing", ("start", "end")),
     "kv_zero_block": (kv_zero_block, "kv_range_missing", ()),
     "sm_scale_twice": (sm_scale_twice, "wrong_sm_scale", ()),
     "heads_rotated": (heads_rotated, "head_misaligned", ()),
