@@ -158,6 +158,36 @@ def heads_rotated(t, spec, b):
     return torch.roll(out, -1, dims=1), torch.roll(lse, -1, dims=1), {}
 
 
+def _fold(H: int, want: int) -> int:
+    return want if H % want == 0 and H // want >= 2 else 2
+
+
+def heads_folded_zero(t, spec, b):
+    """Heads folded 2x into pseudo-rows of H/2; the unfold wrote back pseudo-row 0 only: heads H/2.. stay zero."""
+    out, lse = _clean(t, spec)
+    H = out.shape[1]
+    out[:, H // 2 :] = 0
+    return out, lse, {"fold": 2, "how": "zero"}
+
+
+def heads_folded_mixed(t, spec, b):
+    """Heads folded 4x (pseudo-rows of H/4 heads); the unfold read pseudo-row p + 1 for p: head h
+    written from head h + H/4 (wrapping)."""
+    out, lse = _clean(t, spec)
+    H = out.shape[1]
+    f = _fold(H, 4)
+    g = H // f
+    mixed = torch.stack([out[:, (h + g) % H] for h in range(H)], 1)
+    return mixed, lse, {"fold": f, "how": "mixed"}
+
+
+def heads_folded_transposed(t, spec, b):
+    """Heads folded 2x; the unfold swapped pseudo-row and lane: head h written from head (h % 2) * H/2 + h // 2."""
+    out, lse = _clean(t, spec)
+    H = out.shape[1]
+    return torch.stack([out[:, (h % 2) * (H // 2) + h // 2] for h in range(H)], 1), lse, {"fold": 2, "how": "transposed"}
+
+
 def lse_log2(t, spec, b):
     """Request b's final lse written in log2 units (the output is right)."""
     out, lse = _clean(t, spec)
@@ -227,6 +257,9 @@ PLANTS: dict[str, tuple[Plant, str, tuple]] = {
     "sm_scale_twice": (sm_scale_twice, "wrong_sm_scale", ()),
     "heads_rotated": (heads_rotated, "head_misaligned", ()),
     "rows_permuted": (rows_permuted, "output_rows_permuted", ("rows",)),
+    "heads_folded_zero": (heads_folded_zero, "heads_folded", ("fold", "how")),
+    "heads_folded_mixed": (heads_folded_mixed, "heads_folded", ("fold", "how")),
+    "heads_folded_transposed": (heads_folded_transposed, "heads_folded", ("fold", "how")),
     "lse_log2": (lse_log2, "lse_units", ("units",)),
     "lse_ln": (lse_ln, "lse_units", ("units",)),
 }
