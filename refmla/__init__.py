@@ -26,6 +26,7 @@ copy of the layout (the README links here).
     results.py      typed results: findings, explanations, backend entries, reports (to_json)
     blame.py        whom a failing backend blames: the failing part's own rows
     checks.py       metadata forensics run before every replay
+    plan.py         a kernel's recorded launch plan (aiter's work / reduce maps) checked without running it
     backends/       one module per compute path, picked by name
     isolation.py    each kernel backend in a child process: a crash (signal, GPU fault) is its error
     context.py      what one replay's backends share: reference, control, split references
