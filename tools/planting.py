@@ -240,6 +240,87 @@ def newest_kv_stale(t, spec, b):
     return out, lse, {"how": "stale"}
 
 
+def split_bounds(L: int, n: int) -> list[tuple[int, int]]:
+    """SGLang's Triton decode split schedule, written here from its kernel: each split holds
+    ceil(ceil(L / n) / 32) * 32 positions; the splits that hold a token."""
+    per = -(-(-(-L // n)) // 32) * 32
+    return [(a, min(a + per, L)) for a in range(0, L, per)]
+
+
+def split_partials(t, spec, b) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Request b's stage-1 partials: per split, (normalized out [H, Dv], lse [H]) in fp64."""
+    lo, hi = int(t["kv_indptr"][b]), int(t["kv_indptr"][b + 1])
+    slots = t["kv_indices"][lo:hi].long()
+    n = int(t["num_kv_splits"][b])
+    out = []
+    for a, e in split_bounds(hi - lo, n):
+        o, lse = attention(t["q"][b : b + 1], t["kv_buffer"], torch.tensor([0, e - a]), slots[a:e],
+                           spec.kv_lora_rank, spec.sm_scale)  # fmt: skip
+        out.append((o[0], lse[0]))
+    return out
+
+
+def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Stage 2: the partials' log-sum-exp merge [H, Dv]."""
+    lse = torch.stack([l for _, l in parts], -1)  # [H, S]
+    w = torch.exp(lse - lse.max(-1, keepdim=True).values)
+    o = torch.stack([o for o, _ in parts], 1)  # [H, S, Dv]
+    return (w[..., None] * o).sum(1) / w.sum(-1)[:, None]
+
+
+def _split_request(t, b: int, least: int = 3) -> int:
+    """b, else the first request with at least ``least`` non-empty splits."""
+    def count(r):
+        L = int(t["kv_indptr"][r + 1] - t["kv_indptr"][r])
+        return len(split_bounds(L, int(t["num_kv_splits"][r])))
+    return b if count(b) >= least else next(r for r in range(len(t["kv_indptr"]) - 1) if count(r) >= least)
+
+
+def split_repeated(t, spec, b):
+    """Request b's split 1 run twice (a work item repeated) and both partials merged."""
+    out, lse = _clean(t, spec)
+    parts = split_partials(t, spec, b)
+    out[b] = merge(parts + [parts[1]])
+    a, e = split_bounds(int(t["kv_indptr"][b + 1] - t["kv_indptr"][b]), int(t["num_kv_splits"][b]))[1]
+    return out, lse, {"split": 1, "start": a, "end": e}
+
+
+def split_misrouted(t, spec, b):
+    """Request b's split 1 merged into request 0's output instead of b's (a work item routed to the
+    neighbouring request's reduce)."""
+    out, lse = _clean(t, spec)
+    parts = split_partials(t, spec, b)
+    mine = split_partials(t, spec, 0)
+    out[b] = merge(parts[:1] + parts[2:])
+    out[0] = merge(mine + [parts[1]])
+    return out, lse, {"request": b, "split": 1, "to_request": 0}
+
+
+def partials_read_at_split_count(t, spec, b):
+    """Stage 1 writes partial (b, h, s) at row (b * H + h) * max_kv_splits + s; stage 2 reads it at
+    (b * H + h) * N + s, N the batch's largest num_kv_splits (its stride sized by the split count, not
+    the buffer's). Rows never written hold no mass."""
+    B, H = t["q"].shape[0], t["q"].shape[1]
+    S, N = spec.max_kv_splits, int(t["num_kv_splits"].max())
+    rows: dict[int, tuple[torch.Tensor, float]] = {}
+    for r in range(B):
+        for s_, (o, l) in enumerate(split_partials(t, spec, r)):
+            for h in range(H):
+                rows[(r * H + h) * S + s_] = (o[h], float(l[h]))
+    out, lse = _clean(t, spec)
+    for r in range(B):
+        n = len(split_partials(t, spec, r)) if int(t["kv_indptr"][r + 1] - t["kv_indptr"][r]) else 0
+        for h in range(H):
+            got = [rows[(r * H + h) * N + s_] for s_ in range(n) if (r * H + h) * N + s_ in rows]
+            if not got:
+                out[r, h] = 0
+                continue
+            m = max(l for _, l in got)
+            w = torch.tensor([math.exp(l - m) for _, l in got], dtype=torch.float64)
+            out[r, h] = (w[:, None] * torch.stack([o for o, _ in got])).sum(0) / w.sum()
+    return out, lse, {"stride": N, "axis": "split", "side": "read"}
+
+
 Plant = Callable  # (t, spec, b) -> (out [B, H, Dv], lse [B, H], detail)
 
 # name -> (planter, the hypothesis that names it, detail keys that must match)
@@ -260,6 +341,9 @@ PLANTS: dict[str, tuple[Plant, str, tuple]] = {
     "heads_folded_zero": (heads_folded_zero, "heads_folded", ("fold", "how")),
     "heads_folded_mixed": (heads_folded_mixed, "heads_folded", ("fold", "how")),
     "heads_folded_transposed": (heads_folded_transposed, "heads_folded", ("fold", "how")),
+    "split_repeated": (split_repeated, "kv_range_repeated", ("split", "start", "end")),
+    "split_misrouted": (split_misrouted, "work_item_misrouted", ("request", "split", "to_request")),
+    "partials_misaddressed": (partials_read_at_split_count, "partials_misaddressed", ("stride", "axis", "side")),
     "lse_log2": (lse_log2, "lse_units", ("units",)),
     "lse_ln": (lse_ln, "lse_units", ("units",)),
 }

@@ -28,6 +28,11 @@ report the first, in the table's order, that brings the backend's error back to 
                                                       (or the reverse)
     split_missing       {"split": s}                  split s's partial left out of the merge (its positions
                                                       dropped listed as kv_range_missing under other_causes)
+    kv_range_repeated   {"split", "start", "end"}     split s done twice, both partials merged
+    work_item_misrouted {"request", "split", "start", split s of a request merged into request
+                         "end", "to_request"}         to_request's output instead of its own
+    partials_misaddressed {"stride", "axis", "side"}  stage 2 read (or stage 1 wrote) the partials at
+                                                      another split / head stride
     kv_scale_misapplied {"scale", "applied"}          fp8 k_scale / v_scale applied twice, not at all, or
                                                       one in the other's place
     wrong_sm_scale      {"ratio": r}                  used r * sm_scale
@@ -70,7 +75,8 @@ The package (imports go down this list):
     numerics.py, verify.py
     (the speculative verify families), and the faults of real
     MLA kernels (refmla/synth/zoo.py plants them): pages.py (two families), empty_split.py,
-    overflow.py, kv_scale.py, rope.py, misplaced.py (five families: KV read or output written in the
+    overflow.py, kv_scale.py, rope.py, partials.py (three families of the split partials' plan),
+    misplaced.py (five families: KV read or output written in the
     wrong place), blocktable.py (three families of block-table kernels); stale.py (the newest row
     read as stale bytes, fitted: tried last)
 
@@ -95,7 +101,7 @@ from refmla.compare import Comparison
 from refmla.context import ReplayContext
 from refmla.hypotheses import (
     blocktable, empty_split, head_misaligned, heads_folded, kv_range, kv_scale, logit_cap, misplaced, numerics, overflow,
-    pages, rope, seq_len, sm_scale, split, stale, verify,
+    pages, partials, rope, seq_len, sm_scale, split, stale, verify,
 )
 from refmla.hypotheses.search import Search, SearchFn
 from refmla.results import Alternative, Explanation
@@ -122,6 +128,10 @@ SEARCHES: dict[str, SearchFn] = {
     blocktable.NULL_BLOCK: blocktable.search_null_block,
     blocktable.PAGES_AS_TOKENS: blocktable.search_pages_as_tokens,
     split.NAME: lambda s: kv_range.dropped_alternative(s, split.search(s)),  # and its positions dropped
+    # the split partials repeated, routed to another request, read at another stride (decode, >= 2 splits)
+    partials.REPEATED: partials.search_repeated,
+    partials.MISROUTED: partials.search_misrouted,
+    partials.MISADDRESSED: partials.search_misaddressed,
     kv_scale.NAME: kv_scale.search,
     sm_scale.NAME: sm_scale.search,
     heads_folded.NAME: heads_folded.search,  # a fold's patterns named before a bare head mapping
