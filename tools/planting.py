@@ -276,6 +276,20 @@ def _split_request(t, b: int, least: int = 3) -> int:
     return b if count(b) >= least else next(r for r in range(len(t["kv_indptr"]) - 1) if count(r) >= least)
 
 
+def split_lse_overflow(t, spec, b):
+    """Request b's query carries logits up to 120 for its loudest head (a realistic q, CUTLASS
+    #2274), and the kernel took each split's lse as log(sum(exp(s))) in fp32 without the max: +inf
+    where a split's true lse passes log(fp32 max), and the merge NaN on those (row, head)s."""
+    k = t["kv_buffer"][t["kv_indices"][int(t["kv_indptr"][b]) : int(t["kv_indptr"][b + 1])].long(), 0].double()
+    top = float((k @ t["q"][b].double().T).max()) * spec.sm_scale  # the largest logit of b
+    t["q"][b] = (t["q"][b].double() * (120.0 / top)).to(t["q"].dtype)
+    out, lse = _clean(t, spec)
+    for h in range(out.shape[1]):
+        if any(float(l[h]) >= math.log(torch.finfo(torch.float32).max) for _, l in split_partials(t, spec, b)):
+            out[b, h] = math.nan
+    return out, lse, {"variant": "split_lse_no_max"}
+
+
 def split_repeated(t, spec, b):
     """Request b's split 1 run twice (a work item repeated) and both partials merged."""
     out, lse = _clean(t, spec)
@@ -341,6 +355,7 @@ PLANTS: dict[str, tuple[Plant, str, tuple]] = {
     "heads_folded_zero": (heads_folded_zero, "heads_folded", ("fold", "how")),
     "heads_folded_mixed": (heads_folded_mixed, "heads_folded", ("fold", "how")),
     "heads_folded_transposed": (heads_folded_transposed, "heads_folded", ("fold", "how")),
+    "split_lse_overflow": (split_lse_overflow, "numerics", ("variant",)),
     "split_repeated": (split_repeated, "kv_range_repeated", ("split", "start", "end")),
     "split_misrouted": (split_misrouted, "work_item_misrouted", ("request", "split", "to_request")),
     "partials_misaddressed": (partials_read_at_split_count, "partials_misaddressed", ("stride", "axis", "side")),
