@@ -290,6 +290,45 @@ def split_lse_overflow(t, spec, b):
     return out, lse, {"variant": "split_lse_no_max"}
 
 
+def pv_accum_bf16(t, spec, b):
+    """Every request through a split kernel that accumulates P.V in bf16 (SGLang's Triton stage 1
+    with its accumulator in bf16): per split, blocks of 32 positions, an online softmax in fp32, P
+    rounded to the value dtype, each block's P.V summed in fp32 and added to a bf16 accumulator;
+    the merge in fp32, the output stored in bf16."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    B, H, _ = t["q"].shape
+    Dv = spec.kv_lora_rank
+    out = torch.zeros(B, H, Dv, dtype=torch.float64)
+    for r in range(B):
+        lo, hi = int(t["kv_indptr"][r]), int(t["kv_indptr"][r + 1])
+        if hi == lo:
+            continue
+        k = t["kv_buffer"][t["kv_indices"][lo:hi].long(), 0].to(f32)  # [L, D]
+        q = t["q"][r].to(f32)  # [H, D]
+        outs, lses = [], []
+        for a, e in split_bounds(hi - lo, int(t["num_kv_splits"][r])):
+            m = torch.full((H,), -math.inf, dtype=f32)
+            l = torch.zeros(H, dtype=f32)
+            acc = torch.zeros(H, Dv, dtype=bf16)
+            for x in range(a, e, 32):
+                y = min(x + 32, e)
+                s_ = (q @ k[x:y].T) * spec.sm_scale  # [H, n] fp32
+                m2 = torch.maximum(m, s_.amax(-1))
+                scale = torch.exp(m - m2)
+                p = torch.exp(s_ - m2[:, None])
+                pv = p.to(t["kv_buffer"].dtype).to(f32) @ k[x:y, :Dv]  # [H, Dv] fp32
+                acc = (acc.to(f32) * scale[:, None] + pv).to(bf16)
+                l = l * scale + p.sum(-1)
+                m = m2
+            outs.append(acc.to(f32) / l[:, None])
+            lses.append(m + torch.log(l))
+        ls = torch.stack(lses, -1)  # [H, S]
+        w = torch.exp(ls - ls.max(-1, keepdim=True).values)
+        out[r] = ((w[..., None] * torch.stack(outs, 1)).sum(1) / w.sum(-1)[:, None]).double()
+    _, lse = _clean(t, spec)
+    return out, lse, {"variant": "pv_accum_bf16"}
+
+
 def split_repeated(t, spec, b):
     """Request b's split 1 run twice (a work item repeated) and both partials merged."""
     out, lse = _clean(t, spec)
@@ -356,6 +395,7 @@ PLANTS: dict[str, tuple[Plant, str, tuple]] = {
     "heads_folded_mixed": (heads_folded_mixed, "heads_folded", ("fold", "how")),
     "heads_folded_transposed": (heads_folded_transposed, "heads_folded", ("fold", "how")),
     "split_lse_overflow": (split_lse_overflow, "numerics", ("variant",)),
+    "pv_accum_bf16": (pv_accum_bf16, "numerics", ("variant",)),
     "split_repeated": (split_repeated, "kv_range_repeated", ("split", "start", "end")),
     "split_misrouted": (split_misrouted, "work_item_misrouted", ("request", "split", "to_request")),
     "partials_misaddressed": (partials_read_at_split_count, "partials_misaddressed", ("stride", "axis", "side")),
