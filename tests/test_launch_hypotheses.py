@@ -36,3 +36,11 @@ def test_planted_launch_fault_is_named_with_its_detail(tmp_path: Path, spec, pla
 def test_a_clean_output_agrees(tmp_path: Path):
     outcome, said, _ = bench_planted.run_case(tmp_path, SMALL, "none")
     assert outcome == "agree", said
+
+
+@pytest.mark.parametrize("fault", [False, True], ids=["clean-steps", "stale-metadata"])
+def test_a_graph_replayed_with_the_previous_steps_metadata_is_named_from_the_series(tmp_path: Path, fault):
+    """Two steps of one layer and rank, replayed as a folder: step 8's output computed with step 7's
+    indptr / indices / split counts is stale_metadata(step=7); two clean steps agree."""
+    outcome, said, _ = bench_planted.stale_case(tmp_path, SMALL, fault)
+    assert outcome == ("named" if fault else "agree"), said

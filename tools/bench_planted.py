@@ -31,7 +31,9 @@ import planting  # noqa: E402
 
 from refmla.capture import read_capture, write_capture  # noqa: E402
 from refmla.context import ReplayOptions  # noqa: E402
+from refmla.batch import replay_many  # noqa: E402
 from refmla.replay import replay_capture  # noqa: E402
+from refmla.series import attach_series  # noqa: E402
 from refmla.synth import make_inputs, make_meta, preset  # noqa: E402
 
 FULL = {"kimi-k2-tp8 page 1": ("kimi-k2-tp8", {}), "kimi-k2-tp8 page 256": ("kimi-k2-tp8-page256", {}),
@@ -96,6 +98,44 @@ def run_case(folder: Path, spec, plant: str) -> tuple[str, str, float]:
     return judge(report, plant, b, {k: detail[k] for k in keys}), said, time.perf_counter() - t0
 
 
+def stale_case(folder: Path, spec, fault: bool) -> tuple[str, str, float]:
+    """Two steps of one layer and rank: step 7 clean, step 8 clean (``fault`` False) or computed with
+    step 7's metadata (planting.stale_metadata); replayed as ``refmla replay`` does a folder
+    (replay_many, then the series: stale_metadata is named there)."""
+    t = make_inputs(spec)
+    prev = planting.previous_step(t)
+    prev["out"] = planting.attention(prev["q"], prev["kv_buffer"], prev["kv_indptr"], prev["kv_indices"],
+                                     spec.kv_lora_rank, spec.sm_scale)[0].to(spec.dtype)  # fmt: skip
+    if fault:
+        out, _, detail = planting.stale_metadata(t, spec, prev)
+    else:
+        out, _ = planting.attention(t["q"], t["kv_buffer"], t["kv_indptr"], t["kv_indices"], spec.kv_lora_rank, spec.sm_scale)
+    t["out"] = out.to(spec.dtype)
+    paths = []
+    for step, tensors in ((7, prev), (8, t)):
+        meta = make_meta(spec)
+        meta["step"] = step
+        meta.pop("num_kv_splits", None)
+        paths.append(str(folder / f"step{step}.safetensors"))
+        write_capture(paths[-1], tensors, meta, compact=False)
+    opts = ReplayOptions(backends=["reference"])
+    t0 = time.perf_counter()
+    reports = replay_many(paths, opts)
+    attach_series(reports, opts)
+    secs = time.perf_counter() - t0
+    rep = reports[1]
+    entry = rep.backends["observed"]
+    said = entry.explanation.text() if entry.explanation else (entry.localization.text() if entry.localization else "-")
+    if not fault:
+        return ("agree" if all(r.verdict == "agree" for r in reports) else "false alarm"), said, secs
+    if rep.verdict == "agree":
+        return "below noise", said, secs
+    e = entry.explanation
+    if e is not None and e.hypothesis == "stale_metadata" and e.detail.get("step") == detail["step"]:
+        return "named", said, secs
+    return ("wrong" if e is not None and e.complete else "unexplained"), said, secs
+
+
 def independent_main(quick: bool) -> int:
     configs = QUICK if quick else FULL
     tally: Counter = Counter()
@@ -106,6 +146,11 @@ def independent_main(quick: bool) -> int:
                 outcome, said, secs = run_case(Path(tmp), spec, plant)
                 tally[outcome] += 1
                 print(f"{label:24s} {plant:16s} {outcome:15s} {secs:6.1f}s  {said[:110]}", flush=True)
+            for fault in (False, True):  # two steps of a series: stale_metadata
+                outcome, said, secs = stale_case(Path(tmp), spec, fault)
+                tally[outcome] += 1
+                name = "stale_metadata" if fault else "none (2 steps)"
+                print(f"{label:24s} {name:16s} {outcome:15s} {secs:6.1f}s  {said[:110]}", flush=True)
     faults = sum(v for k, v in tally.items() if k not in ("agree", "false alarm", "n/a"))
     print(f"{tally['named']}/{faults} named, {tally['localized-only']} localized-only, {tally['unexplained']} "
           f"unexplained, {tally['wrong']} wrong, {tally['below noise']} below noise, "

@@ -374,6 +374,36 @@ def partials_read_at_split_count(t, spec, b):
     return out, lse, {"stride": N, "axis": "split", "side": "read"}
 
 
+def previous_step(t, seed: int = 5) -> dict:
+    """The same requests one decode step earlier: each one token shorter (its newest slot not yet
+    in its list), the split counts SGLang's default for the shorter lengths, another query; the
+    same pool. Returns the previous step's tensors (``out`` left to the caller)."""
+    ip, idx = t["kv_indptr"], t["kv_indices"]
+    B = len(ip) - 1
+    keep, lens = [], []
+    for b in range(B):
+        lo, hi = int(ip[b]), int(ip[b + 1])
+        n = max(0, hi - lo - 1)
+        keep.append(idx[lo : lo + n])
+        lens.append(n)
+    g = torch.Generator().manual_seed(seed)
+    prev = {k: v.clone() for k, v in t.items() if k not in ("out", "lse")}
+    prev["kv_indices"] = torch.cat(keep)
+    prev["kv_indptr"] = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=ip.dtype)
+    prev["seq_lens"] = torch.tensor(lens, dtype=t["seq_lens"].dtype)
+    if "num_kv_splits" in t:
+        prev["num_kv_splits"] = torch.tensor([min(16, max(1, n // 128)) for n in lens], dtype=t["num_kv_splits"].dtype)
+    prev["q"] = (torch.randn(t["q"].shape, generator=g, dtype=torch.float64) * t["q"].double().std()).to(t["q"].dtype)
+    return prev
+
+
+def stale_metadata(t, spec, prev):
+    """Step t's kernel ran with step t-1's metadata (a graph replayed before its metadata was
+    updated): step t's queries over step t-1's indptr / indices / split counts."""
+    out, lse = attention(t["q"], t["kv_buffer"], prev["kv_indptr"], prev["kv_indices"], spec.kv_lora_rank, spec.sm_scale)
+    return out, lse, {"step": 7}
+
+
 Plant = Callable  # (t, spec, b) -> (out [B, H, Dv], lse [B, H], detail)
 
 # name -> (planter, the hypothesis that names it, detail keys that must match)
