@@ -139,7 +139,10 @@ def search_lse_overflow(s: Search) -> Optional[Explanation]:
     cmp = s.confirm(expected, control)
     if not cmp.passed:
         return None
-    extra = {"scope": "all requests", "why": "split lse taken without the max subtracted, in fp32: +inf past "
+    trial = Trial(LSE_NO_MAX, round(residual(cmp), 4), confirmed=True)
+    s.memo(TRIED, list).append(trial.to_json())
+    extra = {"scope": "all requests", "variants_tried": [trial.to_json()],
+             "why": "split lse taken without the max subtracted, in fp32: +inf past "
              f"{FP32_LOG_MAX:.2f}, the merge NaN", "overflowed_rows": int(rows.sum()),
              "largest_split_lse": round(float(lses[valid[:, None, :].expand_as(lses)].max()), 3)}  # fmt: skip
     return explained(s, NAME, {"variant": LSE_NO_MAX}, cmp, extra)
