@@ -21,6 +21,7 @@ request's queries and KV, and reduces every partial it writes, once, into its ow
     kv_range_uncovered    entries [s, e) of a request's heads done by none
     partials_misaddressed a partial written twice, reduced into another request's row, reduced
                           twice or never, or reduced without being written
+    plan_unreadable       the maps do not parse as that layout (a finding, never a crash)
 """
 
 from __future__ import annotations
@@ -94,6 +95,16 @@ def check_aiter_plan(cap: Capture) -> Optional[PlanCheck]:
     """The plan check of a capture holding aiter's persistent work / reduce maps (None: it holds none)."""
     if not has_aiter_plan(cap):
         return None
+    try:
+        return _check(cap)
+    except Exception as e:  # a plan refmla cannot read is a finding about the plan, never a crash of inspect
+        check = PlanCheck("aiter persistent work / reduce maps", 0, 0)
+        check.violations.append(PlanViolation("plan_unreadable", f"the work / reduce maps do not parse as aiter's "
+                                              f"layout: {type(e).__name__}: {e}"))  # fmt: skip
+        return check
+
+
+def _check(cap: Capture) -> PlanCheck:
     items = _items(cap)
     B = cap.batch_size
     kv = cap.kv_indptr.long().tolist()
@@ -104,6 +115,9 @@ def check_aiter_plan(cap: Capture) -> Optional[PlanCheck]:
     wi = cap.aiter_work_indptr.long()
     if bool((wi[1:] < wi[:-1]).any()) or int(wi[0]) != 0:
         add(PlanViolation("work_list_stale", "work_indptr is not monotone from 0: the CUs' item lists overlap"))
+    if int(wi[-1]) > cap.aiter_work_info_set.shape[0]:
+        add(PlanViolation("work_list_stale", f"work_indptr ends at item {int(wi[-1])}, past the "
+                          f"{cap.aiter_work_info_set.shape[0]} items the work list holds", {"work_items": int(wi[-1])}))  # fmt: skip
     placed: dict[int, list[WorkItem]] = {b: [] for b in range(B)}
     for w in items:
         v = _misplaced(w, B, kv, qo, heads)
@@ -192,7 +206,7 @@ def _partials(cap: Capture, items: list[WorkItem], B: int, qo: list[int], add) -
     for w in items:
         if w.partial < 0:
             continue
-        for r in range(w.partial, w.partial + max(1, w.qo[1] - w.qo[0])):
+        for r in range(w.partial, w.partial + min(max(1, w.qo[1] - w.qo[0]), max(1, qo[-1]))):  # its query rows
             if r in writer:
                 add(PlanViolation("partials_misaddressed", f"partial row {r} written by work items {writer[r].i} and "
                                   f"{w.i}", {"partial": r, "work_items": [writer[r].i, w.i]}))  # fmt: skip

@@ -109,3 +109,13 @@ def test_a_previous_batchs_item_is_stale(tmp_path, kv_indptr):
     code, entry, _ = inspect(write_with_plan(tmp_path / "stale.safetensors", plan))
     assert code == 1 and entry["plan"]["first"]["kind"] == "work_list_stale", entry["plan"]
     assert entry["plan"]["first"]["detail"]["work_item"] == len(plan["works"]) - 1
+
+
+def test_a_garbage_plan_is_a_finding_not_an_invalid_capture(tmp_path, kv_indptr):
+    plan = aiter_plan(kv_indptr)
+    plan["work_indptr"][-1] = len(plan["works"]) + 50  # past the list (the buffer's torch.empty tail)
+    plan["works"][0][2:4] = [0, 1 << 30]  # a query range of a billion rows
+    code, entry, _ = inspect(write_with_plan(tmp_path / "garbage.safetensors", plan))
+    kinds = {v["kind"] for v in entry["plan"]["violations"]}
+    assert code == 1 and entry["metadata"]["ok"], entry
+    assert {"work_list_stale", "work_item_misrouted"} <= kinds, kinds
