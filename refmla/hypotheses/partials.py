@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -49,9 +49,23 @@ class Partials:
     parts: torch.Tensor  # [B, H, S, Dv]
     lses: torch.Tensor  # [B, H, S]
     valid: torch.Tensor  # [B, S]
-    cparts: torch.Tensor
-    clses: torch.Tensor
     bounds: list[list[tuple[int, int]]]  # request b's non-empty split bounds
+    control: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # the control's (parts, lses), built on first use
+    _ctl: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    @property
+    def cparts(self) -> torch.Tensor:
+        return self._control()[0]
+
+    @property
+    def clses(self) -> torch.Tensor:
+        return self._control()[1]
+
+    def _control(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Only once a candidate screens: the control's partials cost more than the reference's."""
+        if self._ctl is None:
+            self._ctl = self.control()
+        return self._ctl
 
     def merged(self, parts, lses, valid, cparts, clses, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         exp = ref.merge_splits(parts, lses, valid)[0]
@@ -73,8 +87,12 @@ def partials(s: Search) -> Optional[Partials]:
         if s.cap.batch_size * s.cap.num_heads * S * s.sc.kv_lora_rank > WORK:
             return None
         parts, lses, valid = s.ctx.split_reference(n, S)
-        cparts, clses, _ = s.ctx.split_reference(n, S, control=True)
-        return Partials(parts, lses, valid, cparts.double(), clses.double(), bounds)
+
+        def control() -> tuple[torch.Tensor, torch.Tensor]:
+            cparts, clses, _ = s.ctx.split_reference(n, S, control=True)
+            return cparts.double(), clses.double()
+
+        return Partials(parts, lses, valid, bounds, control)
 
     return s.memo("partials.batch", build)
 
@@ -95,12 +113,14 @@ def find_repeated(s: Search, b: int) -> Iterator[Candidate]:
         return
     cands = []
     for k in range(k_all):
-        lses, clses = p.lses[b : b + 1].clone(), p.clses[b : b + 1].clone()
+        lses = p.lses[b : b + 1].clone()
         lses[:, :, k] += math.log(2)  # two equal partials merged: the split weighs double
-        clses[:, :, k] += math.log(2)
-        exp, ctl = p.merged(p.parts[b : b + 1], lses, p.valid[b : b + 1], p.cparts[b : b + 1], clses, s.dtype)
+        exp = ref.merge_splits(p.parts[b : b + 1], lses, p.valid[b : b + 1])[0]
         score = rescore(s, b, exp)
         if score < SCREEN:
+            clses = p.clses[b : b + 1].clone()
+            clses[:, :, k] += math.log(2)
+            ctl = ref.merge_splits(p.cparts[b : b + 1], clses, p.valid[b : b + 1])[0].to(s.dtype)
             a, e = p.bounds[b][k]
             cands.append(Candidate({"split": k, "start": a, "end": e}, exp, ctl, score, {"num_kv_splits": k_all}))
     yield from sorted(cands, key=lambda c: c.score)
@@ -132,9 +152,12 @@ def misrouted_candidates(s: Search, p: Partials) -> Iterator[Candidate]:
             for c in failing:
                 if c == b:
                     continue
-                cand = _moved(s, p, b, k, c)
-                sc = rescore(s, c, cand.expected[c : c + 1])
+                extra = torch.cat([p.lses[c], p.lses[b, :, k : k + 1]], -1)[None]  # c's splits and b's split k
+                parts = torch.cat([p.parts[c], p.parts[b, :, k : k + 1]], 1)[None]
+                valid = torch.cat([p.valid[c], torch.ones(1, dtype=torch.bool)])[None]
+                sc = rescore(s, c, ref.merge_splits(parts, extra, valid)[0])
                 if sc < SCREEN:
+                    cand = _moved(s, p, b, k, c)
                     cand.score = max(sb, sc)
                     cands.append(cand)
     yield from sorted(cands, key=lambda c: c.score)
@@ -182,7 +205,7 @@ def misaddressed_candidates(s: Search, p: Partials) -> Iterator[Candidate]:
         for side, write, read in (("read", right, other), ("written", other, right)):
             if side == "written" and overlap:
                 continue
-            cand = _readdressed(s, p, write, read)
+            cand = _readdressed(s, p, write, read, rows)
             if cand is None:
                 continue
             cand.detail = {"stride": x, "axis": axis, "side": side}
@@ -193,7 +216,7 @@ def misaddressed_candidates(s: Search, p: Partials) -> Iterator[Candidate]:
     yield from sorted(cands, key=lambda c: c.score)
 
 
-def _readdressed(s: Search, p: Partials, write: torch.Tensor, read: torch.Tensor) -> Optional[Candidate]:
+def _readdressed(s: Search, p: Partials, write: torch.Tensor, read: torch.Tensor, rows: torch.Tensor) -> Optional[Candidate]:
     """The merge when stage 1 wrote partial (b, h, s) at flat row write[b, h, s] and stage 2 read
     (b, h, s) from read[b, h, s]; rows never written hold no mass (lse -inf)."""
     B, H, S, Dv = p.parts.shape
@@ -201,15 +224,14 @@ def _readdressed(s: Search, p: Partials, write: torch.Tensor, read: torch.Tensor
     if n > 64 * B * H * S:
         return None
     wmask = p.valid[:, None, :].expand(B, H, S)
-    out = {}
-    for name, parts, lses in (("ref", p.parts, p.lses), ("ctl", p.cparts, p.clses)):
+
+    def merged(parts: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
         fo = torch.zeros(n, Dv, dtype=parts.dtype)
         fl = torch.full((n,), -math.inf, dtype=lses.dtype)
         fo[write[wmask]], fl[write[wmask]] = parts[wmask], lses[wmask]
-        out[name] = (fo[read], fl[read])
-    valid = p.valid  # stage 2 merges the splits it believes were written
-    exp = ref.merge_splits(out["ref"][0], out["ref"][1], valid)[0]
-    ctl = ref.merge_splits(out["ctl"][0], out["ctl"][1], valid)[0].to(s.dtype)
-    if torch.equal(exp, s.ref):
+        return ref.merge_splits(fo[read], fl[read], p.valid)[0]  # stage 2 merges the splits it believes written
+
+    exp = merged(p.parts, p.lses)
+    if torch.equal(exp, s.ref) or float(s.row_ratio(s.o64[rows], exp[rows], rows).max()) >= SCREEN:
         return None
-    return Candidate({}, exp, ctl)
+    return Candidate({}, exp, merged(p.cparts, p.clses).to(s.dtype))
