@@ -23,10 +23,12 @@ copy of the layout (the README links here).
     reference.py    the math, fp64: decode, split-KV partials and merge, extend and verify
     control.py      the same math at a kernel's rounding points (the tolerance's noise floor)
     compare.py      the one comparator (docs/contract.md section 5) and the one lse rule
+    repeat.py       N runs of one kernel on the same inputs, compared bit for bit (nondeterminism)
     options.py      ReplayOptions: every option a replay and its backends read, and their bounds
     results.py      typed results: findings, explanations, backend entries, reports (to_json)
     blame.py        whom a failing backend blames: the failing part's own rows
     checks.py       metadata forensics run before every replay
+    plan.py         a kernel's recorded launch plan (aiter's work / reduce maps) checked without running it
     backends/       one module per compute path, picked by name
     isolation.py    each kernel backend in a child process: a crash (signal, GPU fault) is its error
     context.py      what one replay's backends share: reference, control, split references

@@ -4,7 +4,8 @@ One entry per capture, with the MR region-size check of its pool geometry (refml
 ``finding`` exits 1, a ``warning`` -- within 5 % below the limit -- is reported and exits 0, a
 capture without geometry is ``not_recorded``); a sparse decode capture's entry is built by
 refmla.sparse.inspection (the same entry with ``sparse`` added); with several captures each readable one also gets its series findings
-(refmla.series) against the previous capture of its layer and rank.
+(refmla.series) against the previous capture of its layer and rank. A capture holding aiter's
+persistent work / reduce maps also gets its plan checked (refmla.plan: a violation exits 1).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 from refmla.capture import CaptureError, read_capture
 from refmla.checks import check_capture
+from refmla.plan import PlanCheck, check_aiter_plan
 from refmla.regions import RegionCheck, check_region
 from refmla.results import Finding, MetadataReport
 from refmla.series import series_checks
@@ -30,6 +32,7 @@ class InspectEntry:
     series: Optional[list[Finding]] = None
     region: Optional[RegionCheck] = None  # the MR region-size check (readable captures)
     sparse: Optional[Any] = None  # sparse decode captures: refmla.sparse.inspection.SparseInspection
+    plan: Optional[PlanCheck] = None  # the kernel's recorded launch plan checked (refmla.plan)
 
     @property
     def exit_code(self) -> int:
@@ -37,7 +40,8 @@ class InspectEntry:
         if not self.metadata.ok:
             return 2
         region_bad = self.region is not None and self.region.is_finding
-        return 1 if self.metadata.warnings or region_bad or any(f.severity == "warning" for f in self.series or []) else 0
+        plan_bad = self.plan is not None and not self.plan.ok
+        return 1 if self.metadata.warnings or region_bad or plan_bad or any(f.severity == "warning" for f in self.series or []) else 0
 
     def to_json(self) -> dict:
         d: dict[str, Any] = {"capture": self.capture}
@@ -52,6 +56,8 @@ class InspectEntry:
             d["region"] = self.region.to_json()
         if self.sparse is not None:
             d.update(kind="sparse_decode", sparse=self.sparse.to_json())
+        if self.plan is not None:
+            d["plan"] = self.plan.to_json()
         return d
 
 
@@ -60,8 +66,9 @@ def inspect_one(path: str) -> InspectEntry:
     try:
         cap = read_capture(path)
         tensors = {n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for n, t in cap.tensors().items()}
-        return InspectEntry(cap.path, check_capture(cap), meta=cap.meta.to_json(), tensors=tensors,
-                            region=check_region(cap.meta))  # fmt: skip
+        md = check_capture(cap)
+        return InspectEntry(cap.path, md, meta=cap.meta.to_json(), tensors=tensors, region=check_region(cap.meta),
+                            plan=check_aiter_plan(cap) if md.ok else None)  # fmt: skip
     except CaptureError as e:
         return InspectEntry(str(path), MetadataReport.invalid(str(e)), error=str(e))
     except Exception as e:  # one bad file must not end the run

@@ -24,6 +24,7 @@ BOUNDS = {
     "jobs": (1, 1024),  # worker processes
     "cu_count": (1, 1 << 16),  # compute units for SGLang's num_kv_splits heuristic
     "aiter_page_size": (1, 1 << 16),  # the page size aiter is called with (refmla.capture MAX_PAGE_SIZE)
+    "repeat": (1, 1000),  # runs of each kernel backend, compared bit for bit (refmla.repeat)
 }
 EXTEND_IMPLS = ("auto", "triton", "torch")  # the extend backend's implementation (REFMLA_EXTEND_IMPL)
 
@@ -51,10 +52,12 @@ class ReplayOptions:
     extend_impl: Optional[str] = None  # extend backend: auto | triton | torch (None: REFMLA_EXTEND_IMPL or auto)
     aiter_page_size: Optional[int] = None  # aiter: call with this page size (None: the capture's choice)
     isolate: bool = True  # run each kernel backend in a child process (refmla.isolation): a crash is its error
+    repeat: int = 1  # run each kernel backend this many times, bitwise compared (refmla.repeat; 1: once)
 
     def check(self) -> None:
         """ValueError naming the first option out of its bounds (the CLI refuses the same values)."""
-        values = {"k": self.tol.k, "ulps": self.tol.ulps, "cos": self.tol.cos, "cu_count": self.cu_count}
+        values = {"k": self.tol.k, "ulps": self.tol.ulps, "cos": self.tol.cos, "cu_count": self.cu_count,
+                  "repeat": self.repeat}  # fmt: skip
         if self.aiter_page_size is not None:
             values["aiter_page_size"] = self.aiter_page_size
         for name, value in values.items():

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from refmla.backends import ALL_NAMES, NAMES, VERIFY_ONLY, BackendUnavailable, get_backend
+from refmla.backends.base import BackendFinding, BackendResult
 from refmla.capture import Capture, CaptureError, read_capture
 from refmla.checks import check_capture
 from refmla.compare import judged_dtype
@@ -21,6 +22,7 @@ from refmla.diagnosis import diagnose, diagnose_upstream, diagnose_verify, unrep
 from refmla.hypotheses import explain_failure
 from refmla.isolation import KernelCrashed, KernelError, enabled, run_isolated
 from refmla.localize import localize
+from refmla.repeat import compare_runs
 from refmla.results import PART_NAMES, BackendEntry, MetadataReport, NoiseFloor, ReplayReport, Shape
 from refmla.splits import compare_lse, compare_splits
 from refmla.util import dtype_name, error_text, callable_module
@@ -134,6 +136,8 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
     try:
         run = backend.run if not enabled(ctx.opts.isolate) else lambda c, o: run_isolated(backend.run, c, o)
         res = run(ctx.cap, ctx.opts)
+        if ctx.opts.repeat > 1 and name != "observed":  # the same inputs again: every bit must match
+            repeated(res, [run(ctx.cap, ctx.opts) for _ in range(ctx.opts.repeat - 1)])
     except BackendUnavailable as e:
         return BackendEntry("skipped", reason=str(e))
     except (KernelCrashed, KernelError) as e:  # died or raised in its own process (refmla.isolation)
@@ -176,6 +180,16 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
             entry.info["explain_error"] = error_text(e)
     entry.seconds = round(time.perf_counter() - t0, 3)
     return entry
+
+
+def repeated(res: BackendResult, more: list[BackendResult]) -> None:
+    """Compare ``res`` with the same backend's further runs bit for bit (refmla.repeat): the outcome
+    in ``res.info["repeat"]``, and a ``nondeterministic`` finding (a fail) when any bit differs."""
+    parts = ("out", "lse", "attn_logits", "attn_lse")
+    outcome = compare_runs([{p: getattr(r, p) for p in parts if getattr(r, p) is not None} for r in (res, *more)])
+    res.info["repeat"] = outcome.to_json()
+    if not outcome.deterministic:
+        res.findings.append(BackendFinding("nondeterministic", outcome.text(), outcome.to_json()))
 
 
 def worst_status(reports: list[ReplayReport]) -> int:

@@ -11,10 +11,19 @@ order) must
 
 Findings are attached to the later capture's report under ``"series"``, so ``--json`` stays a
 plain array of report objects.
+
+``stale_metadata`` (issue 31): a CUDA / HIP graph replayed with the previous step's metadata
+(vLLM #36611, SGLang #28028, #13740) computes the right attention under step t-1's indptr,
+indices, lengths and split counts. When a capture's observed output fails and the previous
+capture of its series has the same batch size, the reference and control under the previous
+step's metadata (its physical slots mapped onto this capture's pool) are compared with the
+output; if the comparator passes, that is the observed backend's explanation (the search's own
+answer kept under ``other_causes``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -23,8 +32,9 @@ from typing import Optional, Sequence
 import torch
 
 from refmla.capture import Capture, CaptureError, read_capture
+from refmla.context import ReplayContext, ReplayOptions
 from refmla.pool import rows_differ
-from refmla.results import Finding
+from refmla.results import Alternative, Explanation, Finding
 from refmla.util import single_thread
 
 
@@ -85,12 +95,62 @@ def series_checks(paths: Sequence[str]) -> dict[str, list[Finding]]:
     return found
 
 
-def attach_series(reports: list) -> None:
-    """Set ``report.series`` (a list of findings) on every readable capture's ReplayReport."""
+def attach_series(reports: list, opts: Optional[ReplayOptions] = None) -> None:
+    """Set ``report.series`` (a list of findings) on every readable capture's ReplayReport; with
+    ``opts`` (the replay's) also try ``stale_metadata`` on each failing observed output."""
     found = series_checks([r.capture for r in reports])  # unreadable files are skipped there
     for r in reports:
         if r.capture in found:
             r.series = found[r.capture]
+    if opts is None or not opts.explain:
+        return
+    by_path = {r.capture: r for r in reports}
+    for group in group_series([r.capture for r in reports]).values():
+        for before, path in zip(group, group[1:]):
+            entry = by_path[path].backends.get("observed") if path in by_path else None
+            if entry is None or entry.status != "fail" or entry.comparison is None:
+                continue
+            try:
+                e = stale_metadata(read_capture(before), read_capture(path), opts)
+            except Exception:  # an aid: never the replay's cost
+                continue
+            if e is not None:
+                old = entry.explanation
+                if old is not None:
+                    e.other_causes.append(Alternative(old.hypothesis, old.detail, old.request, old.residual_ratio))
+                entry.explanation = e
+
+
+def stale_metadata(prev: Capture, cap: Capture, opts: ReplayOptions) -> Optional[Explanation]:
+    """``stale_metadata {"step"}``: ``cap``'s observed output is the attention under ``prev``'s
+    metadata (decode, the same batch size, every slot prev attends present in cap's pool), or None."""
+    if not (prev.is_decode and cap.is_decode) or prev.batch_size != cap.batch_size or cap.block_table is not None:
+        return None
+    if prev.block_table is not None or prev.meta.page_size != cap.meta.page_size:
+        return None
+    phys = lambda c: (c.orig_kv_indices if c.orig_kv_indices is not None else c.kv_indices).long()  # noqa: E731
+    row_of = dict(zip(phys(cap).tolist(), cap.kv_indices.long().tolist()))
+    want = phys(prev).tolist()
+    if any(x not in row_of for x in want):
+        return None
+    rows = torch.tensor([row_of[x] for x in want], dtype=cap.kv_indices.dtype)
+    stale = dataclasses.replace(cap, kv_indptr=prev.kv_indptr, kv_indices=rows, seq_lens=prev.seq_lens,
+                                num_kv_splits=prev.num_kv_splits, orig_kv_indices=None, attn_logits=None, attn_lse=None)  # fmt: skip
+    with single_thread():
+        ctx = ReplayContext(stale, dataclasses.replace(opts, explain=False))
+        cmp = ctx.compare("observed", cap.out)
+    if not cmp.passed:
+        return None
+    ratio = cmp.row_err / cmp.row_tol if cmp.row_err is not None else None
+    changed = [b for b in range(cap.batch_size) if int(prev.seq_lens[b]) != int(cap.seq_lens[b])]
+    return Explanation(
+        hypothesis="stale_metadata", request=None, detail={"step": prev.meta.step},
+        max_abs_err=cmp.max_abs_err, residual_ratio=float(ratio.max()) if ratio is not None and ratio.numel() else 0.0,
+        extra={"scope": "all requests", "previous": prev.path, "seq_lens_used": prev.seq_lens.tolist(),
+               "requests_changed": changed,
+               "why": f"the output is the attention under step {prev.meta.step}'s metadata (indptr, indices, "
+                      f"seq_lens, num_kv_splits): a graph replayed with the previous step's metadata"},
+    )  # fmt: skip
 
 
 def pair_steps(prev: Capture, nxt: Capture) -> tuple[str, list[tuple[int, int]]]:

@@ -146,7 +146,21 @@ def test_large_buffers_are_left_out_with_the_reason(standin, sglang_module):
     backend = sglang_module.AiterAttnBackend()
     backend.forward_metadata = None
     buffers, why_not = aiter_buffers(context(backend, notes))
-    assert buffers == {} and "not captured" in why_not
+    assert buffers == {} and "not captured" in why_not and "REFMLA_CAPTURE_AITER_META=full" in why_not
+
+
+def test_large_buffers_are_captured_whole_when_asked(standin, sglang_module, monkeypatch):
+    """REFMLA_CAPTURE_AITER_META=full: the plan whole, whatever its size (refmla inspect checks it);
+    the size is in the meta either way."""
+    big = torch.zeros(BUFFER_MAX_BYTES // 4 + 1, dtype=torch.int32)
+    notes = {"aiter_kernel_tensors": {n: big for n in NAMES}, "aiter_kernel_call": {}}
+    backend = sglang_module.AiterAttnBackend()
+    backend.forward_metadata = None
+    ctx = context(backend, notes)
+    assert aiter_path_meta(ctx)["aiter_buffers_bytes"] == 5 * big.numel() * 4
+    monkeypatch.setenv("REFMLA_CAPTURE_AITER_META", "full")
+    buffers, why_not = aiter_buffers(ctx)
+    assert why_not is None and len(buffers) == 5 and all(b.numel() == big.numel() for b in buffers.values())
 
 
 def test_probes_never_raise_into_the_server():

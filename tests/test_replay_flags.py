@@ -13,10 +13,10 @@ from refmla.compare import Tolerance
 from refmla.options import BOUNDS, ReplayOptions
 
 REPLAY_FLAGS = ("--backend", "--json", "--k", "--ulps", "--cos", "--device", "--cu-count", "--jobs", "--plot",
-                "--no-explain")  # fmt: skip
+                "--no-explain", "--repeat")  # fmt: skip
 BAD = [("--k", "1e300"), ("--k", "nan"), ("--k", "-1"), ("--k", "inf"), ("--ulps", "-5"), ("--ulps", "1e7"),
        ("--cos", "nan"), ("--cos", "3"), ("--jobs", "0"), ("--jobs", "two"), ("--cu-count", "0"),
-       ("--cu-count", "-4")]  # fmt: skip
+       ("--cu-count", "-4"), ("--repeat", "0"), ("--repeat", "1.5")]  # fmt: skip
 
 
 def command(name: str, capture: str) -> list[str]:

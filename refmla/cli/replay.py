@@ -44,7 +44,7 @@ def run(args) -> int:
         if r.verdict == "invalid":
             report_invalid(r.capture, r.error, r.metadata.errors)
     if len(reports) > 1:
-        attach_series(reports)  # each report gets its findings against the previous step
+        attach_series(reports, opts)  # findings against the previous step, and stale_metadata
     failed = _plots(reports, args.plot) if args.plot else []
     if args.json:
         print_json(reports[0] if len(reports) == 1 and single_file(args.captures) else reports)

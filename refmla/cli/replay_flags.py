@@ -34,7 +34,8 @@ def bounded(name: str, kind: type) -> Callable[[str], float]:
 
 
 def add_replay_flags(p: argparse.ArgumentParser, backends: Sequence[str], jobs_help: str) -> None:
-    """--backend, --json, --k, --ulps, --cos, --device, --cu-count, --jobs, --plot, --no-explain, --allow-skip."""
+    """--backend, --json, --k, --ulps, --cos, --device, --cu-count, --jobs, --plot, --no-explain, --allow-skip,
+    --repeat."""
     p.add_argument("--backend", action="append", choices=list(backends),
                    help="replay only these backends (repeatable; flex runs only when named)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="JSON report on stdout")
@@ -49,6 +50,8 @@ def add_replay_flags(p: argparse.ArgumentParser, backends: Sequence[str], jobs_h
     p.add_argument("--no-explain", action="store_true", help="skip the hypothesis search")
     p.add_argument("--allow-skip", action="store_true",
                    help="a backend named with --backend that does not run here is not a failure (default: exit 3)")  # fmt: skip
+    p.add_argument("--repeat", type=bounded("repeat", int), default=1, metavar="N",
+                   help="run each kernel backend N times on the same inputs, bitwise compared (1)")  # fmt: skip
 
 
 def replay_options(args: argparse.Namespace) -> ReplayOptions:
@@ -59,6 +62,7 @@ def replay_options(args: argparse.Namespace) -> ReplayOptions:
         device=args.device,
         cu_count=args.cu_count,
         explain=not args.no_explain,
+        repeat=args.repeat,
     )
     try:
         opts.check()

@@ -20,6 +20,7 @@ from refmla.hook.call import CallContext
 from refmla.util import dtype_name
 
 BUFFER_MAX_BYTES = 4 << 20  # the persistent work buffers are captured when all five fit
+FULL_ENV = "REFMLA_CAPTURE_AITER_META"  # "full": captured whatever their size (refmla inspect checks the plan)
 CAPTURED_BUFFERS = ("work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map", "reduce_partial_map")
 ENV_PREFIXES = ("SGLANG_AITER_", "AITER_")
 
@@ -94,6 +95,9 @@ def aiter_path_meta(ctx: CallContext) -> dict[str, Any]:
         v = _scalar(tensors.get(name))
         if v is not None:
             meta[f"aiter_{name}"] = v
+    sizes = [_nbytes(tensors.get(n)) for n in CAPTURED_BUFFERS]
+    if all(n is not None for n in sizes):
+        meta["aiter_buffers_bytes"] = sum(sizes)  # recorded whether or not the buffers are captured
     gluon = notes.get("aiter_gluon")
     if gluon is not None:
         meta["aiter_gluon_call"] = gluon
@@ -106,8 +110,13 @@ def aiter_path_meta(ctx: CallContext) -> dict[str, Any]:
     return meta
 
 
+def _nbytes(t: Any) -> Optional[int]:
+    return int(t.numel() * t.element_size()) if torch.is_tensor(t) else None
+
+
 def aiter_buffers(ctx: CallContext) -> tuple[dict[str, torch.Tensor], Optional[str]]:
-    """({"aiter_<name>": host copy} of the persistent work buffers the kernel read, why not or None)."""
+    """({"aiter_<name>": host copy} of the persistent work buffers the kernel read, why not or None):
+    whole when they fit BUFFER_MAX_BYTES, or whatever their size under REFMLA_CAPTURE_AITER_META=full."""
     if ctx.call.backend != "aiter" or ctx.call.mode != "decode":
         return {}, None
     found = (ctx.call.kernel_notes or {}).get("aiter_kernel_tensors") or {}
@@ -115,8 +124,8 @@ def aiter_buffers(ctx: CallContext) -> tuple[dict[str, torch.Tensor], Optional[s
     if any(b is None for b in bufs.values()):
         return {}, None
     nbytes = sum(b.numel() * b.element_size() for b in bufs.values())
-    if nbytes > BUFFER_MAX_BYTES:
-        return {}, f"{nbytes} bytes > {BUFFER_MAX_BYTES}: not captured"
+    if nbytes > BUFFER_MAX_BYTES and os.environ.get(FULL_ENV, "").strip().lower() != "full":
+        return {}, f"{nbytes} bytes > {BUFFER_MAX_BYTES}: not captured ({FULL_ENV}=full captures them whole)"
     out = {}
     for name, b in bufs.items():
         if b.dtype not in (torch.int32, torch.int64):

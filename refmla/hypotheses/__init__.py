@@ -31,9 +31,16 @@ report the first, in the table's order, that brings the backend's error back to 
                                                       through table row c (its row pointer off)
     split_missing       {"split": s}                  split s's partial left out of the merge (its positions
                                                       dropped listed as kv_range_missing under other_causes)
+    kv_range_repeated   {"split", "start", "end"}     split s done twice, both partials merged
+    work_item_misrouted {"request", "split", "start", split s of a request merged into request
+                         "end", "to_request"}         to_request's output instead of its own
+    partials_misaddressed {"stride", "axis", "side"}  stage 2 read (or stage 1 wrote) the partials at
+                                                      another split / head stride
     kv_scale_misapplied {"scale", "applied"}          fp8 k_scale / v_scale applied twice, not at all, or
                                                       one in the other's place
     wrong_sm_scale      {"ratio": r}                  used r * sm_scale
+    heads_folded        {"fold": f, "how"}            a folded launch (H / f heads per pseudo-row) unfolded
+                                                      wrongly: mixed / transposed / zero / duplicated
     head_misaligned     {"mapping": "...", "heads"}   output head h holds reference head heads[h]
     output_rows_permuted {"rows": {r: r2}}            output row r holds request r2's output
     rope_mishandled     {"how"}                       q . k without its rope part, or parts swapped
@@ -67,10 +74,12 @@ The package (imports go down this list):
     ranges.py    block-sum algebra: every block-aligned range of a request scored at once
     scalars.py   screening a scalar on the worst request in fp32, the 1-D fit, whole-output recompute
     one module per family, each with NAME and ``search(s: Search) -> Optional[Explanation]``:
-    seq_len.py, kv_range.py, split.py, sm_scale.py, head_misaligned.py, logit_cap.py, numerics.py, verify.py
+    seq_len.py, kv_range.py, split.py, sm_scale.py, heads_folded.py, head_misaligned.py, logit_cap.py,
+    numerics.py, verify.py
     (the speculative verify families), and the faults of real
     MLA kernels (refmla/synth/zoo.py plants them): pages.py (two families), empty_split.py,
-    overflow.py, kv_scale.py, rope.py, misplaced.py (five families: KV read or output written in the
+    overflow.py, kv_scale.py, rope.py, partials.py (three families of the split partials' plan),
+    misplaced.py (five families: KV read or output written in the
     wrong place), blocktable.py (three families of block-table kernels); stale.py (the newest row
     read as stale bytes, fitted: tried last)
 
@@ -94,8 +103,8 @@ import torch
 from refmla.compare import Comparison
 from refmla.context import ReplayContext
 from refmla.hypotheses import (
-    blocktable, empty_split, head_misaligned, kv_range, kv_scale, logit_cap, misplaced, numerics, overflow, pages, rope,
-    seq_len, sm_scale, split, stale, verify,
+    blocktable, empty_split, head_misaligned, heads_folded, kv_range, kv_scale, logit_cap, misplaced, numerics, overflow,
+    pages, partials, rope, seq_len, sm_scale, split, stale, verify,
 )
 from refmla.hypotheses.search import Search, SearchFn
 from refmla.results import Alternative, Explanation
@@ -124,8 +133,13 @@ SEARCHES: dict[str, SearchFn] = {
     blocktable.NULL_BLOCK: blocktable.search_null_block,
     blocktable.PAGES_AS_TOKENS: blocktable.search_pages_as_tokens,
     split.NAME: lambda s: kv_range.dropped_alternative(s, split.search(s)),  # and its positions dropped
+    # the split partials repeated, routed to another request, read at another stride (decode, >= 2 splits)
+    partials.REPEATED: partials.search_repeated,
+    partials.MISROUTED: partials.search_misrouted,
+    partials.MISADDRESSED: partials.search_misaddressed,
     kv_scale.NAME: kv_scale.search,
     sm_scale.NAME: sm_scale.search,
+    heads_folded.NAME: heads_folded.search,  # a fold's patterns named before a bare head mapping
     head_misaligned.NAME: head_misaligned.search,
     misplaced.PERMUTED: misplaced.search_permuted,
     rope.NAME: rope.search,

@@ -61,7 +61,9 @@ def find_range(s: Search, b: int) -> Iterator[Candidate]:
                                one_split=(rng.i, rng.j) in splits)  # fmt: skip
         if cand is not None:
             cand.score = rng.score
-            cand.simplicity = (bnd[rng.j] - bnd[rng.i], bnd[rng.i])  # the smallest range first
+            # page-aligned first (a split bound inside a page fits as well when the positions between
+            # carry ~no mass; the page is what a kernel engineer recognises), then the smallest
+            cand.simplicity = (not page_aligned(s, b, bnd[rng.i], bnd[rng.j]), bnd[rng.j] - bnd[rng.i], bnd[rng.i])
             yield cand
             seen.add((-1, -1))  # a block-aligned range confirmed: the blocks are the answer's unit
     if not seen & ({(-1, -1)} | splits):  # nothing block-aligned confirmed nor screened as one split
@@ -127,6 +129,13 @@ def unit(s: Search) -> int:
     """The block a range is first searched in: the page (page_size > 1), else the 32-token split unit."""
     P = s.cap.meta.page_size
     return P if P > 1 else MIN_BLOCK_KV
+
+
+def page_aligned(s: Search, b: int, p0: int, p1: int) -> bool:
+    """Both ends of [p0, p1) on request b's page boundaries (the end may be the request's end);
+    True at page_size 1, where every position is a page."""
+    P = s.cap.meta.page_size
+    return P <= 1 or (p0 % P == 0 and (p1 % P == 0 or p1 == s.req(b).L))
 
 
 def split_pairs(s: Search, b: int, bnd: list[int]) -> set[tuple[int, int]]:

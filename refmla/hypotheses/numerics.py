@@ -36,6 +36,7 @@ from refmla import reference as ref
 from refmla.compare import Comparison
 from refmla.control import Rounding, attend_control, attend_control_split, merge_partials
 from refmla.hypotheses.drivers import explained, residual
+from refmla.hypotheses.ranges import split_count, split_schedule
 from refmla.hypotheses.search import Search
 from refmla.results import Alternative, Explanation
 from refmla.schedule import split_bounds
@@ -108,8 +109,43 @@ class Trial:
 
 
 def search(s: Search) -> Optional[Explanation]:
-    """Every variant but the accumulation ones (tried first of all hypotheses)."""
-    return search_kinds(s, late=False)
+    """The split lse's overflow, then every variant but the accumulation ones (tried first of all hypotheses)."""
+    return search_lse_overflow(s) or search_kinds(s, late=False)
+
+
+LSE_NO_MAX = "split_lse_no_max"
+FP32_LOG_MAX = math.log(torch.finfo(FP32).max)  # 88.72: exp() of more overflows fp32
+
+
+def search_lse_overflow(s: Search) -> Optional[Explanation]:
+    """numerics {"variant": "split_lse_no_max"}: each split's lse taken as log(sum(exp(s))) in fp32
+    without the max subtracted (CUTLASS #2274; split-KV then disabled in SGLang #6101, vLLM
+    #17745): a (row, head) whose split holds logits summing past fp32's range gets lse +inf and
+    the merge inf - inf: NaN. Every other row is untouched. Tried only when the output has
+    non-finite values where the reference is finite (decode: the kernel's split schedule, one
+    split per request without one)."""
+    if not s.failing or not s.cap.is_decode or not bool((~torch.isfinite(s.o64) & torch.isfinite(s.ref)).any()):
+        return None
+    B = s.cap.batch_size
+    n = torch.tensor([split_count(s, b) for b in range(B)], dtype=torch.int32)
+    S = max(1, max(len(split_schedule(s, b) or []) for b in range(B)))
+    _, lses, valid = s.ctx.split_reference(n, S)  # [B, H, S] fp64, with the max subtracted
+    over = ((lses >= FP32_LOG_MAX) & valid[:, None, :]).any(-1)  # [B, H]
+    if not bool(over.any()):
+        return None
+    rows = over[s.req_of_row]  # [R, H] decode: a row per request
+    expected, control = s.ref.clone(), s.ctrl.clone()
+    expected[rows], control[rows] = math.nan, math.nan
+    cmp = s.confirm(expected, control)
+    if not cmp.passed:
+        return None
+    trial = Trial(LSE_NO_MAX, round(residual(cmp), 4), confirmed=True)
+    s.memo(TRIED, list).append(trial.to_json())
+    extra = {"scope": "all requests", "variants_tried": [trial.to_json()],
+             "why": "split lse taken without the max subtracted, in fp32: +inf past "
+             f"{FP32_LOG_MAX:.2f}, the merge NaN", "overflowed_rows": int(rows.sum()),
+             "largest_split_lse": round(float(lses[valid[:, None, :].expand_as(lses)].max()), 3)}  # fmt: skip
+    return explained(s, NAME, {"variant": LSE_NO_MAX}, cmp, extra)
 
 
 def search_late(s: Search) -> Optional[Explanation]:

@@ -25,6 +25,11 @@ def render_inspect(e: InspectEntry) -> str:
     if e.region is not None:
         head = {"finding": "FINDING", "warning": "WARNING"}.get(e.region.status, e.region.status.replace("_", " "))
         lines.append(f"region   {head}: {e.region.message}")
+    if e.plan is not None:
+        p = e.plan
+        lines.append(f"plan     {'ok' if p.ok else 'VIOLATIONS'}: {p.source}, {p.work_items} work items, "
+                     f"{p.kernel_heads} heads" + ("" if p.ok else f"; first: {p.first.kind}"))  # fmt: skip
+        lines += [f"  {v.kind}: {v.message}" for v in p.violations]
     if e.series is not None:
         found = [f for f in e.series if f.severity in ("warning", "note")]
         bad = any(f.severity == "warning" for f in found)
