@@ -21,6 +21,7 @@ copy of the layout (the README links here).
     reference.py    the math, fp64: decode, split-KV partials and merge, extend and verify
     control.py      the same math at a kernel's rounding points (the tolerance's noise floor)
     compare.py      the one comparator (docs/contract.md section 5) and the one lse rule
+    repeat.py       N runs of one kernel on the same inputs, compared bit for bit (nondeterminism)
     options.py      ReplayOptions: every option a replay and its backends read, and their bounds
     results.py      typed results: findings, explanations, backend entries, reports (to_json)
     blame.py        whom a failing backend blames: the failing part's own rows
@@ -41,6 +42,7 @@ copy of the layout (the README links here).
     disagg/         `refmla disagg`: diffkv + checks + series + replay per (request, layer, rank)
     synth/          synthetic captures with planted faults
     golden/         the golden suite: deterministic cases, build, check
+    sweep/          `refmla sweep`: every backend over the production shape space, four checks, shrunk captures
     sparse/         DeepSeek's sparse MLA decode (V3.2 DSA, V4): packed layouts, capture, reference, replay
     plots.py        pictures of a replay or a diff-kv (matplotlib, optional)
     render/         text for people: tables, reports, diff-kv and disagg results

@@ -5,4 +5,5 @@
     inspect.py   one `refmla inspect` entry
     diffkv.py    a diff-kv result (refmla.diffkv)
     disagg.py    a disagg report (refmla.disagg)
+    sweep.py     a sweep report (refmla.sweep)
 """
