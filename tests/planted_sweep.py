@@ -39,10 +39,10 @@ EXPECTED = {"heads32": "reference", "empty_split": "splits", "unwritten_row": "n
 
 # --space restrictions under which each plant is reached within a small budget (make test)
 QUICK_SPACE = {
-    "heads32": ["heads=32,8", "length=32k+1,page+1", "batch=1", "page=1,16", "kv=bfloat16", "cap=0", "splits=2"],
+    "heads32": ["heads=32,8", "length=page+1", "batch=1", "page=16", "kv=bfloat16", "cap=0", "splits=2"],
     "empty_split": ["heads=8", "length=32k", "batch=1", "page=1", "kv=bfloat16", "cap=0", "splits=1,past"],
     "unwritten_row": ["heads=8", "length=1,page+1", "batch=3", "page=16", "kv=bfloat16", "cap=0", "splits=1"],
-    "nondeterministic": ["heads=16", "length=4097", "batch=1", "page=64", "kv=bfloat16", "cap=0", "splits=16"],
+    "nondeterministic": ["heads=64", "length=32k", "batch=1", "page=16", "kv=bfloat16", "cap=0", "splits=16"],
 }
 
 

@@ -32,8 +32,8 @@ LAYOUTS: dict[str, dict[str, tuple]] = {
 }  # fmt: skip
 NOT_YET = ("block_table", "sparse")  # layouts the sweep does not walk yet (docs/contract.md, the sweep)
 
-MAX_ROWS = 512  # query rows x heads of one case: the interpreter's stage 2 runs one program per (row, head)
-MAX_TILE_TOKENS = 20000  # attended tokens x 16-head tiles of one case: stage 1's work
+MAX_ROWS = 256  # query rows x heads of one case: the interpreter's stage 2 runs one program per (row, head)
+MAX_TILE_TOKENS = 8192  # attended tokens x 16-head tiles of one case: stage 1's work
 LONG = 4097  # the longest length the space names
 
 
