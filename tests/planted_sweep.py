@@ -15,7 +15,9 @@ exactly as it would check SGLang's own. Each plant is a fault that shows only on
                    them (the split-K reduce race of aiter #4420: wrong, sometimes, on identical
                    inputs); os.urandom, so a forked run does not inherit the parent's random state
 
-The check each must fail is :data:`EXPECTED`. The line edits run only in the Triton interpreter
+The check each must fail is :data:`EXPECTED`. empty_split's merged partial is one stage 1 never
+wrote, so ``nan_fill`` names it on every shape it fires on; ``splits`` (and ``reference``) only
+where the buffer's 0 moves the answer past the tolerance. The line edits run only in the Triton interpreter
 (``__import__`` inside a kernel is plain Python there), which is where these tests run.
 """
 
@@ -35,12 +37,12 @@ SWEEP_PLANTS = {
 }  # fmt: skip
 
 # plant -> the sweep check that must name it
-EXPECTED = {"heads32": "reference", "empty_split": "splits", "unwritten_row": "nan_fill", "nondeterministic": "repeat"}
+EXPECTED = {"heads32": "reference", "empty_split": "nan_fill", "unwritten_row": "nan_fill", "nondeterministic": "repeat"}
 
 # --space restrictions under which each plant is reached within a small budget (make test)
 QUICK_SPACE = {
     "heads32": ["heads=32,8", "length=page+1", "batch=1", "page=16", "kv=bfloat16", "cap=0", "splits=2"],
-    "empty_split": ["heads=8", "length=32k", "batch=1", "page=1", "kv=bfloat16", "cap=0", "splits=1,past"],
+    "empty_split": ["heads=8", "length=32k", "batch=1", "page=1", "kv=bfloat16", "cap=0", "splits=past"],
     "unwritten_row": ["heads=8", "length=1,page+1", "batch=3", "page=16", "kv=bfloat16", "cap=0", "splits=1"],
     "nondeterministic": ["heads=64", "length=32k", "batch=1", "page=16", "kv=bfloat16", "cap=0", "splits=16"],
 }
