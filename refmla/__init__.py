@@ -45,6 +45,7 @@ copy of the layout (the README links here).
     disagg/         `refmla disagg`: diffkv + checks + series + replay per (request, layer, rank)
     synth/          synthetic captures with planted faults
     golden/         the golden suite: deterministic cases, build, check
+    sweep/          `refmla sweep`: every backend over the production shape space, four checks, shrunk captures
     sparse/         DeepSeek's sparse MLA decode (V3.2 DSA, V4): packed layouts, capture, reference, replay
     poolplan.py     the KV buffers a model's SGLang pool registers (the region check before a server starts)
     plots.py        pictures of a replay or a diff-kv (matplotlib, optional)

@@ -53,6 +53,7 @@ class ReplayOptions:
     aiter_page_size: Optional[int] = None  # aiter: call with this page size (None: the capture's choice)
     isolate: bool = True  # run each kernel backend in a child process (refmla.isolation): a crash is its error
     repeat: int = 1  # run each kernel backend this many times, bitwise compared (refmla.repeat; 1: once)
+    buffer_fill: Optional[float] = None  # fill of the output / scratch buffers an adapter allocates (None: its own)
 
     def check(self) -> None:
         """ValueError naming the first option out of its bounds (the CLI refuses the same values)."""

@@ -42,9 +42,9 @@ STAGE = {"stage1_mask": "stage1", "stage1_lse": "stage1_lse", "stage2_merge": "s
 _DIR = Path(tempfile.mkdtemp(prefix="refmla-planted-"))
 
 
-def planted_module(plant: str):
-    """The installed kernel module with ``plant`` edited in, imported under a name of its own."""
-    func, old, new = PLANTS[plant]
+def planted_module(plant: str, plants: dict = PLANTS):
+    """The installed kernel module with ``plant`` (of ``plants``) edited in, imported under a name of its own."""
+    func, old, new = plants[plant]
     triton_interp.ensure_interpreter()
     _, module_path, _ = tb.locate_decode_kernel()
     src = inspect.getsource(sys.modules[module_path])
@@ -68,12 +68,12 @@ def planted_module(plant: str):
 class PlantedTriton(TritonBackend):
     """refmla's ``triton`` backend, calling the planted copy of the kernel instead of SGLang's."""
 
-    def __init__(self, plant: str):
-        self.plant = plant
+    def __init__(self, plant: str, plants: dict = PLANTS):
+        self.plant, self.plants = plant, plants
         self.name = f"triton_{plant}"
 
     def run(self, cap, opts):
-        mod = planted_module(self.plant)
+        mod = planted_module(self.plant, self.plants)
         _, _, version = tb.locate_decode_kernel()
         saved = tb._located
         tb._located = (mod.decode_attention_fwd, mod.__name__, f"{version} planted {self.plant}")

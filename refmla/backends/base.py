@@ -57,6 +57,9 @@ class Backend:
     """Base class. Subclasses set ``name`` and implement ``availability`` and ``run``."""
 
     name: str = ""
+    # True when run() allocates the kernel's output / scratch buffers itself and fills them with
+    # ReplayOptions.buffer_fill (refmla sweep's NaN-fill check); False: the kernel allocates its own
+    fills_buffers: bool = False
 
     def availability(self) -> tuple[bool, str]:
         """(usable here, reason if not / version string if yes). Must never raise."""

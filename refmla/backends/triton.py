@@ -158,6 +158,7 @@ class TritonLaunch:
     max_kv_splits: Optional[int] = None  # the production stage-1 buffer size (default max(num_kv_splits))
     trim: bool = True  # size the buffers to the splits that hold tokens (bit-identical)
     out_dtype: Optional[torch.dtype] = None  # default q's
+    fill: float = float("nan")  # what out, attn_logits and attn_lse hold before the kernel runs
 
 
 def run_triton_decode(
@@ -186,7 +187,7 @@ def run_triton_decode(
     interpreted, dot_fix = interpreter_ready(mod, q, kv_buffer, launch.out_dtype)
     q, kv_buffer, kv_indptr, kv_indices, splits = _kernel_inputs(q, kv_buffer, kv_indptr, kv_indices, num_kv_splits)
     plan = _split_plan(mod, q, kv_buffer, kv_indptr, splits, launch.max_kv_splits, launch.trim)
-    out, attn_logits, attn_lse = _buffers(q, plan.used, Dv, launch.out_dtype or q.dtype)
+    out, attn_logits, attn_lse = _buffers(q, plan.used, Dv, launch.out_dtype or q.dtype, launch.fill)
     values = dict(
         q=q, k_buffer=kv_buffer, v_buffer=kv_buffer[..., :Dv], o=out, kv_indptr=kv_indptr,
         kv_indices=kv_indices, attn_logits=attn_logits, attn_lse=attn_lse, num_kv_splits=splits,
@@ -265,10 +266,10 @@ def _split_plan(mod, q, kv_buffer, kv_indptr, splits, max_kv_splits: Optional[in
     return SplitPlan(production=production, used=used, filled=filled, forced=forced, tune_note=tune_note)
 
 
-def _buffers(q: torch.Tensor, S: int, Dv: int, out_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """out [B, H, Dv], attn_logits [B, H, S, Dv] fp32, attn_lse [B, H, S] fp32, all NaN, on q's device."""
+def _buffers(q: torch.Tensor, S: int, Dv: int, out_dtype: torch.dtype, fill: float = float("nan")) -> tuple[torch.Tensor, ...]:
+    """out [B, H, Dv], attn_logits [B, H, S, Dv] fp32, attn_lse [B, H, S] fp32, all ``fill`` (NaN), on q's device."""
     B, H, _ = q.shape
-    nan, dev = float("nan"), q.device
+    nan, dev = fill, q.device
     out = torch.full((B, H, Dv), nan, dtype=out_dtype, device=dev)  # [B, H, Dv]
     attn_logits = torch.full((B, H, S, Dv), nan, dtype=torch.float32, device=dev)  # [B, H, S, Dv]
     attn_lse = torch.full((B, H, S), nan, dtype=torch.float32, device=dev)  # [B, H, S]
@@ -313,6 +314,7 @@ def _triton_version() -> str:
 
 class TritonBackend(Backend):
     name = "triton"
+    fills_buffers = True  # out, attn_logits and attn_lse are allocated here, filled with opts.buffer_fill
 
     def availability(self) -> tuple[bool, str]:
         interp, how = triton_interp.ensure_interpreter()  # before the first import of triton
@@ -361,7 +363,8 @@ class TritonBackend(Backend):
         try:
             out, logits, lse, info = run_triton_decode(
                 cap.q.to(device), cap.kv_buffer.to(device), cap.kv_indptr, cap.kv_indices, splits, cap.scales(),
-                TritonLaunch(page_size=m.page_size, max_kv_splits=max_kv, trim=opts.trim, out_dtype=cap.out_dtype),
+                TritonLaunch(page_size=m.page_size, max_kv_splits=max_kv, trim=opts.trim, out_dtype=cap.out_dtype,
+                             fill=float("nan") if opts.buffer_fill is None else opts.buffer_fill),
             )  # fmt: skip
         except KernelSignatureError as e:
             raise BackendUnavailable(str(e)) from e

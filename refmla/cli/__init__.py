@@ -13,6 +13,7 @@ One module per command group, each adding its parser, and what they share:
     sparse.py    the sparse decode part of replay (DeepSeek-V4 / V3.2, refmla.sparse)
     doctor.py    refmla doctor
     golden.py    refmla golden generate
+    sweep.py     refmla sweep
     capture.py   refmla capture run (the hook itself is refmla.hook)
 
 Exit codes for every command: 0 everything checked passed, 1 something diverged or
@@ -30,7 +31,7 @@ from refmla import __version__
 from refmla.backends.triton_interp import ensure_interpreter
 from refmla.capture import CaptureError
 from refmla.atomic import WriteError
-from refmla.cli import diffkv, disagg, doctor, golden, inspect, regions, replay, synth
+from refmla.cli import diffkv, disagg, doctor, golden, inspect, regions, replay, sweep, synth
 from refmla.cli.capture import add_capture_parser
 from refmla.cli.common import EXIT_INVALID, UsageError, describe_inputs
 from refmla.signals import EXIT_SIGINT, EXIT_SIGTERM, Terminated, sigterm_raises
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_parser(sub)
     doctor.add_parser(sub)
     golden.add_parser(sub)
+    sweep.add_parser(sub)
     add_capture_parser(sub)
     return p
 

@@ -6,4 +6,5 @@
     diffkv.py    a diff-kv result (refmla.diffkv)
     disagg.py    a disagg report (refmla.disagg)
     regions.py   a region check's buffers and verdict (refmla regions)
+    sweep.py     a sweep report (refmla.sweep)
 """

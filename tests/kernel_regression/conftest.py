@@ -6,6 +6,7 @@ Options (pytest registers them when it starts from this folder or a path inside 
     --backend NAME      run only this backend (repeatable): reference, triton, aiter, extend
     --golden-dir DIR    the golden directory (default: golden/ at the repository root)
     --regen             rewrite the goldens in DIR first (its manifest's suite), then test them
+    --sweep-budget S    seconds each selected backend is swept for by test_sweep.py (default 8)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pytest
 from refmla import golden
 
 DEFAULT_GOLDEN_DIR = Path(__file__).resolve().parents[2] / "golden"
+DEFAULT_SWEEP_BUDGET = 8.0  # make test stays fast; an MI355X image deserves --sweep-budget 600 (docs/golden.md)
 
 
 def add_golden_options(parser) -> None:
@@ -43,6 +45,8 @@ def add_golden_options(parser) -> None:
         "--golden-dir", default=None, metavar="DIR", help=f"golden directory (default {DEFAULT_GOLDEN_DIR})"
     )
     group.addoption("--regen", action="store_true", help="regenerate the goldens in --golden-dir, then test them")
+    group.addoption("--sweep-budget", type=float, default=DEFAULT_SWEEP_BUDGET, metavar="S",
+                    help=f"seconds of `refmla sweep` per backend in test_sweep.py (default {DEFAULT_SWEEP_BUDGET:g})")
 
 
 def pytest_addoption(parser) -> None:

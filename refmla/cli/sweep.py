@@ -1,0 +1,63 @@
+"""`refmla sweep [--backend NAME]... [--budget S] [--seed N] [--out DIR] [--json] [--jobs N] [--repeat N]
+[--layout L]... [--space AXIS=V1,V2]... [--check NAME]... [--max-shrink N]`: every backend over the
+production shape space (refmla.sweep); exit 0 nothing found, 1 a finding, 2 bad flags."""
+
+from __future__ import annotations
+
+import argparse
+
+from refmla.backends import ALL_NAMES, NAMES, VERIFY_ONLY
+from refmla.cli.common import EXIT_OK, UsageError, output_path, print_json
+from refmla.render.sweep import render_sweep
+from refmla.sweep import CHECKS, LAYOUTS, SweepConfig, run_sweep
+
+DEFAULT_BACKENDS = [n for n in NAMES[2:] if n not in VERIFY_ONLY]  # replay's default kernels (reference: the truth)
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return v
+
+    return parse
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("sweep", help="check backends over the production shape space (four checks, shrunk captures)")
+    p.add_argument("--backend", action="append", choices=ALL_NAMES, metavar="NAME",
+                   help=f"backend to sweep (repeatable; default {', '.join(DEFAULT_BACKENDS)})")
+    p.add_argument("--budget", type=_positive(float), default=60.0, help="seconds of walking (default 60)")
+    p.add_argument("--seed", type=int, default=0, help="the walk's seed: the same seed, the same cases")
+    p.add_argument("--out", type=output_path, default="refmla-sweep", help="where shrunk captures go (default refmla-sweep)")
+    p.add_argument("--json", action="store_true", help="the report as JSON on stdout")
+    p.add_argument("--jobs", type=_positive(int), default=1, help="cases in this many worker processes")
+    p.add_argument("--repeat", type=_positive(int), default=3, help="runs compared bit for bit (default 3, at least 2)")
+    p.add_argument("--layout", action="append", choices=tuple(LAYOUTS), help="layout to walk (repeatable; default all)")
+    p.add_argument("--space", action="append", default=[], metavar="AXIS=V1,V2",
+                   help="keep only these values of an axis (repeatable), e.g. heads=32,16")
+    p.add_argument("--check", action="append", choices=CHECKS, help="check to run (repeatable; default all four)")
+    p.add_argument("--max-shrink", type=int, default=24, help="runs spent shrinking each finding (default 24)")
+    p.set_defaults(func=sweep)
+
+
+def sweep(args) -> int:
+    cfg = SweepConfig(
+        backends=args.backend or DEFAULT_BACKENDS, budget=args.budget, seed=args.seed, out=args.out, jobs=args.jobs,
+        repeat=args.repeat, layouts=args.layout or tuple(LAYOUTS), space=args.space, checks=args.check or CHECKS,
+        max_shrink=args.max_shrink,
+    )  # fmt: skip
+    try:
+        cfg.check()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    report = run_sweep(cfg)
+    if args.json:
+        print_json(report.to_json())
+    else:
+        print(render_sweep(report))
+    return report.exit_code if report.exit_code else EXIT_OK

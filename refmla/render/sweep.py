@@ -1,0 +1,49 @@
+"""A sweep report (refmla.sweep.report.SweepReport) as text: per backend a row per check, then
+each finding with its shrunk case, its capture, the replay command and the triggering axis."""
+
+from __future__ import annotations
+
+from refmla.render.table import clip, table
+from refmla.sweep.report import STATUSES, SweepReport
+
+
+def render_sweep(rep: SweepReport) -> str:
+    cpm = rep.cases_per_minute
+    pairs = ", ".join(f"{layout} {c}/{t} value pairs" for layout, (c, t) in rep.pairs.items())
+    lines = [f"refmla sweep: {len(rep.cases)} cases in {rep.walk_seconds:.0f} s (budget {rep.budget:g} s, seed "
+             f"{rep.seed}, {cpm:.1f} cases/min), shrinking {rep.shrink_seconds:.0f} s; covered {pairs}"
+             if cpm is not None else f"refmla sweep: no case ran (budget {rep.budget:g} s)"]  # fmt: skip
+    if rep.not_walked:
+        lines.append(f"layouts not walked yet: {', '.join(rep.not_walked)}")
+    for name, b in rep.backends.items():
+        lines.append("")
+        if not b.available:
+            lines.append(f"{name}: unavailable: {b.reason}")
+            continue
+        total = b.kernel_seconds + b.reference_seconds
+        share = f"{100 * b.reference_seconds / total:.0f}%" if total else "n/a"
+        lines.append(f"{name}: {b.cases} cases, kernel {b.kernel_seconds:.1f} s, reference {b.reference_seconds:.1f} s "
+                     f"({share} of the time) -- {'PASS' if b.passed else 'FAIL'}")  # fmt: skip
+        rows = [[check] + [str(per.get(s, 0)) for s in STATUSES] for check, per in b.counts.items()]
+        if rows:
+            lines.append(table(rows, ["check", *STATUSES]))
+        for layout, why in b.skipped_layouts.items():
+            lines.append(f"  {layout}: not taken ({clip(why, 100)})")
+        for f in b.findings:
+            lines.append(f"  FINDING {name} {f.check}: {f.failing_cases} failing case(s), first {f.layout} #{f.first_case}")
+            lines.append(f"    {clip(f.detail, 200)}")
+            if f.trigger:
+                lines.append(f"    {f.trigger.text()}")
+            if f.shrunk:
+                shape = {k: f.shrunk[k] for k in ("seq_lens", "num_heads", "page_size", "num_kv_splits", "kv_dtype",
+                                                   "logit_cap", "draft_token_num") if k in f.shrunk}  # fmt: skip
+                lines.append(f"    shrunk ({len(f.shrink_steps)} steps): {shape}")
+            if f.shrunk_detail:
+                lines.append(f"    {clip(f.shrunk_detail, 200)}")
+            if f.capture:
+                lines.append(f"    capture: {f.capture} (replay: {f.replay_verdict})")
+                lines.append(f"    {f.replay_command}")
+    return "\n".join(lines)
+
+
+__all__ = ["render_sweep"]

@@ -1,0 +1,102 @@
+"""One sweep case: a point of the space made concrete (a :class:`~refmla.golden.cases.GoldenCase`),
+and its capture tensors, built by the golden suite's generators (refmla.golden.build: hostile
+shuffled pages, NaN in every unattended row, inputs on an exact grid).
+
+    point {"heads": 32, "length": "page+1", ...} --case_of--> GoldenCase --capture_of--> Capture
+
+The point pins request 0's length; the batch's other requests draw short edge lengths (0, 1, a
+page +- 1, 31 / 32 / 33), all from the case's own seed, so a case is the same on every run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import replace
+from typing import Any, Mapping, Optional
+
+import torch
+
+from refmla.capture.format import Capture, parse_meta
+from refmla.compare import Tolerance
+from refmla.golden.build import BUILDERS
+from refmla.golden.cases import NO_MSCALE_SCALE, GoldenCase
+from refmla.schedule import MIN_BLOCK_KV
+from refmla.sweep.space import MAX_TILE_TOKENS, length_of
+from refmla.synth import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE
+
+FP8_SCALES = (0.8125, 1.375)  # k_scale, v_scale of an fp8 pool (!= 1: a forgotten scale shows)
+MAX_KV_SPLITS = 16  # SGLang's default max_kv_splits: the most splits a case asks for (buffers: its own most)
+SM_SCALES = (KIMI_K2_SCALE, DEEPSEEK_V3_SCALE, NO_MSCALE_SCALE)
+OTHER_LENGTHS = ("0", "1", "page-1", "page", "page+1", "31", "32", "33")
+
+
+def case_seed(seed: int, layout: str, index: int) -> int:
+    """A case's own seed from the sweep's seed, its layout and its place in the walk."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{layout}:{index}".encode()).digest()[:4], "little")
+
+
+def _splits(value: str, lens: list[int], rng: random.Random) -> tuple[int, ...]:
+    """Per-request split counts; ``past``: one more than the 32-token blocks of the length (an empty split)."""
+    if value == "past":
+        return tuple(min(MAX_KV_SPLITS, -(-L // MIN_BLOCK_KV) + 1) for L in lens)
+    if value == "mixed":
+        return tuple(rng.randint(1, MAX_KV_SPLITS) for _ in lens)
+    return (int(value),) * len(lens)
+
+
+def case_of(layout: str, point: Mapping[str, Any], seed: int, index: int) -> GoldenCase:
+    """The concrete case of ``point`` (the ``index``-th of ``layout``'s walk under ``seed``)."""
+    cs = case_seed(seed, layout, index)
+    rng = random.Random(cs)
+    P, H, B = int(point["page"]), int(point["heads"]), int(point["batch"])
+    qlen = int(point.get("qlen", 0))
+    lens = [length_of(str(point["length"]), P, rng.choice((1, 2, 4, 8)))]
+    tiles = -(-H // 16)
+    for _ in range(B - 1):
+        L = length_of(rng.choice(OTHER_LENGTHS), P, 1)
+        lens.append(L if (sum(lens) + L) * tiles <= MAX_TILE_TOKENS else 0)
+    if layout == "verify":
+        lens = [max(L, qlen) for L in lens]
+    kv = str(point["kv"])
+    fp8 = kv.startswith("float8")
+    cap = float(point["cap"])
+    splits = _splits(str(point.get("splits", "1")), lens, rng) if layout == "decode" else (1,) * B
+    return GoldenCase(
+        name=f"sweep-{layout}-{index}", why=f"refmla sweep {layout} point {index}", seq_lens=tuple(lens),
+        mode="decode" if layout == "decode" else "verify", num_heads=H, page_size=P, num_kv_splits=splits,
+        max_kv_splits=max(splits), dtype="bfloat16", kv_dtype=kv,
+        sm_scale=rng.choice(SM_SCALES), logit_cap=cap, k_scale=FP8_SCALES[0] if fp8 else 1.0,
+        v_scale=FP8_SCALES[1] if fp8 else 1.0, q_scale_exp=3 if cap else -1, free_pages=2, seed=cs,
+        draft_token_num=qlen if layout == "verify" else 0, topk=2 if layout == "verify" and qlen >= 3 else 1,
+    )  # fmt: skip
+
+
+def capture_of(case: GoldenCase, out: Optional[torch.Tensor] = None,
+               num_kv_splits: Optional[torch.Tensor] = None, extra: Optional[dict] = None) -> Capture:
+    """The case's capture in memory: its inputs (refmla.golden.build), ``out`` a kernel's output
+    (None: no output yet), ``num_kv_splits`` the split counts that run used (None: the case's)."""
+    builder = BUILDERS[case.mode]
+    t = builder.inputs(case)
+    meta = capture_meta(case, extra)
+    if num_kv_splits is not None and case.mode == "decode":
+        t["num_kv_splits"] = num_kv_splits.to(torch.int32).cpu()
+    if out is not None:
+        t["out"] = out
+    return Capture(path=f"<{case.name}>", meta=parse_meta(meta), **t)
+
+
+def capture_meta(case: GoldenCase, extra: Optional[dict] = None) -> dict[str, Any]:
+    """The capture meta of a sweep case: the golden builder's, without meta["golden"] (whose ``out``
+    is the reference; a sweep capture's ``out`` is a kernel's), plus ``extra`` (meta["sweep"])."""
+    meta = BUILDERS[case.mode].meta(case, Tolerance())
+    meta.pop("golden", None)
+    return {**meta, **(extra or {})}
+
+
+def with_splits(case: GoldenCase, splits: tuple[int, ...]) -> GoldenCase:
+    """The same case with other per-request split counts (within its max_kv_splits)."""
+    return replace(case, num_kv_splits=splits, max_kv_splits=max(case.max_kv_splits or 1, *splits))
+
+
+__all__ = ["MAX_KV_SPLITS", "capture_meta", "capture_of", "case_of", "case_seed", "with_splits"]

@@ -1,0 +1,199 @@
+"""The four checks every case is run through, per backend, each reported by name:
+
+    reference  the output against the fp64 reference under the tolerance (refmla.compare, the
+               control's noise floor), buffers filled with 0 first
+    nan_fill   the adapter's output and scratch buffers filled with NaN first: a value the kernel
+               never wrote (a row, a split partial it reads) comes out NaN where the 0-filled run
+               was finite (n/a for a backend whose kernel allocates its own buffers)
+    repeat     N runs on the same inputs, compared bit for bit (refmla.repeat)
+    splits     the kernel at two more split counts (1, and past every length: empty splits) where
+               it takes one: failing at some counts and passing at others is an answer that moves
+               with the split count past the tolerance (n/a for a kernel without a split count)
+
+Kernels run as ``refmla replay`` runs them: in a child process (refmla.isolation), so a kernel
+that crashes is that backend's ``error``, never the sweep's end.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+import torch
+
+from refmla.backends import BackendUnavailable, get_backend
+from refmla.backends.base import BackendResult
+from refmla.compare import Comparison, compare, judged_dtype
+from refmla.context import ReplayContext
+from refmla.control import capture_control
+from refmla.golden.cases import GoldenCase
+from refmla.isolation import enabled, run_isolated
+from refmla.options import ReplayOptions
+from refmla.repeat import compare_runs
+from refmla.sweep.cases import MAX_KV_SPLITS, capture_of, with_splits
+from refmla.sweep.report import CheckOutcome
+from refmla.util import error_text
+
+CHECKS = ("reference", "nan_fill", "repeat", "splits")
+
+
+@dataclass
+class Evidence:
+    """The run that failed a check: what a capture of the failure holds as ``out``."""
+
+    out: torch.Tensor
+    num_kv_splits: Optional[torch.Tensor]
+    case: GoldenCase  # the case of that run (its split counts)
+
+
+@dataclass
+class Timing:
+    kernel: float = 0.0  # seconds in the kernel's runs (child processes included)
+    reference: float = 0.0  # seconds in the fp64 reference, the control and the comparisons
+
+
+class CaseChecks:
+    """One case, its reference computed once, checked against any number of backends."""
+
+    def __init__(self, case: GoldenCase, opts: ReplayOptions, repeat: int = 3):
+        self.case, self.opts, self.repeat = case, opts, repeat
+        self.timing = Timing()
+        self.cap = capture_of(case)
+        self._ctx: Optional[ReplayContext] = None
+
+    @property
+    def ctx(self) -> ReplayContext:
+        """The fp64 reference (and the control, on first use): computed once a kernel has run."""
+        if self._ctx is None:
+            t0 = time.perf_counter()
+            self._ctx = ReplayContext(self.cap, self.opts)
+            self.timing.reference += time.perf_counter() - t0
+        return self._ctx
+
+    def kernel(self, backend: str, case: GoldenCase, fill: float) -> BackendResult:
+        """One run of ``backend`` on ``case`` (this case, or it at other split counts)."""
+        b = get_backend(backend)
+        cap = self.cap if case is self.case else capture_of(case)
+        opts = replace(self.opts, buffer_fill=fill)
+        t0 = time.perf_counter()
+        try:
+            return run_isolated(b.run, cap, opts) if enabled(opts.isolate) else b.run(cap, opts)
+        finally:
+            self.timing.kernel += time.perf_counter() - t0
+
+    def judge(self, name: str, res: BackendResult, case: GoldenCase) -> Comparison:
+        """``res`` against the reference, with the control of ``case``'s split schedule."""
+        t0 = time.perf_counter()
+        mask = None if res.defines_empty_rows else ~self.ctx.empty_rows()
+        if case is self.case or res.control is not None:
+            cmp = self.ctx.compare(name, res.out, row_mask=mask, control=res.control)
+        else:
+            dtype = judged_dtype(res.out.dtype)
+            ctl, _ = capture_control(capture_of(case), dtype)
+            cmp = compare(name, res.out, self.ctx.ref_out, ctl, out_dtype=dtype, tol=self.opts.tol, row_mask=mask,
+                          request_of_row=self.cap.request_of_row())  # fmt: skip
+        self.timing.reference += time.perf_counter() - t0
+        return cmp
+
+    def run(self, backend: str, only: Sequence[str] = CHECKS) -> tuple[dict[str, CheckOutcome], dict[str, Evidence]]:
+        """The checks ``only`` (default all) of ``backend`` on this case; the failing runs' evidence."""
+        outcomes: dict[str, CheckOutcome] = {}
+        evidence: dict[str, Evidence] = {}
+        try:
+            first = self.kernel(backend, self.case, 0.0)
+        except BackendUnavailable as e:
+            return {c: CheckOutcome(c, "skipped", str(e)) for c in only}, {}
+        except Exception as e:  # a kernel that crashes or raises is its finding
+            text = error_text(e)  # the first check wanted carries the crash, the others could not run
+            return {c: CheckOutcome(c, "n/a" if i else "error", text) for i, c in enumerate(only)}, {}
+        for check in [c for c in CHECKS if c in only]:
+            try:
+                outcome, ev = getattr(self, f"_{check}")(backend, first)
+            except BackendUnavailable as e:
+                outcome, ev = CheckOutcome(check, "skipped", str(e)), None
+            except Exception as e:
+                outcome, ev = CheckOutcome(check, "error", error_text(e)), None
+            outcomes[check] = outcome
+            if ev is not None and outcome.status in ("fail", "error"):
+                evidence[check] = ev
+        return outcomes, evidence
+
+    def _evidence(self, res: BackendResult, case: GoldenCase) -> Evidence:
+        return Evidence(res.out, res.num_kv_splits, case)
+
+    def _reference(self, backend: str, first: BackendResult):
+        cmp = self.judge(backend, first, self.case)
+        if cmp.passed:
+            return CheckOutcome("reference", "pass", cmp.summary()), None
+        return (CheckOutcome("reference", "fail", "; ".join(cmp.reasons), {"comparison": cmp.to_json()}),
+                self._evidence(first, self.case))  # fmt: skip
+
+    def _nan_fill(self, backend: str, first: BackendResult):
+        if not get_backend(backend).fills_buffers:
+            return CheckOutcome("nan_fill", "n/a", "the kernel allocates its own output and scratch buffers"), None
+        poisoned = self.kernel(backend, self.case, math.nan)
+        keep = torch.ones(first.out.shape[0], dtype=torch.bool)
+        if not first.defines_empty_rows:
+            keep = ~self.ctx.empty_rows()
+        leaked = (~torch.isfinite(poisoned.out.float()) & torch.isfinite(first.out.float())) & keep[:, None, None]
+        n = int(leaked.sum())
+        if not n:
+            return CheckOutcome("nan_fill", "pass", "no value of the NaN fill reached the output"), None
+        row, head, dim = (int(i) for i in leaked.nonzero()[0])
+        rows = int(leaked.any(dim=-1).any(dim=-1).sum())
+        text = (f"{n} output values are NaN with NaN-filled buffers and finite with 0-filled ones, in {rows} "
+                f"row(s); first at row {row} head {head} dim {dim}: a value the kernel never wrote")  # fmt: skip
+        data = {"values": n, "rows": rows, "first": [row, head, dim]}
+        return CheckOutcome("nan_fill", "fail", text, data), self._evidence(poisoned, self.case)
+
+    def _repeat(self, backend: str, first: BackendResult):
+        runs = [first] + [self.kernel(backend, self.case, 0.0) for _ in range(max(1, self.repeat - 1))]
+        outcome = compare_runs([_tensors(r) for r in runs])
+        if outcome.deterministic:
+            return CheckOutcome("repeat", "pass", outcome.text(), outcome.to_json()), None
+        differs = [r for r in runs[1:] if not torch.equal(_bits(r.out), _bits(first.out))]
+        wrong = [r for r in [first, *differs] if not self.judge(backend, r, self.case).passed]
+        shown = (wrong or differs)[0]  # a run past the tolerance when there is one: its capture replays diverged
+        return CheckOutcome("repeat", "fail", outcome.text(), outcome.to_json()), self._evidence(shown, self.case)
+
+    def _splits(self, backend: str, first: BackendResult):
+        if first.num_kv_splits is None or self.case.mode != "decode":
+            return CheckOutcome("splits", "n/a", "the kernel takes no split count"), None
+        own = tuple(int(x) for x in first.num_kv_splits.tolist())
+        past = tuple(min(MAX_KV_SPLITS, max(1, -(-L // 32) + 1)) for L in self.case.seq_lens)
+        verdicts = {own: self.judge(backend, first, self.case)}
+        results = {own: (first, self.case)}
+        for alt in dict.fromkeys([(1,) * len(own), past]):
+            if alt in verdicts:
+                continue
+            case = with_splits(self.case, alt)
+            res = self.kernel(backend, case, 0.0)
+            verdicts[alt], results[alt] = self.judge(backend, res, case), (res, case)
+        passed = {k: c.passed for k, c in verdicts.items()}
+        said = ", ".join(f"{_counts(k)}: {'pass' if v else 'FAIL'}" for k, v in passed.items())
+        if len(set(passed.values())) <= 1:
+            return CheckOutcome("splits", "pass", f"the same verdict at every split count ({said})"), None
+        bad = next(k for k, v in passed.items() if not v)
+        text = f"the verdict moves with the split count ({said}); at {_counts(bad)}: {'; '.join(verdicts[bad].reasons)}"
+        data = {"verdicts": {_counts(k): v for k, v in passed.items()}, "failing": list(bad)}
+        res, case = results[bad]
+        return CheckOutcome("splits", "fail", text, data), self._evidence(res, case)
+
+
+def _counts(splits: tuple[int, ...]) -> str:
+    return f"splits {splits[0]}" if len(set(splits)) == 1 else f"splits {list(splits)}"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous()
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _tensors(res: BackendResult) -> dict[str, torch.Tensor]:
+    """The tensors a repeated run is compared on: the output, and the lse where the kernel returns one."""
+    return {"out": res.out, **({"lse": res.lse} if res.lse is not None else {})}
+
+
+__all__ = ["CHECKS", "CaseChecks", "Evidence", "Timing"]

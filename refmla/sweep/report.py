@@ -1,0 +1,210 @@
+"""The sweep's typed results (built once, rendered by refmla.render.sweep, JSON by ``to_json``):
+
+    SweepReport     the run: seed, budget, coverage, one BackendSweep per backend, every case
+    BackendSweep    one backend: its counts per check, its findings, its time in kernel vs reference
+    Finding         one (backend, check) that failed: the first failing case, shrunk, its capture,
+                    the replay command and verdict, and the axis value that triggers it (Trigger)
+    CaseResult      one case: its point, its parameters and each backend's CheckOutcome per check
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Sequence
+
+from refmla.util import json_safe
+
+STATUSES = ("pass", "fail", "error", "n/a", "skipped")  # error: the kernel crashed or raised (a finding)
+
+
+@dataclass
+class CheckOutcome:
+    check: str  # reference | nan_fill | repeat | splits
+    status: str  # one of STATUSES
+    detail: str = ""  # one sentence
+    data: dict = field(default_factory=dict)  # the check's numbers (a comparison, a RepeatOutcome...)
+
+    @property
+    def failed(self) -> bool:
+        return self.status in ("fail", "error")
+
+    def to_json(self) -> dict:
+        return json_safe({"check": self.check, "status": self.status, "detail": self.detail, **self.data})
+
+
+@dataclass
+class CaseResult:
+    index: int  # place in its layout's walk
+    layout: str
+    point: dict  # the axis values the walk chose
+    params: dict  # the concrete case (GoldenCase.params(): lengths, splits, scales, seed)
+    outcomes: dict[str, dict[str, CheckOutcome]] = field(default_factory=dict)  # backend -> check -> outcome
+    kernel_seconds: dict[str, float] = field(default_factory=dict)  # backend -> seconds in its kernel runs
+    reference_seconds: dict[str, float] = field(default_factory=dict)  # backend -> reference, control, comparisons
+
+    def to_json(self) -> dict:
+        return {
+            "index": self.index, "layout": self.layout, "point": json_safe(self.point), "params": json_safe(self.params),
+            "outcomes": {b: {c: o.to_json() for c, o in oc.items()} for b, oc in self.outcomes.items()},
+            "kernel_seconds": {b: round(s, 3) for b, s in self.kernel_seconds.items()},
+            "reference_seconds": {b: round(s, 3) for b, s in self.reference_seconds.items()},
+        }  # fmt: skip
+
+
+@dataclass
+class Trigger:
+    """The axis value that best separates a check's failing cases from its passing ones."""
+
+    axis: str
+    value: Any
+    failing_with: int  # failing cases with this value
+    cases_with: int  # cases with this value
+    failing_elsewhere: int  # failing cases without it
+    cases_elsewhere: int
+
+    @property
+    def whenever(self) -> bool:
+        """Every case with the value fails and none without it."""
+        return self.failing_with == self.cases_with and not self.failing_elsewhere
+
+    def text(self) -> str:
+        how = "fails whenever" if self.whenever else "fails most where"
+        return (f"{how} {self.axis} = {self.value} ({self.failing_with} of {self.cases_with} cases; "
+                f"{self.failing_elsewhere} of {self.cases_elsewhere} others)")  # fmt: skip
+
+    def to_json(self) -> dict:
+        return json_safe({**asdict(self), "whenever": self.whenever, "text": self.text()})
+
+
+def trigger(cases: Sequence[CaseResult], backend: str, check: str) -> Optional[Trigger]:
+    """The (axis, value) whose cases fail ``check`` the most alike the failing set (F1 score), or
+    None when nothing failed. Only cases where the check ran (pass or fail) count."""
+    ran = [(c.point, c.outcomes[backend][check].failed) for c in cases
+           if backend in c.outcomes and c.outcomes[backend].get(check) and
+           c.outcomes[backend][check].status in ("pass", "fail", "error")]  # fmt: skip
+    failing = sum(f for _, f in ran)
+    if not failing:
+        return None
+    best: Optional[tuple[float, Trigger]] = None
+    for axis in sorted({a for p, _ in ran for a in p}):
+        for value in sorted({repr(p[axis]) for p, _ in ran if axis in p}):
+            with_v = [f for p, f in ran if repr(p.get(axis)) == value]
+            hit = sum(with_v)
+            score = 2 * hit / (len(with_v) + failing)
+            t = Trigger(axis, _plain(value), hit, len(with_v), failing - hit, len(ran) - len(with_v))
+            if best is None or score > best[0] + 1e-12:
+                best = (score, t)
+    return best[1] if best else None
+
+
+def _plain(value_repr: str) -> Any:
+    try:
+        import ast
+
+        return ast.literal_eval(value_repr)
+    except (ValueError, SyntaxError):
+        return value_repr
+
+
+@dataclass
+class Finding:
+    backend: str
+    check: str
+    detail: str  # the first failing case's outcome
+    first_case: int  # CaseResult.index of the first failing case
+    layout: str
+    failing_cases: int = 0
+    shrunk: dict = field(default_factory=dict)  # the shrunk case's parameters
+    shrunk_detail: str = ""  # the shrunk case's outcome
+    shrink_steps: list = field(default_factory=list)  # "requests 8 -> 1", ...
+    capture: Optional[str] = None  # the shrunk case's refmla.capture/1 file
+    replay_command: Optional[str] = None
+    replay_verdict: Optional[str] = None  # what `refmla replay` says of the capture
+    trigger: Optional[Trigger] = None
+
+    def to_json(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "trigger"}
+        d["trigger"] = self.trigger.to_json() if self.trigger else None
+        return json_safe(d)
+
+
+@dataclass
+class BackendSweep:
+    backend: str
+    available: bool = True
+    reason: str = ""  # why not available, or its version line
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)  # check -> status -> cases
+    findings: list[Finding] = field(default_factory=list)
+    skipped_layouts: dict[str, str] = field(default_factory=dict)  # layout -> why the backend takes none
+    cases: int = 0
+    kernel_seconds: float = 0.0
+    reference_seconds: float = 0.0
+
+    def count(self, outcomes: dict[str, CheckOutcome]) -> None:
+        self.cases += 1
+        for check, o in outcomes.items():
+            per = self.counts.setdefault(check, {})
+            per[o.status] = per.get(o.status, 0) + 1
+
+    @property
+    def passed(self) -> bool:
+        return not self.findings
+
+    def to_json(self) -> dict:
+        cpm = 60 * self.cases / self.kernel_seconds_total if self.kernel_seconds_total else None
+        return json_safe({
+            "backend": self.backend, "available": self.available, "reason": self.reason, "cases": self.cases,
+            "counts": self.counts, "findings": [f.to_json() for f in self.findings],
+            "skipped_layouts": self.skipped_layouts, "kernel_seconds": round(self.kernel_seconds, 3),
+            "reference_seconds": round(self.reference_seconds, 3), "cases_per_minute": cpm,
+            "passed": self.passed,
+        })  # fmt: skip
+
+    @property
+    def kernel_seconds_total(self) -> float:
+        return self.kernel_seconds + self.reference_seconds
+
+
+@dataclass
+class SweepReport:
+    seed: int
+    budget: float
+    repeat: int
+    jobs: int
+    layouts: list[str]
+    backends: dict[str, BackendSweep] = field(default_factory=dict)
+    cases: list[CaseResult] = field(default_factory=list)
+    pairs: dict[str, list[int]] = field(default_factory=dict)  # layout -> [covered, total] value pairs
+    walk_seconds: float = 0.0
+    shrink_seconds: float = 0.0
+    out_dir: Optional[str] = None
+    not_walked: list[str] = field(default_factory=list)  # layouts the sweep does not walk yet
+
+    @property
+    def findings(self) -> list[Finding]:
+        return [f for b in self.backends.values() for f in b.findings]
+
+    @property
+    def exit_code(self) -> int:
+        """0 no finding, 1 a finding (docs/contract.md: exit codes)."""
+        return 1 if self.findings else 0
+
+    @property
+    def cases_per_minute(self) -> Optional[float]:
+        return 60 * len(self.cases) / self.walk_seconds if self.walk_seconds > 0 else None
+
+    def to_json(self) -> dict:
+        cpm = self.cases_per_minute
+        return json_safe({
+            "format": "refmla.sweep/1", "seed": self.seed, "budget": self.budget, "repeat": self.repeat,
+            "jobs": self.jobs, "layouts": self.layouts, "not_walked": self.not_walked, "pairs": self.pairs,
+            "walk_seconds": round(self.walk_seconds, 3), "shrink_seconds": round(self.shrink_seconds, 3),
+            "cases_per_minute": None if cpm is None or math.isnan(cpm) else round(cpm, 2),
+            "out_dir": self.out_dir, "exit_code": self.exit_code,
+            "backends": {n: b.to_json() for n, b in self.backends.items()},
+            "findings": [f.to_json() for f in self.findings], "cases": [c.to_json() for c in self.cases],
+        })  # fmt: skip
+
+
+__all__ = ["STATUSES", "BackendSweep", "CaseResult", "CheckOutcome", "Finding", "SweepReport", "Trigger", "trigger"]

@@ -1,0 +1,276 @@
+"""The sweep itself: walk the space within the budget (serially or in ``jobs`` spawned workers),
+run every case through every backend's checks, then shrink each (backend, check) that failed,
+write its capture, replay it, and name the axis value that triggers it.
+
+    SweepConfig --walk (refmla.sweep.space)--> points --case_of--> cases --CaseChecks--> CaseResult
+                --each failing (backend, check): shrink --> capture file --> refmla replay --> Finding
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from refmla.backends import get_backend
+from refmla.backends.triton_interp import ensure_interpreter
+from refmla.capture import read_capture, write_capture
+from refmla.compare import Tolerance
+from refmla.options import ReplayOptions, bound_problem
+from refmla.progress import Progress
+from refmla.replay import replay_capture
+from refmla.signals import ignore_sigint
+from refmla.sweep.cases import capture_meta, capture_of, case_of
+from refmla.sweep.checks import CHECKS, CaseChecks, Evidence
+from refmla.sweep.report import BackendSweep, CaseResult, CheckOutcome, Finding, SweepReport, trigger
+from refmla.sweep.shrink import shrink
+from refmla.sweep.space import NOT_YET, Walk, interleave, restrict
+from refmla.util import error_text
+
+SKIPS_TO_DROP = 2  # consecutive skipped cases after which a backend is dropped from a layout
+
+
+@dataclass
+class SweepConfig:
+    """What ``refmla sweep`` is asked to do (its flags, docs/contract.md: the sweep)."""
+
+    backends: Sequence[str] = ("triton",)
+    budget: float = 60.0  # seconds of walking; shrinking follows, at most max_shrink runs per finding
+    seed: int = 0
+    out: str = "refmla-sweep"  # where the shrunk captures go
+    jobs: int = 1
+    repeat: int = 3  # runs compared bit for bit
+    layouts: Sequence[str] = ("decode", "verify")
+    space: Sequence[str] = ()  # AXIS=V1,V2 restrictions
+    checks: Sequence[str] = CHECKS  # which of the four checks run
+    max_shrink: int = 24
+    max_cases: Optional[int] = None  # stop the walk after this many cases (whatever the budget)
+    tol: Tolerance = field(default_factory=Tolerance)
+    setup: Optional[str] = None  # "module:function[:arg]" run first in every process (registers extra backends)
+
+    def check(self) -> None:
+        """ValueError naming the first bad option (the CLI's exit 2)."""
+        if not self.budget > 0 or self.budget > 7 * 86400:
+            raise ValueError(f"option budget: must be in (0, 604800] seconds, got {self.budget}")
+        if not 2 <= self.repeat <= 1000:
+            raise ValueError(f"option repeat: must be in [2, 1000], got {self.repeat}")
+        problem = bound_problem("jobs", self.jobs)
+        if problem:
+            raise ValueError(f"option jobs: {problem}")
+        if self.max_shrink < 0:
+            raise ValueError(f"option max_shrink: must be >= 0, got {self.max_shrink}")
+        for layout in self.layouts:
+            restrict(layout, self.space)
+        for check in self.checks:
+            if check not in CHECKS:
+                raise ValueError(f"option check: {check!r} is not one of {', '.join(CHECKS)}")
+
+    def options(self) -> ReplayOptions:
+        """The replay options every kernel run reads: production-width split buffers (no trim)."""
+        return ReplayOptions(backends=list(self.backends), tol=self.tol, explain=False, trim=False)
+
+
+def run_setup(setup: Optional[str]) -> None:
+    """``module:function`` or ``module:function:argument``: called before any case, in every process."""
+    if setup:
+        module, func, *arg = setup.split(":", 2)
+        getattr(importlib.import_module(module), func)(*arg)
+
+
+def evaluate(layout: str, point: dict, index: int, cfg: SweepConfig, backends: Sequence[str]) -> CaseResult:
+    """One case through every check of every backend in ``backends``."""
+    case = case_of(layout, point, cfg.seed, index)
+    res = CaseResult(index, layout, point, case.params())
+    checks = CaseChecks(case, cfg.options(), cfg.repeat)
+    for b in backends:  # the reference is computed once, in the first backend's time
+        k0, r0 = checks.timing.kernel, checks.timing.reference
+        res.outcomes[b], _ = checks.run(b, cfg.checks)
+        res.kernel_seconds[b] = checks.timing.kernel - k0
+        res.reference_seconds[b] = checks.timing.reference - r0
+    return res
+
+
+def _worker_init(threads: int, setup: Optional[str]) -> None:
+    ignore_sigint()
+    ensure_interpreter()
+    torch.set_num_threads(max(1, threads))
+    run_setup(setup)
+
+
+def _died(layout: str, point: dict, index: int, backends: Sequence[str]) -> CaseResult:
+    why = "the worker process died running this case"
+    res = CaseResult(index, layout, point, {})
+    res.outcomes = {b: {c: CheckOutcome(c, "n/a" if i else "error", why) for i, c in enumerate(CHECKS)} for b in backends}
+    return res
+
+
+class Sweeper:
+    def __init__(self, cfg: SweepConfig):
+        cfg.check()
+        run_setup(cfg.setup)
+        self.cfg = cfg
+        self.report = SweepReport(cfg.seed, cfg.budget, cfg.repeat, cfg.jobs, list(cfg.layouts),
+                                  out_dir=str(cfg.out), not_walked=list(NOT_YET))  # fmt: skip
+        for name in cfg.backends:
+            ok, why = get_backend(name).availability()
+            self.report.backends[name] = BackendSweep(name, available=ok, reason=why)
+        self.walks = [Walk(layout, restrict(layout, cfg.space), cfg.seed) for layout in cfg.layouts]
+        self.counters = {w.layout: 0 for w in self.walks}
+        self.skips: dict[tuple[str, str], int] = {}
+
+    def active(self, layout: str) -> list[str]:
+        return [n for n, b in self.report.backends.items() if b.available and layout not in b.skipped_layouts]
+
+    def points(self):
+        """(layout, point, index) of the walk while some backend still takes the layout."""
+        for layout, point in interleave(self.walks):
+            if not any(self.active(w.layout) for w in self.walks):
+                return
+            if not self.active(layout):
+                continue
+            index = self.counters[layout]
+            self.counters[layout] += 1
+            yield layout, point, index
+
+    def record(self, res: CaseResult) -> None:
+        self.report.cases.append(res)
+        for name, outcomes in res.outcomes.items():
+            b = self.report.backends[name]
+            b.count(outcomes)
+            b.kernel_seconds += res.kernel_seconds.get(name, 0.0)
+            b.reference_seconds += res.reference_seconds.get(name, 0.0)
+            key = (name, res.layout)
+            if all(o.status == "skipped" for o in outcomes.values()):
+                self.skips[key] = self.skips.get(key, 0) + 1
+                if self.skips[key] >= SKIPS_TO_DROP:
+                    b.skipped_layouts[res.layout] = next(iter(outcomes.values())).detail
+            else:
+                self.skips[key] = 0
+
+    def walk(self) -> None:
+        t0 = time.monotonic()
+        done = lambda: (time.monotonic() - t0 >= self.cfg.budget or  # noqa: E731
+                        (self.cfg.max_cases is not None and len(self.report.cases) >= self.cfg.max_cases))
+        progress = Progress(max(2, int(self.cfg.budget)), unit="s")
+        try:
+            if self.cfg.jobs <= 1:
+                for layout, point, index in self.points():
+                    if done():
+                        break
+                    self.record(evaluate(layout, point, index, self.cfg, self.active(layout)))
+                    self._tick(progress, t0)
+            else:
+                self._walk_parallel(done, progress, t0)
+        finally:
+            progress.close()
+        self.report.walk_seconds = time.monotonic() - t0
+        self.report.cases.sort(key=lambda c: (self.cfg.layouts.index(c.layout), c.index))
+        self.report.pairs = {w.layout: [w.pairs_covered, w.pairs_total] for w in self.walks}
+
+    def _tick(self, progress: Progress, t0: float) -> None:
+        target = min(progress.total, int(time.monotonic() - t0))
+        fails = len({(n, c) for r in self.report.cases for n, oc in r.outcomes.items() for c, o in oc.items() if o.failed})
+        while progress.done < target - 1:
+            progress.done += 1
+        progress.step(f"{len(self.report.cases)} cases, {fails} failing checks")
+
+    def _walk_parallel(self, done, progress: Progress, t0: float) -> None:
+        threads = max(1, (os.cpu_count() or 1) // self.cfg.jobs)
+        ctx = mp.get_context("spawn")
+        pool = ProcessPoolExecutor(self.cfg.jobs, mp_context=ctx, initializer=_worker_init, initargs=(threads, self.cfg.setup))
+        pending: dict = {}
+        points = self.points()
+        try:
+            while True:
+                while not done() and len(pending) < self.cfg.jobs:
+                    nxt = next(points, None)
+                    if nxt is None:
+                        break
+                    layout, point, index = nxt
+                    backends = self.active(layout)
+                    pending[pool.submit(evaluate, layout, point, index, self.cfg, backends)] = (*nxt, backends)
+                if not pending:
+                    break
+                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    layout, point, index, backends = pending.pop(fut)
+                    try:
+                        self.record(fut.result())
+                    except BrokenProcessPool:
+                        self.record(_died(layout, point, index, backends))
+                        pool.shutdown(wait=False, cancel_futures=True)
+                        pool = ProcessPoolExecutor(self.cfg.jobs, mp_context=ctx, initializer=_worker_init,
+                                                   initargs=(threads, self.cfg.setup))  # fmt: skip
+                        for f, (la, po, ix, bs) in list(pending.items()):
+                            pending.pop(f)
+                            pending[pool.submit(evaluate, la, po, ix, self.cfg, bs)] = (la, po, ix, bs)
+                    self._tick(progress, t0)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def findings(self) -> None:
+        t0 = time.monotonic()
+        out = Path(self.cfg.out)
+        for name, b in self.report.backends.items():
+            for check in self.cfg.checks:
+                failing = [c for c in self.report.cases if name in c.outcomes and c.outcomes[name][check].failed]
+                if failing:
+                    b.findings.append(self.finding(name, check, failing, out))
+        self.report.shrink_seconds = time.monotonic() - t0
+
+    def finding(self, name: str, check: str, failing: list[CaseResult], out: Path) -> Finding:
+        first = failing[0]
+        f = Finding(name, check, first.outcomes[name][check].detail, first.index, first.layout, len(failing),
+                    trigger=trigger(self.report.cases, name, check))  # fmt: skip
+        case = case_of(first.layout, first.point, self.cfg.seed, first.index)
+        try:
+            shrunk = shrink(case, name, check, self.cfg.options(), self.cfg.repeat, max_tries=self.cfg.max_shrink)
+        except Exception as e:  # shrinking is an aid: the finding stands without it
+            f.shrunk_detail = f"not shrunk: {error_text(e)}"
+            return f
+        if shrunk is None:
+            f.shrunk_detail = "did not fail again when rerun (intermittent): not shrunk, no capture"
+            return f
+        f.shrunk, f.shrunk_detail, f.shrink_steps = shrunk.case.params(), shrunk.outcome.detail, shrunk.steps
+        path = out / f"{name}-{check}-{first.layout}-{first.index}.safetensors"
+        sweep_meta = {"sweep": {"backend": name, "check": check, "seed": self.cfg.seed, "layout": first.layout,
+                                "case": first.index, "point": first.point, "detail": shrunk.outcome.detail}}  # fmt: skip
+        ev = shrunk.evidence
+        tensors = _capture_tensors(ev, sweep_meta)
+        meta = {**capture_meta(ev.case, sweep_meta), "backend": name if name in ("triton", "aiter") else "unknown"}
+        try:
+            write_capture(path, tensors, meta, compact=False)
+        except Exception as e:
+            f.shrunk_detail += f"; capture not written: {error_text(e)}"
+            return f
+        f.capture = str(path)
+        f.replay_command = f"refmla replay {path} --backend {name}"
+        try:
+            f.replay_verdict = replay_capture(read_capture(path), ReplayOptions(backends=[], explain=False)).verdict
+        except Exception as e:
+            f.replay_verdict = f"replay failed: {error_text(e)}"
+        return f
+
+
+def _capture_tensors(ev: Evidence, sweep_meta: dict) -> dict[str, torch.Tensor]:
+    """The failing run's capture: the case's inputs, its output and the split counts it ran with."""
+    return capture_of(ev.case, out=ev.out, num_kv_splits=ev.num_kv_splits, extra=sweep_meta).tensors()
+
+
+def run_sweep(cfg: SweepConfig) -> SweepReport:
+    """Walk, check, shrink: the whole ``refmla sweep``. ValueError for options out of bounds."""
+    s = Sweeper(cfg)
+    s.walk()
+    s.findings()
+    return s.report
+
+
+__all__ = ["SweepConfig", "evaluate", "run_sweep"]

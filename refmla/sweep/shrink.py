@@ -1,0 +1,87 @@
+"""Shrinking a failing case: fewer requests, shorter lengths, fewer heads, as long as it still fails
+the same check (Hypothesis' shrinking, Polygraphy's ``debug reduce``): the engineer gets the
+smallest reproduction the tries allow.
+
+Greedy: the first smaller candidate that still fails is kept and the candidates start over from
+it; shrinking ends when no candidate fails, after ``max_tries`` runs, or at the deadline.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Iterator, Optional
+
+from refmla.golden.cases import GoldenCase
+from refmla.options import ReplayOptions
+from refmla.sweep.checks import CaseChecks, Evidence
+from refmla.sweep.report import CheckOutcome
+from refmla.sweep.space import HEADS
+
+
+def _keep(case: GoldenCase, which: list[int]) -> GoldenCase:
+    return replace(case, seq_lens=tuple(case.seq_lens[i] for i in which),
+                   num_kv_splits=tuple(case.splits[i] for i in which))  # fmt: skip
+
+
+def candidates(case: GoldenCase) -> Iterator[tuple[str, GoldenCase]]:
+    """Smaller cases than ``case``, the biggest cuts first: (what changed, the case)."""
+    B = len(case.seq_lens)
+    if B > 1:
+        half = B // 2
+        yield f"requests {B} -> {half}", _keep(case, list(range(half)))
+        yield f"requests {B} -> {B - half}", _keep(case, list(range(half, B)))
+        for i in range(B):
+            yield f"requests {B} -> {B - 1} (request {i} dropped)", _keep(case, [j for j in range(B) if j != i])
+    low = max(1, case.draft_token_num)
+    for i, L in enumerate(case.seq_lens):
+        for shorter in dict.fromkeys((max(low, L // 2), L - 1)):
+            if L > low and shorter < L:
+                lens = case.seq_lens[:i] + (shorter,) + case.seq_lens[i + 1 :]
+                yield f"request {i} length {L} -> {shorter}", replace(case, seq_lens=lens)
+    for h in sorted(h for h in HEADS if h < case.num_heads):
+        yield f"heads {case.num_heads} -> {h}", replace(case, num_heads=h)
+
+
+@dataclass
+class Shrunk:
+    case: GoldenCase
+    outcome: CheckOutcome
+    evidence: Evidence
+    steps: list[str] = field(default_factory=list)
+    tries: int = 0
+
+
+def fails(case: GoldenCase, backend: str, check: str, opts: ReplayOptions, repeat: int):
+    """(outcome, evidence) of ``check`` on ``case`` when it fails, else None."""
+    outcomes, evidence = CaseChecks(case, opts, repeat).run(backend, only=(check,))
+    o = outcomes.get(check)
+    if o is not None and o.failed and check in evidence:
+        return o, evidence[check]
+    return None
+
+
+def shrink(case: GoldenCase, backend: str, check: str, opts: ReplayOptions, repeat: int = 3,
+           max_tries: int = 24, deadline: Optional[float] = None) -> Optional[Shrunk]:
+    """The smallest case found that still fails ``check``; None when ``case`` itself no longer fails
+    (a nondeterministic failure that did not come back)."""
+    first = fails(case, backend, check, opts, repeat)
+    if first is None:
+        return None
+    best = Shrunk(case, first[0], first[1], tries=1)
+    progress = True
+    while progress and best.tries < max_tries and (deadline is None or time.monotonic() < deadline):
+        progress = False
+        for step, smaller in candidates(best.case):
+            if best.tries >= max_tries or (deadline is not None and time.monotonic() >= deadline):
+                break
+            best.tries += 1
+            got = fails(smaller, backend, check, opts, repeat)
+            if got is not None:
+                best = Shrunk(smaller, got[0], got[1], best.steps + [step], best.tries)
+                progress = True
+                break
+    return best
+
+
+__all__ = ["Shrunk", "candidates", "fails", "shrink"]

@@ -1,0 +1,114 @@
+"""refmla sweep: the walk's coverage and reproducibility, its flags, and the four faults of
+tests/planted_sweep.py planted in SGLang's real Triton kernel, each found under its check, shrunk,
+and written as a capture that `refmla replay` calls diverged -- while the unmodified kernel
+passes the same cases."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+import planted_sweep
+import refmla.backends as backends
+from refmla.backends.triton import TritonBackend
+from refmla.cli import main
+from refmla.sweep import SweepConfig, run_sweep
+from refmla.sweep.cases import case_of
+from refmla.sweep.checks import CaseChecks
+from refmla.sweep.space import Walk, feasible, length_of, restrict
+
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+
+def test_pairwise_walk_covers_every_pair_then_goes_random():
+    axes = restrict("decode", ["heads=32,8,4", "page=1,16", "batch=1,3", "splits=1,past"])
+    walk = Walk("decode", axes, seed=5)
+    it = iter(walk)
+    points = [next(it) for _ in range(40)]
+    covering = points[: walk.pairwise_points]
+    assert walk.pairs_covered == walk.pairs_total > 0
+    for (a, va), (b, vb) in (p for p in walk._pairs()):
+        assert any(pt[a] == va and pt[b] == vb for pt in covering), (a, va, b, vb)
+    assert walk.pairwise_points < 40 and all(feasible(p) for p in points)
+    again = iter(Walk("decode", axes, seed=5))
+    assert [next(again) for _ in range(40)] == points  # reproducible from the seed
+    other = iter(Walk("decode", axes, seed=6))
+    assert [next(other) for _ in range(40)] != points
+
+
+def test_space_values_and_cases():
+    assert [length_of(v, 16, 2) for v in ("0", "page-1", "page+1", "32k-1", "32k+1", "4097")] == [0, 15, 17, 63, 65, 4097]
+    with pytest.raises(ValueError, match="heads"):
+        restrict("decode", ["heads=5"])
+    with pytest.raises(ValueError, match="unknown axis"):
+        restrict("decode", ["nope=1"])
+    point = {"heads": 16, "page": 64, "length": "page+1", "batch": 3, "qlen": 3, "kv": "float8_e4m3fnuz", "cap": 30.0}
+    case = case_of("verify", point, seed=1, index=0)
+    assert case.seq_lens[0] == 65 and len(case.seq_lens) == 3 and min(case.seq_lens) >= 3
+    assert case.draft_token_num == 3 and case.k_scale != 1 and case.v_scale != 1 and case.logit_cap == 30.0
+    assert case_of("verify", point, seed=1, index=0) == case != case_of("verify", point, seed=2, index=0)
+
+
+def test_cli_reference_json_and_bad_flags(tmp_path, capsys):
+    rc = main(["sweep", "--backend", "reference", "--budget", "1", "--json", "--out", str(tmp_path),
+               "--space", "heads=4", "--space", "batch=1,2", "--space", "length=1,page+1"])  # fmt: skip
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0 and rep["exit_code"] == 0 and rep["cases"]
+    counts = rep["backends"]["reference"]["counts"]
+    assert counts["reference"].get("pass") == len(rep["cases"]) and counts["nan_fill"] == {"n/a": len(rep["cases"])}
+    for argv in (["--space", "heads=5"], ["--repeat", "1"], ["--budget", "0"], ["--backend", "nope"]):
+        assert _exit_code(["sweep", "--budget", "1", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "Traceback" not in err[0]
+
+
+def _exit_code(argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse's usage errors
+        return int(e.code)
+
+
+def test_jobs_give_the_same_cases_as_serial(tmp_path):
+    cfg = dict(backends=["reference"], budget=600, out=str(tmp_path), max_cases=3, layouts=["decode"],
+               space=["heads=4", "batch=1,2", "length=1,page+1"])  # fmt: skip
+    serial = run_sweep(SweepConfig(**cfg))
+    parallel = run_sweep(SweepConfig(**cfg, jobs=2))
+    assert [c.params for c in serial.cases] == [c.params for c in parallel.cases[:3]]
+    assert all(c.outcomes["reference"]["reference"].status == "pass" for c in parallel.cases)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plant", sorted(planted_sweep.SWEEP_PLANTS))
+def test_planted_fault_found_shrunk_and_replays_diverged(plant, tmp_path, monkeypatch, capsys):
+    """The quick sweep of the plant's space (its expected check only) finds it; SGLang's own kernel
+    passes the same first case."""
+    check = planted_sweep.EXPECTED[plant]
+    monkeypatch.setitem(backends._CACHE, "triton", planted_sweep.SweepPlant(plant))
+    cfg = SweepConfig(backends=["triton"], budget=600, out=str(tmp_path), layouts=["decode"],
+                      max_cases=2 if plant == "heads32" else 1, space=planted_sweep.QUICK_SPACE[plant],
+                      checks=[check], max_shrink=2)  # fmt: skip
+    rep = run_sweep(cfg)
+    (f,) = [f for f in rep.findings if f.check == check]
+    assert rep.exit_code == 1 and f.backend == "triton" and f.capture and f.replay_verdict == "diverged", f
+    first = next(c for c in rep.cases if c.index == f.first_case)
+    assert len(f.shrunk["seq_lens"]) <= len(first.params["seq_lens"]) and f.shrunk["num_heads"] <= first.params["num_heads"]
+    if plant == "heads32":  # the 8-head case passes: the walk names the axis, the shrink keeps 32 heads
+        assert (f.trigger.axis, f.trigger.value, f.trigger.whenever) == ("heads", 32, True)
+        assert f.shrunk["num_heads"] == 32
+    monkeypatch.setitem(backends._CACHE, "triton", TritonBackend())  # SGLang's kernel as installed
+    outcomes, _ = CaseChecks(case_of("decode", first.point, 0, first.index), cfg.options()).run("triton", (check,))
+    assert outcomes[check].status == "pass", outcomes[check].detail
+    if plant == "heads32":  # `refmla replay` on the capture: the captured (planted) output diverges
+        capsys.readouterr()
+        assert main(["replay", f.capture, "--backend", "triton"]) == 1
+        assert "diverged" in capsys.readouterr().out
+
+
+def test_the_plants_edit_one_line_each():
+    assert len(set(planted_sweep.SWEEP_PLANTS)) == len(planted_sweep.EXPECTED) == 4
+    for func, old, new in planted_sweep.SWEEP_PLANTS.values():
+        assert old != new and func.startswith("_fwd_")
+    assert set(itertools.chain(planted_sweep.EXPECTED.values())) == {"reference", "nan_fill", "repeat"}

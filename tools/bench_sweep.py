@@ -1,0 +1,74 @@
+"""The sweep's speed and its findings per backend: cases per minute, kernel vs reference time.
+
+    python tools/bench_sweep.py --backend triton --budget 300             # SGLang's kernel as installed
+    python tools/bench_sweep.py --plant heads32 --budget 300              # the kernel with a planted fault
+    python tools/bench_sweep.py --backend flex --backend aiter_torch_ref  # correct kernels not written here
+    python tools/bench_sweep.py ... --json out.json
+
+``--plant NAME`` runs ``refmla sweep --backend triton`` on SGLang's Triton decode kernel with one
+of tests/planted_sweep.py's faults edited into it at run time (each expected under its check);
+``aiter_torch_ref`` is aiter's torch reference as a stand-in backend (tests/sweep_standins.py).
+Per backend: cases, cases per minute, seconds in the kernel's runs (child processes included) and
+in the fp64 reference, the control and the comparisons, and every finding with its shrunk case.
+On a CPU-only machine the kernels run in the Triton interpreter: these are sweep times, not
+kernel performance; say "loaded" when other work shares the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from refmla.backends.triton_interp import ensure_interpreter
+
+ensure_interpreter()  # before anything imports triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # planted_sweep, sweep_standins
+
+from refmla.render.sweep import render_sweep  # noqa: E402
+from refmla.sweep import SweepConfig, run_sweep  # noqa: E402
+
+STANDINS = {"aiter_torch_ref": "sweep_standins:install"}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", action="append", help="backend (repeatable; default triton)")
+    p.add_argument("--plant", help="a fault of tests/planted_sweep.py planted in SGLang's kernel (backend triton)")
+    p.add_argument("--budget", type=float, default=300.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--layout", action="append")
+    p.add_argument("--space", action="append", default=[])
+    p.add_argument("--max-shrink", type=int, default=16)
+    p.add_argument("--out", default="/tmp/refmla-bench-sweep")
+    p.add_argument("--json", help="write the report's JSON here")
+    a = p.parse_args()
+    backends = a.backend or ["triton"]
+    setup = f"planted_sweep:install:{a.plant}" if a.plant else None
+    for b in backends:
+        if b in STANDINS:
+            setup = STANDINS[b]
+    cfg = SweepConfig(backends=backends, budget=a.budget, seed=a.seed, out=a.out, jobs=a.jobs,
+                      layouts=a.layout or ("decode", "verify"), space=a.space, max_shrink=a.max_shrink,
+                      setup=setup)  # fmt: skip
+    t0 = time.monotonic()
+    rep = run_sweep(cfg)
+    print(render_sweep(rep))
+    print(f"\nwall {time.monotonic() - t0:.0f} s (walk {rep.walk_seconds:.0f} s, shrink {rep.shrink_seconds:.0f} s)"
+          + (f"; planted {a.plant}" if a.plant else ""))  # fmt: skip
+    for name, b in rep.backends.items():
+        total = b.kernel_seconds + b.reference_seconds
+        if b.cases and total:
+            print(f"{name}: {60 * b.cases / rep.walk_seconds:.1f} cases/min; kernel {b.kernel_seconds:.0f} s, "
+                  f"reference {b.reference_seconds:.0f} s ({100 * b.reference_seconds / total:.0f}% reference)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rep.to_json(), indent=1) + "\n")
+    return rep.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
