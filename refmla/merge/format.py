@@ -1,0 +1,131 @@
+"""The merge capture (meta ``mode`` ``merge``, docs/contract.md "merge captures"): one call of a
+state merge that joins two pieces of attention -- chunked-prefix prefill's per-chunk partials,
+decode context parallelism's per-rank partials -- into one.
+
+Tensors (``T`` query rows, ``H`` heads, ``D`` value width; lse always [T, H], the hook transposes
+vLLM's [H, T]):
+
+    out_a, out_b   [T, H, D]   the pieces' outputs (each normalised over its own keys)
+    lse_a, lse_b   [T, H] fp32 the pieces' log-sum-exp, in the base the merger documents (meta lse_base)
+    out            [T, H, D]   the merged output production wrote
+    lse            [T, H] fp32 the merged lse (optional: not every merge returns it)
+    len_a, len_b   [T] int     keys each piece attended per row (optional; 0 = an empty piece)
+
+An empty piece (no keys) has lse -inf by the convention every merger documents; one recorded with
+a finite lse is recognised by ``len_*`` == 0 or by its output row being exactly zero.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+import torch
+
+from refmla.capture.format import CaptureError
+
+MODE = "merge"
+TENSORS = {"out_a": True, "lse_a": True, "out_b": True, "lse_b": True, "out": True, "lse": False,
+           "len_a": False, "len_b": False}  # fmt: skip
+LSE_BASES = ("e", "2")  # natural log (SGLang merge_state / _v2, vLLM merge_attn_states), log2 (FlashInfer, aiter)
+OUT_DTYPES = {torch.bfloat16, torch.float16, torch.float32}
+
+
+@dataclass
+class MergeMeta:
+    mode: str  # "merge"
+    merger: str  # the merge wrapped, e.g. "sglang.merge_state", "vllm.merge_attn_states"
+    lse_base: str = "e"  # LSE_BASES: the base the merger's lse inputs and output are in
+    engine: Optional[str] = None
+    engine_version: Optional[str] = None
+    layer_id: Optional[int] = None
+    tp_rank: Optional[int] = None
+    step: Optional[int] = None
+    rids: Optional[list] = None
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        return {**self.extra, **{k: v for k, v in d.items() if v is not None}}
+
+
+def parse_merge_meta(raw: Any, path: Any) -> MergeMeta:
+    if not isinstance(raw, dict):
+        raise CaptureError(path, "header key 'meta'", "not a JSON object")
+    if raw.get("mode") != MODE:
+        raise CaptureError(path, "meta key 'mode'", f"expected {MODE!r}, got {raw.get('mode')!r}")
+    if not isinstance(raw.get("merger"), str):
+        raise CaptureError(path, "meta key 'merger'", "missing or not a string")
+    if raw.get("lse_base", "e") not in LSE_BASES:
+        raise CaptureError(path, "meta key 'lse_base'", f"expected 'e' or '2', got {raw.get('lse_base')!r}")
+    known = {f.name for f in fields(MergeMeta)} - {"extra"}
+    meta = MergeMeta(mode=MODE, merger=raw["merger"], lse_base=raw.get("lse_base", "e"),
+                     extra={k: v for k, v in raw.items() if k not in known})  # fmt: skip
+    for key in ("layer_id", "tp_rank", "step"):
+        v = raw.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**31):
+            raise CaptureError(path, f"meta key '{key}'", f"expected an integer in [0, 2**31), got {v!r}")
+        setattr(meta, key, v)
+    for key in ("engine", "engine_version"):
+        if raw.get(key) is not None:
+            setattr(meta, key, str(raw[key]))
+    if raw.get("rids") is not None:
+        if not isinstance(raw["rids"], list):
+            raise CaptureError(path, "meta key 'rids'", "expected a list")
+        meta.rids = [str(r) for r in raw["rids"]]
+    return meta
+
+
+@dataclass
+class MergeCapture:
+    path: str
+    meta: MergeMeta
+    out_a: torch.Tensor
+    lse_a: torch.Tensor
+    out_b: torch.Tensor
+    lse_b: torch.Tensor
+    out: torch.Tensor
+    lse: Optional[torch.Tensor] = None
+    len_a: Optional[torch.Tensor] = None
+    len_b: Optional[torch.Tensor] = None
+    warnings: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def empty(self, piece: str) -> torch.Tensor:
+        """[T, H] bool: the piece has no keys at this (row, head) (lse -inf, len 0, or an all-zero output)."""
+        lse, out, n = getattr(self, f"lse_{piece}"), getattr(self, f"out_{piece}"), getattr(self, f"len_{piece}")
+        e = torch.isinf(lse) | (out == 0).all(dim=-1)
+        if n is not None:
+            e |= (n == 0)[:, None]
+        return e
+
+
+def validate(cap: MergeCapture) -> None:
+    """Shapes, dtypes, finite outputs' shapes agree; CaptureError naming the first tensor that does not."""
+    o = cap.out
+    if o.dim() != 3 or o.dtype not in OUT_DTYPES:
+        raise CaptureError(cap.path, "tensor 'out'", f"shape {list(o.shape)} {o.dtype}, expected [T, H, D] bf16 / fp16 / fp32")
+    T, H, D = o.shape
+    for name in ("out_a", "out_b"):
+        t = getattr(cap, name)
+        if list(t.shape) != [T, H, D] or t.dtype not in OUT_DTYPES:
+            raise CaptureError(cap.path, f"tensor '{name}'", f"shape {list(t.shape)} {t.dtype}, expected [{T}, {H}, {D}] like out")
+    for name in ("lse_a", "lse_b", "lse"):
+        t = getattr(cap, name)
+        if t is not None and (list(t.shape) != [T, H] or not t.dtype.is_floating_point):
+            raise CaptureError(cap.path, f"tensor '{name}'", f"shape {list(t.shape)} {t.dtype}, expected [{T}, {H}] float")
+    for name in ("len_a", "len_b"):
+        t = getattr(cap, name)
+        if t is not None and (list(t.shape) != [T] or t.dtype not in (torch.int32, torch.int64) or bool((t < 0).any())):
+            raise CaptureError(cap.path, f"tensor '{name}'", f"expected [{T}] int32 / int64, none negative")
+    for name in ("lse_a", "lse_b"):
+        if bool(torch.isnan(getattr(cap, name)).any()):
+            cap.warnings.append(f"{name} holds NaN (an empty piece merged with NaN instead of -inf?)")
+    if not math.isfinite(float(cap.out.float().abs().sum())) and not cap.warnings:
+        cap.warnings.append("out holds NaN / Inf")
+
+
+__all__ = ["LSE_BASES", "MODE", "TENSORS", "MergeCapture", "MergeMeta", "parse_merge_meta", "validate"]
