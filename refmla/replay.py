@@ -22,6 +22,7 @@ from refmla.diagnosis import diagnose, diagnose_upstream, diagnose_verify, unrep
 from refmla.hypotheses import explain_failure
 from refmla.kvwrite.io import read_kv_write
 from refmla.kvwrite.judge import judge_kv_write
+from refmla.merge.backends import BACKENDS as MERGE_BACKENDS
 from refmla.merge.io import read_merge
 from refmla.merge.judge import judge_merge
 from refmla.isolation import KernelCrashed, KernelError, enabled, run_isolated
@@ -60,9 +61,9 @@ def backend_names(opts: ReplayOptions, mode: str = "verify") -> list[str]:
     default = [n for n in NAMES[2:] if mode == "verify" or n not in VERIFY_ONLY]
     chosen = default if opts.backends is None else [n for n in opts.backends if n not in NAMES[:2]]
     for n in chosen:
-        if n not in ALL_NAMES:
+        if n not in ALL_NAMES and n not in MERGE_BACKENDS:  # a merge kernel is for merge captures
             raise KeyError(f"unknown backend {n!r}; choose from {', '.join(ALL_NAMES)}")
-    return ["reference", "observed", *dict.fromkeys(chosen)]
+    return ["reference", "observed", *dict.fromkeys(n for n in chosen if n in ALL_NAMES)]
 
 
 def replay_capture(cap: Capture, opts: ReplayOptions) -> ReplayReport:

@@ -6,6 +6,10 @@ import json
 
 from refmla.cli.common import EXIT_OK, UsageError, output_path
 from refmla.cli.sparse import synth_sparse_cmd
+from refmla.kvwrite.synth import PRESETS as KV_WRITE_PRESETS
+from refmla.kvwrite.synth import synth_kv_write
+from refmla.merge.synth import PRESETS as MERGE_PRESETS
+from refmla.merge.synth import synth_merge
 from refmla.sparse.presets import PRESETS as SPARSE_PRESETS
 from refmla.synth import FAULTS, preset, synth_capture
 from refmla.synth.disagg import DISAGG_PRESETS, disagg_preset, synth_disagg
@@ -33,6 +37,8 @@ def add_parser(sub) -> None:
 def synth(args) -> int:
     if args.preset in SPARSE_PRESETS:
         return synth_sparse_cmd(args)
+    if args.preset in KV_WRITE_PRESETS or args.preset in MERGE_PRESETS:
+        return synth_kind(args)
     if args.layer is not None:
         raise UsageError(f"--layer applies to the sparse presets ({', '.join(SPARSE_PRESETS)}), not {args.preset!r}")
     try:
@@ -46,6 +52,19 @@ def synth(args) -> int:
     except ValueError as e:
         raise UsageError(f"{args.out}: {e}") from None
     print(f"wrote {args.out} (preset {spec.name}, planted {json.dumps(planted)})")
+    return EXIT_OK
+
+
+def synth_kind(args) -> int:
+    """A kv_write or merge preset (refmla.kvwrite.synth, refmla.merge.synth)."""
+    make = synth_kv_write if args.preset in KV_WRITE_PRESETS else synth_merge
+    if args.layer is not None:
+        raise UsageError(f"--layer does not apply to {args.preset!r}")
+    try:
+        planted = make(args.out, args.preset, args.fault, seed=args.seed or 0)
+    except ValueError as e:
+        raise UsageError(f"{args.out}: {e}") from None
+    print(f"wrote {args.out} (preset {args.preset}, planted {json.dumps(planted)})")
     return EXIT_OK
 
 

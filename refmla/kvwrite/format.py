@@ -69,6 +69,12 @@ class KvWriteMeta:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
         return {**self.extra, **{k: v for k, v in d.items() if v is not None}}
 
+    def summary(self) -> str:
+        where = "".join(f"  {w} {v}" for w, v in (("layer", self.layer_id), ("rank", self.tp_rank), ("step", self.step))
+                        if v is not None)  # fmt: skip
+        return (f"writer {self.writer}  kv={self.kv_dtype} D={self.kv_lora_rank}+{self.qk_rope_head_dim}  "
+                f"scale applied by the {self.scale_applied}{where}")  # fmt: skip
+
 
 def _int(raw: dict, key: str, path: Any, lo: int = 0, required: bool = True) -> Optional[int]:
     v = raw.get(key)

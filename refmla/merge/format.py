@@ -49,6 +49,11 @@ class MergeMeta:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
         return {**self.extra, **{k: v for k, v in d.items() if v is not None}}
 
+    def summary(self) -> str:
+        where = "".join(f"  {w} {v}" for w, v in (("layer", self.layer_id), ("rank", self.tp_rank), ("step", self.step))
+                        if v is not None)  # fmt: skip
+        return f"merger {self.merger}  lse base {self.lse_base}{where}"
+
 
 def parse_merge_meta(raw: Any, path: Any) -> MergeMeta:
     if not isinstance(raw, dict):
