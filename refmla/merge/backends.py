@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from refmla.backends.triton_interp import ensure_interpreter
+from refmla.backends.triton_interp import ensure_interpreter, install_bf16_dot_fix, interpreter_active
 from refmla.backends.vllm_compat import vllm_triton_on_cpu
 from refmla.merge.format import MergeCapture
 from refmla.merge.reference import LN2, documented
@@ -30,16 +30,23 @@ def _natural(cap: MergeCapture) -> tuple[torch.Tensor, ...]:
     return p.out_a.contiguous(), (p.lse_a.float() * unit).contiguous(), p.out_b.contiguous(), (p.lse_b.float() * unit).contiguous()
 
 
-def _interpreting() -> None:
+def _interpreting(cap: MergeCapture) -> None:
+    """The Triton interpreter selected (unless a GPU runs the kernels), and for bf16 refmla's fix of
+    its fp32 -> bf16 cast (the interpreter truncates where GPUs round to nearest even)."""
     ok, note = ensure_interpreter()
     if not ok and "GPU" not in note:
         raise Unavailable(note)
+    if interpreter_active() and torch.bfloat16 in (cap.out.dtype, cap.out_a.dtype):
+        fixed, why = install_bf16_dot_fix()
+        if not fixed:
+            raise Unavailable(why)
 
 
 def vllm_triton_merge(cap: MergeCapture) -> tuple[torch.Tensor, torch.Tensor]:
     ok, why = vllm_triton_on_cpu()
     if not ok:
         raise Unavailable(why)
+    _interpreting(cap)
     try:
         from vllm.v1.attention.ops.triton_merge_attn_states import merge_attn_states
     except Exception as e:
@@ -53,7 +60,7 @@ def vllm_triton_merge(cap: MergeCapture) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sglang_triton_merge(cap: MergeCapture) -> tuple[torch.Tensor, torch.Tensor]:
-    _interpreting()
+    _interpreting(cap)
     try:
         from sglang.kernels.ops.attention.merge_state import merge_state_triton
     except Exception as e:
