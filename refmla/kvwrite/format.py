@@ -193,5 +193,17 @@ def validate(cap: KvWriteCapture) -> None:
         cap.warnings.append("some slots are written twice in this call: their rows are not compared")
 
 
-__all__ = ["FP8", "KV_DTYPES", "MODE", "SCALE_APPLIED", "TENSORS", "KvWriteCapture", "KvWriteMeta",
+
+
+def describe(cap: KvWriteCapture) -> dict:
+    """What `refmla inspect` says of a writer capture: the call, its slots, the kept rows, the scale."""
+    s = cap.slots.long()
+    return {"writer": cap.meta.writer, "tokens_written": cap.tokens, "kept_rows": int(cap.pool_slots.shape[0]),
+            "slots": [int(s.min()), int(s.max())] if cap.tokens else [], "kv_dtype": cap.meta.kv_dtype,
+            "head_dim": f"{cap.meta.kv_lora_rank} + {cap.meta.qk_rope_head_dim}",
+            "scale": cap.scale_value(), "scale_applied": cap.meta.scale_applied,
+            "caller_k_scale": cap.meta.caller_k_scale}  # fmt: skip
+
+
+__all__ = ["FP8", "KV_DTYPES", "MODE", "SCALE_APPLIED", "TENSORS", "KvWriteCapture", "KvWriteMeta", "describe",
            "parse_kv_write_meta", "validate"]  # fmt: skip

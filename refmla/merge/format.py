@@ -133,4 +133,14 @@ def validate(cap: MergeCapture) -> None:
         cap.warnings.append("out holds NaN / Inf")
 
 
-__all__ = ["LSE_BASES", "MODE", "TENSORS", "MergeCapture", "MergeMeta", "parse_merge_meta", "validate"]
+def describe(cap: MergeCapture) -> dict:
+    """What `refmla inspect` says of a merge capture: the merger, its lse base, the empty pieces."""
+    T, H, D = cap.out.shape
+    return {"merger": cap.meta.merger, "lse_base": cap.meta.lse_base, "rows": T, "heads": H, "dim": D,
+            "empty_a": int(cap.empty("a").sum()), "empty_b": int(cap.empty("b").sum()),
+            "empty_with_finite_lse": int(((cap.empty("a") & torch.isfinite(cap.lse_a)) |
+                                          (cap.empty("b") & torch.isfinite(cap.lse_b))).sum()),
+            "merged_lse": cap.lse is not None}  # fmt: skip
+
+
+__all__ = ["LSE_BASES", "MODE", "TENSORS", "MergeCapture", "MergeMeta", "describe", "parse_merge_meta", "validate"]
