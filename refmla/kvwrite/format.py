@@ -17,12 +17,13 @@ Every inconsistency is a :class:`~refmla.capture.CaptureError` naming the file a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from refmla.capture.format import CaptureError
+from refmla.capture.kinds import KindMeta, meta_int
 
 MODE = "kv_write"
 TENSORS = {"latent": True, "rope": False, "slots": True, "scale": False, "pool_slots": True,
@@ -39,7 +40,7 @@ INPUT_DTYPES = {torch.bfloat16, torch.float16, torch.float32}
 
 
 @dataclass
-class KvWriteMeta:
+class KvWriteMeta(KindMeta):
     mode: str  # "kv_write"
     writer: str  # the writer wrapped, e.g. "sglang.MLATokenToKVPool.set_mla_kv_buffer"
     kv_dtype: str  # the pool's dtype (KV_DTYPES)
@@ -47,15 +48,8 @@ class KvWriteMeta:
     qk_rope_head_dim: int
     scale_applied: str = "writer"  # SCALE_APPLIED
     caller_k_scale: Optional[float] = None  # SGLang: layer.k_scale the caller divided by (information)
-    engine: Optional[str] = None
-    engine_version: Optional[str] = None
-    layer_id: Optional[int] = None
-    tp_rank: Optional[int] = None
-    step: Optional[int] = None
-    rids: Optional[list] = None
     page_size: Optional[int] = None
     disagg_mode: Optional[str] = None  # "prefill" on a prefill node (refmla disagg's writer link)
-    extra: dict = field(default_factory=dict)
 
     @property
     def head_dim(self) -> int:
@@ -65,24 +59,9 @@ class KvWriteMeta:
     def dtype(self) -> torch.dtype:
         return KV_DTYPES[self.kv_dtype]
 
-    def to_json(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
-        return {**self.extra, **{k: v for k, v in d.items() if v is not None}}
-
     def summary(self) -> str:
-        where = "".join(f"  {w} {v}" for w, v in (("layer", self.layer_id), ("rank", self.tp_rank), ("step", self.step))
-                        if v is not None)  # fmt: skip
         return (f"writer {self.writer}  kv={self.kv_dtype} D={self.kv_lora_rank}+{self.qk_rope_head_dim}  "
-                f"scale applied by the {self.scale_applied}{where}")  # fmt: skip
-
-
-def _int(raw: dict, key: str, path: Any, lo: int = 0, required: bool = True) -> Optional[int]:
-    v = raw.get(key)
-    if v is None and not required:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v < 2**31:
-        raise CaptureError(path, f"meta key '{key}'", f"expected an integer in [{lo}, 2**31), got {v!r}")
-    return v
+                f"scale applied by the {self.scale_applied}{self.where()}")  # fmt: skip
 
 
 def parse_kv_write_meta(raw: Any, path: Any) -> KvWriteMeta:
@@ -97,21 +76,11 @@ def parse_kv_write_meta(raw: Any, path: Any) -> KvWriteMeta:
                 raise CaptureError(path, f"meta key '{key}'", f"expected one of {', '.join(allowed)}, got {raw.get(key)!r}")
     if not isinstance(raw.get("writer"), str):
         raise CaptureError(path, "meta key 'writer'", "missing or not a string")
-    known = {f.name for f in fields(KvWriteMeta)} - {"extra"}
     meta = KvWriteMeta(
-        mode=MODE, writer=raw["writer"], kv_dtype=raw["kv_dtype"], kv_lora_rank=_int(raw, "kv_lora_rank", path, 1),
-        qk_rope_head_dim=_int(raw, "qk_rope_head_dim", path), scale_applied=raw.get("scale_applied", "writer"),
-        extra={k: v for k, v in raw.items() if k not in known},
+        mode=MODE, writer=raw["writer"], kv_dtype=raw["kv_dtype"], kv_lora_rank=meta_int(raw, "kv_lora_rank", path, 1),
+        qk_rope_head_dim=meta_int(raw, "qk_rope_head_dim", path), scale_applied=raw.get("scale_applied", "writer"),
     )  # fmt: skip
-    for key in ("layer_id", "tp_rank", "step", "page_size"):
-        setattr(meta, key, _int(raw, key, path, required=False))
-    for key in ("engine", "engine_version", "disagg_mode"):
-        if raw.get(key) is not None:
-            setattr(meta, key, str(raw[key]))
-    if raw.get("rids") is not None:
-        if not isinstance(raw["rids"], list):
-            raise CaptureError(path, "meta key 'rids'", "expected a list")
-        meta.rids = [str(r) for r in raw["rids"]]
+    meta.read_common(raw, path, ints=("page_size",), strings=("disagg_mode",))
     cks = raw.get("caller_k_scale")
     if cks is not None:
         if isinstance(cks, bool) or not isinstance(cks, (int, float)) or not math.isfinite(cks) or cks <= 0:

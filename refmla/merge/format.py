@@ -18,12 +18,13 @@ a finite lse is recognised by ``len_*`` == 0 or by its output row being exactly 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from refmla.capture.format import CaptureError
+from refmla.capture.kinds import KindMeta
 
 MODE = "merge"
 TENSORS = {"out_a": True, "lse_a": True, "out_b": True, "lse_b": True, "out": True, "lse": False,
@@ -33,29 +34,17 @@ OUT_DTYPES = {torch.bfloat16, torch.float16, torch.float32}
 
 
 @dataclass
-class MergeMeta:
+class MergeMeta(KindMeta):
     mode: str  # "merge"
     merger: str  # the merge wrapped, e.g. "sglang.merge_state", "vllm.merge_attn_states"
     lse_base: str = "e"  # LSE_BASES: the base the merger's lse inputs and output are in
-    engine: Optional[str] = None
-    engine_version: Optional[str] = None
-    layer_id: Optional[int] = None
-    tp_rank: Optional[int] = None
-    step: Optional[int] = None
-    rids: Optional[list] = None
-    extra: dict = field(default_factory=dict)
-
-    def to_json(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
-        return {**self.extra, **{k: v for k, v in d.items() if v is not None}}
 
     def summary(self) -> str:
-        where = "".join(f"  {w} {v}" for w, v in (("layer", self.layer_id), ("rank", self.tp_rank), ("step", self.step))
-                        if v is not None)  # fmt: skip
-        return f"merger {self.merger}  lse base {self.lse_base}{where}"
+        return f"merger {self.merger}  lse base {self.lse_base}{self.where()}"
 
 
 def parse_merge_meta(raw: Any, path: Any) -> MergeMeta:
+    """The meta of a merge capture, every key checked; CaptureError names the key."""
     if not isinstance(raw, dict):
         raise CaptureError(path, "header key 'meta'", "not a JSON object")
     if raw.get("mode") != MODE:
@@ -64,21 +53,8 @@ def parse_merge_meta(raw: Any, path: Any) -> MergeMeta:
         raise CaptureError(path, "meta key 'merger'", "missing or not a string")
     if raw.get("lse_base", "e") not in LSE_BASES:
         raise CaptureError(path, "meta key 'lse_base'", f"expected 'e' or '2', got {raw.get('lse_base')!r}")
-    known = {f.name for f in fields(MergeMeta)} - {"extra"}
-    meta = MergeMeta(mode=MODE, merger=raw["merger"], lse_base=raw.get("lse_base", "e"),
-                     extra={k: v for k, v in raw.items() if k not in known})  # fmt: skip
-    for key in ("layer_id", "tp_rank", "step"):
-        v = raw.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**31):
-            raise CaptureError(path, f"meta key '{key}'", f"expected an integer in [0, 2**31), got {v!r}")
-        setattr(meta, key, v)
-    for key in ("engine", "engine_version"):
-        if raw.get(key) is not None:
-            setattr(meta, key, str(raw[key]))
-    if raw.get("rids") is not None:
-        if not isinstance(raw["rids"], list):
-            raise CaptureError(path, "meta key 'rids'", "expected a list")
-        meta.rids = [str(r) for r in raw["rids"]]
+    meta = MergeMeta(mode=MODE, merger=raw["merger"], lse_base=raw.get("lse_base", "e"))
+    meta.read_common(raw, path)
     return meta
 
 
