@@ -9,6 +9,7 @@ under their real names."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import types
@@ -291,3 +292,20 @@ def test_a_scale_too_small_for_the_rope_part_is_saturation(tmp_path):
     assert r.verdict == "diverged" and r.diagnosis == "kv_saturated" and r.exit_code == 1
     (f,) = [f for f in r.metadata.findings if f.check == "kv_saturated"]
     assert set(f.numbers["saturated"]) == {"rope"}
+
+
+def test_inspect_describes_a_writer_capture_and_names_a_bad_one(tmp_path, capsys):
+    from refmla.kvwrite.synth import synth_kv_write
+
+    good = tmp_path / "w.safetensors"
+    synth_kv_write(good, "kv-write-fp8")
+    assert refmla_main(["inspect", str(good), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kind"] == "kv_write" and doc["description"]["tokens_written"] == 8
+    assert doc["description"]["scale"] == 0.0625 and doc["tensors"]["rows_after"]["dtype"] == "float8_e4m3fn"
+    t, m = _good()
+    t["slots"] = torch.tensor([4, 8, 99])
+    bad = tmp_path / "bad.safetensors"
+    _raw_capture(bad, t, m)
+    assert refmla_main(["inspect", str(bad)]) == 2
+    assert "tensor 'slots'" in capsys.readouterr().err

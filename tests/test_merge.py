@@ -160,3 +160,13 @@ def test_the_hook_captures_vllms_merge_attn_states_with_its_lse_layout(tmp_path)
     r = replay_file(f, ReplayOptions(backends=["sglang_triton_merge"]))
     assert r.verdict == "agree", r.diagnosis_text
     assert r.backends["observed"].lse.status == "pass"  # the [H, T] lse came back as [T, H]
+
+
+def test_inspect_describes_a_merge_capture(tmp_path, capsys):
+    oa, la, ob, lb = pieces()
+    la[0] = 0.0  # the empty chunk recorded with a finite lse
+    out, lse = merged_by_loop(oa, la, ob, lb, math.exp, math.log)
+    path = write(tmp_path / "m.safetensors", oa, la, ob, lb, out, lse, "e")
+    assert refmla_main(["inspect", str(path), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)["description"]
+    assert d["empty_a"] == H and d["empty_with_finite_lse"] == H and d["lse_base"] == "e"
