@@ -36,6 +36,8 @@ copy of the layout (the README links here).
     diagnosis.py    which compute path diverges: a class name and a sentence (section 6)
     splits.py       a kernel's split partials and lse against the split reference
     localize/       where a failing backend goes wrong: requests, heads, positions, split stage
+    kvwrite/        the KV cache writer's capture (mode kv_write): documented rows, bit for bit, writer mistakes
+    merge/          the merge of attention pieces (mode merge): fp64 merge, merge mistakes, merge kernels
     replay.py       capture -> backends -> comparison -> ReplayReport
     series.py       one layer and rank across decode steps
     batch.py        many captures, serial or in worker processes, with the same result
@@ -51,7 +53,8 @@ copy of the layout (the README links here).
     plots.py        pictures of a replay or a diff-kv (matplotlib, optional)
     render/         text for people: tables, reports, diff-kv and disagg results
     hook/           the capture hooks for a live SGLang or vLLM server (imports only refmla, util.py,
-                    schedule.py, blocktable.py, capture/ and sparse/)
+                    schedule.py, blocktable.py, capture/, kvwrite/,
+                    merge/ and sparse/)
     api.py          the Python API: replay(), synth(), regions() (what the command line calls)
     cli/            the thin command line, one module per command (the top)
     __main__.py     ``python -m refmla``: the command line

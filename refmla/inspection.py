@@ -6,6 +6,8 @@ capture without geometry is ``not_recorded``); a sparse decode capture's entry i
 refmla.sparse.inspection (the same entry with ``sparse`` added); with several captures each readable one also gets its series findings
 (refmla.series) against the previous capture of its layer and rank. A capture holding aiter's
 persistent work / reduce maps also gets its plan checked (refmla.plan: a violation exits 1).
+(refmla.series) against the previous capture of its layer and rank. A KV writer or merge capture
+(mode ``kv_write`` / ``merge``) gets its kind's description (refmla.kvwrite, refmla.merge).
 """
 
 from __future__ import annotations
@@ -13,7 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+import torch
+
 from refmla.capture import CaptureError, read_capture
+from refmla.capture.kinds import file_mode
+from refmla.kvwrite.format import describe as describe_kv_write
+from refmla.kvwrite.io import read_kv_write
+from refmla.merge.format import describe as describe_merge
+from refmla.merge.io import read_merge
 from refmla.checks import check_capture
 from refmla.plan import PlanCheck, check_aiter_plan
 from refmla.regions import RegionCheck, check_region
@@ -33,6 +42,7 @@ class InspectEntry:
     region: Optional[RegionCheck] = None  # the MR region-size check (readable captures)
     sparse: Optional[Any] = None  # sparse decode captures: refmla.sparse.inspection.SparseInspection
     plan: Optional[PlanCheck] = None  # the kernel's recorded launch plan checked (refmla.plan)
+    described: Optional[dict] = None  # kv_write / merge captures: their kind's description (describe())
 
     @property
     def exit_code(self) -> int:
@@ -58,12 +68,29 @@ class InspectEntry:
             d.update(kind="sparse_decode", sparse=self.sparse.to_json())
         if self.plan is not None:
             d["plan"] = self.plan.to_json()
+        if self.described is not None:
+            d.update(kind=(self.meta or {}).get("mode"), description=self.described)
         return d
+
+
+# the kinds with tensors of their own, by meta mode: (reader, describe)
+KINDS = {"kv_write": (read_kv_write, describe_kv_write), "merge": (read_merge, describe_merge)}
+
+
+def _inspect_kind(path: str, read, describe) -> InspectEntry:
+    cap = read(path)
+    tensors = {n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
+               for n, t in cap.__dict__.items() if isinstance(t, torch.Tensor)}  # fmt: skip
+    md = MetadataReport(ok=True, warnings=list(cap.warnings))
+    return InspectEntry(cap.path, md, meta=cap.meta.to_json(), tensors=tensors, described=describe(cap))
 
 
 def inspect_one(path: str) -> InspectEntry:
     """One capture's entry; never raises: an unreadable capture, or one refmla fails on, is invalid."""
     try:
+        kind = KINDS.get(file_mode(path))
+        if kind is not None:
+            return _inspect_kind(path, *kind)
         cap = read_capture(path)
         tensors = {n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for n, t in cap.tensors().items()}
         md = check_capture(cap)

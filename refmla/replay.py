@@ -15,11 +15,17 @@ from typing import Any
 from refmla.backends import ALL_NAMES, NAMES, VERIFY_ONLY, BackendUnavailable, get_backend
 from refmla.backends.base import BackendFinding, BackendResult
 from refmla.capture import Capture, CaptureError, read_capture
+from refmla.capture.kinds import file_mode
 from refmla.checks import check_capture
 from refmla.compare import judged_dtype
 from refmla.context import ReplayContext, ReplayOptions
 from refmla.diagnosis import diagnose, diagnose_upstream, diagnose_verify, unreplayed_path, verify_table
 from refmla.hypotheses import explain_failure
+from refmla.kvwrite.io import read_kv_write
+from refmla.kvwrite.judge import judge_kv_write
+from refmla.merge.backends import BACKENDS as MERGE_BACKENDS
+from refmla.merge.io import read_merge
+from refmla.merge.judge import judge_merge
 from refmla.isolation import KernelCrashed, KernelError, enabled, run_isolated
 from refmla.localize import localize
 from refmla.repeat import compare_runs
@@ -28,9 +34,16 @@ from refmla.splits import compare_lse, compare_splits
 from refmla.util import dtype_name, error_text, callable_module
 
 
+# capture kinds with tensors of their own, by meta mode: (reader, judge) -> a ReplayReport
+KINDS = {"kv_write": (read_kv_write, judge_kv_write), "merge": (read_merge, judge_merge)}
+
+
 def replay_file(path: Any, opts: ReplayOptions) -> ReplayReport:
     """Replay one capture file. Never raises for bad input: returns an ``invalid`` report."""
+    kind = KINDS.get(file_mode(path))
     try:
+        if kind is not None:
+            return kind[1](kind[0](path), opts)
         cap = read_capture(path)
     except CaptureError as e:
         return invalid_report(str(path), e)
@@ -51,9 +64,9 @@ def backend_names(opts: ReplayOptions, mode: str = "verify", engine: tuple = ())
     default = [n for n in NAMES[2:] if mode == "verify" or n not in VERIFY_ONLY] + list(engine)
     chosen = default if opts.backends is None else [n for n in opts.backends if n not in NAMES[:2]]
     for n in chosen:
-        if n not in ALL_NAMES:
+        if n not in ALL_NAMES and n not in MERGE_BACKENDS:  # a merge kernel is for merge captures
             raise KeyError(f"unknown backend {n!r}; choose from {', '.join(ALL_NAMES)}")
-    return ["reference", "observed", *dict.fromkeys(chosen)]
+    return ["reference", "observed", *dict.fromkeys(n for n in chosen if n in ALL_NAMES)]
 
 
 def engine_default(cap: Capture) -> tuple:

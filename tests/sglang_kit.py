@@ -184,6 +184,22 @@ def attention_call(fixture) -> Any:
         return m.attn_mqa(q.flatten(1, 2), None, None, fb, save_kv_cache=False)
 
 
+def mla_pool(dtype: str = "bfloat16", size: int = 64, kv_lora_rank: int = 512, qk_rope_head_dim: int = 64) -> Any:
+    """SGLang's real ``MLATokenToKVPool`` on the CPU (one layer; fp8 stored as uint8 as SGLang does)."""
+    import torch
+
+    prepare()
+    try:
+        from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+        from sglang.srt.runtime_context import get_parallel
+
+        get_parallel().override_permanently(dcp_enabled=False)  # set_kv_buffer asks (a server publishes it)
+    except Exception as e:
+        raise Unavailable(f"MLATokenToKVPool not importable: {type(e).__name__}: {e}") from e
+    return MLATokenToKVPool(size=size, page_size=1, dtype=getattr(torch, dtype), kv_lora_rank=kv_lora_rank,
+                            qk_rope_head_dim=qk_rope_head_dim, layer_num=1, device="cpu", enable_memory_saver=False)  # fmt: skip
+
+
 def capture_mode_flag() -> Optional[tuple[Any, str]]:
     """(module, attribute) of SGLang's 'a graph is being captured' flag, for simulating capture."""
     for module, _getter in CAPTURE_MODE_PROBES:

@@ -9,6 +9,7 @@ writes atomically (temp file + rename).
     validation.py  the structural checks, a list of small functions run in order
     read.py        read_capture: header, lazily mapped tensors, validation
     write.py       compact_pool and write_capture (atomic, header sorted)
+    kinds.py       the kinds with tensors of their own (kv_write, merge): read / write by their spec
 """
 
 from refmla.capture.format import (

@@ -5,7 +5,8 @@ from __future__ import annotations
 from refmla.capture import read_capture
 from refmla.cli.common import expand_captures, print_json, report_invalid, single_file
 from refmla.cli.sparse import split_sparse
-from refmla.inspection import inspect_captures, inspect_exit_code
+from refmla.capture.kinds import file_mode
+from refmla.inspection import KINDS, inspect_captures, inspect_exit_code
 from refmla.render.inspect import render_inspect
 from refmla.sparse.inspection import inspect_sparse
 from refmla.sparse.io import read_sparse
@@ -22,7 +23,8 @@ def run(args) -> int:
     paths = expand_captures(args.captures)
     dense, sparse = split_sparse(paths)
     if single_file(args.captures):
-        (read_sparse if sparse else read_capture)(paths[0])  # one file: a bad one is exit 2 with one line
+        kind = KINDS.get(file_mode(paths[0]))  # kv_write / merge: their own reader
+        (read_sparse if sparse else kind[0] if kind else read_capture)(paths[0])  # one file: a bad one is exit 2 with one line
     by_path = dict(zip(dense, inspect_captures(dense)))  # several: also the series checks
     by_path.update((p, inspect_sparse(p)) for p in sparse)  # sparse decode captures (refmla.sparse)
     entries = [by_path[p] for p in paths]

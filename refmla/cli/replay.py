@@ -17,14 +17,16 @@ from refmla.replay import worst_status
 from refmla.series import attach_series
 from refmla.util import first_line
 from refmla.sparse.backends import BACKENDS as SPARSE_BACKENDS
+from refmla.merge.backends import BACKENDS as MERGE_BACKENDS
 
 SPARSE_ONLY = [n for n in SPARSE_BACKENDS if n not in ALL_NAMES]  # aiter_sparse, tilelang
+MERGE_ONLY = list(MERGE_BACKENDS)  # the merge kernels, for merge captures (refmla.merge.backends)
 
 
 def add_parser(sub) -> None:
     r = sub.add_parser("replay", help="replay captures through the backends, compare with the reference")
     r.add_argument("captures", nargs="+", metavar="CAPTURE", help="capture files or directories")
-    add_replay_flags(r, list(ALL_NAMES) + SPARSE_ONLY, "replay captures in parallel processes")
+    add_replay_flags(r, list(ALL_NAMES) + SPARSE_ONLY + MERGE_ONLY, "replay captures in parallel processes")
     r.set_defaults(func=run)
 
 

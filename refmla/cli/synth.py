@@ -10,6 +10,10 @@ from refmla.api import ALL_PRESETS, synth as synth_api
 from refmla.capture import CaptureError
 from refmla.cli.common import EXIT_OK, UsageError, output_path
 from refmla.sparse.faults import FAULTS as SPARSE_FAULTS
+from refmla.kvwrite.synth import PRESETS as KV_WRITE_PRESETS
+from refmla.kvwrite.synth import synth_kv_write
+from refmla.merge.synth import PRESETS as MERGE_PRESETS
+from refmla.merge.synth import synth_merge
 from refmla.sparse.presets import PRESETS as SPARSE_PRESETS
 from refmla.synth import FAULTS
 from refmla.synth.disagg import DISAGG_PRESETS, disagg_preset, synth_disagg
@@ -19,7 +23,8 @@ from refmla.synth.disagg_faults import DISAGG_FAULTS
 def add_parser(sub) -> None:
     s = sub.add_parser("synth", help="write a synthetic capture", formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=f"presets: {', '.join(ALL_PRESETS)}\n\nfaults (dense presets): {', '.join(FAULTS)}\n\n"
-                       f"faults (sparse presets {', '.join(SPARSE_PRESETS)}): none, {', '.join(SPARSE_FAULTS)}")  # fmt: skip
+                       f"faults (sparse presets {', '.join(SPARSE_PRESETS)}): none, {', '.join(SPARSE_FAULTS)}\n\n"
+                       f"KV writer / merge presets: {', '.join([*KV_WRITE_PRESETS, *MERGE_PRESETS])}")  # fmt: skip
     s.add_argument("out", type=output_path)
     s.add_argument("--preset", default="kimi-k2-tp8", metavar="PRESET", help="one of the presets below (kimi-k2-tp8)")
     s.add_argument("--fault", default="none", metavar="FAULT", help="a fault to plant, listed below (none)")
@@ -37,7 +42,9 @@ def add_parser(sub) -> None:
 
 
 def synth(args) -> int:
-    """The CLI of refmla.api.synth (dense and sparse presets)."""
+    """The CLI of refmla.api.synth (dense and sparse presets; the KV writer and merge kinds)."""
+    if args.preset in KV_WRITE_PRESETS or args.preset in MERGE_PRESETS:
+        return synth_kind(args)
     try:
         planted = synth_api(args.out, args.preset, args.fault, args.seed, layer=args.layer)
     except (ValueError, KeyError, CaptureError) as e:
@@ -45,6 +52,19 @@ def synth(args) -> int:
         raise UsageError(text if text.startswith(("unknown", "layer")) else f"{args.out}: {text}") from None
     layer = "" if args.layer is None else f" layer {args.layer}"
     print(f"wrote {args.out} (preset {args.preset}{layer}, planted {json.dumps(planted)})")
+    return EXIT_OK
+
+
+def synth_kind(args) -> int:
+    """A kv_write or merge preset (refmla.kvwrite.synth, refmla.merge.synth)."""
+    make = synth_kv_write if args.preset in KV_WRITE_PRESETS else synth_merge
+    if args.layer is not None:
+        raise UsageError(f"--layer does not apply to {args.preset!r}")
+    try:
+        planted = make(args.out, args.preset, args.fault, seed=args.seed or 0)
+    except ValueError as e:
+        raise UsageError(f"{args.out}: {e}") from None
+    print(f"wrote {args.out} (preset {args.preset}, planted {json.dumps(planted)})")
     return EXIT_OK
 
 

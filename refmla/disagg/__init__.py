@@ -10,6 +10,7 @@ disaggregated deployment with the existing modules -- it re-implements none of t
     which compute path diverges           refmla.batch / refmla.replay through every backend,
                                           refmla.diagnosis per request
 
+    writer.py    the first link: the prefill KV writer captures (kv_write) judged, one answer per row
     plan.py      headers only: decode series, each request's first decode capture, its prefill captures
     run.py       the stages in order, timed
     task.py      what a worker does per decode capture: replay it, then diff it (one read from disk)

@@ -2,6 +2,8 @@
 
 Precedence, the cause before its symptoms:
 
+    writer     the prefill node's KV writer stored rows that are not the documented ones
+               (refmla.disagg.writer): every later link carries the wrong rows faithfully
     metadata   a structural finding (repeated slots, kv_indices != req_to_token, seq_len not +1
                per step): the decode side read the wrong rows, whatever the transfer did
     transfer   the decode rows differ from the prefill rows (diff-kv), or the KV region is over the
@@ -22,6 +24,9 @@ STRUCTURAL = ("repeated_slots", "req_to_token", "seq_len_step")
 def classify(row: Row) -> tuple[str, str]:
     """(class, one sentence naming the request, layer, rank and the evidence)."""
     md, where = row.metadata, row.where()
+    if row.writer is not None and row.writer.bad:  # the first link: wrong rows were written, then faithfully sent
+        return "writer", (f"{where}: the prefill KV writer stored wrong rows (written -> transferred -> read: the "
+                          f"write broke): {row.writer.diagnosis}: {row.writer.diagnosis_text} ({row.writer.capture})")  # fmt: skip
     structural = [f for _, f in md.problems if f.check in STRUCTURAL]
     if structural:
         return "metadata", f"{where}: the decode metadata is wrong: {structural[0].message}"

@@ -48,6 +48,7 @@ class DisaggPlan:
     prefill_of: dict[tuple, list[str]] = field(default_factory=dict)  # (rid, layer, rank) -> prefill captures
     invalid: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    writers: list = field(default_factory=list)  # ReplayReport of each prefill KV writer capture (refmla.disagg.writer)
 
 
 def read_header(path: str) -> Header:

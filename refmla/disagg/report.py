@@ -11,7 +11,7 @@ from typing import Any, Optional
 from refmla.regions import RegionCheck
 from refmla.results import Finding
 
-CLASSES = ("transfer", "metadata", "compute", "none")  # where a row's fault is, in order of precedence
+CLASSES = ("writer", "transfer", "metadata", "compute", "none")  # where a row's fault is, in order of precedence
 
 
 @dataclass
@@ -108,6 +108,7 @@ class Row:
     sentence: str = ""
     decode_captures: list[str] = field(default_factory=list)
     prefill_captures: list[str] = field(default_factory=list)
+    writer: Optional[Any] = None  # refmla.disagg.writer.WriterCell: the prefill writer's captures, when given
 
     def where(self) -> str:
         return f"request {self.rid} layer {self.layer} rank {self.rank}"
@@ -116,7 +117,8 @@ class Row:
         return {"request": self.rid, "rid": self.rid, "layer": self.layer, "rank": self.rank, "fault": self.fault,
                 "sentence": self.sentence, "transfer": self.transfer.to_json(), "metadata": self.metadata.to_json(),
                 "decode": self.decode.to_json(), "decode_captures": list(self.decode_captures),
-                "prefill_captures": list(self.prefill_captures)}  # fmt: skip
+                "prefill_captures": list(self.prefill_captures),
+                "writer": self.writer.to_json() if self.writer is not None else None}  # fmt: skip
 
 
 @dataclass

@@ -1,5 +1,7 @@
 """``refmla disagg``: the existing checks over a prefill node's and a decode node's captures, in order:
 
+    writers   the prefill node's KV writer captures (mode kv_write) among the prefill paths, judged
+              (refmla.disagg.writer): the first link, written -> transferred -> read
     plan      headers only: decode series by (layer, rank), each request's first decode capture
               and the prefill captures holding its rid (refmla.disagg.plan)
     replay    every decode capture through every backend (refmla.batch.replay_many, ``jobs``
@@ -24,6 +26,7 @@ from refmla.disagg.cells import decode_cell, metadata_cell, request_index, trans
 from refmla.disagg.classify import classify, overall
 from refmla.disagg.plan import DisaggPlan, plan_disagg
 from refmla.disagg.task import DecodeDone, decode_task
+from refmla.disagg.writer import judge_writers, split_writers, writer_cell
 from refmla.disagg.report import DisaggReport, Row
 from refmla.regions import check_region
 from refmla.results import ReplayReport
@@ -36,7 +39,9 @@ def run_disagg(prefill_paths: Sequence[str], decode_paths: Sequence[str], opts: 
     of their bounds (refmla.options) are a ValueError before any work."""
     opts.check()
     t0 = time.perf_counter()
-    plan = plan_disagg([str(p) for p in prefill_paths], [str(p) for p in decode_paths])
+    writers, prefill_caps = split_writers([str(p) for p in prefill_paths])
+    plan = plan_disagg(prefill_caps, [str(p) for p in decode_paths])
+    plan.writers = judge_writers(writers, opts)
     decode = [p for p in decode_paths if p in plan.decode]
     t1 = time.perf_counter()
     by_decode = {j.decode: j for j in plan.jobs}
@@ -60,7 +65,7 @@ def _assemble(plan: DisaggPlan, replays: list[ReplayReport], series: dict, diffs
               entries: dict) -> DisaggReport:  # fmt: skip
     by_path = {r.capture: r for r in replays}
     invalid = list(plan.invalid) + [(r.capture, r.error or "; ".join(r.metadata.errors))
-                                    for r in replays if r.verdict == "invalid"]  # fmt: skip
+                                    for r in [*replays, *plan.writers] if r.verdict == "invalid"]  # fmt: skip
     regions = [("prefill", p, check_region(h.meta)) for p, h in plan.prefill.items()]
     regions += [("decode", p, check_region(h.meta)) for p, h in plan.decode.items()]
     region_of = {p: c for _, p, c in regions}
@@ -87,5 +92,7 @@ def _row(plan, rid, layer, rank, reps, series, entries, region_of) -> Row:
     checks = [(p, region_of[p]) for p in [r.capture for r in mine] + holders if p in region_of]
     row = Row(rid, layer, rank, tcell, metadata_cell(rid, mine, series, checks), decode_cell(rid, mine),
               decode_captures=[r.capture for r in mine], prefill_captures=list(holders))  # fmt: skip
+    if plan.writers:
+        row.writer = writer_cell(rid, layer, plan.writers)
     row.fault, row.sentence = classify(row)
     return row

@@ -40,6 +40,10 @@ call that passes the filters. The rest are torch-free, as they run at interprete
                       sparse entrypoint's wrapper (REFMLA_CAPTURE_BACKENDS=dsv4)
     sparse_call.py    (torch) DeepSeek-V4 sparse decode: the entrypoint's keyword arguments as a sparse capture
     dsa_call.py       (torch) DeepSeek-V3.2 DSA's aiter decode on ROCm (_forward_aiter) as a dense decode capture
+    kvwrite_call.py   (torch) the MLA KV cache writers (SGLang's pool, aiter's fused write, vLLM's
+                      concat_and_cache_mla): rows before and after the write (REFMLA_CAPTURE_BACKENDS=kvwrite)
+    merge_call.py     (torch) the state merges (SGLang's merge_state*, vLLM's merge_attn_states), and the
+                      wrapper for each writer / merge the patcher installs (REFMLA_CAPTURE_BACKENDS=merge)
     vllm_paths.py     where vLLM keeps its MLA Impl classes (forward_mqa), and their capture names
     vllm_patch.py     vLLM: the ``vllm.general_plugins`` entry point, install, the forward_mqa wrapper
     vllm_extract.py   (torch) vLLM: the kernel's block table, split count, pool pages -> a capture

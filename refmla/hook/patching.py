@@ -28,7 +28,7 @@ from refmla.hook.call import Skip
 from refmla.hook.config import HookConfig, id_text
 from refmla.hook.filters import before
 from refmla.hook.postimport import Installation, InstallSlot
-from refmla.hook.sglang_paths import BACKEND_CLASSES, DECODE_ONLY, MARK, METHODS
+from refmla.hook.sglang_paths import BACKEND_CLASSES, DECODE_ONLY, KV_WRITERS, MARK, MERGES, METHODS
 from refmla.hook.writer import HookState
 
 _SLOT = InstallSlot()  # the hook's one installation in this process (refmla.hook.postimport)
@@ -45,7 +45,11 @@ def _targets(cfg: HookConfig) -> dict[str, Callable[[Any], None]]:
         targets[DSV4_MODULE] = _patch_dsv4_entrypoint
     if "dsa" in cfg.backends:
         targets[DSA_MODULE] = _patch_dsa_aiter
-    for backend in sorted(cfg.backends - {"dsv4", "dsa"}):
+    for kind, table in (("kvwrite", KV_WRITERS), ("merge", MERGES)):
+        if kind in cfg.backends:
+            for module, entries in table.items():
+                targets[module] = call_patcher(_SLOT, kind, entries)
+    for backend in sorted(cfg.backends - {"dsv4", "dsa", "kvwrite", "merge"}):
         for module, cls_name in BACKEND_CLASSES[backend]:
             targets[module] = _make_backend_patcher(backend, cls_name)
     for backend, (modules, probes) in kernel_probes.KERNEL_PROBES.items():
@@ -167,6 +171,31 @@ def _patch_dsa_aiter(module) -> None:
     setattr(cls, DSA_METHOD, wrapper)
     inst.patched.append((cls, DSA_METHOD, original))
     inst.state.log.info("wrapped %s.%s.%s (dsa)", module.__name__, DSA_CLASS, DSA_METHOD)
+
+
+def call_patcher(slot: InstallSlot, kind: str, entries) -> Callable[[Any], None]:
+    """Wrap a KV writer or a state merge (kind "kvwrite" / "merge"): each (class or None, name,
+    reader) of ``entries`` in the module, a method of the class or a module function; uninstall
+    restores it. The wrappers (refmla.hook.kvwrite_call, merge_call) import torch: loaded here."""
+
+    def patch(module) -> None:
+        inst = slot.current
+        if inst is None:
+            return
+        for cls_name, name, reader in entries:
+            owner = getattr(module, cls_name, None) if cls_name else module
+            original = (owner.__dict__.get(name) if cls_name else getattr(module, name, None)) if owner is not None else None
+            if original is None or getattr(original, MARK, None) is not None:
+                continue
+            from refmla.hook.merge_call import wrapper_for
+
+            wrapper = wrapper_for(kind, reader, original, name, lambda: slot.state)
+            setattr(wrapper, MARK, original)
+            setattr(owner, name, wrapper)
+            (inst.patched if cls_name else inst.module_attrs).append((owner, name, original))
+            inst.state.log.info("wrapped %s.%s (%s)", module.__name__, f"{cls_name}.{name}" if cls_name else name, kind)
+
+    return patch
 
 
 def _make_kernel_patcher(probes: dict[str, Callable[[Callable], Callable]]) -> Callable[[Any], None]:

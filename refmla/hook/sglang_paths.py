@@ -10,6 +10,8 @@ Checked against SGLang 0.5.23; older paths are kept as fall-backs, newest first 
 | Triton decode kernel | ``sglang.kernels.ops.attention.decode_attention`` (0.5.16+), ``sglang.srt.layers.attention.triton_ops.decode_attention`` (before) | ``_mla_launch_plan``, ``_decode_lean_attention_fwd`` (probed, optional), ``_MIN_BLOCK_KV`` |
 | aiter MLA entry points | ``sglang.srt.layers.attention.aiter_backend``, ``aiter.mla`` | ``mla_decode_fwd``, ``mla_gluon_decode``, ``get_mla_metadata_v1``, ``get_mla_metadata_info_v1``, ``_use_persistent_mla_decode`` (probed, each optional) |
 | DSA aiter decode (V3.2, ROCm) | ``sglang.srt.layers.attention.dsa_backend`` | ``DeepseekSparseAttnBackend._forward_aiter`` (refmla.hook.patching wraps it) |
+| MLA KV writers (``kvwrite``) | ``sglang.srt.mem_cache.memory_pool``, ``...attention_forward_methods.forward_mla_rocm`` | ``MLATokenToKVPool.set_mla_kv_buffer`` / ``.set_kv_buffer``, ``fused_qk_rope_cat_and_cache_mla`` (aiter, ROCm) |
+| state merges (``merge``) | ``sglang.srt.layers.attention.merge_state``, ``sglang.kernels.ops.attention.merge_state`` | ``merge_state``, ``merge_state_v2``, ``merge_state_triton`` |
 | graph-capture flag | ``sglang.srt.model_executor.runner_utils.capture_mode`` (0.5.x), ``sglang.srt.model_executor.cuda_graph_runner`` (0.4.x) | ``get_is_capture_mode`` |
 
 ``forward_decode`` and ``forward_extend`` take ``(q, k, v, layer, forward_batch,
@@ -50,6 +52,19 @@ CAPTURE_MODE_PROBES = (
 )
 # capture mode -> method wrapped; speculative verify passes run through forward_extend too
 METHODS = {"decode": "forward_decode", "extend": "forward_extend", "verify": "forward_extend"}
+# the MLA KV cache writers (REFMLA_CAPTURE_BACKENDS=kvwrite, refmla.hook.kvwrite_call) and the state
+# merges (=merge, refmla.hook.merge_call): module -> [(class or None for a module function, name, reader)]
+KV_WRITERS: dict[str, tuple[tuple[Optional[str], str, str], ...]] = {
+    "sglang.srt.mem_cache.memory_pool": (("MLATokenToKVPool", "set_mla_kv_buffer", "sglang_pool"),
+                                         ("MLATokenToKVPool", "set_kv_buffer", "sglang_pool")),
+    # ROCm: the fused rope + quantize + cache write the DeepSeek attention calls through this global
+    "sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla_rocm": (
+        (None, "fused_qk_rope_cat_and_cache_mla", "aiter_fused"),),
+}  # fmt: skip
+MERGES: dict[str, tuple[tuple[Optional[str], str, str], ...]] = {
+    "sglang.srt.layers.attention.merge_state": ((None, "merge_state", "sglang"), (None, "merge_state_v2", "sglang")),
+    "sglang.kernels.ops.attention.merge_state": ((None, "merge_state_triton", "sglang"),),
+}
 MARK = "__refmla_hook__"  # set on every function the hook puts into SGLang; holds the original
 
 

@@ -23,7 +23,8 @@ from refmla.hook.config import HookConfig
 from refmla.hook.filters import GRAPH_NOTE
 from refmla.hook.postimport import InstallSlot
 from refmla.hook.runtime import compiling, graph_capturing
-from refmla.hook.vllm_paths import MARK, METHODS, VLLM_IMPLS
+from refmla.hook.patching import call_patcher
+from refmla.hook.vllm_paths import MARK, METHODS, VLLM_IMPLS, VLLM_KV_WRITERS, VLLM_MERGES
 from refmla.hook.writer import HookState
 
 
@@ -44,7 +45,13 @@ def install(cfg: HookConfig) -> HookState:
     """Install in this process (idempotent)."""
     if _SLOT.current is not None:
         return _SLOT.state
-    targets = lambda: {module: _patcher(*spec) for module, spec in VLLM_IMPLS.items()}  # noqa: E731
+    def targets() -> dict:
+        found = {module: _patcher(*spec) for module, spec in VLLM_IMPLS.items()}
+        for kind, table in (("kvwrite", VLLM_KV_WRITERS), ("merge", VLLM_MERGES)):
+            if kind in cfg.backends:
+                found.update({module: call_patcher(_SLOT, kind, entries) for module, entries in table.items()})
+        return found
+
     inst = _SLOT.install(cfg.out_dir, lambda: HookState(cfg), targets, on_error=_SLOT.fail)
     inst.state.log.info("vLLM capture hook active: dir=%s", cfg.out_dir)
     return inst.state

@@ -18,7 +18,10 @@ VLLM_IMPLS = {
     PREFIX + "flashinfer_mla": ("FlashInferMLAImpl", "FLASHINFER_MLA", "flashinfer_mla"),
     PREFIX + "flashattn_mla": ("FlashAttnMLAImpl", "FLASH_ATTN_MLA", "fa3_mla"),
 }
+# the KV cache writer and the state merge (REFMLA_CAPTURE_BACKENDS=kvwrite / merge): as in sglang_paths
+VLLM_KV_WRITERS = {"vllm._custom_ops": ((None, "concat_and_cache_mla", "vllm_concat"),)}
+VLLM_MERGES = {"vllm.v1.attention.ops.merge_attn_states": ((None, "merge_attn_states", "vllm"),)}
 METHODS = ("forward_mqa", "_forward_decode")  # the decode entry, newest name first
 MARK = "_refmla_vllm_original"  # set on our wrappers: wrapping twice is a no-op
 
-__all__ = ["MARK", "METHODS", "VLLM_IMPLS"]
+__all__ = ["MARK", "METHODS", "VLLM_IMPLS", "VLLM_KV_WRITERS", "VLLM_MERGES"]

@@ -17,6 +17,8 @@ def render_inspect(e: InspectEntry) -> str:
     lines += [f"  {n:<16} {str(t['shape']):<22} {t['dtype']}" for n, t in e.tensors.items()]
     if e.sparse is not None:
         lines += render_sparse_inspect(e.sparse)
+    if e.described is not None:
+        lines.append(f"kind     {e.meta.get('mode')}: " + ", ".join(f"{k} {v}" for k, v in e.described.items()))
     md = e.metadata
     lines.append("metadata " + ("ok" if md.ok else "INVALID"))
     lines += [f"  warning: {w}" for w in md.warnings]

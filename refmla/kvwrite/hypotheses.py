@@ -1,0 +1,108 @@
+"""Which simple writer mistake explains rows that differ from the documented ones (each checked
+bit for bit, never within a tolerance), tried in this order:
+
+    kv_scale_not_applied     fp8: the rows are the inputs rounded without dividing by the scale
+    kv_scale_inverted        fp8: the inputs multiplied by the scale instead of divided
+    kv_rope_offset           the rope part stored at another column than after the latent
+    kv_row_to_other_slot     a token's row stored at another kept slot (its neighbour, ...)
+    kv_neighbour_overwritten a row the call did not write changed (next to the slots it wrote)
+
+:func:`explain` returns the typed :class:`refmla.results.Explanation` (detail: the tokens, their
+slots and what was found), or None when none of them reproduces every differing row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from refmla.kvwrite.format import FP8, KvWriteCapture
+from refmla.kvwrite.reference import Variant, same_bytes, written_rows
+from refmla.results import Explanation
+
+
+@dataclass
+class Mismatch:
+    """The differing rows of one writer call (indices into the kept rows / the tokens)."""
+
+    rows: torch.Tensor  # [T, D] documented token rows
+    tokens: list[int]  # tokens whose own slot does not hold their documented row
+    others: list[int]  # kept rows the call did not write that changed (positions in pool_slots)
+
+    def slots(self, cap: KvWriteCapture) -> list[int]:
+        return [int(cap.slots[t]) for t in self.tokens]
+
+
+def _explained(hypothesis: str, detail: dict) -> Explanation:
+    return Explanation(hypothesis=hypothesis, request=None, detail=detail, max_abs_err=0.0, residual_ratio=0.0)
+
+
+def _scale(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:
+    if cap.meta.kv_dtype not in FP8 or cap.scale_value() == 1.0 or not mm.tokens or mm.others:
+        return None
+    pos = cap.positions()[mm.tokens]
+    for how, name in (("none", "kv_scale_not_applied"), ("multiply", "kv_scale_inverted")):
+        rows = written_rows(cap, Variant(scale=how))[mm.tokens]
+        if bool(same_bytes(rows, cap.rows_after[pos]).all()):
+            return _explained(name, {"scale": cap.scale_value(), "tokens": mm.tokens, "slots": mm.slots(cap)})
+    return None
+
+
+def _rope_offset(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:
+    L, R = cap.meta.kv_lora_rank, cap.meta.qk_rope_head_dim
+    if not R or not mm.tokens or mm.others:
+        return None
+    found = set()
+    for t in mm.tokens:
+        row = cap.rows_after[int(cap.positions()[t])]
+        want = mm.rows[t, L:]
+        hits = [o for o in range(0, L + 1) if o != L and bool(same_bytes(row[None, o : o + R], want[None]).all())]
+        if not hits:
+            return None
+        found.add(hits[0])
+    if len(found) != 1:
+        return None
+    return _explained("kv_rope_offset", {"offset": found.pop(), "expected_offset": L, "tokens": mm.tokens,
+                                         "slots": mm.slots(cap)})  # fmt: skip
+
+
+def _other_slot(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:
+    if not mm.tokens:
+        return None
+    moved = []
+    for t in mm.tokens:
+        hit = same_bytes(cap.rows_after, mm.rows[t][None].expand_as(cap.rows_after))  # [N]
+        hit[cap.positions()[t]] = False
+        if not bool(hit.any()):
+            return None
+        moved.append(int(cap.pool_slots[int(hit.nonzero()[0])]))
+    landed = {int(cap.pool_slots.tolist().index(s)) for s in moved}
+    rest = [int(cap.pool_slots[p]) for p in mm.others if p not in landed]
+    return _explained("kv_row_to_other_slot", {"tokens": mm.tokens, "slots": mm.slots(cap), "written_to": moved,
+                                               "also_overwritten": rest})  # fmt: skip
+
+
+def _neighbours(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:
+    if mm.tokens or not mm.others:
+        return None
+    slots = [int(cap.pool_slots[p]) for p in mm.others]
+    written = sorted(set(cap.slots.tolist()))
+    next_to = [min(written, key=lambda w: abs(w - s)) for s in slots]
+    return _explained("kv_neighbour_overwritten", {"slots": slots, "next_to_written_slot": next_to})
+
+
+HYPOTHESES = (_scale, _rope_offset, _other_slot, _neighbours)
+
+
+def explain(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:
+    """The first hypothesis that reproduces every differing row, or None."""
+    for h in HYPOTHESES:
+        e = h(cap, mm)
+        if e is not None:
+            return e
+    return None
+
+
+__all__ = ["HYPOTHESES", "Mismatch", "explain"]

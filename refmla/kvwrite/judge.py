@@ -1,0 +1,84 @@
+"""One KV writer capture judged: the documented rows against the rows the writer stored, bit for
+bit, the difference explained (refmla.kvwrite.hypotheses), as the shared
+:class:`refmla.results.ReplayReport` (backends ``reference`` and ``observed``, the verdict, a
+diagnosis class of docs/contract.md section 6: ``kv_writer``, ``kv_saturated``)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+
+from refmla.kvwrite.format import KvWriteCapture
+from refmla.kvwrite.hypotheses import Mismatch, explain
+from refmla.kvwrite.reference import expected_pool, fp8_max, same_bytes, saturated, written_rows
+from refmla.results import BackendEntry, Finding, MetadataReport, ReplayReport
+from refmla.util import dtype_name
+
+REFERENCE = BackendEntry("pass", max_abs_err=0.0, cos_diff=0.0, info={"what": "the documented quantization"})
+
+
+def mismatch(cap: KvWriteCapture) -> Mismatch:
+    """The documented rows and which kept rows differ from them (rows of slots written twice aside)."""
+    rows = written_rows(cap)
+    ok = same_bytes(expected_pool(cap, rows), cap.rows_after)  # [N]
+    pos = cap.positions()
+    twice = {s for s, n in Counter(cap.slots.tolist()).items() if n > 1}
+    tokens = [t for t in range(cap.tokens) if not bool(ok[pos[t]]) and int(cap.slots[t]) not in twice]
+    written = set(pos.tolist())
+    others = [p for p in range(cap.pool_slots.shape[0]) if p not in written and not bool(ok[p])]
+    return Mismatch(rows=rows, tokens=tokens, others=others)
+
+
+def _observed(cap: KvWriteCapture, mm: Mismatch, explain_failures: bool) -> BackendEntry:
+    exp = expected_pool(cap, mm.rows).double()
+    err = (cap.rows_after.double() - exp).abs().nan_to_num(nan=float("inf"))
+    info: dict[str, Any] = {"writer": cap.meta.writer, "rows_compared": int(cap.pool_slots.shape[0]),
+                            "tokens_written": cap.tokens, "kv_dtype": cap.meta.kv_dtype}  # fmt: skip
+    if not mm.tokens and not mm.others:
+        return BackendEntry("pass", max_abs_err=0.0, info=info)
+    said = [f"{len(mm.tokens)} of {cap.tokens} written row(s) differ"] if mm.tokens else []
+    if mm.tokens:
+        said[0] += f" (first token {mm.tokens[0]}, slot {int(cap.slots[mm.tokens[0]])})"
+    if mm.others:
+        said.append(f"{len(mm.others)} row(s) the call did not write changed (slot(s) "
+                    f"{', '.join(str(int(cap.pool_slots[p])) for p in mm.others[:8])})")  # fmt: skip
+    info.update(differing_tokens=mm.tokens, differing_slots=[int(cap.slots[t]) for t in mm.tokens],
+                changed_unwritten_slots=[int(cap.pool_slots[p]) for p in mm.others])  # fmt: skip
+    entry = BackendEntry("fail", reason="; ".join(said), max_abs_err=float(err.max()), info=info)
+    if explain_failures:
+        entry.explanation = explain(cap, mm)
+    return entry
+
+
+def judge_kv_write(cap: KvWriteCapture, opts: Any = None) -> ReplayReport:
+    """The report of a readable capture (module docstring); ``opts`` a ReplayOptions (its ``explain``)."""
+    explain_failures = getattr(opts, "explain", True)
+    findings = [Finding("kv_write", "warning", w) for w in cap.warnings]
+    sat = saturated(cap)
+    if sat:
+        parts = ", ".join(f"{n} {part}" for part, n in sat.items())
+        findings.append(Finding("kv_saturated", "warning", f"{parts} element(s) exceed the {cap.meta.kv_dtype} range "
+                                f"(+-{fp8_max(cap.meta.kv_dtype):g}) at scale {cap.scale_value():g}: stored saturated",
+                                numbers={"saturated": sat, "scale": cap.scale_value()}))  # fmt: skip
+    mm = mismatch(cap)
+    observed = _observed(cap, mm, explain_failures)
+    report = ReplayReport(capture=cap.path, verdict="agree", diagnosis=None, mode=cap.meta.mode, meta=cap.meta,  # type: ignore[arg-type]
+                          metadata=MetadataReport(ok=True, warnings=[f.message for f in findings], findings=findings),
+                          backends={"reference": REFERENCE, "observed": observed})  # fmt: skip
+    if observed.status == "fail":
+        e = observed.explanation
+        why = f"; {e.text()}" if e is not None else "; no simple writer mistake reproduces them"
+        report.verdict, report.diagnosis, report.diagnosis_backends = "diverged", "kv_writer", ["observed"]
+        report.diagnosis_text = f"the KV writer {cap.meta.writer} stored rows that are not the documented ones: {observed.reason}{why}"
+    elif sat:
+        report.verdict, report.diagnosis = "diverged", "kv_saturated"
+        report.diagnosis_text = (f"the writer stored what it was given, but the scale {cap.scale_value():g} is too "
+                                 f"small: {findings[-1].message}")  # fmt: skip
+    else:
+        report.diagnosis_text = f"the KV writer stored every row as documented ({dtype_name(cap.meta.dtype)})"
+    return report
+
+
+__all__ = ["judge_kv_write", "mismatch"]

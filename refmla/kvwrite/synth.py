@@ -1,0 +1,98 @@
+"""Synthetic KV writer calls with a planted fault (``refmla synth OUT --preset kv-write-fp8 --fault
+scale_missing``): a pool with NaN garbage in its unwritten rows, shuffled slots, and a writer of its
+own -- a plain loop over tokens that never calls refmla's reference -- that stores each token's row
+the documented way, or with the fault.
+
+Faults: none, scale_missing, scale_inverted, rope_offset (rope stored at column 0), neighbour_slot
+(one token's row stored at its slot + 1), neighbour_overwritten (the row after one slot zeroed),
+saturated (a scale too small for the rope part: vLLM #42956).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from refmla.kvwrite.io import write_kv_write
+
+FAULTS = ("none", "scale_missing", "scale_inverted", "rope_offset", "neighbour_slot", "neighbour_overwritten",
+          "saturated")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class KvWriteSpec:
+    name: str
+    kv_dtype: str  # the pool's dtype
+    writer: str
+    tokens: int = 8
+    pool_rows: int = 96
+    kv_lora_rank: int = 512  # DeepSeek-V3 / Kimi-K2
+    qk_rope_head_dim: int = 64
+    scale: float = 1.0
+    seed: int = 0
+
+
+PRESETS = {
+    "kv-write-bf16": KvWriteSpec("kv-write-bf16", "bfloat16", "sglang.MLATokenToKVPool.set_mla_kv_buffer"),
+    "kv-write-fp8": KvWriteSpec("kv-write-fp8", "float8_e4m3fn", "vllm.concat_and_cache_mla", scale=0.0625),
+    "kv-write-fp8-fnuz": KvWriteSpec("kv-write-fp8-fnuz", "float8_e4m3fnuz",
+                                     "aiter.fused_qk_rope_concat_and_cache_mla", scale=0.125),
+}  # fmt: skip
+
+
+def _store(row: torch.Tensor, spec: KvWriteSpec, scale: float) -> torch.Tensor:
+    """One token's row [D] fp32 -> the pool's dtype, the way the documented writers do it."""
+    dtype = getattr(torch, spec.kv_dtype)
+    if not spec.kv_dtype.startswith("float8"):
+        return row.to(dtype)
+    big = torch.finfo(dtype).max
+    q = row / torch.tensor(scale, dtype=torch.float32)
+    return torch.minimum(torch.maximum(q, torch.tensor(-big)), torch.tensor(big)).to(dtype)
+
+
+def synth_kv_write(out: Any, preset: str, fault: str = "none", seed: int = 0) -> dict:
+    """Write one kv_write capture; returns what was planted (tokens and slots)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown kv_write preset {preset!r}; choose from {', '.join(PRESETS)}")
+    if fault not in FAULTS:
+        raise ValueError(f"unknown kv_write fault {fault!r}; choose from {', '.join(FAULTS)}")
+    spec = PRESETS[preset]
+    if fault in ("scale_missing", "scale_inverted", "saturated") and not spec.kv_dtype.startswith("float8"):
+        raise ValueError(f"fault {fault!r} needs an fp8 preset (a {spec.kv_dtype} writer has no scale)")
+    g = torch.Generator().manual_seed(seed)
+    L, R, T = spec.kv_lora_rank, spec.qk_rope_head_dim, spec.tokens
+    dtype = getattr(torch, spec.kv_dtype)
+    latent = (torch.randn(T, L, generator=g) * 2).to(torch.bfloat16)
+    rope = (torch.randn(T, R, generator=g) * (60 if fault == "saturated" else 2)).to(torch.bfloat16)
+    slots = (torch.randperm(spec.pool_rows // 3 - 2, generator=g)[:T] * 3 + 2).to(torch.int64)  # apart: distinct neighbours
+    pool = torch.randn(spec.pool_rows, L + R, generator=g).to(dtype)
+    pool[0] = torch.tensor(float("nan")).to(dtype)  # garbage in a row nobody writes
+    before = pool.clone()
+    scale = spec.scale if fault != "saturated" else 0.0625
+    victim = T // 2
+    for t in range(T):  # the writer: one token at a time
+        row = torch.cat([latent[t].float(), rope[t].float()])  # [D]
+        use = {"scale_missing": 1.0, "scale_inverted": 1.0 / scale}.get(fault, scale)
+        stored = _store(row, spec, use)
+        if fault == "rope_offset":
+            stored = torch.cat([stored[L:], stored[R:L], stored[:R]]) if t == victim else stored
+        slot = int(slots[t]) + (1 if fault == "neighbour_slot" and t == victim else 0)
+        pool[slot] = stored
+    if fault == "neighbour_overwritten":
+        pool[int(slots[victim]) + 1] = torch.zeros(L + R).to(dtype)
+    keep = torch.unique(torch.cat([slots - 1, slots, slots + 1]).clamp(0, spec.pool_rows - 1))
+    tensors = {"latent": latent, "rope": rope, "slots": slots, "pool_slots": keep, "rows_before": before[keep],
+               "rows_after": pool[keep]}  # fmt: skip
+    if spec.kv_dtype.startswith("float8"):
+        tensors["scale"] = torch.tensor([scale], dtype=torch.float32)
+    meta = {"mode": "kv_write", "writer": spec.writer, "kv_dtype": spec.kv_dtype, "kv_lora_rank": L,
+            "qk_rope_head_dim": R, "scale_applied": "writer", "layer_id": 0, "tp_rank": 0, "step": 0,
+            "engine": "synth", "rids": ["synth-0"]}  # fmt: skip
+    write_kv_write(out, tensors, meta)
+    return {"fault": fault, "token": victim if fault != "none" else None,
+            "slot": int(slots[victim]) if fault != "none" else None}  # fmt: skip
+
+
+__all__ = ["FAULTS", "PRESETS", "KvWriteSpec", "synth_kv_write"]

@@ -1,0 +1,97 @@
+"""One merge capture judged: production's merged output (and lse) and each merge kernel against the
+fp64 merge of the documented pieces, by the one comparator and the one lse rule; a failing output
+explained (refmla.merge.hypotheses); as the shared :class:`refmla.results.ReplayReport` (backends
+``reference``, ``observed``, the kernels; diagnosis ``merge`` or ``merge_kernel``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+
+from refmla.compare import Tolerance, compare, judge_lse
+from refmla.merge.backends import BACKENDS, Unavailable
+from refmla.merge.format import MergeCapture
+from refmla.merge.hypotheses import explain
+from refmla.merge.reference import control, reference
+from refmla.results import BackendEntry, Finding, LseCheck, MetadataReport, NoiseFloor, ReplayReport
+from refmla.util import dtype_name, error_text
+
+REFERENCE = BackendEntry("pass", max_abs_err=0.0, cos_diff=0.0, info={"accum_dtype": "float64", "what": "the truth"})
+
+
+def _lse_check(got: torch.Tensor, want: torch.Tensor, ctl: torch.Tensor, tol: Tolerance) -> LseCheck:
+    j = judge_lse(got, want, ctl, k=tol.k)
+    n = int(j.bad.sum())
+    if not n:
+        return LseCheck("pass", compared_rows=int(want.shape[0]), max_abs_err=float(j.err.nan_to_num(0).max()))
+    t, h = j.worst()
+    return LseCheck("fail", reason=f"{n} (row, head) lse off, worst row {t} head {h}: {float(got[t, h]):.6g} vs "
+                    f"{float(want[t, h]):.6g}", compared_rows=int(want.shape[0]),
+                    max_abs_err=float(j.err.nan_to_num(float('inf')).max()),
+                    failed_requests=sorted({int(i) for i in j.bad.nonzero()[:, 0]})[:16])  # fmt: skip
+
+
+def _entry(name: str, cap: MergeCapture, out: torch.Tensor, lse: Optional[torch.Tensor], ref, ctl, tol: Tolerance,
+           explain_failures: bool, info: dict) -> BackendEntry:  # fmt: skip
+    cmp = compare(name, out, ref[0], ctl[0], tol=tol)
+    entry = BackendEntry.judged(cmp, info=info)
+    if lse is not None:
+        entry.lse = _lse_check(lse, ref[1], ctl[1], tol)
+    entry.judge_parts()
+    if entry.status == "fail" and explain_failures and name == "observed":
+        entry.explanation = explain(cap, tol)
+    return entry
+
+
+def _kernel(name: str, cap: MergeCapture, ref, ctl, tol: Tolerance) -> BackendEntry:
+    t0 = time.perf_counter()
+    try:
+        out, lse = BACKENDS[name](cap)
+    except Unavailable as e:
+        return BackendEntry("skipped", reason=str(e))
+    except Exception as e:  # a kernel that crashes is a finding
+        return BackendEntry("error", reason=error_text(e))
+    entry = _entry(name, cap, out, lse, ref, ctl, tol, False, {"lse_base": "e"})
+    entry.seconds = round(time.perf_counter() - t0, 3)
+    return entry
+
+
+def judge_merge(cap: MergeCapture, opts: Any = None) -> ReplayReport:
+    """The report of a readable capture; ``opts`` a ReplayOptions (tol, explain, backends by name)."""
+    tol = getattr(opts, "tol", Tolerance())
+    explain_failures = getattr(opts, "explain", True)
+    names = [n for n in (getattr(opts, "backends", None) or BACKENDS) if n in BACKENDS]
+    ref, ctl = reference(cap), control(cap)
+    findings = [Finding("merge", "warning", w) for w in cap.warnings]
+    entries = {"reference": REFERENCE,
+               "observed": _entry("observed", cap, cap.out, cap.lse, ref, ctl, tol, explain_failures,
+                                  {"merger": cap.meta.merger, "lse_base": cap.meta.lse_base})}  # fmt: skip
+    for n in names:
+        entries[n] = _kernel(n, cap, ref, ctl, tol)
+    c = compare("control", ctl[0], ref[0])
+    report = ReplayReport(capture=cap.path, verdict="agree", diagnosis=None, mode=cap.meta.mode, meta=cap.meta,  # type: ignore[arg-type]
+                          metadata=MetadataReport(ok=True, warnings=[f.message for f in findings], findings=findings),
+                          backends=entries, tolerance=tol,
+                          control=NoiseFloor(dtype_name(cap.out.dtype), c.max_abs_err, c.cos_diff))  # fmt: skip
+    bad = [n for n, e in entries.items() if e.status in ("fail", "error")]
+    if not bad:
+        report.diagnosis_text = f"the merge ({cap.meta.merger}, lse base {cap.meta.lse_base}) agrees with the fp64 merge"
+        return report
+    report.verdict, report.diagnosis_backends = "diverged", bad
+    obs = entries["observed"]
+    if "observed" in bad:
+        e = obs.explanation
+        why = f"; {e.text()}" if e is not None else "; no simple merge mistake reproduces it"
+        kernels = [n for n in names if entries[n].status == "pass"]
+        agree = f" ({', '.join(kernels)} agree on the documented pieces)" if kernels else ""
+        report.diagnosis = "merge"
+        report.diagnosis_text = f"the merged output of {cap.meta.merger} differs from the fp64 merge{agree}: {obs.reason}{why}"
+    else:
+        report.diagnosis = "merge_kernel"
+        report.diagnosis_text = f"merge kernel(s) {', '.join(bad)} diverge from the fp64 merge while production's output agrees"
+    return report
+
+
+__all__ = ["judge_merge"]
