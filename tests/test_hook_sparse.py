@@ -15,7 +15,7 @@ import pytest
 from refmla.hook.config import HookConfig
 from refmla.sparse.backends import TRITON_ENTRY, kernel_kwargs
 from refmla.sparse.format import SparseCapture, parse_sparse_meta
-from refmla.sparse.io import read_sparse
+from refmla.sparse.validation import read_sparse
 from refmla.sparse.presets import sparse_preset
 from refmla.sparse.replay import replay_sparse
 from refmla.sparse.synth import build_case

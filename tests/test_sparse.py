@@ -17,7 +17,7 @@ from refmla.reference import mla_decode_ref
 from refmla.scales import Scales
 from refmla.sparse.faults import APPLIES, FAULTS
 from refmla.sparse.format import SparseCapture, parse_sparse_meta
-from refmla.sparse.io import read_sparse
+from refmla.sparse.validation import read_sparse
 from refmla.sparse.make import synth_sparse
 from refmla.sparse.presets import sparse_preset
 from refmla.sparse.reference import inverse_rope, sparse_control, sparse_reference
@@ -207,7 +207,7 @@ def test_a_clean_capture_round_trips_and_agrees(tmp_path):
 def test_a_sparse_capture_carries_the_pools_regions_and_replay_checks_them(tmp_path):
     from refmla.capture import CaptureError
     from refmla.regions import compressed_regions
-    from refmla.sparse.io import write_sparse
+    from refmla.sparse.validation import write_sparse
 
     case = small("deepseek-v4-flash-tp8-swa", seq_lens=(1, 60))
     regions = compressed_regions(23_448_064, 256, 1024, [0, 4, 128])  # the seed's DSV4-Flash run

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from refmla.cli import main
-from refmla.sparse.io import read_sparse
+from refmla.sparse.validation import read_sparse
 from refmla.sparse.presets import PRESETS, V4_FLASH_COMPRESS_RATIOS, for_layer, sparse_preset
 from refmla.sparse.replay import replay_sparse
 from refmla.sparse.synth import build_case

@@ -9,15 +9,10 @@ from refmla.backends import ALL_NAMES
 from refmla.batch import replay_many
 from refmla.cli.common import EXIT_INVALID, expand_captures, need_matplotlib, print_json, report_invalid, single_file
 from refmla.cli.replay_flags import add_replay_flags, replay_options
-from refmla.cli.sparse import replay_sparse_files, split_sparse
-from refmla.compare import Tolerance
 from refmla.render.replay import render_or_say, summary_table
-from refmla.replay import worst_status
+from refmla.replay import SPARSE_ONLY, worst_status
 from refmla.series import attach_series
 from refmla.util import first_line
-from refmla.sparse.backends import BACKENDS as SPARSE_BACKENDS
-
-SPARSE_ONLY = [n for n in SPARSE_BACKENDS if n not in ALL_NAMES]  # aiter_sparse, tilelang
 
 
 def add_parser(sub) -> None:
@@ -28,12 +23,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    paths, sparse = split_sparse(expand_captures(args.captures))
-    sparse_code = replay_sparse_files(sparse, args, Tolerance(k=args.k, ulps=args.ulps, cos=args.cos)) if sparse else 0
-    if not paths:
-        return sparse_code
-    if args.backend:  # the dense backends asked for (a sparse-only name is for the sparse captures)
-        args.backend = [b for b in args.backend if b not in SPARSE_ONLY] or None
+    paths = expand_captures(args.captures)  # every kind: dense, block-table, verify, sparse decode
     opts = replay_options(args)
     if args.plot:
         need_matplotlib()
@@ -52,7 +42,7 @@ def run(args) -> int:
             print("\n" + summary_table(reports))
     for line in failed:  # after the reports: a plot that fails costs no report
         print(f"refmla: error: {line}", file=sys.stderr)
-    return max(worst_status(reports), EXIT_INVALID if failed else 0, sparse_code)
+    return max(worst_status(reports), EXIT_INVALID if failed else 0)
 
 
 def _plots(reports, out_dir) -> list[str]:

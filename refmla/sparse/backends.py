@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from refmla.backends.base import BackendUnavailable
 from refmla.sparse.format import SparseCapture
 from refmla.sparse.reference import inverse_rope, sparse_reference
 
@@ -28,8 +29,9 @@ TRITON_ENTRY = "sglang.kernels.ops.attention.dsv4.triton_sparse_decode"
 TRITON_FUSED = TRITON_ENTRY + ".triton_mla_kernels_decode_fused"
 
 
-class Unavailable(Exception):
-    """This path cannot run here or on this capture; the message says why."""
+class Unavailable(BackendUnavailable):
+    """This path cannot run here or on this capture; the message says why (a BackendUnavailable, so
+    it crosses the isolation boundary as itself: skipped, never an error)."""
 
 
 @dataclass
@@ -162,5 +164,6 @@ BACKENDS: dict[str, Callable[[SparseCapture], PathOutput]] = {
     "aiter_sparse": run_aiter_sparse, "tilelang": run_tilelang,
 }  # fmt: skip
 DEFAULT_BACKENDS = ("reference", "observed", "triton", "aiter_sparse", "tilelang")
+KERNELS = DEFAULT_BACKENDS[2:]  # the kernel paths: run in a child process (refmla.isolation)
 
-__all__ = ["BACKENDS", "DEFAULT_BACKENDS", "PathOutput", "Unavailable", "kernel_kwargs"]
+__all__ = ["BACKENDS", "DEFAULT_BACKENDS", "KERNELS", "PathOutput", "Unavailable", "kernel_kwargs"]

@@ -22,27 +22,11 @@ from typing import Callable, Optional
 import torch
 
 from refmla.compare import Tolerance
+from refmla.results import Alternative, Explanation
 from refmla.sparse.format import SparseCapture
-from refmla.sparse.judge import judge_out
 from refmla.sparse.layouts import dequantize
-from refmla.sparse.reference import SparseOutput, gather_keys, rows_of, sparse_attention
+from refmla.sparse.reference import SparseOutput, gather_keys, judge_out, rows_of, sparse_attention
 from refmla.sparse.rows import SparseRows, raw_rows, sparse_rows
-
-
-@dataclass
-class SparseExplanation:
-    hypothesis: str
-    detail: dict
-    alternatives: list = field(default_factory=list)  # [(hypothesis, detail)]
-
-    def text(self) -> str:
-        args = ", ".join(f"{k}={v}" for k, v in self.detail.items())
-        alt = "; also fit: " + ", ".join(h for h, _ in self.alternatives) if self.alternatives else ""
-        return f"explained by {self.hypothesis}({args}){alt}"
-
-    def to_json(self) -> dict:
-        return {"hypothesis": self.hypothesis, "detail": self.detail,
-                "alternatives": [{"hypothesis": h, "detail": d} for h, d in self.alternatives]}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -169,10 +153,11 @@ def mistakes(cap: SparseCapture) -> list[Mistake]:
 
 
 def explain(cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctrl: SparseOutput,
-            tol: Tolerance) -> Optional[SparseExplanation]:  # fmt: skip
-    """The simplest mistake whose output ``out`` matches within the tolerance, with the others that
-    do. Each candidate keeps the capture's own noise floor: its control is the candidate plus the
-    control's error against the reference, row by row."""
+            tol: Tolerance) -> Optional[Explanation]:  # fmt: skip
+    """The simplest mistake whose output ``out`` matches within the tolerance (the dense
+    :class:`~refmla.results.Explanation`), with the others that do as its alternatives. Each candidate
+    keeps the capture's own noise floor: its control is the candidate plus the control's error
+    against the reference, row by row."""
     noise = torch.nan_to_num(ctrl.out - ref.out)
     decoded = Decoded(cap)
     fits = []
@@ -182,11 +167,20 @@ def explain(cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctrl: Spar
         except (IndexError, RuntimeError):
             continue
         noisy = SparseOutput(variant.out + noise, variant.lse)
-        if judge_out(mk.name, cap, out, variant, noisy, tol).passed:
-            fits.append(mk)
+        c = judge_out(mk.name, cap, out, variant, noisy, tol)
+        if c.passed:
+            fits.append((mk, c))
     if not fits:
         return None
-    return SparseExplanation(fits[0].name, fits[0].detail, [(f.name, f.detail) for f in fits[1:]])
+    (best, c), rest = fits[0], fits[1:]
+    worst = c.worst
+    return Explanation(best.name, None, dict(best.detail), c.max_abs_err, residual_ratio=_ratio(worst),
+                       alternatives=[Alternative(m.name, dict(m.detail), residual_ratio=_ratio(w.worst)) for m, w in rest])
 
 
-__all__ = ["Mistake", "SparseExplanation", "explain", "mistakes"]
+def _ratio(worst) -> float:
+    r = getattr(worst, "ratio", None) if worst is not None else None
+    return float(r) if r is not None else 0.0
+
+
+__all__ = ["Mistake", "explain", "mistakes"]

@@ -25,6 +25,10 @@ class SparseRows:
     pool_id: torch.Tensor  # [R, W] int8: 0 the main cache, 1 the extra cache
     request: torch.Tensor  # [R] int64: the request of each row
 
+    def part(self, sl: slice) -> "SparseRows":
+        """The rows ``sl`` (a block of query rows)."""
+        return SparseRows(self.token[sl], self.valid[sl], self.pool_id[sl], self.request[sl])
+
     @property
     def lonely(self) -> torch.Tensor:
         """[R] rows with no valid entry."""
