@@ -11,6 +11,7 @@ from refmla.cli.common import EXIT_INVALID, expand_captures, need_matplotlib, pr
 from refmla.cli.replay_flags import add_replay_flags, replay_options
 from refmla.render.replay import render_or_say, summary_table
 from refmla.replay import SPARSE_ONLY, worst_status
+from refmla.sparse.format import SPARSE_MODE
 from refmla.series import attach_series
 from refmla.util import first_line
 
@@ -33,7 +34,11 @@ def run(args) -> int:
             report_invalid(r.capture, r.error, r.metadata.errors)
     if len(reports) > 1:
         attach_series(reports)  # each report gets its findings against the previous step
-    failed = _plots(reports, args.plot) if args.plot else []
+    failed = _plots([r for r in reports if r.kind != SPARSE_MODE], args.plot) if args.plot else []
+    for r in reports if args.plot else []:  # refused in one line each, the replay itself unchanged
+        if r.kind == SPARSE_MODE:
+            print(f"refmla: --plot: {r.capture}: not drawn: the plots read dense captures, not a sparse decode capture",
+                  file=sys.stderr)  # fmt: skip
     if args.json:
         print_json(reports[0] if len(reports) == 1 and single_file(args.captures) else reports)
     else:

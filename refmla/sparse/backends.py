@@ -123,7 +123,7 @@ def run_triton(cap: SparseCapture) -> PathOutput:
     out, lse = out.cpu(), lse.cpu()
     B, S, H, _ = cap.q.shape
     if cap.inv_rope_freqs is not None:  # the kernel ignores inv_rope; SGLang's model applies it after
-        o = inverse_rope(out.reshape(B * S, H, -1).float(), cap.inv_rope_freqs, cap.inv_rope_positions[: B * S])
+        o = inverse_rope(out.reshape(B * S, H, cap.meta.head_dim_v).float(), cap.inv_rope_freqs, cap.inv_rope_positions[: B * S])
         out = o.to(out.dtype).reshape(out.shape)
     return PathOutput(out, lse, f"sglang {TRITON_ENTRY}.triton_fp8_attention_fwd, {note}",
                       {"autotune_configs_interpreted": configs} if configs else {})

@@ -81,7 +81,7 @@ def _attend(cap: SparseCapture, mk: Mistake, decoded: Decoded) -> SparseOutput:
         sink = None if mk.sink_terms == 0 else sink.double() + math.log(mk.sink_terms)
     out, lse = sparse_attention(cap.q.reshape(B * S, H, D), keys, rows.valid, sink, cap.meta.softmax_scale,
                                 cap.meta.head_dim_v)  # fmt: skip
-    return SparseOutput(out.reshape(B, S, H, -1), lse.reshape(B, S, H))
+    return SparseOutput(out.reshape(B, S, H, cap.meta.head_dim_v), lse.reshape(B, S, H))
 
 
 def _lengths_ignored(scope: str) -> Callable[[SparseCapture], SparseRows]:

@@ -198,7 +198,7 @@ def file_meta(path: Any) -> dict:
 
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            return json.loads((f.metadata() or {}).get("meta", "{}"))
+            return json.loads((f.metadata() or {}).get("meta", "{}"), parse_int=_json_int)
     except Exception:
         return {}
 
@@ -216,9 +216,16 @@ def _sparse_meta(path: Path, header: dict) -> SparseMeta:
     if header.get("format") != CAPTURE_FORMAT:
         raise CaptureError(path, "header key 'format'", f"expected {CAPTURE_FORMAT!r}, got {header.get('format')!r}")
     try:
-        return parse_sparse_meta(json.loads(header.get("meta", "null")), path)
+        return parse_sparse_meta(json.loads(header.get("meta", "null"), parse_int=_json_int), path)
     except (json.JSONDecodeError, TypeError, AttributeError):
         raise CaptureError(path, "header key 'meta'", "missing or not a JSON object") from None
+    except ValueError as e:  # a number JSON can hold but Python refuses to parse (an int of 4,400 digits)
+        raise CaptureError(path, "header key 'meta'", f"a number out of range: {str(e).split(';')[0]}") from None
+
+
+def _json_int(text: str) -> Any:
+    """An int of the meta JSON; one too long for Python to read is +inf, refused naming its key."""
+    return int(text) if len(text) <= 4000 else float("inf")
 
 
 def read_sparse(path: Any) -> SparseCapture:
