@@ -15,7 +15,7 @@ from refmla.cli import main
 from refmla.attended import Attended
 from refmla.reference import mla_decode_ref
 from refmla.scales import Scales
-from refmla.sparse.faults import APPLIES, FAULTS
+from refmla.sparse.faults import APPLIES, EXPECT, FAULTS, neighbour_entry
 from refmla.sparse.format import SparseCapture, parse_sparse_meta
 from refmla.sparse.validation import read_sparse
 from refmla.sparse.make import synth_sparse
@@ -185,16 +185,26 @@ CASES = [(f, p) for p in (V4, V32) for f in FAULTS if APPLIES.get(f, lambda c: T
 
 @pytest.mark.parametrize("fault,preset", CASES)
 def test_every_planted_sparse_fault_is_named_with_its_detail(tmp_path, fault, preset):
+    """Production's output from refmla.sparse.faults' own plain loop (never the reference)."""
     path = tmp_path / "f.safetensors"
     synth_sparse(path, preset, fault)
     r = replay_file(str(path), ReplayOptions(backends=["reference", "observed"]))
     obs = r.backends["observed"]
     assert r.verdict == "diverged" and obs.status == "fail"
-    assert obs.explanation is not None and obs.explanation.hypothesis == fault, obs.explanation
-    want = {"scale_exponent_off": {"tile": 3, "factor": 2.0}, "rope_wrong_bytes": {"offset": -2},
-            "window_off_by_one": {"delta": -1, "side": "start"},
-            "topk_length_ignored": {"scope": "both" if preset == V4 else "main"}}  # V3.2 has one cache
-    assert obs.explanation.detail == want.get(fault, obs.explanation.detail)
+    hypothesis, detail = EXPECT[fault]
+    assert obs.explanation is not None and obs.explanation.hypothesis == hypothesis, obs.explanation
+    if fault == "topk_length_ignored":
+        detail = {"scope": "both" if preset == V4 else "main"}  # V3.2 has one cache
+    elif fault == "wrong_sm_scale":  # the ratio named: 1/sqrt(576) over the capture's softmax scale
+        assert obs.explanation.detail["ratio"] == pytest.approx(576**-0.5 / sparse_preset(preset).softmax_scale, rel=1e-6)
+        assert "1/sqrt(576)" in obs.explanation.extra["why"]
+    elif fault == "output_rows_permuted":
+        detail = {"rows": {1: 2, 2: 1}}
+    elif fault == "other_rows_read":
+        b, entry, meant, read = neighbour_entry(build_case(sparse_preset(preset)))
+        detail = {"entry": entry, "cache": "main", "slot_read": read, "slot_meant": meant}
+        assert obs.explanation.request == b
+    assert obs.explanation.detail == (detail if detail is not None else obs.explanation.detail)
 
 
 def test_a_clean_capture_round_trips_and_agrees(tmp_path):

@@ -17,7 +17,9 @@ Modules, imports going down this list:
     faults.py      production's output with a planted fault: its own plain loop, never the reference
     make.py        `refmla synth OUT --preset deepseek-v4-flash-tp8 [--fault NAME]`
     backends.py    the kernel adapters by name: triton (SGLang's), aiter_sparse, tilelang (and observed)
+    misplaced.py   rows written to another request's row, one entry read at the neighbouring slot
     hypotheses.py  the sparse-only mistakes (sink, topk_length, -1 as slot 0, the compressed cache,
-                   window edges, per-tile UE8M0 scales, rope bytes) that explain a diverging output
+                   window edges, per-tile UE8M0 scales on either cache, rope bytes) and the shared ones
+                   (wrong_sm_scale, the misplaced) that explain a diverging output
     inspection.py  the description `refmla inspect` gives of a sparse capture: layout, packing, caches, top-k
 """
