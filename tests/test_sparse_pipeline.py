@@ -176,3 +176,34 @@ def test_the_sparse_reference_works_in_row_blocks_with_the_same_result(monkeypat
     assert len(reference.row_blocks(reference.rows_of(cap), 512)) == cap.q.shape[0] * cap.q.shape[1]
     blocked = reference.sparse_reference(cap)
     assert torch.allclose(blocked.out, whole.out, rtol=1e-12, atol=1e-14) and torch.equal(blocked.lse.isinf(), whole.lse.isinf())
+
+
+STANDINS = __import__("pathlib").Path(__file__).resolve().parent / "standins"
+
+
+def test_flashmla_sparse_by_contract_against_a_standin_of_its_real_signature(tmp_path, monkeypatch):
+    """The adapter passes FlashMLA's real keyword arguments (the stand-in asserts what the real one
+    does and computes with its own byte decode and loop) and transposes its lse [B, H, S]."""
+    import sys
+
+    path = tmp_path / "s.safetensors"
+    synth_sparse(path, V4)
+    monkeypatch.delitem(sys.modules, "flash_mla", raising=False)
+    monkeypatch.syspath_prepend(str(STANDINS / "flashmla_sparse"))
+    import flash_mla
+
+    monkeypatch.setitem(sys.modules, "flash_mla", flash_mla)  # undone after the test: the stand-in leaves
+    flash_mla.CALLS.clear()
+    r = replay_file(str(path), ReplayOptions(backends=["flashmla_sparse"]))
+    e = r.backends["flashmla_sparse"]
+    assert e.status == "pass" and e.lse is not None and e.lse.status == "pass", (e.status, e.reason)
+    assert flash_mla.CALLS == [{"q": (4, 1, 8, 512), "indices": torch.int32, "extra": True}]
+    assert "flash_mla.flash_mla_with_kvcache" in e.info["version"]
+
+
+def test_flashmla_sparse_absent_is_skipped_with_the_reason(tmp_path, monkeypatch):
+    monkeypatch.delitem(__import__("sys").modules, "flash_mla", raising=False)
+    path = tmp_path / "s.safetensors"
+    synth_sparse(path, V4)
+    e = replay_file(str(path), ReplayOptions(backends=["flashmla_sparse"])).backends["flashmla_sparse"]
+    assert e.status == "skipped" and "FlashMLA's sparse decode is not importable" in e.reason
