@@ -19,6 +19,7 @@ copy of the layout (the README links here).
     attended.py     Attended: which pool rows each query row reads (built once per capture)
     blocktable.py   block tables (vLLM, FlashMLA, FlashInfer, CUTLASS, FA3): token rows, consistency
     capture/        the refmla.capture/1 file: format, validation, read (lazy), write (compacted, atomic)
+    regions.py      the MR region-size check: SGLang's clamp and MORI's measured sizes (one table)
     blocked.py      the reference's work in cache-sized blocks under a memory budget, short rows batched
     reference.py    the math, fp64: decode, split-KV partials and merge, extend and verify
     control.py      the same math at a kernel's rounding points (the tolerance's noise floor)
@@ -31,6 +32,8 @@ copy of the layout (the README links here).
     plan.py         a kernel's recorded launch plan (aiter's work / reduce maps) checked without running it
     backends/       one module per compute path, picked by name
     isolation.py    each kernel backend in a child process: a crash (signal, GPU fault) is its error
+    sparse/         DeepSeek's sparse MLA decode (V3.2 DSA, V4): packed layouts, exact decode, presets, kernel
+                    adapters, the sparse-only mistakes (the rest is the one pipeline below)
     context.py      what one replay's backends share: reference, control, split references
     hypotheses/     which simple mistake explains a diverging output (section 4), one module per family
     diagnosis.py    which compute path diverges: a class name and a sentence (section 6)
@@ -41,14 +44,12 @@ copy of the layout (the README links here).
     replay.py       capture -> backends -> comparison -> ReplayReport
     series.py       one layer and rank across decode steps
     batch.py        many captures, serial or in worker processes, with the same result
-    regions.py      the MR region-size check: SGLang's clamp and MORI's measured sizes (one table)
     inspection.py   `refmla inspect` entries
     diffkv/         prefill vs decode KV rows, bit for bit (transfer fidelity)
     disagg/         `refmla disagg`: diffkv + checks + series + replay per (request, layer, rank)
     synth/          synthetic captures with planted faults
     golden/         the golden suite: deterministic cases, build, check
     sweep/          `refmla sweep`: every backend over the production shape space, four checks, shrunk captures
-    sparse/         DeepSeek's sparse MLA decode (V3.2 DSA, V4): packed layouts, capture, reference, replay
     poolplan.py     the KV buffers a model's SGLang pool registers (the region check before a server starts)
     plots.py        pictures of a replay or a diff-kv (matplotlib, optional)
     render/         text for people: tables, reports, diff-kv and disagg results

@@ -1,6 +1,6 @@
 """The Python API: what the command line calls, for a notebook or a script.
 
-    refmla.replay(path_or_capture, backends=None, tol=None, **options) -> ReplayReport | SparseReport
+    refmla.replay(path_or_capture, backends=None, tol=None, **options) -> ReplayReport
     refmla.synth(out, preset="kimi-k2-tp8", fault="none", seed=None, layer=None) -> dict (what was planted)
     refmla.regions(capture=None, model=None, config=None, tokens=None, ...) -> RegionCheck
     refmla.api.unrun_backends(report, asked) -> [(backend, reason)]: backends asked for that did not run
@@ -21,15 +21,14 @@ from refmla.capture import Capture, CaptureError, read_capture
 from refmla.compare import Tolerance
 from refmla.hook.geometry import MORI_ENV
 from refmla.options import ReplayOptions
+from refmla.sparse.validation import is_sparse_file, read_sparse
 from refmla.poolplan import KV_DTYPES, MODELS, buffers, geometry_from_config, model_geometry
 from refmla.regions import PoolMeta, RegionCheck, check_region, plan_regions
 from refmla.replay import replay_capture, replay_file
 from refmla.results import ReplayReport
 from refmla.sparse.faults import FAULTS as SPARSE_FAULTS
-from refmla.sparse.io import is_sparse_file, read_sparse
 from refmla.sparse.make import synth_sparse
 from refmla.sparse.presets import PRESETS as SPARSE_PRESETS
-from refmla.sparse.replay import SparseReport, replay_sparse
 from refmla.synth import FAULTS, PRESETS, preset, synth_capture
 
 ALL_PRESETS = [*PRESETS, *SPARSE_PRESETS]
@@ -37,14 +36,11 @@ TRANSFER_BACKENDS = ("mori", "mooncake", "nixl", "ascend", "fake")
 
 
 def replay(path_or_capture: Union[str, Path, Capture], backends: Optional[Sequence[str]] = None,
-           tol: Optional[Tolerance] = None, **options: Any) -> Union[ReplayReport, SparseReport]:
+           tol: Optional[Tolerance] = None, **options: Any) -> ReplayReport:
     """One capture (a path, or a Capture already read) through ``backends`` (None: every backend
     usable here), judged with ``tol``; ``options``: the other ReplayOptions fields (device,
-    cu_count, explain, ...). A sparse decode capture (DeepSeek-V4 / V3.2) gets the sparse replay."""
+    cu_count, explain, ...). Every kind (dense, block-table, verify, sparse decode, kv_write, merge)."""
     tol = tol or Tolerance()
-    if not isinstance(path_or_capture, Capture) and is_sparse_file(path_or_capture):
-        return replay_sparse(str(path_or_capture), backends=backends, tol=tol,
-                             explain_failures=options.get("explain", True))  # fmt: skip
     opts = ReplayOptions(backends=list(backends) if backends else None, tol=tol, **options)
     opts.check()
     if isinstance(path_or_capture, Capture):
@@ -54,11 +50,8 @@ def replay(path_or_capture: Union[str, Path, Capture], backends: Optional[Sequen
 
 def unrun_backends(report: Any, asked: Sequence[str]) -> list[tuple[str, str]]:
     """(backend, reason) for each backend in ``asked`` the report holds as skipped (it did not run)."""
-    if isinstance(getattr(report, "backends", None), dict):  # a ReplayReport: name -> BackendEntry
-        named = list(report.backends.items())
-    else:  # a SparseReport: a list of entries, each with its backend's name
-        named = [(e.backend, e) for e in getattr(report, "entries", [])]
-    return [(n, getattr(e, "reason", None) or getattr(e, "note", None) or "skipped") for n, e in named
+    named = list(report.backends.items())  # a ReplayReport: name -> BackendEntry
+    return [(n, e.reason or "skipped") for n, e in named
             if n in asked and e.status == "skipped"]  # fmt: skip
 
 

@@ -283,9 +283,9 @@ def _worst_row(
         r, h = (int(i) for i in torch.nonzero(bad)[0][:2])
     else:
         r, h = divmod(int(ratio.argmax()), H) if ratio.numel() else (0, 0)
+    if not R or not H:  # no query row or no head: an empty output, nothing to point at
+        return Worst.of(request=None, head=None if not H else h, row=r, dim=0)
     d = int(rows.err[r, h].argmax()) if rows.err.numel() else 0
-    if not R:
-        return Worst.of(request=None, head=h, row=r, dim=d)
     return Worst.of(request=int(req[r]), head=h, row=r, dim=d, actual=_num(a[r, h, d]), expected=_num(e[r, h, d]),
                     err=_num(rows.row_err[r, h]), allowed=_num(rows.row_tol[r, h]), ratio=_num(ratio[r, h]))  # fmt: skip
 

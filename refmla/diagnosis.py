@@ -299,3 +299,63 @@ def verify_table(entries: dict) -> list[dict]:
             rows.append({"path": path, "backend": name, "status": e.status, "max_abs_err": e.max_abs_err,
                          "reason": e.reason})  # fmt: skip
     return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Sparse decode captures (DeepSeek V3.2 / V4): the same classes, the sentences a sparse replay needs
+# --------------------------------------------------------------------------------------------
+
+# production's kernel (meta backend) -> (the backend that replays it, what it is)
+SPARSE_KERNELS = {"triton": ("triton", "SGLang's triton_fp8_attention_fwd"),
+                  "aiter_sparse": ("aiter_sparse", "aiter's pa_decode_sparse"),
+                  "tilelang": ("tilelang", "SGLang's tilelang dpsk_v4_fp8_attention_fwd"),
+                  "flashmla": ("flashmla_sparse", "FlashMLA's sparse decode (flash_mla_with_kvcache with indices)")}  # fmt: skip
+SPARSE_DECODE = ("the sparse decode kernel diverges ({bad}) while {agree} on the same captured inputs: "
+                 "that kernel computes this input wrongly")  # fmt: skip
+SPARSE_DECODE_ALONE = ("the sparse decode kernel diverges ({bad}); no other path agrees on the same captured "
+                       "inputs, so a problem in the inputs they share is not excluded")  # fmt: skip
+SPARSE_UNREPLAYED = ("only the production output diverges, and {why}. The offline paths that ran ({agree}) are "
+                     "other kernels, so this is not evidence of a state or transfer problem")  # fmt: skip
+
+
+def sparse_unreplayed(produced_by: Optional[str], entries: Mapping[str, Any]) -> Optional[str]:
+    """Why production's sparse kernel (meta backend) was not replayed, or None (it was, or it is none
+    refmla knows). ``entries``: backend name -> BackendEntry."""
+    if produced_by not in SPARSE_KERNELS:
+        return None
+    name, what = SPARSE_KERNELS[produced_by]
+    who = "FlashMLA" if produced_by == "flashmla" else what
+    e = entries.get(name)
+    if e is None:
+        return f"production ran {who} ({produced_by}), not replayed here (add --backend {name})"
+    if e.status in ("skipped", "error"):
+        return f"production ran {who} ({produced_by}), not replayed here: {e.reason or e.status}"
+    return None
+
+
+def diagnose_sparse(entries: Mapping[str, Any], produced_by: Optional[str] = None) -> Diagnosis:
+    """The Diagnosis of a sparse replay from its entries (name -> BackendEntry): class and backends as
+    :func:`diagnose` decides them; a sparse kernel replayed here that diverges is ``decode``; an
+    ``observed`` divergence names production's kernel when it was not replayed here."""
+    statuses = {n: e.status for n, e in entries.items() if n != "reference"}
+    explained = {n: (e.explanation.hypothesis, e.explanation.detail) for n, e in entries.items()
+                 if e.status == "fail" and e.explanation is not None and e.explanation.complete}  # fmt: skip
+    failed = [n for n, s in statuses.items() if s == "fail"]
+    base = diagnose(statuses, explained=explained)
+    kernels = [n for n in statuses if n != "observed"]
+    if base.name == "decode":
+        bad = [n for n in failed if n in kernels]
+        agree = [n for n in (*kernels, "observed") if statuses.get(n) == "pass"]
+        who = " and ".join("the production output" if n == "observed" else n for n in agree)
+        text = (SPARSE_DECODE.format(bad=", ".join(bad), agree=who + (" agree" if len(agree) > 1 else " agrees"))
+                if agree else SPARSE_DECODE_ALONE.format(bad=", ".join(bad)))  # fmt: skip
+        base = Diagnosis("decode", text, bad + (["observed"] if "observed" in failed else []))
+    elif base.name in ("observed", "observed_unconfirmed"):
+        why = sparse_unreplayed(produced_by, entries)
+        agree = [n for n in kernels if statuses[n] == "pass"]
+        if why and agree:
+            base = Diagnosis("observed", SPARSE_UNREPLAYED.format(why=why, agree=", ".join(agree)), ["observed"])
+        elif why:
+            base = Diagnosis(base.name, f"{base.text}; {why}", base.backends)
+    said = "; ".join(f"{n}: {e.explanation.text()}" for n, e in entries.items() if e.explanation and e.status == "fail")
+    return Diagnosis(base.name, base.text + (f"; {said}" if said else ""), base.backends)

@@ -3,11 +3,11 @@
 One entry per capture, with the MR region-size check of its pool geometry (refmla.regions: a
 ``finding`` exits 1, a ``warning`` -- within 5 % below the limit -- is reported and exits 0, a
 capture without geometry is ``not_recorded``); a sparse decode capture's entry is built by
-refmla.sparse.inspection (the same entry with ``sparse`` added); with several captures each readable one also gets its series findings
-(refmla.series) against the previous capture of its layer and rank. A capture holding aiter's
-persistent work / reduce maps also gets its plan checked (refmla.plan: a violation exits 1).
-(refmla.series) against the previous capture of its layer and rank. A KV writer or merge capture
-(mode ``kv_write`` / ``merge``) gets its kind's description (refmla.kvwrite, refmla.merge).
+refmla.sparse.inspection's description (:func:`inspect_sparse`: the same entry with ``sparse`` added); with several captures each readable one also gets its series findings
+(refmla.series) against the previous capture of its layer and rank.
+A capture holding aiter's persistent work / reduce maps also gets its plan checked (refmla.plan: a
+violation exits 1). A KV writer or merge capture (mode ``kv_write`` / ``merge``) gets its kind's
+description (refmla.kvwrite, refmla.merge).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from refmla.plan import PlanCheck, check_aiter_plan
 from refmla.regions import RegionCheck, check_region
 from refmla.results import Finding, MetadataReport
 from refmla.series import series_checks
+from refmla.sparse.inspection import describe
+from refmla.sparse.validation import read_sparse
 from refmla.util import dtype_name, error_text
 
 
@@ -117,3 +119,19 @@ def inspect_captures(paths: Sequence[str]) -> list[InspectEntry]:
 def inspect_exit_code(entries: list[InspectEntry]) -> int:
     """2 if any capture is invalid, else 1 if any warning (metadata or series), else 0."""
     return max((e.exit_code for e in entries), default=0)
+
+
+def inspect_sparse(path: Any) -> InspectEntry:
+    """One sparse capture's inspect entry; never raises: an unreadable one is invalid, in one line."""
+    try:
+        cap = read_sparse(path)
+        tensors = {n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for n, t in cap.tensors().items()}
+        return InspectEntry(cap.path, MetadataReport(ok=True, warnings=list(cap.warnings)), meta=cap.meta.to_json(),
+                            tensors=tensors, region=cap.region(), sparse=describe(cap))  # fmt: skip
+    except CaptureError as e:
+        return InspectEntry(str(path), MetadataReport.invalid(str(e)), error=str(e))
+    except Exception as e:  # one bad file must not end the run
+        err = str(CaptureError(path, "inspect", error_text(e)))
+        return InspectEntry(str(path), MetadataReport.invalid(err), error=err)
+
+

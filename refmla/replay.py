@@ -5,12 +5,20 @@
             --> each backend: run, compare (refmla.compare), split partials (refmla.splits),
                 explain a failure (refmla.hypotheses)
             --> verdict + diagnosis (refmla.diagnosis) --> ReplayReport (refmla.results)
+
+A sparse decode capture (DeepSeek V3.2 / V4, refmla.sparse) takes the same steps into the same
+ReplayReport (:func:`replay_sparse`): its rows (``Attended.sparse_topk``), its fp64 reference and
+control over the packed caches, observed and its kernels by name (each kernel isolated), the one
+comparator, the sparse mistakes' search, the localization of failing requests and heads, the
+diagnosis; ``kind`` says which (``dense`` | ``sparse_decode``).
 """
 
 from __future__ import annotations
 
 import time
 from typing import Any
+
+import torch
 
 from refmla.backends import ALL_NAMES, NAMES, VERIFY_ONLY, BackendUnavailable, get_backend
 from refmla.backends.base import BackendFinding, BackendResult
@@ -19,7 +27,8 @@ from refmla.capture.kinds import file_mode
 from refmla.checks import check_capture
 from refmla.compare import judged_dtype
 from refmla.context import ReplayContext, ReplayOptions
-from refmla.diagnosis import diagnose, diagnose_upstream, diagnose_verify, unreplayed_path, verify_table
+from refmla.diagnosis import (diagnose, diagnose_sparse, diagnose_upstream, diagnose_verify, unreplayed_path,
+                              verify_table)
 from refmla.hypotheses import explain_failure
 from refmla.kvwrite.io import read_kv_write
 from refmla.kvwrite.judge import judge_kv_write
@@ -29,7 +38,14 @@ from refmla.merge.judge import judge_merge
 from refmla.isolation import KernelCrashed, KernelError, enabled, run_isolated
 from refmla.localize import localize
 from refmla.repeat import compare_runs
+from refmla.localize.types import Localization
 from refmla.results import PART_NAMES, BackendEntry, MetadataReport, NoiseFloor, ReplayReport, Shape
+from refmla.sparse.backends import BACKENDS as SPARSE_BACKENDS
+from refmla.sparse.backends import KERNELS as SPARSE_KERNELS
+from refmla.sparse.format import SPARSE_MODE, SparseCapture
+from refmla.sparse.hypotheses import explain as explain_sparse
+from refmla.sparse.reference import SparseOutput, judge_lse, judge_out, rows_of, sparse_control, sparse_reference
+from refmla.sparse.validation import is_sparse_file, nonfinite_inputs, read_sparse
 from refmla.splits import compare_lse, compare_splits
 from refmla.util import dtype_name, error_text, callable_module
 
@@ -41,13 +57,16 @@ KINDS = {"kv_write": (read_kv_write, judge_kv_write), "merge": (read_merge, judg
 def replay_file(path: Any, opts: ReplayOptions) -> ReplayReport:
     """Replay one capture file. Never raises for bad input: returns an ``invalid`` report."""
     kind = KINDS.get(file_mode(path))
+    sparse = kind is None and is_sparse_file(path)
     try:
         if kind is not None:
             return kind[1](kind[0](path), opts)
-        cap = read_capture(path)
+        cap = read_sparse(path) if sparse else read_capture(path)
     except CaptureError as e:
-        return invalid_report(str(path), e)
-    return replay_capture(cap, opts)
+        report = invalid_report(str(path), e)
+        report.kind = SPARSE_MODE if sparse else None
+        return report
+    return replay_sparse(cap, opts) if isinstance(cap, SparseCapture) else replay_capture(cap, opts)
 
 
 def invalid_report(path: str, e: Exception) -> ReplayReport:
@@ -62,7 +81,7 @@ def backend_names(opts: ReplayOptions, mode: str = "verify", engine: tuple = ())
     verify-only per-query decode paths only for a verify capture) plus ``engine``: the producing
     engine's own kernel (:func:`engine_default`)."""
     default = [n for n in NAMES[2:] if mode == "verify" or n not in VERIFY_ONLY] + list(engine)
-    chosen = default if opts.backends is None else [n for n in opts.backends if n not in NAMES[:2]]
+    chosen = default if opts.backends is None else [n for n in opts.backends if n not in NAMES[:2] and n not in SPARSE_ONLY]
     for n in chosen:
         if n not in ALL_NAMES and n not in MERGE_BACKENDS:  # a merge kernel is for merge captures
             raise KeyError(f"unknown backend {n!r}; choose from {', '.join(ALL_NAMES)}")
@@ -82,7 +101,7 @@ def replay_capture(cap: Capture, opts: ReplayOptions) -> ReplayReport:
     metadata = check_capture(cap)
     report = ReplayReport(
         capture=cap.path, verdict=None, diagnosis=None, metadata=metadata, mode=cap.meta.mode,
-        shape=shape_of(cap), meta=cap.meta, tolerance=opts.tol,
+        shape=shape_of(cap), meta=cap.meta, tolerance=opts.tol, kind="dense",
     )  # fmt: skip
     if not metadata.ok:
         report.verdict = "invalid"
@@ -203,6 +222,96 @@ def repeated(res: BackendResult, more: list[BackendResult]) -> None:
     res.info["repeat"] = outcome.to_json()
     if not outcome.deterministic:
         res.findings.append(BackendFinding("nondeterministic", outcome.text(), outcome.to_json()))
+
+
+# --------------------------------------------------------------------------------------------
+# Sparse decode captures: the same report
+# --------------------------------------------------------------------------------------------
+
+SPARSE_ONLY = [n for n in SPARSE_KERNELS if n not in ALL_NAMES]  # aiter_sparse, tilelang: sparse captures only
+
+
+def sparse_backend_names(opts: ReplayOptions) -> list[str]:
+    """reference and observed always (observed is judged whatever the filter); then the sparse
+    kernels named (a dense-only name is for the dense captures), or all of them."""
+    chosen = SPARSE_KERNELS if opts.backends is None else [n for n in opts.backends if n in SPARSE_KERNELS]
+    return ["reference", "observed", *dict.fromkeys(chosen)]
+
+
+def replay_sparse(cap: SparseCapture, opts: ReplayOptions) -> ReplayReport:
+    """One sparse decode capture through its paths into the one ReplayReport (module docstring)."""
+    B, S, H, D = cap.q.shape
+    rows = rows_of(cap)
+    ref, ctrl = sparse_reference(cap, rows), sparse_control(cap, rows)
+    findings = nonfinite_inputs(cap, ref.out, rows.lonely)
+    m, K2 = cap.meta, None if cap.extra_indices is None else cap.extra_indices.shape[2]
+    dims = {"B": B, "S": S, "H": H, "D": D, "Dv": m.head_dim_v, "K": cap.indices.shape[2], "K_extra": K2}
+    shape = Shape(B, B * S, H, D, m.head_dim_v, dtype_name(cap.q.dtype), m.kv_fp8_dtype,
+                  int(rows.valid.sum(1).max()) if B * S else 0, dims)  # fmt: skip
+    report = ReplayReport(capture=cap.path, verdict=None, diagnosis=None, mode=SPARSE_MODE, kind=SPARSE_MODE, shape=shape,
+                          metadata=MetadataReport(ok=True, warnings=list(cap.warnings) + [f.message for f in findings],
+                                                  findings=findings), meta=m, tolerance=opts.tol)  # fmt: skip
+    ctl = judge_out("control", cap, ctrl.out, ref, ctrl, opts.tol)
+    report.control = NoiseFloor("bfloat16", ctl.max_abs_err, ctl.cos_diff)
+    report.kind_keys = {"noise": float((ctrl.out - ref.out).nan_to_num().abs().max()) if ref.out.numel() else 0.0,
+                        "lonely_rows": int(rows.lonely.sum()), "region": cap.region().to_json()}  # fmt: skip
+    for name in sparse_backend_names(opts):
+        report.backends[name] = run_sparse_backend(name, cap, ref, ctrl, opts)
+    d = diagnose_sparse(report.backends, m.backend)
+    report.diagnosis, report.diagnosis_text, report.diagnosis_backends = d.name, d.text, d.backends
+    statuses = [b.status for b in report.backends.values()]
+    report.verdict = "diverged" if any(s in ("fail", "error") for s in statuses) else "agree"
+    if findings:  # NaN in, NaN out is no agreement: the finding outranks every path's status
+        report.verdict = "diverged"
+        d = diagnose_upstream(findings)
+        report.diagnosis, report.diagnosis_text, report.diagnosis_backends = d.name, d.text, d.backends
+    return report
+
+
+def run_sparse_backend(name: str, cap: SparseCapture, ref: SparseOutput, ctrl: SparseOutput,
+                       opts: ReplayOptions) -> BackendEntry:  # fmt: skip
+    """One path of a sparse capture, judged and (failing) explained and localized; a kernel runs in
+    its own process (refmla.isolation): its crash is its ``error``, never the replay's."""
+    t0 = time.perf_counter()
+    if name == "reference":
+        return BackendEntry("pass", max_abs_err=0.0, cos_diff=0.0, info={"accum_dtype": "float64", "what": "the truth"})
+    run = SPARSE_BACKENDS[name]
+    try:
+        got = run_isolated(run, cap) if name in SPARSE_KERNELS and enabled(opts.isolate) else run(cap)
+    except BackendUnavailable as e:
+        return BackendEntry("skipped", reason=str(e))
+    except (KernelCrashed, KernelError) as e:  # died or raised in its own process
+        return BackendEntry("error", reason=str(e), seconds=round(time.perf_counter() - t0, 3))
+    except Exception as e:  # a kernel that crashes is a finding, not a crash of refmla
+        return BackendEntry("error", reason=error_text(e))
+    cmp = judge_out(name, cap, got.out, ref, ctrl, opts.tol)
+    entry = BackendEntry.judged(cmp, info={"version": got.note, **got.info})
+    if got.lse is not None:
+        entry.lse = judge_lse(got.lse, ref, ctrl, opts.tol)
+    entry.judge_parts()
+    if entry.status == "fail":
+        entry.localization = _sparse_localization(cmp, entry, cap.q.shape[1])
+    if not cmp.passed and opts.explain:
+        try:  # the search is an aid: its failure must not cost the replay
+            entry.explanation = explain_sparse(cap, got.out, ref, ctrl, opts.tol)
+        except Exception as e:
+            entry.info["explain_error"] = error_text(e)
+    entry.seconds = round(time.perf_counter() - t0, 3)
+    return entry
+
+
+def _sparse_localization(cmp, entry: BackendEntry, S: int) -> Localization:
+    """The failing requests (worst first) and, per request, its failing heads (output and lse)."""
+    heads: dict[int, set] = {}
+    if cmp.row_failed is not None:
+        for r, h in torch.nonzero(cmp.row_failed).tolist():
+            heads.setdefault(r // S, set()).add(h)
+    for b in (entry.lse.failed_requests or []) if entry.lse is not None else []:
+        heads.setdefault(b, set())
+    worst = cmp.worst.request if cmp.worst is not None else None
+    reqs = sorted(heads, key=lambda b: (b != worst, b))
+    return Localization(requests=reqs, heads={b: sorted(heads[b]) for b in reqs},
+                        tried=["requests and heads from the comparator's failing rows"])
 
 
 def worst_status(reports: list[ReplayReport]) -> int:

@@ -247,9 +247,10 @@ class Shape:
     q_dtype: str
     kv_dtype: str
     max_seq_len: int
+    dims: dict[str, Any] = field(default_factory=dict)  # a kind's own sizes (sparse: B, S, H, D, Dv, K, K_extra)
 
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        return {**{k: v for k, v in self.__dict__.items() if k != "dims"}, **self.dims}
 
 
 @dataclass
@@ -286,6 +287,8 @@ class ReplayReport:
     error: Optional[str] = None  # an unreadable capture: why, in one line
     series: Optional[list[Finding]] = None  # findings against the previous capture of its series
     verify_vs_decode: Optional[list[dict]] = None  # verify captures: each path over the same KV (diagnosis.verify_table)
+    kind: Optional[str] = None  # "dense" | "sparse_decode" (None: a file not read far enough to tell)
+    kind_keys: dict[str, Any] = field(default_factory=dict)  # keys only this kind has (sparse: noise, lonely_rows, region)
 
     @property
     def exit_code(self) -> int:
@@ -307,6 +310,9 @@ class ReplayReport:
         for name in ("meta", "shape", "tolerance", "control"):
             if getattr(self, name) is not None:
                 d[name] = getattr(self, name).to_json()
+        if self.kind is not None:
+            d["kind"] = self.kind
+        d.update(self.kind_keys)
         d["backends"] = {n: b.to_json() for n, b in self.backends.items()}
         if self.series is not None:
             d["series"] = [f.to_json() for f in self.series]

@@ -262,3 +262,10 @@ def test_a_module_missing_from_its_package_docstring_is_caught(copy):
     found = unlisted_modules(copy)
     assert any("refmla.capture.planted_module is not listed" in v for v in found)
     assert any("refmla.backends.aiter.planted_kernel is not listed" in v for v in found)
+
+
+def test_sparse_has_no_pipeline_of_its_own():
+    """refmla/sparse/ keeps only what is its own (layouts, decode, presets, adapters, its mistakes):
+    reading, judging, diagnosing, replaying, rendering and the goldens are the one pipeline (issue 28)."""
+    own = {p.stem for p in (PACKAGE / "sparse").glob("*.py")}
+    assert not own & {"io", "judge", "diagnosis", "replay", "render", "golden"}, sorted(own)

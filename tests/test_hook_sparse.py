@@ -15,9 +15,10 @@ import pytest
 from refmla.hook.config import HookConfig
 from refmla.sparse.backends import TRITON_ENTRY, kernel_kwargs
 from refmla.sparse.format import SparseCapture, parse_sparse_meta
-from refmla.sparse.io import read_sparse
+from refmla.sparse.validation import read_sparse
 from refmla.sparse.presets import sparse_preset
-from refmla.sparse.replay import replay_sparse
+from refmla.options import ReplayOptions
+from refmla.replay import replay_file
 from refmla.sparse.synth import build_case
 
 
@@ -71,8 +72,8 @@ def test_the_hook_captures_the_entrypoints_keyword_arguments_and_replays(tmp_pat
     assert got.k_cache.shape[1] == 149760 and got.extra_k_cache.shape[1] == 37440  # padded page rows kept
     assert got.k_cache.shape[0] <= cap.k_cache.shape[0]  # only the pages the indices reference
     assert (got.out == served).all()
-    r = replay_sparse(str(path), backends=["reference", "observed", "triton"])
-    assert r.verdict == "agree", [(e.backend, e.status, e.reasons) for e in r.entries]
+    r = replay_file(str(path), ReplayOptions(backends=["reference", "observed", "triton"]))
+    assert r.verdict == "agree", [(n, e.status, e.reason) for n, e in r.backends.items()]
 
 
 def test_an_exception_inside_the_capture_disables_the_hook_not_the_call(tmp_path, dsv4_module, monkeypatch):

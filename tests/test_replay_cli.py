@@ -83,9 +83,11 @@ def test_unknown_preset_or_fault_is_a_usage_error(tmp_path, capsys):
 def test_doctor_lists_every_backend(capsys):
     assert main(["doctor", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    names = [r["backend"] for r in rows]  # only ever added to
+    names = [r["backend"] for r in rows if r["kind"] == "dense"]  # only ever added to
     assert names == ["reference", "observed", "triton", "aiter", "extend", "flex", "triton_decode_per_query",
                      "aiter_decode_per_query", "vllm_triton", "flashmla", "flashinfer_mla", "cutlass_mla", "fa3_mla"]
+    sparse = [r["backend"] for r in rows if r["kind"] == "sparse_decode"]  # the sparse decode kernels (issue 28)
+    assert sparse == ["triton", "aiter_sparse", "tilelang", "flashmla_sparse"]
     assert all(isinstance(r["usable"], bool) and r["detail"] for r in rows)
 
 

@@ -12,7 +12,7 @@ import torch
 
 from refmla.cli import main
 from refmla.regions import compressed_regions
-from refmla.sparse.io import write_sparse
+from refmla.sparse.validation import write_sparse
 from refmla.sparse.make import synth_sparse
 from refmla.sparse.presets import sparse_preset
 from refmla.sparse.synth import build_case

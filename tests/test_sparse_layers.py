@@ -10,9 +10,10 @@ import json
 import pytest
 
 from refmla.cli import main
-from refmla.sparse.io import read_sparse
+from refmla.sparse.validation import read_sparse
 from refmla.sparse.presets import PRESETS, V4_FLASH_COMPRESS_RATIOS, for_layer, sparse_preset
-from refmla.sparse.replay import replay_sparse
+from refmla.options import ReplayOptions
+from refmla.replay import replay_file
 from refmla.sparse.synth import build_case
 
 V4 = "deepseek-v4-flash-tp8"
@@ -92,7 +93,7 @@ def test_the_ratio_comes_from_the_list_when_meta_names_only_the_layer(tmp_path):
     _write(path, case, meta)
     cap = read_sparse(path)
     assert cap.meta.compress_ratio == 128 and cap.meta.layer_role == "compressed"
-    assert replay_sparse(str(path), backends=["reference", "observed"]).verdict == "agree"
+    assert replay_file(str(path), ReplayOptions(backends=["reference", "observed"])).verdict == "agree"
 
 
 def test_a_window_only_layer_with_a_compressed_cache_is_refused(tmp_path, capsys):

@@ -10,7 +10,6 @@ One module per command group, each adding its parser, and what they share:
     disagg.py    refmla disagg
     regions.py   refmla regions (the MR region check of a capture or of a model's pool)
     synth.py     refmla synth / synth-disagg
-    sparse.py    the sparse decode part of replay (DeepSeek-V4 / V3.2, refmla.sparse)
     doctor.py    refmla doctor
     golden.py    refmla golden generate
     sweep.py     refmla sweep

@@ -11,6 +11,13 @@ import torch
 from refmla.backends import ALL_NAMES, get_backend
 from refmla.backends.engines import KERNELS, package_versions
 from refmla.cli.common import EXIT_OK, print_json
+from refmla.sparse.backends import KERNELS as SPARSE_KERNELS
+from refmla.sparse.backends import availability as sparse_availability
+
+SPARSE_ENGINES = {"triton": ("sglang", "triton_fp8_attention_fwd (dsv4 triton_sparse_decode)"),
+                  "aiter_sparse": ("aiter", "pa_decode_sparse via sglang aiter_sparse_decode_fwd"),
+                  "tilelang": ("sglang", "dpsk_v4_fp8_attention_fwd (tilelang)"),
+                  "flashmla_sparse": ("flashmla", "flash_mla_with_kvcache with indices")}  # fmt: skip
 
 
 def add_parser(sub) -> None:
@@ -25,7 +32,11 @@ def doctor(args) -> int:
         ok, why = get_backend(name).availability()
         of = KERNELS.get(name)
         rows.append({"backend": name, "usable": ok, "detail": why, "engine": of.engine if of else None,
-                     "kernel": of.kernel if of else None})  # fmt: skip
+                     "kernel": of.kernel if of else None, "kind": "dense"})  # fmt: skip
+    for name in SPARSE_KERNELS:  # the sparse decode kernels (DeepSeek V3.2 / V4 captures)
+        ok, why = sparse_availability(name)
+        engine, kernel = SPARSE_ENGINES[name]
+        rows.append({"backend": name, "usable": ok, "detail": why, "engine": engine, "kernel": kernel, "kind": "sparse_decode"})
     if args.json:
         print_json(rows)
         return EXIT_OK
@@ -33,8 +44,9 @@ def doctor(args) -> int:
     print(f"python {platform.python_version()}  torch {torch.__version__}  gpu {gpu}  "
           f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}")  # fmt: skip
     print("engines and kernel packages: " + ", ".join(f"{k} {v}" for k, v in package_versions().items()))
-    width = max(len(r["backend"]) for r in rows)
+    label = {id(r): r["backend"] + (" (sparse)" if r["kind"] == "sparse_decode" else "") for r in rows}
+    width = max(len(v) for v in label.values())
     for r in rows:
-        print(f"  {r['backend']:<{width}} {'usable' if r['usable'] else 'unavailable':<12} "
+        print(f"  {label[id(r)]:<{width}} {'usable' if r['usable'] else 'unavailable':<12} "
               f"[{r['engine']}: {r['kernel']}] {r['detail']}")  # fmt: skip
     return EXIT_OK

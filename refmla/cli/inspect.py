@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from refmla.capture import read_capture
 from refmla.cli.common import expand_captures, print_json, report_invalid, single_file
-from refmla.cli.sparse import split_sparse
 from refmla.capture.kinds import file_mode
-from refmla.inspection import KINDS, inspect_captures, inspect_exit_code
+from refmla.inspection import KINDS, inspect_captures, inspect_exit_code, inspect_sparse
 from refmla.render.inspect import render_inspect
-from refmla.sparse.inspection import inspect_sparse
-from refmla.sparse.io import read_sparse
+from refmla.sparse.validation import is_sparse_file, read_sparse
 
 
 def add_parser(sub) -> None:
@@ -21,7 +19,8 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     paths = expand_captures(args.captures)
-    dense, sparse = split_sparse(paths)
+    sparse = [p for p in paths if is_sparse_file(p)]
+    dense = [p for p in paths if p not in sparse]
     if single_file(args.captures):
         kind = KINDS.get(file_mode(paths[0]))  # kv_write / merge: their own reader
         (read_sparse if sparse else kind[0] if kind else read_capture)(paths[0])  # one file: a bad one is exit 2 with one line

@@ -10,16 +10,13 @@ from refmla.batch import replay_many
 from refmla.cli.common import (EXIT_INVALID, expand_captures, need_matplotlib, print_json, report_invalid, single_file,
                                unrun_exit, worst_exit)
 from refmla.cli.replay_flags import add_replay_flags, replay_options
-from refmla.cli.sparse import replay_sparse_files, split_sparse
-from refmla.compare import Tolerance
 from refmla.render.replay import render_or_say, summary_table
-from refmla.replay import worst_status
+from refmla.replay import SPARSE_ONLY, worst_status
+from refmla.sparse.format import SPARSE_MODE
 from refmla.series import attach_series
 from refmla.util import first_line
-from refmla.sparse.backends import BACKENDS as SPARSE_BACKENDS
 from refmla.merge.backends import BACKENDS as MERGE_BACKENDS
 
-SPARSE_ONLY = [n for n in SPARSE_BACKENDS if n not in ALL_NAMES]  # aiter_sparse, tilelang
 MERGE_ONLY = list(MERGE_BACKENDS)  # the merge kernels, for merge captures (refmla.merge.backends)
 
 
@@ -31,13 +28,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    paths, sparse = split_sparse(expand_captures(args.captures))
-    sparse_code = replay_sparse_files(sparse, args, Tolerance(k=args.k, ulps=args.ulps, cos=args.cos)) if sparse else 0
-    if not paths:
-        return sparse_code
+    paths = expand_captures(args.captures)  # every kind: dense, block-table, verify, sparse decode
     asked = args.backend
-    if args.backend:  # the dense backends asked for (a sparse-only name is for the sparse captures)
-        args.backend = [b for b in args.backend if b not in SPARSE_ONLY] or None
     opts = replay_options(args)
     if args.plot:
         need_matplotlib()
@@ -47,7 +39,11 @@ def run(args) -> int:
             report_invalid(r.capture, r.error, r.metadata.errors)
     if len(reports) > 1:
         attach_series(reports, opts)  # findings against the previous step, and stale_metadata
-    failed = _plots(reports, args.plot) if args.plot else []
+    failed = _plots([r for r in reports if r.kind != SPARSE_MODE], args.plot) if args.plot else []
+    for r in reports if args.plot else []:  # refused in one line each, the replay itself unchanged
+        if r.kind == SPARSE_MODE:
+            print(f"refmla: --plot: {r.capture}: not drawn: the plots read dense captures, not a sparse decode capture",
+                  file=sys.stderr)  # fmt: skip
     if args.json:
         print_json(reports[0] if len(reports) == 1 and single_file(args.captures) else reports)
     else:
@@ -57,7 +53,7 @@ def run(args) -> int:
     for line in failed:  # after the reports: a plot that fails costs no report
         print(f"refmla: error: {line}", file=sys.stderr)
     not_run = unrun_exit(reports, asked, args.allow_skip)  # a backend asked for that did not run: exit 3
-    return worst_exit(worst_status(reports), EXIT_INVALID if failed else 0, sparse_code, not_run)
+    return worst_exit(worst_status(reports), EXIT_INVALID if failed else 0, not_run)
 
 
 def _plots(reports, out_dir) -> list[str]:

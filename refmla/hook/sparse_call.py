@@ -27,7 +27,7 @@ from refmla.hook.geometry import disagg_meta, pool_counts, registered_regions
 from refmla.hook.filters import after_call_filters
 from refmla.hook.runtime import versions
 from refmla.hook.writer import HookState, capture_name
-from refmla.sparse.io import write_sparse
+from refmla.sparse.validation import write_sparse
 from refmla.sparse.layouts import LAYOUTS
 
 LAYOUT_OF_BYTES = {L.bytes_per_token: name for name, L in LAYOUTS.items()}

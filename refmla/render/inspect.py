@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from refmla.inspection import InspectEntry
-from refmla.sparse.render import render_sparse_inspect
+from refmla.sparse.inspection import SparseInspection
 from refmla.util import printable
 
 
@@ -39,3 +39,30 @@ def render_inspect(e: InspectEntry) -> str:
         lines.append("series   " + ("FINDINGS" if bad else "ok") + against)
         lines += [f"  {f.severity}: {f.message}" for f in found]
     return "\n".join(printable(line) for line in lines)  # each line holds file text: one line each
+
+
+def _lengths(lo, hi) -> str:
+    return "no topk_length (the width is read)" if lo is None else f"topk_length {lo}..{hi}"
+
+
+def render_sparse_inspect(s: SparseInspection) -> list[str]:
+    """The sparse part of `refmla inspect`: layout, caches and their geometry, top-k, ratio, regions."""
+    sh = s.shape
+    ratio = "-" if s.compress_ratio is None else s.compress_ratio
+    lines = [f"sparse   layout {s.layout}: {s.model_layout}; produced by {s.kernel_backend}",
+             f"  shape  requests={sh['B']} q_tokens={sh['S']} heads={sh['H']} D={sh['D']} Dv={sh['Dv']}  q {s.q_dtype}  "
+             f"softmax_scale {s.softmax_scale:.6g}  sink {'yes' if s.sink else 'no'}",
+             f"  layer  compress_ratio {ratio} ({s.layer_role or '-'})  window {s.window if s.window is not None else '-'}  "
+             f"fp8 {s.kv_fp8_dtype}"]  # fmt: skip
+    for c in s.caches:
+        lines += [f"  {c.name:<13} {c.role}: layout {c.layout}, {c.pages} pages x {c.page_size} tokens = {c.tokens} tokens, "
+                  f"page stride {c.page_stride} bytes (layout needs {c.layout_page_bytes})",
+                  f"  {'':<13} top-k width {c.index_width}, {_lengths(c.length_min, c.length_max)}, "
+                  f"{c.valid_entries} entries read",
+                  f"  {'':<13} packing {c.packing}"]  # fmt: skip
+    lines.append(f"  rows   {s.lonely_rows} lonely (no valid entry: out 0, lse +inf); stored outputs: "
+                 + (", ".join(s.outputs) or "none"))
+    if s.pool_regions:
+        lines.append(f"  pool   {s.pool_class or 'pool'}: {len(s.pool_regions)} registered buffers, bytes "
+                     + ", ".join(str(b) for b in s.pool_regions) + f" (largest {max(s.pool_regions)})")
+    return lines

@@ -7,6 +7,11 @@
     aiter_sparse  aiter's gfx950 gluon kernel ``pa_decode_sparse`` (the entrypoint's default on
                MI355X), through SGLang's own ``aiter_sparse_decode_fwd``; ROCm only
     tilelang   SGLang's ``dpsk_v4_fp8_attention_fwd`` where tilelang is installed
+    flashmla_sparse  FlashMLA's sparse decode, ``flash_mla_with_kvcache(..., indices=...)`` with
+               ``get_mla_metadata()``, from the first of flash_mla, sgl_kernel.flash_mla, vLLM's
+               third_party.flashmla that imports (NVIDIA SM90 / SM100); its lse [B, H, S] transposed
+
+:func:`availability` says whether a path can run here without running it (``refmla doctor``).
 
 Each returns out [B, S, H, Dv] and lse [B, S, H] (or None) as the kernel returned them, or raises
 :class:`Unavailable` with the reason (reported as skipped). A kernel that raises is a finding.
@@ -21,6 +26,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from refmla.backends.base import BackendUnavailable
 from refmla.sparse.format import SparseCapture
 from refmla.sparse.reference import inverse_rope, sparse_reference
 
@@ -28,8 +34,9 @@ TRITON_ENTRY = "sglang.kernels.ops.attention.dsv4.triton_sparse_decode"
 TRITON_FUSED = TRITON_ENTRY + ".triton_mla_kernels_decode_fused"
 
 
-class Unavailable(Exception):
-    """This path cannot run here or on this capture; the message says why."""
+class Unavailable(BackendUnavailable):
+    """This path cannot run here or on this capture; the message says why (a BackendUnavailable, so
+    it crosses the isolation boundary as itself: skipped, never an error)."""
 
 
 @dataclass
@@ -121,7 +128,7 @@ def run_triton(cap: SparseCapture) -> PathOutput:
     out, lse = out.cpu(), lse.cpu()
     B, S, H, _ = cap.q.shape
     if cap.inv_rope_freqs is not None:  # the kernel ignores inv_rope; SGLang's model applies it after
-        o = inverse_rope(out.reshape(B * S, H, -1).float(), cap.inv_rope_freqs, cap.inv_rope_positions[: B * S])
+        o = inverse_rope(out.reshape(B * S, H, cap.meta.head_dim_v).float(), cap.inv_rope_freqs, cap.inv_rope_positions[: B * S])
         out = o.to(out.dtype).reshape(out.shape)
     return PathOutput(out, lse, f"sglang {TRITON_ENTRY}.triton_fp8_attention_fwd, {note}",
                       {"autotune_configs_interpreted": configs} if configs else {})
@@ -157,10 +164,59 @@ def run_tilelang(cap: SparseCapture) -> PathOutput:
     return PathOutput(out.cpu(), None if lse is None else lse.cpu(), "sglang dpsk_v4_fp8_attention_fwd (tilelang)")
 
 
+FLASHMLA_MODULES = ("flash_mla", "sgl_kernel.flash_mla", "vllm.third_party.flashmla.flash_mla_interface")
+
+
+def flashmla_module():
+    """(the first FlashMLA module exposing flash_mla_with_kvcache and get_mla_metadata, its name), or
+    Unavailable with why each was not."""
+    why = []
+    for name in FLASHMLA_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except Exception as e:
+            why.append(f"{name}: {type(e).__name__}")
+            continue
+        if hasattr(mod, "flash_mla_with_kvcache") and hasattr(mod, "get_mla_metadata"):
+            return mod, name
+        why.append(f"{name}: no flash_mla_with_kvcache / get_mla_metadata")
+    raise Unavailable("FlashMLA's sparse decode is not importable (NVIDIA SM90 / SM100 builds): " + "; ".join(why))
+
+
+def run_flashmla_sparse(cap: SparseCapture) -> PathOutput:
+    mod, name = flashmla_module()
+    kw = kernel_kwargs(cap, _device())  # its keyword names are FlashMLA's (SGLang's entrypoint mirrors them)
+    kw["tile_scheduler_metadata"] = mod.get_mla_metadata()[0]
+    out, lse = mod.flash_mla_with_kvcache(**kw)  # lse [B, H, S]
+    out = out.cpu()
+    B, S, H, _ = cap.q.shape
+    if cap.inv_rope_freqs is not None:  # FlashMLA does not apply inv_rope; SGLang's model applies it after
+        o = inverse_rope(out.reshape(B * S, H, cap.meta.head_dim_v).float(), cap.inv_rope_freqs, cap.inv_rope_positions[: B * S])
+        out = o.to(out.dtype).reshape(out.shape)
+    return PathOutput(out, lse.cpu().transpose(1, 2), f"{name}.flash_mla_with_kvcache (indices)")
+
+
+def availability(name: str) -> tuple[bool, str]:
+    """(usable here, the module or why not) of a sparse kernel path, without running it."""
+    try:
+        if name == "triton":
+            return True, _triton_module()[1]
+        if name == "flashmla_sparse":
+            return True, flashmla_module()[1]
+        module = {"aiter_sparse": "aiter.ops.triton.attention.pa_decode_sparse", "tilelang": "tilelang"}[name]
+        importlib.import_module(module)
+        return (True, module) if torch.cuda.is_available() else (False, f"{module} imports, but there is no GPU")
+    except Unavailable as e:
+        return False, str(e)
+    except Exception as e:
+        return False, f"not importable: {type(e).__name__}"
+
+
 BACKENDS: dict[str, Callable[[SparseCapture], PathOutput]] = {
     "reference": run_reference, "observed": run_observed, "triton": run_triton,
-    "aiter_sparse": run_aiter_sparse, "tilelang": run_tilelang,
+    "aiter_sparse": run_aiter_sparse, "tilelang": run_tilelang, "flashmla_sparse": run_flashmla_sparse,
 }  # fmt: skip
-DEFAULT_BACKENDS = ("reference", "observed", "triton", "aiter_sparse", "tilelang")
+DEFAULT_BACKENDS = ("reference", "observed", "triton", "aiter_sparse", "tilelang", "flashmla_sparse")
+KERNELS = DEFAULT_BACKENDS[2:]  # the kernel paths: run in a child process (refmla.isolation)
 
-__all__ = ["BACKENDS", "DEFAULT_BACKENDS", "PathOutput", "Unavailable", "kernel_kwargs"]
+__all__ = ["BACKENDS", "DEFAULT_BACKENDS", "FLASHMLA_MODULES", "KERNELS", "availability", "flashmla_module", "PathOutput", "Unavailable", "kernel_kwargs"]

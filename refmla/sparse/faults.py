@@ -13,6 +13,12 @@ Each fault says what the broken kernel reads; the loop then computes softmax att
     window_off_by_one     the window one token short at its start (the oldest entry of a full window dropped)
     scale_exponent_off    a UE8M0 exponent off by one on tile 3 of every main key (a factor of 2)
     rope_wrong_bytes      the rope section read 2 bytes early (one bf16 element off)
+    scale_exponent_off_extra / _both   the same UE8M0 exponent off on the compressed cache's keys / on both caches'
+    wrong_sm_scale        the softmax scale 1/sqrt(576) instead of the given one
+    output_rows_permuted  requests 1 and 2 write each other's output rows
+    other_rows_read       one main-cache entry of request 2 read at the next slot (:func:`neighbour_entry`)
+
+``EXPECT`` says which hypothesis (and detail) a replay must name for each.
 """
 
 from __future__ import annotations
@@ -48,8 +54,31 @@ def _entries(case: SparseCase, fault: Optional[str], b: int) -> list[torch.Tenso
             picked = picked[1:]
         if fault == "page_offset_dropped" and pid == 0:
             picked = [t // pool.page_size * pool.page_size for t in picked]
-        out.append(_keys(pool, picked, fault if pid == 0 else None))
+        moved = neighbour_entry(case) if fault == "other_rows_read" and pid == 0 else None
+        if moved is not None and moved[0] == b:
+            picked = [moved[3] if k == moved[1] else t for k, t in zip(_listed(row, n), picked)]
+        scaled = fault == "scale_exponent_off" and pid == 0 or fault == "scale_exponent_off_extra" and pid == 1
+        out.append(_keys(pool, picked, "scale_exponent_off" if scaled or fault == "scale_exponent_off_both" else
+                         (fault if pid == 0 else None)))  # fmt: skip
     return out
+
+
+def _listed(row: list, n: int) -> list[int]:
+    """The positions in an index list of the entries read (not -1, before the length)."""
+    return [k for k, t in enumerate(row[:n]) if t != -1]
+
+
+def neighbour_entry(case: SparseCase) -> Optional[tuple[int, int, int, int]]:
+    """(request, position in its main index list, slot meant, slot read): the first entry of request 2
+    (else the last request) from position 5 on whose next slot holds a written token."""
+    b = min(2, case.q.shape[0] - 1)
+    row, n = case.indices[b, 0].tolist(), int(case.topk_length[b])
+    finite = torch.isfinite(case.main.values).all(dim=1)
+    for k in _listed(row, n)[5:] or _listed(row, n):
+        t = row[k]
+        if t + 1 < finite.shape[0] and bool(finite[t + 1]):
+            return b, k, t, t + 1
+    return None
 
 
 def _keys(pool: Pool, tokens: list[int], fault: Optional[str]) -> torch.Tensor:
@@ -79,6 +108,7 @@ def planted_output(case: SparseCase, fault: Optional[str] = None) -> tuple[torch
     out = torch.zeros(B, 1, H, p.head_dim_v, dtype=torch.float64)
     lse = torch.zeros(B, 1, H, dtype=torch.float64)
     sinks = {"sink_omitted": 0, "sink_twice": 2}.get(fault or "", 1)
+    scale = 576**-0.5 if fault == "wrong_sm_scale" else p.softmax_scale
     for b in range(B):
         keys = torch.cat(_entries(case, fault, b), dim=0)  # [n, D]
         for h in range(H):
@@ -86,7 +116,7 @@ def planted_output(case: SparseCase, fault: Optional[str] = None) -> tuple[torch
             if keys.shape[0] == 0:
                 lse[b, 0, h] = math.inf  # lonely: out stays 0
                 continue
-            s = p.softmax_scale * (keys @ q)  # [n] this head's logits
+            s = scale * (keys @ q)  # [n] this head's logits
             m = float(s.max())
             w = torch.exp(s - m)
             denom = float(w.sum())
@@ -94,6 +124,8 @@ def planted_output(case: SparseCase, fault: Optional[str] = None) -> tuple[torch
                 denom += sinks * math.exp(float(case.sink[h]) - m)
             out[b, 0, h] = (w[:, None] * keys[:, : p.head_dim_v]).sum(0) / denom
             lse[b, 0, h] = m + math.log(float(w.sum()))
+    if fault == "output_rows_permuted":
+        out[[1, 2]], lse[[1, 2]] = out[[2, 1]], lse[[2, 1]]
     return out.to(torch.bfloat16), lse.to(torch.float32)
 
 
@@ -107,6 +139,23 @@ FAULTS: dict[str, str] = {
     "window_off_by_one": "the window one token short at its start",
     "scale_exponent_off": f"a UE8M0 exponent off by one on tile {FAULT_TILE} (a factor of 2)",
     "rope_wrong_bytes": "the rope section read 2 bytes early",
+    "scale_exponent_off_extra": f"a UE8M0 exponent off by one on tile {FAULT_TILE} of the compressed cache's keys",
+    "scale_exponent_off_both": f"a UE8M0 exponent off by one on tile {FAULT_TILE} of both caches' keys",
+    "wrong_sm_scale": "the softmax scale 1/sqrt(576) instead of the given one",
+    "output_rows_permuted": "requests 1 and 2 write each other's output rows",
+    "other_rows_read": "one main-cache entry of request 2 read at the next slot",
+}
+# fault -> (the hypothesis a replay names, its detail; None: whatever the data decides, checked by the test)
+EXPECT: dict[str, tuple[str, Optional[dict]]] = {
+    **{f: (f, None) for f in ("sink_omitted", "sink_twice", "minus_one_as_slot0", "page_offset_dropped",
+                              "extra_cache_ignored", "output_rows_permuted", "other_rows_read")},
+    "topk_length_ignored": ("topk_length_ignored", None),
+    "window_off_by_one": ("window_off_by_one", {"delta": -1, "side": "start"}),
+    "rope_wrong_bytes": ("rope_wrong_bytes", {"offset": -2}),
+    "scale_exponent_off": ("scale_exponent_off", {"tile": FAULT_TILE, "factor": 2.0, "cache": "main"}),
+    "scale_exponent_off_extra": ("scale_exponent_off", {"tile": FAULT_TILE, "factor": 2.0, "cache": "extra"}),
+    "scale_exponent_off_both": ("scale_exponent_off", {"tile": FAULT_TILE, "factor": 2.0, "cache": "both"}),
+    "wrong_sm_scale": ("wrong_sm_scale", None),
 }
 APPLIES: dict[str, Callable[[SparseCase], bool]] = {
     "sink_omitted": lambda c: c.sink is not None,
@@ -114,7 +163,12 @@ APPLIES: dict[str, Callable[[SparseCase], bool]] = {
     "extra_cache_ignored": lambda c: c.extra is not None,
     "window_off_by_one": lambda c: c.preset.window is not None,
     "scale_exponent_off": lambda c: LAYOUTS[c.preset.kv_layout].scale_kind == "ue8m0",
+    "scale_exponent_off_extra": lambda c: c.extra is not None and LAYOUTS[c.preset.kv_layout].scale_kind == "ue8m0",
+    "scale_exponent_off_both": lambda c: c.extra is not None and LAYOUTS[c.preset.kv_layout].scale_kind == "ue8m0",
+    "output_rows_permuted": lambda c: c.q.shape[0] >= 3,
+    # V3.2: one entry of ~300 moves the output within noise and only the lse fails; the search reads the output
+    "other_rows_read": lambda c: c.extra is not None and neighbour_entry(c) is not None,
 }
 
 
-__all__ = ["APPLIES", "FAULTS", "planted_output"]
+__all__ = ["APPLIES", "EXPECT", "FAULTS", "neighbour_entry", "planted_output"]

@@ -148,8 +148,11 @@ def _coerce(value: Any, typ: type, path: Any, key: str) -> Any:
         isinstance(value, typ) or (typ is float and isinstance(value, int))
         or (typ is int and isinstance(value, float) and value.is_integer()))  # fmt: skip
     if not ok:
-        raise CaptureError(path, f"meta key '{key}'", f"must be {typ.__name__}, got {value!r}")
-    return typ(value) if typ in (int, float) else value
+        raise CaptureError(path, f"meta key '{key}'", f"must be {'a finite ' if typ in (int, float) else ''}{typ.__name__}, got {_short(value)}")
+    try:
+        return typ(value) if typ in (int, float) else value
+    except OverflowError:  # an int past float's range
+        raise CaptureError(path, f"meta key '{key}'", f"must be a finite {typ.__name__}, got {_short(value)}") from None
 
 
 def meta_problems(kw: dict) -> list[tuple[str, str]]:
@@ -161,13 +164,24 @@ def meta_problems(kw: dict) -> list[tuple[str, str]]:
             out.append((f"meta key '{key}'", f"must be one of {', '.join(allowed)}, got {kw[key]!r}"))
     for key in ("page_size", "extra_page_size", "head_dim_v"):
         if kw.get(key) is not None and not 1 <= kw[key] <= 1 << 16:
-            out.append((f"meta key '{key}'", f"must be in [1, 65536], got {kw[key]}"))
+            out.append((f"meta key '{key}'", f"must be in [1, 65536], got {_short(kw[key])}"))
     s = kw.get("softmax_scale")
     if s is not None and not (math.isfinite(s) and 1e-6 <= s <= 1e3):
         out.append(("meta key 'softmax_scale'", f"{s!r} is outside the sane range [1e-06, 1e+03]"))
-    if kw.get("compress_ratio") is not None and kw["compress_ratio"] < 0:
-        out.append(("meta key 'compress_ratio'", f"must be >= 0, got {kw['compress_ratio']}"))
+    if kw.get("compress_ratio") is not None and kw["compress_ratio"] not in COMPRESS_RATIOS:
+        out.append(("meta key 'compress_ratio'", f"must be one of {COMPRESS_RATIOS}, got {kw['compress_ratio']!r}"))
+    for key, lo, hi in (("window", 1, 1 << 20), ("layer_id", 0, 1 << 20), ("tp_rank", 0, 1 << 20), ("step", 0, 1 << 62)):
+        if kw.get(key) is not None and not lo <= kw[key] <= hi:
+            out.append((f"meta key '{key}'", f"must be in [{lo}, {hi}], got {_short(kw[key])}"))
     return out
+
+
+def _short(v: Any) -> str:
+    """A number for a message: a huge one by its digit count, not its 4,401 digits."""
+    if isinstance(v, int) and abs(v).bit_length() > 80:
+        return f"an integer of {abs(v).bit_length()} bits"
+    text = str(v)
+    return text if len(text) <= 24 else text[:24] + "..."
 
 
 @dataclass

@@ -9,7 +9,10 @@ the others that fit are alternatives.
     page_offset_dropped(scope)                    each index read as page * page_size (offset lost)
     extra_cache_ignored                           the compressed cache's entries not read
     window_off_by_one(delta=-1, side)             a full window one entry short (start or end)
-    scale_exponent_off(tile, factor)              one tile's scale times 2 or 1/2 (UE8M0 exponent +-1)
+    scale_exponent_off(tile, factor, cache)       one tile's scale times 2 or 1/2 (UE8M0 exponent +-1): main, extra, both
+    wrong_sm_scale(ratio)                         the softmax scale times a named ratio (1/sqrt(576) for the given, ...)
+    output_rows_permuted / other_rows_read        rows written to another request's row, an entry read at slot +- 1
+                                                  (refmla.sparse.misplaced), when no whole-call mistake fits
     rope_wrong_bytes(offset)                      the rope section read 2 bytes early or late
 """
 
@@ -22,27 +25,12 @@ from typing import Callable, Optional
 import torch
 
 from refmla.compare import Tolerance
+from refmla.results import Alternative, Explanation
 from refmla.sparse.format import SparseCapture
-from refmla.sparse.judge import judge_out
 from refmla.sparse.layouts import dequantize
-from refmla.sparse.reference import SparseOutput, gather_keys, rows_of, sparse_attention
+from refmla.sparse.misplaced import neighbour_slot, rows_permuted
+from refmla.sparse.reference import SparseOutput, gather_keys, judge_out, rows_of, sparse_attention
 from refmla.sparse.rows import SparseRows, raw_rows, sparse_rows
-
-
-@dataclass
-class SparseExplanation:
-    hypothesis: str
-    detail: dict
-    alternatives: list = field(default_factory=list)  # [(hypothesis, detail)]
-
-    def text(self) -> str:
-        args = ", ".join(f"{k}={v}" for k, v in self.detail.items())
-        alt = "; also fit: " + ", ".join(h for h, _ in self.alternatives) if self.alternatives else ""
-        return f"explained by {self.hypothesis}({args}){alt}"
-
-    def to_json(self) -> dict:
-        return {"hypothesis": self.hypothesis, "detail": self.detail,
-                "alternatives": [{"hypothesis": h, "detail": d} for h, d in self.alternatives]}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -51,8 +39,10 @@ class Mistake:
     detail: dict
     rows: Optional[Callable[[SparseCapture], SparseRows]] = None  # what is read
     decode: Optional[Callable] = None  # how the main cache's tokens are decoded (from the bytes)
-    tile: Optional[tuple[int, float]] = None  # (tile, factor) applied to every main key
+    tile: Optional[tuple[int, float, tuple]] = None  # (tile, factor, pools) applied to those caches' keys
     sink_terms: int = 1
+    scale: float = 1.0  # the softmax scale used, as a ratio of the capture's
+    why: Optional[str] = None  # what the mistake is, in words (wrong_sm_scale)
 
 
 MAX_CACHED_TOKENS = 1 << 17  # pools up to this many tokens are decoded once per search
@@ -87,17 +77,17 @@ def _attend(cap: SparseCapture, mk: Mistake, decoded: Decoded) -> SparseOutput:
             and torch.equal(rows.pool_id, base.pool_id) and not bool((rows.valid & ~base.valid).any()))  # fmt: skip
     keys = decoded.base_keys.clone() if same else gather_keys(cap, rows, decode=decode)
     if mk.tile is not None:
-        tile, factor = mk.tile
+        tile, factor, pools = mk.tile
         width = cap.meta.layout.tile
-        main = (rows.pool_id == 0)[..., None] & (torch.arange(keys.shape[-1]) // width == tile)  # [R, W, D]
-        keys = torch.where(main, keys * factor, keys)
+        hit = torch.isin(rows.pool_id, torch.tensor(pools, dtype=torch.int8))[..., None]  # [R, W, 1]
+        keys = torch.where(hit & (torch.arange(keys.shape[-1]) // width == tile), keys * factor, keys)  # [R, W, D]
     B, S, H, D = cap.q.shape
     sink = cap.attn_sink
     if sink is not None:
         sink = None if mk.sink_terms == 0 else sink.double() + math.log(mk.sink_terms)
-    out, lse = sparse_attention(cap.q.reshape(B * S, H, D), keys, rows.valid, sink, cap.meta.softmax_scale,
+    out, lse = sparse_attention(cap.q.reshape(B * S, H, D), keys, rows.valid, sink, cap.meta.softmax_scale * mk.scale,
                                 cap.meta.head_dim_v)  # fmt: skip
-    return SparseOutput(out.reshape(B, S, H, -1), lse.reshape(B, S, H))
+    return SparseOutput(out.reshape(B, S, H, cap.meta.head_dim_v), lse.reshape(B, S, H))
 
 
 def _lengths_ignored(scope: str) -> Callable[[SparseCapture], SparseRows]:
@@ -147,6 +137,19 @@ def _rope_shifted(offset: int):
     return decode
 
 
+def scale_ratios(cap: SparseCapture) -> list[tuple[float, str]]:
+    """Ratios r (the kernel used r * softmax_scale) that name a known mistake, as the dense
+    wrong_sm_scale names them: 1/sqrt(d) for the usual head dims, no scale, the scale twice, log2(e)."""
+    sm = cap.meta.softmax_scale
+    out = [(d**-0.5 / sm, f"1/sqrt({d}) instead of the given softmax_scale") for d in (576, 512, 192, 128)]
+    out += [(1 / sm, "no softmax scale at all"), (sm, "softmax_scale applied twice"),
+            (LOG2E, "scaled by log2(e) twice (exp2 path)"), (1 / LOG2E, "log2(e) missing in an exp2 softmax")]
+    return [(round(r, 9), why) for r, why in out if abs(r - 1) > 1e-6]
+
+
+LOG2E = 1.0 / math.log(2.0)
+
+
 def mistakes(cap: SparseCapture) -> list[Mistake]:
     """The candidates that apply to this capture, simplest first."""
     m, out = cap.meta, []
@@ -161,18 +164,22 @@ def mistakes(cap: SparseCapture) -> list[Mistake]:
         out += [Mistake("window_off_by_one", {"delta": -1, "side": side}, rows=_window_short(side)) for side in ("start", "end")]
     out.append(Mistake("minus_one_as_slot0", {}, rows=_folded_slot0))
     out.append(Mistake("page_offset_dropped", {"scope": "main"}, rows=_offset_dropped))
+    caches = [("main", (0,))] + ([("extra", (1,)), ("both", (0, 1))] if cap.extra_indices is not None else [])
     for tile in range(m.layout.num_tiles):
         for factor in (2.0, 0.5):
-            out.append(Mistake("scale_exponent_off", {"tile": tile, "factor": factor}, tile=(tile, factor)))
+            out += [Mistake("scale_exponent_off", {"tile": tile, "factor": factor, "cache": name}, tile=(tile, factor, pools))
+                    for name, pools in caches]  # fmt: skip
+    out += [Mistake("wrong_sm_scale", {"ratio": r}, scale=r, why=why) for r, why in scale_ratios(cap)]
     out += [Mistake("rope_wrong_bytes", {"offset": o}, decode=_rope_shifted(o)) for o in (-2, 2)]
     return out
 
 
 def explain(cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctrl: SparseOutput,
-            tol: Tolerance) -> Optional[SparseExplanation]:  # fmt: skip
-    """The simplest mistake whose output ``out`` matches within the tolerance, with the others that
-    do. Each candidate keeps the capture's own noise floor: its control is the candidate plus the
-    control's error against the reference, row by row."""
+            tol: Tolerance) -> Optional[Explanation]:  # fmt: skip
+    """The simplest mistake whose output ``out`` matches within the tolerance (the dense
+    :class:`~refmla.results.Explanation`), with the others that do as its alternatives. Each candidate
+    keeps the capture's own noise floor: its control is the candidate plus the control's error
+    against the reference, row by row."""
     noise = torch.nan_to_num(ctrl.out - ref.out)
     decoded = Decoded(cap)
     fits = []
@@ -182,11 +189,35 @@ def explain(cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctrl: Spar
         except (IndexError, RuntimeError):
             continue
         noisy = SparseOutput(variant.out + noise, variant.lse)
-        if judge_out(mk.name, cap, out, variant, noisy, tol).passed:
-            fits.append(mk)
+        c = judge_out(mk.name, cap, out, variant, noisy, tol)
+        if c.passed:
+            fits.append((mk, c))
     if not fits:
-        return None
-    return SparseExplanation(fits[0].name, fits[0].detail, [(f.name, f.detail) for f in fits[1:]])
+        return misplaced(cap, out, ref, ctrl, tol)
+    (best, c), rest = fits[0], fits[1:]
+    extra = {"why": best.why, "sm_scale_used": cap.meta.softmax_scale * best.scale} if best.why else {}
+    return Explanation(best.name, None, dict(best.detail), c.max_abs_err, residual_ratio=_ratio(c.worst), extra=extra,
+                       alternatives=[Alternative(m.name, dict(m.detail), residual_ratio=_ratio(w.worst)) for m, w in rest])
 
 
-__all__ = ["Mistake", "SparseExplanation", "explain", "mistakes"]
+def misplaced(cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctrl: SparseOutput,
+              tol: Tolerance) -> Optional[Explanation]:  # fmt: skip
+    """Output rows written to another request's row, or one entry read at the neighbouring slot
+    (refmla.sparse.misplaced), when no whole-call mistake fits."""
+    c = judge_out("observed", cap, out, ref, ctrl, tol)
+    found = rows_permuted(cap, out, ref, ctrl, tol, c)
+    if found is not None:
+        return Explanation("output_rows_permuted", None, found[0], found[1].max_abs_err, residual_ratio=_ratio(found[1].worst))
+    slot = neighbour_slot(cap, out, ref, ctrl, tol, c)
+    if slot is not None:
+        detail, request, judged = slot
+        return Explanation("other_rows_read", request, detail, judged.max_abs_err, residual_ratio=_ratio(judged.worst))
+    return None
+
+
+def _ratio(worst) -> float:
+    r = getattr(worst, "ratio", None) if worst is not None else None
+    return float(r) if r is not None else 0.0
+
+
+__all__ = ["Mistake", "explain", "mistakes"]

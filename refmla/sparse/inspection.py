@@ -14,14 +14,10 @@ from typing import Any, Optional
 
 import torch
 
-from refmla.capture import CaptureError
-from refmla.inspection import InspectEntry
-from refmla.results import MetadataReport
 from refmla.sparse.format import SparseCapture
-from refmla.sparse.io import read_sparse
 from refmla.sparse.layouts import PackedLayout
 from refmla.sparse.rows import sparse_rows
-from refmla.util import dtype_name, error_text
+from refmla.util import dtype_name
 
 MODELS = {"v4": "DeepSeek-V4 (FlashMLA MODEL1_FP8Sparse, SGLang KVLayout.V4)",
           "v32": "DeepSeek-V3.2 (FlashMLA V32_FP8Sparse)"}  # fmt: skip
@@ -110,18 +106,4 @@ def describe(cap: SparseCapture) -> SparseInspection:
                             m.extra.get("kv_pool_region_bytes"), m.extra.get("kv_pool_class"))  # fmt: skip
 
 
-def inspect_sparse(path: Any) -> InspectEntry:
-    """One sparse capture's inspect entry; never raises: an unreadable one is invalid, in one line."""
-    try:
-        cap = read_sparse(path)
-        tensors = {n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for n, t in cap.tensors().items()}
-        return InspectEntry(cap.path, MetadataReport(ok=True, warnings=list(cap.warnings)), meta=cap.meta.to_json(),
-                            tensors=tensors, region=cap.region(), sparse=describe(cap))  # fmt: skip
-    except CaptureError as e:
-        return InspectEntry(str(path), MetadataReport.invalid(str(e)), error=str(e))
-    except Exception as e:  # one bad file must not end the run
-        err = str(CaptureError(path, "inspect", error_text(e)))
-        return InspectEntry(str(path), MetadataReport.invalid(err), error=err)
-
-
-__all__ = ["CacheGeometry", "SparseInspection", "describe", "inspect_sparse", "packing"]
+__all__ = ["CacheGeometry", "SparseInspection", "describe", "packing"]

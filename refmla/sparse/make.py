@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from refmla.sparse.faults import APPLIES, FAULTS, planted_output
-from refmla.sparse.io import write_sparse
+from refmla.sparse.validation import write_sparse
 from refmla.sparse.presets import for_layer, sparse_preset
 from refmla.sparse.synth import build_case
 

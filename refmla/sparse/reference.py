@@ -8,6 +8,10 @@ rows, H heads, Kt = K + K2 entries of both caches, D head dim, Dv value width).
     lse   = m + ln l                                natural log, the sink not included
     lonely row (no valid entry): out = 0, lse = +inf   (FlashMLA's convention; SGLang's Triton kernel too)
     inv_rope (when captured): out[..., -d_rope:] rotated by conj(freqs_cis[position]), pairs interleaved
+
+Memory: the reference and the control work in blocks of query rows (:func:`row_blocks`): a block's
+gathered keys [rows, Kt, D] are at most ROW_BLOCK_BYTES in fp64 (one row at least), besides the
+outputs [R, H, Dv] and the row indices [R, Kt]; a row's result does not depend on its block.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from typing import Optional
 
 import torch
 
+from refmla.compare import Comparison, Tolerance, Worst, compare
+from refmla.compare import judge_lse as lse_rule
+from refmla.results import LseCheck
 from refmla.sparse.format import SparseCapture
 from refmla.sparse.layouts import FP8_DTYPES, PackedLayout, TokenBytes, dequantize, tile_scales, token_bytes
 from refmla.sparse.rows import SparseRows, sparse_rows
@@ -76,16 +83,30 @@ def inverse_rope(out: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor
     return torch.cat([out[..., :-d_rope], rot], dim=-1)
 
 
+ROW_BLOCK_BYTES = 64 << 20  # the fp64 keys one block of query rows gathers, at most (one row at least)
+
+
+def row_blocks(rows: SparseRows, D: int) -> list[slice]:
+    """Blocks of query rows whose gathered keys [n, Kt, D] fp64 stay within ROW_BLOCK_BYTES."""
+    R, W = rows.token.shape
+    n = max(1, ROW_BLOCK_BYTES // max(1, W * D * 8))
+    return [slice(i, min(R, i + n)) for i in range(0, R, n)]
+
+
 def sparse_reference(cap: SparseCapture, rows: Optional[SparseRows] = None) -> SparseOutput:
-    """The fp64 truth of one sparse decode capture."""
+    """The fp64 truth of one sparse decode capture, block of query rows by block."""
     rows = rows if rows is not None else rows_of(cap)
     B, S, H, D = cap.q.shape
-    keys = gather_keys(cap, rows)  # [R, Kt, D]
-    out, lse = sparse_attention(cap.q.reshape(B * S, H, D), keys, rows.valid, cap.attn_sink,
-                                cap.meta.softmax_scale, cap.meta.head_dim_v)  # fmt: skip
+    Dv, q = cap.meta.head_dim_v, cap.q.reshape(B * S, H, D)
+    out = torch.zeros(B * S, H, Dv, dtype=torch.float64)  # [R, H, Dv]
+    lse = torch.full((B * S, H), float("inf"), dtype=torch.float64)  # [R, H]
+    for sl in row_blocks(rows, D):
+        part = rows.part(sl)
+        keys = gather_keys(cap, part)  # [n, Kt, D]
+        out[sl], lse[sl] = sparse_attention(q[sl], keys, part.valid, cap.attn_sink, cap.meta.softmax_scale, Dv)
     if cap.inv_rope_freqs is not None:
         out = inverse_rope(out, cap.inv_rope_freqs, cap.inv_rope_positions[: B * S])
-    return SparseOutput(out.reshape(B, S, H, -1), lse.reshape(B, S, H))
+    return SparseOutput(out.reshape(B, S, H, Dv), lse.reshape(B, S, H))
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,12 +127,27 @@ def dequantize_bf16(cache: torch.Tensor, layout: PackedLayout, page_size: int, f
 
 def sparse_control(cap: SparseCapture, rows: Optional[SparseRows] = None) -> SparseOutput:
     """q and keys in bf16, q.k in fp32, p = exp(s - m) in fp32 rounded to bf16 before P.V, l and the
-    accumulator in fp32, the output rounded once to the output dtype (bf16): the noise floor."""
+    accumulator in fp32, the output rounded once to the output dtype (bf16): the noise floor. In the
+    reference's blocks of query rows."""
     rows = rows if rows is not None else rows_of(cap)
     B, S, H, D = cap.q.shape
-    keys = gather_keys(cap, rows, decode=dequantize_bf16).to(torch.float32)  # [R, Kt, D], bf16 values
+    Dv = cap.meta.head_dim_v
+    out = torch.zeros(B * S, H, Dv, dtype=torch.float32)  # [R, H, Dv]
+    lse = torch.full((B * S, H), float("inf"), dtype=torch.float32)  # [R, H]
+    q_all = cap.q.reshape(B * S, H, D).to(torch.bfloat16).to(torch.float32)
+    for sl in row_blocks(rows, D):
+        part = rows.part(sl)
+        out[sl], lse[sl] = _control_block(cap, q_all[sl], part)
+    if cap.inv_rope_freqs is not None:
+        out = inverse_rope(out.to(torch.bfloat16).double(), cap.inv_rope_freqs.float(), cap.inv_rope_positions[: B * S])
+    out = out.to(torch.bfloat16).to(torch.float64)
+    return SparseOutput(out.reshape(B, S, H, Dv), lse.to(torch.float64).reshape(B, S, H))
+
+
+def _control_block(cap: SparseCapture, q: torch.Tensor, rows: SparseRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of the control: q [n, H, D] fp32 (bf16 values) -> out [n, H, Dv], lse [n, H] fp32."""
+    keys = gather_keys(cap, rows, decode=dequantize_bf16).to(torch.float32)  # [n, Kt, D], bf16 values
     keys = torch.where(rows.valid[..., None], keys, 0.0)
-    q = cap.q.reshape(B * S, H, D).to(torch.bfloat16).to(torch.float32)
     s = torch.einsum("rhd,rkd->rhk", q, keys) * torch.tensor(cap.meta.softmax_scale, dtype=torch.float32)
     s = s.masked_fill(~rows.valid[:, None, :], float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
@@ -124,11 +160,43 @@ def sparse_control(cap: SparseCapture, rows: Optional[SparseRows] = None) -> Spa
     lonely = l == 0
     out = torch.where(lonely[..., None], 0.0, acc / torch.where(denom == 0, 1.0, denom)[..., None])
     lse = torch.where(lonely, float("inf"), m_safe[..., 0] + torch.log(torch.where(l == 0, 1.0, l)))
-    if cap.inv_rope_freqs is not None:
-        out = inverse_rope(out.to(torch.bfloat16).double(), cap.inv_rope_freqs.float(), cap.inv_rope_positions[: B * S])
-    out = out.to(torch.bfloat16).to(torch.float64)
-    return SparseOutput(out.reshape(B, S, H, -1), lse.to(torch.float64).reshape(B, S, H))
+    return out, lse
 
 
-__all__ = ["SparseOutput", "dequantize_bf16", "gather_keys", "inverse_rope", "rows_of", "sparse_attention",
+# --------------------------------------------------------------------------------------------
+# Judged with the one comparator (refmla.compare, docs/contract.md section 5): rows are query
+# tokens (B * S), the tolerance from the control
+# --------------------------------------------------------------------------------------------
+
+
+def judge_out(name: str, cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctrl: SparseOutput,
+              tol: Tolerance) -> Comparison:  # fmt: skip
+    B, S, H, Dv = ref.out.shape
+    flat = lambda t: t.reshape(B * S, H, Dv)  # noqa: E731 - [B, S, H, Dv] -> rows [R, H, Dv]
+    return compare(name, flat(out), flat(ref.out), flat(ctrl.out), out_dtype=torch.bfloat16, tol=tol,
+                   request_of_row=cap.request_of_row())  # fmt: skip
+
+
+def judge_lse(lse: torch.Tensor, ref: SparseOutput, ctrl: SparseOutput, tol: Tolerance) -> LseCheck:
+    """A path's lse [B, S, H] by the one lse rule (refmla.compare.judge_lse): within k times the
+    control's lse error plus 4 fp32 ulps, +inf only on the reference's lonely rows (the dense LseCheck)."""
+    B, S, H = ref.lse.shape
+    got, want, ctl = lse.double().reshape(B * S, H), ref.lse.reshape(B * S, H), ctrl.lse.reshape(B * S, H)
+    if got.numel() == 0:
+        return LseCheck("pass", compared_rows=0)
+    floor = 4 * torch.finfo(torch.float32).eps * want.abs().nan_to_num(0.0).clamp_min(1.0)
+    judged = lse_rule(got, want, ctl, tol.k, floor=floor)
+    bad = judged.bad
+    r, h = judged.worst()
+    req = torch.arange(B).repeat_interleave(S)
+    check = LseCheck("fail" if bool(bad.any()) else "pass", compared_rows=B * S,
+                     max_abs_err=float(judged.err.nan_to_num(float("inf")).max()),
+                     worst=Worst.of(row=r, request=int(req[r]), head=h, actual=float(got[r, h]), expected=float(want[r, h])))  # fmt: skip
+    if bool(bad.any()):
+        check.failed_requests = sorted({int(req[i]) for i in torch.nonzero(bad.any(dim=1)).flatten()})
+        check.reason = f"lse: {int(bad.sum())} (row, head)s exceed k*control + 4 ulp (row {r} head {h}: {float(got[r, h]):.6g} vs {float(want[r, h]):.6g})"
+    return check
+
+
+__all__ = ["SparseOutput", "dequantize_bf16", "gather_keys", "inverse_rope", "judge_lse", "judge_out", "rows_of", "sparse_attention",
            "sparse_control", "sparse_reference"]  # fmt: skip

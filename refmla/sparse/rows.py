@@ -25,6 +25,10 @@ class SparseRows:
     pool_id: torch.Tensor  # [R, W] int8: 0 the main cache, 1 the extra cache
     request: torch.Tensor  # [R] int64: the request of each row
 
+    def part(self, sl: slice) -> "SparseRows":
+        """The rows ``sl`` (a block of query rows)."""
+        return SparseRows(self.token[sl], self.valid[sl], self.pool_id[sl], self.request[sl])
+
     @property
     def lonely(self) -> torch.Tensor:
         """[R] rows with no valid entry."""
@@ -55,7 +59,7 @@ def sparse_rows(indices: torch.Tensor, lengths: Optional[torch.Tensor] = None,
     """indices [B, S, K] (extra [B, S, K2]), lengths [B] -> the rows every query row reads."""
     B, S, K = indices.shape
     att = Attended.sparse_topk(indices.reshape(B * S, K), per_row(lengths, S),
-                               None if extra_indices is None else extra_indices.reshape(B * S, -1),
+                               None if extra_indices is None else extra_indices.reshape(B * S, extra_indices.shape[-1]),
                                per_row(extra_lengths, S))  # fmt: skip
     return padded(att, torch.arange(B).repeat_interleave(S))
 
@@ -70,7 +74,7 @@ def raw_rows(indices: torch.Tensor, lengths: Optional[torch.Tensor] = None,
     scopes = [(indices, lengths)] + ([(extra_indices, extra_lengths)] if extra_indices is not None else [])
     tokens, pools = [], []
     for pool, (idx, ln) in enumerate(scopes):
-        x = idx.reshape(B * S, -1).long()
+        x = idx.reshape(B * S, idx.shape[-1]).long()
         past = torch.zeros_like(x, dtype=torch.bool) if ln is None else torch.arange(x.shape[1])[None] >= per_row(ln, S)[:, None]
         tokens.append(torch.where((x == -1) | past, 0, x))
         pools.append(torch.full(x.shape, pool, dtype=torch.int8))

@@ -3,18 +3,28 @@
 :func:`problems` returns them all as :class:`CaptureError` (file + tensor or key + reason);
 :func:`validate` raises the first. Dtypes and shapes first, then what the contents must satisfy:
 an index past its cache, a length past the index width, a cache whose bytes do not match its layout.
+
+:func:`read_sparse` / :func:`write_sparse`: the file, validated before it is written (atomically) and
+when it is read (lazily, with the same container helpers as every capture, refmla.capture).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import json
+from pathlib import Path
+from typing import Any, Mapping, Optional
 
 import torch
 
+from refmla import CAPTURE_FORMAT
+from refmla.atomic import write_bytes
 from refmla.capture import CaptureError
-from refmla.sparse.format import SparseCapture
+from refmla.capture.read import open_capture
+from refmla.capture.write import sorted_header
+from refmla.sparse.format import TENSORS, SparseCapture, SparseMeta, is_sparse_meta, parse_sparse_meta
 from refmla.sparse.layouts import PackedLayout
-from refmla.util import dtype_name
+from refmla.results import Finding
+from refmla.util import dtype_name, request_label
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 def _ratio(cap: SparseCapture) -> list[tuple[str, str]]:
@@ -151,4 +161,99 @@ def _inv_rope(cap: SparseCapture) -> list[tuple[str, str]]:
     return []
 
 
-__all__ = ["problems", "validate"]
+
+UPSTREAM = "the input is already non-finite: the fault is upstream of attention"
+
+
+def nonfinite_inputs(cap: SparseCapture, ref_out: torch.Tensor, lonely: torch.Tensor) -> list[Finding]:
+    """Requests whose q, attn_sink or attended cache bytes (fp8 values, UE8M0 / fp32 scales, rope)
+    are NaN / Inf: the q rows and the sink are looked at, the attended bytes through the fp64
+    reference ``ref_out`` [B, S, H, Dv] (non-finite only from them). ``lonely`` [B * S]: rows
+    that attend nothing (their output reads nothing). Agreeing NaN is not agreement."""
+    B, S, H, _ = cap.q.shape
+    live = ~lonely.reshape(B, S)  # [B, S]
+    bad_q = (~torch.isfinite(cap.q.float()).all(dim=-1) & live[..., None]).any(dim=1)  # [B, H]
+    sink_bad = cap.attn_sink is not None and not bool(torch.isfinite(cap.attn_sink.float()).all())
+    bad_kv = (~torch.isfinite(ref_out).all(dim=-1) & live[..., None]).any(dim=1).any(dim=1) & ~bad_q.any(dim=1)  # [B]
+    found = []
+    for b in range(B):
+        if not bool(live[b].any()):
+            continue
+        heads = torch.nonzero(bad_q[b]).flatten().tolist()
+        where = ([f"q (heads {', '.join(map(str, heads))})"] if heads else []) + (["attn_sink"] if sink_bad else []) + (
+            ["the attended cache bytes (k_cache / extra_k_cache values or scales)"] if bool(bad_kv[b]) and not sink_bad else [])
+        if not where:
+            continue
+        rid = cap.meta.rids[b] if cap.meta.rids is not None and b < len(cap.meta.rids) else None
+        what = " and ".join(where)
+        found.append(Finding("nonfinite_input", "warning", f"{request_label(b, rid)}: NaN/Inf in {what}: {UPSTREAM}",
+                             request=b, rid=rid, numbers={"q_heads": heads, "where": what}))  # fmt: skip
+    return found
+
+
+def file_meta(path: Any) -> dict:
+    """The raw ``meta`` JSON of a capture file ({} when it has none or cannot be read): to tell a
+    sparse capture from a dense one before choosing the reader."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return json.loads((f.metadata() or {}).get("meta", "{}"), parse_int=_json_int)
+    except Exception:
+        return {}
+
+
+def is_sparse_file(path: Any) -> bool:
+    """A regular file whose meta says sparse decode; any path the OS refuses (a name too long, no
+    permission) is not, and the dense reader names the file and the reason."""
+    try:
+        return Path(path).is_file() and is_sparse_meta(file_meta(path))
+    except (OSError, ValueError):
+        return False
+
+
+def _sparse_meta(path: Path, header: dict) -> SparseMeta:
+    if header.get("format") != CAPTURE_FORMAT:
+        raise CaptureError(path, "header key 'format'", f"expected {CAPTURE_FORMAT!r}, got {header.get('format')!r}")
+    try:
+        return parse_sparse_meta(json.loads(header.get("meta", "null"), parse_int=_json_int), path)
+    except (json.JSONDecodeError, TypeError, AttributeError):
+        raise CaptureError(path, "header key 'meta'", "missing or not a JSON object") from None
+    except ValueError as e:  # a number JSON can hold but Python refuses to parse (an int of 4,400 digits)
+        raise CaptureError(path, "header key 'meta'", f"a number out of range: {str(e).split(';')[0]}") from None
+
+
+def _json_int(text: str) -> Any:
+    """An int of the meta JSON; one too long for Python to read is +inf, refused naming its key."""
+    return int(text) if len(text) <= 4000 else float("inf")
+
+
+def read_sparse(path: Any) -> SparseCapture:
+    """Open, validate and load a sparse capture. Raises CaptureError (file + tensor/key + reason)."""
+    path = Path(path)
+    meta, loaded, names = open_capture(path, TENSORS, _sparse_meta)
+    cap = SparseCapture(path=str(path), meta=meta, **loaded)
+    validate(cap)
+    unknown = sorted(names - set(TENSORS))
+    if unknown:
+        cap.warnings.append(f"tensors not in the sparse capture format, ignored: {', '.join(unknown)}")
+    return cap
+
+
+def write_sparse(path: Any, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> Path:
+    """Validate, then write atomically (the file appears under its name only once complete)."""
+    from safetensors.torch import save
+
+    path = Path(path)
+    unknown = set(tensors) - set(TENSORS)
+    if unknown:
+        raise CaptureError(path, f"tensor '{sorted(unknown)[0]}'", "not part of the sparse capture format")
+    t = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items() if v is not None}
+    parsed = parse_sparse_meta(dict(meta), path)
+    validate(SparseCapture(path=str(path), meta=parsed, **t))
+    header = {"format": CAPTURE_FORMAT, "meta": json.dumps(parsed.to_json(), sort_keys=True)}
+    write_bytes(path, sorted_header(save(t, metadata=header)), make_parents=True)
+    return path
+
+
+__all__ = ["file_meta", "is_sparse_file", "nonfinite_inputs", "problems", "read_sparse", "validate", "write_sparse"]

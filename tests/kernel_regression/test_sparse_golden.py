@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from refmla.sparse import golden
+from refmla.golden import sparse as golden
 
 SPARSE_DIR = Path(__file__).resolve().parents[2] / "golden" / "sparse"
 CASES = [c["file"] for c in golden.load_manifest(SPARSE_DIR)["cases"]]

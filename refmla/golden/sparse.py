@@ -2,7 +2,11 @@
 decode calls with their fp64 reference stored (``golden_out`` / ``golden_lse``), and the check the
 kernel-regression suite runs on each (``tests/kernel_regression/test_sparse_golden.py``): the
 reference reproduces the stored one to one fp32 ulp; a kernel stays within k x the control's error.
-The same bytes on every run (seeded synth, sorted header)."""
+The same bytes on every run and every x86 machine (seeded synth, sorted header): the fp64 reference
+is stored rounded to fp32 (``golden_out`` / ``golden_lse`` keep their fp64 dtype), because an fp64
+reduction's last ulp differs between CPUs (BLAS kernels sum in different orders, ~1e-16) while its
+fp32 rounding does not (short of a value within 1e-16 of an fp32 rounding boundary); the checks
+judge at one fp32 ulp, far below every kernel's tolerance."""
 
 from __future__ import annotations
 
@@ -19,10 +23,9 @@ from refmla.compare import Tolerance
 from refmla.sparse.backends import BACKENDS, Unavailable
 from refmla.sparse.faults import planted_output
 from refmla.sparse.format import SparseCapture, parse_sparse_meta
-from refmla.sparse.io import read_sparse, write_sparse
-from refmla.sparse.judge import judge_lse, judge_out
+from refmla.sparse.validation import read_sparse, write_sparse
 from refmla.sparse.presets import sparse_preset
-from refmla.sparse.reference import SparseOutput, sparse_control, sparse_reference
+from refmla.sparse.reference import SparseOutput, judge_lse, judge_out, sparse_control, sparse_reference
 from refmla.sparse.synth import build_case
 
 MANIFEST = "manifest.json"
@@ -56,7 +59,8 @@ def write_case(name: str, out_dir: Path) -> dict[str, Any]:
     tensors = {**case.tensors(), "out": out, "lse": lse}
     ref = sparse_reference(SparseCapture(path=name, meta=parse_sparse_meta(meta), **tensors))
     path = out_dir / f"{name}.safetensors"
-    write_sparse(path, {**tensors, "golden_out": ref.out, "golden_lse": ref.lse}, meta)
+    stored = {"golden_out": ref.out.float().double(), "golden_lse": ref.lse.float().double()}  # reproducible (docstring)
+    write_sparse(path, {**tensors, **stored}, meta)
     return {"name": name, "file": path.name, "preset": preset, "overrides": {k: list(v) for k, v in overrides.items()},
             "why": why}  # fmt: skip
 
@@ -90,7 +94,7 @@ def check(path: Any, backend: str, tol: Tolerance = Tolerance()) -> SparseGolden
     ctrl = sparse_control(cap)
     c = judge_out(backend, cap, got.out, stored, ctrl, tol)
     lse = judge_lse(got.lse, stored, ctrl, tol) if got.lse is not None else None
-    if c.passed and (lse is None or lse.passed):
+    if c.passed and (lse is None or lse.status == "pass"):
         return SparseGoldenResult("pass")
     return SparseGoldenResult("FAIL", "; ".join(c.reasons + ([lse.reason] if lse and lse.reason else [])))
 
