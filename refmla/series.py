@@ -15,7 +15,6 @@ plain array of report objects.
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from typing import Optional, Sequence
@@ -23,6 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from refmla.capture import Capture, CaptureError, read_capture
+from refmla.capture.numbers import meta_json
 from refmla.pool import rows_differ
 from refmla.results import Finding
 from refmla.util import single_thread
@@ -36,7 +36,7 @@ def _header(path: str) -> Optional[dict]:
         if not stat.S_ISREG(os.stat(path).st_mode):  # never open a FIFO or a device
             return None
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            meta = json.loads((f.metadata() or {})["meta"])
+            meta = meta_json((f.metadata() or {})["meta"])
     except Exception:
         return None
     return meta if isinstance(meta, dict) else None

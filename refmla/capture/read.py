@@ -17,6 +17,7 @@ import torch
 from refmla import CAPTURE_FORMAT
 from refmla import blocktable
 from refmla.capture.format import BUILT_FROM_BLOCK_TABLE, MAX_META_DEPTH, TENSORS, Capture, CaptureError, CaptureMeta, parse_meta
+from refmla.capture.numbers import meta_json
 from refmla.capture.validation import validate
 from refmla.util import first_line, printable
 
@@ -102,7 +103,7 @@ def _read_meta(path: Path, header: dict) -> CaptureMeta:
     if "meta" not in header:
         raise CaptureError(path, "header key 'meta'", "missing")
     try:
-        raw_meta = json.loads(header["meta"])
+        raw_meta = meta_json(header["meta"])
     except json.JSONDecodeError as e:
         raise CaptureError(path, "header key 'meta'", f"not valid JSON ({e.msg})") from None
     except RecursionError:  # too deep for the decoder: name the key from the text itself

@@ -12,6 +12,7 @@ import torch
 from refmla import CAPTURE_FORMAT
 from refmla.atomic import write_bytes
 from refmla.capture import CaptureError
+from refmla.capture.numbers import meta_json
 from refmla.capture.read import open_capture
 from refmla.capture.write import sorted_header
 from refmla.sparse.format import TENSORS, SparseCapture, SparseMeta, is_sparse_meta, parse_sparse_meta
@@ -25,7 +26,7 @@ def file_meta(path: Any) -> dict:
 
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            return json.loads((f.metadata() or {}).get("meta", "{}"))
+            return meta_json((f.metadata() or {}).get("meta", "{}"))
     except Exception:
         return {}
 
@@ -43,7 +44,7 @@ def _sparse_meta(path: Path, header: dict) -> SparseMeta:
     if header.get("format") != CAPTURE_FORMAT:
         raise CaptureError(path, "header key 'format'", f"expected {CAPTURE_FORMAT!r}, got {header.get('format')!r}")
     try:
-        return parse_sparse_meta(json.loads(header.get("meta", "null")), path)
+        return parse_sparse_meta(meta_json(header.get("meta", "null")), path)
     except (json.JSONDecodeError, TypeError, AttributeError):
         raise CaptureError(path, "header key 'meta'", "missing or not a JSON object") from None
 
