@@ -79,11 +79,20 @@ def report_invalid(capture: str, error: Optional[str], errors: Sequence[str]) ->
     print(f"refmla: error: {line}", file=sys.stderr)
 
 
+_PRINTED = [0]  # JSON documents printed on stdout by this process (refmla.cli.main: one per command)
+
+
 def print_json(obj: Any) -> None:
     """Typed results (``to_json``) or plain data as one JSON document on stdout, NaN/Inf as null."""
     text = json.dumps(json_safe(obj), indent=2, allow_nan=False)
     with signals_deferred():  # a signal waits until the document is out: never a cut one
         print(text, flush=True)
+        _PRINTED[0] += 1
+
+
+def json_documents() -> int:
+    """How many documents :func:`print_json` has printed in this process."""
+    return _PRINTED[0]
 
 
 def need_matplotlib() -> None:

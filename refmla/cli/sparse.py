@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Sequence
+from typing import Optional, Sequence, Union
 
+from refmla.batch import replay_one
 from refmla.capture import CaptureError
-from refmla.cli.common import EXIT_INVALID, EXIT_OK, print_json
-from refmla.compare import Tolerance
+from refmla.cli.common import EXIT_INVALID, EXIT_OK
+from refmla.options import ReplayOptions
+from refmla.render.replay import render_or_say
+from refmla.results import ReplayReport
 from refmla.sparse.io import is_sparse_file
 from refmla.sparse.make import synth_sparse
 from refmla.sparse.render import render_sparse
-from refmla.sparse.replay import replay_sparse
+from refmla.sparse.replay import SparseReport, replay_sparse
+from refmla.util import error_text
 
 
 def split_sparse(paths: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -22,19 +26,22 @@ def split_sparse(paths: Sequence[str]) -> tuple[list[str], list[str]]:
     return [p for p in paths if p not in sparse], sparse
 
 
-def replay_sparse_files(paths: Sequence[str], args, tol: Tolerance) -> int:
-    """Replay each sparse capture, print its table (or JSON), an invalid one as one stderr line; the worst exit code."""
-    reports = [replay_sparse(p, backends=args.backend or None, tol=tol, explain_failures=not args.no_explain)
-               for p in paths]  # fmt: skip
-    for r in reports:
-        if r.verdict == "invalid":
-            print(f"refmla: error: {r.error}", file=sys.stderr)
-    good = [r for r in reports if r.verdict != "invalid"]
-    if args.json:
-        print_json(good[0] if len(good) == 1 else good)
-    elif good:
-        print("\n\n".join(render_sparse(r) for r in good))
-    return max(r.exit_code for r in reports)
+def replay_kind(path: str, opts: ReplayOptions, sparse: frozenset = frozenset(),
+                sparse_backends: Optional[tuple] = None) -> Union[ReplayReport, SparseReport]:  # fmt: skip
+    """One capture of a mixed batch (refmla.batch.replay_many's task, picklable, never raising): a
+    path in ``sparse`` through the sparse replay with ``sparse_backends``, any other the dense one.
+    refmla failing on a sparse capture (MemoryError included) is its ``invalid`` report."""
+    if path not in sparse:
+        return replay_one(path, opts)
+    try:
+        return replay_sparse(path, backends=sparse_backends, tol=opts.tol, explain_failures=opts.explain)
+    except Exception as e:
+        return SparseReport(str(path), "invalid", error=str(CaptureError(path, "replay", error_text(e))))
+
+
+def render_any(report) -> str:
+    """A dense or a sparse report's text."""
+    return render_sparse(report) if isinstance(report, SparseReport) else render_or_say(report)
 
 
 def synth_sparse_cmd(args) -> int:
@@ -48,4 +55,4 @@ def synth_sparse_cmd(args) -> int:
     return EXIT_OK
 
 
-__all__ = ["replay_sparse_files", "split_sparse", "synth_sparse_cmd"]
+__all__ = ["render_any", "replay_kind", "split_sparse", "synth_sparse_cmd"]
