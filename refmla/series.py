@@ -23,6 +23,7 @@ import torch
 
 from refmla.capture import Capture, CaptureError, read_capture
 from refmla.capture.numbers import meta_json
+from refmla.capture.read import safetensors_open
 from refmla.pool import rows_differ
 from refmla.results import Finding
 from refmla.util import single_thread
@@ -31,11 +32,9 @@ from refmla.util import single_thread
 def _header(path: str) -> Optional[dict]:
     """The capture's meta from the safetensors header alone (no tensor is read); None if unreadable."""
     try:
-        from safetensors import safe_open
-
         if not stat.S_ISREG(os.stat(path).st_mode):  # never open a FIFO or a device
             return None
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with safetensors_open(path) as f:
             meta = meta_json((f.metadata() or {})["meta"])
     except Exception:
         return None

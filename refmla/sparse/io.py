@@ -13,7 +13,7 @@ from refmla import CAPTURE_FORMAT
 from refmla.atomic import write_bytes
 from refmla.capture import CaptureError
 from refmla.capture.numbers import meta_json
-from refmla.capture.read import open_capture
+from refmla.capture.read import open_capture, safetensors_open
 from refmla.capture.write import sorted_header
 from refmla.sparse.format import TENSORS, SparseCapture, SparseMeta, is_sparse_meta, parse_sparse_meta
 from refmla.sparse.validation import validate
@@ -22,10 +22,8 @@ from refmla.sparse.validation import validate
 def file_meta(path: Any) -> dict:
     """The raw ``meta`` JSON of a capture file ({} when it has none or cannot be read): to tell a
     sparse capture from a dense one before choosing the reader."""
-    from safetensors import safe_open
-
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with safetensors_open(path) as f:
             return meta_json((f.metadata() or {}).get("meta", "{}"))
     except Exception:
         return {}
