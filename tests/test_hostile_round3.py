@@ -25,6 +25,7 @@ import torch
 
 from helpers import MEASURE_ENV, ROOT, raw_write
 from hostile import error_lines, run_cli, small_capture, write_small
+from test_signals import session_members, wait_for
 from refmla.blocktable import MAX_POSITIONS
 from refmla.capture.numbers import META_NUMBERS
 
@@ -266,27 +267,6 @@ def test_an_error_before_the_document_is_still_one_document(tmp_path, argv):
 
 
 # --- 5. the second round's leftovers -----------------------------------------------------------
-
-
-def session_members(sid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def wait_for(pred, seconds: float) -> bool:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
 
 
 def computing_child(sid: int) -> bool:
