@@ -123,4 +123,5 @@ def compact_pages(block_table: torch.Tensor, page_size: int, pool_rows: int) -> 
     return kept, torch.where(inside, renumbered, -1).to(block_table.dtype)
 
 
-__all__ = ["MAX_LINES", "MAX_POSITIONS", "Problems", "compact_pages", "from_token_rows", "null_block_reads", "problems", "token_rows"]
+__all__ = ["MAX_LINES", "MAX_POSITIONS", "Problems", "compact_pages", "from_token_rows", "null_block_reads", "problems",
+           "token_rows"]  # fmt: skip

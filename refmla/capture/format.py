@@ -259,7 +259,8 @@ def _check_regions(kw: dict, path: Any) -> None:
         raise _bad_key(path, "kv_pool_page_size", f"must be >= 1, got {kw['kv_pool_page_size']}")
 
 
-# bounds on the coerced values beyond META_NUMBERS' (checked first, on the raw meta), run in order; each raises CaptureError naming the key
+# bounds on the coerced values beyond META_NUMBERS' (checked first, on the raw meta), run in
+# order; each raises CaptureError naming the key
 META_CHECKS: tuple[Callable[[dict, Any], None], ...] = (
     _check_mode,
     _check_geometry,

@@ -74,7 +74,9 @@ def number_problem(key: str, value: Any) -> str | None:
     if typ is int and isinstance(value, float) and not value.is_integer():
         return f"must be int, got {value!r}"
     if not lo <= value <= hi:
-        return f"must be in [{lo:g}, {hi:g}], got {value:g}" if typ is float else f"must be in [{lo}, {hi}], got {int(value)}"
+        if typ is float:
+            return f"must be in [{lo:g}, {hi:g}], got {value:g}"
+        return f"must be in [{lo}, {hi}], got {int(value)}"
     return None
 
 
@@ -113,4 +115,5 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-__all__ = ["MAX_HEADS", "MAX_KV_SPLITS", "MAX_PAGE", "META_NUMBERS", "HugeInt", "meta_json", "meta_number_problems", "number_problem"]
+__all__ = ["MAX_HEADS", "MAX_KV_SPLITS", "MAX_PAGE", "META_NUMBERS", "HugeInt", "meta_json", "meta_number_problems",
+           "number_problem"]  # fmt: skip
