@@ -38,6 +38,8 @@ from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
+EXPAND_ROWS = 1 << 20  # a block table is expanded this many positions at a time (8 MiB of int64 temporaries)
+
 Positions = Union[slice, torch.Tensor]  # what a query row sees of its group's rows: a prefix, or a bool mask
 
 
@@ -110,9 +112,15 @@ class Attended:
         kv_indptr = torch.zeros(lens.shape[0] + 1, dtype=torch.int64)
         kv_indptr[1:] = torch.cumsum(lens, 0)
         table = block_table.long().cpu()  # [B, M]
-        pos = [torch.arange(int(n)) for n in lens.tolist()]  # [L_b] each
-        rows = [table[b][p // P] * P + p % P for b, p in enumerate(pos)]  # [L_b] each
-        kv_indices = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+        kv_indices = torch.empty(int(kv_indptr[-1]), dtype=torch.int64)  # [sum L], filled in place
+        offsets = torch.arange(P)  # [P]
+        step = max(1, EXPAND_ROWS // P)  # pages per chunk: the temporaries follow a chunk, not the request
+        for b, n in enumerate(lens.tolist()):
+            start = int(kv_indptr[b])
+            for j in range(0, -(-n // P), step):  # chunk of pages j .. j + step
+                a, e = j * P, min(n, (j + step) * P)
+                rows = (table[b, j : j + step, None] * P + offsets).reshape(-1)  # [<= step * P]
+                kv_indices[start + a : start + e] = rows[: e - a]
         return cls.token_index(kv_indptr, kv_indices, query_start_loc)
 
     @classmethod

@@ -38,6 +38,15 @@ def replay_one(path: str, opts: ReplayOptions) -> ReplayReport:
 Task = Callable[[str, ReplayOptions], Any]  # replay_one, or a picklable task that replays and does more
 
 
+def _isolated(task: Task, path: str, opts: ReplayOptions) -> Any:
+    """``task(path, opts)``, or the capture's ``invalid`` report when it raises (any Exception,
+    MemoryError included): one capture's failure is its own report, serial as in a worker."""
+    try:
+        return task(path, opts)
+    except Exception as e:
+        return invalid_report(str(path), CaptureError(path, "replay", error_text(e)))
+
+
 def replay_many(paths: Sequence[str], opts: ReplayOptions, jobs: int = 1, task: Optional[Task] = None) -> list:
     """Reports for ``paths`` in their order; ``jobs`` > 1 replays in that many spawned processes.
 
@@ -56,7 +65,7 @@ def replay_many(paths: Sequence[str], opts: ReplayOptions, jobs: int = 1, task: 
         if jobs <= 1 or len(paths) <= 1:
             reports = []
             for p in paths:
-                reports.append(task(p, opts))
+                reports.append(_isolated(task, p, opts))
                 progress.step(p)
             return reports
         return _replay_parallel(paths, opts, jobs, progress, task)
@@ -95,7 +104,7 @@ def _run_pool(paths, todo, opts, jobs, threads, reports, progress, task=replay_o
     pool = ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=mp.get_context("spawn"),
                                initializer=_init_worker, initargs=(threads,))  # fmt: skip
     try:
-        futs = {pool.submit(task, paths[i], opts): i for i in todo}
+        futs = {pool.submit(_isolated, task, paths[i], opts): i for i in todo}
         for fut in as_completed(futs):
             i = futs[fut]
             try:

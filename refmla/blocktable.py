@@ -24,6 +24,11 @@ from refmla.attended import Attended
 from refmla.util import cdiv, request_label
 
 MAX_LINES = 16  # inconsistency lines listed before "... and N more"
+# The positions a block table may expand to (the sum of seq_lens), at most (docs/contract.md
+# section 1, "Bounds"). A token-slot capture's kv_indices are bounded by its file; a table's
+# positions are not (one entry names a page of up to 65,536 rows), so its expansion is bounded here:
+# the token rows are int64 [positions], 128 MiB at the bound.
+MAX_POSITIONS = 1 << 24
 
 
 def token_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,8 +57,11 @@ class Problems:
     """What :func:`problems` found: one line per inconsistency (the rows cannot be read)."""
 
     errors: list
+    over_bound: bool = False  # the table's positions pass MAX_POSITIONS: its one line, nothing else looked at
 
     def text(self, lines: list) -> str:
+        if self.over_bound:
+            return lines[0]
         more = len(lines) - MAX_LINES
         shown = lines[:MAX_LINES] + ([f"... and {more} more"] if more > 0 else [])
         # one clause per inconsistency, on the one line a bad input gets (docs/contract.md section 3)
@@ -61,10 +69,15 @@ class Problems:
 
 
 def problems(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, pool_rows: int) -> Problems:
-    """One line per inconsistency of a block table with its sequences and pool: a row shorter than
-    its seq_len (M * P < L_b), a page past the pool (>= N // P), -1 or any negative entry inside a
-    sequence (the null block is :func:`null_block_reads`)."""
+    """One line per inconsistency of a block table with its sequences and pool: positions past
+    MAX_POSITIONS (alone: nothing else is looked at), a row shorter than its seq_len (M * P < L_b),
+    a page past the pool (>= N // P), -1 or any negative entry inside a sequence (the null block is
+    :func:`null_block_reads`)."""
     P, pages = int(page_size), int(pool_rows) // int(page_size)
+    total = sum(max(0, n) for n in seq_lens.long().cpu().tolist())  # Python ints: never wraps
+    if total > MAX_POSITIONS:  # before any per-position work
+        return Problems([f"seq_lens add up to {total:,} positions, past the bound of {MAX_POSITIONS:,} positions "
+                         "a block table may expand to (docs/contract.md section 1, Bounds)"], over_bound=True)  # fmt: skip
     table = block_table.long().cpu()  # [B, M]
     errors = []
     for b, L in enumerate(seq_lens.long().cpu().tolist()):
@@ -110,4 +123,5 @@ def compact_pages(block_table: torch.Tensor, page_size: int, pool_rows: int) -> 
     return kept, torch.where(inside, renumbered, -1).to(block_table.dtype)
 
 
-__all__ = ["MAX_LINES", "Problems", "compact_pages", "from_token_rows", "null_block_reads", "problems", "token_rows"]
+__all__ = ["MAX_LINES", "MAX_POSITIONS", "Problems", "compact_pages", "from_token_rows", "null_block_reads", "problems",
+           "token_rows"]  # fmt: skip

@@ -189,6 +189,9 @@ def _forked(fn: Callable[..., Any], args: tuple) -> Any:
     os.close(w)
     try:
         data, stalled = _read_watched(r, pid)
+    except BaseException:  # SIGINT / SIGTERM (or anything) here: the child must not outlive this process
+        _end_child(pid)
+        raise
     finally:
         os.close(r)
     if stalled:
@@ -200,6 +203,18 @@ def _forked(fn: Callable[..., Any], args: tuple) -> Any:
     if payload is None or os.WIFSIGNALED(status):
         raise KernelCrashed(crash_text(status))
     return _unpack(payload)
+
+
+def _end_child(pid: int) -> None:
+    """Kill a forked child and reap it (it may have exited already)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
 
 
 def stall_seconds() -> float:
@@ -266,6 +281,11 @@ def _spawned(fn: Callable[..., Any], args: tuple) -> Any:
         data = parent.recv_bytes()
     except (EOFError, OSError, BrokenPipeError):
         data = None
+    except BaseException:  # SIGINT / SIGTERM here: the child must not outlive this process
+        proc.kill()
+        proc.join()
+        parent.close()
+        raise
     proc.join()
     parent.close()
     if data is None:

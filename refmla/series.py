@@ -33,6 +33,8 @@ import torch
 
 from refmla.capture import Capture, CaptureError, read_capture
 from refmla.context import ReplayContext, ReplayOptions
+from refmla.capture.numbers import meta_json
+from refmla.capture.read import safetensors_open
 from refmla.pool import rows_differ
 from refmla.results import Alternative, Explanation, Finding
 from refmla.util import single_thread
@@ -41,12 +43,10 @@ from refmla.util import single_thread
 def _header(path: str) -> Optional[dict]:
     """The capture's meta from the safetensors header alone (no tensor is read); None if unreadable."""
     try:
-        from safetensors import safe_open
-
         if not stat.S_ISREG(os.stat(path).st_mode):  # never open a FIFO or a device
             return None
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            meta = json.loads((f.metadata() or {})["meta"])
+        with safetensors_open(path) as f:
+            meta = meta_json((f.metadata() or {})["meta"])
     except Exception:
         return None
     return meta if isinstance(meta, dict) else None
@@ -87,10 +87,13 @@ def series_checks(paths: Sequence[str]) -> dict[str, list[Finding]]:
         for p in group:
             try:
                 cap = read_capture(p)
-            except CaptureError:
-                continue  # reported as invalid by the replay; the series goes on without it
-            with single_thread():
-                found[p] = [] if prev is None else compare_steps(prev, cap)
+            except Exception:  # CaptureError, or refmla failing on it (MemoryError, ...): the replay reports it
+                continue  # the series goes on without it
+            try:
+                with single_thread():
+                    found[p] = [] if prev is None else compare_steps(prev, cap)
+            except Exception:  # one pair refmla cannot compare costs only that pair's findings
+                found[p] = []
             prev = cap
     return found
 

@@ -19,6 +19,7 @@ import random
 import re
 import resource
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -348,3 +349,143 @@ def test_fuzz_round_two(tmp_path):
         assert time.perf_counter() - t0 < CASE_SECONDS, f"{what}: too slow"
         counts[gen.__name__] = counts.get(gen.__name__, 0) + 1
     print(f"fuzz round two: {CASES2} cases {counts}, {time.perf_counter() - t_all:.1f} s")
+
+
+# --- issue 33: block tables, meta numbers of every kind, mixed folders, generated ----------------
+# Block-table captures built here (a random page permutation, padding, a plain fp64 loop for `out`),
+# planted faults with the promise each keeps, and folders mixing dense, block-table and sparse
+# captures, good and bad: one JSON document, every capture's report, one error line per bad one.
+# REFMLA_FUZZ_CASES scales it (1/10: 30 cases by default).
+
+CASES3 = max(1, CASES // 10)
+TABLE_FAULTS = ["none", "none", "past_pool", "negative", "short", "positions", "meta_number"]
+
+
+def _table_capture(rng: random.Random) -> tuple[dict, dict]:
+    """A decode capture in the block-table layout (vLLM / FlashMLA): B requests, pages of P rows in
+    a shuffled order, padding past each sequence, `out` from a plain fp64 loop over the positions."""
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    B, H, Dv, rope, P = rng.randrange(1, 4), rng.choice([1, 2, 4]), 32, rng.choice([0, 16]), rng.choice([1, 4, 16, 64])
+    lens = [rng.randrange(1, 150) for _ in range(B)]
+    need = [-(-n // P) for n in lens]
+    M = max(need) + rng.randrange(3)
+    pages = sum(need) + rng.randrange(1, 4)
+    order = torch.randperm(pages, generator=g)
+    table = torch.full((B, M), rng.choice([0, -1]), dtype=torch.int32)
+    used = 0
+    for b in range(B):
+        table[b, : need[b]] = order[used : used + need[b]].int()
+        used += need[b]
+    D, scale = Dv + rope, 0.1
+    q = torch.randn(B, H, D, generator=g).bfloat16()
+    kv = torch.randn(pages * P, 1, D, generator=g).bfloat16()
+    out = torch.zeros(B, H, Dv)
+    for b in range(B):
+        rows = [int(table[b, j // P]) * P + j % P for j in range(lens[b])]
+        k = kv[rows, 0].double()  # [L, D]
+        p = torch.softmax((q[b].double() @ k.T) * scale, dim=-1)  # [H, L]
+        out[b] = (p @ k[:, :Dv]).float()
+    t = {"q": q, "kv_buffer": kv, "block_table": table, "seq_lens": torch.tensor(lens, dtype=torch.int32),
+         "out": out.bfloat16()}  # fmt: skip
+    m = {"mode": "decode", "backend": "unknown", "kv_lora_rank": Dv, "qk_rope_head_dim": rope, "sm_scale": scale,
+         "logit_cap": 0.0, "page_size": P, "engine": "vllm", "null_block": 0 if rng.random() < 0.5 else None}  # fmt: skip
+    return t, {k: v for k, v in m.items() if v is not None}
+
+
+def _bad_number(rng: random.Random, key: str) -> str:
+    """JSON text for a value of ``key`` that breaks its type, finiteness or range."""
+    from refmla.capture.numbers import META_NUMBERS
+
+    typ, lo, hi = META_NUMBERS[key]
+    return rng.choice(["1e400", "-1e400", "NaN", "9" * rng.randrange(41, 5000), '"3"', "true", "[1]",
+                       json.dumps(lo - 1 if lo > -(2**63) and rng.random() < 0.5 else (hi * 10 if typ is float else hi + 1))])  # fmt: skip
+
+
+def _table_case(rng: random.Random, path) -> tuple[str, int, str]:
+    """Write one block-table capture with a planted fault; (what, exit code, text of the one error line)."""
+    from refmla.blocktable import MAX_POSITIONS
+    from refmla.capture.numbers import META_NUMBERS
+
+    t, m = _table_capture(rng)
+    fault = rng.choice(TABLE_FAULTS)
+    table, P, pool_pages = t["block_table"], m["page_size"], t["kv_buffer"].shape[0] // m["page_size"]
+    b = rng.randrange(table.shape[0])
+    inside = -(-int(t["seq_lens"][b]) // P)
+    want, text, meta_text = 0, "", json.dumps(m)
+    if fault == "past_pool":
+        table[b, rng.randrange(inside)] = pool_pages + rng.randrange(0, 1 << 20)
+    elif fault == "negative":
+        table[b, rng.randrange(inside)] = -1
+    elif fault == "short":
+        t["seq_lens"][b] += table.shape[1] * P
+    elif fault == "positions":  # a few pages named over and over: more positions than the bound, no rows
+        m["page_size"], P = 1 << 16, 1 << 16
+        t["kv_buffer"] = t["kv_buffer"][:1].expand(P, 1, -1).contiguous()
+        n = MAX_POSITIONS // P + rng.randrange(1, 64)
+        t["block_table"], t["seq_lens"] = torch.zeros(1, n, dtype=torch.int32), torch.tensor([n * P], dtype=torch.int32)
+        t["q"], t["out"] = t["q"][:1], t["out"][:1]
+        meta_text = json.dumps(m)
+    if fault in ("past_pool", "negative", "short", "positions"):
+        want, text = 2, "tensor 'block_table'"
+    if fault == "meta_number":
+        key = rng.choice(sorted(META_NUMBERS))
+        m.pop(key, None)
+        meta_text = json.dumps(m)[:-1] + f", {json.dumps(key)}: {_bad_number(rng, key)}}}"
+        want, text = 2, f"meta key '{key}'"
+    raw_write(path, t, meta_text)
+    return f"block table, {fault}", want, text
+
+
+def _sparse_number_case(rng: random.Random, sparse: tuple[dict, dict], path) -> tuple[str, int, str]:
+    """A sparse capture with one numeric meta key broken."""
+    key = rng.choice(["compress_ratio", "softmax_scale", "page_size", "head_dim_v", "window", "layer_id", "step"])
+    m = dict(sparse[1])
+    m.pop(key, None)
+    raw_write(path, sparse[0], json.dumps(m)[:-1] + f", {json.dumps(key)}: {_bad_number(rng, key)}}}")
+    return f"sparse, meta {key}", 2, f"meta key '{key}'"
+
+
+def test_fuzz_round_three(tmp_path):
+    """Issue 33's classes, generated: block tables (valid, past the pool, -1 inside, too short, more
+    positions than the bound), a bad number in any numeric meta key of a dense or sparse capture;
+    and folders mixing them with good dense and sparse captures: one document, every report."""
+    from safetensors import safe_open
+
+    from refmla.sparse.make import synth_sparse
+
+    rng = random.Random(SEED + 33)
+    synth_sparse(tmp_path / "sparse.safetensors", "deepseek-v4-flash-tp8-swa")
+    with safe_open(str(tmp_path / "sparse.safetensors"), "pt") as f:
+        sparse = ({k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["meta"]))
+    counts = {0: 0, 1: 0, 2: 0}
+    t_all = time.perf_counter()
+    for i in range(CASES3):
+        path = tmp_path / f"case{i % 4}.safetensors"
+        what, want, text = _sparse_number_case(rng, sparse, path) if i % 5 == 4 else _table_case(rng, path)
+        what = f"case {i} (seed {SEED + 33}): {what}"
+        t0 = time.perf_counter()
+        code, out, err = run_cli("replay", str(path), "--backend", "reference", "--no-explain", "--json")
+        _check_run(what, code, out, err)
+        json.loads(out)
+        assert code == want, f"{what}: exit {code}, want {want}\n{err}"
+        if want == 2:
+            assert text in error_lines(err)[0] and str(path) in error_lines(err)[0], f"{what}: {error_lines(err)}"
+        counts[code] += 1
+        if i % 3 == 0:  # a folder: this capture among good dense, block-table and sparse ones
+            folder = tmp_path / f"mixed{i}"
+            (folder / "sparse").mkdir(parents=True)
+            raw_write(folder / "dense.safetensors", *small_capture())
+            raw_write(folder / "table.safetensors", *_table_capture(rng))
+            raw_write(folder / "sparse" / "good.safetensors", *sparse)
+            path.rename(folder / "planted.safetensors")
+            for cmd in (["replay", "--backend", "reference", "--no-explain"], ["inspect"]):
+                code, out, err = run_cli(cmd[0], str(folder), *cmd[1:], "--json")
+                reports = {Path(r["capture"]).stem: r for r in json.loads(out)}  # the whole stdout: one document
+                assert sorted(reports) == ["dense", "good", "planted", "table"], f"{what} [{cmd[0]} folder]"
+                bad = [ln for ln in error_lines(err) if ln.startswith("refmla: error:")]
+                assert len(bad) == (want == 2) and code == max(want, 0 if cmd[0] == "replay" else code), f"{what}: {bad}"
+                if cmd[0] == "replay":
+                    assert all(reports[n]["verdict"] == "agree" for n in ("dense", "good", "table")), what
+        assert time.perf_counter() - t0 < CASE_SECONDS, f"{what}: too slow"
+    assert counts[0] and counts[2], f"a campaign that tests both sides: {counts}"
+    print(f"fuzz round three: {CASES3} cases, exit codes {counts}, {time.perf_counter() - t_all:.1f} s")

@@ -5,6 +5,7 @@ validates everything a replay relies on and raises :class:`CaptureError` naming 
 the tensor or key; ``write_capture`` compacts the pool to the rows actually referenced and
 writes atomically (temp file + rename).
 
+    numbers.py     every numeric meta key of every capture kind: its type and range, one table
     format.py      what the file holds: TENSORS, the meta keys and their bounds, Capture
     validation.py  the structural checks, a list of small functions run in order
     read.py        read_capture: header, lazily mapped tensors, validation
@@ -23,6 +24,7 @@ from refmla.capture.format import (
     Capture,
     CaptureError,
     CaptureMeta,
+    check_meta_numbers,
     parse_meta,
 )
 from refmla.capture.read import read_capture
@@ -41,6 +43,7 @@ __all__ = [
     "Capture",
     "CaptureError",
     "CaptureMeta",
+    "check_meta_numbers",
     "compact_pool",
     "parse_meta",
     "read_capture",

@@ -7,7 +7,6 @@ A new tensor goes in :data:`TENSORS` and :class:`Capture`; a new meta key in :da
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping, Optional
 
@@ -15,6 +14,7 @@ import torch
 
 from refmla import CAPTURE_FORMAT
 from refmla.attended import Attended
+from refmla.capture.numbers import MAX_HEADS, MAX_KV_SPLITS, MAX_PAGE, META_NUMBERS, meta_number_problems
 from refmla.scales import Scales
 from refmla.schedule import MIN_BLOCK_KV, SPLIT_BLOCKS
 from refmla.util import printable, request_label
@@ -114,14 +114,8 @@ class CaptureMeta:
 # ones are 1/sqrt(D) times a yarn mscale**2, 0.04..0.3 for DeepSeek-V3 / Kimi-K2; 1e-6..1e3 admits
 # any head dim up to 1e12 and any mscale a model uses, while keeping scale * logit finite in fp32.
 # k_scale / v_scale: fp8 dequant scales are amax / 448 (or / 240), 1e-9..1e9 covers any amax.
-SCALE_RANGE = {"sm_scale": (1e-6, 1e3), "k_scale": (1e-9, 1e9), "v_scale": (1e-9, 1e9)}
-MAX_PAGE_SIZE = 1 << 16  # SGLang / aiter page sizes are 1..256
-# SGLang's max_kv_splits is max(--triton-attention-num-kv-splits, min(npow2(CUs), npow2(ctx / 32))):
-# 256 on MI355X, 512 on the largest GPU; the stage-1 buffer is [B, H, max_kv_splits, Dv + 1] fp32.
-MAX_KV_SPLITS = 1 << 12
-# q's heads: an MLA model has at most 128 query heads (DeepSeek-V3 at TP1); every path's work and
-# buffers scale with them, so a q claiming more is refused before any work (validation, tensor 'q')
-MAX_HEADS = 1 << 10
+SCALE_RANGE = {key: META_NUMBERS[key][1:] for key in ("sm_scale", "k_scale", "v_scale")}
+MAX_PAGE_SIZE = MAX_PAGE  # the numeric bounds of every meta key: refmla.capture.numbers.META_NUMBERS
 
 # key -> (type, required); int keys accept integral floats, float keys accept ints
 META_KEYS = {
@@ -150,6 +144,7 @@ def parse_meta(raw: Mapping[str, Any], path: Any = "<meta>") -> CaptureMeta:
     if not isinstance(raw, Mapping):
         raise CaptureError(path, "meta", "must be a JSON object")
     _check_depth(raw, path)
+    check_meta_numbers(raw, path)
     kw: dict[str, Any] = {}
     for key, (typ, required) in META_KEYS.items():
         if key not in raw or raw[key] is None:
@@ -164,6 +159,13 @@ def parse_meta(raw: Mapping[str, Any], path: Any = "<meta>") -> CaptureMeta:
         _check_unique_rids(kw["rids"], path)
     extra = {k: v for k, v in raw.items() if k not in META_KEYS and k != "format"}
     return CaptureMeta(**kw, extra=extra)
+
+
+def check_meta_numbers(raw: Mapping[str, Any], path: Any) -> None:
+    """CaptureError naming the file and the first meta key whose number breaks its type, finiteness
+    or range (refmla.capture.numbers.META_NUMBERS): every capture kind's reader calls it on the raw meta."""
+    for key, problem in meta_number_problems(raw):
+        raise _bad_key(path, key, problem)
 
 
 def _check_depth(raw: Mapping[str, Any], path: Any) -> None:
@@ -225,53 +227,10 @@ def _check_mode(kw: dict, path: Any) -> None:
         raise _bad_key(path, "mode", f"must be one of {', '.join(MODES)}, got {kw['mode']!r}")
 
 
-def _check_widths(kw: dict, path: Any) -> None:
-    for key in ("kv_lora_rank", "page_size"):
-        if kw[key] < 1:
-            raise _bad_key(path, key, f"must be >= 1, got {kw[key]}")
-    if kw["qk_rope_head_dim"] < 0:
-        raise _bad_key(path, "qk_rope_head_dim", f"must be >= 0, got {kw['qk_rope_head_dim']}")
-
-
-def _check_scales(kw: dict, path: Any) -> None:
-    for key in ("sm_scale", "k_scale", "v_scale"):
-        if key in kw and not (math.isfinite(kw[key]) and kw[key] > 0):
-            raise _bad_key(path, key, f"must be finite and > 0, got {kw[key]}")
-        lo, hi = SCALE_RANGE[key]
-        if key in kw and not lo <= kw[key] <= hi:
-            raise _bad_key(path, key, f"{kw[key]:g} is outside the sane range [{lo:g}, {hi:g}]")
-    if not (math.isfinite(kw["logit_cap"]) and kw["logit_cap"] >= 0):
-        raise _bad_key(path, "logit_cap", f"must be finite and >= 0, got {kw['logit_cap']}")
-
-
-def _check_sizes(kw: dict, path: Any) -> None:
-    """page_size and max_kv_splits: >= 1 and at most their sane ceilings (sizes work depends on)."""
-    for key, ceiling in (("page_size", MAX_PAGE_SIZE), ("max_kv_splits", MAX_KV_SPLITS)):
-        value = kw.get(key)
-        if value is not None and not 1 <= value <= ceiling:
-            raise _bad_key(path, key, f"must be in [1, {ceiling}], got {value}")
-
-
-def _check_ids(kw: dict, path: Any) -> None:
-    """layer_id, tp_rank, step: non-negative and within int64 (they are grouped and sorted on)."""
-    for key in ("layer_id", "tp_rank", "step"):
-        value = kw.get(key)
-        if value is not None and not 0 <= value < 2**63:
-            raise _bad_key(path, key, f"must be in [0, 2**63), got {value}")
-
-
-def _check_verify_keys(kw: dict, path: Any) -> None:
-    for key in ("draft_token_num", "topk"):
-        if kw.get(key) is not None and kw[key] < 1:
-            raise _bad_key(path, key, f"must be >= 1, got {kw[key]}")
-
-
 def _check_engine_keys(kw: dict, path: Any) -> None:
     schedule = kw.get("split_schedule")
     if schedule is not None and schedule not in SPLIT_SCHEDULES:
         raise _bad_key(path, "split_schedule", f"must be one of {', '.join(SPLIT_SCHEDULES)}, got {schedule!r}")
-    if kw.get("null_block") is not None and kw["null_block"] < 0:
-        raise _bad_key(path, "null_block", f"must be >= 0, got {kw['null_block']}")
 
 
 def _check_geometry(kw: dict, path: Any) -> None:
@@ -300,15 +259,11 @@ def _check_regions(kw: dict, path: Any) -> None:
         raise _bad_key(path, "kv_pool_page_size", f"must be >= 1, got {kw['kv_pool_page_size']}")
 
 
-# bounds on the coerced values, run in order; each raises CaptureError naming the key
+# bounds on the coerced values beyond META_NUMBERS' (checked first, on the raw meta), run in
+# order; each raises CaptureError naming the key
 META_CHECKS: tuple[Callable[[dict, Any], None], ...] = (
     _check_mode,
-    _check_widths,
-    _check_scales,
-    _check_sizes,
-    _check_ids,
     _check_geometry,
-    _check_verify_keys,
     _check_engine_keys,
 )
 
@@ -438,6 +393,7 @@ __all__ = [
     "MAX_KV_SPLITS",
     "MAX_PAGE_SIZE",
     "SCALE_RANGE",
+    "check_meta_numbers",
     "SPLIT_SCHEDULES",
     "TENSORS",
     "Capture",

@@ -5,18 +5,20 @@ Every failure is a :class:`CaptureError` naming the file and the tensor or key.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import stat
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from refmla import CAPTURE_FORMAT
 from refmla import blocktable
 from refmla.capture.format import BUILT_FROM_BLOCK_TABLE, MAX_META_DEPTH, TENSORS, Capture, CaptureError, CaptureMeta, parse_meta
+from refmla.capture.numbers import meta_json
 from refmla.capture.validation import validate
 from refmla.util import first_line, printable
 
@@ -45,11 +47,11 @@ def open_capture(
 
     ``built_from_table``: required tensors a ``block_table`` stands in for when none of them is in
     the file (the caller builds them from the table)."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
     _check_file(path)
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with safetensors_open(path) as f:
             meta = read_meta(path, f.metadata() or {})
             names = set(f.keys())
             by_table = "block_table" in names and not any(n in names for n in built_from_table)
@@ -62,6 +64,28 @@ def open_capture(
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         reason = first_line(e) or type(e).__name__
         raise CaptureError(path, "file", f"not a readable safetensors file ({reason})") from None
+
+
+@contextlib.contextmanager
+def safetensors_open(path: Any) -> Iterator[Any]:
+    """safetensors' ``safe_open`` (torch, CPU) for any file name: one that is not UTF-8 (a byte name
+    Python holds with surrogateescape, which safetensors refuses) is opened here and handed over as
+    /proc/self/fd/N."""
+    from safetensors import safe_open
+
+    name = os.fspath(path)
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK)  # a regular file (stat'ed by the caller): never blocks
+        try:
+            with safe_open(f"/proc/self/fd/{fd}", framework="pt", device="cpu") as f:
+                yield f
+        finally:
+            os.close(fd)
+        return
+    with safe_open(name, framework="pt", device="cpu") as f:
+        yield f
 
 
 def _token_rows(path: Path, meta: CaptureMeta, t: dict) -> dict[str, torch.Tensor]:
@@ -102,7 +126,7 @@ def _read_meta(path: Path, header: dict) -> CaptureMeta:
     if "meta" not in header:
         raise CaptureError(path, "header key 'meta'", "missing")
     try:
-        raw_meta = json.loads(header["meta"])
+        raw_meta = meta_json(header["meta"])
     except json.JSONDecodeError as e:
         raise CaptureError(path, "header key 'meta'", f"not valid JSON ({e.msg})") from None
     except RecursionError:  # too deep for the decoder: name the key from the text itself
@@ -167,4 +191,4 @@ def _map_tensors(path: Path, names: list[str], f) -> dict[str, torch.Tensor]:
     return out
 
 
-__all__ = ["open_capture", "read_capture"]
+__all__ = ["open_capture", "read_capture", "safetensors_open"]

@@ -32,19 +32,28 @@ from refmla.capture import CaptureError
 from refmla.atomic import WriteError
 from refmla.cli import diffkv, disagg, doctor, golden, inspect, regions, replay, sweep, synth
 from refmla.cli.capture import add_capture_parser
-from refmla.cli.common import EXIT_INVALID, UsageError, describe_inputs
+from refmla.cli.common import EXIT_INVALID, UsageError, describe_inputs, json_documents, print_json
 from refmla.signals import EXIT_SIGINT, EXIT_SIGTERM, Terminated, sigterm_raises
 
 EXIT_EPIPE = 141  # stdout closed early (a pipe to head): 128 + SIGPIPE, nothing on stderr
 from refmla.util import PrintableStream, error_text, first_line, printable
 
 
+class ParseFailed(SystemExit):
+    """A usage error found by argparse (exit 2), with its one line."""
+
+    def __init__(self, line: str):
+        super().__init__(EXIT_INVALID)
+        self.line = line
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with the contract's usage error: one line on stderr, exit 2 (subcommands inherit it)."""
 
     def error(self, message: str):  # type: ignore[override]
-        print(f"refmla: error: {self.prog}: {first_line(message)} (see {self.prog} --help)", file=sys.stderr)
-        sys.exit(EXIT_INVALID)
+        line = f"{self.prog}: {first_line(message)} (see {self.prog} --help)"
+        print(f"refmla: error: {line}", file=sys.stderr)
+        raise ParseFailed(line)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,11 +77,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line; everything it writes goes through refmla.util.printable (no raw file bytes)."""
     out, err = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = PrintableStream(out), PrintableStream(err)
+    wants_json, printed = "--json" in (sys.argv[1:] if argv is None else list(argv)), json_documents()
     try:
         with sigterm_raises():
-            return _main(argv)
+            return _main(argv, wants_json, printed)
     except BrokenPipeError:  # stdout closed early (`refmla ... | head`): no blame on any input, no traceback
         return _closed_stdout(out)
+    except ParseFailed as e:  # --json: still one document on stdout
+        _json_error(wants_json, printed, e.line)
+        raise
     except KeyboardInterrupt:  # a signal before or after the command's own handling
         return EXIT_SIGINT
     except Terminated:
@@ -91,13 +104,21 @@ def _closed_stdout(out) -> int:
     return EXIT_EPIPE
 
 
-def _main(argv: Optional[Sequence[str]] = None) -> int:
+def _json_error(wants_json: bool, printed: int, line: str) -> None:
+    """Under --json, a command that ends in an error before printing its document prints
+    ``{"ok": false, "error": LINE}``: stdout is always exactly one JSON document (docs/contract.md section 3)."""
+    if wants_json and json_documents() == printed:
+        print_json({"ok": False, "error": line})
+
+
+def _main(argv: Optional[Sequence[str]] = None, wants_json: bool = False, printed: int = 0) -> int:
     ensure_interpreter()  # no GPU: the Triton interpreter, chosen before anything imports triton
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (CaptureError, UsageError, WriteError) as e:
         print(f"refmla: error: {printable(first_line(e))}", file=sys.stderr)
+        _json_error(wants_json, printed, printable(first_line(e)))
         return EXIT_INVALID
     except KeyboardInterrupt:
         return EXIT_SIGINT
@@ -111,6 +132,7 @@ def _main(argv: Optional[Sequence[str]] = None) -> int:
         where = printable(describe_inputs(args))
         where = f"{where}: " if where else ""
         print(f"refmla: error: {where}{error_text(e)} (set REFMLA_DEBUG=1 for the traceback)", file=sys.stderr)
+        _json_error(wants_json, printed, f"{where}{error_text(e)}")
         return EXIT_INVALID
 
 

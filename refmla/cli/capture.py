@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from refmla.hook.config import ENV_PREFIX, ConfigError, HookConfig, parse_bytes, parse_int_set
+from refmla.hook.config import ENV_PREFIX, ConfigError, HookConfig, IdSet, parse_bytes, parse_int_set
 
 SITE_DIR = Path(__file__).resolve().parents[1] / "hook" / "sitecustomize"
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the folder that holds refmla/
@@ -84,16 +84,30 @@ def _names(text: str) -> frozenset[str]:
     return frozenset(n.strip() for n in text.split(",") if n.strip())
 
 
+# the highest id a range option may name, plus one: a model has at most a few hundred layers
+# (DeepSeek-V3 61), a server at most a few thousand ranks; an id past these names nothing to capture
+ID_LIMITS = {"--layers": 1 << 12, "--ranks": 1 << 16}
+
+
+def _ids(text: str, name: str) -> Optional[IdSet]:
+    """parse_int_set, bounded: an id at or past ID_LIMITS[name] is a usage error (it captures nothing)."""
+    ids = parse_int_set(text, name)
+    if ids is not None and ids.ranges and ids.ranges[-1][1] >= ID_LIMITS[name]:
+        raise ConfigError(f"{name}={text.strip()!r}: id {ids.ranges[-1][1]} is past {ID_LIMITS[name] - 1}, "
+                          f"the highest id {name[2:]} can have")  # fmt: skip
+    return ids
+
+
 def config_from_args(args) -> HookConfig:
     """The HookConfig that ``capture run``'s options describe; ConfigError when one cannot be parsed."""
     if not args.out.strip():  # abspath("") is the working directory: never by accident
         raise ConfigError(f"--out {args.out!r} is empty: name the output folder")
     cfg = HookConfig(
         out_dir=os.path.abspath(args.out),
-        layers=parse_int_set(args.layers, "--layers"),
+        layers=_ids(args.layers, "--layers"),
         modes=_names(args.modes),
         min_seq_len=args.min_seq_len,
-        ranks=parse_int_set(args.ranks, "--ranks"),
+        ranks=_ids(args.ranks, "--ranks"),
         backends=_names(args.backends),
         every=args.every,
         max_files=args.max_files,

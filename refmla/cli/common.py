@@ -97,6 +97,7 @@ def unrun_exit(reports: Sequence[Any], asked: Optional[Sequence[str]], allow_ski
         print(printable(f"refmla: error: {capture}: backend {name} was asked for and did not run ({first_line(why)}); "
                         "--allow-skip accepts that"), file=sys.stderr)  # fmt: skip
     return EXIT_NOT_RUN if missing else EXIT_OK
+_PRINTED = [0]  # JSON documents printed on stdout by this process (refmla.cli.main: one per command)
 
 
 def print_json(obj: Any) -> None:
@@ -104,6 +105,12 @@ def print_json(obj: Any) -> None:
     text = json.dumps(json_safe(obj), indent=2, allow_nan=False)
     with signals_deferred():  # a signal waits until the document is out: never a cut one
         print(text, flush=True)
+        _PRINTED[0] += 1
+
+
+def json_documents() -> int:
+    """How many documents :func:`print_json` has printed in this process."""
+    return _PRINTED[0]
 
 
 def need_matplotlib() -> None:

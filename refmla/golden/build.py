@@ -33,7 +33,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -45,6 +45,7 @@ from refmla.compare import Tolerance
 from refmla.golden.cases import SUITES, GoldenCase
 from refmla.golden.determinism import DTYPES, grid_normal, nan_filled, shuffled
 from refmla.scales import Scales
+from refmla.signals import signals_deferred
 from refmla.schedule import split_bounds
 
 GENERATOR = "refmla.golden/2"  # bump when an unchanged case would come out as different bytes
@@ -243,26 +244,35 @@ def generate(out_dir: PathLike, suite: str = "quick") -> dict[str, Any]:
         raise KeyError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
     out = make_dir(out_dir)
     check_target(out / MANIFEST)
-    _refuse_foreign_manifest(out / MANIFEST)
+    before = _refuse_foreign_manifest(out / MANIFEST)
     try:  # the suite is being rewritten: incomplete until the new manifest lands, last
         (out / MANIFEST).unlink(missing_ok=True)
     except OSError as e:
         raise WriteError(out / MANIFEST, e.strerror or type(e).__name__) from None
-    cases = [write_case(case, out) for case in SUITES[suite].values()]
-    manifest = {"format": "refmla.golden.manifest/1", "generator": GENERATOR, "suite": suite,
-                "capture_format": "refmla.capture/1", "cases": cases}  # fmt: skip
-    write_text(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    try:
+        cases = [write_case(case, out) for case in SUITES[suite].values()]
+        manifest = {"format": "refmla.golden.manifest/1", "generator": GENERATOR, "suite": suite,
+                    "capture_format": "refmla.capture/1", "cases": cases}  # fmt: skip
+        write_text(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    except BaseException:  # interrupted (SIGINT / SIGTERM) or failed: the manifest as it was before
+        with signals_deferred():
+            if before is None:
+                (out / MANIFEST).unlink(missing_ok=True)
+            else:
+                write_text(out / MANIFEST, before)
+        raise
     return manifest
 
 
-def _refuse_foreign_manifest(path: Path) -> None:
-    """A manifest.json that is not a golden manifest is a user's file: never replaced."""
+def _refuse_foreign_manifest(path: Path) -> Optional[str]:
+    """A manifest.json that is not a golden manifest is a user's file: never replaced. Returns the
+    golden manifest's text (None: there is none)."""
     try:
         text = path.read_text(errors="replace") if path.is_file() else None
     except OSError as e:
         raise WriteError(path, e.strerror or type(e).__name__) from None
     if text is None:
-        return
+        return None
     try:
         fmt = json.loads(text).get("format")
     except (ValueError, AttributeError, RecursionError):
@@ -270,6 +280,7 @@ def _refuse_foreign_manifest(path: Path) -> None:
     if fmt != "refmla.golden.manifest/1":
         raise WriteError(path, "exists and is not a golden manifest (refmla.golden.manifest/1): not replaced; "
                          "choose another --out")  # fmt: skip
+    return text
 
 
 def load_manifest(golden_dir: PathLike) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from refmla.capture import CaptureError
+from refmla.capture import CaptureError, check_meta_numbers
 from refmla.capture.format import META_KEYS as DENSE_META_KEYS
 from refmla.capture.format import _check_geometry as check_geometry
 from refmla.regions import PoolMeta, RegionCheck, check_region
@@ -97,6 +97,7 @@ def is_sparse_meta(raw: Any) -> bool:
 
 def parse_sparse_meta(raw: Mapping[str, Any], path: Any = "<meta>") -> SparseMeta:
     """Validate the meta of a sparse capture (types, then bounds) and build SparseMeta."""
+    check_meta_numbers(raw, path)  # every numeric key's type, finiteness and range (refmla.capture.numbers)
     kw: dict[str, Any] = {}
     for key, (typ, required) in META_KEYS.items():
         if raw.get(key) is None:

@@ -19,7 +19,8 @@ import torch
 from refmla import CAPTURE_FORMAT
 from refmla.atomic import write_bytes
 from refmla.capture import CaptureError
-from refmla.capture.read import open_capture
+from refmla.capture.numbers import meta_json
+from refmla.capture.read import open_capture, safetensors_open
 from refmla.capture.write import sorted_header
 from refmla.sparse.format import TENSORS, SparseCapture, SparseMeta, is_sparse_meta, parse_sparse_meta
 from refmla.sparse.layouts import PackedLayout
@@ -194,11 +195,9 @@ def nonfinite_inputs(cap: SparseCapture, ref_out: torch.Tensor, lonely: torch.Te
 def file_meta(path: Any) -> dict:
     """The raw ``meta`` JSON of a capture file ({} when it has none or cannot be read): to tell a
     sparse capture from a dense one before choosing the reader."""
-    from safetensors import safe_open
-
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            return json.loads((f.metadata() or {}).get("meta", "{}"), parse_int=_json_int)
+        with safetensors_open(path) as f:
+            return meta_json((f.metadata() or {}).get("meta", "{}"))
     except Exception:
         return {}
 
@@ -216,16 +215,11 @@ def _sparse_meta(path: Path, header: dict) -> SparseMeta:
     if header.get("format") != CAPTURE_FORMAT:
         raise CaptureError(path, "header key 'format'", f"expected {CAPTURE_FORMAT!r}, got {header.get('format')!r}")
     try:
-        return parse_sparse_meta(json.loads(header.get("meta", "null"), parse_int=_json_int), path)
+        return parse_sparse_meta(meta_json(header.get("meta", "null")), path)
     except (json.JSONDecodeError, TypeError, AttributeError):
         raise CaptureError(path, "header key 'meta'", "missing or not a JSON object") from None
     except ValueError as e:  # a number JSON can hold but Python refuses to parse (an int of 4,400 digits)
         raise CaptureError(path, "header key 'meta'", f"a number out of range: {str(e).split(';')[0]}") from None
-
-
-def _json_int(text: str) -> Any:
-    """An int of the meta JSON; one too long for Python to read is +inf, refused naming its key."""
-    return int(text) if len(text) <= 4000 else float("inf")
 
 
 def read_sparse(path: Any) -> SparseCapture:
