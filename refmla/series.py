@@ -63,6 +63,8 @@ def group_series(paths: Sequence[str]) -> dict[tuple, list[str]]:
         if meta is None:
             continue
         key = (meta.get("layer_id"), meta.get("tp_rank"))
+        if not all(k is None or type(k) is int for k in key):  # a bad meta key: the replay refuses it, naming it
+            continue
         groups.setdefault(key, []).append((meta.get("step"), order, p))
     out = {}
     for key, items in groups.items():

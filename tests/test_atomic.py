@@ -117,14 +117,15 @@ def test_write_failures_are_one_line_naming_the_path(tmp_path):
 
 
 def test_golden_generate_writes_the_manifest_last(tmp_path, monkeypatch):
-    """A generate that dies part way leaves no manifest (an old one is removed first): visibly incomplete."""
+    """A generate that dies part way leaves the manifest as it was before (issue 33): the previous
+    run's manifest restored, none where there was none; a completed generate writes it last."""
     import refmla.golden.build as build
     from refmla.golden import load_manifest
 
     out = tmp_path / "g"
     out.mkdir()
-    previous = {"format": "refmla.golden.manifest/1", "cases": []}  # a previous run's
-    (out / build.MANIFEST).write_text(json.dumps(previous))
+    previous = json.dumps({"format": "refmla.golden.manifest/1", "cases": []})  # a previous run's
+    (out / build.MANIFEST).write_text(previous)
     calls = []
 
     def dies_on_the_second(case, out_dir):
@@ -136,6 +137,11 @@ def test_golden_generate_writes_the_manifest_last(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "write_case", dies_on_the_second)
     with pytest.raises(KeyboardInterrupt):
         build.generate(out, suite="quick")
-    assert not (out / build.MANIFEST).exists()
+    assert (out / build.MANIFEST).read_text() == previous
+    fresh = tmp_path / "fresh"
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        build.generate(fresh, suite="quick")
+    assert not (fresh / build.MANIFEST).exists()
     with pytest.raises(FileNotFoundError, match="incomplete"):
-        load_manifest(out)
+        load_manifest(fresh)
