@@ -47,6 +47,22 @@ def find_function(module_paths: Sequence[str], attr: str, what: str) -> tuple[Ca
     raise KernelNotFound(f"{what} not found: " + "; ".join(tried))
 
 
+def first_module_with(module_paths: Sequence[str], attrs: Sequence[str]) -> tuple[Optional[Any], str, list[str]]:
+    """(module, its path, why each earlier path was not) of the first path whose module imports and
+    has every name of ``attrs`` callable; (None, "", why each was not) when none does."""
+    tried = []
+    for name in module_paths:
+        try:
+            mod = importlib.import_module(name)
+        except Exception as e:
+            tried.append(f"{name}: {type(e).__name__}: {e}")
+            continue
+        if all(callable(getattr(mod, a, None)) for a in attrs):
+            return mod, name, tried
+        tried.append(f"{name}: no {' / '.join(attrs)}")
+    return None, "", tried
+
+
 def _import_cleanly(name: str):
     """importlib.import_module(name), with no half-imported modules of its package before or after.
 

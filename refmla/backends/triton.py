@@ -317,31 +317,21 @@ class TritonBackend(Backend):
     fills_buffers = True  # out, attn_logits and attn_lse are allocated here, filled with opts.buffer_fill
 
     def availability(self) -> tuple[bool, str]:
-        interp, how = triton_interp.ensure_interpreter()  # before the first import of triton
-        try:
-            import triton
-        except Exception as e:
-            return False, f"triton not importable: {type(e).__name__}: {e}"
+        ok, how = triton_interp.triton_ready()
+        if not ok:
+            return False, how
         try:
             import sglang  # noqa: F401
         except Exception as e:
             return False, f"sglang not importable: {type(e).__name__}: {e}"
-        if not interp and not triton_interp.gpu_present():
-            return False, how
+        import triton
         try:
             fn, module_path, version = locate_decode_kernel()
         except Exception as e:
             return False, str(e)
-        interpreted = triton_interp.module_is_interpreted(_kernel_module(module_path))
-        if interpreted:
-            ok, note = triton_interp.install_bf16_dot_fix()
-            if not ok:
-                return False, note
-            where = "interpreter (bf16 dot fix applied)"
-        elif triton_interp.gpu_present():
-            where = f"compiled on {torch.cuda.get_device_name(0)}"
-        else:
-            return False, f"{module_path} was imported compiled and there is no GPU; set TRITON_INTERPRET=1"
+        ok, where = triton_interp.where_kernel_runs(_kernel_module(module_path))
+        if not ok:
+            return False, where
         return True, f"sglang {version} {module_path}.{fn.__name__}, triton {triton.__version__}, {where}"
 
     def run(self, cap: Capture, opts: ReplayOptions) -> BackendResult:

@@ -309,6 +309,32 @@ def _make_fixed(name: str, original):
     return fixed
 
 
+def triton_ready() -> tuple[bool, str]:
+    """(usable, note): triton imports and its kernels can run here (the interpreter chosen before
+    the first import, or a GPU); the note says how, or why not."""
+    interp, how = ensure_interpreter()  # before the first import of triton
+    try:
+        import triton  # noqa: F401
+    except Exception as e:
+        return False, f"triton not importable: {type(e).__name__}: {e}"
+    if not interp and not gpu_present():
+        return False, how
+    return True, how
+
+
+def where_kernel_runs(module) -> tuple[bool, str]:
+    """(runnable, where) for a located Triton kernel module: the interpreter (with the bf16 fix
+    installed), a GPU, or neither (compiled with no GPU: the reason)."""
+    if module_is_interpreted(module):
+        ok, note = install_bf16_dot_fix()
+        return (True, "interpreter (bf16 dot fix applied)") if ok else (False, note)
+    if gpu_present():
+        import torch
+
+        return True, f"compiled on {torch.cuda.get_device_name(0)}"
+    return False, f"{module.__name__} was imported compiled and there is no GPU; set TRITON_INTERPRET=1"
+
+
 def bf16_dot_fix_installed() -> bool:
     try:
         _, methods = _bf16_targets()

@@ -129,8 +129,8 @@ class VllmTritonBackend(Backend):
     name = "vllm_triton"
 
     def availability(self) -> tuple[bool, str]:
-        interp, how = triton_interp.ensure_interpreter()
-        if not interp and not triton_interp.gpu_present():
+        ok, how = triton_interp.triton_ready()
+        if not ok:
             return False, how
         try:
             fn, module_path, version = locate_vllm_kernel()

@@ -27,6 +27,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from refmla.backends.base import BackendUnavailable
+from refmla.backends.calling import first_module_with
 from refmla.sparse.format import SparseCapture
 from refmla.sparse.reference import inverse_rope, sparse_reference
 
@@ -170,16 +171,9 @@ FLASHMLA_MODULES = ("flash_mla", "sgl_kernel.flash_mla", "vllm.third_party.flash
 def flashmla_module():
     """(the first FlashMLA module exposing flash_mla_with_kvcache and get_mla_metadata, its name), or
     Unavailable with why each was not."""
-    why = []
-    for name in FLASHMLA_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except Exception as e:
-            why.append(f"{name}: {type(e).__name__}")
-            continue
-        if hasattr(mod, "flash_mla_with_kvcache") and hasattr(mod, "get_mla_metadata"):
-            return mod, name
-        why.append(f"{name}: no flash_mla_with_kvcache / get_mla_metadata")
+    mod, name, why = first_module_with(FLASHMLA_MODULES, ("flash_mla_with_kvcache", "get_mla_metadata"))
+    if mod is not None:
+        return mod, name
     raise Unavailable("FlashMLA's sparse decode is not importable (NVIDIA SM90 / SM100 builds): " + "; ".join(why))
 
 

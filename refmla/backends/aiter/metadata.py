@@ -24,14 +24,13 @@ signatures (:func:`refmla.backends.calling.kwargs_for`). Only the part a kernel 
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable, Optional
 
 import torch
 
 from refmla.backends.aiter.paths import AiterPath, sglang_modes
 from refmla.backends.base import BackendUnavailable, BackendFinding
-from refmla.backends.calling import KernelSignatureError, kwargs_for
+from refmla.backends.calling import KernelSignatureError, first_module_with, kwargs_for
 
 BUFFERS = ("work_meta_data", "work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map", "reduce_partial_map")
 CAPTURED = BUFFERS[1:]  # capture tensor "aiter_<name>"; work_meta_data (pointers) is never captured
@@ -42,17 +41,9 @@ _ALIASES = {"work_metadata": "work_metadata_ptrs", "work_meta_data": "work_metad
 
 def metadata_functions() -> tuple[Callable, Callable, str]:
     """(get_mla_metadata_info_v1, get_mla_metadata_v1, module) of the installed aiter."""
-    tried = []
-    for name in _WHERE:
-        try:
-            mod = importlib.import_module(name)
-        except Exception as e:
-            tried.append(f"{name}: {type(e).__name__}: {e}")
-            continue
-        info, meta = getattr(mod, "get_mla_metadata_info_v1", None), getattr(mod, "get_mla_metadata_v1", None)
-        if callable(info) and callable(meta):
-            return info, meta, name
-        tried.append(f"{name}: no get_mla_metadata_info_v1 / get_mla_metadata_v1")
+    mod, name, tried = first_module_with(_WHERE, ("get_mla_metadata_info_v1", "get_mla_metadata_v1"))
+    if mod is not None:
+        return mod.get_mla_metadata_info_v1, mod.get_mla_metadata_v1, name
     raise BackendUnavailable("production ran aiter's persistent kernel, not replayed here: this aiter has no "
                              "persistent metadata functions (" + "; ".join(tried) + ")")  # fmt: skip
 

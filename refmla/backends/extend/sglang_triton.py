@@ -47,27 +47,17 @@ def _sglang_version() -> str:
 
 def triton_extend_status() -> tuple[bool, str]:
     """(runnable here, note): SGLang's kernel found and either a GPU or the interpreter (bf16 fix)."""
-    interp, how = triton_interp.ensure_interpreter()
-    try:
-        import triton
-    except Exception as e:
-        return False, f"triton not importable: {type(e).__name__}: {e}"
-    if not interp and not triton_interp.gpu_present():
+    ok, how = triton_interp.triton_ready()
+    if not ok:
         return False, how
+    import triton
     try:
         fn, path = locate_extend_kernel()
     except Exception as e:
         return False, str(e)
-    interpreted = triton_interp.module_is_interpreted(importlib.import_module(path))
-    if interpreted:
-        ok, note = triton_interp.install_bf16_dot_fix()
-        if not ok:
-            return False, note
-        where = "interpreter (bf16 dot fix applied)"
-    elif triton_interp.gpu_present():
-        where = "compiled"
-    else:
-        return False, f"{path} was imported compiled and there is no GPU; set TRITON_INTERPRET=1"
+    ok, where = triton_interp.where_kernel_runs(importlib.import_module(path))
+    if not ok:
+        return False, where
     return True, f"sglang {_sglang_version()} {path}.{fn.__name__}, triton {triton.__version__}, {where}"
 
 
