@@ -30,6 +30,7 @@ copy of the layout (the README links here).
     blame.py        whom a failing backend blames: the failing part's own rows
     checks.py       metadata forensics run before every replay
     plan.py         a kernel's recorded launch plan (aiter's work / reduce maps) checked without running it
+    flashmla_plan.py  FlashMLA's recorded tile-scheduler plan checked the same way
     backends/       one module per compute path, picked by name
     isolation.py    each kernel backend in a child process: a crash (signal, GPU fault) is its error
     sparse/         DeepSeek's sparse MLA decode (V3.2 DSA, V4): packed layouts, exact decode, presets, kernel

@@ -24,6 +24,7 @@ from refmla.kvwrite.io import read_kv_write
 from refmla.merge.format import describe as describe_merge
 from refmla.merge.io import read_merge
 from refmla.checks import check_capture
+from refmla.flashmla_plan import check_flashmla_plan
 from refmla.plan import PlanCheck, check_aiter_plan
 from refmla.regions import RegionCheck, check_region
 from refmla.results import Finding, MetadataReport
@@ -87,6 +88,15 @@ def _inspect_kind(path: str, read, describe) -> InspectEntry:
     return InspectEntry(cap.path, md, meta=cap.meta.to_json(), tensors=tensors, described=describe(cap))
 
 
+def recorded_plan(cap) -> Optional[PlanCheck]:
+    """The check of the launch plan the capture recorded (aiter's work / reduce maps, FlashMLA's
+    tile-scheduler metadata), None when it holds none."""
+    if cap.flashmla_tile_scheduler_metadata is not None:
+        return check_flashmla_plan(cap.flashmla_tile_scheduler_metadata, cap.flashmla_num_splits,
+                                   cap.seq_lens.tolist(), cap.meta.extra["flashmla_sched_layout"])  # fmt: skip
+    return check_aiter_plan(cap)
+
+
 def inspect_one(path: str) -> InspectEntry:
     """One capture's entry; never raises: an unreadable capture, or one refmla fails on, is invalid."""
     try:
@@ -97,7 +107,7 @@ def inspect_one(path: str) -> InspectEntry:
         tensors = {n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for n, t in cap.tensors().items()}
         md = check_capture(cap)
         return InspectEntry(cap.path, md, meta=cap.meta.to_json(), tensors=tensors, region=check_region(cap.meta),
-                            plan=check_aiter_plan(cap) if md.ok else None)  # fmt: skip
+                            plan=recorded_plan(cap) if md.ok else None)  # fmt: skip
     except CaptureError as e:
         return InspectEntry(str(path), MetadataReport.invalid(str(e)), error=str(e))
     except Exception as e:  # one bad file must not end the run

@@ -54,6 +54,7 @@ class PlanCheck:
     work_items: int
     kernel_heads: int
     violations: list[PlanViolation] = field(default_factory=list)
+    unit: str = "work items"  # what work_items counts ("SM parts" for FlashMLA's plan)
 
     @property
     def ok(self) -> bool:
@@ -65,7 +66,7 @@ class PlanCheck:
 
     def to_json(self) -> dict:
         return {"source": self.source, "work_items": self.work_items, "kernel_heads": self.kernel_heads,
-                "ok": self.ok, "first": self.first.to_json() if self.first else None,
+                "unit": self.unit, "ok": self.ok, "first": self.first.to_json() if self.first else None,
                 "violations": [v.to_json() for v in self.violations]}  # fmt: skip
 
 

@@ -37,6 +37,8 @@ TENSORS = {
     # block-table kernels (vLLM, FlashMLA, FlashInfer / TRT-LLM, CUTLASS MLA, FA3): the table the
     # kernel got and vLLM's multi-token decode rows (docs/contract.md section 1, "block tables")
     "block_table": False, "query_start_loc": False,
+    # FlashMLA's tile-scheduler plan as its decode read it (docs/contract.md section 1, "FlashMLA plan")
+    "flashmla_tile_scheduler_metadata": False, "flashmla_num_splits": False,
 }  # fmt: skip
 # without kv_indptr / kv_indices, a capture with a block_table has them built by the reader
 BUILT_FROM_BLOCK_TABLE = ("kv_indptr", "kv_indices")
@@ -301,6 +303,8 @@ class Capture:
     aiter_reduce_partial_map: Optional[torch.Tensor] = None  # [partials]
     block_table: Optional[torch.Tensor] = None  # [B, M] page numbers (kv_buffer rows / page_size)
     query_start_loc: Optional[torch.Tensor] = None  # [B + 1] vLLM: request b's query rows
+    flashmla_tile_scheduler_metadata: Optional[torch.Tensor] = None  # [P, 8] int32 (refmla.flashmla_plan)
+    flashmla_num_splits: Optional[torch.Tensor] = None  # [B + 1] int32, cumulative splits per request
     warnings: list = field(default_factory=list)
     _attended: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
 

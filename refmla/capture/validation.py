@@ -23,7 +23,8 @@ AITER_BUFFERS = {  # aiter's persistent work buffers: name -> trailing shape (No
     "aiter_reduce_final_map": 2, "aiter_reduce_partial_map": None,
 }  # fmt: skip
 INDEX_TENSORS = ("kv_indptr", "kv_indices", "seq_lens", "num_kv_splits", "req_to_token", "orig_kv_indices",
-                 "qo_indptr", "mask_indptr", *AITER_BUFFERS, "block_table", "query_start_loc")  # fmt: skip
+                 "qo_indptr", "mask_indptr", *AITER_BUFFERS, "block_table", "query_start_loc",
+                 "flashmla_tile_scheduler_metadata", "flashmla_num_splits")  # fmt: skip
 FLOAT_TENSORS = ("q", "kv_buffer", "out", "lse", "attn_logits", "attn_lse")
 KNOWN_BACKENDS = ("triton", "aiter", "unknown", "vllm_triton", "flashmla", "flashinfer_mla", "cutlass_mla", "fa3_mla",
                   "trtllm_mla")
@@ -187,6 +188,22 @@ def check_aiter_buffers(cap: Capture, warnings: list[str]) -> None:
             _shape(cap, name, t, (None,) if cols is None else (None, cols))
 
 
+def check_flashmla_plan(cap: Capture, warnings: list[str]) -> None:
+    """FlashMLA's plan, when captured: both tensors, [P, 8] and [B + 1], and its layout named in meta
+    (the plan's contents are refmla inspect's to judge: refmla.flashmla_plan)."""
+    meta, num = cap.flashmla_tile_scheduler_metadata, cap.flashmla_num_splits
+    if meta is None and num is None:
+        return
+    if meta is None or num is None:
+        missing = "flashmla_tile_scheduler_metadata" if meta is None else "flashmla_num_splits"
+        raise _err(cap, missing, "missing (FlashMLA's plan is both tensors)")
+    _shape(cap, "flashmla_tile_scheduler_metadata", meta, (None, 8))
+    _shape(cap, "flashmla_num_splits", num, (cap.batch_size + 1,))
+    if cap.meta.extra.get("flashmla_sched_layout") not in ("block", "struct"):
+        raise CaptureError(cap.path, "meta key 'flashmla_sched_layout'",
+                           f"must be 'block' or 'struct' with a FlashMLA plan, got {cap.meta.extra.get('flashmla_sched_layout')!r}")
+
+
 def check_qo_indptr(cap: Capture, warnings: list[str]) -> None:
     """Extend / verify: [B + 1] from 0, monotone, ending at q's token count, no request with more
     new tokens than its length. Decode: ignored (warned)."""
@@ -344,6 +361,7 @@ CHECKS: tuple[Check, ...] = (
     check_num_kv_splits,
     check_optional_shapes,
     check_aiter_buffers,
+    check_flashmla_plan,
     check_qo_indptr,
     check_page_size,
     check_meta_lists,

@@ -54,6 +54,11 @@ def after(state: HookState, call: Call, backend_obj: Any, result: Any) -> None:
     tensors.update(buffers)
     if why_not:
         meta["aiter_buffers"] = why_not
+    if call.backend == "flashmla":  # the plan FlashMLA's decode read (refmla inspect checks it)
+        plan, plan_meta = nvidia.flashmla_plan(getattr(ctx.md, "flashmla_metadata", None), getattr(ctx.md, "num_splits", None))
+        if plan and plan["flashmla_num_splits"].shape[0] == ctx.batch_size + 1:
+            tensors.update(plan)
+            meta.update(plan_meta)
     name = capture_name(mode=call.mode, rank=call.rank, layer=call.layer_id, step=call.step,
                         backend=call.backend, pid=os.getpid())  # fmt: skip
     state.write(name, tensors, meta)

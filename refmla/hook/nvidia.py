@@ -92,6 +92,21 @@ def flashmla_scales(ctx: CallContext) -> tuple[float, float]:
     return scale, scale
 
 
+def flashmla_plan(sched: Any, num: Any, object_layout: str = "struct") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """FlashMLA's tile-scheduler plan a decode read (refmla.flashmla_plan), as capture tensors and meta:
+    ``sched`` / ``num`` the tensor API's tensors (layout ``block``), or ``sched`` a ``FlashMLASchedMeta``
+    once filled (``object_layout``: ``struct`` when FlashMLA's own first call filled it, ``block`` when
+    the engine put the tensor API's rows in it: vLLM's fp8 path); empty when there is none."""
+    layout = "block"
+    if sched is not None and not torch.is_tensor(sched):  # a FlashMLASchedMeta
+        sched, num, layout = getattr(sched, "tile_scheduler_metadata", None), getattr(sched, "num_splits", None), object_layout
+    if not (torch.is_tensor(sched) and torch.is_tensor(num)) or sched.dim() != 2 or sched.shape[-1] != 8:
+        return {}, {}
+    host = {"flashmla_tile_scheduler_metadata": sched.detach().to("cpu", torch.int32).clone(),
+            "flashmla_num_splits": num.detach().reshape(-1).to("cpu", torch.int32).clone()}  # fmt: skip
+    return host, {"flashmla_sched_layout": layout}
+
+
 # -- TRT-LLM-gen MLA (FlashInfer's trtllm_batch_decode_with_kv_cache_mla) -------------------------
 
 

@@ -21,6 +21,7 @@ import torch
 
 from refmla import blocktable
 from refmla.hook.call import Skip, VllmCall
+from refmla.hook.nvidia import flashmla_plan
 from refmla.hook.writer import HookState, capture_name
 
 
@@ -46,6 +47,12 @@ def after(state: HookState, call: VllmCall, impl: Any, inputs: tuple, result: An
     if splits is not None:
         tensors["num_kv_splits"] = torch.full((q.shape[0],), splits, dtype=torch.int32)
     meta = capture_meta(call, impl, q, cache, splits)
+    if call.engine_backend == "FLASHMLA":  # the plan its decode read (refmla inspect checks it)
+        fp8 = str(getattr(impl, "kv_cache_dtype", "auto")).startswith("fp8")  # vLLM's fp8 path: the tensor API's rows
+        plan, plan_meta = flashmla_plan(getattr(decode, "scheduler_metadata", None), None, "block" if fp8 else "struct")
+        if plan and plan["flashmla_num_splits"].shape[0] == q.shape[0] + 1:
+            tensors.update(plan)
+            meta.update(plan_meta)
     if lse is not None:
         meta["lse_dtype"] = str(lse.dtype).replace("torch.", "")
     name = capture_name(mode="decode", rank=call.rank, layer=call.layer_id, step=call.step, backend=call.backend,

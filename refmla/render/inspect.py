@@ -29,8 +29,9 @@ def render_inspect(e: InspectEntry) -> str:
         lines.append(f"region   {head}: {e.region.message}")
     if e.plan is not None:
         p = e.plan
-        lines.append(f"plan     {'ok' if p.ok else 'VIOLATIONS'}: {p.source}, {p.work_items} work items, "
-                     f"{p.kernel_heads} heads" + ("" if p.ok else f"; first: {p.first.kind}"))  # fmt: skip
+        heads = f", {p.kernel_heads} heads" if p.kernel_heads else ""
+        lines.append(f"plan     {'ok' if p.ok else 'VIOLATIONS'}: {p.source}, {p.work_items} {p.unit}{heads}"
+                     + ("" if p.ok else f"; first: {p.first.kind}"))  # fmt: skip
         lines += [f"  {v.kind}: {v.message}" for v in p.violations]
     if e.series is not None:
         found = [f for f in e.series if f.severity in ("warning", "note")]
