@@ -93,6 +93,19 @@ def test_block_table_mistakes_are_named_with_their_detail(tmp_path, plant, block
     assert not entry.info.get("hypothesis_errors"), entry.info["hypothesis_errors"]
 
 
+@pytest.mark.parametrize("plant", ["pages_shift_partial", "null_block_for_page"])
+def test_a_page_of_garbage_rows_is_named_at_deepseek_v3s_16_heads(tmp_path, plant):
+    """The page read from the null block (large finite garbage) makes the request's output ten
+    times the reference's, and its bf16 rounding with it: screened against the reference's own
+    allowance the right candidate looked 4x off and the fault ended unexplained at 16 heads."""
+    cap, detail = _capture(tmp_path, 16, False, plant, heads=16, seq_lens=(1030, 283, 600, 77))
+    entry = replay_capture(cap, ReplayOptions(backends=["reference"])).backends["observed"]
+    _, hypothesis, keys = pv.PLANTS[plant]
+    e = entry.explanation
+    assert e is not None and e.complete and e.hypothesis == hypothesis, entry.localization.text()
+    assert {k: e.detail[k] for k in keys} == {k: detail[k] for k in keys}, e.text()
+
+
 def test_a_fault_on_observed_is_diagnosed_observed(tmp_path):
     _vllm_ready()
     cap, _ = _capture(tmp_path, 16, True, "null_block_for_page")

@@ -135,9 +135,14 @@ def explained(
 
 
 def rescore(s: Search, b: int, expected: torch.Tensor) -> float:
-    """Screening ratio of request b's rows against a candidate's fp64 expectation."""
+    """Screening ratio of request b's rows against a candidate's fp64 expectation.
+
+    The allowance is the replay's own for each row, widened where the candidate's output is larger
+    than the reference's (rounding noise follows the magnitude: a page read from a block of large
+    garbage rows gives outputs ten times the reference's, and its bf16 rounding with them); the
+    confirmation then judges the candidate with its own control, as the comparator does."""
     rows = s.rows_of(b)
-    r = s.row_ratio(s.o64[rows], expected, rows)
+    r = s.row_ratio(s.o64[rows], expected, rows) / s.magnitude_ratio(expected, rows)
     if s.mask is not None:
         r = r[s.mask[rows]]
     return float(r.max()) if r.numel() else 0.0

@@ -114,6 +114,14 @@ class Search:
         d = torch.where(torch.isfinite(d), d, torch.where(same, torch.zeros_like(d), torch.full_like(d, math.inf)))
         return d.amax(-1) / tol
 
+    def magnitude_ratio(self, expected: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """[T, H] how much larger than the reference's a candidate's row is (at least 1)."""
+        finite = torch.isfinite(expected)
+        mag = torch.where(finite, expected.abs(), torch.zeros_like(expected)).amax(-1)  # [T, H]
+        ref = self.ref[rows]
+        ref_mag = torch.where(torch.isfinite(ref), ref.abs(), torch.zeros_like(ref)).amax(-1).clamp(min=1e-300)
+        return (mag / ref_mag).clamp(min=1.0)
+
     def rows_of(self, b: int) -> torch.Tensor:
         return torch.tensor(list(self.att.queries(b)), dtype=torch.long)
 
