@@ -42,6 +42,8 @@ call that passes the filters. The rest are torch-free, as they run at interprete
     dsa_call.py       (torch) DeepSeek-V3.2 DSA's aiter decode on ROCm (_forward_aiter) as a dense decode capture
     kvwrite_call.py   (torch) the MLA KV cache writers (SGLang's pool, aiter's fused write, vLLM's
                       concat_and_cache_mla): rows before and after the write (REFMLA_CAPTURE_BACKENDS=kvwrite)
+    v4write_call.py   (torch) DeepSeek-V4's packed pool writers (a pack stored, or bf16 quantized into
+                      UE8M0 tiles): each kept slot's page bytes before and after (kvwrite too)
     merge_call.py     (torch) the state merges (SGLang's merge_state*, vLLM's merge_attn_states), and the
                       wrapper for each writer / merge the patcher installs (REFMLA_CAPTURE_BACKENDS=merge)
     vllm_paths.py     where vLLM keeps its MLA Impl classes (forward_mqa), and their capture names

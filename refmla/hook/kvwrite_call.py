@@ -10,15 +10,20 @@
     vLLM    _custom_ops.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale):
             x / scale (fp8), slots < 0 are padding and not written
 
+DeepSeek-V4's packed pool writers are read by refmla.hook.v4write_call into the same
+:class:`WriteCall` (a ``gather`` of each kept slot's bytes from the block-split pages).
+
 Before the original runs, the rows of the written slots and their two neighbours are copied (a
 small gather); after it, the same rows again. Same filters (layer, rank, ``EVERY``, graph capture)
-and budget as every capture; any exception disables the hook once, logged, never raised.
+and budget as every capture; any exception disables the hook once, logged, never raised. A writer
+called inside another captured writer (a pool method delegating to another) is not captured twice.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -49,6 +54,25 @@ class WriteCall:
     rope_of: Optional[Callable[[Any], torch.Tensor]] = None  # the rope part from the call's result
     keep: Optional[torch.Tensor] = None
     before: Optional[torch.Tensor] = None
+    # packed pages (refmla.hook.v4write_call): the kept slots' bytes [N, row_bytes], and how many slots
+    gather: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    slot_count: Optional[int] = None
+    row_bytes: Optional[int] = None
+    tensors: dict = field(default_factory=dict)  # more inputs as given (a pack's tile_scales)
+    prepare: Optional[Callable[["WriteCall"], None]] = None  # device work the capture needs (after the filters)
+
+    def take(self, keep: torch.Tensor) -> torch.Tensor:
+        """The kept rows now, on the host."""
+        return (self.gather(keep) if self.gather is not None else self.rows.index_select(0, keep)).cpu()
+
+    def count(self) -> int:
+        return self.slot_count if self.slot_count is not None else int(self.rows.shape[0])
+
+    def bytes_per_row(self) -> int:
+        return self.row_bytes if self.row_bytes is not None else int(self.rows.shape[1] * self.rows.element_size())
+
+
+_inside = threading.local()  # a writer call being captured on this thread (nested writers run plainly)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -57,7 +81,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 def _kept(call: WriteCall) -> torch.Tensor:
     s = call.slots.long()
-    return torch.unique(torch.cat([s - 1, s, s + 1]).clamp(0, call.rows.shape[0] - 1))
+    return torch.unique(torch.cat([s - 1, s, s + 1]).clamp(0, call.count() - 1))
 
 
 def capture_write(state: HookState, call: WriteCall, run: Callable[[], Any]) -> Any:
@@ -66,10 +90,12 @@ def capture_write(state: HookState, call: WriteCall, run: Callable[[], Any]) -> 
     try:
         wanted = after_call_filters(state, "kvwrite", call.layer_id)
         if wanted is not None:
-            estimate = int(call.latent.numel() * 2 * call.latent.element_size()) + 6 * call.slots.numel() * call.rows.shape[1] * call.rows.element_size()
+            estimate = int(call.latent.numel() * 2 * call.latent.element_size()) + 6 * call.slots.numel() * call.bytes_per_row()
             if state.admit(estimate):
+                if call.prepare is not None:
+                    call.prepare(call)
                 call.keep = _kept(call).to(call.rows.device)
-                call.before = call.rows.index_select(0, call.keep).cpu()
+                call.before = call.take(call.keep)
                 prepared = wanted
     except Exception as e:  # the hook never raises into the server
         state.fail(e)
@@ -84,7 +110,7 @@ def capture_write(state: HookState, call: WriteCall, run: Callable[[], Any]) -> 
 
 
 def _write(state: HookState, call: WriteCall, result: Any, rank: int, step: int) -> None:
-    after = call.rows.index_select(0, call.keep).cpu()
+    after = call.take(call.keep)
     rope = call.rope if call.rope_of is None else call.rope_of(result)
     t = {"latent": call.latent.detach().cpu(), "slots": call.slots.detach().cpu().long(),
          "pool_slots": call.keep.cpu().long(), "rows_before": call.before, "rows_after": after}  # fmt: skip
@@ -92,6 +118,7 @@ def _write(state: HookState, call: WriteCall, result: Any, rank: int, step: int)
         t["rope"] = _flat(rope).detach().cpu()
     if call.scale is not None:
         t["scale"] = torch.tensor([call.scale], dtype=torch.float32)
+    t.update({k: v.detach().cpu() for k, v in call.tensors.items()})
     layer = max(call.layer_id, 0)
     meta = {"mode": "kv_write", "writer": call.writer, "kv_dtype": dtype_name(call.rows.dtype),
             "kv_lora_rank": int(t["latent"].shape[1]), "qk_rope_head_dim": int(t["rope"].shape[1]) if "rope" in t else 0,
@@ -193,7 +220,7 @@ def wrap_writer(original: Callable, make_call: Callable[[dict], Optional[WriteCa
 
     def writer(*args, **kwargs):
         state = state_of()
-        if state is None or not state.active:
+        if state is None or not state.active or getattr(_inside, "on", False):
             return original(*args, **kwargs)
         try:
             call = make_call(bound_arguments(original, args, kwargs))
@@ -202,7 +229,11 @@ def wrap_writer(original: Callable, make_call: Callable[[dict], Optional[WriteCa
             call = None
         if call is None:
             return original(*args, **kwargs)
-        return capture_write(state, call, lambda: original(*args, **kwargs))
+        _inside.on = True
+        try:
+            return capture_write(state, call, lambda: original(*args, **kwargs))
+        finally:
+            _inside.on = False
 
     writer.__wrapped__ = original  # type: ignore[attr-defined]
     for attr in ("__name__", "__qualname__", "__doc__"):

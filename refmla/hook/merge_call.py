@@ -22,6 +22,7 @@ import torch
 
 from refmla.hook.filters import after_call_filters
 from refmla.hook.kvwrite_call import WRITER_READERS, bound_arguments, wrap_writer
+from refmla.hook.v4write_call import V4_WRITER_READERS
 from refmla.hook.writer import HookState, capture_name
 from refmla.merge.io import write_merge
 
@@ -99,14 +100,15 @@ def wrap_merge(original: Callable, merger: str, read: Callable[[dict, Any], Opti
 
 
 MERGE_READERS = {"sglang": sglang_tensors, "vllm": vllm_tensors}
+ALL_WRITER_READERS = {**WRITER_READERS, **V4_WRITER_READERS}  # sglang_paths.KV_WRITERS' reader names
 
 
 def wrapper_for(kind: str, reader: str, original: Callable, name: str,
                 state_of: Callable[[], Optional[HookState]]) -> Callable:  # fmt: skip
     """The wrapper the patcher installs for a writer (kind "kvwrite") or a merge (kind "merge")."""
     if kind == "kvwrite":
-        return wrap_writer(original, WRITER_READERS[reader], state_of)
+        return wrap_writer(original, ALL_WRITER_READERS[reader], state_of)
     return wrap_merge(original, f"{reader}.{name}", MERGE_READERS[reader], state_of)
 
 
-__all__ = ["MERGE_READERS", "capture_merge", "sglang_tensors", "vllm_tensors", "wrap_merge", "wrapper_for"]
+__all__ = ["ALL_WRITER_READERS", "MERGE_READERS", "capture_merge", "sglang_tensors", "vllm_tensors", "wrap_merge", "wrapper_for"]

@@ -11,6 +11,8 @@ Checked against SGLang 0.5.23; older paths are kept as fall-backs, newest first 
 | aiter MLA entry points | ``sglang.srt.layers.attention.aiter_backend``, ``aiter.mla`` | ``mla_decode_fwd``, ``mla_gluon_decode``, ``get_mla_metadata_v1``, ``get_mla_metadata_info_v1``, ``_use_persistent_mla_decode`` (probed, each optional) |
 | DSA aiter decode (V3.2, ROCm) | ``sglang.srt.layers.attention.dsa_backend`` | ``DeepseekSparseAttnBackend._forward_aiter`` (refmla.hook.patching wraps it) |
 | MLA KV writers (``kvwrite``) | ``sglang.srt.mem_cache.memory_pool``, ``...attention_forward_methods.forward_mla_rocm`` | ``MLATokenToKVPool.set_mla_kv_buffer`` / ``.set_kv_buffer``, ``fused_qk_rope_cat_and_cache_mla`` (aiter, ROCm) |
+| DeepSeek-V4 packed KV writers (``kvwrite``) | ``sglang.srt.mem_cache.deepseek_v4_memory_pool`` | ``DeepSeekV4TokenToKVPool.set_swa_key_buffer`` / ``.set_extra_key_buffer`` (a pack), ``.set_swa_key_buffer_radix_fused`` / ``.set_extra_key_buffer_fused`` (quantized by ``fused_store_cache``) |
+| which V4 store quantizes | ``sglang.kernels.ops.attention.dsv4.attn``, ``sglang.kernels.ops.quantization.fp8_kernel`` | ``is_hip_runtime`` (ROCm: ``triton_fused_store_flashmla``), ``is_fp8_fnuz`` |
 | state merges (``merge``) | ``sglang.srt.layers.attention.merge_state``, ``sglang.kernels.ops.attention.merge_state`` | ``merge_state``, ``merge_state_v2``, ``merge_state_triton`` |
 | graph-capture flag | ``sglang.srt.model_executor.runner_utils.capture_mode`` (0.5.x), ``sglang.srt.model_executor.cuda_graph_runner`` (0.4.x) | ``get_is_capture_mode`` |
 
@@ -60,7 +62,20 @@ KV_WRITERS: dict[str, tuple[tuple[Optional[str], str, str], ...]] = {
     # ROCm: the fused rope + quantize + cache write the DeepSeek attention calls through this global
     "sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla_rocm": (
         (None, "fused_qk_rope_cat_and_cache_mla", "aiter_fused"),),
+    # DeepSeek-V4 (refmla.hook.v4write_call): the pool methods its attention backend and compressors
+    # call; set_swa_key_buffer_radix delegates to set_swa_key_buffer (captured once)
+    "sglang.srt.mem_cache.deepseek_v4_memory_pool": (
+        ("DeepSeekV4TokenToKVPool", "set_swa_key_buffer", "dsv4_swa_pack"),
+        ("DeepSeekV4TokenToKVPool", "set_extra_key_buffer", "dsv4_extra_pack"),
+        ("DeepSeekV4TokenToKVPool", "set_swa_key_buffer_radix_fused", "dsv4_swa_fused"),
+        ("DeepSeekV4TokenToKVPool", "set_extra_key_buffer_fused", "dsv4_extra_fused")),
 }  # fmt: skip
+# DeepSeek-V4's quantizing store (fused_store_cache): ROCm runs triton_fused_store_flashmla (its tile
+# amax floor EPS=1e-8, fp8 e4m3fnuz where is_fp8_fnuz()), CUDA the JIT FusedStoreCacheFlashMLAKernel
+# (store.cuh: fmaxf(1e-4f, abs_max), e4m3fn); module -> the probe, and the floors
+DSV4_STORE_PROBES = (("sglang.kernels.ops.attention.dsv4.attn", "is_hip_runtime"),
+                     ("sglang.kernels.ops.quantization.fp8_kernel", "is_fp8_fnuz"))  # fmt: skip
+DSV4_AMAX_FLOOR = {"cuda": 1e-4, "rocm_triton": 1e-8}
 MERGES: dict[str, tuple[tuple[Optional[str], str, str], ...]] = {
     "sglang.srt.layers.attention.merge_state": ((None, "merge_state", "sglang"), (None, "merge_state_v2", "sglang")),
     "sglang.kernels.ops.attention.merge_state": ((None, "merge_state_triton", "sglang"),),

@@ -11,6 +11,11 @@ Tensors (``T`` tokens written, ``N`` pool rows kept, ``D = kv_lora_rank + qk_rop
     rows_before  [N, D]                 those rows before the write, in the pool's dtype
     rows_after   [N, D]                 and after it
 
+A packed capture (meta ``kv_layout`` ``v4``, DeepSeek-V4's UE8M0 pages: refmla.kvwrite.packed)
+keeps each kept slot's bytes instead, rows [N, 584] uint8 (its data row, then its scale row), with
+``latent`` / ``rope`` what its writer was given: the [T, 448] + [T, 64] latent it quantizes, or
+the pack (fp8 ``latent``, bf16 ``rope``, ``tile_scales`` [T, 7] uint8 exponents) it stores.
+
 Every inconsistency is a :class:`~refmla.capture.CaptureError` naming the file and the tensor or key.
 """
 
@@ -24,11 +29,13 @@ import torch
 
 from refmla.capture.format import CaptureError
 from refmla.capture.kinds import KindMeta, meta_int
+from refmla.kvwrite import packed
+from refmla.kvwrite.packed import INPUT_DTYPES, PACKED_INPUTS, PACKED_LAYOUTS
 
 MODE = "kv_write"
 TENSORS = {"latent": True, "rope": False, "slots": True, "scale": False, "pool_slots": True,
-           "rows_before": True, "rows_after": True}  # fmt: skip
-# the pool dtypes a writer stores (packed UE8M0 tiles are not read by this kind yet)
+           "rows_before": True, "rows_after": True, "tile_scales": False}  # fmt: skip
+# the pool dtypes a writer stores (a packed layout's: the fp8 of its nope part, meta kv_layout)
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
              "float8_e4m3fn": torch.float8_e4m3fn, "float8_e4m3fnuz": torch.float8_e4m3fnuz}  # fmt: skip
 FP8 = ("float8_e4m3fn", "float8_e4m3fnuz")
@@ -36,7 +43,6 @@ FP8 = ("float8_e4m3fn", "float8_e4m3fnuz")
 # quantize + cache write), or its caller before the call (SGLang's MLA pool: the backend divides k by
 # layer.k_scale, the pool only casts) -- then the capture's inputs are already divided
 SCALE_APPLIED = ("writer", "caller")
-INPUT_DTYPES = {torch.bfloat16, torch.float16, torch.float32}
 
 
 @dataclass
@@ -50,6 +56,22 @@ class KvWriteMeta(KindMeta):
     caller_k_scale: Optional[float] = None  # SGLang: layer.k_scale the caller divided by (information)
     page_size: Optional[int] = None
     disagg_mode: Optional[str] = None  # "prefill" on a prefill node (refmla disagg's writer link)
+    kv_layout: Optional[str] = None  # PACKED_LAYOUTS ("v4"); None: one row of D values per slot
+    packed_input: Optional[str] = None  # packed: "latent" (the writer quantizes) | "pack" (it stores a pack)
+    amax_floor: Optional[float] = None  # packed latent writers: the tile amax floor of their UE8M0 rule
+
+    @property
+    def packed(self) -> bool:
+        return self.kv_layout is not None
+
+    @property
+    def row_width(self) -> int:
+        """A kept row's width: D values, or a packed token's bytes."""
+        return packed.layout_of(self.kv_layout).bytes_per_token if self.packed else self.head_dim
+
+    @property
+    def row_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.packed else self.dtype
 
     @property
     def head_dim(self) -> int:
@@ -60,6 +82,9 @@ class KvWriteMeta(KindMeta):
         return KV_DTYPES[self.kv_dtype]
 
     def summary(self) -> str:
+        if self.packed:
+            return (f"writer {self.writer}  {self.kv_layout} pages of {self.page_size} (fp8 {self.kv_dtype}, UE8M0 "
+                    f"tiles) D={self.kv_lora_rank}+{self.qk_rope_head_dim}  given the {self.packed_input}{self.where()}")  # fmt: skip
         return (f"writer {self.writer}  kv={self.kv_dtype} D={self.kv_lora_rank}+{self.qk_rope_head_dim}  "
                 f"scale applied by the {self.scale_applied}{self.where()}")  # fmt: skip
 
@@ -86,7 +111,34 @@ def parse_kv_write_meta(raw: Any, path: Any) -> KvWriteMeta:
         if isinstance(cks, bool) or not isinstance(cks, (int, float)) or not math.isfinite(cks) or cks <= 0:
             raise CaptureError(path, "meta key 'caller_k_scale'", f"expected a finite positive number, got {cks!r}")
         meta.caller_k_scale = float(cks)
+    if raw.get("kv_layout") is not None:
+        _parse_packed(meta, raw, path)
     return meta
+
+
+def _parse_packed(meta: KvWriteMeta, raw: dict, path: Any) -> None:
+    """The keys of a packed capture (meta kv_layout), each checked; CaptureError names the key."""
+    def bad(key: str, why: str) -> CaptureError:
+        return CaptureError(path, f"meta key '{key}'", why)
+
+    if raw["kv_layout"] not in PACKED_LAYOUTS:
+        raise bad("kv_layout", f"expected one of {', '.join(PACKED_LAYOUTS)}, got {raw['kv_layout']!r}")
+    lay = packed.layout_of(raw["kv_layout"])
+    if meta.kv_dtype not in FP8:
+        raise bad("kv_dtype", f"a {raw['kv_layout']} page stores fp8 ({', '.join(FP8)}), got {meta.kv_dtype!r}")
+    if raw.get("packed_input") not in PACKED_INPUTS:
+        raise bad("packed_input", f"expected one of {', '.join(PACKED_INPUTS)}, got {raw.get('packed_input')!r}")
+    for key, want in (("kv_lora_rank", lay.d_nope), ("qk_rope_head_dim", lay.d_rope)):
+        if getattr(meta, key) != want:
+            raise bad(key, f"a {lay.name} page holds {want}, got {getattr(meta, key)}")
+    meta.kv_layout, meta.packed_input = raw["kv_layout"], raw["packed_input"]
+    meta.page_size = meta_int(raw, "page_size", path, 1)
+    floor = raw.get("amax_floor")
+    if meta.packed_input == "latent" or floor is not None:
+        number = isinstance(floor, (int, float)) and not isinstance(floor, bool)
+        if not number or not math.isfinite(floor) or not 0 < floor <= 1:
+            raise bad("amax_floor", f"expected a finite number in (0, 1] (a quantizing writer's), got {floor!r}")
+        meta.amax_floor = float(floor)
 
 
 @dataclass
@@ -100,6 +152,7 @@ class KvWriteCapture:
     rows_after: torch.Tensor
     rope: Optional[torch.Tensor] = None
     scale: Optional[torch.Tensor] = None
+    tile_scales: Optional[torch.Tensor] = None  # packed "pack" writers: the [T, tiles] UE8M0 exponents given
     warnings: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -129,7 +182,13 @@ def validate(cap: KvWriteCapture) -> None:
     m, T = cap.meta, cap.latent.shape[0] if cap.latent.dim() == 2 else -1
     if cap.latent.dim() != 2 or cap.latent.shape[1] != m.kv_lora_rank:
         _fail(cap, "latent", f"shape {list(cap.latent.shape)}, expected [T, {m.kv_lora_rank}] (kv_lora_rank)")
-    for name in ("latent", "rope"):
+    if m.packed:
+        problem = packed.input_problem(cap)
+        if problem:
+            _fail(cap, *problem)
+    elif cap.tile_scales is not None:
+        _fail(cap, "tile_scales", "only a packed capture (meta kv_layout) holds tile scales")
+    for name in ("latent", "rope") if not m.packed else ():
         t = getattr(cap, name)
         if t is not None and t.dtype not in INPUT_DTYPES:
             _fail(cap, name, f"dtype {t.dtype}, expected bfloat16, float16 or float32")
@@ -143,8 +202,9 @@ def validate(cap: KvWriteCapture) -> None:
         _fail(cap, "pool_slots", "expected [N] int64, strictly increasing")
     for name in ("rows_before", "rows_after"):
         t = getattr(cap, name)
-        if list(t.shape) != [ps.shape[0], m.head_dim] or t.dtype != m.dtype:
-            _fail(cap, name, f"shape {list(t.shape)} {t.dtype}, expected [{ps.shape[0]}, {m.head_dim}] {m.kv_dtype}")
+        if list(t.shape) != [ps.shape[0], m.row_width] or t.dtype != m.row_dtype:
+            want = "uint8 (packed token bytes)" if m.packed else m.kv_dtype
+            _fail(cap, name, f"shape {list(t.shape)} {t.dtype}, expected [{ps.shape[0]}, {m.row_width}] {want}")
     if T and bool((cap.slots < 0).any()):
         _fail(cap, "slots", f"negative slot {int(cap.slots.min())}")
     pos = cap.positions().clamp(max=max(ps.shape[0] - 1, 0))
@@ -152,16 +212,16 @@ def validate(cap: KvWriteCapture) -> None:
     if T and bool(missing.any()):
         t = int(missing.nonzero()[0])
         _fail(cap, "slots", f"token {t} slot {int(cap.slots[t])} is not among the kept rows (pool_slots)")
+    if cap.scale is not None and m.packed:
+        _fail(cap, "scale", f"a {m.kv_layout} page's scales are per tile (UE8M0 exponents): no one scale applies")
     if cap.scale is not None:
         s = cap.scale.reshape(-1)
         if s.numel() != 1 or not s.dtype.is_floating_point or not math.isfinite(float(s[0])) or float(s[0]) <= 0:
             _fail(cap, "scale", f"expected one finite positive float, got {s.tolist()[:4]}")
-    elif m.kv_dtype in FP8 and m.scale_applied == "writer":
+    elif m.kv_dtype in FP8 and m.scale_applied == "writer" and not m.packed:
         _fail(cap, "scale", f"missing: an {m.kv_dtype} writer that applies its scale must record it")
     if T != len(set(cap.slots.tolist())):
         cap.warnings.append("some slots are written twice in this call: their rows are not compared")
-
-
 
 
 def describe(cap: KvWriteCapture) -> dict:
@@ -171,7 +231,8 @@ def describe(cap: KvWriteCapture) -> dict:
             "slots": [int(s.min()), int(s.max())] if cap.tokens else [], "kv_dtype": cap.meta.kv_dtype,
             "head_dim": f"{cap.meta.kv_lora_rank} + {cap.meta.qk_rope_head_dim}",
             "scale": cap.scale_value(), "scale_applied": cap.meta.scale_applied,
-            "caller_k_scale": cap.meta.caller_k_scale}  # fmt: skip
+            "caller_k_scale": cap.meta.caller_k_scale,
+            **(packed.describe_packed(cap) if cap.meta.packed else {})}  # fmt: skip
 
 
 __all__ = ["FP8", "KV_DTYPES", "MODE", "SCALE_APPLIED", "TENSORS", "KvWriteCapture", "KvWriteMeta", "describe",

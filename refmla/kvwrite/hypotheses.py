@@ -30,6 +30,7 @@ class Mismatch:
     rows: torch.Tensor  # [T, D] documented token rows
     tokens: list[int]  # tokens whose own slot does not hold their documented row
     others: list[int]  # kept rows the call did not write that changed (positions in pool_slots)
+    width: Optional[int] = None  # the leading bytes / columns a writer writes (packed: all but the pad)
 
     def slots(self, cap: KvWriteCapture) -> list[int]:
         return [int(cap.slots[t]) for t in self.tokens]
@@ -72,8 +73,9 @@ def _other_slot(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:
     if not mm.tokens:
         return None
     moved = []
+    w = mm.width or cap.rows_after.shape[1]
     for t in mm.tokens:
-        hit = same_bytes(cap.rows_after, mm.rows[t][None].expand_as(cap.rows_after))  # [N]
+        hit = same_bytes(cap.rows_after[:, :w], mm.rows[t, :w][None].expand(cap.rows_after.shape[0], w))  # [N]
         hit[cap.positions()[t]] = False
         if not bool(hit.any()):
             return None
@@ -94,6 +96,8 @@ def _neighbours(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:
 
 
 HYPOTHESES = (_scale, _rope_offset, _other_slot, _neighbours)
+# the mechanisms every layout shares (refmla.kvwrite.packed_hypotheses reuses them)
+row_to_other_slot, neighbour_overwritten, explained = _other_slot, _neighbours, _explained
 
 
 def explain(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:
@@ -105,4 +109,4 @@ def explain(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:
     return None
 
 
-__all__ = ["HYPOTHESES", "Mismatch", "explain"]
+__all__ = ["HYPOTHESES", "Mismatch", "explain", "explained", "neighbour_overwritten", "row_to_other_slot"]

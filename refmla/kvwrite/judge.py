@@ -1,7 +1,9 @@
 """One KV writer capture judged: the documented rows against the rows the writer stored, bit for
 bit, the difference explained (refmla.kvwrite.hypotheses), as the shared
 :class:`refmla.results.ReplayReport` (backends ``reference`` and ``observed``, the verdict, a
-diagnosis class of docs/contract.md section 6: ``kv_writer``, ``kv_saturated``)."""
+diagnosis class of docs/contract.md section 6: ``kv_writer``, ``kv_saturated``). A packed capture
+(meta ``kv_layout``) is compared the same way, byte for byte over its token rows, its mistakes
+those of refmla.kvwrite.packed_hypotheses and its error in values decoded by refmla.sparse.layouts."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ from typing import Any
 
 import torch
 
+from refmla.kvwrite import packed
 from refmla.kvwrite.format import KvWriteCapture
 from refmla.kvwrite.hypotheses import Mismatch, explain
+from refmla.kvwrite.packed_hypotheses import explain_packed
 from refmla.kvwrite.reference import expected_pool, fp8_max, same_bytes, saturated, written_rows
 from refmla.results import BackendEntry, Finding, MetadataReport, ReplayReport
 from refmla.util import dtype_name
@@ -28,14 +32,21 @@ def mismatch(cap: KvWriteCapture) -> Mismatch:
     tokens = [t for t in range(cap.tokens) if not bool(ok[pos[t]]) and int(cap.slots[t]) not in twice]
     written = set(pos.tolist())
     others = [p for p in range(cap.pool_slots.shape[0]) if p not in written and not bool(ok[p])]
-    return Mismatch(rows=rows, tokens=tokens, others=others)
+    width = packed.written_width(cap) if cap.meta.packed else None
+    return Mismatch(rows=rows, tokens=tokens, others=others, width=width)
 
 
 def _observed(cap: KvWriteCapture, mm: Mismatch, explain_failures: bool) -> BackendEntry:
-    exp = expected_pool(cap, mm.rows).double()
-    err = (cap.rows_after.double() - exp).abs().nan_to_num(nan=float("inf"))
+    exp, got = expected_pool(cap, mm.rows), cap.rows_after
+    same = same_bytes(exp, got)  # [N]: a row stored bit for bit has no error (NaN garbage included)
+    if cap.meta.packed:  # the bytes' values, decoded (refmla.sparse.layouts)
+        exp, got = packed.row_values(exp, cap), packed.row_values(got, cap)
+    err = (got.double() - exp.double()).abs().nan_to_num(nan=float("inf"))[~same]
+    err = err if err.numel() else torch.zeros(1)
     info: dict[str, Any] = {"writer": cap.meta.writer, "rows_compared": int(cap.pool_slots.shape[0]),
                             "tokens_written": cap.tokens, "kv_dtype": cap.meta.kv_dtype}  # fmt: skip
+    if cap.meta.packed:
+        info.update(kv_layout=cap.meta.kv_layout, page_size=cap.meta.page_size, packed_input=cap.meta.packed_input)
     if not mm.tokens and not mm.others:
         return BackendEntry("pass", max_abs_err=0.0, info=info)
     said = [f"{len(mm.tokens)} of {cap.tokens} written row(s) differ"] if mm.tokens else []
@@ -48,7 +59,7 @@ def _observed(cap: KvWriteCapture, mm: Mismatch, explain_failures: bool) -> Back
                 changed_unwritten_slots=[int(cap.pool_slots[p]) for p in mm.others])  # fmt: skip
     entry = BackendEntry("fail", reason="; ".join(said), max_abs_err=float(err.max()), info=info)
     if explain_failures:
-        entry.explanation = explain(cap, mm)
+        entry.explanation = (explain_packed if cap.meta.packed else explain)(cap, mm)
     return entry
 
 
@@ -77,7 +88,8 @@ def judge_kv_write(cap: KvWriteCapture, opts: Any = None) -> ReplayReport:
         report.diagnosis_text = (f"the writer stored what it was given, but the scale {cap.scale_value():g} is too "
                                  f"small: {findings[-1].message}")  # fmt: skip
     else:
-        report.diagnosis_text = f"the KV writer stored every row as documented ({dtype_name(cap.meta.dtype)})"
+        what = f"{cap.meta.kv_layout} pages, UE8M0 tiles" if cap.meta.packed else dtype_name(cap.meta.dtype)
+        report.diagnosis_text = f"the KV writer stored every row as documented ({what})"
     return report
 
 

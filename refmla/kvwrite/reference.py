@@ -7,7 +7,9 @@
                               aiter's quantize, SGLang's cast: ``x.to(fp8)``, its caller divided)
 
 :func:`written_rows` takes the variants the hypotheses try (the scale not applied, applied
-inverted) as a :class:`Variant`, so there is one writer model.
+inverted) as a :class:`Variant`, so there is one writer model. A packed capture (meta
+``kv_layout``) has its own exact rule, per tile (refmla.kvwrite.packed): its documented token rows
+come from there, and its saturation is none (each tile's scale covers its amax).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import torch
 
+from refmla.kvwrite import packed
 from refmla.kvwrite.format import FP8, KvWriteCapture
 
 
@@ -43,7 +46,10 @@ def scaled_input(cap: KvWriteCapture, variant: Variant = DOCUMENTED) -> torch.Te
 
 
 def written_rows(cap: KvWriteCapture, variant: Variant = DOCUMENTED) -> torch.Tensor:
-    """[T, D] in the pool's dtype: what each token's row holds after a writer of this variant."""
+    """[T, D] in the pool's dtype: what each token's row holds after a writer of this variant
+    (packed: the documented writer's token bytes, refmla.kvwrite.packed)."""
+    if cap.meta.packed:
+        return packed.written_rows(cap)
     x = scaled_input(cap, variant)
     if cap.meta.kv_dtype in FP8:
         m = fp8_max(cap.meta.kv_dtype)
@@ -53,7 +59,7 @@ def written_rows(cap: KvWriteCapture, variant: Variant = DOCUMENTED) -> torch.Te
 
 def saturated(cap: KvWriteCapture) -> dict[str, int]:
     """fp8 only: elements whose scaled value lies past the format's range, per part ({} if none)."""
-    if cap.meta.kv_dtype not in FP8:
+    if cap.meta.kv_dtype not in FP8 or cap.meta.packed:
         return {}
     over = scaled_input(cap).abs() > fp8_max(cap.meta.kv_dtype)  # [T, D]
     L = cap.meta.kv_lora_rank

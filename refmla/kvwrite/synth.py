@@ -6,6 +6,9 @@ the documented way, or with the fault.
 Faults: none, scale_missing, scale_inverted, rope_offset (rope stored at column 0), neighbour_slot
 (one token's row stored at its slot + 1), neighbour_overwritten (the row after one slot zeroed),
 saturated (a scale too small for the rope part: vLLM #42956).
+
+DeepSeek-V4's packed pages (presets ``kv-write-v4*``, their faults also ``ue8m0_exponent``) are
+written by refmla.kvwrite.packed_synth; :func:`synth_kv_write` hands those presets to it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 
 import torch
 
+from refmla.kvwrite import packed_synth
 from refmla.kvwrite.io import write_kv_write
 
 FAULTS = ("none", "scale_missing", "scale_inverted", "rope_offset", "neighbour_slot", "neighbour_overwritten",
@@ -40,6 +44,8 @@ PRESETS = {
     "kv-write-fp8-fnuz": KvWriteSpec("kv-write-fp8-fnuz", "float8_e4m3fnuz",
                                      "aiter.fused_qk_rope_concat_and_cache_mla", scale=0.125),
 }  # fmt: skip
+ROW_PRESETS = dict(PRESETS)
+PRESETS.update(packed_synth.PRESETS)  # type: ignore[arg-type]  # the packed presets (refmla.kvwrite.packed_synth)
 
 
 def _store(row: torch.Tensor, spec: KvWriteSpec, scale: float) -> torch.Tensor:
@@ -54,6 +60,8 @@ def _store(row: torch.Tensor, spec: KvWriteSpec, scale: float) -> torch.Tensor:
 
 def synth_kv_write(out: Any, preset: str, fault: str = "none", seed: int = 0) -> dict:
     """Write one kv_write capture; returns what was planted (tokens and slots)."""
+    if preset in packed_synth.PRESETS:
+        return packed_synth.synth_packed(out, preset, fault, seed)
     if preset not in PRESETS:
         raise ValueError(f"unknown kv_write preset {preset!r}; choose from {', '.join(PRESETS)}")
     if fault not in FAULTS:
@@ -95,4 +103,4 @@ def synth_kv_write(out: Any, preset: str, fault: str = "none", seed: int = 0) ->
             "slot": int(slots[victim]) if fault != "none" else None}  # fmt: skip
 
 
-__all__ = ["FAULTS", "PRESETS", "KvWriteSpec", "synth_kv_write"]
+__all__ = ["FAULTS", "PRESETS", "ROW_PRESETS", "KvWriteSpec", "synth_kv_write"]
