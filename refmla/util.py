@@ -52,6 +52,12 @@ class PrintableStream:
         return getattr(self.stream, name)
 
 
+def check_choice(what: str, name: str, choices) -> None:
+    """ValueError ``unknown {what} {name!r}; choose from ...`` unless ``name`` is one of ``choices``."""
+    if name not in choices:
+        raise ValueError(f"unknown {what} {name!r}; choose from {', '.join(choices)}")
+
+
 def first_line(e: Union[BaseException, str]) -> str:
     """The first non-empty line of an exception's message (or a string); "" when there is none."""
     s = str(e).strip()

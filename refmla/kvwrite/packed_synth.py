@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from refmla.kvwrite.io import write_kv_write
+from refmla.util import check_choice
 
 FAULTS = ("none", "ue8m0_exponent", "scale_missing", "rope_offset", "neighbour_slot", "neighbour_overwritten")
 NOPE, ROPE, TILE, DATA, SCALE_ROW = 448, 64, 64, 576, 8  # the v4 token: 448 fp8 + 64 bf16; 7 exponents + pad
@@ -83,10 +84,8 @@ def _inputs(spec: PackedSpec, g: torch.Generator) -> tuple[torch.Tensor, torch.T
 
 def synth_packed(out: Any, preset: str, fault: str = "none", seed: int = 0) -> dict:
     """Write one packed kv_write capture; returns what was planted (token, slot, tile)."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown packed kv_write preset {preset!r}; choose from {', '.join(PRESETS)}")
-    if fault not in FAULTS:
-        raise ValueError(f"unknown packed kv_write fault {fault!r}; choose from {', '.join(FAULTS)}")
+    check_choice("packed kv_write preset", preset, PRESETS)
+    check_choice("packed kv_write fault", fault, FAULTS)
     spec = PRESETS[preset]
     if fault == "scale_missing" and spec.packed_input == "pack":
         raise ValueError("fault 'scale_missing' needs a quantizing preset (a pack writer stores scales it is given)")

@@ -20,6 +20,7 @@ import torch
 
 from refmla.kvwrite import packed_synth
 from refmla.kvwrite.io import write_kv_write
+from refmla.util import check_choice
 
 FAULTS = ("none", "scale_missing", "scale_inverted", "rope_offset", "neighbour_slot", "neighbour_overwritten",
           "saturated")  # fmt: skip
@@ -62,10 +63,8 @@ def synth_kv_write(out: Any, preset: str, fault: str = "none", seed: int = 0) ->
     """Write one kv_write capture; returns what was planted (tokens and slots)."""
     if preset in packed_synth.PRESETS:
         return packed_synth.synth_packed(out, preset, fault, seed)
-    if preset not in PRESETS:
-        raise ValueError(f"unknown kv_write preset {preset!r}; choose from {', '.join(PRESETS)}")
-    if fault not in FAULTS:
-        raise ValueError(f"unknown kv_write fault {fault!r}; choose from {', '.join(FAULTS)}")
+    check_choice("kv_write preset", preset, PRESETS)
+    check_choice("kv_write fault", fault, FAULTS)
     spec = PRESETS[preset]
     if fault in ("scale_missing", "scale_inverted", "saturated") and not spec.kv_dtype.startswith("float8"):
         raise ValueError(f"fault {fault!r} needs an fp8 preset (a {spec.kv_dtype} writer has no scale)")

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from refmla.merge.io import write_merge
+from refmla.util import check_choice
 
 FAULTS = ("none", "lse_base", "empty_lse_zero", "empty_lse_nan", "piece_dropped", "lse_layout")
 
@@ -68,10 +69,8 @@ def _plain_merge(oa, la, ob, lb, base: str) -> tuple[torch.Tensor, torch.Tensor]
 
 def synth_merge(out: Any, preset: str, fault: str = "none", seed: int = 0) -> dict:
     """Write one merge capture; returns what was planted."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown merge preset {preset!r}; choose from {', '.join(PRESETS)}")
-    if fault not in FAULTS:
-        raise ValueError(f"unknown merge fault {fault!r}; choose from {', '.join(FAULTS)}")
+    check_choice("merge preset", preset, PRESETS)
+    check_choice("merge fault", fault, FAULTS)
     s = PRESETS[preset]
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(s.rows, s.heads, s.dim, generator=g)
