@@ -3,6 +3,7 @@
     row_flags      all-zero / NaN-Inf / latent-only-zero / rope-only-zero rows, from the bit patterns
     rows_differ    row i of one pool vs row j of another, bit for bit (memcmp per contiguous run)
     row_stats      the numbers of differing row pairs: max abs difference, norms, zero and NaN rows
+                   (value_stats: the same of rows already decoded, a packed sparse cache's)
     per_request    per-position flags grouped by an indptr: count and first position per request
 """
 
@@ -172,23 +173,25 @@ def row_stats(
 ) -> dict[str, torch.Tensor]:
     """For row pairs (a, b): max abs difference over finite elements, fp64 norms, zero rows,
     elements that differ and NaN/Inf elements on either side; each [M]."""
-    M = rows_a.numel()
-    keys = ("max_abs_diff", "norm_a", "norm_b")
-    out = {k: torch.zeros(M, dtype=torch.float64) for k in keys}
-    out.update({k: torch.zeros(M, dtype=torch.int64) for k in ("differing_dims", "nonfinite_a", "nonfinite_b")})
-    out.update({k: torch.zeros(M, dtype=torch.bool) for k in ("zero_a", "zero_b")})
     fa, fb = pool_a[:, 0], pool_b[:, 0]
-    for s in range(0, M, CHUNK):
-        sl = slice(s, s + CHUNK)
-        a = fa.index_select(0, rows_a[sl]).double()  # [c, D]
-        b = fb.index_select(0, rows_b[sl]).double()
-        fin = torch.isfinite(a) & torch.isfinite(b)
-        out["max_abs_diff"][sl] = torch.where(fin, (a - b).abs(), 0).amax(1)
-        out["norm_a"][sl] = torch.where(torch.isfinite(a), a, 0).norm(dim=1)
-        out["norm_b"][sl] = torch.where(torch.isfinite(b), b, 0).norm(dim=1)
-        out["differing_dims"][sl] = (~((a == b) | (torch.isnan(a) & torch.isnan(b)))).sum(1)
-        out["nonfinite_a"][sl] = (~torch.isfinite(a)).sum(1)
-        out["nonfinite_b"][sl] = (~torch.isfinite(b)).sum(1)
-        out["zero_a"][sl] = (a == 0).all(1)
-        out["zero_b"][sl] = (b == 0).all(1)
-    return out
+    parts = [value_stats(fa.index_select(0, rows_a[s : s + CHUNK]).double(), fb.index_select(0, rows_b[s : s + CHUNK]).double())
+             for s in range(0, rows_a.numel(), CHUNK)]  # fmt: skip
+    if not parts:
+        return value_stats(torch.zeros(0, 1, dtype=torch.float64), torch.zeros(0, 1, dtype=torch.float64))
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def value_stats(a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tensor]:
+    """:func:`row_stats` of row values already gathered, a and b [M, D] fp64 (a packed cache's rows
+    decoded: refmla.diffkv.views)."""
+    fin = torch.isfinite(a) & torch.isfinite(b)
+    return {
+        "max_abs_diff": torch.where(fin, (a - b).abs(), 0).amax(1) if a.shape[1] else torch.zeros(a.shape[0], dtype=torch.float64),
+        "norm_a": torch.where(torch.isfinite(a), a, 0).norm(dim=1),
+        "norm_b": torch.where(torch.isfinite(b), b, 0).norm(dim=1),
+        "differing_dims": (~((a == b) | (torch.isnan(a) & torch.isnan(b)))).sum(1),
+        "nonfinite_a": (~torch.isfinite(a)).sum(1),
+        "nonfinite_b": (~torch.isfinite(b)).sum(1),
+        "zero_a": (a == 0).all(1),
+        "zero_b": (b == 0).all(1),
+    }

@@ -18,6 +18,7 @@ from refmla.sparse.presets import PRESETS as SPARSE_PRESETS
 from refmla.synth import FAULTS
 from refmla.synth.disagg import DISAGG_PRESETS, disagg_preset, synth_disagg
 from refmla.synth.disagg_faults import DISAGG_FAULTS
+from refmla.synth.disagg_sparse import SPARSE_DISAGG_FAULTS, SPARSE_DISAGG_PRESETS, sparse_disagg_preset, synth_sparse_disagg
 
 
 def add_parser(sub) -> None:
@@ -33,10 +34,14 @@ def add_parser(sub) -> None:
                    help="DeepSeek-V4 presets: layer N of the model, its compress ratio from the model's per-layer list")
     s.set_defaults(func=synth)
 
-    sd = sub.add_parser("synth-disagg", help="write a synthetic prefill/decode pair (OUT/prefill, OUT/decode)")
+    sd = sub.add_parser("synth-disagg", help="write a synthetic prefill/decode pair (OUT/prefill, OUT/decode)",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog=f"faults (dense presets {', '.join(DISAGG_PRESETS)}): {', '.join(DISAGG_FAULTS)}\n\n"
+                        f"faults (sparse presets {', '.join(SPARSE_DISAGG_PRESETS)}: DeepSeek-V4 window + compressed "
+                        f"caches, V3.2): {', '.join(SPARSE_DISAGG_FAULTS)}")  # fmt: skip
     sd.add_argument("out", type=output_path)
-    sd.add_argument("--preset", default="disagg", choices=list(DISAGG_PRESETS))
-    sd.add_argument("--fault", default="none", choices=list(DISAGG_FAULTS))
+    sd.add_argument("--preset", default="disagg", choices=[*DISAGG_PRESETS, *SPARSE_DISAGG_PRESETS])
+    sd.add_argument("--fault", default="none", choices=list(dict.fromkeys([*DISAGG_FAULTS, *SPARSE_DISAGG_FAULTS])))
     sd.add_argument("--seed", type=int, default=None)
     sd.set_defaults(func=synth_disagg_cmd)
 
@@ -69,6 +74,11 @@ def synth_kind(args) -> int:
 
 
 def synth_disagg_cmd(args) -> int:
+    if args.preset in SPARSE_DISAGG_PRESETS:
+        return _synth_sparse_disagg(args)
+    if args.fault not in DISAGG_FAULTS:
+        raise UsageError(f"fault {args.fault!r} is a sparse preset's ({', '.join(SPARSE_DISAGG_PRESETS)}); "
+                         f"preset {args.preset} takes {', '.join(DISAGG_FAULTS)}")  # fmt: skip
     spec = disagg_preset(args.preset)
     if args.seed is not None:
         import dataclasses
@@ -78,3 +88,17 @@ def synth_disagg_cmd(args) -> int:
     print(f"wrote {args.out}/prefill and {args.out}/decode (preset {spec.name}, planted {json.dumps(planted)})")
     return EXIT_OK
 
+
+
+def _synth_sparse_disagg(args) -> int:
+    """A sparse pair (refmla.synth.disagg_sparse): DeepSeek-V4's window and compressed caches, or V3.2's."""
+    if args.fault not in SPARSE_DISAGG_FAULTS:
+        raise UsageError(f"fault {args.fault!r} is a dense preset's; preset {args.preset} takes "
+                         f"{', '.join(SPARSE_DISAGG_FAULTS)}")  # fmt: skip
+    spec = sparse_disagg_preset(args.preset, **({"seed": args.seed} if args.seed is not None else {}))
+    try:
+        planted = synth_sparse_disagg(args.out, spec, args.fault)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(f"wrote {args.out}/prefill and {args.out}/decode (preset {spec.name}, planted {json.dumps(planted)})")
+    return EXIT_OK

@@ -19,8 +19,11 @@ on either side, so the two captures can be compared position by position, bit fo
                  are (another request's page, the same request k pages off, a page written twice)
     result.py    the typed result (DiffResult > RequestDiff > Mismatches, TransferRuns) and its JSON
                  (rendered as text by refmla.render.diffkv)
+    views.py     a sparse capture's cache (V4 window / compressed, V3.2 main; its KV map) as rows the
+                 diff reads: each token's packed bytes one row, -1 positions not held
+    sparse.py    files of either kind; a sparse pair: the diff per cache, merged, each entry with its ``cache``
 
-``diff_kv_files`` reads the captures; ``diff_kv`` compares captures already read (e.g. grouped by
+``diff_kv_files`` reads the captures (dense or sparse); ``diff_kv`` compares captures already read (e.g. grouped by
 layer and rank) and returns the same typed result: ``result.request(rid)`` is a RequestDiff with
 ``faithful``, ``first_mismatch``, ``first_page`` and ``first_run``.
 
@@ -28,7 +31,7 @@ Comparing reads each attended row of both pools once more (gathered in chunks as
 so it costs about as much as reading the two files (``tools/bench_diffkv.py``).
 """
 
-from refmla.diffkv.diff import diff_kv, diff_kv_files
+from refmla.diffkv.diff import diff_kv
 from refmla.diffkv.pairing import Pairing, PairedRequest, Source, pair_requests
 from refmla.diffkv.result import (
     DiffResult,
@@ -39,8 +42,11 @@ from refmla.diffkv.result import (
     TransferRun,
     TransferRuns,
 )
+from refmla.diffkv.sparse import diff_any, diff_kv_files, diff_sparse, read_kv
+from refmla.diffkv.views import CacheRows
 
 __all__ = [
-    "DiffResult", "MismatchDetail", "Mismatches", "Pairing", "PairedRequest", "PrefillDisagreement",
-    "RequestDiff", "Source", "TransferRun", "TransferRuns", "diff_kv", "diff_kv_files", "pair_requests",
+    "CacheRows", "DiffResult", "MismatchDetail", "Mismatches", "Pairing", "PairedRequest", "PrefillDisagreement",
+    "RequestDiff", "Source", "TransferRun", "TransferRuns", "diff_any", "diff_kv", "diff_kv_files", "diff_sparse",
+    "pair_requests", "read_kv",
 ]  # fmt: skip

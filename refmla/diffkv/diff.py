@@ -1,9 +1,11 @@
 """The diff itself: plan the compared positions, compare their rows bit for bit, build each request's entry.
 
-    plan       every position both sides hold (the decode side may hold more), as (owner capture,
-               prefill row, decode row), grouped by owner capture
+    plan       every position both sides hold (the decode side may hold more; a sparse cache's
+               position listed -1 is not held, refmla.diffkv.views), as (owner capture, prefill row,
+               decode row), grouped by owner capture
     compare    ``rows_differ`` per owner capture: memcmp per run contiguous in both pools, else
-               chunked gathers; then ``row_stats`` of the mismatched rows only
+               chunked gathers; then ``row_stats`` of the mismatched rows only (a sparse cache's:
+               of their decoded values, and which packed sections differ)
     per request  positions compared, mismatched, first mismatch, mismatched pages (decode
                page_size), max abs difference, row norms of both sides, transfer runs (``runs``)
 """
@@ -11,34 +13,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Sequence, Union
 
 import torch
 
-from refmla.capture import Capture, CaptureError, read_capture
+from refmla.capture import Capture, CaptureError
 from refmla.diffkv.pairing import PairedRequest, Pairing, pair_requests
 from refmla.diffkv.provenance import RowIndex, sources_of
 from refmla.diffkv.runs import MAX_RANGES, ranges, transfer_runs
 from refmla.diffkv.result import DiffResult, MismatchDetail, Mismatches, PrefillDisagreement, RequestDiff
-from refmla.pool import row_stats, rows_differ
+from refmla.diffkv.views import SECTION_BITS, SECTION_TEXT
+from refmla.pool import row_stats, rows_differ, value_stats
 from refmla.util import dtype_name, single_thread
-
-
-def diff_kv_files(prefill_paths: Union[str, Path, Sequence[str]], decode_path: str) -> DiffResult:
-    """Read the captures and compare their KV rows (see :mod:`refmla.diffkv`).
-
-    Raises CaptureError for a file that cannot be read or captures that cannot be compared
-    (different row widths, no request in common).
-    """
-    if isinstance(prefill_paths, (str, Path)):
-        prefill_paths = [prefill_paths]
-    if not prefill_paths:
-        raise CaptureError("<prefill>", "arguments", "at least one prefill capture is needed")
-    with single_thread():
-        prefill = [read_capture(p) for p in prefill_paths]
-        decode = read_capture(decode_path)
-        return diff_kv(prefill, decode)
 
 
 def diff_kv(prefill: list[Capture], decode: Capture) -> DiffResult:
@@ -58,7 +43,7 @@ def diff_kv(prefill: list[Capture], decode: Capture) -> DiffResult:
         index = _LazyIndex(prefill)
         entries = [_request_diff(p, cmp, prefill, decode, phys, index) for p in plan.requests]
         entries += [_unpaired(r) for r in pairing.requests if not r.paired]
-        return _result(entries, pairing, prefill, decode, phys, notes + pairing.notes, plan.total)
+        return _result(entries, pairing, prefill, decode, phys, notes + pairing.notes, plan.compared)
 
 
 # --------------------------------------------------------------------------------------------
@@ -69,15 +54,17 @@ def diff_kv(prefill: list[Capture], decode: Capture) -> DiffResult:
 @dataclass
 class _Planned:
     req: PairedRequest
-    n: int  # positions compared: those both sides hold
+    n: int  # positions [0, n) of the request in the flat arrays
     off: int  # where they start in the flat arrays
+    held: torch.Tensor  # [n] bool: the position is held by both sides (compared)
 
 
 @dataclass
 class _Plan:
     requests: list[_Planned]
     per_cap: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]  # capture -> [(flat, p rows, d rows)]
-    total: int  # compared positions of all requests
+    total: int  # positions of all requests in the flat arrays
+    compared: int = 0  # of them held by both sides
 
 
 @dataclass
@@ -125,12 +112,17 @@ def _plan(pairing: Pairing, prefill: list[Capture], decode: Capture) -> _Plan:
         owner = owner[:n]
         d0 = r.decode_at(decode, 0)
         d_rows = decode.kv_indices[d0 : d0 + n].long()  # [n]
+        held = d_rows >= 0  # [n] (a dense capture holds every position)
         for i, s in enumerate(r.sources):
             js = torch.nonzero(owner == i).flatten()
-            if js.numel():
-                plan.per_cap.setdefault(s.cap, []).append((plan.total + js, r.prefill_rows(prefill, i, js), d_rows[js]))
-        plan.requests.append(_Planned(r, n, plan.total))
+            p_rows = r.prefill_rows(prefill, i, js)
+            held[js] &= p_rows >= 0
+            keep = held[js]
+            if bool(keep.any()):
+                plan.per_cap.setdefault(s.cap, []).append((plan.total + js[keep], p_rows[keep], d_rows[js[keep]]))
+        plan.requests.append(_Planned(r, n, plan.total, held))
         plan.total += n
+    plan.compared = sum(int(p.held.sum()) for p in plan.requests)
     return plan
 
 
@@ -146,18 +138,21 @@ def _compare(plan: _Plan, prefill: list[Capture], decode: Capture) -> _Compared:
         p_row[flat], p_cap[flat], d_row[flat] = pr, ci, dr
     bad = torch.nonzero(mism).flatten()
     stats: dict[str, torch.Tensor] = {}
-    if bad.numel():
-        stats = {k: torch.empty(bad.numel(), dtype=v) for k, v in (
-            ("max_abs_diff", torch.float64), ("norm_a", torch.float64), ("norm_b", torch.float64),
-            ("differing_dims", torch.int64), ("nonfinite_a", torch.int64), ("nonfinite_b", torch.int64),
-            ("zero_a", torch.bool), ("zero_b", torch.bool))}  # fmt: skip
-        for ci in plan.per_cap:
-            sel = torch.nonzero(p_cap[bad] == ci).flatten()
-            if sel.numel():
-                st = row_stats(prefill[ci].kv_buffer, p_row[bad[sel]], decode.kv_buffer, d_row[bad[sel]])
-                for k, v in st.items():
-                    stats[k][sel] = v
+    for ci in plan.per_cap if bad.numel() else ():
+        sel = torch.nonzero(p_cap[bad] == ci).flatten()
+        if sel.numel():
+            for k, v in _row_stats(prefill[ci], p_row[bad[sel]], decode, d_row[bad[sel]]).items():
+                stats.setdefault(k, torch.zeros(bad.numel(), dtype=v.dtype))[sel] = v
     return _Compared(mism, p_cap, p_row, d_row, bad, stats)
+
+
+def _row_stats(a, rows_a: torch.Tensor, b, rows_b: torch.Tensor) -> dict[str, torch.Tensor]:
+    """row_stats of a dense pool's rows; a sparse cache's (refmla.diffkv.views) rows are packed bytes:
+    their decoded values' numbers, and ``sections`` (which packed sections differ, a bit mask)."""
+    if not hasattr(a, "row_values"):
+        return row_stats(a.kv_buffer, rows_a, b.kv_buffer, rows_b)
+    return {**value_stats(a.row_values(rows_a), b.row_values(rows_b)), "zero_a": a.zero_rows(rows_a),
+            "zero_b": b.zero_rows(rows_b), "sections": a.sections_differ(rows_a, b, rows_b)}  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,9 +180,9 @@ def _request_diff(p: _Planned, cmp: _Compared, prefill: list[Capture], decode: C
     r, n, P = p.req, p.n, decode.meta.page_size
     m = cmp.mism[p.off : p.off + n]
     pos = torch.nonzero(m).flatten()  # [k] mismatched positions of this request
-    k = int(pos.numel())
-    status = "mismatch" if k else "match" if n else NOTHING_COMPARED  # 0 positions is not a match
-    e = RequestDiff(request=r.label, rid=r.rid, status=status, positions_compared=n,
+    k, compared = int(pos.numel()), int(p.held.sum())
+    status = "mismatch" if k else "match" if compared else NOTHING_COMPARED  # 0 positions is not a match
+    e = RequestDiff(request=r.label, rid=r.rid, status=status, positions_compared=compared,
                     mismatched_positions=k, first_mismatch=int(pos[0]) if k else None,
                     mismatched_pages=torch.unique(pos // P).tolist(),
                     positions_prefill=max(s.length for s in r.sources),
@@ -202,7 +197,7 @@ def _request_diff(p: _Planned, cmp: _Compared, prefill: list[Capture], decode: C
         return e
     e.mismatches = _mismatches(r, pos, cmp.stats_of(p.off, k), prefill, decode)
     if phys:
-        e.transfer_runs = transfer_runs(r, n, m, prefill, decode, P)
+        e.transfer_runs = transfer_runs(r, n, m, prefill, decode, P, p.held)
     d_rows = decode.kv_indices[r.decode_at(decode, 0) + pos].long()
     e.sources = sources_of(index.get(), decode, d_rows, pos, r.rid)
     e.summary = _summary(e)
@@ -211,7 +206,8 @@ def _request_diff(p: _Planned, cmp: _Compared, prefill: list[Capture], decode: C
 
 def _mismatches(r: PairedRequest, pos: torch.Tensor, st: dict, prefill: list[Capture], decode: Capture) -> Mismatches:
     rs = ranges(pos)
-    return Mismatches(
+    sections = {name: int(((st["sections"] & bit) > 0).sum()) for name, bit in SECTION_BITS.items()} if "sections" in st else None
+    return Mismatches(sections=sections,
         ranges=rs[:MAX_RANGES],
         ranges_total=len(rs) if len(rs) > MAX_RANGES else None,
         max_abs_diff=float(st["max_abs_diff"].max()),
@@ -258,6 +254,9 @@ def _summary(e: RequestDiff) -> str:
         text = "every mismatched prefill row is all zero"
     else:
         text = f"rows differ (max abs diff {mm.max_abs_diff:.3g})"
+        only = [name for name, n in (mm.sections or {}).items() if n]
+        if len(only) == 1:  # a packed sparse token: the one section its bytes differ in
+            text += f"; only their {SECTION_TEXT[only[0]]} bytes differ"
     runs = e.transfer_runs
     if runs is not None and runs.with_mismatches == 1:
         off = runs.mismatched[0].offset
@@ -280,7 +279,9 @@ def _prefill_self_check(r: PairedRequest, prefill: list[Capture]) -> PrefillDisa
         for o in torch.unique(owner[js]).tolist():
             sel = owner[js] == o
             rows_o = r.prefill_rows(prefill, o, js[sel])
-            diff = rows_differ(prefill[s.cap].kv_buffer, rows_s[sel], prefill[r.sources[o].cap].kv_buffer, rows_o)
+            both = (rows_s[sel] >= 0) & (rows_o >= 0)  # a sparse cache's positions not held are not compared
+            diff = torch.zeros_like(both)
+            diff[both] = rows_differ(prefill[s.cap].kv_buffer, rows_s[sel][both], prefill[r.sources[o].cap].kv_buffer, rows_o[both])
             if bool(diff.any()):
                 count += int(diff.sum())
                 j = int(js[sel][diff][0])

@@ -85,7 +85,8 @@ class RowIndex:
             for b in range(cap.batch_size):
                 rows = cap.kv_indices[int(cap.kv_indptr[b]) : int(cap.kv_indptr[b + 1])].long()
                 rid = cap.rid(b) or f"#{b} of prefill capture {c}"
-                for j, h in enumerate(self.hashes(words, rows)):
+                js = torch.nonzero(rows >= 0).flatten()  # a sparse cache's positions not held have no row
+                for j, h in zip(js.tolist(), self.hashes(words, rows[js])):
                     self.where.setdefault(h, (rid, j))
 
     def hashes(self, words: torch.Tensor, rows: torch.Tensor) -> list[Optional[tuple[int, int]]]:

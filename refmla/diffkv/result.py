@@ -98,6 +98,7 @@ class Mismatches:
     nonfinite_decode_rows: int
     first: MismatchDetail
     worst: MismatchDetail  # the largest max_abs_diff
+    sections: Optional[dict] = None  # a packed sparse cache: mismatched tokens whose nope / rope / scales bytes differ
 
     def to_json(self) -> dict:
         d: dict = {"mismatch_ranges": [list(r) for r in self.ranges]}
@@ -107,6 +108,8 @@ class Mismatches:
                  prefill_zero_rows=self.prefill_zero_rows,
                  nonfinite_rows={"prefill": self.nonfinite_prefill_rows, "decode": self.nonfinite_decode_rows},
                  first_detail=self.first.to_json(), worst_detail=self.worst.to_json())  # fmt: skip
+        if self.sections is not None:
+            d["differing_sections"] = dict(self.sections)
         return d
 
 
@@ -142,6 +145,7 @@ class RequestDiff:
     summary: Optional[str] = None  # one line on the mismatches
     transfer_runs: Optional[TransferRuns] = None  # with physical slots on both sides
     sources: Optional[list] = None  # refmla.diffkv.provenance.Source: where mismatched rows' bytes are in the prefill
+    cache: Optional[str] = None  # a sparse pair: the cache compared ("window" | "main" | "compressed", refmla.diffkv.views)
 
     @property
     def paired(self) -> bool:
@@ -167,6 +171,8 @@ class RequestDiff:
         d: dict = {"request": self.request, "rid": self.rid, "status": self.status,
                    "positions_compared": self.positions_compared, "mismatched_positions": self.mismatched_positions,
                    "first_mismatch": self.first_mismatch, "mismatched_pages": list(self.mismatched_pages)}  # fmt: skip
+        if self.cache is not None:
+            d["cache"] = self.cache
         if not self.paired:
             d["note"] = self.note
             return d
@@ -207,13 +213,19 @@ class DiffResult:
     notes: list[str] = field(default_factory=list)
     plots: Optional[list[str]] = None  # files written by ``refmla diff-kv --plot``
     error: Optional[str] = None  # why nothing could be compared (exit 2): then ``ok`` is false
+    caches: Optional[dict] = None  # a sparse pair: cache name -> its label, layout, page size and counts
 
-    def request(self, label: Label) -> RequestDiff:
-        """The entry of one request by its rid (or index when paired by order); KeyError if none."""
-        for e in self.requests:
-            if e.request == label:
-                return e
-        raise KeyError(label)
+    def request(self, label: Label, cache: Optional[str] = None) -> RequestDiff:
+        """The entry of one request by its rid (or index when paired by order), of ``cache`` (a sparse
+        pair; None: its first mismatching cache, else its first); KeyError if none."""
+        mine = [e for e in self.requests if e.request == label and (cache is None or e.cache == cache)]
+        if not mine:
+            raise KeyError(label if cache is None else (label, cache))
+        return next((e for e in mine if e.mismatched_positions), mine[0])
+
+    def entries_of(self, label: Label) -> list[RequestDiff]:
+        """Every entry of one request: one per cache of a sparse pair, else one."""
+        return [e for e in self.requests if e.request == label]
 
     def to_json(self) -> dict:
         d = {"ok": self.ok, "requests": [e.to_json() for e in self.requests], "prefill": list(self.prefill),
@@ -227,4 +239,6 @@ class DiffResult:
             d["plots"] = list(self.plots)
         if self.error is not None:
             d["error"] = self.error
+        if self.caches is not None:
+            d["caches"] = {k: dict(v) for k, v in self.caches.items()}
         return d

@@ -34,17 +34,21 @@ def ranges(pos: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def transfer_runs(
-    r: PairedRequest, n: int, m: torch.Tensor, prefill: list[Capture], decode: Capture, page_size: int
+    r: PairedRequest, n: int, m: torch.Tensor, prefill: list[Capture], decode: Capture, page_size: int,
+    held: Optional[torch.Tensor] = None,
 ) -> TransferRuns:
-    """Request ``r``'s first ``n`` positions cut into transfer runs; ``m`` [n] marks the mismatched ones."""
+    """Request ``r``'s first ``n`` positions cut into transfer runs; ``m`` [n] marks the mismatched ones,
+    ``held`` [n] those both sides hold (a sparse cache's others are in no run; None: all)."""
     owner = r.owner[:n]  # [n]
+    held = torch.ones(n, dtype=torch.bool) if held is None else held
     phys_p = torch.empty(n, dtype=torch.int64)  # [n] physical slot of each position, prefill side
     for i in range(len(r.sources)):
         js = torch.nonzero(owner == i).flatten()
         phys_p[js] = r.prefill_rows(prefill, i, js, physical=True)
     d0 = r.decode_at(decode, 0)
     phys_d = decode.orig_kv_indices[d0 : d0 + n].long()  # [n]
-    cont = (phys_p[1:] == phys_p[:-1] + 1) & (phys_d[1:] == phys_d[:-1] + 1) & (owner[1:] == owner[:-1])
+    cont = ((phys_p[1:] == phys_p[:-1] + 1) & (phys_d[1:] == phys_d[:-1] + 1) & (owner[1:] == owner[:-1])
+            & held[1:] & held[:-1])  # fmt: skip
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(~cont).flatten() + 1])
     ends = torch.cat([starts[1:], torch.tensor([n])])
     c = torch.zeros(n + 1, dtype=torch.int64)
@@ -64,7 +68,7 @@ def transfer_runs(
         out.append(run)
         if len(out) >= MAX_RANGES:
             break
-    return TransferRuns(runs=int(starts.numel()), with_mismatches=int((k > 0).sum()), mismatched=out)
+    return TransferRuns(runs=int(held[starts].sum()) if n else 0, with_mismatches=int((k > 0).sum()), mismatched=out)
 
 
 def _zero_rows(r: PairedRequest, decode: Capture, a: int, b: int, m: torch.Tensor) -> int:
@@ -83,18 +87,19 @@ def _offset(
     if c.kv_buffer.dtype != decode.kv_buffer.dtype:
         return None
     p0 = int(c.kv_indptr[s.b])
-    p_rows = c.kv_indices[p0 : p0 + s.length].long()  # [Lp] every row of that source
+    p_rows = c.kv_indices[p0 : p0 + s.length].long()  # [Lp] every row of that source (-1: not held)
     wp, wd = row_words(c.kv_buffer), row_words(decode.kv_buffer)
     js = torch.nonzero(m[a:b]).flatten() + a  # mismatched positions of the run
     d_rows = decode.kv_indices[r.decode_at(decode, 0) + js].long()
     target = wd[d_rows[0]]  # [W] the run's first mismatched decode row
     if bool((target == 0).all()):
         return None  # a zero row (not landed) matches any zero row: no evidence of a shift
-    hits = torch.nonzero((wp.index_select(0, p_rows) == target).all(1)).flatten() - int(js[0])
+    same = (wp.index_select(0, p_rows.clamp_min(0)) == target).all(1) & (p_rows >= 0)
+    hits = torch.nonzero(same).flatten() - int(js[0])
     hits = hits[hits != 0]
     for k in sorted(hits.tolist(), key=abs)[:OFFSETS_TRIED]:
         src = js + k
-        if bool(((src < 0) | (src >= s.length)).any()):
+        if bool(((src < 0) | (src >= s.length)).any()) or bool((p_rows[src.clamp(0, s.length - 1)] < 0).any()):
             continue
         if not bool(rows_differ(c.kv_buffer, p_rows[src], decode.kv_buffer, d_rows).any()):
             return int(k)

@@ -19,8 +19,23 @@ from refmla.regions import STATUSES, RegionCheck
 from refmla.results import BackendEntry, Finding, ReplayReport
 
 
-def transfer_cell(entry: Optional[RequestDiff], why: str = "") -> TransferCell:
-    """The request's diff-kv entry as a cell; ``None``: not paired (``why``)."""
+def transfer_cell(entry: Optional[RequestDiff], why: str = "", caches: Optional[dict] = None) -> TransferCell:
+    """The request's diff-kv entry as a cell; ``None``: not paired (``why``). ``caches`` (a sparse
+    pair): cache name -> (its diff-kv ``caches`` entry: label, ratio, ...; that cache's entry of the
+    request); ``entry`` is the first mismatching one's."""
+    cell = _transfer_cell(entry, why)
+    if caches:
+        info = caches[entry.cache][0]
+        cell.cache, cell.cache_label, cell.ratio = entry.cache, info["label"], info.get("ratio")
+        cell.caches = {name: {"label": i["label"], "status": e.status, "positions_compared": e.positions_compared,
+                              "mismatched_positions": e.mismatched_positions, "first_mismatch": e.first_mismatch,
+                              "first_page": e.first_page} for name, (i, e) in caches.items()}  # fmt: skip
+        if cell.status == "faithful":  # every cache faithful: the positions of all of them
+            cell.positions_compared = sum(e.positions_compared for _, e in caches.values())
+    return cell
+
+
+def _transfer_cell(entry: Optional[RequestDiff], why: str = "") -> TransferCell:
     if entry is None:
         return TransferCell("not_paired", note=why or "no prefill capture holds this rid")
     if not entry.paired:
@@ -29,7 +44,7 @@ def transfer_cell(entry: Optional[RequestDiff], why: str = "") -> TransferCell:
                         entry.mismatched_positions, entry.first_mismatch, entry.first_page,
                         list(entry.mismatched_pages)[:64], summary=entry.summary, note=entry.note)  # fmt: skip
     if entry.mismatches is not None:
-        cell.decode_zero_rows = entry.mismatches.decode_zero_rows
+        cell.decode_zero_rows, cell.sections = entry.mismatches.decode_zero_rows, entry.mismatches.sections
     run = entry.first_run
     if run is not None:
         cell.run = run.to_json()

@@ -16,6 +16,7 @@ Precedence, the cause before its symptoms:
 
 from __future__ import annotations
 
+from refmla.diffkv.views import SECTION_TEXT
 from refmla.disagg.report import CLASSES, Row
 
 STRUCTURAL = ("repeated_slots", "req_to_token", "seq_len_step")
@@ -52,8 +53,15 @@ def classify(row: Row) -> tuple[str, str]:
 def transfer_text(row: Row) -> str:
     """The transfer mismatch: how many positions, the first position, page and MORI run, and what the run holds."""
     t = row.transfer
-    text = (f"the transfer is not faithful: {t.mismatched_positions} of {t.positions_compared} positions differ, "
-            f"first position {t.first_mismatch} (page {t.first_page})")  # fmt: skip
+    if t.cache_label is not None:  # a sparse pair: the cache, its page and the request first
+        r = t.ratio or 1
+        tokens = f"; entry {t.first_mismatch} holds tokens [{t.first_mismatch * r}, {(t.first_mismatch + 1) * r})" if r > 1 else ""
+        text = (f"the transfer is not faithful: {t.cache_label} page {t.first_page} of {row.rid}: "
+                f"{t.mismatched_positions} of {t.positions_compared} positions of that cache differ, "
+                f"first position {t.first_mismatch} (page {t.first_page}{tokens})")  # fmt: skip
+    else:
+        text = (f"the transfer is not faithful: {t.mismatched_positions} of {t.positions_compared} positions differ, "
+                f"first position {t.first_mismatch} (page {t.first_page})")  # fmt: skip
     run = t.run
     if run is not None:
         text += f", MORI run [{run['start']}, {run['end']})"
@@ -61,7 +69,7 @@ def transfer_text(row: Row) -> str:
             text += f" shifted by {run['offset']:+d} position(s) (decode row j holds prefill row j{run['offset']:+d})"
         elif run.get("decode_zero_rows"):
             text += f" not landed ({run['decode_zero_rows']} all-zero rows)"
-        elif t.source_rid is None:
+        elif t.source_rid is None and len([n for n in (t.sections or {}).values() if n]) != 1:
             text += " holds other KV"
     if t.source_rid is not None:
         text += f" holds the KV of request {t.source_rid} (same positions)"
@@ -69,6 +77,13 @@ def transfer_text(row: Row) -> str:
         text += f", {t.decode_zero_rows} all-zero decode rows (not landed)"
     if t.sources:
         text += "; " + "; ".join(t.sources[:2])
+    only = [name for name, n in (t.sections or {}).items() if n]
+    if len(only) == 1:  # packed tokens: the one section their bytes differ in
+        text += f"; only the {SECTION_TEXT[only[0]]} bytes differ"
+    also = [f"{c['label']} {c['mismatched_positions']}" for n, c in (t.caches or {}).items()
+            if n != t.cache and c["status"] == "mismatch"]  # fmt: skip
+    if also:
+        text += f"; also mismatched: {', '.join(also)} position(s)"
     return text
 
 

@@ -40,6 +40,8 @@ def foreign_source(entry: RequestDiff, prefill: list[Capture], decode: Capture) 
                 continue
             p0 = int(c.kv_indptr[j])
             rows_p = c.kv_indices[p0 + a : p0 + b].long()
+            if bool((rows_p < 0).any()):  # a sparse cache's positions it does not hold
+                continue
             if not bool(rows_differ(c.kv_buffer, rows_p, decode.kv_buffer, rows_d).any()):
                 return rid
     return None

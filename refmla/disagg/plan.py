@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from refmla.capture import CaptureError, parse_meta
+from refmla.regions import RegionCheck, check_region
 from refmla.series import _header, group_series
+from refmla.sparse.format import SparseMeta, is_sparse_meta, parse_sparse_meta
 
 Key = tuple  # (layer_id, tp_rank)
 
@@ -26,7 +28,11 @@ class Header:
     rank: Optional[int]
     step: Optional[int]
     rids: Optional[list[str]]
-    meta: object  # CaptureMeta
+    meta: object  # CaptureMeta, or SparseMeta (a sparse decode capture)
+
+    def region(self) -> RegionCheck:
+        """The MR region-size check of the capture's pool geometry (refmla.regions)."""
+        return self.meta.region() if isinstance(self.meta, SparseMeta) else check_region(self.meta)
 
 
 @dataclass
@@ -56,7 +62,7 @@ def read_header(path: str) -> Header:
     raw = _header(path)
     if raw is None:
         raise CaptureError(path, "header", "not a readable refmla.capture/1 safetensors file")
-    meta = parse_meta(raw, path)
+    meta = parse_sparse_meta(raw, path) if is_sparse_meta(raw) else parse_meta(raw, path)
     return Header(path, meta.layer_id, meta.tp_rank, meta.step, meta.rids, meta)
 
 

@@ -31,17 +31,26 @@ class TransferCell:
     source_rid: Optional[str] = None  # the request whose prefill rows the first mismatching range holds
     offset: Optional[int] = None  # the first source's position shift (source position - decode position)
     sources: list[str] = field(default_factory=list)  # where mismatched rows' bytes are (refmla.diffkv.provenance)
+    cache: Optional[str] = None  # a sparse pair: the cache these numbers are of (its first mismatching one)
+    cache_label: Optional[str] = None  # "window cache", "compressed cache (C4)", "main cache"
+    ratio: Optional[int] = None  # the compressed cache's tokens per position
+    caches: Optional[dict] = None  # a sparse pair: cache name -> {label, status, positions_compared, ...}
+    sections: Optional[dict] = None  # packed tokens: mismatched ones whose nope / rope / scales bytes differ
 
     @property
     def bad(self) -> bool:
         return self.status == "mismatch"
 
     def to_json(self) -> dict:
-        return {"status": self.status, "positions_compared": self.positions_compared,
-                "mismatched_positions": self.mismatched_positions, "first_mismatch": self.first_mismatch,
-                "first_page": self.first_page, "mismatched_pages": list(self.mismatched_pages), "run": self.run,
-                "decode_zero_rows": self.decode_zero_rows, "source_rid": self.source_rid, "summary": self.summary,
-                "note": self.note, "offset": self.offset, "sources": list(self.sources)}  # fmt: skip
+        d = {"status": self.status, "positions_compared": self.positions_compared,
+             "mismatched_positions": self.mismatched_positions, "first_mismatch": self.first_mismatch,
+             "first_page": self.first_page, "mismatched_pages": list(self.mismatched_pages), "run": self.run,
+             "decode_zero_rows": self.decode_zero_rows, "source_rid": self.source_rid, "summary": self.summary,
+             "note": self.note, "offset": self.offset, "sources": list(self.sources)}  # fmt: skip
+        if self.caches is not None:
+            d.update(cache=self.cache, cache_label=self.cache_label, ratio=self.ratio, sections=self.sections,
+                     caches={k: dict(v) for k, v in self.caches.items()})
+        return d
 
 
 @dataclass

@@ -28,7 +28,6 @@ from refmla.disagg.plan import DisaggPlan, plan_disagg
 from refmla.disagg.task import DecodeDone, decode_task
 from refmla.disagg.writer import judge_writers, split_writers, writer_cell
 from refmla.disagg.report import DisaggReport, Row
-from refmla.regions import check_region
 from refmla.results import ReplayReport
 from refmla.series import series_checks
 
@@ -66,8 +65,8 @@ def _assemble(plan: DisaggPlan, replays: list[ReplayReport], series: dict, diffs
     by_path = {r.capture: r for r in replays}
     invalid = list(plan.invalid) + [(r.capture, r.error or "; ".join(r.metadata.errors))
                                     for r in [*replays, *plan.writers] if r.verdict == "invalid"]  # fmt: skip
-    regions = [("prefill", p, check_region(h.meta)) for p, h in plan.prefill.items()]
-    regions += [("decode", p, check_region(h.meta)) for p, h in plan.decode.items()]
+    regions = [("prefill", p, h.region()) for p, h in plan.prefill.items()]
+    regions += [("decode", p, h.region()) for p, h in plan.decode.items()]
     region_of = {p: c for _, p, c in regions}
     rows: list[Row] = []
     for (layer, rank), paths in plan.series.items():
@@ -84,7 +83,7 @@ def _row(plan, rid, layer, rank, reps, series, entries, region_of) -> Row:
     holders = plan.prefill_of.get((rid, layer, rank), [])
     entry = entries.get((rid, first))
     if isinstance(entry, tuple):
-        tcell = transfer_cell(entry[0])
+        tcell = transfer_cell(entry[0], caches=entry[2])
         tcell.source_rid = entry[1] or tcell.source_rid
     else:
         tcell = transfer_cell(None, entry or "")

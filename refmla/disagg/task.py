@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from refmla.batch import replay_one
-from refmla.capture import CaptureError, read_capture
+from refmla.capture import CaptureError
 from refmla.context import ReplayOptions
-from refmla.diffkv import DiffResult, diff_kv
+from refmla.diffkv import DiffResult, diff_any, read_kv
+from refmla.diffkv.views import views
 from refmla.disagg.foreign import foreign_source
+from refmla.sparse.format import SparseCapture
 from refmla.disagg.plan import DiffJob
 from refmla.results import ReplayReport
 from refmla.util import single_thread
@@ -22,7 +24,7 @@ from refmla.util import single_thread
 class DecodeDone:
     report: ReplayReport
     diff: Optional[DiffResult] = None
-    entries: dict = field(default_factory=dict)  # rid -> (RequestDiff, source rid or None) | error text
+    entries: dict = field(default_factory=dict)  # rid -> (RequestDiff, source rid or None, caches) | error text
     error: Optional[tuple[str, str]] = None  # (prefill capture, one line) when one could not be read
 
 
@@ -37,10 +39,13 @@ def decode_task(path: str, opts: ReplayOptions, jobs: Optional[dict] = None) -> 
 
 
 def run_diff(job: DiffJob, done: DecodeDone) -> None:
+    per = None  # a sparse pair: cache name -> its rows on both sides (refmla.diffkv.views)
     try:
-        prefill = [read_capture(p) for p in job.prefill]
-        decode = read_capture(job.decode)
-        done.diff = diff_kv(prefill, decode)
+        prefill = [read_kv(p) for p in job.prefill]
+        decode = read_kv(job.decode)
+        if isinstance(decode, SparseCapture) and all(isinstance(c, SparseCapture) for c in prefill):
+            per = views(prefill, decode)
+        done.diff = diff_any(prefill, decode, per)
     except CaptureError as e:
         done.entries = {rid: str(e) for rid in job.rids}
         if e.path in job.prefill:
@@ -57,5 +62,9 @@ def run_diff(job: DiffJob, done: DecodeDone) -> None:
             continue
         source = None
         if not entry.faithful and entry.paired and (entry.first_run is None or entry.first_run.offset is None):
-            source = foreign_source(entry, prefill, decode)
-        done.entries[rid] = (entry, source)
+            pre, dec = per[entry.cache] if per is not None else (prefill, decode)
+            source = foreign_source(entry, pre, dec)
+        caches = None
+        if done.diff.caches is not None:  # each cache's entry of this request, with its label and ratio
+            caches = {e.cache: (done.diff.caches[e.cache], e) for e in done.diff.entries_of(rid)}
+        done.entries[rid] = (entry, source, caches)

@@ -38,6 +38,7 @@ call that passes the filters. The rest are torch-free, as they run at interprete
     extract.py        (torch) after the kernel: guards, reader, pool, budget, host copy, write
     patching.py       install / uninstall; the forward_decode / forward_extend wrapper; the DeepSeek-V4
                       sparse entrypoint's wrapper (REFMLA_CAPTURE_BACKENDS=dsv4)
+    sparse_kv.py      (torch) DeepSeek-V4's KV map of a call: each cache's token per position, from SGLang's pool
     sparse_call.py    (torch) DeepSeek-V4 sparse decode: the entrypoint's keyword arguments as a sparse capture
     dsa_call.py       (torch) DeepSeek-V3.2 DSA's aiter decode on ROCm (_forward_aiter) as a dense decode capture
     kvwrite_call.py   (torch) the MLA KV cache writers (SGLang's pool, aiter's fused write, vLLM's

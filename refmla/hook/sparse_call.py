@@ -12,6 +12,11 @@ caches are saved as their padded page rows, only the pages the indices reference
 result is returned untouched; the capture then reads (never writes) the tensors, under the same
 filters and budgets as the dense hook (layer, rank, every N-th call, graph capture, folder budget),
 and any exception inside it disables the hook once, logged (never raised into the server).
+
+With the KV map (refmla.hook.sparse_kv: a decode call, or an extend on a prefill node restricted to
+each request's last row) the capture also keeps every page the map names, the map renumbered to the
+kept pages, ``k_cache_pages`` / ``extra_k_cache_pages`` the production page of each kept one, and
+meta ``rids``: what diff-kv and disagg compare position by position.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 from refmla.hook.geometry import disagg_meta, pool_counts, registered_regions
 from refmla.hook.filters import after_call_filters
 from refmla.hook.runtime import versions
+from refmla.hook.sparse_kv import kv_map, last_rows
 from refmla.hook.writer import HookState, capture_name
 from refmla.sparse.validation import write_sparse
 from refmla.sparse.layouts import LAYOUTS
@@ -39,15 +45,20 @@ def _pages(cache: torch.Tensor) -> torch.Tensor:
     return torch.as_strided(c, (c.shape[0], c.stride(0)), (c.stride(0), 1), c.storage_offset())
 
 
-def _compact(cache: torch.Tensor, idx: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Only the pages ``idx`` references (-1 kept), indices renumbered to them."""
+def _compact(cache: torch.Tensor, idx: torch.Tensor, page: int,
+             slots: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:  # fmt: skip
+    """Only the pages ``idx`` (and the KV map's ``slots``) reference (-1 kept), both renumbered to
+    them; and the kept pages' production numbers."""
     rows = _pages(cache)
-    flat = idx.long()
+    parts = [idx.long().flatten()] + ([slots.long().to(idx.device)] if slots is not None else [])
+    flat = torch.cat(parts)
     valid = flat >= 0
     used = torch.unique(torch.where(valid, flat // page, 0))
     new_page = torch.searchsorted(used, torch.where(valid, flat // page, 0))
-    renum = torch.where(valid, new_page * page + flat % page, -1).to(torch.int32)
-    return rows.index_select(0, used).cpu(), renum.cpu()
+    renum = torch.where(valid, new_page * page + flat % page, -1).to(torch.int32).cpu()
+    n = idx.numel()
+    return (rows.index_select(0, used).cpu(), renum[:n].reshape(idx.shape),
+            renum[n:] if slots is not None else None, used.cpu())  # fmt: skip
 
 
 def _cache_meta(cache: torch.Tensor) -> tuple[str, int]:
@@ -57,11 +68,15 @@ def _cache_meta(cache: torch.Tensor) -> tuple[str, int]:
     return LAYOUT_OF_BYTES[bpt], int(cache.shape[1])
 
 
-def sparse_tensors(kw: dict, result: Any) -> tuple[dict, dict]:
-    """(tensors, meta) of one entrypoint call: its keyword arguments and its (out, lse)."""
+def sparse_tensors(kw: dict, result: Any, kvm: Optional[dict] = None) -> tuple[dict, dict]:
+    """(tensors, meta) of one entrypoint call: its keyword arguments and its (out, lse); with the KV
+    map ``kvm`` (refmla.hook.sparse_kv) its tensors too."""
     layout, page = _cache_meta(kw["k_cache"])
-    k_cache, indices = _compact(kw["k_cache"], kw["indices"], page)
+    slots = _flat(kvm, "slots")
+    k_cache, indices, mapped, pages = _compact(kw["k_cache"], kw["indices"], page, slots)
     t = {"q": kw["q"].detach().cpu(), "k_cache": k_cache, "indices": indices}
+    if kvm is not None:
+        t.update(seq_lens=kvm["seq_lens"], slot_indptr=_indptr(kvm["slots"]), slots=mapped, k_cache_pages=pages)
     meta = {"mode": "sparse_decode", "kv_layout": layout, "page_size": page,
             "softmax_scale": float(kw["softmax_scale"]), "head_dim_v": int(kw["head_dim_v"])}  # fmt: skip
     for key, name in (("topk_length", "topk_length"), ("attn_sink", "attn_sink"), ("extra_topk_length", "extra_topk_length")):
@@ -69,8 +84,11 @@ def sparse_tensors(kw: dict, result: Any) -> tuple[dict, dict]:
             t[name] = kw[key].detach().cpu()
     if kw.get("extra_k_cache") is not None:
         meta["extra_kv_layout"], meta["extra_page_size"] = _cache_meta(kw["extra_k_cache"])
-        t["extra_k_cache"], t["extra_indices"] = _compact(kw["extra_k_cache"], kw["extra_indices_in_kvcache"],
-                                                          meta["extra_page_size"])  # fmt: skip
+        extra = _flat(kvm, "extra_slots")
+        t["extra_k_cache"], t["extra_indices"], mapped, pages = _compact(
+            kw["extra_k_cache"], kw["extra_indices_in_kvcache"], meta["extra_page_size"], extra)
+        if extra is not None:
+            t.update(extra_slot_indptr=_indptr(kvm["extra_slots"]), extra_slots=mapped, extra_k_cache_pages=pages)
     if kw.get("inv_rope") is not None:
         freqs, positions = kw["inv_rope"]
         t["inv_rope_freqs"], t["inv_rope_positions"] = freqs.detach().cpu(), positions.detach().cpu().reshape(-1)
@@ -80,6 +98,17 @@ def sparse_tensors(kw: dict, result: Any) -> tuple[dict, dict]:
     if lse is not None and lse.dim() == 3:
         t["lse"] = lse.detach().cpu().float()
     return t, meta
+
+
+def _flat(kvm: Optional[dict], key: str) -> Optional[torch.Tensor]:
+    per = None if kvm is None else kvm.get(key)
+    return None if per is None else (torch.cat(per) if per else torch.zeros(0, dtype=torch.long))
+
+
+def _indptr(per: list) -> torch.Tensor:
+    ptr = torch.zeros(len(per) + 1, dtype=torch.int32)
+    ptr[1:] = torch.cumsum(torch.tensor([int(x.numel()) for x in per], dtype=torch.int64), 0)
+    return ptr
 
 
 def _caller_local(name: str) -> Optional[Any]:
@@ -137,15 +166,42 @@ def capture_call(state: HookState, kw: dict, result: Any, backend: str) -> None:
     estimate = sum(int(v.numel() * v.element_size()) for v in kw.values() if isinstance(v, torch.Tensor))
     if not state.admit(estimate):
         return None
-    tensors, meta = sparse_tensors(kw, result)
-    meta.update(pool_meta())
-    meta.update(ratio_meta(layer_id))
+    pool = pool_meta()
+    ratio = ratio_meta(layer_id)
+    kw, result, kvm = _with_kv_map(kw, result, pool.get("disagg_mode"), ratio.get("compress_ratio"))
+    tensors, meta = sparse_tensors(kw, result, kvm)
+    meta.update(pool)
+    meta.update(ratio)
+    if kvm is not None and "rids" in kvm:
+        meta["rids"] = kvm["rids"]
     meta.update(backend=backend, layer_id=max(layer_id, 0), tp_rank=rank, step=step,
                 sglang_version=versions().get("sglang_version"), capture_tool="refmla.hook.sparse_call")  # fmt: skip
     name = capture_name(mode="sparse", rank=rank, layer=max(layer_id, 0), step=step, backend=backend, pid=os.getpid())
     path = Path(state.cfg.out_dir) / name
     write_sparse(path, tensors, meta)
     state.note_written(path)
+
+
+def _with_kv_map(kw: dict, result: Any, disagg_mode: Optional[str], ratio: Optional[int]) -> tuple[dict, Any, Optional[dict]]:
+    """The call (restricted to each request's last row on a prefill node) and its KV map, when one can
+    be read (refmla.hook.sparse_kv); else the call as it was and None."""
+    fb, pool = _caller_local("forward_batch"), _caller_local("token_to_kv_pool")
+    if fb is None or pool is None:
+        return kw, result, None
+    mode = getattr(fb, "forward_mode", None)
+    try:
+        decode = bool(mode.is_decode()) and int(kw["q"].shape[0]) == int(fb.batch_size)
+        prefill = disagg_mode == "prefill" and bool(mode.is_extend())
+    except Exception:
+        return kw, result, None
+    if prefill:
+        picked = last_rows(kw, result, fb)
+        if picked is None:
+            return kw, result, None
+        kw, result = picked
+    elif not decode:
+        return kw, result, None
+    return kw, result, kv_map(kw, fb, pool, ratio)
 
 
 def wrap_entrypoint(original: Callable, state_of: Callable[[], Optional[HookState]],

@@ -12,7 +12,9 @@ HEADER = ["request", "compared", "mismatched", "first", "pages", "max_abs_diff",
 
 def render_diff(result: DiffResult) -> str:
     """The diff-kv result as a table, the transfer runs holding mismatches, and a verdict line."""
-    body = table([_row(e) for e in result.requests], HEADER)
+    sparse = result.caches is not None  # a sparse pair: one row per request and cache
+    rows = [_row(e)[:1] + [_cache(result, e)] + _row(e)[1:] if sparse else _row(e) for e in result.requests]
+    body = table(rows, HEADER[:1] + ["cache"] + HEADER[1:] if sparse else HEADER)
     return "\n".join([*_head(result), "", body, *_runs(result), *_sources(result), "", *_verdict(result)])
 
 
@@ -22,10 +24,16 @@ def _head(result: DiffResult) -> list[str]:
     lines = [
         f"prefill  {pre[0]}{chunks}",
         f"decode   {result.decode}",
-        f"paired by {result.pairing}, pages of {result.page_size} (decode side), compared {result.compared}",
+        f"paired by {result.pairing}, pages of {result.page_size} (decode side), compared {result.compared}"
+        if result.caches is None else f"paired by {result.pairing}, compared {result.compared} (packed tokens), caches: "
+        + ", ".join(f"{c['label']} ({c['layout']}, pages of {c['page_size']})" for c in result.caches.values()),
         *(f"note     {n}" for n in result.notes),
     ]
     return [printable(line) for line in lines]
+
+
+def _cache(result: DiffResult, e: RequestDiff) -> str:
+    return (result.caches or {}).get(e.cache, {}).get("label", e.cache or "-")
 
 
 def _row(e: RequestDiff) -> list[str]:
@@ -47,8 +55,8 @@ def _row(e: RequestDiff) -> list[str]:
 
 
 def _runs(result: DiffResult) -> list[str]:
-    runs = [(e.request, run) for e in result.requests if e.transfer_runs is not None
-            for run in e.transfer_runs.mismatched]  # fmt: skip
+    runs = [(f"{e.request} {_cache(result, e)}" if e.cache else e.request, run) for e in result.requests
+            if e.transfer_runs is not None for run in e.transfer_runs.mismatched]  # fmt: skip
     if not runs:
         return []
     lines = ["", "transfer runs (contiguous on both sides) holding mismatches:"]
@@ -70,7 +78,8 @@ def _runs(result: DiffResult) -> list[str]:
 
 def _sources(result: DiffResult) -> list[str]:
     """Where the mismatched rows' bytes are in the prefill captures (refmla.diffkv.provenance)."""
-    said = [f"  {e.request}: {src.text(e.rid)}" for e in result.requests for src in (e.sources or [])]
+    said = [f"  {e.request}{' ' + _cache(result, e) if e.cache else ''}: {src.text(e.rid)}" for e in result.requests
+            for src in (e.sources or [])]  # fmt: skip
     return ["", "mismatched rows found in the prefill:", *said[:MAX_RUN_LINES]] if said else []
 
 

@@ -43,6 +43,8 @@ def _row(r: Row) -> list[str]:
         transfer = f"faithful ({t.positions_compared})"
     elif t.status == "mismatch":
         transfer = f"MISMATCH {t.mismatched_positions} first pos {t.first_mismatch} page {t.first_page}"
+        if t.cache is not None:  # a sparse pair: the cache it is in
+            transfer = f"{t.cache}: {transfer}"
         if t.run is not None:
             transfer += f" run [{t.run['start']},{t.run['end']})"
             if t.run.get("offset") is not None:

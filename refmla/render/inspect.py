@@ -61,6 +61,11 @@ def render_sparse_inspect(s: SparseInspection) -> list[str]:
                   f"  {'':<13} top-k width {c.index_width}, {_lengths(c.length_min, c.length_max)}, "
                   f"{c.valid_entries} entries read",
                   f"  {'':<13} packing {c.packing}"]  # fmt: skip
+        if c.positions_held is not None:
+            lines.append(f"  {'':<13} KV map: {c.positions_held} positions held over the requests"
+                         + (", production pages recorded" if c.page_map else ", no page map (no transfer runs)"))
+    if s.disagg_mode is not None:
+        lines.append(f"  disagg {s.disagg_mode} node")
     lines.append(f"  rows   {s.lonely_rows} lonely (no valid entry: out 0, lse +inf); stored outputs: "
                  + (", ".join(s.outputs) or "none"))
     if s.pool_regions:

@@ -18,6 +18,18 @@ meta ``mode`` is ``sparse_decode``. Tensors (B requests, S query tokens each, H 
     inv_rope_positions [B * S]        the kernel applied the inverse rope to out[..., -d_rope:]
     golden_out         [B, S, H, Dv] fp64   golden files only (refmla.sparse.golden): the stored reference
     golden_lse         [B, S, H] fp64
+
+The KV map (optional, issue 28: what diff-kv and disagg compare position by position; the top-k
+``indices`` name only what one call read):
+
+    seq_lens             [B]      request b's length in tokens (the positions its KV has)
+    slot_indptr, slots   [B + 1], [N]   request b's main-cache token (the numbering of ``indices``) of
+                         each position 0 .. seq_lens[b] - 1, in position order; -1: not held there
+                         (V4's window cache: before the window's first page)
+    extra_slot_indptr,   [B + 1], [N2]  the same for the compressed cache: entry i (tokens
+    extra_slots          [i * ratio, (i + 1) * ratio)) of request b, seq_lens[b] // compress_ratio entries
+    k_cache_pages,       [P], [P2]  the production page of each captured page (the hook keeps only
+    extra_k_cache_pages  the pages it needs): physical slot = pages[t // page_size] * page_size + t % page_size
 """
 
 from __future__ import annotations
@@ -39,7 +51,11 @@ TENSORS = {
     "q": True, "k_cache": True, "indices": True, "topk_length": False, "attn_sink": False,
     "extra_k_cache": False, "extra_indices": False, "extra_topk_length": False, "out": False, "lse": False,
     "inv_rope_freqs": False, "inv_rope_positions": False, "golden_out": False, "golden_lse": False,
+    "seq_lens": False, "slot_indptr": False, "slots": False, "extra_slot_indptr": False, "extra_slots": False,
+    "k_cache_pages": False, "extra_k_cache_pages": False,
 }  # fmt: skip
+KV_MAP = {"": ("slot_indptr", "slots", "k_cache_pages"), "extra_": ("extra_slot_indptr", "extra_slots", "extra_k_cache_pages")}
+DISAGG_MODES = ("prefill", "decode", "null")
 KERNEL_BACKENDS = ("aiter_sparse", "triton", "tilelang", "torch", "flashmla", "aiter", "synth", "unknown")
 ROLES = ("window", "compressed")
 COMPRESS_RATIOS = (0, 1, 2, 4, 128)  # what SGLang's DeepseekV4Attention accepts per layer
@@ -51,7 +67,7 @@ META_KEYS = {
     "extra_page_size": (int, False), "kv_fp8_dtype": (str, False), "compress_ratio": (int, False),
     "layer_role": (str, False), "window": (int, False), "model": (str, False), "layer_id": (int, False),
     "tp_rank": (int, False), "step": (int, False), "sglang_version": (str, False), "rids": (list, False),
-    "compress_ratios": (list, False),
+    "compress_ratios": (list, False), "disagg_mode": (str, False), "disagg_transfer_backend": (str, False),
 }  # fmt: skip
 
 
@@ -76,6 +92,8 @@ class SparseMeta:
     sglang_version: Optional[str] = None
     rids: Optional[list] = None
     compress_ratios: Optional[list] = None  # the model's per-layer ratios (config.compress_ratios), when known
+    disagg_mode: Optional[str] = None  # "prefill" | "decode" | "null": which node of a disaggregated run
+    disagg_transfer_backend: Optional[str] = None  # "mori" | "mooncake" | "nixl" | ...
     extra: dict = field(default_factory=dict)  # keys this version does not know, kept as given
 
     @property
@@ -85,6 +103,10 @@ class SparseMeta:
     @property
     def extra_layout(self) -> Optional[PackedLayout]:
         return None if self.extra_kv_layout is None else LAYOUTS[self.extra_kv_layout]
+
+    def region(self) -> RegionCheck:
+        """The MR region-size check of the pool geometry among the keys (refmla.regions)."""
+        return check_region(PoolMeta.from_raw({**self.to_json(), "page_size": self.page_size}))
 
     def to_json(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
@@ -107,6 +129,8 @@ def parse_sparse_meta(raw: Mapping[str, Any], path: Any = "<meta>") -> SparseMet
         kw[key] = _coerce(raw[key], typ, path, key)
     for problem in meta_problems(kw):
         raise CaptureError(path, *problem)
+    if kw.get("rids") is not None:  # strings, as a dense capture's (the pairing compares them)
+        kw["rids"] = [str(r) for r in kw["rids"]]
     _layer_ratio(kw, path)
     extra = {k: v for k, v in raw.items() if k not in META_KEYS and k != "format"}
     _check_pool_geometry(extra, path)
@@ -160,7 +184,8 @@ def meta_problems(kw: dict) -> list[tuple[str, str]]:
     """(key, reason) for every bound the coerced meta breaks."""
     out = []
     for key, allowed in (("mode", (SPARSE_MODE,)), ("kv_layout", tuple(LAYOUTS)), ("layer_role", ROLES),
-                         ("extra_kv_layout", tuple(LAYOUTS)), ("kv_fp8_dtype", tuple(FP8_DTYPES))):  # fmt: skip
+                         ("extra_kv_layout", tuple(LAYOUTS)), ("kv_fp8_dtype", tuple(FP8_DTYPES)),
+                         ("disagg_mode", DISAGG_MODES)):  # fmt: skip
         if kw.get(key) is not None and kw[key] not in allowed:
             out.append((f"meta key '{key}'", f"must be one of {', '.join(allowed)}, got {kw[key]!r}"))
     for key in ("page_size", "extra_page_size", "head_dim_v"):
@@ -205,6 +230,13 @@ class SparseCapture:
     inv_rope_positions: Optional[torch.Tensor] = None  # [B * S]
     golden_out: Optional[torch.Tensor] = None  # [B, S, H, Dv] fp64, golden files only
     golden_lse: Optional[torch.Tensor] = None  # [B, S, H] fp64
+    seq_lens: Optional[torch.Tensor] = None  # [B] the KV map (module docstring)
+    slot_indptr: Optional[torch.Tensor] = None  # [B + 1]
+    slots: Optional[torch.Tensor] = None  # [N] main-cache tokens per position, -1 not held
+    extra_slot_indptr: Optional[torch.Tensor] = None  # [B + 1]
+    extra_slots: Optional[torch.Tensor] = None  # [N2] compressed-cache tokens per entry, -1 not held
+    k_cache_pages: Optional[torch.Tensor] = None  # [P] production page of each captured page
+    extra_k_cache_pages: Optional[torch.Tensor] = None  # [P2]
     warnings: list = field(default_factory=list)
 
     @property
@@ -225,12 +257,12 @@ class SparseCapture:
 
     def region(self) -> RegionCheck:
         """The MR region-size check of the pool geometry in meta (refmla.regions)."""
-        return check_region(PoolMeta.from_raw({**self.meta.to_json(), "page_size": self.meta.page_size}))
+        return self.meta.region()
 
     def cache_tokens(self, extra: bool = False) -> int:
         cache, page = (self.extra_k_cache, self.meta.extra_page_size) if extra else (self.k_cache, self.meta.page_size)
         return 0 if cache is None else cache.shape[0] * (page or 0)
 
 
-__all__ = ["KERNEL_BACKENDS", "META_KEYS", "SPARSE_MODE", "TENSORS", "SparseCapture", "SparseMeta",
+__all__ = ["DISAGG_MODES", "KERNEL_BACKENDS", "KV_MAP", "META_KEYS", "SPARSE_MODE", "TENSORS", "SparseCapture", "SparseMeta",
            "is_sparse_meta", "meta_problems", "parse_sparse_meta"]  # fmt: skip

@@ -1,6 +1,6 @@
 """`refmla inspect` of a sparse decode capture: what it holds, described from the format's own
 meaning (the layout and its fp8 packing, each cache's geometry, the top-k widths and lengths, the
-compress ratio, the pool's registered regions), typed (:class:`SparseInspection`).
+compress ratio, the pool's registered regions, the KV map diff-kv compares), typed (:class:`SparseInspection`).
 
 The entry is the dense inspect's :class:`refmla.inspection.InspectEntry` (same keys, same exit
 codes) with ``sparse`` added; an unreadable sparse capture is an invalid entry naming the file and
@@ -51,6 +51,8 @@ class CacheGeometry:
     length_min: Optional[int]  # topk_length over the requests (None: no lengths, the width is read)
     length_max: Optional[int]
     valid_entries: int  # entries read over every query row (not -1, before the length)
+    positions_held: Optional[int] = None  # the KV map: positions this cache holds over the requests (None: no map)
+    page_map: bool = False  # the KV map's production page of each captured page is stored
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class SparseInspection:
     outputs: list  # the stored outputs: out, lse, golden_out, golden_lse
     pool_regions: Optional[list] = None  # meta kv_pool_region_bytes: each registered buffer's bytes
     pool_class: Optional[str] = None
+    disagg_mode: Optional[str] = None  # meta disagg_mode: the node of a disaggregated run
 
     def to_json(self) -> dict:
         return {**asdict(self), "caches": [asdict(c) for c in self.caches]}
@@ -87,9 +90,12 @@ def _cache(cap: SparseCapture, extra: bool, valid: int) -> CacheGeometry:
     idx = cap.extra_indices if extra else cap.indices
     lo, hi = _lengths(cap.extra_topk_length if extra else cap.topk_length)
     assert layout is not None and page is not None and cache is not None and idx is not None  # validated
+    slots = cap.extra_slots if extra else cap.slots
     return CacheGeometry("extra_k_cache" if extra else "k_cache", "extra" if extra else "main", layout.name,
                          packing(layout, m.kv_fp8_dtype), layout.bytes_per_token, page, cache.shape[0],
-                         cache.shape[1], layout.page_bytes(page), cache.shape[0] * page, idx.shape[2], lo, hi, valid)  # fmt: skip
+                         cache.shape[1], layout.page_bytes(page), cache.shape[0] * page, idx.shape[2], lo, hi, valid,
+                         None if slots is None else int((slots >= 0).sum()),
+                         (cap.extra_k_cache_pages if extra else cap.k_cache_pages) is not None)  # fmt: skip
 
 
 def describe(cap: SparseCapture) -> SparseInspection:
@@ -103,7 +109,7 @@ def describe(cap: SparseCapture) -> SparseInspection:
     return SparseInspection(m.kv_layout, MODELS[m.kv_layout], m.backend, {"B": B, "S": S, "H": H, "D": D, "Dv": m.head_dim_v},
                             dtype_name(cap.q.dtype), m.kv_fp8_dtype, m.softmax_scale, m.compress_ratio, m.layer_role,
                             m.window, cap.attn_sink is not None, caches, int(rows.lonely.sum()), stored,
-                            m.extra.get("kv_pool_region_bytes"), m.extra.get("kv_pool_class"))  # fmt: skip
+                            m.extra.get("kv_pool_region_bytes"), m.extra.get("kv_pool_class"), m.disagg_mode)  # fmt: skip
 
 
 __all__ = ["CacheGeometry", "SparseInspection", "describe", "packing"]

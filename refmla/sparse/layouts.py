@@ -98,6 +98,32 @@ def token_bytes(cache: torch.Tensor, layout: PackedLayout, page_size: int) -> To
     return TokenBytes(tok[:, :s0], tok[:, s0 : s0 + layout.scale_bytes], tok[:, s0 + layout.scale_bytes :])
 
 
+def token_rows(cache: torch.Tensor, layout: PackedLayout, page_size: int) -> torch.Tensor:
+    """Each token's packed bytes as one row, [P * page_size, bytes_per_token] uint8 (a copy), its
+    sections in the order of :func:`sections` (v4's data row, then its scale row): what a transfer
+    of the cache carries, compared exactly by diff-kv."""
+    b = token_bytes(cache.view(torch.uint8), layout, page_size)
+    return torch.cat([b.nope, b.rope, b.scales], dim=1)
+
+
+def sections(layout: PackedLayout) -> dict[str, tuple[int, int]]:
+    """Byte ranges [start, end) of a :func:`token_rows` row: the fp8 values, the bf16 rope, the scales."""
+    n, r = layout.d_nope, 2 * layout.d_rope
+    return {"nope": (0, n), "rope": (n, n + r), "scales": (n + r, n + r + layout.scale_bytes)}
+
+
+def row_sections(rows: torch.Tensor, layout: PackedLayout) -> TokenBytes:
+    """:func:`token_rows` rows [N, bytes_per_token] cut back into their sections (views)."""
+    (a, b), (c, d), (e, f) = sections(layout).values()
+    return TokenBytes(nope=rows[:, a:b], scales=rows[:, e:f], rope=rows[:, c:d])
+
+
+def rows_to_pages(rows: torch.Tensor, layout: PackedLayout, page_size: int) -> torch.Tensor:
+    """The inverse of :func:`token_rows`: rows [N, bytes_per_token] (N a multiple of page_size) as pages."""
+    b = row_sections(rows, layout)
+    return pack_pages(b.nope, b.scales, b.rope, layout, page_size)
+
+
 def tile_scales(b: TokenBytes, layout: PackedLayout) -> torch.Tensor:
     """The per-tile scales in fp64 [N, num_tiles]: 2^(e - 127) (UE8M0, e = 255 is NaN) or the fp32 values."""
     if layout.scale_kind == "ue8m0":
@@ -113,6 +139,11 @@ def dequantize(cache: torch.Tensor, layout: PackedLayout, page_size: int, fp8: s
     b = token_bytes(cache.view(torch.uint8), layout, page_size)
     if tokens is not None:
         b = TokenBytes(b.nope[tokens], b.scales[tokens], b.rope[tokens])
+    return token_values(b, layout, fp8)
+
+
+def token_values(b: TokenBytes, layout: PackedLayout, fp8: str = "float8_e4m3fn") -> torch.Tensor:
+    """Tokens cut into their sections -> their values in fp64 [N, D] (exact)."""
     nope = b.nope.contiguous().view(FP8_DTYPES[fp8]).to(torch.float64)  # [N, d_nope]
     scales = tile_scales(b, layout).repeat_interleave(layout.tile, dim=1)  # [N, d_nope]
     rope = b.rope.contiguous().view(torch.bfloat16).to(torch.float64)  # [N, d_rope]
@@ -168,4 +199,5 @@ def pack_pages(nope: torch.Tensor, scales: torch.Tensor, rope: torch.Tensor, lay
 
 
 __all__ = ["FP8_DTYPES", "LAYOUTS", "PackedLayout", "TokenBytes", "dequantize", "pack_pages", "quantize", "quantize_with_values",
-           "tile_scales", "token_bytes", "ue8m0_scale"]  # fmt: skip
+           "row_sections", "rows_to_pages", "sections", "tile_scales", "token_bytes", "token_rows", "token_values",
+           "ue8m0_scale"]  # fmt: skip

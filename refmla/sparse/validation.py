@@ -22,7 +22,7 @@ from refmla.capture import CaptureError
 from refmla.capture.numbers import meta_json
 from refmla.capture.read import open_capture, safetensors_open
 from refmla.capture.write import sorted_header
-from refmla.sparse.format import TENSORS, SparseCapture, SparseMeta, is_sparse_meta, parse_sparse_meta
+from refmla.sparse.format import KV_MAP, TENSORS, SparseCapture, SparseMeta, is_sparse_meta, parse_sparse_meta
 from refmla.sparse.layouts import PackedLayout
 from refmla.results import Finding
 from refmla.util import dtype_name, request_label
@@ -53,7 +53,7 @@ def validate(cap: SparseCapture) -> None:
 
 def problems(cap: SparseCapture) -> list[CaptureError]:
     out: list[CaptureError] = []
-    for check in (_q, _caches, _scopes, _ratio, _sink_out_lse, _inv_rope):
+    for check in (_q, _caches, _scopes, _ratio, _sink_out_lse, _inv_rope, _kv_map):
         out += [CaptureError(cap.path, f"tensor '{name}'", msg) for name, msg in check(cap)]
         if out and check in (_q, _caches):  # later checks read the shapes these establish
             break
@@ -161,6 +161,63 @@ def _inv_rope(cap: SparseCapture) -> list[tuple[str, str]]:
         return [("inv_rope_positions", f"[{i}] = {int(p[i])} is outside the table ({f.shape[0]} positions)")]
     return []
 
+
+def _kv_map(cap: SparseCapture) -> list[tuple[str, str]]:
+    """The KV map (refmla.sparse.format): the lengths, each cache's token per position, its page map."""
+    present = [n for n in ("seq_lens", *KV_MAP[""], *KV_MAP["extra_"]) if getattr(cap, n) is not None]
+    if not present:
+        return []
+    B, L = cap.q.shape[0], cap.seq_lens
+    if L is None:
+        return [("seq_lens", f"missing: {present[0]} is part of the KV map, which needs the requests' lengths")]
+    if L.dtype not in INDEX_DTYPES or tuple(L.shape) != (B,) or (L.numel() and int(L.min()) < 0):
+        return [("seq_lens", f"{dtype_name(L.dtype)} {list(L.shape)}, expected int32 [{B}], each >= 0")]
+    if cap.slots is None and cap.slot_indptr is None:
+        return [("slots", "missing: seq_lens comes with slot_indptr and slots (the main cache's token per position)")]
+    ratio = cap.meta.compress_ratio
+    out = _cache_map(cap, "", cap.k_cache, cap.meta.page_size, L)
+    if cap.extra_k_cache is None:
+        out += [(n, "present without extra_k_cache") for n in KV_MAP["extra_"] if getattr(cap, n) is not None]
+    elif cap.extra_slots is not None or cap.extra_slot_indptr is not None:
+        want = L // ratio if ratio else None
+        out += _cache_map(cap, "extra_", cap.extra_k_cache, cap.meta.extra_page_size, want if want is not None else L,
+                          exact=want is not None)  # fmt: skip
+    return out
+
+
+def _cache_map(cap: SparseCapture, prefix: str, cache: torch.Tensor, page: int, counts: torch.Tensor,
+               exact: bool = True) -> list[tuple[str, str]]:  # fmt: skip
+    """One cache's part of the KV map: indptr [B + 1] from 0 with ``counts`` per request (at most, when
+    not ``exact``), its tokens -1 or inside the cache, its page map one distinct page per captured page."""
+    n_ptr, n_slots, n_pages = KV_MAP[prefix]
+    ptr, slots, pages = (getattr(cap, n) for n in KV_MAP[prefix])
+    B = counts.shape[0]
+    if ptr is None or slots is None:
+        return [(n_ptr if ptr is None else n_slots, f"missing: {n_ptr} and {n_slots} come together")]
+    if ptr.dtype not in INDEX_DTYPES or tuple(ptr.shape) != (B + 1,) or int(ptr[0]) != 0 or int(ptr[-1]) != slots.numel():
+        return [(n_ptr, f"{dtype_name(ptr.dtype)} {list(ptr.shape)}, expected int32 [{B + 1}] from 0 to len({n_slots})")]
+    if slots.dtype not in INDEX_DTYPES or slots.dim() != 1:
+        return [(n_slots, f"{dtype_name(slots.dtype)} {list(slots.shape)}, expected int32 [N]")]
+    have = ptr[1:].long() - ptr[:-1].long()
+    bad = (have != counts) if exact else (have < 0) | (have > counts)
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0])
+        need = f"{int(counts[b])}" if exact else f"0 .. {int(counts[b])}"
+        what = "seq_lens" if not prefix else f"seq_lens // compress_ratio ({cap.meta.compress_ratio})"
+        return [(n_ptr, f"request {b} has {int(have[b])} positions, {what} says {need}")]
+    tokens = cache.shape[0] * page
+    wrong = (slots < -1) | (slots >= tokens)
+    if bool(wrong.any()):
+        i = int(wrong.nonzero()[0])
+        return [(n_slots, f"[{i}] = {int(slots[i])} is outside the cache ({tokens} tokens; -1: not held)")]
+    if pages is None:
+        return []
+    if pages.dtype not in INDEX_DTYPES or tuple(pages.shape) != (cache.shape[0],) or (pages.numel() and int(pages.min()) < 0):
+        return [(n_pages, f"{dtype_name(pages.dtype)} {list(pages.shape)}, expected int [{cache.shape[0]}] "
+                          "(one per captured page), each >= 0")]  # fmt: skip
+    if torch.unique(pages).numel() != pages.numel():
+        return [(n_pages, "a production page listed twice (each captured page is one production page)")]
+    return []
 
 
 UPSTREAM = "the input is already non-finite: the fault is upstream of attention"

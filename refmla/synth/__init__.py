@@ -6,6 +6,8 @@
     rounding.py correct kernels that round differently (registered in faults.py's registry)
     disagg.py   a disaggregated pair: prefill and decode captures of the same requests, on other slots
     disagg_faults.py  its faults (transfer, metadata, compute) and what `refmla disagg` must name
+    disagg_sparse.py  the same over sparse pools (DeepSeek-V4: window + compressed caches; V3.2): the
+                KV map on both sides, transfer faults in either cache, what `refmla disagg` must name
     verify_faults.py  the speculative-verify faults (draft KV, causal alignment, masks, qlen padding)
     benign.py   correct kernels that round their own way (expect=None): they must pass
     blocktable_faults.py  the block-table kernels' faults (vLLM, FlashMLA, FlashInfer), planted

@@ -26,7 +26,7 @@ from refmla.attended import Attended
 from refmla.capture import write_capture
 from refmla.control import mla_control_split
 from refmla.scales import Scales
-from refmla.synth.disagg_faults import DISAGG_FAULTS, Planted, World
+from refmla.synth.disagg_faults import DISAGG_FAULTS, Planted, World, lookup
 from refmla.synth.inputs import geometry_meta
 from refmla.synth.spec import SynthSpec
 from refmla.util import cdiv
@@ -162,14 +162,12 @@ def write_decode(spec: DisaggSpec, w: World, out: Path, planted: Planted, fault_
 def synth_disagg(out: Any, spec: DisaggSpec, fault: str = "none") -> dict:
     """Write the pair under ``out`` (prefill/ and decode/); returns what was planted and what
     ``refmla disagg`` must name for it (``expect``)."""
-    if fault not in DISAGG_FAULTS:
-        raise KeyError(f"unknown disagg fault {fault!r}; choose from {', '.join(DISAGG_FAULTS)}")
+    f = lookup(DISAGG_FAULTS, fault)
     if spec.fault_layer not in spec.layers or spec.fault_rank not in spec.ranks:
         raise ValueError(f"fault layer {spec.fault_layer} / rank {spec.fault_rank} not among the layers / ranks written")
     out = Path(out)
     (out / "prefill").mkdir(parents=True, exist_ok=True)
     (out / "decode").mkdir(parents=True, exist_ok=True)
-    f = DISAGG_FAULTS[fault]
     planted = Planted(fault, pool_tokens=f.pool_tokens_for(spec.base) if f.pool_tokens_for else None)
     for layer in spec.layers:
         for rank in spec.ranks:

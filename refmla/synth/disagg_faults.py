@@ -88,6 +88,13 @@ class DisaggFault:
 DISAGG_FAULTS: dict[str, DisaggFault] = {}
 
 
+def lookup(registry: dict, name: str, what: str = "disagg fault") -> Any:
+    """``registry[name]``, else KeyError naming the choices (the dense and the sparse pairs' faults)."""
+    if name not in registry:
+        raise KeyError(f"unknown {what} {name!r}; choose from {', '.join(registry)}")
+    return registry[name]
+
+
 def register(f: DisaggFault) -> DisaggFault:
     DISAGG_FAULTS[f.name] = f
     return f
