@@ -33,8 +33,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from refmla.hook.call import dressed_as
 from refmla.hook.filters import after_call_filters
-from refmla.hook.runtime import compiling
+from refmla.hook.runtime import compiling, versions
 from refmla.hook.writer import HookState, capture_name
 from refmla.merge.io import write_chunked
 
@@ -130,6 +131,7 @@ class Recorder:
             t["step_lse"] = torch.stack([l for _, l in self.merges[:-1]])  # type: ignore[misc]
         backend = _attn_backend()
         meta = {"mode": "chunked_prefill", "merger": "sglang.merge_state", "lse_base": "e", "engine": "sglang",
+                "engine_version": versions().get("sglang_version"),
                 "sm_scale": float(self.module.scaling), "attention": ATTENTION, "layer_id": self.layer_id,
                 "tp_rank": self.rank, "step": self.step, **({"attn_backend": backend} if backend else {})}  # fmt: skip
         path = Path(self.state.cfg.out_dir) / capture_name(mode="chunked_prefill", rank=self.rank, layer=self.layer_id,
@@ -219,10 +221,7 @@ def wrap_chunked(original: Callable, state_of: Callable[[], Optional[HookState]]
             state.fail(e)
         return result
 
-    core.__wrapped__ = original  # type: ignore[attr-defined]
-    for attr in ("__name__", "__qualname__", "__doc__"):
-        setattr(core, attr, getattr(original, attr, None))
-    return core
+    return dressed_as(core, original)
 
 
 __all__ = ["ATTENTION", "Recorder", "active_recorder", "wrap_chunked"]

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from refmla.hook.call import dressed_as
 from refmla.hook.chunked_call import active_recorder, wrap_chunked
 from refmla.hook.filters import after_call_filters
 from refmla.hook.kvwrite_call import WRITER_READERS, bound_arguments, wrap_writer
@@ -101,10 +102,7 @@ def wrap_merge(original: Callable, merger: str, read: Callable[[dict, Any], Opti
             state.fail(e)
         return result
 
-    merged.__wrapped__ = original  # type: ignore[attr-defined]
-    for attr in ("__name__", "__qualname__", "__doc__"):
-        setattr(merged, attr, getattr(original, attr, None))
-    return merged
+    return dressed_as(merged, original)
 
 
 MERGE_READERS = {"sglang": sglang_tensors, "vllm": vllm_tensors}

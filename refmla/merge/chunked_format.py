@@ -35,7 +35,7 @@ import torch
 
 from refmla.capture.format import CaptureError
 from refmla.capture.kinds import KindMeta
-from refmla.merge.format import LSE_BASES, OUT_DTYPES
+from refmla.merge.format import OUT_DTYPES, merger_keys
 from refmla.util import dtype_name
 
 MODE = "chunked_prefill"
@@ -61,18 +61,11 @@ class ChunkedMeta(KindMeta):
 
 def parse_chunked_meta(raw: Any, path: Any) -> ChunkedMeta:
     """The meta of a chunked-prefill capture, every key checked; CaptureError names the key."""
-    if not isinstance(raw, dict):
-        raise CaptureError(path, "header key 'meta'", "not a JSON object")
-    if raw.get("mode") != MODE:
-        raise CaptureError(path, "meta key 'mode'", f"expected {MODE!r}, got {raw.get('mode')!r}")
-    if not isinstance(raw.get("merger"), str):
-        raise CaptureError(path, "meta key 'merger'", "missing or not a string")
+    keys = merger_keys(raw, path, MODE)
     scale = raw.get("sm_scale")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
         raise CaptureError(path, "meta key 'sm_scale'", f"expected a positive finite number, got {scale!r}")
-    if raw.get("lse_base", "e") not in LSE_BASES:
-        raise CaptureError(path, "meta key 'lse_base'", f"expected 'e' or '2', got {raw.get('lse_base')!r}")
-    meta = ChunkedMeta(mode=MODE, merger=raw["merger"], sm_scale=float(scale), lse_base=raw.get("lse_base", "e"))
+    meta = ChunkedMeta(**keys, sm_scale=float(scale))
     meta.read_common(raw, path, strings=("attention", "attn_backend"))
     return meta
 

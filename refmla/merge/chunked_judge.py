@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from refmla.compare import Comparison, Tolerance, compare, judge_lse
+from refmla.compare import Comparison, Tolerance, compare
 from refmla.merge.chunked_format import MODE, ChunkedCapture
 from refmla.merge.chunked_hypotheses import explain_piece, label
 from refmla.merge.format import MergeCapture, MergeMeta
@@ -84,11 +84,10 @@ def _merge_entry(cap: ChunkedCapture, i: int, tol: Tolerance, explain: bool) -> 
     m = merge_step(cap, i)
     info = {"step": i, "chunk": i, "into": "new_tokens" if i == 0 else f"merge_{i - 1}", "merger": cap.meta.merger,
             "empty_rows": int((cap.row_lens(i) == 0).sum())}  # fmt: skip
-    ref, ctl = reference(m), control(m)
-    entry = merge_entry(f"merge_{i}", m, m.out, m.lse, ref, ctl, tol, explain, info)
+    entry = merge_entry(f"merge_{i}", m, m.out, m.lse, reference(m), control(m), tol, explain, info, cap.request_of_row)
     if entry.status == "fail" and entry.comparison is not None and entry.comparison.row_failed is not None:
-        rows = entry.comparison.row_failed.any(1) | judge_lse(m.lse, ref[1], ctl[1], k=tol.k).bad.any(1)
-        info["failed_requests"] = sorted({int(b) for b in cap.request_of_row[rows]})  # the worst "request" is a row here
+        rows = entry.comparison.row_failed.any(1).nonzero()[:, 0]
+        info["failed_requests"] = sorted({int(b) for b in cap.request_of_row[rows]} | set(entry.lse.failed_requests or []))
     return entry
 
 

@@ -39,11 +39,13 @@ def lse_check(got: torch.Tensor, want: torch.Tensor, ctl: torch.Tensor, tol: Tol
 
 
 def merge_entry(name: str, cap: MergeCapture, out: torch.Tensor, lse: Optional[torch.Tensor], ref, ctl, tol: Tolerance,
-           explain_failures: bool, info: dict) -> BackendEntry:  # fmt: skip
-    cmp = compare(name, out, ref[0], ctl[0], tol=tol)
+                explain_failures: bool, info: dict, request_of_row: Optional[torch.Tensor] = None) -> BackendEntry:  # fmt: skip
+    """One merged output (and lse) against the fp64 merge; a failure explained when asked.
+    ``request_of_row`` [T]: the request of each row, for the report (default: the row)."""
+    cmp = compare(name, out, ref[0], ctl[0], tol=tol, request_of_row=request_of_row)
     entry = BackendEntry.judged(cmp, info=info)
     if lse is not None:
-        entry.lse = lse_check(lse, ref[1], ctl[1], tol)
+        entry.lse = lse_check(lse, ref[1], ctl[1], tol, request_of_row)
     entry.judge_parts()
     if entry.status == "fail" and explain_failures:
         entry.explanation = explain(cap, tol)
@@ -76,7 +78,7 @@ def judge_merge(cap: MergeCapture, opts: Any = None) -> ReplayReport:
     for n in names:
         entries[n] = _kernel(n, cap, ref, ctl, tol)
     c = compare("control", ctl[0], ref[0])
-    report = ReplayReport(capture=cap.path, verdict="agree", diagnosis=None, mode=cap.meta.mode, meta=cap.meta,  # type: ignore[arg-type]
+    report = ReplayReport(capture=cap.path, verdict="agree", diagnosis=None, mode=cap.meta.mode, kind=cap.meta.mode, meta=cap.meta,  # type: ignore[arg-type]
                           metadata=MetadataReport(ok=True, warnings=[f.message for f in findings], findings=findings),
                           backends=entries, tolerance=tol,
                           control=NoiseFloor(dtype_name(cap.out.dtype), c.max_abs_err, c.cos_diff))  # fmt: skip
