@@ -231,6 +231,33 @@ def test_bad_input_exits_2_naming_the_file_and_tensor(tmp_path, capsys, change, 
     assert len(err) == 1 and str(bad) in err[0] and named in err[0], err
 
 
+def test_bad_meta_exits_2_naming_the_key(tmp_path, capsys):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    good, bad = tmp_path / "good.safetensors", tmp_path / "bad.safetensors"
+    refmla_main(["synth", str(good), "--preset", "chunked-prefill"])
+    with safe_open(str(good), framework="pt") as f:
+        t, md = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    meta = json.loads(md["meta"])
+    meta["sm_scale"] = -1.0
+    save_file(t, str(bad), metadata={**md, "meta": json.dumps(meta)})
+    capsys.readouterr()
+    assert refmla_main(["replay", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(bad) in err[0] and "meta key 'sm_scale'" in err[0], err
+
+
+def test_chunks_that_do_not_tile_the_prefix_are_the_rows_diagnosis(tmp_path):
+    good = tmp_path / "good.safetensors"
+    refmla_main(["synth", str(good), "--preset", "chunked-prefill"])
+    starts = torch.tensor([[0, 0], [17, 16], [32, 32]], dtype=torch.int32)  # request 0's chunk 1 moved by one
+    r = replay_file(_rewrite(good, tmp_path / "gap.safetensors", chunk_starts=starts), ReplayOptions())
+    assert r.verdict == "diverged" and r.diagnosis == "chunked_row", r.diagnosis_text
+    gaps = [(f.request, f.numbers["start"], f.numbers["end"], f.numbers["what"]) for f in r.metadata.findings]
+    assert gaps == [(0, 16, 17, "uncovered"), (0, 32, 33, "overlap")]
+
+
 def test_inspect_describes_a_chunked_prefill_capture(tmp_path, capsys):
     path = tmp_path / "c.safetensors"
     refmla_main(["synth", str(path), "--preset", "chunked-prefill"])

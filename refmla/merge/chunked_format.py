@@ -19,8 +19,8 @@ Tensors (``T`` new tokens = query rows, ``H`` heads, ``Dq`` the q/k width, ``Dv`
 
 Merge step i joins chunk i (piece ``a``) into what was merged before (piece ``b``: the new tokens'
 piece for step 0, step i-1's output after); lse in the base of meta ``lse_base``. Row ranges are
-``qo_indptr`` = cumsum(extend_lens); chunk i's keys of request b are its rows of ``chunk_k`` from
-the chunk's offset + cumsum(chunk_lens[i])[b - 1]. Every inconsistency is a
+``qo_indptr`` = cumsum(extend_lens); chunk i's keys of request b are the chunk_lens[i, b] rows of
+``chunk_k`` from sum(chunk_lens[:i]) + sum(chunk_lens[i, :b]). Every inconsistency is a
 :class:`~refmla.capture.CaptureError` naming the file and the tensor or key.
 """
 
