@@ -6,8 +6,8 @@ capture without geometry is ``not_recorded``); a sparse decode capture's entry i
 refmla.sparse.inspection's description (:func:`inspect_sparse`: the same entry with ``sparse`` added); with several captures each readable one also gets its series findings
 (refmla.series) against the previous capture of its layer and rank.
 A capture holding aiter's persistent work / reduce maps also gets its plan checked (refmla.plan: a
-violation exits 1). A KV writer or merge capture (mode ``kv_write`` / ``merge``) gets its kind's
-description (refmla.kvwrite, refmla.merge).
+violation exits 1). A KV writer, merge or chunked-prefill capture (mode ``kv_write`` / ``merge`` /
+``chunked_prefill``) gets its kind's description (refmla.kvwrite, refmla.merge).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from refmla.capture import CaptureError, read_capture
 from refmla.capture.kinds import file_mode
 from refmla.kvwrite.format import describe as describe_kv_write
 from refmla.kvwrite.io import read_kv_write
+from refmla.merge.chunked_format import describe as describe_chunked
 from refmla.merge.format import describe as describe_merge
-from refmla.merge.io import read_merge
+from refmla.merge.io import read_chunked, read_merge
 from refmla.checks import check_capture
 from refmla.flashmla_plan import check_flashmla_plan
 from refmla.plan import PlanCheck, check_aiter_plan
@@ -77,7 +78,8 @@ class InspectEntry:
 
 
 # the kinds with tensors of their own, by meta mode: (reader, describe)
-KINDS = {"kv_write": (read_kv_write, describe_kv_write), "merge": (read_merge, describe_merge)}
+KINDS = {"kv_write": (read_kv_write, describe_kv_write), "merge": (read_merge, describe_merge),
+         "chunked_prefill": (read_chunked, describe_chunked)}
 
 
 def _inspect_kind(path: str, read, describe) -> InspectEntry:

@@ -33,7 +33,8 @@ from refmla.hypotheses import explain_failure
 from refmla.kvwrite.io import read_kv_write
 from refmla.kvwrite.judge import judge_kv_write
 from refmla.merge.backends import BACKENDS as MERGE_BACKENDS
-from refmla.merge.io import read_merge
+from refmla.merge.chunked_judge import judge_chunked
+from refmla.merge.io import read_chunked, read_merge
 from refmla.merge.judge import judge_merge
 from refmla.isolation import KernelCrashed, KernelError, enabled, run_isolated
 from refmla.localize import localize
@@ -51,7 +52,8 @@ from refmla.util import dtype_name, error_text, callable_module
 
 
 # capture kinds with tensors of their own, by meta mode: (reader, judge) -> a ReplayReport
-KINDS = {"kv_write": (read_kv_write, judge_kv_write), "merge": (read_merge, judge_merge)}
+KINDS = {"kv_write": (read_kv_write, judge_kv_write), "merge": (read_merge, judge_merge),
+         "chunked_prefill": (read_chunked, judge_chunked)}
 
 
 def replay_file(path: Any, opts: ReplayOptions) -> ReplayReport:

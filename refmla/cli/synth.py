@@ -12,6 +12,8 @@ from refmla.cli.common import EXIT_OK, UsageError, output_path
 from refmla.sparse.faults import FAULTS as SPARSE_FAULTS
 from refmla.kvwrite.synth import PRESETS as KV_WRITE_PRESETS
 from refmla.kvwrite.synth import synth_kv_write
+from refmla.merge.chunked_synth import PRESETS as CHUNKED_PRESETS
+from refmla.merge.chunked_synth import synth_chunked
 from refmla.merge.synth import PRESETS as MERGE_PRESETS
 from refmla.merge.synth import synth_merge
 from refmla.sparse.presets import PRESETS as SPARSE_PRESETS
@@ -25,7 +27,7 @@ def add_parser(sub) -> None:
     s = sub.add_parser("synth", help="write a synthetic capture", formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=f"presets: {', '.join(ALL_PRESETS)}\n\nfaults (dense presets): {', '.join(FAULTS)}\n\n"
                        f"faults (sparse presets {', '.join(SPARSE_PRESETS)}): none, {', '.join(SPARSE_FAULTS)}\n\n"
-                       f"KV writer / merge presets: {', '.join([*KV_WRITE_PRESETS, *MERGE_PRESETS])}")  # fmt: skip
+                       f"KV writer / merge / chunked-prefill presets: {', '.join([*KV_WRITE_PRESETS, *MERGE_PRESETS, *CHUNKED_PRESETS])}")  # fmt: skip
     s.add_argument("out", type=output_path)
     s.add_argument("--preset", default="kimi-k2-tp8", metavar="PRESET", help="one of the presets below (kimi-k2-tp8)")
     s.add_argument("--fault", default="none", metavar="FAULT", help="a fault to plant, listed below (none)")
@@ -48,7 +50,7 @@ def add_parser(sub) -> None:
 
 def synth(args) -> int:
     """The CLI of refmla.api.synth (dense and sparse presets; the KV writer and merge kinds)."""
-    if args.preset in KV_WRITE_PRESETS or args.preset in MERGE_PRESETS:
+    if args.preset in KV_WRITE_PRESETS or args.preset in MERGE_PRESETS or args.preset in CHUNKED_PRESETS:
         return synth_kind(args)
     try:
         planted = synth_api(args.out, args.preset, args.fault, args.seed, layer=args.layer)
@@ -61,8 +63,8 @@ def synth(args) -> int:
 
 
 def synth_kind(args) -> int:
-    """A kv_write or merge preset (refmla.kvwrite.synth, refmla.merge.synth)."""
-    make = synth_kv_write if args.preset in KV_WRITE_PRESETS else synth_merge
+    """A kv_write, merge or chunked-prefill preset (refmla.kvwrite.synth, refmla.merge.synth, .chunked_synth)."""
+    make = synth_kv_write if args.preset in KV_WRITE_PRESETS else synth_chunked if args.preset in CHUNKED_PRESETS else synth_merge
     if args.layer is not None:
         raise UsageError(f"--layer does not apply to {args.preset!r}")
     try:

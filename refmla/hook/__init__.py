@@ -45,6 +45,8 @@ call that passes the filters. The rest are torch-free, as they run at interprete
                       concat_and_cache_mla): rows before and after the write (REFMLA_CAPTURE_BACKENDS=kvwrite)
     v4write_call.py   (torch) DeepSeek-V4's packed pool writers (a pack stored, or bf16 quantized into
                       UE8M0 tiles): each kept slot's page bytes before and after (kvwrite too)
+    chunked_call.py   (torch) SGLang's chunked-prefix MHA prefill recorded whole around its core: each
+                      attention piece's q, k, v, (out, lse) and each merge (REFMLA_CAPTURE_BACKENDS=merge)
     merge_call.py     (torch) the state merges (SGLang's merge_state*, vLLM's merge_attn_states), and the
                       wrapper for each writer / merge the patcher installs (REFMLA_CAPTURE_BACKENDS=merge)
     vllm_paths.py     where vLLM keeps its MLA Impl classes (forward_mqa), and their capture names

@@ -7,7 +7,8 @@
   kernel ran, filled stage by stage (geometry, the mode's :class:`Indices`, the KV pool, the
   kernel's schedule); the mode readers (:mod:`refmla.hook.modes`) fill it and the meta
   providers (:mod:`refmla.hook.meta`) read it;
-* :class:`Skip` -- raised by any stage when the call is not one ``refmla.capture/1`` describes.
+* :class:`Skip` -- raised by any stage when the call is not one ``refmla.capture/1`` describes;
+* :func:`dressed_as` -- a wrapper given its original's name, qualname, doc and ``__wrapped__``.
 
 Torch-free: this module is imported when the hook is installed.
 """
@@ -15,7 +16,7 @@ Torch-free: this module is imported when the hook is installed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 
 class Skip(Exception):
@@ -99,3 +100,12 @@ class CallContext:
     @property
     def batch_size(self) -> int:
         return self.idx.batch_size if self.idx is not None else 0
+
+
+def dressed_as(wrapper: Callable, original: Callable) -> Callable:
+    """``wrapper`` with ``original``'s ``__name__``, ``__qualname__``, ``__doc__`` and ``__wrapped__``
+    (inspect.signature(wrapper) is the original's: callers binding by name still work)."""
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    for attr in ("__name__", "__qualname__", "__doc__"):
+        setattr(wrapper, attr, getattr(original, attr, None))
+    return wrapper

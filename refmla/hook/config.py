@@ -11,7 +11,7 @@ inherit the environment and nothing else).
 | ``REFMLA_CAPTURE_MODES`` | ``decode`` | any of ``decode``, ``extend``, ``verify``, comma-separated (extend = prefill / chunked prefill; verify = speculative target_verify / draft_extend) |
 | ``REFMLA_CAPTURE_MIN_SEQ_LEN`` | ``64`` | capture a call only when its longest request attends at least this many tokens (skips SGLang's warm-up request and short probes); ``0`` captures everything |
 | ``REFMLA_CAPTURE_RANKS`` | ``all`` | TP ranks that capture: ``all`` or a list such as ``0`` or ``0,4-7`` |
-| ``REFMLA_CAPTURE_BACKENDS`` | ``triton,aiter`` | which SGLang attention backends to wrap (also ``dsv4``: DeepSeek-V4's sparse entrypoint; ``dsa``: DeepSeek-V3.2 DSA's aiter decode on ROCm; ``flashmla``, ``trtllm_mla``, ``flashinfer_mla``, ``fa3_mla``: the NVIDIA MLA decode backends; ``kvwrite``: the MLA KV cache writers, DeepSeek-V4's packed pool writers included; ``merge``: the state merges) |
+| ``REFMLA_CAPTURE_BACKENDS`` | ``triton,aiter`` | which SGLang attention backends to wrap (also ``dsv4``: DeepSeek-V4's sparse entrypoint; ``dsa``: DeepSeek-V3.2 DSA's aiter decode on ROCm; ``flashmla``, ``trtllm_mla``, ``flashinfer_mla``, ``fa3_mla``: the NVIDIA MLA decode backends; ``kvwrite``: the MLA KV cache writers, DeepSeek-V4's packed pool writers included; ``merge``: the state merges and SGLang's chunked-prefix MHA prefill, recorded whole) |
 | ``REFMLA_CAPTURE_EVERY`` | ``1`` | capture every N-th forward pass of a layer (``step % N == 0``) |
 | ``REFMLA_CAPTURE_MAX_FILES`` | ``128`` | stop capturing once the folder holds this many captures (all processes together) |
 | ``REFMLA_CAPTURE_MAX_BYTES`` | ``4G`` | stop capturing before the folder's captures would exceed this size (suffixes K, M, G, T) |
@@ -35,7 +35,8 @@ MODES = ("decode", "extend", "verify")
 # dsv4: DeepSeek-V4 sparse decode (refmla.hook.sparse_call); dsa: V3.2 DSA's aiter decode on ROCm
 # (refmla.hook.dsa_call); flashmla, trtllm_mla, flashinfer_mla, fa3_mla: SGLang's NVIDIA MLA decode
 # backends (issue 20, refmla.hook.nvidia); all opt-in
-# kvwrite: the MLA KV cache writers (refmla.hook.kvwrite_call, v4write_call); merge: the state merges (merge_call)
+# kvwrite: the MLA KV cache writers (refmla.hook.kvwrite_call, v4write_call); merge: the state merges
+# (merge_call) and the chunked-prefix MHA prefill (chunked_call)
 BACKENDS = ("triton", "aiter", "dsv4", "flashmla", "trtllm_mla", "flashinfer_mla", "fa3_mla", "dsa", "kvwrite", "merge")
 DEFAULT_BACKENDS = ("triton", "aiter")
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from refmla.hook.call import dressed_as
 from refmla.hook.filters import after_call_filters
 from refmla.hook.runtime import versions
 from refmla.hook.writer import HookState, capture_name
@@ -235,10 +236,7 @@ def wrap_writer(original: Callable, make_call: Callable[[dict], Optional[WriteCa
         finally:
             _inside.on = False
 
-    writer.__wrapped__ = original  # type: ignore[attr-defined]
-    for attr in ("__name__", "__qualname__", "__doc__"):
-        setattr(writer, attr, getattr(original, attr, None))
-    return writer
+    return dressed_as(writer, original)
 
 
 def sglang_pool_reader(method: str) -> Callable[[dict], Optional[WriteCall]]:

@@ -8,7 +8,9 @@
             natural log; rows at or past prefill_tokens_with_context have no prefix (len_a 0)
 
 A merge called inside another captured merge (SGLang's merge_state calling merge_state_triton) is
-not captured twice. Same filters and budget as every capture; never raises into the server.
+not captured twice; one inside a chunked prefill being recorded (refmla.hook.chunked_call) goes to
+that capture instead of one of its own. Same filters and budget as every capture; never raises
+into the server.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from refmla.hook.call import dressed_as
+from refmla.hook.chunked_call import active_recorder, wrap_chunked
 from refmla.hook.filters import after_call_filters
 from refmla.hook.kvwrite_call import WRITER_READERS, bound_arguments, wrap_writer
 from refmla.hook.v4write_call import V4_WRITER_READERS
@@ -88,15 +92,17 @@ def wrap_merge(original: Callable, merger: str, read: Callable[[dict, Any], Opti
         finally:
             _inside.on = False
         try:
-            capture_merge(state, merger, read(bound_arguments(original, args, kwargs), result))
+            tensors = read(bound_arguments(original, args, kwargs), result)
+            rec = active_recorder()
+            if rec is not None:
+                rec.merged(tensors)
+            else:
+                capture_merge(state, merger, tensors)
         except Exception as e:  # never into the server
             state.fail(e)
         return result
 
-    merged.__wrapped__ = original  # type: ignore[attr-defined]
-    for attr in ("__name__", "__qualname__", "__doc__"):
-        setattr(merged, attr, getattr(original, attr, None))
-    return merged
+    return dressed_as(merged, original)
 
 
 MERGE_READERS = {"sglang": sglang_tensors, "vllm": vllm_tensors}
@@ -105,9 +111,12 @@ ALL_WRITER_READERS = {**WRITER_READERS, **V4_WRITER_READERS}  # sglang_paths.KV_
 
 def wrapper_for(kind: str, reader: str, original: Callable, name: str,
                 state_of: Callable[[], Optional[HookState]]) -> Callable:  # fmt: skip
-    """The wrapper the patcher installs for a writer (kind "kvwrite") or a merge (kind "merge")."""
+    """The wrapper the patcher installs for a writer (kind "kvwrite"), a merge (kind "merge") or the
+    chunked-prefix prefill core (kind "chunked")."""
     if kind == "kvwrite":
         return wrap_writer(original, ALL_WRITER_READERS[reader], state_of)
+    if kind == "chunked":
+        return wrap_chunked(original, state_of)
     return wrap_merge(original, f"{reader}.{name}", MERGE_READERS[reader], state_of)
 
 

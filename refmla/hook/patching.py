@@ -28,7 +28,7 @@ from refmla.hook.call import Skip
 from refmla.hook.config import HookConfig, id_text
 from refmla.hook.filters import before
 from refmla.hook.postimport import Installation, InstallSlot
-from refmla.hook.sglang_paths import BACKEND_CLASSES, DECODE_ONLY, KV_WRITERS, MARK, MERGES, METHODS
+from refmla.hook.sglang_paths import BACKEND_CLASSES, CHUNKED_PREFILL, DECODE_ONLY, KV_WRITERS, MARK, MERGES, METHODS
 from refmla.hook.writer import HookState
 
 _SLOT = InstallSlot()  # the hook's one installation in this process (refmla.hook.postimport)
@@ -45,10 +45,11 @@ def _targets(cfg: HookConfig) -> dict[str, Callable[[Any], None]]:
         targets[DSV4_MODULE] = _patch_dsv4_entrypoint
     if "dsa" in cfg.backends:
         targets[DSA_MODULE] = _patch_dsa_aiter
-    for kind, table in (("kvwrite", KV_WRITERS), ("merge", MERGES)):
-        if kind in cfg.backends:
+    for kind, switch, table in (("kvwrite", "kvwrite", KV_WRITERS), ("merge", "merge", MERGES),
+                                ("chunked", "merge", CHUNKED_PREFILL)):  # fmt: skip
+        if switch in cfg.backends:
             for module, entries in table.items():
-                targets[module] = call_patcher(_SLOT, kind, entries)
+                targets[module] = _chain(targets.get(module), call_patcher(_SLOT, kind, entries))
     for backend in sorted(cfg.backends - {"dsv4", "dsa", "kvwrite", "merge"}):
         for module, cls_name in BACKEND_CLASSES[backend]:
             targets[module] = _make_backend_patcher(backend, cls_name)
@@ -174,7 +175,8 @@ def _patch_dsa_aiter(module) -> None:
 
 
 def call_patcher(slot: InstallSlot, kind: str, entries) -> Callable[[Any], None]:
-    """Wrap a KV writer or a state merge (kind "kvwrite" / "merge"): each (class or None, name,
+    """Wrap a KV writer, a state merge or the chunked-prefix prefill core (kind "kvwrite" / "merge" /
+    "chunked"): each (class or None, name,
     reader) of ``entries`` in the module, a method of the class or a module function; uninstall
     restores it. The wrappers (refmla.hook.kvwrite_call, merge_call) import torch: loaded here."""
 

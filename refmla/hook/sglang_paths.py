@@ -14,6 +14,7 @@ Checked against SGLang 0.5.23; older paths are kept as fall-backs, newest first 
 | DeepSeek-V4 packed KV writers (``kvwrite``) | ``sglang.srt.mem_cache.deepseek_v4_memory_pool`` | ``DeepSeekV4TokenToKVPool.set_swa_key_buffer`` / ``.set_extra_key_buffer`` (a pack), ``.set_swa_key_buffer_radix_fused`` / ``.set_extra_key_buffer_fused`` (quantized by ``fused_store_cache``) |
 | which V4 store quantizes | ``sglang.kernels.ops.attention.dsv4.attn``, ``sglang.kernels.ops.quantization.fp8_kernel`` | ``is_hip_runtime`` (ROCm: ``triton_fused_store_flashmla``), ``is_fp8_fnuz`` |
 | state merges (``merge``) | ``sglang.srt.layers.attention.merge_state``, ``sglang.kernels.ops.attention.merge_state`` | ``merge_state``, ``merge_state_v2``, ``merge_state_triton`` |
+| chunked-prefix MHA prefill (``merge``) | ``sglang.srt.models.deepseek_common.attention_forward_methods.forward_mha`` | ``DeepseekMHAForwardMixin.forward_normal_chunked_kv_core`` (its ``attn_mha`` calls and merges recorded) |
 | graph-capture flag | ``sglang.srt.model_executor.runner_utils.capture_mode`` (0.5.x), ``sglang.srt.model_executor.cuda_graph_runner`` (0.4.x) | ``get_is_capture_mode`` |
 
 ``forward_decode`` and ``forward_extend`` take ``(q, k, v, layer, forward_batch,
@@ -80,6 +81,12 @@ MERGES: dict[str, tuple[tuple[Optional[str], str, str], ...]] = {
     "sglang.srt.layers.attention.merge_state": ((None, "merge_state", "sglang"), (None, "merge_state_v2", "sglang")),
     "sglang.kernels.ops.attention.merge_state": ((None, "merge_state_triton", "sglang"),),
 }
+# the chunked-prefix MHA prefill core (=merge, refmla.hook.chunked_call): recorded whole around the
+# merges above; the ROCm path (forward_mha_rocm.py) prepares q, k, v its own way and runs this core
+CHUNKED_PREFILL: dict[str, tuple[tuple[Optional[str], str, str], ...]] = {
+    "sglang.srt.models.deepseek_common.attention_forward_methods.forward_mha": (
+        ("DeepseekMHAForwardMixin", "forward_normal_chunked_kv_core", "sglang"),),
+}  # fmt: skip
 MARK = "__refmla_hook__"  # set on every function the hook puts into SGLang; holds the original
 
 

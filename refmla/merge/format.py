@@ -43,17 +43,23 @@ class MergeMeta(KindMeta):
         return f"merger {self.merger}  lse base {self.lse_base}{self.where()}"
 
 
-def parse_merge_meta(raw: Any, path: Any) -> MergeMeta:
-    """The meta of a merge capture, every key checked; CaptureError names the key."""
+def merger_keys(raw: Any, path: Any, mode: str) -> dict:
+    """The keys a merge kind's meta shares (``mode``, ``merger``, ``lse_base``), checked;
+    CaptureError names the key."""
     if not isinstance(raw, dict):
         raise CaptureError(path, "header key 'meta'", "not a JSON object")
-    if raw.get("mode") != MODE:
-        raise CaptureError(path, "meta key 'mode'", f"expected {MODE!r}, got {raw.get('mode')!r}")
+    if raw.get("mode") != mode:
+        raise CaptureError(path, "meta key 'mode'", f"expected {mode!r}, got {raw.get('mode')!r}")
     if not isinstance(raw.get("merger"), str):
         raise CaptureError(path, "meta key 'merger'", "missing or not a string")
     if raw.get("lse_base", "e") not in LSE_BASES:
         raise CaptureError(path, "meta key 'lse_base'", f"expected 'e' or '2', got {raw.get('lse_base')!r}")
-    meta = MergeMeta(mode=MODE, merger=raw["merger"], lse_base=raw.get("lse_base", "e"))
+    return {"mode": mode, "merger": raw["merger"], "lse_base": raw.get("lse_base", "e")}
+
+
+def parse_merge_meta(raw: Any, path: Any) -> MergeMeta:
+    """The meta of a merge capture, every key checked; CaptureError names the key."""
+    meta = MergeMeta(**merger_keys(raw, path, MODE))
     meta.read_common(raw, path)
     return meta
 
@@ -119,4 +125,4 @@ def describe(cap: MergeCapture) -> dict:
             "merged_lse": cap.lse is not None}  # fmt: skip
 
 
-__all__ = ["LSE_BASES", "MODE", "TENSORS", "MergeCapture", "MergeMeta", "describe", "parse_merge_meta", "validate"]
+__all__ = ["LSE_BASES", "MODE", "TENSORS", "MergeCapture", "MergeMeta", "describe", "merger_keys", "parse_merge_meta", "validate"]

@@ -21,26 +21,33 @@ from refmla.util import dtype_name, error_text
 REFERENCE = BackendEntry("pass", max_abs_err=0.0, cos_diff=0.0, info={"accum_dtype": "float64", "what": "the truth"})
 
 
-def _lse_check(got: torch.Tensor, want: torch.Tensor, ctl: torch.Tensor, tol: Tolerance) -> LseCheck:
+def lse_check(got: torch.Tensor, want: torch.Tensor, ctl: torch.Tensor, tol: Tolerance,
+              request_of_row: Optional[torch.Tensor] = None) -> LseCheck:  # fmt: skip
+    """The one lse rule on [T, H]; ``failed_requests`` the failing rows, or their requests when
+    ``request_of_row`` [T] is given."""
     j = judge_lse(got, want, ctl, k=tol.k)
     n = int(j.bad.sum())
     if not n:
         return LseCheck("pass", compared_rows=int(want.shape[0]), max_abs_err=float(j.err.nan_to_num(0).max()))
     t, h = j.worst()
+    rows = j.bad.nonzero()[:, 0]
+    who = rows if request_of_row is None else request_of_row[rows]
     return LseCheck("fail", reason=f"{n} (row, head) lse off, worst row {t} head {h}: {float(got[t, h]):.6g} vs "
                     f"{float(want[t, h]):.6g}", compared_rows=int(want.shape[0]),
                     max_abs_err=float(j.err.nan_to_num(float('inf')).max()),
-                    failed_requests=sorted({int(i) for i in j.bad.nonzero()[:, 0]})[:16])  # fmt: skip
+                    failed_requests=sorted({int(i) for i in who})[:16])  # fmt: skip
 
 
-def _entry(name: str, cap: MergeCapture, out: torch.Tensor, lse: Optional[torch.Tensor], ref, ctl, tol: Tolerance,
-           explain_failures: bool, info: dict) -> BackendEntry:  # fmt: skip
-    cmp = compare(name, out, ref[0], ctl[0], tol=tol)
+def merge_entry(name: str, cap: MergeCapture, out: torch.Tensor, lse: Optional[torch.Tensor], ref, ctl, tol: Tolerance,
+                explain_failures: bool, info: dict, request_of_row: Optional[torch.Tensor] = None) -> BackendEntry:  # fmt: skip
+    """One merged output (and lse) against the fp64 merge; a failure explained when asked.
+    ``request_of_row`` [T]: the request of each row, for the report (default: the row)."""
+    cmp = compare(name, out, ref[0], ctl[0], tol=tol, request_of_row=request_of_row)
     entry = BackendEntry.judged(cmp, info=info)
     if lse is not None:
-        entry.lse = _lse_check(lse, ref[1], ctl[1], tol)
+        entry.lse = lse_check(lse, ref[1], ctl[1], tol, request_of_row)
     entry.judge_parts()
-    if entry.status == "fail" and explain_failures and name == "observed":
+    if entry.status == "fail" and explain_failures:
         entry.explanation = explain(cap, tol)
     return entry
 
@@ -53,7 +60,7 @@ def _kernel(name: str, cap: MergeCapture, ref, ctl, tol: Tolerance) -> BackendEn
         return BackendEntry("skipped", reason=str(e))
     except Exception as e:  # a kernel that crashes is a finding
         return BackendEntry("error", reason=error_text(e))
-    entry = _entry(name, cap, out, lse, ref, ctl, tol, False, {"lse_base": "e"})
+    entry = merge_entry(name, cap, out, lse, ref, ctl, tol, False, {"lse_base": "e"})
     entry.seconds = round(time.perf_counter() - t0, 3)
     return entry
 
@@ -66,12 +73,12 @@ def judge_merge(cap: MergeCapture, opts: Any = None) -> ReplayReport:
     ref, ctl = reference(cap), control(cap)
     findings = [Finding("merge", "warning", w) for w in cap.warnings]
     entries = {"reference": REFERENCE,
-               "observed": _entry("observed", cap, cap.out, cap.lse, ref, ctl, tol, explain_failures,
+               "observed": merge_entry("observed", cap, cap.out, cap.lse, ref, ctl, tol, explain_failures,
                                   {"merger": cap.meta.merger, "lse_base": cap.meta.lse_base})}  # fmt: skip
     for n in names:
         entries[n] = _kernel(n, cap, ref, ctl, tol)
     c = compare("control", ctl[0], ref[0])
-    report = ReplayReport(capture=cap.path, verdict="agree", diagnosis=None, mode=cap.meta.mode, meta=cap.meta,  # type: ignore[arg-type]
+    report = ReplayReport(capture=cap.path, verdict="agree", diagnosis=None, mode=cap.meta.mode, kind=cap.meta.mode, meta=cap.meta,  # type: ignore[arg-type]
                           metadata=MetadataReport(ok=True, warnings=[f.message for f in findings], findings=findings),
                           backends=entries, tolerance=tol,
                           control=NoiseFloor(dtype_name(cap.out.dtype), c.max_abs_err, c.cos_diff))  # fmt: skip
@@ -94,4 +101,4 @@ def judge_merge(cap: MergeCapture, opts: Any = None) -> ReplayReport:
     return report
 
 
-__all__ = ["judge_merge"]
+__all__ = ["judge_merge", "lse_check", "merge_entry"]

@@ -47,7 +47,7 @@ def _piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, base: str) -> tupl
     return out, (lse / math.log(2.0) if base == "2" else lse)
 
 
-def _plain_merge(oa, la, ob, lb, base: str) -> tuple[torch.Tensor, torch.Tensor]:
+def plain_merge(oa, la, ob, lb, base: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The merge, one (row, head) at a time, in the base given (its own loop)."""
     T, H, D = oa.shape
     out, lse = torch.zeros(T, H, D, dtype=torch.float64), torch.zeros(T, H, dtype=torch.float64)
@@ -90,7 +90,7 @@ def synth_merge(out: Any, preset: str, fault: str = "none", seed: int = 0) -> di
         mb[:] = -math.inf
     elif fault == "lse_layout":
         ma, mb = (x.reshape(-1).reshape(s.heads, s.rows).t() for x in (la, lb))
-    merged, lse = _plain_merge(oa, ma, ob, mb, base)
+    merged, lse = plain_merge(oa, ma, ob, mb, base)
     recorded_a = ma if fault in ("empty_lse_zero", "empty_lse_nan") else la  # the lse the engine passed
     tensors = {"out_a": oa, "lse_a": recorded_a.float(), "out_b": ob, "lse_b": lb.float(),
                "out": merged.to(torch.bfloat16), "lse": lse.float()}  # fmt: skip
@@ -100,4 +100,4 @@ def synth_merge(out: Any, preset: str, fault: str = "none", seed: int = 0) -> di
     return {"fault": fault, "empty_row": empty_row}
 
 
-__all__ = ["FAULTS", "PRESETS", "MergeSpec", "synth_merge"]
+__all__ = ["FAULTS", "PRESETS", "MergeSpec", "plain_merge", "synth_merge"]

@@ -62,8 +62,10 @@ def verify_paths_table(rows: list[dict]) -> str:
 
 def shape_line(report: ReplayReport) -> str:
     s, m = report.shape, report.meta
-    if s is None and m is not None and hasattr(m, "summary"):  # a kind of its own (kv_write, merge)
-        return printable(f"kind     {report.mode}  {m.summary()}")
+    if m is not None and hasattr(m, "summary") and not hasattr(m, "backend"):  # a kind of its own (kv_write, merge, ...)
+        dims = "" if s is None else (f"  requests={s.requests} rows={s.rows} heads={s.heads} D={s.head_dim} Dv={s.v_head_dim}"
+                                     + "".join(f" {k}={v}" for k, v in s.dims.items()))  # fmt: skip
+        return printable(f"kind     {report.mode}  {m.summary()}{dims}")
     where = "".join(f"  {word} {value}" for word, value in (("layer", m.layer_id), ("rank", m.tp_rank), ("step", m.step))
                     if value is not None) if m else ""  # fmt: skip
     path = m.extra.get("aiter_path") if m else None
