@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from refmla.capture import CaptureMeta
 from refmla.compare import Comparison, Tolerance, Worst
+from refmla.util import present
 
 # --------------------------------------------------------------------------------------------
 # Findings of the metadata and series checks
@@ -70,12 +71,8 @@ class Alternative:
     residual_ratio: Optional[float] = None  # worst (row, head) error / allowed under it
 
     def to_json(self) -> dict:
-        d: dict[str, Any] = {"hypothesis": self.hypothesis, "detail": self.detail}
-        if self.request is not None:
-            d["request"] = self.request
-        if self.residual_ratio is not None:
-            d["residual_ratio"] = self.residual_ratio
-        return d
+        return {"hypothesis": self.hypothesis, "detail": self.detail,
+                **present(request=self.request, residual_ratio=self.residual_ratio)}
 
 
 @dataclass

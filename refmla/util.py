@@ -52,6 +52,11 @@ class PrintableStream:
         return getattr(self.stream, name)
 
 
+def present(**values) -> dict:
+    """The keyword arguments that are not None (a JSON object's optional keys)."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
 def check_choice(what: str, name: str, choices) -> None:
     """ValueError ``unknown {what} {name!r}; choose from ...`` unless ``name`` is one of ``choices``."""
     if name not in choices:

@@ -21,6 +21,22 @@ from refmla.capture.read import open_capture
 from refmla.capture.write import sorted_header
 
 
+@dataclass
+class KindCapture:
+    """What every kind's capture class shares: the file it came from, its meta, the reader's
+    warnings; its own checks (:meth:`validate`, CaptureError naming the tensor) run on construction."""
+
+    path: str
+    meta: Any
+    warnings: list = field(default_factory=list, kw_only=True)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        raise NotImplementedError
+
+
 @dataclass(kw_only=True)
 class KindMeta:
     """The meta keys every kind here shares; a kind's meta subclasses it with its own keys."""
@@ -132,4 +148,4 @@ class Kind:
         return path
 
 
-__all__ = ["Kind", "KindMeta", "file_mode", "header_meta", "meta_int"]
+__all__ = ["Kind", "KindCapture", "KindMeta", "file_mode", "header_meta", "meta_int"]

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from refmla.util import present
+
 Label = Union[str, int]  # a request's rid, or its index when requests are paired by order
 
 
@@ -35,11 +37,7 @@ class MismatchDetail:
              "prefill_norm": self.prefill_norm, "decode_norm": self.decode_norm,
              "differing_dims": self.differing_dims, "prefill_capture": self.prefill_capture,
              "prefill_row": self.prefill_row, "decode_row": self.decode_row}  # fmt: skip
-        if self.prefill_slot is not None:
-            d["prefill_slot"] = self.prefill_slot
-        if self.decode_slot is not None:
-            d["decode_slot"] = self.decode_slot
-        return d
+        return {**d, **present(prefill_slot=self.prefill_slot, decode_slot=self.decode_slot)}
 
 
 @dataclass

@@ -22,13 +22,13 @@ Every inconsistency is a :class:`~refmla.capture.CaptureError` naming the file a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from refmla.capture.format import CaptureError
-from refmla.capture.kinds import KindMeta, meta_int
+from refmla.capture.kinds import KindCapture, KindMeta, meta_int
 from refmla.kvwrite import packed
 from refmla.kvwrite.packed import INPUT_DTYPES, PACKED_INPUTS, PACKED_LAYOUTS
 
@@ -142,8 +142,7 @@ def _parse_packed(meta: KvWriteMeta, raw: dict, path: Any) -> None:
 
 
 @dataclass
-class KvWriteCapture:
-    path: str
+class KvWriteCapture(KindCapture):
     meta: KvWriteMeta
     latent: torch.Tensor
     slots: torch.Tensor
@@ -153,9 +152,8 @@ class KvWriteCapture:
     rope: Optional[torch.Tensor] = None
     scale: Optional[torch.Tensor] = None
     tile_scales: Optional[torch.Tensor] = None  # packed "pack" writers: the [T, tiles] UE8M0 exponents given
-    warnings: list = field(default_factory=list)
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         validate(self)
 
     @property

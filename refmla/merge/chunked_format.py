@@ -27,14 +27,14 @@ piece for step 0, step i-1's output after); lse in the base of meta ``lse_base``
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Optional
 
 import torch
 
 from refmla.capture.format import CaptureError
-from refmla.capture.kinds import KindMeta
+from refmla.capture.kinds import KindCapture, KindMeta
 from refmla.merge.format import OUT_DTYPES, merger_keys
 from refmla.util import dtype_name
 
@@ -71,8 +71,7 @@ def parse_chunked_meta(raw: Any, path: Any) -> ChunkedMeta:
 
 
 @dataclass
-class ChunkedCapture:
-    path: str
+class ChunkedCapture(KindCapture):
     meta: ChunkedMeta
     q: torch.Tensor
     new_k: torch.Tensor
@@ -91,9 +90,8 @@ class ChunkedCapture:
     chunk_lens: torch.Tensor
     step_out: Optional[torch.Tensor] = None
     step_lse: Optional[torch.Tensor] = None
-    warnings: list = field(default_factory=list)
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         validate(self)
 
     @property

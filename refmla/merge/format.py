@@ -18,13 +18,13 @@ a finite lse is recognised by ``len_*`` == 0 or by its output row being exactly 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from refmla.capture.format import CaptureError
-from refmla.capture.kinds import KindMeta
+from refmla.capture.kinds import KindCapture, KindMeta
 
 MODE = "merge"
 TENSORS = {"out_a": True, "lse_a": True, "out_b": True, "lse_b": True, "out": True, "lse": False,
@@ -65,8 +65,7 @@ def parse_merge_meta(raw: Any, path: Any) -> MergeMeta:
 
 
 @dataclass
-class MergeCapture:
-    path: str
+class MergeCapture(KindCapture):
     meta: MergeMeta
     out_a: torch.Tensor
     lse_a: torch.Tensor
@@ -76,9 +75,8 @@ class MergeCapture:
     lse: Optional[torch.Tensor] = None
     len_a: Optional[torch.Tensor] = None
     len_b: Optional[torch.Tensor] = None
-    warnings: list = field(default_factory=list)
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         validate(self)
 
     def empty(self, piece: str) -> torch.Tensor:
