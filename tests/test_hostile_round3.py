@@ -305,13 +305,16 @@ def test_a_signal_during_a_serial_replay_leaves_no_isolation_child(tmp_path, sig
         assert wait_for(lambda: computing_child(proc.pid), 120), "no kernel child was forked"
         proc.send_signal(sig)  # to refmla alone, not to its child
         out, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
+        assert proc.returncode == status, err.decode()[-2000:]
+        # reaped before refmla exits: nothing of the session is left once it has (the child would spin forever)
+        assert wait_for(lambda: not session_members(proc.pid), 0.5), f"left running: {session_members(proc.pid)}"
+        assert b"Traceback" not in err
+    finally:  # whatever failed, nothing of the session outlives the test (a leftover child spins forever)
+        try:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == status, err.decode()[-2000:]
-    # reaped before refmla exits: nothing of the session is left once it has (the child would spin forever)
-    assert wait_for(lambda: not session_members(proc.pid), 0.5), f"left running: {session_members(proc.pid)}"
-    assert b"Traceback" not in err
+        except ProcessLookupError:
+            pass
+        proc.wait()
 
 
 @pytest.mark.parametrize("before", [None, '{"format": "refmla.golden.manifest/1", "cases": [], "mine": 1}\n'])
