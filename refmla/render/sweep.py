@@ -7,6 +7,11 @@ from refmla.render.table import clip, table
 from refmla.sweep.report import STATUSES, SweepReport
 
 
+# the shrunk case's parameters a finding shows (dense: GoldenCase / TableCase; sparse: SparseSweepCase)
+SHAPE_KEYS = ("cache", "seq_lens", "num_heads", "page_size", "num_kv_splits", "kv_dtype", "logit_cap",
+              "draft_token_num", "table", "null", "topk", "sink", "topk_length")
+
+
 def render_sweep(rep: SweepReport) -> str:
     cpm = rep.cases_per_minute
     pairs = ", ".join(f"{layout} {c}/{t} value pairs" for layout, (c, t) in rep.pairs.items())
@@ -35,8 +40,7 @@ def render_sweep(rep: SweepReport) -> str:
             if f.trigger:
                 lines.append(f"    {f.trigger.text()}")
             if f.shrunk:
-                shape = {k: f.shrunk[k] for k in ("seq_lens", "num_heads", "page_size", "num_kv_splits", "kv_dtype",
-                                                   "logit_cap", "draft_token_num") if k in f.shrunk}  # fmt: skip
+                shape = {k: f.shrunk[k] for k in SHAPE_KEYS if k in f.shrunk}
                 lines.append(f"    shrunk ({len(f.shrink_steps)} steps): {shape}")
             if f.shrunk_detail:
                 lines.append(f"    {clip(f.shrunk_detail, 200)}")
