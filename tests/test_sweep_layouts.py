@@ -29,6 +29,7 @@ from refmla.sweep.kernels import LAYOUT_BACKENDS, availability, default_backends
 from refmla.sweep.run import Sweeper
 from refmla.sweep.space import LAYOUTS, Walk, feasible, restrict, sparse_valid
 from refmla.sweep.sparse import NO_BUFFERS, NO_SPLITS, SparseChecks, sparse_case
+from test_paged_adapters import standins  # noqa: F401  (the NVIDIA stand-ins' fixture)
 
 # the interpreter evaluates masked-off lanes too (-inf - -inf, x / 0); the kernels mask the results
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
@@ -171,6 +172,35 @@ def test_a_sparse_point_a_kernel_cannot_read_is_na_with_the_reason():
     outcomes, _ = SparseChecks(case, ReplayOptions()).run("reference")
     assert [outcomes[c].status for c in ("reference", "nan_fill", "repeat", "splits")] == ["pass", "n/a", "pass", "n/a"]
     assert outcomes["nan_fill"].detail == NO_BUFFERS and outcomes["splits"].detail == NO_SPLITS
+
+
+def test_the_new_layouts_give_the_same_cases_in_workers_as_serially(tmp_path):
+    cfg = dict(backends=["reference"], budget=600, out=str(tmp_path), max_cases=4, layouts=list(NEW),
+               space=["heads=4", "batch=1,2", "length=1,65", "page=1,64"])  # fmt: skip
+    serial = run_sweep(SweepConfig(**cfg))
+    parallel = run_sweep(SweepConfig(**cfg, jobs=2))
+    assert [c.layout for c in serial.cases] == ["block_table"] * 2 + ["sparse"] * 2
+    ran = {(c.layout, c.index): c.params for c in parallel.cases}  # (the workers may finish one more)
+    assert all(ran[(c.layout, c.index)] == c.params for c in serial.cases)
+    assert all(c.outcomes["reference"]["reference"].status == "pass" for c in parallel.cases)
+
+
+def test_an_nvidia_block_table_kernel_sweeps_block_tables_where_it_runs(standins, tmp_path):
+    """FlashMLA through its adapter, against tests/standins' stand-in of its signature (the fp64
+    reference behind it: this is the wiring, not a kernel): available, a point it cannot take n/a
+    with its reason (an e4m3fnuz pool), every other one judged."""
+    space = ["heads=16,4", "batch=1,2", "length=page+1", "page=16,64", "kv=float8_e4m3fnuz,bfloat16"]
+    rep = run_sweep(SweepConfig(backends=["flashmla"], budget=600, out=str(tmp_path), layouts=["block_table"],
+                                max_cases=3, space=space, max_shrink=0))  # fmt: skip
+    b = rep.backends["flashmla"]
+    assert b.available and "stand-in" in b.reason and rep.exit_code == 0 and len(rep.cases) == 3
+    for c in rep.cases:
+        o = c.outcomes["flashmla"]
+        if c.point["kv"] == "float8_e4m3fnuz":
+            assert {x.status for x in o.values()} == {"n/a"} and "e4m3fn" in o["reference"].detail
+        else:
+            assert [o[k].status for k in ("reference", "nan_fill", "repeat", "splits")] == ["pass", "n/a", "pass", "n/a"]
+    assert {c.point["kv"] for c in rep.cases} == {"float8_e4m3fnuz", "bfloat16"} and not b.skipped_layouts
 
 
 def _ready(layout: str) -> None:

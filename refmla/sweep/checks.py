@@ -115,6 +115,9 @@ class CaseChecks:
         """The checks ``only`` (default all) of ``backend`` on this case; the failing runs' evidence."""
         outcomes: dict[str, CheckOutcome] = {}
         evidence: dict[str, Evidence] = {}
+        why = refusal(backend, self.cap)
+        if why:  # a point this kernel cannot take (an fp8 flavour, a cap): n/a here, never a skip that drops it
+            return {c: CheckOutcome(c, "n/a", why) for c in only}, {}
         try:
             first = self.kernel(backend, self.case, 0.0)
         except BackendUnavailable as e:
@@ -195,6 +198,17 @@ class CaseChecks:
         return CheckOutcome("splits", "fail", text, data), self._evidence(res, case)
 
 
+def refusal(backend: str, cap) -> Optional[str]:
+    """Why ``backend`` cannot take this capture's shape or scales, for a backend that says so
+    before it runs (the NVIDIA block-table kernels' ``refuses``: an e4m3fnuz pool, a logit cap),
+    or None."""
+    refuses = getattr(get_backend(backend), "refuses", None)
+    try:
+        return refuses(cap) if callable(refuses) else None
+    except Exception:  # the backend's own run says what is wrong
+        return None
+
+
 def _counts(splits: tuple[int, ...]) -> str:
     return f"splits {splits[0]}" if len(set(splits)) == 1 else f"splits {list(splits)}"
 
@@ -209,4 +223,4 @@ def _tensors(res: BackendResult) -> dict[str, torch.Tensor]:
     return {"out": res.out, **({"lse": res.lse} if res.lse is not None else {})}
 
 
-__all__ = ["CHECKS", "CaseChecks", "Evidence", "Timing"]
+__all__ = ["CHECKS", "CaseChecks", "Evidence", "Timing", "refusal"]
