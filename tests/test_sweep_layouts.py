@@ -164,6 +164,14 @@ def test_each_backend_sweeps_the_layouts_it_reads():
     assert rep.not_walked == []
 
 
+def test_a_layout_no_backend_takes_is_not_walked(tmp_path):
+    cfg = SweepConfig(backends=["reference"], per_layout={"sparse": ("reference",)}, layouts=["decode", "sparse"],
+                      budget=600, max_cases=2, out=str(tmp_path), space=["heads=4", "batch=1", "length=1"])  # fmt: skip
+    rep = run_sweep(cfg)
+    assert [c.layout for c in rep.cases] == ["sparse", "sparse"] and list(rep.pairs) == ["sparse"]
+    assert "default kernels" in rep.backends["reference"].skipped_layouts["decode"]
+
+
 def test_a_sparse_point_a_kernel_cannot_read_is_na_with_the_reason():
     case = sparse_case({"cache": "v32", "heads": 16, "topk": 64, "length": "1", "batch": 1, "page": 64, "sink": "off",
                         "topk_length": "given"}, 0, 0)  # fmt: skip

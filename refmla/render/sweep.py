@@ -14,7 +14,7 @@ SHAPE_KEYS = ("cache", "seq_lens", "num_heads", "page_size", "num_kv_splits", "k
 
 def render_sweep(rep: SweepReport) -> str:
     cpm = rep.cases_per_minute
-    pairs = ", ".join(f"{layout} {c}/{t} value pairs" for layout, (c, t) in rep.pairs.items())
+    pairs = ", ".join(f"{layout} {c}/{t} value pairs" for layout, (c, t) in rep.pairs.items()) or "no layout"
     lines = [f"refmla sweep: {len(rep.cases)} cases in {rep.walk_seconds:.0f} s (budget {rep.budget:g} s, seed "
              f"{rep.seed}, {cpm:.1f} cases/min), shrinking {rep.shrink_seconds:.0f} s; covered {pairs}"
              if cpm is not None else f"refmla sweep: no case ran (budget {rep.budget:g} s)"]  # fmt: skip

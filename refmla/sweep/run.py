@@ -36,7 +36,7 @@ from refmla.sweep.checks import CHECKS, Evidence
 from refmla.sweep.kernels import availability
 from refmla.sweep.report import BackendSweep, CaseResult, CheckOutcome, Finding, SweepReport, trigger
 from refmla.sweep.shrink import shrink
-from refmla.sweep.space import LAYOUTS, NOT_YET, Walk, interleave, restrict
+from refmla.sweep.space import LAYOUTS, NOT_YET, Walk, restrict
 from refmla.sweep.sparse import SparseSweepCase, any_case, any_checks, write_sparse_capture
 from refmla.util import error_text
 
@@ -152,15 +152,20 @@ class Sweeper:
         return [n for n, b in self.report.backends.items() if b.available and layout not in b.skipped_layouts]
 
     def points(self):
-        """(layout, point, index) of the walk while some backend still takes the layout."""
-        for layout, point in interleave(self.walks):
-            if not any(self.active(w.layout) for w in self.walks):
+        """(layout, point, index) from each layout's walk in turn while some backend still takes
+        it; a layout no backend takes is not walked (its coverage stays 0)."""
+        its = {w.layout: iter(w) for w in self.walks}
+        while True:
+            live = [layout for layout in its if self.active(layout)]
+            if not live:
                 return
-            if not self.active(layout):
-                continue
-            index = self.counters[layout]
-            self.counters[layout] += 1
-            yield layout, point, index
+            for layout in live:
+                if not self.active(layout):
+                    continue
+                point = next(its[layout])
+                index = self.counters[layout]
+                self.counters[layout] += 1
+                yield layout, point, index
 
     def record(self, res: CaseResult) -> None:
         self.report.cases.append(res)
@@ -195,7 +200,7 @@ class Sweeper:
             progress.close()
         self.report.walk_seconds = time.monotonic() - t0
         self.report.cases.sort(key=lambda c: (self.cfg.layouts.index(c.layout), c.index))
-        self.report.pairs = {w.layout: [w.pairs_covered, w.pairs_total] for w in self.walks}
+        self.report.pairs = {w.layout: [w.pairs_covered, w.pairs_total] for w in self.walks if w.pairs_total}
 
     def _tick(self, progress: Progress, t0: float) -> None:
         target = min(progress.total, int(time.monotonic() - t0))
