@@ -50,7 +50,8 @@ copy of the layout (the README links here).
     disagg/         `refmla disagg`: diffkv + checks + series + replay per (request, layer, rank)
     synth/          synthetic captures with planted faults
     golden/         the golden suite: deterministic cases, build, check
-    sweep/          `refmla sweep`: every backend over the production shape space, four checks, shrunk captures
+    sweep/          `refmla sweep`: every backend over the production shape space (token slots, verify,
+                    block tables, sparse), four checks, shrunk captures
     poolplan.py     the KV buffers a model's SGLang pool registers (the region check before a server starts)
     plots.py        pictures of a replay or a diff-kv (matplotlib, optional)
     render/         text for people: tables, reports, diff-kv and disagg results

@@ -3,10 +3,15 @@
     python tools/bench_sweep.py --backend triton --budget 300             # SGLang's kernel as installed
     python tools/bench_sweep.py --plant heads32 --budget 300              # the kernel with a planted fault
     python tools/bench_sweep.py --backend flex --backend aiter_torch_ref  # correct kernels not written here
+    python tools/bench_sweep.py --backend vllm_triton --layout block_table  # vLLM's TRITON_MLA over block tables
+    python tools/bench_sweep.py --backend triton --layout sparse          # SGLang's DeepSeek-V4 sparse kernel
+    python tools/bench_sweep.py --plant tail_block --budget 300           # a fault in a new layout's kernel
     python tools/bench_sweep.py ... --json out.json
 
 ``--plant NAME`` runs ``refmla sweep --backend triton`` on SGLang's Triton decode kernel with one
-of tests/planted_sweep.py's faults edited into it at run time (each expected under its check);
+of tests/planted_sweep.py's faults edited into it at run time (each expected under its check), or,
+for a plant of tests/planted_layouts.py, the layout's kernel with it (split_floor: vLLM's
+TRITON_MLA, ``--layout block_table``; tail_block: SGLang's Triton sparse kernel, ``--layout sparse``);
 ``aiter_torch_ref`` is aiter's torch reference as a stand-in backend (tests/sweep_standins.py).
 Per backend: cases, cases per minute, seconds in the kernel's runs (child processes included) and
 in the fp64 reference, the control and the comparisons, and every finding with its shrunk case.
@@ -37,7 +42,7 @@ STANDINS = {"aiter_torch_ref": "sweep_standins:install"}
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", action="append", help="backend (repeatable; default triton)")
-    p.add_argument("--plant", help="a fault of tests/planted_sweep.py planted in SGLang's kernel (backend triton)")
+    p.add_argument("--plant", help="a fault of tests/planted_sweep.py (SGLang's decode kernel) or tests/planted_layouts.py")
     p.add_argument("--budget", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=1)
@@ -47,14 +52,20 @@ def main() -> int:
     p.add_argument("--out", default="/tmp/refmla-bench-sweep")
     p.add_argument("--json", help="write the report's JSON here")
     a = p.parse_args()
+    import planted_layouts
+
+    layouts = a.layout or ["decode", "verify"]
     backends = a.backend or ["triton"]
     setup = f"planted_sweep:install:{a.plant}" if a.plant else None
+    if a.plant in planted_layouts.PLANTS:
+        layout = planted_layouts.LAYOUT[a.plant]
+        setup, layouts = f"planted_layouts:install:{a.plant}", a.layout or [layout]
+        backends = a.backend or ["vllm_triton" if layout == "block_table" else "triton"]
     for b in backends:
         if b in STANDINS:
             setup = STANDINS[b]
     cfg = SweepConfig(backends=backends, budget=a.budget, seed=a.seed, out=a.out, jobs=a.jobs,
-                      layouts=a.layout or ("decode", "verify"), space=a.space, max_shrink=a.max_shrink,
-                      setup=setup)  # fmt: skip
+                      layouts=layouts, space=a.space, max_shrink=a.max_shrink, setup=setup)  # fmt: skip
     t0 = time.monotonic()
     rep = run_sweep(cfg)
     print(render_sweep(rep))

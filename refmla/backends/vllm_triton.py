@@ -85,6 +85,7 @@ def split_count(cap, cu_count: int) -> tuple[int, str]:
 def run_vllm_decode(
     q: torch.Tensor, kv_buffer: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
     page_size: int, num_kv_splits: int, sc: Scales, out_dtype: Optional[torch.dtype] = None,
+    fill: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:  # fmt: skip
     """Run vLLM's ``decode_attention_fwd`` (MLA) on plain tensors, on q's device.
 
@@ -93,7 +94,9 @@ def run_vllm_decode(
     k_scale, v_scale). Returns out [B, H, Dv], lse [B, H]
     fp32, attn_logits [B, H, S, Dv + 1] fp32 as the kernel leaves them (NaN where unwritten), info.
     ``is_mla`` (V as K's transpose, dequantized with k_scale) where the two scales agree, as
-    forward_mqa passes them; else the kernel's separate-V path, which applies v_scale.
+    forward_mqa passes them; else the kernel's separate-V path, which applies v_scale. ``fill``:
+    every buffer allocated here (o, lse, attn_logits) filled with it first (refmla sweep's NaN
+    fill); None: o zeroed as forward_mqa zeroes it, lse and attn_logits NaN (torch.empty in vLLM).
     """
     fn, module_path, version = locate_vllm_kernel()
     interpreted, dot_fix = interpreter_ready(importlib.import_module(module_path), q, kv_buffer, out_dtype)
@@ -102,9 +105,10 @@ def run_vllm_decode(
     if kv_buffer.shape[0] % P:
         raise ValueError(f"kv_buffer has {kv_buffer.shape[0]} rows, not whole pages of {P}")
     cache = kv_buffer.to(dev).contiguous().unflatten(0, (-1, P))  # [pages, P, 1, D] as forward_mqa
-    out = torch.zeros(B, H, Dv, dtype=out_dtype or q.dtype, device=dev)  # forward_mqa zeroes o
-    lse = torch.full((B, H), float("nan"), dtype=torch.float32, device=dev)
-    logits = torch.full((B, H, S, Dv + 1), float("nan"), dtype=torch.float32, device=dev)
+    nan, zero = (float("nan"), 0.0) if fill is None else (float(fill), float(fill))  # forward_mqa zeroes o
+    out = torch.full((B, H, Dv), zero, dtype=out_dtype or q.dtype, device=dev)
+    lse = torch.full((B, H), nan, dtype=torch.float32, device=dev)
+    logits = torch.full((B, H, S, Dv + 1), nan, dtype=torch.float32, device=dev)
     values = dict(
         q=q.contiguous(), k_buffer=cache, v_buffer=cache[..., :Dv], o=out, lse=lse,
         req_to_token=block_table.to(dev, torch.int32).contiguous(), b_seq_len=seq_lens.to(dev, torch.int32),
@@ -127,6 +131,7 @@ def run_vllm_decode(
 
 class VllmTritonBackend(Backend):
     name = "vllm_triton"
+    fills_buffers = True  # o, lse and attn_logits are allocated here, filled with opts.buffer_fill when given
 
     def availability(self) -> tuple[bool, str]:
         ok, how = triton_interp.triton_ready()
@@ -155,7 +160,7 @@ class VllmTritonBackend(Backend):
         try:
             out, lse, logits, info = run_vllm_decode(
                 cap.q.to(device), cap.kv_buffer, table, cap.seq_lens, page_size=P, num_kv_splits=S,
-                sc=cap.scales(), out_dtype=cap.out_dtype,
+                sc=cap.scales(), out_dtype=cap.out_dtype, fill=opts.buffer_fill,
             )  # fmt: skip
         except KernelSignatureError as e:
             raise BackendUnavailable(str(e)) from e

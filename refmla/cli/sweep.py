@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 
-from refmla.backends import ALL_NAMES, NAMES, VERIFY_ONLY
 from refmla.cli.common import EXIT_OK, UsageError, output_path, print_json
 from refmla.render.sweep import render_sweep
 from refmla.sweep import CHECKS, LAYOUTS, SweepConfig, run_sweep
+from refmla.sweep.kernels import LAYOUT_BACKENDS, NAMES, default_backends
 
-DEFAULT_BACKENDS = [n for n in NAMES[2:] if n not in VERIFY_ONLY]  # replay's default kernels (reference: the truth)
+DEFAULT_BACKENDS = default_backends(LAYOUTS)  # each layout's own kernels (refmla.sweep.kernels)
 
 
 def _positive(kind):
@@ -29,8 +29,9 @@ def _positive(kind):
 
 def add_parser(sub) -> None:
     p = sub.add_parser("sweep", help="check backends over the production shape space (four checks, shrunk captures)")
-    p.add_argument("--backend", action="append", choices=ALL_NAMES, metavar="NAME",
-                   help=f"backend to sweep (repeatable; default {', '.join(DEFAULT_BACKENDS)})")
+    p.add_argument("--backend", action="append", choices=NAMES, metavar="NAME",
+                   help="backend to sweep on every walked layout it reads (repeatable; default each layout's own: "
+                        + "; ".join(f"{la} {' '.join(b)}" for la, b in LAYOUT_BACKENDS.items()) + ")")
     p.add_argument("--budget", type=_positive(float), default=60.0, help="seconds of walking (default 60)")
     p.add_argument("--seed", type=int, default=0, help="the walk's seed: the same seed, the same cases")
     p.add_argument("--out", type=output_path, default="refmla-sweep", help="where shrunk captures go (default refmla-sweep)")
@@ -46,10 +47,11 @@ def add_parser(sub) -> None:
 
 
 def sweep(args) -> int:
+    layouts = tuple(dict.fromkeys(args.layout or LAYOUTS))
     cfg = SweepConfig(
-        backends=args.backend or DEFAULT_BACKENDS, budget=args.budget, seed=args.seed, out=args.out, jobs=args.jobs,
-        repeat=args.repeat, layouts=args.layout or tuple(LAYOUTS), space=args.space, checks=args.check or CHECKS,
-        max_shrink=args.max_shrink,
+        backends=args.backend or default_backends(layouts), budget=args.budget, seed=args.seed, out=args.out,
+        jobs=args.jobs, repeat=args.repeat, layouts=layouts, space=args.space, checks=args.check or CHECKS,
+        max_shrink=args.max_shrink, per_layout=None if args.backend else LAYOUT_BACKENDS,
     )  # fmt: skip
     try:
         cfg.check()

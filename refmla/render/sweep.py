@@ -7,9 +7,14 @@ from refmla.render.table import clip, table
 from refmla.sweep.report import STATUSES, SweepReport
 
 
+# the shrunk case's parameters a finding shows (dense: GoldenCase / TableCase; sparse: SparseSweepCase)
+SHAPE_KEYS = ("cache", "seq_lens", "num_heads", "page_size", "num_kv_splits", "kv_dtype", "logit_cap",
+              "draft_token_num", "table", "null", "topk", "sink", "topk_length")
+
+
 def render_sweep(rep: SweepReport) -> str:
     cpm = rep.cases_per_minute
-    pairs = ", ".join(f"{layout} {c}/{t} value pairs" for layout, (c, t) in rep.pairs.items())
+    pairs = ", ".join(f"{layout} {c}/{t} value pairs" for layout, (c, t) in rep.pairs.items()) or "no layout"
     lines = [f"refmla sweep: {len(rep.cases)} cases in {rep.walk_seconds:.0f} s (budget {rep.budget:g} s, seed "
              f"{rep.seed}, {cpm:.1f} cases/min), shrinking {rep.shrink_seconds:.0f} s; covered {pairs}"
              if cpm is not None else f"refmla sweep: no case ran (budget {rep.budget:g} s)"]  # fmt: skip
@@ -35,8 +40,7 @@ def render_sweep(rep: SweepReport) -> str:
             if f.trigger:
                 lines.append(f"    {f.trigger.text()}")
             if f.shrunk:
-                shape = {k: f.shrunk[k] for k in ("seq_lens", "num_heads", "page_size", "num_kv_splits", "kv_dtype",
-                                                   "logit_cap", "draft_token_num") if k in f.shrunk}  # fmt: skip
+                shape = {k: f.shrunk[k] for k in SHAPE_KEYS if k in f.shrunk}
                 lines.append(f"    shrunk ({len(f.shrink_steps)} steps): {shape}")
             if f.shrunk_detail:
                 lines.append(f"    {clip(f.shrunk_detail, 200)}")

@@ -4,9 +4,14 @@ calls someone captured (issue 30; docs/contract.md, the sweep).
 Modules (imports go down this list):
 
     report.py   typed results: CheckOutcome, CaseResult, Finding, Trigger, BackendSweep, SweepReport
-    space.py    the axes per layout and the walk: pairwise coverage first, then random, from the seed
-    cases.py    a point made concrete (a GoldenCase) and its capture tensors (refmla.golden.build)
-    checks.py   the four checks per backend: reference, nan_fill, repeat, splits
+    space.py    the axes per layout (decode, verify, block_table, sparse) and the walk: pairwise
+                coverage first, then random, from the seed; the CPU's budget per case
+    kernels.py  which backends sweep which layout: each layout's default kernels, why one takes none
+    tables.py   the block_table case: vLLM's pool, null block, shuffled / ordered / shared table
+    cases.py    a dense point made concrete (a GoldenCase, a TableCase) and its capture tensors
+    checks.py   the four checks per backend on a dense case: reference, nan_fill, repeat, splits
+    sparse.py   the sparse layout: its case (refmla.sparse.synth), its checks, its capture; the
+                dispatch of a case to its kind
     shrink.py   a failing case made smaller while it fails the same check
     run.py      the walk within the budget (serial or ``jobs`` workers), then shrink, capture, replay
 """

@@ -1,11 +1,13 @@
-"""One sweep case: a point of the space made concrete (a :class:`~refmla.golden.cases.GoldenCase`),
+"""One dense sweep case (layouts decode, verify, block_table): a point of the space made concrete
+(a :class:`~refmla.golden.cases.GoldenCase`; block_table: a :class:`~refmla.sweep.tables.TableCase`),
 and its capture tensors, built by the golden suite's generators (refmla.golden.build: hostile
-shuffled pages, NaN in every unattended row, inputs on an exact grid).
+shuffled pages, NaN in every unattended row, inputs on an exact grid) or refmla.sweep.tables.
 
     point {"heads": 32, "length": "page+1", ...} --case_of--> GoldenCase --capture_of--> Capture
 
 The point pins request 0's length; the batch's other requests draw short edge lengths (0, 1, a
-page +- 1, 31 / 32 / 33), all from the case's own seed, so a case is the same on every run.
+page +- 1, 31 / 32 / 33; block tables: at least 1), all from the case's own seed, so a case is
+the same on every run. (The sparse layout's cases: refmla.sweep.sparse.)
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ from refmla.capture.format import Capture, parse_meta
 from refmla.compare import Tolerance
 from refmla.golden.build import BUILDERS
 from refmla.golden.cases import NO_MSCALE_SCALE, GoldenCase
-from refmla.schedule import MIN_BLOCK_KV
+from refmla.schedule import MIN_BLOCK_KV, vllm_num_kv_splits
 from refmla.sweep.space import MAX_TILE_TOKENS, length_of
+from refmla.sweep.tables import TableCase, table_inputs, table_meta
 from refmla.synth import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE
 
 FP8_SCALES = (0.8125, 1.375)  # k_scale, v_scale of an fp8 pool (!= 1: a forgotten scale shows)
 MAX_KV_SPLITS = 16  # SGLang's default max_kv_splits: the most splits a case asks for (buffers: its own most)
 SM_SCALES = (KIMI_K2_SCALE, DEEPSEEK_V3_SCALE, NO_MSCALE_SCALE)
 OTHER_LENGTHS = ("0", "1", "page-1", "page", "page+1", "31", "32", "33")
+TABLE_FP8_SCALE = 1.375  # k_scale = v_scale of an fp8 block-table pool (vLLM passes one scale; != 1 shows)
 
 
 def case_seed(seed: int, layout: str, index: int) -> int:
@@ -49,6 +53,8 @@ def case_of(layout: str, point: Mapping[str, Any], seed: int, index: int) -> Gol
     """The concrete case of ``point`` (the ``index``-th of ``layout``'s walk under ``seed``)."""
     cs = case_seed(seed, layout, index)
     rng = random.Random(cs)
+    if layout == "block_table":
+        return _table_case(point, cs, rng, index)
     P, H, B = int(point["page"]), int(point["heads"]), int(point["batch"])
     qlen = int(point.get("qlen", 0))
     lens = [length_of(str(point["length"]), P, rng.choice((1, 2, 4, 8)))]
@@ -72,12 +78,41 @@ def case_of(layout: str, point: Mapping[str, Any], seed: int, index: int) -> Gol
     )  # fmt: skip
 
 
+def _table_case(point: Mapping[str, Any], cs: int, rng: random.Random, index: int) -> TableCase:
+    """A block-table point made concrete: every request attends >= 1 token (a decode step's own),
+    one split count for the batch (``rule``: vLLM's for the longest request), fp8 with one scale."""
+    P, H, B = int(point["page"]), int(point["heads"]), int(point["batch"])
+    tiles = -(-H // 16)
+    lens = [max(1, length_of(str(point["length"]), P, 1))]
+    for _ in range(B - 1):
+        L = max(1, length_of(rng.choice(OTHER_LENGTHS), P, 1))
+        lens.append(L if (sum(lens) + L) * tiles <= MAX_TILE_TOKENS else 1)
+    S = vllm_num_kv_splits(max(lens)) if point["splits"] == "rule" else int(point["splits"])
+    kv = str(point["kv"])
+    scale = TABLE_FP8_SCALE if kv.startswith("float8") else 1.0
+    return TableCase(
+        name=f"sweep-block_table-{index}", why=f"refmla sweep block_table point {index}", seq_lens=tuple(lens),
+        num_heads=H, page_size=P, num_kv_splits=(S,) * B, max_kv_splits=S, dtype="bfloat16", kv_dtype=kv,
+        sm_scale=rng.choice(SM_SCALES), k_scale=scale, v_scale=scale, free_pages=2, seed=cs,
+        table=str(point["table"]), null=str(point["null"]),
+    )  # fmt: skip
+
+
+def split_alternatives(case: GoldenCase) -> list[tuple[int, ...]]:
+    """The split counts the ``splits`` check runs besides the case's own: 1, and past every length
+    (SGLang: one more than the length's 32-token blocks, per request; a block table's one count
+    for the batch: one past the longest length), at most MAX_KV_SPLITS."""
+    B = len(case.seq_lens)
+    if isinstance(case, TableCase):
+        return [(1,) * B, (min(MAX_KV_SPLITS, max(case.seq_lens) + 1),) * B]
+    return [(1,) * B, tuple(min(MAX_KV_SPLITS, max(1, -(-L // MIN_BLOCK_KV) + 1)) for L in case.seq_lens)]
+
+
 def capture_of(case: GoldenCase, out: Optional[torch.Tensor] = None,
                num_kv_splits: Optional[torch.Tensor] = None, extra: Optional[dict] = None) -> Capture:
-    """The case's capture in memory: its inputs (refmla.golden.build), ``out`` a kernel's output
-    (None: no output yet), ``num_kv_splits`` the split counts that run used (None: the case's)."""
-    builder = BUILDERS[case.mode]
-    t = builder.inputs(case)
+    """The case's capture in memory: its inputs (refmla.golden.build, refmla.sweep.tables), ``out``
+    a kernel's output (None: no output yet), ``num_kv_splits`` the split counts that run used (None: the case's)."""
+    t = table_inputs(case) if isinstance(case, TableCase) else BUILDERS[case.mode].inputs(case)
     meta = capture_meta(case, extra)
     if num_kv_splits is not None and case.mode == "decode":
         t["num_kv_splits"] = num_kv_splits.to(torch.int32).cpu()
@@ -89,7 +124,7 @@ def capture_of(case: GoldenCase, out: Optional[torch.Tensor] = None,
 def capture_meta(case: GoldenCase, extra: Optional[dict] = None) -> dict[str, Any]:
     """The capture meta of a sweep case: the golden builder's, without meta["golden"] (whose ``out``
     is the reference; a sweep capture's ``out`` is a kernel's), plus ``extra`` (meta["sweep"])."""
-    meta = BUILDERS[case.mode].meta(case, Tolerance())
+    meta = table_meta(case, Tolerance()) if isinstance(case, TableCase) else BUILDERS[case.mode].meta(case, Tolerance())
     meta.pop("golden", None)
     return {**meta, **(extra or {})}
 
@@ -99,4 +134,4 @@ def with_splits(case: GoldenCase, splits: tuple[int, ...]) -> GoldenCase:
     return replace(case, num_kv_splits=splits, max_kv_splits=max(case.max_kv_splits or 1, *splits))
 
 
-__all__ = ["MAX_KV_SPLITS", "capture_meta", "capture_of", "case_of", "case_seed", "with_splits"]
+__all__ = ["MAX_KV_SPLITS", "capture_meta", "capture_of", "case_of", "case_seed", "split_alternatives", "with_splits"]

@@ -11,7 +11,10 @@
                with the split count past the tolerance (n/a for a kernel without a split count)
 
 Kernels run as ``refmla replay`` runs them: in a child process (refmla.isolation), so a kernel
-that crashes is that backend's ``error``, never the sweep's end.
+that crashes is that backend's ``error``, never the sweep's end; each is judged, as the replay
+judges it, against the control at the arithmetic it declares (its split schedule and rounding
+points, refmla.arithmetic). This module checks the dense layouts (decode, verify, block_table);
+refmla.sweep.sparse checks the sparse one with the same four names.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from refmla.arithmetic import Arithmetic
 from refmla.backends import BackendUnavailable, get_backend
 from refmla.backends.base import BackendResult
 from refmla.compare import Comparison, compare, judged_dtype
@@ -32,7 +36,7 @@ from refmla.golden.cases import GoldenCase
 from refmla.isolation import enabled, run_isolated
 from refmla.options import ReplayOptions
 from refmla.repeat import compare_runs
-from refmla.sweep.cases import MAX_KV_SPLITS, capture_of, with_splits
+from refmla.sweep.cases import capture_of, split_alternatives, with_splits
 from refmla.sweep.report import CheckOutcome
 from refmla.util import error_text
 
@@ -45,7 +49,9 @@ class Evidence:
 
     out: torch.Tensor
     num_kv_splits: Optional[torch.Tensor]
-    case: GoldenCase  # the case of that run (its split counts)
+    case: GoldenCase  # the case of that run (its split counts; a sparse case: refmla.sweep.sparse)
+    arithmetic: Optional[Arithmetic] = None  # what the kernel declared (None: the capture producer's)
+    lse: Optional[torch.Tensor] = None  # the sparse kernels' lse, kept in their capture
 
 
 @dataclass
@@ -84,16 +90,24 @@ class CaseChecks:
             self.timing.kernel += time.perf_counter() - t0
 
     def judge(self, name: str, res: BackendResult, case: GoldenCase) -> Comparison:
-        """``res`` against the reference, with the control of ``case``'s split schedule."""
+        """``res`` against the reference, with the control of ``case``'s split schedule at the
+        arithmetic the kernel declares (as the replay judges it)."""
         t0 = time.perf_counter()
         mask = None if res.defines_empty_rows else ~self.ctx.empty_rows()
-        if case is self.case or res.control is not None:
-            cmp = self.ctx.compare(name, res.out, row_mask=mask, control=res.control)
+        dtype = judged_dtype(res.out.dtype)
+        arith = res.arithmetic or self.ctx.producer
+        if res.control is not None:
+            ctl = res.control
+        elif case is self.case:
+            splits = res.num_kv_splits if res.num_kv_splits is not None else self.cap.num_kv_splits
+            ctl = self.ctx.control(dtype, arith, splits)
         else:
-            dtype = judged_dtype(res.out.dtype)
-            ctl, _ = capture_control(capture_of(case), dtype)
-            cmp = compare(name, res.out, self.ctx.ref_out, ctl, out_dtype=dtype, tol=self.opts.tol, row_mask=mask,
-                          request_of_row=self.cap.request_of_row())  # fmt: skip
+            ctl, _ = capture_control(capture_of(case), dtype, arith=arith, num_kv_splits=res.num_kv_splits)
+        if case is self.case:
+            cmp = self.ctx.compare(name, res.out, row_mask=mask, control=ctl)
+        else:
+            cmp = compare(name, res.out, self.ctx.ref_out, ctl.to(dtype), out_dtype=dtype, tol=self.opts.tol,
+                          row_mask=mask, request_of_row=self.cap.request_of_row())  # fmt: skip
         self.timing.reference += time.perf_counter() - t0
         return cmp
 
@@ -101,6 +115,9 @@ class CaseChecks:
         """The checks ``only`` (default all) of ``backend`` on this case; the failing runs' evidence."""
         outcomes: dict[str, CheckOutcome] = {}
         evidence: dict[str, Evidence] = {}
+        why = refusal(backend, self.cap)
+        if why:  # a point this kernel cannot take (an fp8 flavour, a cap): n/a here, never a skip that drops it
+            return {c: CheckOutcome(c, "n/a", why) for c in only}, {}
         try:
             first = self.kernel(backend, self.case, 0.0)
         except BackendUnavailable as e:
@@ -121,7 +138,7 @@ class CaseChecks:
         return outcomes, evidence
 
     def _evidence(self, res: BackendResult, case: GoldenCase) -> Evidence:
-        return Evidence(res.out, res.num_kv_splits, case)
+        return Evidence(res.out, res.num_kv_splits, case, res.arithmetic)
 
     def _reference(self, backend: str, first: BackendResult):
         cmp = self.judge(backend, first, self.case)
@@ -162,10 +179,9 @@ class CaseChecks:
         if first.num_kv_splits is None or self.case.mode != "decode":
             return CheckOutcome("splits", "n/a", "the kernel takes no split count"), None
         own = tuple(int(x) for x in first.num_kv_splits.tolist())
-        past = tuple(min(MAX_KV_SPLITS, max(1, -(-L // 32) + 1)) for L in self.case.seq_lens)
         verdicts = {own: self.judge(backend, first, self.case)}
         results = {own: (first, self.case)}
-        for alt in dict.fromkeys([(1,) * len(own), past]):
+        for alt in dict.fromkeys(split_alternatives(self.case)):
             if alt in verdicts:
                 continue
             case = with_splits(self.case, alt)
@@ -182,6 +198,17 @@ class CaseChecks:
         return CheckOutcome("splits", "fail", text, data), self._evidence(res, case)
 
 
+def refusal(backend: str, cap) -> Optional[str]:
+    """Why ``backend`` cannot take this capture's shape or scales, for a backend that says so
+    before it runs (the NVIDIA block-table kernels' ``refuses``: an e4m3fnuz pool, a logit cap),
+    or None."""
+    refuses = getattr(get_backend(backend), "refuses", None)
+    try:
+        return refuses(cap) if callable(refuses) else None
+    except Exception:  # the backend's own run says what is wrong
+        return None
+
+
 def _counts(splits: tuple[int, ...]) -> str:
     return f"splits {splits[0]}" if len(set(splits)) == 1 else f"splits {list(splits)}"
 
@@ -196,4 +223,4 @@ def _tensors(res: BackendResult) -> dict[str, torch.Tensor]:
     return {"out": res.out, **({"lse": res.lse} if res.lse is not None else {})}
 
 
-__all__ = ["CHECKS", "CaseChecks", "Evidence", "Timing"]
+__all__ = ["CHECKS", "CaseChecks", "Evidence", "Timing", "refusal"]

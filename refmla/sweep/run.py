@@ -2,8 +2,12 @@
 run every case through every backend's checks, then shrink each (backend, check) that failed,
 write its capture, replay it, and name the axis value that triggers it.
 
-    SweepConfig --walk (refmla.sweep.space)--> points --case_of--> cases --CaseChecks--> CaseResult
+    SweepConfig --walk (refmla.sweep.space)--> points --any_case--> cases --any_checks--> CaseResult
                 --each failing (backend, check): shrink --> capture file --> refmla replay --> Finding
+
+A backend sweeps the walked layouts it reads (refmla.sweep.kernels; without ``--backend`` each
+layout's own default kernels); a dense case's capture is refmla.capture/1, a sparse case's the
+sparse capture, and ``refmla replay`` reads either.
 """
 
 from __future__ import annotations
@@ -20,19 +24,20 @@ from typing import Optional, Sequence
 
 import torch
 
-from refmla.backends import get_backend
 from refmla.backends.triton_interp import ensure_interpreter
-from refmla.capture import read_capture, write_capture
+from refmla.capture import write_capture
 from refmla.compare import Tolerance
 from refmla.options import ReplayOptions, bound_problem
 from refmla.progress import Progress
-from refmla.replay import replay_capture
+from refmla.replay import replay_file
 from refmla.signals import ignore_sigint
-from refmla.sweep.cases import capture_meta, capture_of, case_of
-from refmla.sweep.checks import CHECKS, CaseChecks, Evidence
+from refmla.sweep.cases import capture_meta, capture_of
+from refmla.sweep.checks import CHECKS, Evidence
+from refmla.sweep.kernels import availability
 from refmla.sweep.report import BackendSweep, CaseResult, CheckOutcome, Finding, SweepReport, trigger
 from refmla.sweep.shrink import shrink
-from refmla.sweep.space import NOT_YET, Walk, interleave, restrict
+from refmla.sweep.space import LAYOUTS, NOT_YET, Walk, restrict
+from refmla.sweep.sparse import SparseSweepCase, any_case, any_checks, write_sparse_capture
 from refmla.util import error_text
 
 SKIPS_TO_DROP = 2  # consecutive skipped cases after which a backend is dropped from a layout
@@ -48,13 +53,16 @@ class SweepConfig:
     out: str = "refmla-sweep"  # where the shrunk captures go
     jobs: int = 1
     repeat: int = 3  # runs compared bit for bit
-    layouts: Sequence[str] = ("decode", "verify")
+    layouts: Sequence[str] = tuple(LAYOUTS)
     space: Sequence[str] = ()  # AXIS=V1,V2 restrictions
     checks: Sequence[str] = CHECKS  # which of the four checks run
     max_shrink: int = 24
     max_cases: Optional[int] = None  # stop the walk after this many cases (whatever the budget)
     tol: Tolerance = field(default_factory=Tolerance)
     setup: Optional[str] = None  # "module:function[:arg]" run first in every process (registers extra backends)
+    # layout -> the backends it sweeps (refmla.sweep.kernels.LAYOUT_BACKENDS when --backend is not
+    # given); None: every backend sweeps every walked layout it reads
+    per_layout: Optional[dict] = None
 
     def check(self) -> None:
         """ValueError naming the first bad option (the CLI's exit 2)."""
@@ -87,9 +95,9 @@ def run_setup(setup: Optional[str]) -> None:
 
 def evaluate(layout: str, point: dict, index: int, cfg: SweepConfig, backends: Sequence[str]) -> CaseResult:
     """One case through every check of every backend in ``backends``."""
-    case = case_of(layout, point, cfg.seed, index)
+    case = any_case(layout, point, cfg.seed, index)
     res = CaseResult(index, layout, point, case.params())
-    checks = CaseChecks(case, cfg.options(), cfg.repeat)
+    checks = any_checks(case, cfg.options(), cfg.repeat)
     for b in backends:  # the reference is computed once, in the first backend's time
         k0, r0 = checks.timing.kernel, checks.timing.reference
         res.outcomes[b], _ = checks.run(b, cfg.checks)
@@ -120,25 +128,44 @@ class Sweeper:
         self.report = SweepReport(cfg.seed, cfg.budget, cfg.repeat, cfg.jobs, list(cfg.layouts),
                                   out_dir=str(cfg.out), not_walked=list(NOT_YET))  # fmt: skip
         for name in cfg.backends:
-            ok, why = get_backend(name).availability()
-            self.report.backends[name] = BackendSweep(name, available=ok, reason=why)
+            self.report.backends[name] = self.backend_sweep(name)
         self.walks = [Walk(layout, restrict(layout, cfg.space), cfg.seed) for layout in cfg.layouts]
         self.counters = {w.layout: 0 for w in self.walks}
         self.skips: dict[tuple[str, str], int] = {}
+
+    def backend_sweep(self, name: str) -> BackendSweep:
+        """A backend's availability on each walked layout: available on one at least, the others
+        in ``skipped_layouts`` with the reason (a sparse-only kernel on a dense layout, a layout's
+        kernel that is not among its defaults)."""
+        per = {layout: availability(name, layout) for layout in self.cfg.layouts}
+        for layout in self.cfg.layouts:
+            if per[layout][0] and self.cfg.per_layout is not None and name not in self.cfg.per_layout.get(layout, ()):
+                per[layout] = (False, f"not among {layout}'s default kernels (name it with --backend)")
+        usable = [why for ok, why in per.values() if ok]
+        if not usable:
+            return BackendSweep(name, available=False, reason="; ".join(dict.fromkeys(why for _, why in per.values())))
+        b = BackendSweep(name, available=True, reason="; ".join(dict.fromkeys(usable)))
+        b.skipped_layouts = {layout: why for layout, (ok, why) in per.items() if not ok}
+        return b
 
     def active(self, layout: str) -> list[str]:
         return [n for n, b in self.report.backends.items() if b.available and layout not in b.skipped_layouts]
 
     def points(self):
-        """(layout, point, index) of the walk while some backend still takes the layout."""
-        for layout, point in interleave(self.walks):
-            if not any(self.active(w.layout) for w in self.walks):
+        """(layout, point, index) from each layout's walk in turn while some backend still takes
+        it; a layout no backend takes is not walked (its coverage stays 0)."""
+        its = {w.layout: iter(w) for w in self.walks}
+        while True:
+            live = [layout for layout in its if self.active(layout)]
+            if not live:
                 return
-            if not self.active(layout):
-                continue
-            index = self.counters[layout]
-            self.counters[layout] += 1
-            yield layout, point, index
+            for layout in live:
+                if not self.active(layout):
+                    continue
+                point = next(its[layout])
+                index = self.counters[layout]
+                self.counters[layout] += 1
+                yield layout, point, index
 
     def record(self, res: CaseResult) -> None:
         self.report.cases.append(res)
@@ -173,7 +200,7 @@ class Sweeper:
             progress.close()
         self.report.walk_seconds = time.monotonic() - t0
         self.report.cases.sort(key=lambda c: (self.cfg.layouts.index(c.layout), c.index))
-        self.report.pairs = {w.layout: [w.pairs_covered, w.pairs_total] for w in self.walks}
+        self.report.pairs = {w.layout: [w.pairs_covered, w.pairs_total] for w in self.walks if w.pairs_total}
 
     def _tick(self, progress: Progress, t0: float) -> None:
         target = min(progress.total, int(time.monotonic() - t0))
@@ -230,7 +257,7 @@ class Sweeper:
         first = failing[0]
         f = Finding(name, check, first.outcomes[name][check].detail, first.index, first.layout, len(failing),
                     trigger=trigger(self.report.cases, name, check))  # fmt: skip
-        case = case_of(first.layout, first.point, self.cfg.seed, first.index)
+        case = any_case(first.layout, first.point, self.cfg.seed, first.index)
         try:
             shrunk = shrink(case, name, check, self.cfg.options(), self.cfg.repeat, max_tries=self.cfg.max_shrink)
         except Exception as e:  # shrinking is an aid: the finding stands without it
@@ -243,26 +270,35 @@ class Sweeper:
         path = out / f"{name}-{check}-{first.layout}-{first.index}.safetensors"
         sweep_meta = {"sweep": {"backend": name, "check": check, "seed": self.cfg.seed, "layout": first.layout,
                                 "case": first.index, "point": first.point, "detail": shrunk.outcome.detail}}  # fmt: skip
-        ev = shrunk.evidence
-        tensors = _capture_tensors(ev, sweep_meta)
-        meta = {**capture_meta(ev.case, sweep_meta), "backend": name if name in ("triton", "aiter") else "unknown"}
         try:
-            write_capture(path, tensors, meta, compact=False)
+            if isinstance(shrunk.case, SparseSweepCase):
+                write_sparse_capture(path, shrunk.evidence, sweep_meta, name)
+            else:
+                write_dense_capture(path, shrunk.evidence, sweep_meta, name)
         except Exception as e:
             f.shrunk_detail += f"; capture not written: {error_text(e)}"
             return f
         f.capture = str(path)
         f.replay_command = f"refmla replay {path} --backend {name}"
-        try:
-            f.replay_verdict = replay_capture(read_capture(path), ReplayOptions(backends=[], explain=False)).verdict
+        try:  # reference and observed only: what the captured (failing) output is, judged
+            f.replay_verdict = replay_file(str(path), ReplayOptions(backends=[], explain=False)).verdict
         except Exception as e:
             f.replay_verdict = f"replay failed: {error_text(e)}"
         return f
 
 
-def _capture_tensors(ev: Evidence, sweep_meta: dict) -> dict[str, torch.Tensor]:
-    """The failing run's capture: the case's inputs, its output and the split counts it ran with."""
-    return capture_of(ev.case, out=ev.out, num_kv_splits=ev.num_kv_splits, extra=sweep_meta).tensors()
+PRODUCERS = ("triton", "aiter", "vllm_triton")  # backend names a capture's meta ``backend`` says (others: unknown)
+
+
+def write_dense_capture(path: Path, ev: Evidence, sweep_meta: dict, name: str) -> None:
+    """The failing run's capture: the case's inputs, its output and the split counts it ran with;
+    the producer named, on the split schedule the kernel declared (vLLM's uniform, SGLang's 32-token)."""
+    tensors = capture_of(ev.case, out=ev.out, num_kv_splits=ev.num_kv_splits, extra=sweep_meta).tensors()
+    meta = {**capture_meta(ev.case, sweep_meta), "backend": name if name in PRODUCERS else "unknown"}
+    schedule = ev.arithmetic.split_schedule if ev.arithmetic is not None else None
+    if schedule in ("sglang", "uniform") and "block_table" in tensors:
+        meta["split_schedule"] = schedule
+    write_capture(path, tensors, meta, compact=False)
 
 
 def run_sweep(cfg: SweepConfig) -> SweepReport:

@@ -3,7 +3,9 @@ the same check (Hypothesis' shrinking, Polygraphy's ``debug reduce``): the engin
 smallest reproduction the tries allow.
 
 Greedy: the first smaller candidate that still fails is kept and the candidates start over from
-it; shrinking ends when no candidate fails, after ``max_tries`` runs, or at the deadline.
+it; shrinking ends when no candidate fails, after ``max_tries`` runs, or at the deadline. A
+block-table case keeps its one split count for the batch; a sparse case shrinks its requests,
+their contexts and its heads (refmla.sweep.sparse.sparse_candidates).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from typing import Iterator, Optional
 
 from refmla.golden.cases import GoldenCase
 from refmla.options import ReplayOptions
-from refmla.sweep.checks import CaseChecks, Evidence
+from refmla.sweep.checks import Evidence
 from refmla.sweep.report import CheckOutcome
 from refmla.sweep.space import HEADS
+from refmla.sweep.sparse import AnyCase, SparseSweepCase, any_checks, sparse_candidates
 
 
 def _keep(case: GoldenCase, which: list[int]) -> GoldenCase:
@@ -24,8 +27,11 @@ def _keep(case: GoldenCase, which: list[int]) -> GoldenCase:
                    num_kv_splits=tuple(case.splits[i] for i in which))  # fmt: skip
 
 
-def candidates(case: GoldenCase) -> Iterator[tuple[str, GoldenCase]]:
+def candidates(case: AnyCase) -> Iterator[tuple[str, AnyCase]]:
     """Smaller cases than ``case``, the biggest cuts first: (what changed, the case)."""
+    if isinstance(case, SparseSweepCase):
+        yield from sparse_candidates(case)
+        return
     B = len(case.seq_lens)
     if B > 1:
         half = B // 2
@@ -45,23 +51,23 @@ def candidates(case: GoldenCase) -> Iterator[tuple[str, GoldenCase]]:
 
 @dataclass
 class Shrunk:
-    case: GoldenCase
+    case: AnyCase
     outcome: CheckOutcome
     evidence: Evidence
     steps: list[str] = field(default_factory=list)
     tries: int = 0
 
 
-def fails(case: GoldenCase, backend: str, check: str, opts: ReplayOptions, repeat: int):
+def fails(case: AnyCase, backend: str, check: str, opts: ReplayOptions, repeat: int):
     """(outcome, evidence) of ``check`` on ``case`` when it fails, else None."""
-    outcomes, evidence = CaseChecks(case, opts, repeat).run(backend, only=(check,))
+    outcomes, evidence = any_checks(case, opts, repeat).run(backend, only=(check,))
     o = outcomes.get(check)
     if o is not None and o.failed and check in evidence:
         return o, evidence[check]
     return None
 
 
-def shrink(case: GoldenCase, backend: str, check: str, opts: ReplayOptions, repeat: int = 3,
+def shrink(case: AnyCase, backend: str, check: str, opts: ReplayOptions, repeat: int = 3,
            max_tries: int = 24, deadline: Optional[float] = None) -> Optional[Shrunk]:
     """The smallest case found that still fails ``check``; None when ``case`` itself no longer fails
     (a nondeterministic failure that did not come back)."""

@@ -1,11 +1,18 @@
 """The shape space production runs, per layout, and the walk over it: every pair of axis values
 first (a greedy pairwise covering, AETG-style), then random combinations, reproducible from the seed.
 
-A point is one value per axis (``{"heads": 32, "page": 16, ...}``); refmla.sweep.cases turns it
-into a case. Some values are relative to others: a length ``page+1`` is one past the point's
-page size, ``32k-1`` one short of a multiple of SGLang's 32-token block, ``past`` a split count
-past the length (at least one split is empty). A point the CPU cannot afford (too many rows of
-heads x requests, too many tokens x head tiles) is never proposed: :func:`feasible`.
+Four layouts: ``decode`` (SGLang's token slots), ``verify`` (speculative verify over them),
+``block_table`` (vLLM's paged decode: a block table, its null block, one batch-wide split count)
+and ``sparse`` (DeepSeek V3.2 / V4 sparse decode over packed fp8 caches and top-k indices).
+
+A point is one value per axis (``{"heads": 32, "page": 16, ...}``); refmla.sweep.cases (dense) and
+refmla.sweep.sparse turn it into a case. Some values are relative to others: a length ``page+1``
+is one past the point's page size, ``32k-1`` one short of a multiple of SGLang's 32-token block,
+``past`` a split count past the length (at least one split is empty), ``rule`` vLLM's own split
+count for the batch; a sparse ``width-1`` context leaves the indexer's scope one candidate short
+of its index width. A point the CPU cannot afford (too many rows of heads x requests, too many
+tokens x head tiles; for sparse, too many valid entries x head tiles, too long a context) is never
+proposed: :func:`feasible`.
 """
 
 from __future__ import annotations
@@ -23,34 +30,97 @@ SPLITS = ("1", "2", "4", "16", "past", "mixed")  # per request; "mixed": each it
 KV_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz")
 CAPS = (0.0, 30.0)
 QLENS = (1, 2, 3, 4, 5, 6, 7, 8)  # verify: query tokens per request (non-powers of two included)
+# block tables: vLLM's block sizes (1: ROCm AITER MLA; 16: the default, TRITON_MLA; 32 / 64: FlashInfer /
+# TRT-LLM, FlashMLA 64; 128: CUTLASS MLA); lengths at block edges and at vLLM's split rule's edges
+# (max_seq_len // 512: 1 split below 1024, 2 from 1024, 4 from 1536); a decode request attends >= 1 token
+TABLE_PAGES = (1, 16, 32, 64, 128)
+TABLE_LENGTHS = ("1", "page-1", "page", "page+1", "2page+1", "1023", "1024", "1536", "4097")
+TABLE_SPLITS = ("rule", "1", "2", "3", "8", "16")  # one count for the batch; "rule": vLLM's _compute_num_kv_splits
+TABLES = ("shuffled", "ordered", "shared")  # pages handed out shuffled, in order, or a shared prefix (prefix caching)
+NULLS = ("nan", "stale")  # what the null block (page 0, every padding entry) holds
+# sparse (refmla.sparse): the caches of a DeepSeek-V4 layer (window + C4, window + C128, window only)
+# and V3.2's one cache; the indexer's index width (V3.2's main, V4's compressed scope; V4's window
+# index is 128 wide); request 0's context, relative to the kernels' 64-entry blocks, the window and
+# the width; the main cache's page size (V4 256, V3.2 64, FlashMLA 64, and 1)
+CACHES = ("v4-c4", "v4-c128", "v4-swa", "v32")
+TOPKS = (64, 128, 512, 2048)
+SPARSE_LENGTHS = ("0", "1", "2", "63", "64", "65", "128", "129", "width-1", "width", "width+1")
+SPARSE_PAGES = (1, 64, 256)
+SINKS = ("on", "off", "large")  # a per-head sink of N(0, 2); none; 8 + N(0, 1) (it dominates the denominator)
+TOPK_LENGTHS = ("given", "none")  # topk_length passed (entries past it are stale), or not (every non -1 entry read)
+RATIO = {"v4-c4": 4, "v4-c128": 128, "v4-swa": 0, "v32": 0}  # tokens per compressed token (0: no compressed scope)
+WINDOW = 128  # DeepSeek-V4's sliding window: its main index width
 
 LAYOUTS: dict[str, dict[str, tuple]] = {
     "decode": {"heads": HEADS, "page": PAGES, "length": LENGTHS, "batch": BATCHES, "splits": SPLITS,
                "kv": KV_DTYPES, "cap": CAPS},
     "verify": {"heads": HEADS, "page": PAGES, "length": LENGTHS, "batch": BATCHES, "qlen": QLENS,
                "kv": KV_DTYPES, "cap": CAPS},
+    "block_table": {"heads": HEADS, "page": TABLE_PAGES, "length": TABLE_LENGTHS, "batch": BATCHES,
+                    "splits": TABLE_SPLITS, "kv": KV_DTYPES, "table": TABLES, "null": NULLS},
+    "sparse": {"cache": CACHES, "heads": HEADS, "topk": TOPKS, "length": SPARSE_LENGTHS, "batch": BATCHES,
+               "page": SPARSE_PAGES, "sink": SINKS, "topk_length": TOPK_LENGTHS},
 }  # fmt: skip
-NOT_YET = ("block_table", "sparse")  # layouts the sweep does not walk yet (docs/contract.md, the sweep)
+NOT_YET: tuple = ()  # layouts the sweep does not walk yet (the report's not_walked): none since all four are
 
 MAX_ROWS = 256  # query rows x heads of one case: the interpreter's stage 2 runs one program per (row, head)
 MAX_TILE_TOKENS = 8192  # attended tokens x 16-head tiles of one case: stage 1's work
 LONG = 4097  # the longest length the space names
+# sparse: SGLang's Triton sparse kernel runs one program per (query row, 16-head tile), its loop over
+# the row's valid entries in blocks; in the interpreter ~0.2-0.5 s per 128 entries of one program
+MAX_SPARSE_UNITS = 64  # 16-head tiles x each query row's 128-entry blocks (one at least) of one case
+MAX_SPARSE_CONTEXT = 16384  # request 0's context tokens (the synthetic caches hold every one)
 
 
 def length_of(value: str, page: int, k: int) -> int:
     """The token count a length value names for ``page`` and the multiple ``k`` of 32."""
-    base = {"page": page, "32k": 32 * k}
+    base = {"2page": 2 * page, "page": page, "32k": 32 * k}
     for name, n in base.items():
         if value.startswith(name):
             return max(0, n + int(value[len(name) :] or 0))
     return int(value)
 
 
-def feasible(p: Mapping[str, Any]) -> bool:
-    """Whether a (partial) point fits the CPU's budget, axes it lacks at their cheapest."""
+def sparse_context(value: str, cache: str, topk: int) -> int:
+    """Request 0's context tokens a sparse length value names: a number, or ``width`` +- 1: the
+    indexer's scope holds width +- 1 candidates (the compressed tokens of a V4 C4 / C128 layer, the
+    tokens of V3.2; a window-only layer's width is its window)."""
+    if not value.startswith("width"):
+        return int(value)
+    ratio = RATIO[cache] or 1
+    width = WINDOW if cache == "v4-swa" else int(topk)
+    return max(0, (width + int(value[len("width") :] or 0)) * ratio)
+
+
+def sparse_valid(context: int, cache: str, topk: int) -> int:
+    """The valid entries of a request of ``context`` tokens: V4's window (the last 128) plus the
+    indexer's top-k of its compressed tokens; V3.2's top-k of its tokens."""
+    if cache == "v32":
+        return min(context, int(topk))
+    ratio = RATIO[cache]
+    return min(context, WINDOW) + (min(context // ratio, int(topk)) if ratio else 0)
+
+
+def sparse_units(heads: int, valid: list[int]) -> int:
+    """A sparse case's cost in the interpreter: 16-head tiles x each query row's 128-entry blocks."""
+    return -(-int(heads) // 16) * sum(max(1, -(-v // 128)) for v in valid)
+
+
+def feasible(p: Mapping[str, Any], layout: str = "decode") -> bool:
+    """Whether a (partial) point of ``layout`` fits the CPU's budget, axes it lacks at their cheapest."""
     heads, batch, qlen = p.get("heads", 4), p.get("batch", 1), p.get("qlen", 1)
+    if layout == "sparse":
+        caches = [p["cache"]] if "cache" in p else CACHES
+        topks = [p["topk"]] if "topk" in p else TOPKS
+        return any(_sparse_fits(heads, batch, str(p.get("length", "0")), c, t) for c in caches for t in topks)
     length = length_of(str(p.get("length", "0")), int(p.get("page", 1)), 1)
     return batch * qlen * heads <= MAX_ROWS and length * -(-heads // 16) <= MAX_TILE_TOKENS
+
+
+def _sparse_fits(heads: int, batch: int, length: str, cache: str, topk: int) -> bool:
+    context = sparse_context(length, cache, topk)
+    valid = [sparse_valid(context, cache, topk)] + [0] * (int(batch) - 1)
+    return context <= MAX_SPARSE_CONTEXT and sparse_units(heads, valid) <= MAX_SPARSE_UNITS
 
 
 def parse_value(axis: str, text: str, axes: Mapping[str, tuple]) -> Any:
@@ -70,20 +140,38 @@ def _float(text: str) -> Optional[float]:
 
 def restrict(layout: str, space: Sequence[str] = ()) -> dict[str, tuple]:
     """The axes of ``layout`` with each ``AXIS=V1,V2`` of ``space`` keeping only those values.
-    ValueError for an unknown layout, axis or value (the CLI's exit 2)."""
+    A value of another layout's axis of that name (``splits=past`` for block_table, ``page=256``)
+    is left out here; a restriction none of whose values this layout's axis has leaves it whole,
+    as an axis this layout lacks does (``qlen`` for decode). ValueError for an unknown layout,
+    axis or value: one no layout has (the CLI's exit 2)."""
     if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)} ({', '.join(NOT_YET)}: not yet)")
+        raise ValueError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
     axes = dict(LAYOUTS[layout])
     for item in space:
         name, sep, values = item.partition("=")
         if not sep or not values:
             raise ValueError(f"--space {item!r}: expected AXIS=V1,V2")
-        if name not in axes:
-            if any(name in a for a in LAYOUTS.values()):
-                continue  # an axis of another layout (qlen for decode)
+        owners = [a for a in LAYOUTS.values() if name in a]
+        if not owners:
             raise ValueError(f"--space {name}: unknown axis; choose from {', '.join(sorted(set().union(*LAYOUTS.values())))}")
-        axes[name] = tuple(dict.fromkeys(parse_value(name, v.strip(), LAYOUTS[layout]) for v in values.split(",")))
+        kept = []
+        for text in (v.strip() for v in values.split(",")):
+            if name in axes and _has(name, text, LAYOUTS[layout]):
+                kept.append(parse_value(name, text, LAYOUTS[layout]))
+            elif not any(_has(name, text, a) for a in owners):
+                raise ValueError(f"--space {name}: {text!r} is not one of "
+                                 f"{', '.join(dict.fromkeys(str(v) for a in owners for v in a[name]))}")  # fmt: skip
+        if kept:  # (an axis of another layout, qlen for decode, restricts nothing here)
+            axes[name] = tuple(dict.fromkeys(kept))
     return axes
+
+
+def _has(axis: str, text: str, axes: Mapping[str, tuple]) -> bool:
+    try:
+        parse_value(axis, text, axes)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass
@@ -107,7 +195,7 @@ class Walk:
         for a, b in itertools.combinations(names, 2):
             for va in self.axes[a]:
                 for vb in self.axes[b]:
-                    if feasible({a: va, b: vb}):
+                    if feasible({a: va, b: vb}, self.layout):
                         out.add(((a, va), (b, vb)))
         return out
 
@@ -120,7 +208,7 @@ class Walk:
         rest = [n for n in self.axes if n not in point]
         self._rng.shuffle(rest)
         for axis in rest:
-            options = [v for v in self.axes[axis] if feasible({**point, axis: v})] or [self.axes[axis][-1]]
+            options = [v for v in self.axes[axis] if feasible({**point, axis: v}, self.layout)] or [self.axes[axis][-1]]
             best = max(self._new_pairs(point, axis, v, todo) for v in options)
             point[axis] = self._rng.choice([v for v in options if self._new_pairs(point, axis, v, todo) == best])
         return {n: point[n] for n in self.axes}
@@ -128,7 +216,7 @@ class Walk:
     def _random_point(self) -> dict:
         for _ in range(1000):
             point = {n: self._rng.choice(vals) for n, vals in self.axes.items()}
-            if feasible(point):
+            if feasible(point, self.layout):
                 return point
         return {n: vals[-1] for n, vals in self.axes.items()}
 
@@ -155,4 +243,5 @@ def interleave(walks: Sequence[Walk]) -> Iterator[tuple[str, dict]]:
             yield layout, next(it)
 
 
-__all__ = ["HEADS", "LAYOUTS", "NOT_YET", "Walk", "feasible", "interleave", "length_of", "restrict"]
+__all__ = ["HEADS", "LAYOUTS", "NOT_YET", "Walk", "feasible", "interleave", "length_of", "restrict", "sparse_context",
+           "sparse_units", "sparse_valid"]

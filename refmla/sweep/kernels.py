@@ -1,0 +1,53 @@
+"""Which backends sweep which layout: each layout's default kernels (``refmla sweep`` without
+``--backend``) and why a backend takes none of a layout (the report's ``skipped_layouts``).
+
+    decode, verify  triton aiter extend      replay's default kernels, as before the new layouts
+    block_table     vllm_triton triton aiter flashmla flashinfer_mla cutlass_mla fa3_mla
+                    the layout's engine kernel (vLLM's TRITON_MLA, as replay adds it for a vLLM
+                    capture), the NVIDIA block-table kernels (CUDA; unavailable elsewhere, with the
+                    reason), and the token-slot kernels, which read the table's token rows
+    sparse          triton aiter_sparse tilelang flashmla_sparse
+
+A name means that kernel of the layout it runs on: ``triton`` is SGLang's Triton decode kernel
+on the dense layouts and its DeepSeek-V4 Triton sparse kernel on ``sparse``; ``reference`` is
+the fp64 truth of either. ``aiter_sparse``, ``tilelang`` and ``flashmla_sparse`` read sparse
+captures only; every other name reads dense ones only. Named with ``--backend``, a backend
+sweeps every walked layout it reads.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from refmla.backends import ALL_NAMES, PAGED, get_backend
+from refmla.sparse.backends import BACKENDS as SPARSE_BACKENDS
+from refmla.sparse.backends import availability as sparse_availability
+
+SPARSE_NAMES = tuple(n for n in SPARSE_BACKENDS if n != "observed")  # what the sparse layout runs by name
+SPARSE_ONLY = tuple(n for n in SPARSE_NAMES if n not in ALL_NAMES)  # aiter_sparse, tilelang, flashmla_sparse
+NAMES = tuple(ALL_NAMES) + SPARSE_ONLY  # every name ``refmla sweep --backend`` takes
+LAYOUT_BACKENDS: dict[str, tuple[str, ...]] = {
+    "decode": ("triton", "aiter", "extend"),
+    "verify": ("triton", "aiter", "extend"),
+    "block_table": ("vllm_triton", "triton", "aiter", *PAGED),
+    "sparse": ("triton", "aiter_sparse", "tilelang", "flashmla_sparse"),
+}
+
+
+def default_backends(layouts: Sequence[str]) -> list[str]:
+    """The default kernels of ``layouts``, each once, in the order the layouts list them."""
+    return list(dict.fromkeys(n for layout in layouts for n in LAYOUT_BACKENDS[layout]))
+
+
+def availability(name: str, layout: str) -> tuple[bool, str]:
+    """(``name`` runs on ``layout`` here, its version line or why not); never raises for a known name."""
+    if layout == "sparse":
+        if name not in SPARSE_NAMES:
+            return False, f"a dense kernel: it reads no sparse capture (sparse kernels: {', '.join(SPARSE_NAMES[1:])})"
+        return (True, "fp64 sparse reference") if name == "reference" else sparse_availability(name)
+    if name in SPARSE_ONLY:
+        return False, "a sparse decode kernel (DeepSeek V3.2 / V4): it reads the sparse layout only"
+    return get_backend(name).availability()
+
+
+__all__ = ["LAYOUT_BACKENDS", "NAMES", "SPARSE_NAMES", "SPARSE_ONLY", "availability", "default_backends"]

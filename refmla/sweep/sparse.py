@@ -1,0 +1,250 @@
+"""The ``sparse`` layout: DeepSeek's sparse MLA decode (V3.2 DSA; a V4 layer's window cache with its
+C4 or C128 compressed cache, or alone), a point made concrete by refmla.sparse.synth (hostile:
+shuffled pages, NaN bytes in every unwritten token and its scales, stale entries of other requests
+past topk_length, then -1), run through the sparse kernels by name (refmla.sparse.backends:
+``triton`` SGLang's Triton sparse kernel, ``aiter_sparse``, ``tilelang``, ``flashmla_sparse``;
+``reference`` the fp64 truth) and judged by refmla.sparse.reference with the one comparator, as
+``refmla replay`` judges a sparse capture.
+
+    point {"cache": "v4-c4", "topk": 512, "length": "width-1", ...} --sparse_case--> SparseSweepCase
+          --capture()--> SparseCapture --SparseChecks--> the four checks, each by name
+
+``reference``: out and lse against the fp64 reference, the tolerance from the control at the
+kernels' rounding points (a lonely row: out 0, lse +inf); ``repeat``: N runs bit for bit (out and
+lse). ``nan_fill`` is n/a: every sparse kernel allocates its own output and split-K buffers;
+``splits`` is n/a: no sparse kernel takes a split count (SGLang's picks its split-K from the
+shape: the batch, heads and widths axes reach its paths). A point a kernel cannot read is n/a
+with the reason (:func:`refuses`: SGLang's Triton kernel reads the V4 layout only).
+
+Also the dispatch every later module uses: :func:`any_case` / :func:`any_checks` pick the dense
+(refmla.sweep.cases, refmla.sweep.checks) or the sparse kind of a layout.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+
+import torch
+
+from refmla.backends import BackendUnavailable
+from refmla.golden.cases import GoldenCase
+from refmla.isolation import enabled, run_isolated
+from refmla.options import ReplayOptions
+from refmla.repeat import compare_runs
+from refmla.sparse.backends import BACKENDS, KERNELS, PathOutput
+from refmla.sparse.format import KERNEL_BACKENDS, SparseCapture, parse_sparse_meta
+from refmla.sparse.presets import PRESETS, SparsePreset
+from refmla.sparse.reference import judge_lse, judge_out, rows_of, sparse_control, sparse_reference
+from refmla.sparse.synth import build_case
+from refmla.sparse.validation import write_sparse
+from refmla.sweep.cases import case_of, case_seed
+from refmla.sweep.checks import CHECKS, CaseChecks, Evidence, Timing
+from refmla.sweep.report import CheckOutcome
+from refmla.sweep.space import HEADS, MAX_SPARSE_UNITS, RATIO, sparse_context, sparse_units, sparse_valid
+from refmla.util import error_text
+
+PRESET_OF = {"v4-c4": "deepseek-v4-flash-tp8", "v4-c128": "deepseek-v4-flash-tp8-c128",
+             "v4-swa": "deepseek-v4-flash-tp8-swa", "v32": "deepseek-v3.2-tp8"}  # fmt: skip
+OTHER_LENGTHS = ("0", "1", "2", "64", "65", "129")  # the batch's other requests' contexts
+NO_BUFFERS = "every sparse kernel allocates its own output and split-K buffers"
+NO_SPLITS = "no sparse kernel takes a split count (SGLang's Triton kernel picks its split-K from the shape)"
+
+
+@dataclass
+class SparseSweepCase:
+    name: str
+    cache: str  # v4-c4 | v4-c128 | v4-swa | v32 (refmla.sweep.space.CACHES)
+    seq_lens: tuple  # context tokens per request
+    num_heads: int
+    topk: int  # the indexer's index width (V3.2: main; V4 C4 / C128: the compressed scope)
+    page_size: int  # the main cache's page; a compressed cache's is page / ratio (at least 1)
+    sink: str  # on | off | large
+    topk_length: str  # given | none
+    seed: int
+
+    def params(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if k != "name"}
+
+    def preset(self) -> SparsePreset:
+        base, ratio = PRESETS[PRESET_OF[self.cache]], RATIO[self.cache]
+        p = replace(base, heads=self.num_heads, page_size=self.page_size, seq_lens=tuple(self.seq_lens),
+                    seed=self.seed, sink=self.sink != "off")  # fmt: skip
+        if self.cache == "v32":
+            return replace(p, topk=self.topk)
+        return replace(p, extra_topk=self.topk, extra_page_size=max(1, self.page_size // ratio)) if ratio else p
+
+    def tensors_and_meta(self, backend: str = "unknown") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The call's tensors (refmla.sparse.synth; the sink and topk_length as the point says) and meta."""
+        case = build_case(self.preset())
+        t = case.tensors()
+        if self.sink == "large":
+            g = torch.Generator().manual_seed(self.seed)
+            t["attn_sink"] = (8.0 + torch.randn(self.num_heads, generator=g)).float()
+        if self.topk_length == "none":  # no lengths: every entry is read up to -1, so the stale tail is -1
+            for idx, length in (("indices", "topk_length"), ("extra_indices", "extra_topk_length")):
+                if length in t:
+                    past = torch.arange(t[idx].shape[-1])[None, None, :] >= t.pop(length).long()[:, None, None]
+                    t[idx] = t[idx].masked_fill(past, -1)
+        return t, case.meta(backend if backend in KERNEL_BACKENDS else "unknown")
+
+    def capture(self) -> SparseCapture:
+        t, meta = self.tensors_and_meta()
+        return SparseCapture(path=f"<{self.name}>", meta=parse_sparse_meta(meta), **t)
+
+
+def sparse_case(point: Mapping[str, Any], seed: int, index: int) -> SparseSweepCase:
+    """The concrete case of a sparse point: request 0's context from the point, the others short
+    edges (drawn from the case's seed) while the case stays in the CPU's budget."""
+    cs = case_seed(seed, "sparse", index)
+    rng = random.Random(cs)
+    cache, topk, H = str(point["cache"]), int(point["topk"]), int(point["heads"])
+    lens = [sparse_context(str(point["length"]), cache, topk)]
+    for _ in range(int(point["batch"]) - 1):
+        L = int(rng.choice(OTHER_LENGTHS))
+        fits = sparse_units(H, [sparse_valid(n, cache, topk) for n in lens + [L]]) <= MAX_SPARSE_UNITS
+        lens.append(L if fits else 0)
+    return SparseSweepCase(name=f"sweep-sparse-{index}", cache=cache, seq_lens=tuple(lens), num_heads=H, topk=topk,
+                           page_size=int(point["page"]), sink=str(point["sink"]),
+                           topk_length=str(point["topk_length"]), seed=cs)  # fmt: skip
+
+
+def refuses(backend: str, case: SparseSweepCase) -> Optional[str]:
+    """Why ``backend`` cannot read this point (its checks are n/a), or None."""
+    if backend == "triton" and case.cache == "v32":
+        return "SGLang's Triton sparse kernel reads the V4 layout only (d_qk 512); this point is V3.2's (d_qk 576)"
+    return None
+
+
+class SparseChecks:
+    """One sparse case, its reference and control computed once, checked against any number of backends."""
+
+    def __init__(self, case: SparseSweepCase, opts: ReplayOptions, repeat: int = 3):
+        self.case, self.opts, self.repeat = case, opts, repeat
+        self.timing = Timing()
+        self.cap = case.capture()
+        self._truth: Optional[tuple] = None
+
+    @property
+    def truth(self) -> tuple:
+        """(reference, control) of the case: computed once a kernel has run."""
+        if self._truth is None:
+            t0 = time.perf_counter()
+            rows = rows_of(self.cap)
+            self._truth = (sparse_reference(self.cap, rows), sparse_control(self.cap, rows))
+            self.timing.reference += time.perf_counter() - t0
+        return self._truth
+
+    def kernel(self, backend: str) -> PathOutput:
+        run = BACKENDS[backend]
+        t0 = time.perf_counter()
+        try:
+            return run_isolated(run, self.cap) if backend in KERNELS and enabled(self.opts.isolate) else run(self.cap)
+        finally:
+            self.timing.kernel += time.perf_counter() - t0
+
+    def judge(self, name: str, got: PathOutput) -> tuple[bool, str, dict]:
+        """(passed, what it says, its numbers) of one run's out and lse against the reference."""
+        ref, ctrl = self.truth
+        t0 = time.perf_counter()
+        cmp = judge_out(name, self.cap, got.out, ref, ctrl, self.opts.tol)
+        lse = judge_lse(got.lse, ref, ctrl, self.opts.tol) if got.lse is not None else None
+        self.timing.reference += time.perf_counter() - t0
+        lse_bad = lse is not None and lse.status != "pass"
+        reasons = list(cmp.reasons) + ([lse.reason or "lse fails"] if lse_bad else [])  # type: ignore[union-attr]
+        data = {"comparison": cmp.to_json(), **({"lse": lse.to_json()} if lse is not None else {})}
+        return not reasons, "; ".join(reasons) or cmp.summary(), data
+
+    def run(self, backend: str, only: Sequence[str] = CHECKS) -> tuple[dict[str, CheckOutcome], dict[str, Evidence]]:
+        """The checks ``only`` (default all) of ``backend`` on this case; the failing runs' evidence."""
+        why = refuses(backend, self.case)
+        if why:
+            return {c: CheckOutcome(c, "n/a", why) for c in only}, {}
+        try:
+            first = self.kernel(backend)
+        except BackendUnavailable as e:
+            return {c: CheckOutcome(c, "skipped", str(e)) for c in only}, {}
+        except Exception as e:  # a kernel that crashes or raises is its finding
+            text = error_text(e)
+            return {c: CheckOutcome(c, "n/a" if i else "error", text) for i, c in enumerate(only)}, {}
+        outcomes: dict[str, CheckOutcome] = {}
+        evidence: dict[str, Evidence] = {}
+        for check in [c for c in CHECKS if c in only]:
+            try:
+                outcome, ev = getattr(self, f"_{check}")(backend, first)
+            except BackendUnavailable as e:
+                outcome, ev = CheckOutcome(check, "skipped", str(e)), None
+            except Exception as e:
+                outcome, ev = CheckOutcome(check, "error", error_text(e)), None
+            outcomes[check] = outcome
+            if ev is not None and outcome.status in ("fail", "error"):
+                evidence[check] = ev
+        return outcomes, evidence
+
+    def _evidence(self, got: PathOutput) -> Evidence:
+        return Evidence(got.out, None, self.case, lse=got.lse)  # type: ignore[arg-type]
+
+    def _reference(self, backend: str, first: PathOutput):
+        passed, text, data = self.judge(backend, first)
+        if passed:
+            return CheckOutcome("reference", "pass", text), None
+        return CheckOutcome("reference", "fail", text, data), self._evidence(first)
+
+    def _nan_fill(self, backend: str, first: PathOutput):
+        return CheckOutcome("nan_fill", "n/a", NO_BUFFERS), None
+
+    def _repeat(self, backend: str, first: PathOutput):
+        runs = [first] + [self.kernel(backend) for _ in range(max(1, self.repeat - 1))]
+        tensors = [{"out": r.out, **({"lse": r.lse} if r.lse is not None else {})} for r in runs]
+        outcome = compare_runs(tensors)
+        if outcome.deterministic:
+            return CheckOutcome("repeat", "pass", outcome.text(), outcome.to_json()), None
+        wrong = [r for r in runs if not self.judge(backend, r)[0]]
+        shown = (wrong or runs[1:])[0]  # a run past the tolerance when there is one: its capture replays diverged
+        return CheckOutcome("repeat", "fail", outcome.text(), outcome.to_json()), self._evidence(shown)
+
+    def _splits(self, backend: str, first: PathOutput):
+        return CheckOutcome("splits", "n/a", NO_SPLITS), None
+
+
+def sparse_candidates(case: SparseSweepCase) -> Iterator[tuple[str, SparseSweepCase]]:
+    """Smaller sparse cases, the biggest cuts first: fewer requests, shorter contexts, fewer heads."""
+    lens, B = tuple(case.seq_lens), len(case.seq_lens)
+    if B > 1:
+        yield f"requests {B} -> {B // 2}", replace(case, seq_lens=lens[: B // 2])
+        yield f"requests {B} -> {B - B // 2}", replace(case, seq_lens=lens[B // 2 :])
+        for i in range(B):
+            yield f"requests {B} -> {B - 1} (request {i} dropped)", replace(case, seq_lens=lens[:i] + lens[i + 1 :])
+    for i, L in enumerate(lens):
+        for shorter in dict.fromkeys((L // 2, L - 1)):
+            if 0 <= shorter < L:
+                smaller = replace(case, seq_lens=lens[:i] + (shorter,) + lens[i + 1 :])
+                yield f"request {i} context {L} -> {shorter}", smaller
+    for h in sorted(h for h in HEADS if h < case.num_heads):
+        yield f"heads {case.num_heads} -> {h}", replace(case, num_heads=h)
+
+
+def write_sparse_capture(path: Any, ev: Evidence, sweep_meta: dict, backend: str) -> None:
+    """A failing run of a sparse case as a sparse capture: its inputs, the kernel's out and lse."""
+    t, meta = ev.case.tensors_and_meta(backend)  # type: ignore[union-attr]
+    out = {"out": ev.out, **({"lse": ev.lse.float()} if ev.lse is not None else {})}
+    write_sparse(path, {**t, **out}, {**meta, **sweep_meta})
+
+
+AnyCase = Union[GoldenCase, SparseSweepCase]
+
+
+def any_case(layout: str, point: Mapping[str, Any], seed: int, index: int) -> AnyCase:
+    """The case of a point of any layout."""
+    return sparse_case(point, seed, index) if layout == "sparse" else case_of(layout, point, seed, index)
+
+
+def any_checks(case: AnyCase, opts: ReplayOptions, repeat: int = 3) -> Union[CaseChecks, SparseChecks]:
+    """The checks of a case of any layout."""
+    return SparseChecks(case, opts, repeat) if isinstance(case, SparseSweepCase) else CaseChecks(case, opts, repeat)
+
+
+__all__ = ["AnyCase", "SparseChecks", "SparseSweepCase", "any_case", "any_checks", "refuses", "sparse_candidates",
+           "sparse_case", "write_sparse_capture"]
