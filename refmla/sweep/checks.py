@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -113,29 +113,10 @@ class CaseChecks:
 
     def run(self, backend: str, only: Sequence[str] = CHECKS) -> tuple[dict[str, CheckOutcome], dict[str, Evidence]]:
         """The checks ``only`` (default all) of ``backend`` on this case; the failing runs' evidence."""
-        outcomes: dict[str, CheckOutcome] = {}
-        evidence: dict[str, Evidence] = {}
         why = refusal(backend, self.cap)
         if why:  # a point this kernel cannot take (an fp8 flavour, a cap): n/a here, never a skip that drops it
             return {c: CheckOutcome(c, "n/a", why) for c in only}, {}
-        try:
-            first = self.kernel(backend, self.case, 0.0)
-        except BackendUnavailable as e:
-            return {c: CheckOutcome(c, "skipped", str(e)) for c in only}, {}
-        except Exception as e:  # a kernel that crashes or raises is its finding
-            text = error_text(e)  # the first check wanted carries the crash, the others could not run
-            return {c: CheckOutcome(c, "n/a" if i else "error", text) for i, c in enumerate(only)}, {}
-        for check in [c for c in CHECKS if c in only]:
-            try:
-                outcome, ev = getattr(self, f"_{check}")(backend, first)
-            except BackendUnavailable as e:
-                outcome, ev = CheckOutcome(check, "skipped", str(e)), None
-            except Exception as e:
-                outcome, ev = CheckOutcome(check, "error", error_text(e)), None
-            outcomes[check] = outcome
-            if ev is not None and outcome.status in ("fail", "error"):
-                evidence[check] = ev
-        return outcomes, evidence
+        return run_checks(self, backend, only, lambda: self.kernel(backend, self.case, 0.0))
 
     def _evidence(self, res: BackendResult, case: GoldenCase) -> Evidence:
         return Evidence(res.out, res.num_kv_splits, case, res.arithmetic)
@@ -209,6 +190,33 @@ def refusal(backend: str, cap) -> Optional[str]:
         return None
 
 
+def run_checks(checker: Any, backend: str, only: Sequence[str], first_run: Callable[[], Any]):
+    """The first run of ``backend``, then each check of ``only`` in CHECKS order
+    (``checker._<check>(backend, first)``): (outcomes, the failing runs' evidence). A kernel that
+    crashes or raises is its finding (the first check carries it, the others could not run); one
+    that is unavailable is skipped."""
+    try:
+        first = first_run()
+    except BackendUnavailable as e:
+        return {c: CheckOutcome(c, "skipped", str(e)) for c in only}, {}
+    except Exception as e:  # a kernel that crashes or raises is its finding
+        text = error_text(e)
+        return {c: CheckOutcome(c, "n/a" if i else "error", text) for i, c in enumerate(only)}, {}
+    outcomes: dict[str, CheckOutcome] = {}
+    evidence: dict[str, Any] = {}
+    for check in [c for c in CHECKS if c in only]:
+        try:
+            outcome, ev = getattr(checker, f"_{check}")(backend, first)
+        except BackendUnavailable as e:
+            outcome, ev = CheckOutcome(check, "skipped", str(e)), None
+        except Exception as e:
+            outcome, ev = CheckOutcome(check, "error", error_text(e)), None
+        outcomes[check] = outcome
+        if ev is not None and outcome.status in ("fail", "error"):
+            evidence[check] = ev
+    return outcomes, evidence
+
+
 def _counts(splits: tuple[int, ...]) -> str:
     return f"splits {splits[0]}" if len(set(splits)) == 1 else f"splits {list(splits)}"
 
@@ -223,4 +231,4 @@ def _tensors(res: BackendResult) -> dict[str, torch.Tensor]:
     return {"out": res.out, **({"lse": res.lse} if res.lse is not None else {})}
 
 
-__all__ = ["CHECKS", "CaseChecks", "Evidence", "Timing", "refusal"]
+__all__ = ["CHECKS", "CaseChecks", "Evidence", "Timing", "refusal", "run_checks"]

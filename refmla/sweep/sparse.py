@@ -29,7 +29,6 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
-from refmla.backends import BackendUnavailable
 from refmla.golden.cases import GoldenCase
 from refmla.isolation import enabled, run_isolated
 from refmla.options import ReplayOptions
@@ -41,10 +40,9 @@ from refmla.sparse.reference import judge_lse, judge_out, rows_of, sparse_contro
 from refmla.sparse.synth import build_case
 from refmla.sparse.validation import write_sparse
 from refmla.sweep.cases import case_of, case_seed
-from refmla.sweep.checks import CHECKS, CaseChecks, Evidence, Timing
+from refmla.sweep.checks import CHECKS, CaseChecks, Evidence, Timing, run_checks
 from refmla.sweep.report import CheckOutcome
 from refmla.sweep.space import HEADS, MAX_SPARSE_UNITS, RATIO, sparse_context, sparse_units, sparse_valid
-from refmla.util import error_text
 
 PRESET_OF = {"v4-c4": "deepseek-v4-flash-tp8", "v4-c128": "deepseek-v4-flash-tp8-c128",
              "v4-swa": "deepseek-v4-flash-tp8-swa", "v32": "deepseek-v3.2-tp8"}  # fmt: skip
@@ -162,26 +160,7 @@ class SparseChecks:
         why = refuses(backend, self.case)
         if why:
             return {c: CheckOutcome(c, "n/a", why) for c in only}, {}
-        try:
-            first = self.kernel(backend)
-        except BackendUnavailable as e:
-            return {c: CheckOutcome(c, "skipped", str(e)) for c in only}, {}
-        except Exception as e:  # a kernel that crashes or raises is its finding
-            text = error_text(e)
-            return {c: CheckOutcome(c, "n/a" if i else "error", text) for i, c in enumerate(only)}, {}
-        outcomes: dict[str, CheckOutcome] = {}
-        evidence: dict[str, Evidence] = {}
-        for check in [c for c in CHECKS if c in only]:
-            try:
-                outcome, ev = getattr(self, f"_{check}")(backend, first)
-            except BackendUnavailable as e:
-                outcome, ev = CheckOutcome(check, "skipped", str(e)), None
-            except Exception as e:
-                outcome, ev = CheckOutcome(check, "error", error_text(e)), None
-            outcomes[check] = outcome
-            if ev is not None and outcome.status in ("fail", "error"):
-                evidence[check] = ev
-        return outcomes, evidence
+        return run_checks(self, backend, only, lambda: self.kernel(backend))
 
     def _evidence(self, got: PathOutput) -> Evidence:
         return Evidence(got.out, None, self.case, lse=got.lse)  # type: ignore[arg-type]
