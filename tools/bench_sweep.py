@@ -54,7 +54,7 @@ def main() -> int:
     a = p.parse_args()
     import planted_layouts
 
-    layouts = a.layout or ["decode", "verify"]
+    layouts = a.layout or list(SweepConfig().layouts)  # refmla sweep's own default: every layout
     backends = a.backend or ["triton"]
     setup = f"planted_sweep:install:{a.plant}" if a.plant else None
     if a.plant in planted_layouts.PLANTS:
