@@ -188,6 +188,16 @@ def heads_folded_transposed(t, spec, b):
     return torch.stack([out[:, (h % 2) * (H // 2) + h // 2] for h in range(H)], 1), lse, {"fold": 2, "how": "transposed"}
 
 
+def heads_folded_duplicated(t, spec, b):
+    """Heads folded 8x where the heads allow it (pseudo-rows of H/8 >= 2 heads: 16 heads), else 2x;
+    the unfold wrote pseudo-row 0 back to every pseudo-row: head h holds head h % (H / fold)."""
+    out, lse = _clean(t, spec)
+    H = out.shape[1]
+    f = _fold(H, 8)
+    g = H // f
+    return torch.stack([out[:, h % g] for h in range(H)], 1), lse, {"fold": f, "how": "duplicated"}
+
+
 def lse_log2(t, spec, b):
     """Request b's final lse written in log2 units (the output is right)."""
     out, lse = _clean(t, spec)
@@ -424,6 +434,7 @@ PLANTS: dict[str, tuple[Plant, str, tuple]] = {
     "heads_folded_zero": (heads_folded_zero, "heads_folded", ("fold", "how")),
     "heads_folded_mixed": (heads_folded_mixed, "heads_folded", ("fold", "how")),
     "heads_folded_transposed": (heads_folded_transposed, "heads_folded", ("fold", "how")),
+    "heads_folded_duplicated": (heads_folded_duplicated, "heads_folded", ("fold", "how")),
     "split_lse_overflow": (split_lse_overflow, "numerics", ("variant",)),
     "pv_accum_bf16": (pv_accum_bf16, "numerics", ("variant",)),
     "split_repeated": (split_repeated, "kv_range_repeated", ("split", "start", "end")),
