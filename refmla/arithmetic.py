@@ -14,7 +14,8 @@ from what it declares, never from what the capture's producer did:
     dequant         "upcast"          an fp8 K / V upcast as stored, k_scale on the logits and
                                       v_scale on the output; P rounded to the pool dtype before P.V
                     "to_q_dtype"      K and V dequantized on load and rounded to q's dtype,
-                                      ``(fp8 * scale).to(q.dtype)``; P rounded to q's dtype (vLLM)
+                                      ``(fp8 * scale).to(q.dtype)``; P rounded to q's dtype (vLLM,
+                                      flex_attention)
     lse_base        "ln" | "log2"     the base of the lse the kernel returns (compared in ln)
 
 The capture's producer has one too (:func:`producer_arithmetic`): it describes only ``observed``
@@ -65,6 +66,8 @@ class Arithmetic:
 SGLANG_TRITON = Arithmetic()
 VLLM_TRITON = Arithmetic(split_schedule="uniform", q_round="keep", dequant="to_q_dtype")
 UNSPLIT = Arithmetic(split_schedule="none")
+# PyTorch's flex_attention (refmla.backends.flex): one pass in q's dtype, an fp8 pool dequantized into it
+FLEX_ATTENTION = Arithmetic(split_schedule="none", q_round="keep", dequant="to_q_dtype")
 
 
 def quantize_q(q: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -89,5 +92,5 @@ def producer_arithmetic(cap) -> Arithmetic:
     return Arithmetic(schedule, q_round, "to_q_dtype" if vllm else "upcast", base if base in LSE_BASES else "ln")
 
 
-__all__ = ["Arithmetic", "DEQUANTS", "FP8_E4M3", "FP8_E4M3_MAX", "quantize_q", "LSE_BASES", "Q_ROUNDS", "SCHEDULES", "SGLANG_TRITON", "UNSPLIT", "VLLM_TRITON",
+__all__ = ["Arithmetic", "DEQUANTS", "FLEX_ATTENTION", "FP8_E4M3", "FP8_E4M3_MAX", "quantize_q", "LSE_BASES", "Q_ROUNDS", "SCHEDULES", "SGLANG_TRITON", "UNSPLIT", "VLLM_TRITON",
            "producer_arithmetic"]  # fmt: skip

@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 
+from refmla.arithmetic import FLEX_ATTENTION
 from refmla.attended import Attended
 from refmla.backends import NAMES, OPT_IN, get_backend
 from refmla.backends.flex import BLOCK, Packed, bucket, run_flex_mla
@@ -118,6 +119,7 @@ def test_flex_passes_every_preset(tmp_path, name):
     assert rep.verdict == "agree" and rep.exit_code == 0
     assert entry.max_abs_err > 0  # a bf16 kernel, not the reference itself
     assert entry.info["compute_dtype"] == "bfloat16"
+    assert entry.info["arithmetic"] == FLEX_ATTENTION.to_json()  # judged by its own arithmetic (issue 27)
 
 
 @needs_flex

@@ -37,6 +37,7 @@ from typing import Optional
 
 import torch
 
+from refmla.arithmetic import FLEX_ATTENTION
 from refmla.attended import Attended
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 from refmla.capture import Capture
@@ -298,7 +299,8 @@ class FlexBackend(Backend):
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise BackendUnavailable(f"device {device} asked for and no GPU is visible to torch")
         out, lse, info = run_flex_mla(cap.q, cap.kv_buffer, cap.attended(), cap.scales(), cap.out_dtype, device)
-        return BackendResult(out=out.cpu(), lse=None if lse is None else lse.cpu(), info=info)
+        return BackendResult(out=out.cpu(), lse=None if lse is None else lse.cpu(), info=info,
+                             arithmetic=FLEX_ATTENTION)  # one pass, q kept, fp8 K / V dequantized to q's dtype
 
 
 __all__ = ["FlexBackend", "bucket", "run_flex_mla"]
