@@ -115,6 +115,25 @@ def test_a_fault_on_observed_is_diagnosed_observed(tmp_path):
     assert report.backends["observed"].explanation.hypothesis == "null_block_read"
 
 
+def test_a_split_left_out_of_vllms_uniform_schedule_is_named_without_a_crash(tmp_path):
+    """split_missing once crashed on this schedule (IndexError: index 7 is out of bounds for
+    dimension 1 with size 2: SGLang's 32-token splits placed over vLLM's 2 partials); the planted
+    split is vLLM's own: request 0's positions past ceil(1030 / 2) = 515 left out, by our loop."""
+    import torch
+
+    spec = pv.VllmSpec(block=16, fp8=False, **SMALL)
+    t = pv.make(spec)
+    per = -(-spec.seq_lens[0] // pv.num_kv_splits(spec))
+    out, lse = pv.attention(t, spec, {0: pv.rows_of(t, spec, 0)[:per]})
+    t["out"], t["lse"] = out.to(torch.bfloat16), lse.float()
+    cap = read_capture(write_capture(tmp_path / "split.safetensors", t, pv.meta(spec), compact=False))
+    entry = replay_capture(cap, ReplayOptions(backends=["reference"])).backends["observed"]
+    assert not entry.info.get("hypothesis_errors"), entry.info["hypothesis_errors"]
+    e = entry.explanation
+    assert e is not None and e.complete, entry.localization.text() if entry.localization else entry.reason
+    assert (e.hypothesis, e.detail, e.request) == ("split_missing", {"split": 1}, 0), e.text()
+
+
 def test_a_family_that_raises_is_its_error_and_the_search_goes_on(tmp_path, monkeypatch):
     from refmla import hypotheses
 
