@@ -85,3 +85,24 @@ def test_a_rounding_change_within_tolerance_is_not_a_miss():
     row = bench.Row(preset="p", page_size=1, fault="qk_accum_bf16", expect="numerics", status="error", verdict="agree")
     bench.judge(row)
     assert row.status == "missed"
+
+
+def test_the_vllm_leg_names_a_fault_only_with_its_request_and_detail(tmp_path, monkeypatch):
+    """The vLLM leg (--independent) on one capture tools/planting_vllm.py writes: the null block read
+    for page 1 of request 1, with an offline path agreeing, is named and diagnosed observed; the
+    same answer judged against another request or another page is not."""
+    monkeypatch.setenv("REFMLA_EXTEND_IMPL", "torch")  # the offline path, without the interpreter
+    sys.path.insert(0, str(_PATH.parent))
+    import planting_vllm as pv
+
+    from refmla.capture import write_capture
+    from refmla.context import ReplayOptions
+
+    spec = pv.VllmSpec(block=16, seq_lens=(1030, 77, 283), heads=2)
+    t, meta, detail = pv.capture(spec, "null_block_for_page")
+    path = write_capture(tmp_path / "null.safetensors", t, meta, compact=False)
+    report = bench.replay_file(path, ReplayOptions(backends=["extend"]))
+    outcome, said = bench._vllm_outcome(report, pv, "null_block_for_page", detail, spec.fault_request)
+    assert outcome == "named", said
+    assert bench._vllm_outcome(report, pv, "null_block_for_page", detail, 0)[0] == "wrong"
+    assert bench._vllm_outcome(report, pv, "null_block_for_page", {**detail, "page": 2}, 1)[0] == "wrong"

@@ -251,7 +251,7 @@ def vllm_leg(quick: bool) -> int:
                         for leg in ("default", "vllm_triton"):
                             t0 = time.perf_counter()
                             report = replay_file(path, ReplayOptions(backends=None if leg == "default" else [leg]))
-                            outcome, said = _vllm_outcome(report, pv, plant, detail)
+                            outcome, said = _vllm_outcome(report, pv, plant, detail, spec.fault_request)
                             tally[outcome] = tally.get(outcome, 0) + 1
                             print(f"{label:26s} block {block:2d} {'fp8' if fp8 else 'bf16':4s} {plant:20s} {leg:11s} "
                                   f"{outcome:15s} {time.perf_counter() - t0:6.1f}s  {said[:100]}", flush=True)  # fmt: skip
@@ -264,8 +264,9 @@ def vllm_leg(quick: bool) -> int:
     return 0 if tally.get("named", 0) == faults and not tally.get("false alarm") else 1
 
 
-def _vllm_outcome(report, pv, plant: str, detail: dict) -> tuple[str, str]:
-    """(outcome, what the replay said) of one vLLM-leg case."""
+def _vllm_outcome(report, pv, plant: str, detail: dict, request: int) -> tuple[str, str]:
+    """(outcome, what the replay said) of one vLLM-leg case: a fault is named when the explanation
+    names the planted hypothesis, on the planted request, with the planted detail."""
     entry = report.backends["observed"]
     e = entry.explanation
     said = e.text() if e else (entry.localization.text() if entry.localization else report.diagnosis_text)
@@ -274,7 +275,8 @@ def _vllm_outcome(report, pv, plant: str, detail: dict) -> tuple[str, str]:
     if report.verdict == "agree":
         return "below noise", said
     _, hypothesis, keys = pv.PLANTS[plant]
-    if e is not None and e.hypothesis == hypothesis and all(e.detail.get(k) == detail[k] for k in keys):
+    right = e is not None and e.hypothesis == hypothesis and e.request == request
+    if right and all(e.detail.get(k) == detail[k] for k in keys):
         return ("named" if report.diagnosis == "observed" else "named elsewhere"), said
     return ("wrong" if e is not None and e.complete else "unexplained"), said
 
