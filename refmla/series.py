@@ -128,10 +128,12 @@ def attach_series(reports: list, opts: Optional[ReplayOptions] = None) -> None:
 
 def stale_metadata(prev: Capture, cap: Capture, opts: ReplayOptions) -> Optional[Explanation]:
     """``stale_metadata {"step"}``: ``cap``'s observed output is the attention under ``prev``'s
-    metadata (decode, the same batch size, every slot prev attends present in cap's pool), or None."""
-    if not (prev.is_decode and cap.is_decode) or prev.batch_size != cap.batch_size or cap.block_table is not None:
+    metadata (decode, the same batch size, every slot prev attends present in cap's pool), or None.
+    A block-table capture (vLLM) is judged the same way: the rows prev's table and lengths name, by
+    their physical slots, read as a token list (a stale table is a stale row list)."""
+    if not (prev.is_decode and cap.is_decode) or prev.batch_size != cap.batch_size:
         return None
-    if prev.block_table is not None or prev.meta.page_size != cap.meta.page_size:
+    if prev.meta.page_size != cap.meta.page_size:
         return None
     phys = lambda c: (c.orig_kv_indices if c.orig_kv_indices is not None else c.kv_indices).long()  # noqa: E731
     row_of = dict(zip(phys(cap).tolist(), cap.kv_indices.long().tolist()))
@@ -140,7 +142,8 @@ def stale_metadata(prev: Capture, cap: Capture, opts: ReplayOptions) -> Optional
         return None
     rows = torch.tensor([row_of[x] for x in want], dtype=cap.kv_indices.dtype)
     stale = dataclasses.replace(cap, kv_indptr=prev.kv_indptr, kv_indices=rows, seq_lens=prev.seq_lens,
-                                num_kv_splits=prev.num_kv_splits, orig_kv_indices=None, attn_logits=None, attn_lse=None)  # fmt: skip
+                                num_kv_splits=prev.num_kv_splits, orig_kv_indices=None, block_table=None,
+                                attn_logits=None, attn_lse=None)  # fmt: skip
     with single_thread():
         ctx = ReplayContext(stale, dataclasses.replace(opts, explain=False))
         cmp = ctx.compare("observed", cap.out)

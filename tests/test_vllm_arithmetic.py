@@ -172,3 +172,38 @@ def test_the_lse_is_compared_in_the_base_its_producer_documents(tmp_path, docume
     else:
         assert entry.lse.status == "fail"
         assert entry.localization.cause["detail"] == {"units": "log2"}, entry.localization.text()
+
+
+@pytest.mark.parametrize("fault", [False, True], ids=["clean-steps", "stale-metadata"])
+def test_a_graph_replayed_with_the_previous_steps_block_table_is_stale_metadata(tmp_path, fault):
+    """vLLM #36611 on vLLM's own layout: two steps of one layer and rank (our loop), step 8's queries
+    attended under step 7's block table and lengths (each request one token shorter) is
+    stale_metadata(step=7), replayed as ``refmla replay DIR`` does; two clean steps agree."""
+    import math
+
+    import torch
+
+    from refmla.batch import replay_many
+    from refmla.series import attach_series
+
+    spec = pv.VllmSpec(block=16, fp8=False, **SMALL)
+    now = pv.make(spec)
+    prev = {**now, "seq_lens": now["seq_lens"] - 1, "q": torch.roll(now["q"], 1, dims=1)}  # the step before
+    before = pv.VllmSpec(block=16, fp8=False, seq_lens=tuple(L - 1 for L in spec.seq_lens), heads=spec.heads)
+    prev["out"] = pv.attention(prev, before)[0].to(torch.bfloat16)
+    rows = {b: pv.rows_of(now, spec, b, L=before.seq_lens[b]) for b in range(len(spec.seq_lens))}
+    now["out"] = pv.attention(now, spec, rows if fault else None)[0].to(torch.bfloat16)
+    assert math.isfinite(float(now["out"].float().abs().sum()))
+    paths = []
+    for step, t in ((7, prev), (8, now)):
+        meta = {**pv.meta(spec), "step": step, "layer_id": 3, "tp_rank": 0}
+        paths.append(str(write_capture(tmp_path / f"step{step}.safetensors", t, meta, compact=False)))
+    opts = ReplayOptions(backends=["reference"])
+    reports = replay_many(paths, opts)
+    attach_series(reports, opts)
+    if not fault:
+        assert [r.verdict for r in reports] == ["agree", "agree"], [r.diagnosis_text for r in reports]
+        return
+    e = reports[1].backends["observed"].explanation
+    assert e is not None and e.hypothesis == "stale_metadata" and e.detail == {"step": 7}, e and e.text()
+    assert e.extra["seq_lens_used"] == list(before.seq_lens)
