@@ -1,7 +1,8 @@
 """The launch-plan families of issue 31 named on faults planted by tools/planting.py (its own
 attention loop, its own split schedule and merge: never refmla's reference, control or search):
 heads folded and unfolded wrongly (folds 2, 4 and 8: mixed, transposed, zero, duplicated), a split
-repeated, a split merged into another request, the partials read at another stride, a split lse
+repeated, a split merged into another request, the partials read at another stride or written at
+a wider one (aiter #3910), a split lse
 overflowing without its max, P.V accumulated in bf16; and a missing page whose first quarter
 carries no mass reported page-aligned. Small shapes (4 heads, 4 requests up to 420
 tokens): tools/bench_diagnosis.py --independent runs them on the full presets."""
@@ -30,6 +31,7 @@ PAGED = preset("kimi-k2-tp8-page256", num_heads=4, seq_lens=(300, 200, 700, 150)
 
 CASES = [(SMALL, p) for p in ("heads_folded_zero", "heads_folded_mixed", "heads_folded_transposed",
                                "heads_folded_duplicated", "split_repeated", "split_misrouted", "partials_misaddressed",
+                               "partials_written_wide",
                                "split_lse_overflow")]
 CASES.append((PAGED, "page_missing_faint"))
 

@@ -359,29 +359,46 @@ def split_misrouted(t, spec, b):
     return out, lse, {"request": b, "split": 1, "to_request": 0}
 
 
-def partials_read_at_split_count(t, spec, b):
-    """Stage 1 writes partial (b, h, s) at row (b * H + h) * max_kv_splits + s; stage 2 reads it at
-    (b * H + h) * N + s, N the batch's largest num_kv_splits (its stride sized by the split count, not
-    the buffer's). Rows never written hold no mass."""
+def _partials_at(t, spec, write, read):
+    """(out, lse): stage 1 writes partial (r, h, s) at flat row write(r, h, s); stage 2 merges, for
+    (r, h), the splits s < n_r read from row read(r, h, s). Rows never written hold no mass."""
     B, H = t["q"].shape[0], t["q"].shape[1]
-    S, N = spec.max_kv_splits, int(t["num_kv_splits"].max())
+    parts = [split_partials(t, spec, r) if int(t["kv_indptr"][r + 1] - t["kv_indptr"][r]) else [] for r in range(B)]
     rows: dict[int, tuple[torch.Tensor, float]] = {}
     for r in range(B):
-        for s_, (o, l) in enumerate(split_partials(t, spec, r)):
+        for s_, (o, l) in enumerate(parts[r]):
             for h in range(H):
-                rows[(r * H + h) * S + s_] = (o[h], float(l[h]))
+                rows[write(r, h, s_)] = (o[h], float(l[h]))
     out, lse = _clean(t, spec)
     for r in range(B):
-        n = len(split_partials(t, spec, r)) if int(t["kv_indptr"][r + 1] - t["kv_indptr"][r]) else 0
         for h in range(H):
-            got = [rows[(r * H + h) * N + s_] for s_ in range(n) if (r * H + h) * N + s_ in rows]
+            got = [rows[read(r, h, s_)] for s_ in range(len(parts[r])) if read(r, h, s_) in rows]
             if not got:
                 out[r, h] = 0
                 continue
             m = max(l for _, l in got)
             w = torch.tensor([math.exp(l - m) for _, l in got], dtype=torch.float64)
             out[r, h] = (w[:, None] * torch.stack([o for o, _ in got])).sum(0) / w.sum()
+    return out, lse
+
+
+def partials_read_at_split_count(t, spec, b):
+    """Stage 1 writes partial (b, h, s) at row (b * H + h) * max_kv_splits + s; stage 2 reads it at
+    (b * H + h) * N + s, N the batch's largest num_kv_splits (its stride sized by the split count, not
+    the buffer's). Rows never written hold no mass."""
+    H, S, N = t["q"].shape[1], spec.max_kv_splits, int(t["num_kv_splits"].max())
+    out, lse = _partials_at(t, spec, lambda r, h, s: (r * H + h) * S + s, lambda r, h, s: (r * H + h) * N + s)
     return out, lse, {"stride": N, "axis": "split", "side": "read"}
+
+
+def partials_written_at_wide_stride(t, spec, b):
+    """aiter #3910 (partials written at [0, 16, 32] where [0, 4, 8] is read): stage 1 writes partial
+    (b, h, s) at row (b * H + h) * 4 * max_kv_splits + s, stage 2 reads it at the buffer's stride,
+    (b * H + h) * max_kv_splits + s: a (request, head) whose flat index is a multiple of 4 merges
+    another one's partials, every other reads rows never written."""
+    H, S = t["q"].shape[1], spec.max_kv_splits
+    out, lse = _partials_at(t, spec, lambda r, h, s: (r * H + h) * 4 * S + s, lambda r, h, s: (r * H + h) * S + s)
+    return out, lse, {"stride": 4 * S, "axis": "split", "side": "written"}
 
 
 def previous_step(t, seed: int = 5) -> dict:
@@ -440,6 +457,7 @@ PLANTS: dict[str, tuple[Plant, str, tuple]] = {
     "split_repeated": (split_repeated, "kv_range_repeated", ("split", "start", "end")),
     "split_misrouted": (split_misrouted, "work_item_misrouted", ("request", "split", "to_request")),
     "partials_misaddressed": (partials_read_at_split_count, "partials_misaddressed", ("stride", "axis", "side")),
+    "partials_written_wide": (partials_written_at_wide_stride, "partials_misaddressed", ("stride", "axis", "side")),
     "lse_log2": (lse_log2, "lse_units", ("units",)),
     "lse_ln": (lse_ln, "lse_units", ("units",)),
 }
