@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from refmla.backends import ALL_NAMES, NAMES, VERIFY_ONLY, BackendUnavailable, get_backend
+from refmla.backends import ALL_NAMES, NAMES, PAGED, VERIFY_ONLY, BackendUnavailable, get_backend
 from refmla.backends.base import BackendFinding, BackendResult
 from refmla.capture import Capture, CaptureError, read_capture
 from refmla.capture.kinds import file_mode
@@ -91,11 +91,14 @@ def backend_names(opts: ReplayOptions, mode: str = "verify", engine: tuple = ())
 
 
 def engine_default(cap: Capture) -> tuple:
-    """The producing engine's own kernel, replayed by default when it can run here: vLLM's
-    TRITON_MLA (``vllm_triton``) for a capture vLLM's Triton MLA wrote (issue 27)."""
+    """The producing engine's own kernel, replayed by default when it can run here (issue 27): vLLM's
+    TRITON_MLA (``vllm_triton``) for a capture vLLM's Triton MLA wrote, and the block-table kernel
+    the capture's meta ``backend`` names (``flashmla``, ``flashinfer_mla``, ``cutlass_mla``,
+    ``fa3_mla``: what the vLLM hook writes for FLASHMLA, FLASHINFER_MLA, ...), opt-in otherwise."""
     m = cap.meta
-    if m.mode == "decode" and (m.backend == "vllm_triton" or m.engine_backend == "TRITON_MLA"):
-        return ("vllm_triton",) if get_backend("vllm_triton").availability()[0] else ()
+    name = "vllm_triton" if m.engine_backend == "TRITON_MLA" else m.backend
+    if m.mode == "decode" and name in ("vllm_triton", *PAGED):
+        return (name,) if get_backend(name).availability()[0] else ()
     return ()
 
 

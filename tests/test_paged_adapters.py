@@ -238,3 +238,34 @@ def test_fp8_observed_output_of_a_kernel_that_took_q_in_e4m3(tmp_path, kernel_q)
         assert "e4m3 whole" in entry.info["control"]
     else:
         assert entry.status == "fail", "the replay's control judged the e4m3-rounded q as within its noise"
+
+
+ENGINE_KERNELS = [("FLASHMLA", "flashmla"), ("FLASHINFER_MLA", "flashinfer_mla"), ("CUTLASS_MLA", "cutlass_mla"),
+                  ("FLASH_ATTN_MLA", "fa3_mla")]  # vLLM's backend name -> the capture's meta backend (hook)
+
+
+def _vllm_capture(tmp_path, engine_backend: str, name: str):
+    cap = _capture(tmp_path, 64)
+    cap.meta.backend, cap.meta.engine, cap.meta.engine_backend = name, "vllm", engine_backend
+    return cap
+
+
+@pytest.mark.parametrize(("engine_backend", "name"), ENGINE_KERNELS)
+def test_a_vllm_capture_replays_through_its_own_kernel_by_default(standins, tmp_path, engine_backend, name):
+    """Issue 27: a capture vLLM's FLASHMLA (...) wrote names its kernel (meta backend, as the vLLM hook
+    writes it); a default replay runs that kernel where it can run (here: the stand-in)."""
+    from refmla.replay import backend_names, engine_default
+
+    cap = _vllm_capture(tmp_path, engine_backend, name)
+    assert name in backend_names(ReplayOptions(), cap.meta.mode, engine_default(cap))
+    assert name not in backend_names(ReplayOptions(), cap.meta.mode)  # opt-in for any other capture
+
+
+@pytest.mark.parametrize(("engine_backend", "name"), ENGINE_KERNELS)
+def test_without_its_kernel_a_vllm_capture_replays_the_others(tmp_path, engine_backend, name):
+    from refmla.replay import engine_default
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the real kernels may be usable")
+    BACKEND_CACHE.pop(name, None)
+    assert engine_default(_vllm_capture(tmp_path, engine_backend, name)) == ()

@@ -13,7 +13,8 @@
     vllm_triton  vLLM's TRITON_MLA decode kernel over a block table, its uniform split schedule (opt-in;
                  by default for a capture vLLM's TRITON_MLA wrote: refmla.replay.engine_default)
     flashmla, flashinfer_mla, cutlass_mla, fa3_mla
-               the NVIDIA block-table MLA decode kernels (refmla.backends.paged; opt-in, CUDA)
+               the NVIDIA block-table MLA decode kernels (refmla.backends.paged; opt-in, CUDA; by
+               default for a capture whose meta backend names one: refmla.replay.engine_default)
 
 Support modules: base.py (Backend, BackendResult), calling.py (find a kernel, call it by keyword),
 triton_interp.py / cpu_compat.py / vllm_compat.py (the kernels on a CPU-only machine), engines.py
