@@ -190,6 +190,7 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
     if res.findings:  # a finding is never a pass (e.g. aiter's rebuilt persistent metadata differs)
         entry.status = "fail"
         entry.reason = "; ".join([r for r in (entry.reason,) if r] + [f.message for f in res.findings])
+        entry.info["findings"] = [f.to_json() for f in res.findings]  # docs/contract.md section 3
     if mask is not None and not bool(mask.all()):
         entry.info["not_compared"] = "rows of zero-length requests (this path leaves them undefined)"
     if res.attn_logits is not None and res.attn_lse is not None and ctx.cap.is_decode:
@@ -281,8 +282,13 @@ def run_sparse_backend(name: str, cap: SparseCapture, ref: SparseOutput, ctrl: S
     if name == "reference":
         return BackendEntry("pass", max_abs_err=0.0, cos_diff=0.0, info={"accum_dtype": "float64", "what": "the truth"})
     run = SPARSE_BACKENDS[name]
+    call = (lambda: run_isolated(run, cap)) if name in SPARSE_KERNELS and enabled(opts.isolate) else (lambda: run(cap))
     try:
-        got = run_isolated(run, cap) if name in SPARSE_KERNELS and enabled(opts.isolate) else run(cap)
+        got = call()
+        if opts.repeat > 1 and name in SPARSE_KERNELS:  # the same inputs again: every bit must match (issue 31)
+            runs = [got, *(call() for _ in range(opts.repeat - 1))]
+            outcome = compare_runs([{p: t for p in ("out", "lse") if (t := getattr(r, p)) is not None} for r in runs])
+            got.info["repeat"] = outcome.to_json()
     except BackendUnavailable as e:
         return BackendEntry("skipped", reason=str(e))
     except (KernelCrashed, KernelError) as e:  # died or raised in its own process
@@ -294,6 +300,10 @@ def run_sparse_backend(name: str, cap: SparseCapture, ref: SparseOutput, ctrl: S
     if got.lse is not None:
         entry.lse = judge_lse(got.lse, ref, ctrl, opts.tol)
     entry.judge_parts()
+    if "repeat" in got.info and not got.info["repeat"]["deterministic"]:  # a finding even within the tolerance
+        entry.status = "fail"
+        entry.reason = "; ".join([r for r in (entry.reason,) if r] + [outcome.text()])
+        entry.info["findings"] = [BackendFinding("nondeterministic", outcome.text(), outcome.to_json()).to_json()]
     if entry.status == "fail":
         entry.localization = _sparse_localization(cmp, entry, cap.q.shape[1])
     if not cmp.passed and opts.explain:

@@ -95,3 +95,43 @@ def test_compare_runs_is_bitwise():
     assert worst.differing_runs == 2 and worst.worst_index == (2,) and math.isnan(worst.worst_values[0])
     with pytest.raises(ValueError):
         compare_runs([{"x": a}])
+
+
+def test_the_finding_is_listed_under_info_findings(monkeypatch, tmp_path, capture):
+    """docs/contract.md section 3: info.findings lists every finding, nondeterministic with info.repeat as its detail."""
+    register(monkeypatch, Flaky(tmp_path / "calls", 1))
+    code, out, _ = run_cli("replay", capture, "--backend", "flaky", "--repeat", "3", "--json", "--no-explain")
+    info = json.loads(out)["backends"]["flaky"]["info"]
+    assert code == 1 and [f["kind"] for f in info["findings"]] == ["nondeterministic"], info
+    assert info["findings"][0]["detail"] == info["repeat"]
+
+
+@pytest.mark.parametrize("flaky", [False, True])
+def test_a_sparse_kernel_is_repeated_too(monkeypatch, tmp_path, flaky):
+    """A sparse decode capture: a stand-in sparse kernel returning production's output, NaN in one of
+    five runs when flaky (counted in a file: each run may be a child process), is nondeterministic."""
+    from refmla.sparse import backends as sparse_backends
+    from refmla.sparse.backends import PathOutput
+    from refmla.sparse.make import synth_sparse
+
+    path = tmp_path / "s.safetensors"
+    synth_sparse(path, "deepseek-v4-flash-tp8")
+    counter = tmp_path / "calls"
+
+    def kernel(cap):
+        n = int(counter.read_text()) if counter.exists() else 0
+        counter.write_text(str(n + 1))
+        out = cap.out.clone()
+        if flaky and n == 3:
+            out.view(-1)[5] = math.nan
+        return PathOutput(out, cap.lse, "stand-in: production's output")
+
+    monkeypatch.setitem(sparse_backends.BACKENDS, "tilelang", kernel)
+    code, out, _ = run_cli("replay", str(path), "--backend", "tilelang", "--repeat", "5", "--json", "--no-explain")
+    entry = json.loads(out)["backends"]["tilelang"]
+    assert counter.read_text() == "5" and entry["info"]["repeat"]["runs"] == 5
+    if not flaky:
+        assert code == 0 and entry["status"] == "pass" and entry["info"]["repeat"]["deterministic"], entry
+        return
+    assert code == 1 and entry["status"] == "fail" and "nondeterministic" in entry["reason"], entry
+    assert entry["info"]["repeat"]["differing_runs"] == 1 and entry["info"]["findings"][0]["kind"] == "nondeterministic"
