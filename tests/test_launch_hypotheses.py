@@ -34,6 +34,7 @@ CASES = [(SMALL, p) for p in ("heads_folded_zero", "heads_folded_mixed", "heads_
                                "partials_written_wide",
                                "split_lse_overflow")]
 CASES.append((PAGED, "page_missing_faint"))
+CASES.append((SMALL, "page_missing_faint"))  # page 1 is request 2's split 1 here: split_missing, the page under other_causes
 
 
 @pytest.mark.parametrize("spec,plant", CASES, ids=[f"{s.name}-{p}" for s, p in CASES])

@@ -42,7 +42,9 @@ SMALL = {"num_heads": 4, "seq_lens": (300, 200, 420, 150)}
 QUICK = {"kimi-k2-tp8 page 1": ("kimi-k2-tp8", SMALL), "deepseek-v3-tp8 page 64": ("deepseek-v3-tp8", SMALL)}
 
 
-# plants whose detail must be the explanation's own (an alternative that fits as well does not count)
+# plants whose detail must be the explanation's own (another setting of the same hypothesis that fits
+# as well, an alternative, does not count; another hypothesis the contract lists as the same
+# arithmetic, an other_cause, does: split_missing over a split that is the missing page)
 OWN_DETAIL = {"page_missing_faint"}
 # rounding faults that may stay within the tolerance on a preset: "agree" there is n/a, not a miss
 MAY_AGREE = {"pv_accum_bf16"}
@@ -55,7 +57,7 @@ def _named(entry, hypothesis: str, want: dict, own: bool = False) -> bool:
     if e is None:
         return False
     per_request = [(e.hypothesis, x["detail"]) for x in e.extra.get("requests", [])]  # each request's own detail
-    others = [] if own else [(a.hypothesis, a.detail) for a in e.alternatives + e.other_causes]
+    others = [(a.hypothesis, a.detail) for a in ([] if own else e.alternatives) + e.other_causes]
     return any(h == hypothesis and all(d.get(k) == v for k, v in want.items())
                for h, d in [(e.hypothesis, e.detail)] + per_request + others)  # fmt: skip
 
