@@ -2,6 +2,7 @@
 
     refmla.replay(path_or_capture, backends=None, tol=None, **options) -> ReplayReport
     refmla.synth(out, preset="kimi-k2-tp8", fault="none", seed=None, layer=None) -> dict (what was planted)
+                    (every kind: dense, verify, sparse, kv_write, merge, chunked_prefill presets)
     refmla.regions(capture=None, model=None, config=None, tokens=None, ...) -> RegionCheck
     refmla.api.unrun_backends(report, asked) -> [(backend, reason)]: backends asked for that did not run
 
@@ -26,12 +27,21 @@ from refmla.poolplan import KV_DTYPES, MODELS, buffers, geometry_from_config, mo
 from refmla.regions import PoolMeta, RegionCheck, check_region, plan_regions
 from refmla.replay import replay_capture, replay_file
 from refmla.results import ReplayReport
+from refmla.kvwrite.synth import PRESETS as KV_WRITE_PRESETS
+from refmla.kvwrite.synth import synth_kv_write
+from refmla.merge.chunked_synth import PRESETS as CHUNKED_PRESETS
+from refmla.merge.chunked_synth import synth_chunked
+from refmla.merge.synth import PRESETS as MERGE_PRESETS
+from refmla.merge.synth import synth_merge
 from refmla.sparse.faults import FAULTS as SPARSE_FAULTS
 from refmla.sparse.make import synth_sparse
 from refmla.sparse.presets import PRESETS as SPARSE_PRESETS
-from refmla.synth import FAULTS, PRESETS, preset, synth_capture
+from refmla.synth import FAULTS, PRESETS, synth_capture
+from refmla.synth import preset as dense_preset
 
-ALL_PRESETS = [*PRESETS, *SPARSE_PRESETS]
+KIND_SYNTHS = {**{p: synth_kv_write for p in KV_WRITE_PRESETS}, **{p: synth_merge for p in MERGE_PRESETS},
+               **{p: synth_chunked for p in CHUNKED_PRESETS}}  # fmt: skip  # each checks its own faults
+ALL_PRESETS = [*PRESETS, *SPARSE_PRESETS, *KIND_SYNTHS]
 TRANSFER_BACKENDS = ("mori", "mooncake", "nixl", "ascend", "fake")
 
 
@@ -55,21 +65,26 @@ def unrun_backends(report: Any, asked: Sequence[str]) -> list[tuple[str, str]]:
             if n in asked and e.status == "skipped"]  # fmt: skip
 
 
-def synth(out: Union[str, Path], preset_name: str = "kimi-k2-tp8", fault: str = "none", seed: Optional[int] = None,
+def synth(out: Union[str, Path], preset: str = "kimi-k2-tp8", fault: str = "none", seed: Optional[int] = None,
           layer: Optional[int] = None) -> dict:
-    """Write a synthetic capture to ``out``; returns what was planted. A DeepSeek-V4 / V3.2 preset
-    writes a sparse decode capture (``layer``: that layer of the model)."""
-    if preset_name in SPARSE_PRESETS:
+    """Write a synthetic capture of ``preset`` to ``out``; returns what was planted. A DeepSeek-V4 /
+    V3.2 preset writes a sparse decode capture (``layer``: that layer of the model); a kv-write-*,
+    merge-* or chunked-prefill* preset a KV writer, merge or chunked-prefill capture."""
+    if preset in KIND_SYNTHS:
+        if layer is not None:
+            raise ValueError(f"layer applies to the sparse presets ({', '.join(SPARSE_PRESETS)}), not {preset!r}")
+        return KIND_SYNTHS[preset](out, preset, fault, seed=seed or 0)
+    if preset in SPARSE_PRESETS:
         if fault not in ("none", *SPARSE_FAULTS):
             raise ValueError(f"unknown fault {fault!r} for a sparse preset; choose from none, {', '.join(SPARSE_FAULTS)}")
-        return synth_sparse(out, preset_name, None if fault == "none" else fault, seed, layer=layer)
-    if preset_name not in PRESETS:
-        raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(ALL_PRESETS)}")
+        return synth_sparse(out, preset, None if fault == "none" else fault, seed, layer=layer)
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(ALL_PRESETS)}")
     if layer is not None:
-        raise ValueError(f"layer applies to the sparse presets ({', '.join(SPARSE_PRESETS)}), not {preset_name!r}")
+        raise ValueError(f"layer applies to the sparse presets ({', '.join(SPARSE_PRESETS)}), not {preset!r}")
     if fault not in FAULTS:
         raise ValueError(f"unknown fault {fault!r}; choose from {', '.join(FAULTS)}")
-    spec = preset(preset_name, seed=seed) if seed is not None else preset(preset_name)
+    spec = dense_preset(preset, seed=seed) if seed is not None else dense_preset(preset)
     return synth_capture(out, spec, fault)
 
 
