@@ -1,7 +1,7 @@
 """The Python API: what the command line calls, for a notebook or a script.
 
     refmla.replay(path_or_capture, backends=None, tol=None, **options) -> ReplayReport
-    refmla.synth(out, preset="kimi-k2-tp8", fault="none", seed=None, layer=None) -> dict (what was planted)
+    refmla.synth(out, preset_name="kimi-k2-tp8", fault="none", seed=None, layer=None) -> dict (what was planted)
                     (every kind: dense, verify, sparse, kv_write, merge, chunked_prefill presets)
     refmla.regions(capture=None, model=None, config=None, tokens=None, ...) -> RegionCheck
     refmla.api.unrun_backends(report, asked) -> [(backend, reason)]: backends asked for that did not run
@@ -65,26 +65,26 @@ def unrun_backends(report: Any, asked: Sequence[str]) -> list[tuple[str, str]]:
             if n in asked and e.status == "skipped"]  # fmt: skip
 
 
-def synth(out: Union[str, Path], preset: str = "kimi-k2-tp8", fault: str = "none", seed: Optional[int] = None,
+def synth(out: Union[str, Path], preset_name: str = "kimi-k2-tp8", fault: str = "none", seed: Optional[int] = None,
           layer: Optional[int] = None) -> dict:
-    """Write a synthetic capture of ``preset`` to ``out``; returns what was planted. A DeepSeek-V4 /
-    V3.2 preset writes a sparse decode capture (``layer``: that layer of the model); a kv-write-*,
-    merge-* or chunked-prefill* preset a KV writer, merge or chunked-prefill capture."""
-    if preset in KIND_SYNTHS:
+    """Write a synthetic capture of preset ``preset_name`` to ``out``; returns what was planted. A
+    DeepSeek-V4 / V3.2 preset writes a sparse decode capture (``layer``: that layer of the model); a
+    kv-write-*, merge-* or chunked-prefill* preset a KV writer, merge or chunked-prefill capture."""
+    if preset_name in KIND_SYNTHS:
         if layer is not None:
-            raise ValueError(f"layer applies to the sparse presets ({', '.join(SPARSE_PRESETS)}), not {preset!r}")
-        return KIND_SYNTHS[preset](out, preset, fault, seed=seed or 0)
-    if preset in SPARSE_PRESETS:
+            raise ValueError(f"layer applies to the sparse presets ({', '.join(SPARSE_PRESETS)}), not {preset_name!r}")
+        return KIND_SYNTHS[preset_name](out, preset_name, fault, seed=seed or 0)
+    if preset_name in SPARSE_PRESETS:
         if fault not in ("none", *SPARSE_FAULTS):
             raise ValueError(f"unknown fault {fault!r} for a sparse preset; choose from none, {', '.join(SPARSE_FAULTS)}")
-        return synth_sparse(out, preset, None if fault == "none" else fault, seed, layer=layer)
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(ALL_PRESETS)}")
+        return synth_sparse(out, preset_name, None if fault == "none" else fault, seed, layer=layer)
+    if preset_name not in PRESETS:
+        raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(ALL_PRESETS)}")
     if layer is not None:
-        raise ValueError(f"layer applies to the sparse presets ({', '.join(SPARSE_PRESETS)}), not {preset!r}")
+        raise ValueError(f"layer applies to the sparse presets ({', '.join(SPARSE_PRESETS)}), not {preset_name!r}")
     if fault not in FAULTS:
         raise ValueError(f"unknown fault {fault!r}; choose from {', '.join(FAULTS)}")
-    spec = dense_preset(preset, seed=seed) if seed is not None else dense_preset(preset)
+    spec = dense_preset(preset_name, seed=seed) if seed is not None else dense_preset(preset_name)
     return synth_capture(out, spec, fault)
 
 

@@ -35,7 +35,7 @@ def test_replay_of_a_path_or_a_capture_is_the_command_lines_replay(tmp_path, cap
                                                      ("merge-cp-log2", "lse_base", "merge_lse_base")])  # fmt: skip
 def test_synth_writes_every_kind_the_command_line_does(tmp_path, preset, fault, hypothesis):
     assert preset in ALL_PRESETS
-    refmla.synth(tmp_path / "a.safetensors", preset=preset, fault=fault)
+    refmla.synth(tmp_path / "a.safetensors", preset_name=preset, fault=fault)
     assert main(["synth", str(tmp_path / "b.safetensors"), "--preset", preset, "--fault", fault]) == 0
     a, b = (refmla.replay(tmp_path / f"{n}.safetensors") for n in "ab")
     assert a.to_json()["backends"]["observed"] == b.to_json()["backends"]["observed"]
