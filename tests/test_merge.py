@@ -141,7 +141,8 @@ def test_each_merge_synth_fault_is_named_and_the_clean_preset_agrees(tmp_path, p
     assert refmla_main(["synth", str(bad), "--preset", preset, "--fault", fault]) == 0
     assert replay_file(clean, ReplayOptions(backends=[])).verdict == "agree"
     r = replay_file(bad, ReplayOptions(backends=[]))
-    assert r.verdict == "diverged" and r.diagnosis == "merge" and r.backends["observed"].explanation.hypothesis == hypothesis
+    assert r.verdict == "diverged" and r.diagnosis == "merge"
+    assert r.backends["observed"].explanation.hypothesis == hypothesis
 
 
 def test_bad_input_exits_2_naming_the_file_and_tensor(tmp_path, capsys):

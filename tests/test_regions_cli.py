@@ -116,7 +116,8 @@ def test_page_size_and_kv_dtype_change_the_buffers_the_check_sees(capsys):
     assert main([*argv, "--kv-dtype", "fp8"]) == 0
     doc = json.loads(capsys.readouterr().out)
     (b,) = doc["buffers"]
-    assert (b["name"], b["count"], b["item_bytes"], b["page_size"], b["region_bytes"]) == ("MLA KV", 61, 576, 1, 1_880_000 * 576)
+    got = (b["name"], b["count"], b["item_bytes"], b["page_size"], b["region_bytes"])
+    assert got == ("MLA KV", 61, 576, 1, 1_880_000 * 576)
     assert b["clamp_tokens"] == clamp_tokens(DEFAULT_MR_LIMIT, 576, 1) == 3_728_269 and b["band"] == "under_clamp"
     assert main([*argv, "--kv-dtype", "bf16"]) == 0  # 1152 B/token: 2.166 GB, over the clamp, under 2.189 GB
     assert json.loads(capsys.readouterr().out)["buffers"][0]["band"] == "registers"

@@ -33,8 +33,9 @@ def _kinds(*kinds: tuple[str, dict, tuple]) -> str:
 
 def add_parser(sub) -> None:
     kinds = _kinds(("dense / verify", PRESETS, FAULTS), ("sparse decode", SPARSE_PRESETS, SPARSE_FAULTS),
-                   ("KV writer", KV_WRITE_PRESETS, KV_WRITE_FAULTS), ("packed KV writer", PACKED_PRESETS, PACKED_FAULTS),
-                   ("merge", MERGE_PRESETS, MERGE_FAULTS), ("chunked-prefill", CHUNKED_PRESETS, CHUNKED_FAULTS))  # fmt: skip
+                   ("KV writer", KV_WRITE_PRESETS, KV_WRITE_FAULTS),
+                   ("packed KV writer", PACKED_PRESETS, PACKED_FAULTS), ("merge", MERGE_PRESETS, MERGE_FAULTS),
+                   ("chunked-prefill", CHUNKED_PRESETS, CHUNKED_FAULTS))  # fmt: skip
     s = sub.add_parser("synth", help="write a synthetic capture", formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=f"{kinds}\n\n(every preset also takes --fault none)")  # fmt: skip
     s.add_argument("out", type=output_path)
