@@ -1,7 +1,8 @@
 """The Python API: what the command line calls, for a notebook or a script.
 
     refmla.replay(path_or_capture, backends=None, tol=None, **options) -> ReplayReport
-    refmla.synth(out, preset="kimi-k2-tp8", fault="none", seed=None, layer=None) -> dict (what was planted)
+    refmla.synth(out, preset_name="kimi-k2-tp8", fault="none", seed=None, layer=None) -> dict (what was planted)
+                    (every kind: dense, verify, sparse, kv_write, merge, chunked_prefill presets)
     refmla.regions(capture=None, model=None, config=None, tokens=None, ...) -> RegionCheck
     refmla.api.unrun_backends(report, asked) -> [(backend, reason)]: backends asked for that did not run
 
@@ -26,12 +27,21 @@ from refmla.poolplan import KV_DTYPES, MODELS, buffers, geometry_from_config, mo
 from refmla.regions import PoolMeta, RegionCheck, check_region, plan_regions
 from refmla.replay import replay_capture, replay_file
 from refmla.results import ReplayReport
+from refmla.kvwrite.synth import PRESETS as KV_WRITE_PRESETS
+from refmla.kvwrite.synth import synth_kv_write
+from refmla.merge.chunked_synth import PRESETS as CHUNKED_PRESETS
+from refmla.merge.chunked_synth import synth_chunked
+from refmla.merge.synth import PRESETS as MERGE_PRESETS
+from refmla.merge.synth import synth_merge
 from refmla.sparse.faults import FAULTS as SPARSE_FAULTS
 from refmla.sparse.make import synth_sparse
 from refmla.sparse.presets import PRESETS as SPARSE_PRESETS
-from refmla.synth import FAULTS, PRESETS, preset, synth_capture
+from refmla.synth import FAULTS, PRESETS, synth_capture
+from refmla.synth import preset as dense_preset
 
-ALL_PRESETS = [*PRESETS, *SPARSE_PRESETS]
+KIND_SYNTHS = {**{p: synth_kv_write for p in KV_WRITE_PRESETS}, **{p: synth_merge for p in MERGE_PRESETS},
+               **{p: synth_chunked for p in CHUNKED_PRESETS}}  # fmt: skip  # each checks its own faults
+ALL_PRESETS = [*PRESETS, *SPARSE_PRESETS, *KIND_SYNTHS]
 TRANSFER_BACKENDS = ("mori", "mooncake", "nixl", "ascend", "fake")
 
 
@@ -57,8 +67,13 @@ def unrun_backends(report: Any, asked: Sequence[str]) -> list[tuple[str, str]]:
 
 def synth(out: Union[str, Path], preset_name: str = "kimi-k2-tp8", fault: str = "none", seed: Optional[int] = None,
           layer: Optional[int] = None) -> dict:
-    """Write a synthetic capture to ``out``; returns what was planted. A DeepSeek-V4 / V3.2 preset
-    writes a sparse decode capture (``layer``: that layer of the model)."""
+    """Write a synthetic capture of preset ``preset_name`` to ``out``; returns what was planted. A
+    DeepSeek-V4 / V3.2 preset writes a sparse decode capture (``layer``: that layer of the model); a
+    kv-write-*, merge-* or chunked-prefill* preset a KV writer, merge or chunked-prefill capture."""
+    if preset_name in KIND_SYNTHS:
+        if layer is not None:
+            raise ValueError(f"layer applies to the sparse presets ({', '.join(SPARSE_PRESETS)}), not {preset_name!r}")
+        return KIND_SYNTHS[preset_name](out, preset_name, fault, seed=seed or 0)
     if preset_name in SPARSE_PRESETS:
         if fault not in ("none", *SPARSE_FAULTS):
             raise ValueError(f"unknown fault {fault!r} for a sparse preset; choose from none, {', '.join(SPARSE_FAULTS)}")
@@ -69,7 +84,7 @@ def synth(out: Union[str, Path], preset_name: str = "kimi-k2-tp8", fault: str = 
         raise ValueError(f"layer applies to the sparse presets ({', '.join(SPARSE_PRESETS)}), not {preset_name!r}")
     if fault not in FAULTS:
         raise ValueError(f"unknown fault {fault!r}; choose from {', '.join(FAULTS)}")
-    spec = preset(preset_name, seed=seed) if seed is not None else preset(preset_name)
+    spec = dense_preset(preset_name, seed=seed) if seed is not None else dense_preset(preset_name)
     return synth_capture(out, spec, fault)
 
 

@@ -224,6 +224,24 @@ def test_the_hook_never_raises_into_the_writer(tmp_path, pool_of):
     assert torch.equal(pool.kv_buffer[0][3, 0, :512], nope[0, 0])
 
 
+def test_the_writer_capture_keeps_the_hooks_filters_and_budget(tmp_path, pool_of):
+    import dataclasses
+
+    import refmla.hook
+
+    pool = pool_of("bfloat16")
+    nope, rope = _inputs(3, seed=4)
+    refmla.hook.install(dataclasses.replace(hook_cfg(tmp_path), layers=frozenset({1})))  # layer 0 is not wanted
+    pool.set_mla_kv_buffer(Layer(), torch.tensor([3, 4]), nope[:2], rope[:2])
+    refmla.hook.uninstall()
+    assert captures(tmp_path) == [] and torch.equal(pool.kv_buffer[0][4, 0, :512], nope[1, 0])  # written all the same
+    refmla.hook.install(dataclasses.replace(hook_cfg(tmp_path), max_files=1))  # REFMLA_CAPTURE_MAX_FILES=1
+    for t, slot in enumerate((5, 6, 7)):
+        pool.set_mla_kv_buffer(Layer(), torch.tensor([slot]), nope[t : t + 1], rope[t : t + 1])
+    refmla.hook.uninstall()
+    assert len(captures(tmp_path)) == 1 and torch.equal(pool.kv_buffer[0][7, 0, :512], nope[2, 0])
+
+
 # --- bad input and the synth faults ---------------------------------------------------------------
 
 

@@ -108,6 +108,43 @@ def test_a_dropped_piece_is_named(tmp_path):
     assert r.backends["observed"].explanation.hypothesis == "merge_piece_dropped"
 
 
+def test_an_lse_read_in_the_other_layout_is_named(tmp_path):
+    oa, la, ob, lb = pieces(6)
+    ma, mb = (x.reshape(-1).reshape(H, T).t() for x in (la, lb))  # the merger read [T, H] as [H, T]
+    out, lse = merged_by_loop(oa, ma, ob, mb, math.exp, math.log)
+    r = replay_file(write(tmp_path / "m.safetensors", oa, la, ob, lb, out, lse, "e"), ReplayOptions(backends=[]))
+    e = r.backends["observed"].explanation
+    assert r.verdict == "diverged" and e.hypothesis == "merge_lse_layout"
+    assert e.detail == {"stored": "[T, H]", "read_as": "[H, T]"}
+
+
+def test_each_piece_weighted_by_the_others_lse_is_named(tmp_path):
+    oa, la, ob, lb = pieces(7)
+    oa[0], la[0] = -0.5 * ob[0], lb[0] - 1.0  # no empty chunk: a swap must not look like an empty piece
+    out, lse = merged_by_loop(oa, lb, ob, la, math.exp, math.log)  # the lse of a and b swapped
+    r = replay_file(write(tmp_path / "m.safetensors", oa, la, ob, lb, out, lse, "e"), ReplayOptions(backends=[]))
+    assert r.verdict == "diverged" and r.backends["observed"].explanation.hypothesis == "merge_lse_swapped"
+
+
+@pytest.mark.parametrize("preset,fault,hypothesis", [
+    ("merge-chunked-prefill", "lse_base", "merge_lse_base"),
+    ("merge-cp-log2", "lse_base", "merge_lse_base"),
+    ("merge-chunked-prefill", "empty_lse_zero", "merge_empty_piece_lse"),
+    ("merge-cp-log2", "empty_lse_nan", "merge_empty_piece_lse"),
+    ("merge-chunked-prefill", "piece_dropped", "merge_piece_dropped"),
+    ("merge-cp-log2", "lse_layout", "merge_lse_layout"),
+])  # fmt: skip
+def test_each_merge_synth_fault_is_named_and_the_clean_preset_agrees(tmp_path, preset, fault, hypothesis):
+    """The synth presets and faults (refmla.merge.synth, its own loop): `refmla synth --preset merge-*`."""
+    clean, bad = tmp_path / "clean.safetensors", tmp_path / "bad.safetensors"
+    assert refmla_main(["synth", str(clean), "--preset", preset]) == 0
+    assert refmla_main(["synth", str(bad), "--preset", preset, "--fault", fault]) == 0
+    assert replay_file(clean, ReplayOptions(backends=[])).verdict == "agree"
+    r = replay_file(bad, ReplayOptions(backends=[]))
+    assert r.verdict == "diverged" and r.diagnosis == "merge"
+    assert r.backends["observed"].explanation.hypothesis == hypothesis
+
+
 def test_bad_input_exits_2_naming_the_file_and_tensor(tmp_path, capsys):
     oa, la, ob, lb = pieces()
     path = write(tmp_path / "m.safetensors", oa, la[:, :2], ob, lb, oa.double(), la, "e")

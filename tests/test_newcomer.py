@@ -166,3 +166,34 @@ def test_the_readme_marks_its_cpu_blocks_and_the_checker_runs_them(tmp_path):
     assert q.block_problems(regions, str(bin_dir), str(tmp_path)) == []
     wrong = q.Block(1, "bash", "refmla regions --model deepseek-v4-flash --tokens 23448064   # exit 0: wrong")
     assert "exited 1 (expected [0])" in q.block_problems(wrong, str(bin_dir), str(tmp_path))[0]
+
+
+def test_a_named_backend_that_does_not_run_fails_disagg_too(pair, capsys):
+    from refmla.backends import get_backend
+
+    if get_backend("aiter").availability()[0]:
+        pytest.skip("aiter runs here: it is not skipped")
+    sides = [str(pair / "clean" / "prefill"), str(pair / "clean" / "decode")]
+    assert main(["disagg", *sides, "--backend", "aiter"]) == EXIT_NOT_RUN  # a clean pair: only the skip fails it
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("refmla:")]  # not the progress lines
+    assert len(err) == 4 and all("backend aiter was asked for and did not run" in line for line in err)  # per capture
+    assert main(["disagg", *sides, "--backend", "aiter", "--allow-skip"]) == 0
+    assert "refmla:" not in capsys.readouterr().err
+
+
+def test_the_readme_says_verify_calls_need_their_mode():
+    from refmla.hook.config import HookConfig
+
+    assert HookConfig(out_dir="x").modes == frozenset({"decode"})  # the default captures no verify call ...
+    readme = (ROOT / "README.md").read_text()
+    verify = readme[readme.index("## The speculative-verify path"):readme.index("## aiter: the kernel")]
+    assert "--modes decode,verify" in verify  # ... so the section that says they are captured says how
+
+
+def test_every_install_line_of_refmla_leaves_the_engines_packages_alone():
+    """README and docs/ install refmla one way: pip install --no-deps -e (the image's torch stays)."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    lines = [(doc.name, ln.strip()) for doc in docs for ln in doc.read_text().splitlines()
+             if "pip install" in ln and ("/path/to/refmla" in ln or ln.split("#")[0].strip().endswith("-e ."))]
+    assert len(lines) >= 4
+    assert [x for x in lines if "pip install --no-deps -e " not in x[1]] == []

@@ -86,6 +86,22 @@ def test_one_clamp_formula_reproduces_the_region_measured_to_fail():
     assert all(m.region_bytes > 0 for m in MEASURED) and LARGEST_REGISTERED < SMALLEST_FAILED
 
 
+def test_the_docs_print_the_one_table_and_the_one_formulas_caps():
+    """docs/contract.md section 8 holds MEASURED row for row; it and the README print clamp_tokens' caps."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    contract, readme = ((root / name).read_text() for name in ("docs/contract.md", "README.md"))
+    table = contract[contract.index("## 8. The MR region-size check"):]
+    rows = [ln for ln in table.splitlines() if ln.startswith("| ") and ("registered" in ln or "failed" in ln)]
+    assert [(r.split("|")[1].split()[0], "registered" in r.split("|")[2]) for r in rows] == \
+        [(f"{m.region_bytes:,}", m.registered) for m in MEASURED]  # fmt: skip
+    caps = [f"{clamp_tokens(clamp, 256 * 256, 256):,}" for clamp in (DEFAULT_MR_LIMIT, 4 << 30)]
+    for doc in (table, readme):
+        assert all(cap in doc for cap in caps) and "8,388,352" not in doc  # one formula; not the page-off one
+    assert f"{LARGEST_REGISTERED:,}" in readme and f"{SMALLEST_FAILED:,}" in readme
+
+
 def test_sizes_never_read_as_equal_to_the_limit():
     over = size_text(DEFAULT_MR_LIMIT + 28672, DEFAULT_MR_LIMIT)  # 2147512320 bytes, the issue's example
     assert "2.00000 GiB" not in over and "2.00003 GiB" in over

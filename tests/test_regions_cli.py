@@ -107,3 +107,19 @@ def test_import_refmla_stays_light():
     import refmla.replay as module  # the module stays the module (callable as the API)
 
     assert hasattr(module, "replay_file") and callable(module)
+
+
+def test_page_size_and_kv_dtype_change_the_buffers_the_check_sees(capsys):
+    from refmla.regions import DEFAULT_MR_LIMIT, clamp_tokens
+
+    argv = ["regions", "--model", "kimi-k2", "--tokens", "1880000", "--page-size", "1", "--tp", "8", "--json"]
+    assert main([*argv, "--kv-dtype", "fp8"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (b,) = doc["buffers"]
+    got = (b["name"], b["count"], b["item_bytes"], b["page_size"], b["region_bytes"])
+    assert got == ("MLA KV", 61, 576, 1, 1_880_000 * 576)
+    assert b["clamp_tokens"] == clamp_tokens(DEFAULT_MR_LIMIT, 576, 1) == 3_728_269 and b["band"] == "under_clamp"
+    assert main([*argv, "--kv-dtype", "bf16"]) == 0  # 1152 B/token: 2.166 GB, over the clamp, under 2.189 GB
+    assert json.loads(capsys.readouterr().out)["buffers"][0]["band"] == "registers"
+    with pytest.raises(ValueError, match="--kv-dtype 'int4'"):  # the API's check (argparse's choices on the CLI)
+        refmla.regions(model="kimi-k2", tokens=10, kv_dtype="int4")

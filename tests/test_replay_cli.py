@@ -99,3 +99,23 @@ def test_a_skipped_backend_still_carries_every_contract_key(tmp_path, capsys):
     assert CONTRACT_BACKEND_KEYS <= entry.keys()
     if entry["status"] == "skipped":  # no ROCm here: the numbers are null, the reason is not
         assert entry["reason"] and entry["max_abs_err"] is None and entry["worst"] is None
+
+
+KIND_PRESETS = {"kv_write": "kv-write-fp8", "kv_write (packed)": "kv-write-v4", "merge": "merge-chunked-prefill",
+                "chunked_prefill": "chunked-prefill"}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(KIND_PRESETS))
+def test_every_kind_prints_the_dense_documents_keys(tmp_path, capsys, kind):
+    """Issue 32: a KV writer, merge or chunked-prefill report has the shape of every other kind's."""
+    dense, other = tmp_path / "d.safetensors", tmp_path / "k.safetensors"
+    synth_capture(dense, preset("kimi-k2-tp8"), "none")
+    assert main(["synth", str(other), "--preset", KIND_PRESETS[kind]]) == 0
+    capsys.readouterr()
+    (_, d), (code, k) = _replay_json(capsys, str(dense)), _replay_json(capsys, str(other))
+    shared = {"capture", "verdict", "diagnosis", "diagnosis_text", "diagnosis_backends", "metadata", "mode", "meta",
+              "kind", "backends"}  # fmt: skip
+    assert code == 0 and shared <= d.keys() and shared <= k.keys()
+    assert k["kind"] == k["mode"] == kind.split()[0] and d["kind"] == "dense" and k["diagnosis_backends"] == []
+    for name, b in k["backends"].items():
+        assert CONTRACT_BACKEND_KEYS <= b.keys(), name

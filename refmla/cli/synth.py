@@ -6,28 +6,38 @@ import json
 
 import argparse
 
-from refmla.api import ALL_PRESETS, synth as synth_api
+from refmla.api import synth as synth_api
 from refmla.capture import CaptureError
 from refmla.cli.common import EXIT_OK, UsageError, output_path
 from refmla.sparse.faults import FAULTS as SPARSE_FAULTS
-from refmla.kvwrite.synth import PRESETS as KV_WRITE_PRESETS
-from refmla.kvwrite.synth import synth_kv_write
+from refmla.kvwrite.packed_synth import FAULTS as PACKED_FAULTS
+from refmla.kvwrite.packed_synth import PRESETS as PACKED_PRESETS
+from refmla.kvwrite.synth import FAULTS as KV_WRITE_FAULTS
+from refmla.kvwrite.synth import ROW_PRESETS as KV_WRITE_PRESETS
+from refmla.merge.chunked_synth import FAULTS as CHUNKED_FAULTS
 from refmla.merge.chunked_synth import PRESETS as CHUNKED_PRESETS
-from refmla.merge.chunked_synth import synth_chunked
+from refmla.merge.synth import FAULTS as MERGE_FAULTS
 from refmla.merge.synth import PRESETS as MERGE_PRESETS
-from refmla.merge.synth import synth_merge
 from refmla.sparse.presets import PRESETS as SPARSE_PRESETS
-from refmla.synth import FAULTS
+from refmla.synth import FAULTS, PRESETS
 from refmla.synth.disagg import DISAGG_PRESETS, disagg_preset, synth_disagg
 from refmla.synth.disagg_faults import DISAGG_FAULTS
 from refmla.synth.disagg_sparse import SPARSE_DISAGG_FAULTS, SPARSE_DISAGG_PRESETS, sparse_disagg_preset, synth_sparse_disagg
 
 
+def _kinds(*kinds: tuple[str, dict, tuple]) -> str:
+    """The help's lines: per kind, its presets and the faults they take."""
+    return "\n\n".join(f"{what} presets {', '.join(presets)}: faults {', '.join(f for f in faults if f != 'none')}"
+                       for what, presets, faults in kinds)  # fmt: skip
+
+
 def add_parser(sub) -> None:
+    kinds = _kinds(("dense / verify", PRESETS, FAULTS), ("sparse decode", SPARSE_PRESETS, SPARSE_FAULTS),
+                   ("KV writer", KV_WRITE_PRESETS, KV_WRITE_FAULTS),
+                   ("packed KV writer", PACKED_PRESETS, PACKED_FAULTS), ("merge", MERGE_PRESETS, MERGE_FAULTS),
+                   ("chunked-prefill", CHUNKED_PRESETS, CHUNKED_FAULTS))  # fmt: skip
     s = sub.add_parser("synth", help="write a synthetic capture", formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog=f"presets: {', '.join(ALL_PRESETS)}\n\nfaults (dense presets): {', '.join(FAULTS)}\n\n"
-                       f"faults (sparse presets {', '.join(SPARSE_PRESETS)}): none, {', '.join(SPARSE_FAULTS)}\n\n"
-                       f"KV writer / merge / chunked-prefill presets: {', '.join([*KV_WRITE_PRESETS, *MERGE_PRESETS, *CHUNKED_PRESETS])}")  # fmt: skip
+                       epilog=f"{kinds}\n\n(every preset also takes --fault none)")  # fmt: skip
     s.add_argument("out", type=output_path)
     s.add_argument("--preset", default="kimi-k2-tp8", metavar="PRESET", help="one of the presets below (kimi-k2-tp8)")
     s.add_argument("--fault", default="none", metavar="FAULT", help="a fault to plant, listed below (none)")
@@ -49,9 +59,7 @@ def add_parser(sub) -> None:
 
 
 def synth(args) -> int:
-    """The CLI of refmla.api.synth (dense and sparse presets; the KV writer and merge kinds)."""
-    if args.preset in KV_WRITE_PRESETS or args.preset in MERGE_PRESETS or args.preset in CHUNKED_PRESETS:
-        return synth_kind(args)
+    """The CLI of refmla.api.synth (every kind: dense, verify, sparse, KV writer, merge, chunked prefill)."""
     try:
         planted = synth_api(args.out, args.preset, args.fault, args.seed, layer=args.layer)
     except (ValueError, KeyError, CaptureError) as e:
@@ -59,19 +67,6 @@ def synth(args) -> int:
         raise UsageError(text if text.startswith(("unknown", "layer")) else f"{args.out}: {text}") from None
     layer = "" if args.layer is None else f" layer {args.layer}"
     print(f"wrote {args.out} (preset {args.preset}{layer}, planted {json.dumps(planted)})")
-    return EXIT_OK
-
-
-def synth_kind(args) -> int:
-    """A kv_write, merge or chunked-prefill preset (refmla.kvwrite.synth, refmla.merge.synth, .chunked_synth)."""
-    make = synth_kv_write if args.preset in KV_WRITE_PRESETS else synth_chunked if args.preset in CHUNKED_PRESETS else synth_merge
-    if args.layer is not None:
-        raise UsageError(f"--layer does not apply to {args.preset!r}")
-    try:
-        planted = make(args.out, args.preset, args.fault, seed=args.seed or 0)
-    except ValueError as e:
-        raise UsageError(f"{args.out}: {e}") from None
-    print(f"wrote {args.out} (preset {args.preset}, planted {json.dumps(planted)})")
     return EXIT_OK
 
 

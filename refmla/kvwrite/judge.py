@@ -77,7 +77,8 @@ def judge_kv_write(cap: KvWriteCapture, opts: Any = None) -> ReplayReport:
     observed = _observed(cap, mm, explain_failures)
     report = ReplayReport(capture=cap.path, verdict="agree", diagnosis=None, mode=cap.meta.mode, meta=cap.meta,  # type: ignore[arg-type]
                           metadata=MetadataReport(ok=True, warnings=[f.message for f in findings], findings=findings),
-                          backends={"reference": REFERENCE, "observed": observed})  # fmt: skip
+                          backends={"reference": REFERENCE, "observed": observed}, kind=cap.meta.mode,
+                          diagnosis_backends=[])  # fmt: skip
     if observed.status == "fail":
         e = observed.explanation
         why = f"; {e.text()}" if e is not None else "; no simple writer mistake reproduces them"

@@ -136,7 +136,7 @@ def judge_chunked(cap: ChunkedCapture, opts: Any = None) -> ReplayReport:
                   max_seq_len=int((cap.prefix_lens + cap.extend_lens).max()), dims={"chunks": cap.chunks})  # fmt: skip
     report = ReplayReport(capture=cap.path, verdict="agree", diagnosis=None, mode=MODE, kind=MODE, meta=cap.meta,  # type: ignore[arg-type]
                           metadata=MetadataReport(ok=True, warnings=[f.message for f in findings], findings=findings),
-                          backends=entries, tolerance=tol, shape=shape,
+                          backends=entries, tolerance=tol, shape=shape, diagnosis_backends=[],
                           control=NoiseFloor(dtype_name(cap.out.dtype), c.max_abs_err, c.cos_diff))  # fmt: skip
     bad = [n for n, e in entries.items() if e.status in ("fail", "error")]
     gaps = [f for f in findings if f.check == "chunk_coverage"]

@@ -80,7 +80,7 @@ def judge_merge(cap: MergeCapture, opts: Any = None) -> ReplayReport:
     c = compare("control", ctl[0], ref[0])
     report = ReplayReport(capture=cap.path, verdict="agree", diagnosis=None, mode=cap.meta.mode, kind=cap.meta.mode, meta=cap.meta,  # type: ignore[arg-type]
                           metadata=MetadataReport(ok=True, warnings=[f.message for f in findings], findings=findings),
-                          backends=entries, tolerance=tol,
+                          backends=entries, tolerance=tol, diagnosis_backends=[],
                           control=NoiseFloor(dtype_name(cap.out.dtype), c.max_abs_err, c.cos_diff))  # fmt: skip
     bad = [n for n, e in entries.items() if e.status in ("fail", "error")]
     if not bad:
