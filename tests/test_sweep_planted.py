@@ -80,6 +80,54 @@ def test_jobs_give_the_same_cases_as_serial(tmp_path):
     assert all(c.outcomes["reference"]["reference"].status == "pass" for c in parallel.cases)
 
 
+def test_jobs_pin_one_gpu_per_worker_where_several_are_visible(tmp_path, monkeypatch):
+    """--jobs N on a machine with several GPUs: worker i sees GPU i mod their count alone (as
+    pytest-xdist users pin theirs), in the variable's own spelling; one GPU or none: untouched."""
+    import os
+
+    import torch
+
+    from refmla.sweep.run import visible_gpus
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("HIP_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert visible_gpus() == ("", [])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    var = "HIP_VISIBLE_DEVICES" if torch.version.hip else "CUDA_VISIBLE_DEVICES"
+    assert visible_gpus() == (var, ["0", "1", "2", "3"])
+    monkeypatch.setenv(var, "3,5")  # already narrowed by the user: the workers share out those two
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    run_sweep(SweepConfig(backends=["reference"], budget=600, out=str(tmp_path / "out"), max_cases=2, jobs=2,
+                          layouts=["decode"], space=["heads=4", "batch=1", "length=1"],
+                          setup=f"sweep_standins:record_gpu:{seen}"))  # fmt: skip
+    workers = [json.loads(f.read_text())[var] for f in seen.iterdir() if f.name != str(os.getpid())]
+    assert sorted(workers) == ["3", "5"], workers
+
+
+def test_a_worker_that_dies_costs_its_case_only(tmp_path, monkeypatch):
+    """--jobs: a process death outside the kernel's isolation is that case's ``error`` finding;
+    the worker is started again and the other cases run and pass."""
+    import os
+
+    import sweep_standins
+
+    monkeypatch.setenv("REFMLA_ISOLATE", "0")
+    monkeypatch.setenv("REFMLA_TEST_SPARE_PID", str(os.getpid()))  # the shrink reruns it here: it passes
+    monkeypatch.setitem(backends._CACHE, "dies_at_8_heads", sweep_standins.DiesAt8Heads())
+    monkeypatch.setitem(backends._WHERE, "dies_at_8_heads", "sweep_standins:DiesAt8Heads")
+    rep = run_sweep(SweepConfig(backends=["dies_at_8_heads"], budget=600, out=str(tmp_path), max_cases=6, jobs=2,
+                                layouts=["decode"], space=["heads=8,4", "batch=1", "length=1", "page=1,16"],
+                                checks=["reference"], max_shrink=0, setup="sweep_standins:install_dies"))  # fmt: skip
+    status = {c.index: (c.point["heads"], c.outcomes["dies_at_8_heads"]["reference"]) for c in rep.cases}
+    assert len(status) >= 6 and {h for h, _ in status.values()} == {8, 4}, status  # (the cases in flight finish)
+    for heads, o in status.values():
+        assert (o.status, "died" in o.detail) == (("error", True) if heads == 8 else ("pass", False)), (heads, o)
+    (f,) = rep.findings
+    assert f.check == "reference" and f.failing_cases == sum(h == 8 for h, _ in status.values())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("plant", sorted(planted_sweep.SWEEP_PLANTS))
 def test_planted_fault_found_shrunk_and_replays_diverged(plant, tmp_path, monkeypatch, capsys):
