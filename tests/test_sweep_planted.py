@@ -155,6 +155,41 @@ def test_planted_fault_found_shrunk_and_replays_diverged(plant, tmp_path, monkey
         assert "diverged" in capsys.readouterr().out
 
 
+HOSTILE = ["heads=16,4", "batch=1,3", "length=0,page+1,32k-1", "page=1,16", "kv=bfloat16,float8_e4m3fnuz", "cap=0,30",
+           "qlen=1,2", "splits=1,past"]  # fmt: skip
+
+
+def test_a_correct_kernel_not_written_here_passes_a_sweep(tmp_path, monkeypatch):
+    """aiter's torch reference (its own fp32 einsum, tests/sweep_standins.py) as a backend: hostile
+    points of decode and verify (empty and page-edge requests, fp8 with scales != 1, a logit cap,
+    empty splits), no false alarm under any check that applies."""
+    import sweep_standins
+
+    monkeypatch.setitem(backends._CACHE, sweep_standins.NAME, sweep_standins.AiterTorchRef())
+    monkeypatch.setitem(backends._WHERE, sweep_standins.NAME, "sweep_standins:AiterTorchRef")
+    rep = run_sweep(SweepConfig(backends=[sweep_standins.NAME], budget=600, out=str(tmp_path), max_cases=8,
+                                layouts=["decode", "verify"], space=HOSTILE, max_shrink=0))  # fmt: skip
+    counts = rep.backends[sweep_standins.NAME].counts
+    assert rep.exit_code == 0 and len(rep.cases) == 8, [f.detail for f in rep.findings]
+    assert counts["reference"] == {"pass": 8} and counts["repeat"] == {"pass": 8}, counts
+    assert {c.layout for c in rep.cases} == {"decode", "verify"}  # every value of the hostile axes was met
+    assert {c.point["kv"] for c in rep.cases} == {"bfloat16", "float8_e4m3fnuz"}
+    assert {c.point["cap"] for c in rep.cases} == {0.0, 30.0} and {c.point["length"] for c in rep.cases} >= {"0", "page+1"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not backends.get_backend("flex").availability()[0], reason="flex unavailable")
+def test_flex_passes_a_sweep(tmp_path, monkeypatch):
+    """PyTorch's flex_attention compiled by Inductor (a kernel not written here): no false alarm
+    (in-process, as the README's known limit advises for flex under load)."""
+    monkeypatch.setenv("REFMLA_ISOLATE", "0")
+    rep = run_sweep(SweepConfig(backends=["flex"], budget=600, out=str(tmp_path), max_cases=3, layouts=["decode"],
+                                space=HOSTILE, max_shrink=0))  # fmt: skip
+    counts = rep.backends["flex"].counts
+    assert rep.exit_code == 0 and len(rep.cases) == 3, [f.detail for f in rep.findings]
+    assert counts["reference"].get("pass", 0) == 3 and counts["repeat"].get("pass", 0) == 3, counts
+
+
 def test_the_plants_edit_one_line_each():
     assert len(set(planted_sweep.SWEEP_PLANTS)) == len(planted_sweep.EXPECTED) == 4
     for func, old, new in planted_sweep.SWEEP_PLANTS.values():
