@@ -38,6 +38,18 @@ def test_pairwise_walk_covers_every_pair_then_goes_random():
     assert [next(other) for _ in range(40)] != points
 
 
+@pytest.mark.parametrize("layout", ["decode", "verify", "block_table", "sparse"])
+def test_every_axis_value_comes_first(layout):
+    """Each value of each axis within the first points (about as many as the widest axis has
+    values): heads = 32 is met early, not after every pair of the other axes."""
+    widest = max(len(v) for v in restrict(layout).values())
+    for seed in range(3):
+        it = iter(Walk(layout, restrict(layout), seed))
+        points = [next(it) for _ in range(widest + 1)]
+        for axis, values in restrict(layout).items():
+            assert {p[axis] for p in points} == set(values), (seed, axis)
+
+
 def test_space_values_and_cases():
     assert [length_of(v, 16, 2) for v in ("0", "page-1", "page+1", "32k-1", "32k+1", "4097")] == [0, 15, 17, 63, 65, 4097]
     with pytest.raises(ValueError, match="heads"):
