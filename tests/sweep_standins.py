@@ -70,3 +70,18 @@ def install_dies() -> None:
     """``dies_at_8_heads`` a backend name in this process (setup ``sweep_standins:install_dies``)."""
     backends._CACHE[DiesAt8Heads.name] = DiesAt8Heads()
     backends._WHERE[DiesAt8Heads.name] = f"sweep_standins:{DiesAt8Heads.__name__}"
+
+
+class RaisesAt8Heads(Backend):
+    """The fp64 reference, except that it raises at 8 heads (a kernel that refuses a shape with an
+    exception, or crashes in its isolated child: an ``error`` finding, deterministic)."""
+
+    name = "raises_at_8_heads"
+
+    def availability(self) -> tuple[bool, str]:
+        return True, "the reference; RuntimeError at 8 heads"
+
+    def run(self, cap, opts) -> BackendResult:
+        if cap.q.shape[1] == 8:
+            raise RuntimeError("illegal memory access (planted at 8 heads)")
+        return backends.get_backend("reference").run(cap, opts)

@@ -167,6 +167,29 @@ def test_planted_fault_found_shrunk_and_replays_diverged(plant, tmp_path, monkey
         assert "diverged" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("layout", ["decode", "block_table"])
+def test_a_kernel_that_raises_is_a_finding_shrunk_with_a_capture_replay_reruns(layout, tmp_path, monkeypatch, capsys):
+    """A kernel that raises on a shape: an ``error`` finding under the first check, shrunk while it
+    still raises, written as the shrunk case's inputs (no output: there is none), and `refmla
+    replay` on that capture with the backend reruns it: diverged, the error named; never "intermittent"."""
+    import sweep_standins
+
+    name = "triton"  # in this process only: `refmla replay --backend triton` runs it too
+    monkeypatch.setitem(backends._CACHE, name, sweep_standins.RaisesAt8Heads())
+    rep = run_sweep(SweepConfig(backends=[name], budget=600, out=str(tmp_path), max_cases=2, layouts=[layout],
+                                space=["heads=8,4", "batch=3", "length=page+1", "page=16", "kv=bfloat16", "cap=0",
+                                       "splits=1", "table=shuffled", "null=nan"],
+                                max_shrink=6))  # fmt: skip
+    (f,) = rep.findings
+    assert f.check == "reference" and f.failing_cases == 1 and "planted at 8 heads" in f.detail, f
+    assert (f.trigger.axis, f.trigger.value, f.trigger.whenever) == ("heads", 8, True)
+    assert f.shrunk["num_heads"] == 8 and len(f.shrunk["seq_lens"]) == 1 and f.shrink_steps, f
+    assert "intermittent" not in f.shrunk_detail and f.capture and f.replay_verdict == "diverged", f
+    capsys.readouterr()
+    assert main(["replay", f.capture, "--backend", name]) == 1
+    assert "planted at 8 heads" in capsys.readouterr().out
+
+
 HOSTILE = ["heads=16,4", "batch=1,3", "length=0,page+1,32k-1", "page=1,16", "kv=bfloat16,float8_e4m3fnuz", "cap=0,30",
            "qlen=1,2", "splits=1,past"]  # fmt: skip
 

@@ -300,18 +300,22 @@ class Sweeper:
         path = out / f"{name}-{check}-{first.layout}-{first.index}.safetensors"
         sweep_meta = {"sweep": {"backend": name, "check": check, "seed": self.cfg.seed, "layout": first.layout,
                                 "case": first.index, "point": first.point, "detail": shrunk.outcome.detail}}  # fmt: skip
+        # a kernel that raised or crashed left no output: the capture holds the inputs, and its
+        # replay reruns the kernel (its error is the verdict); else reference and observed only
+        ev = shrunk.evidence or Evidence(None, None, shrunk.case)  # type: ignore[arg-type]
         try:
             if isinstance(shrunk.case, SparseSweepCase):
-                write_sparse_capture(path, shrunk.evidence, sweep_meta, name)
+                write_sparse_capture(path, ev, sweep_meta, name)
             else:
-                write_dense_capture(path, shrunk.evidence, sweep_meta, name)
+                write_dense_capture(path, ev, sweep_meta, name)
         except Exception as e:
             f.shrunk_detail += f"; capture not written: {error_text(e)}"
             return f
         f.capture = str(path)
         f.replay_command = f"refmla replay {path} --backend {name}"
-        try:  # reference and observed only: what the captured (failing) output is, judged
-            f.replay_verdict = replay_file(str(path), ReplayOptions(backends=[], explain=False)).verdict
+        try:
+            rerun = [name] if shrunk.evidence is None else []
+            f.replay_verdict = replay_file(str(path), ReplayOptions(backends=rerun, explain=False)).verdict
         except Exception as e:
             f.replay_verdict = f"replay failed: {error_text(e)}"
         return f
