@@ -50,6 +50,32 @@ def test_every_axis_value_comes_first(layout):
             assert {p[axis] for p in points} == set(values), (seed, axis)
 
 
+def _results(fails):
+    """CaseResults over a heads x kv x page grid, ``reference`` failing where ``fails(point)``."""
+    from refmla.sweep.report import CaseResult, CheckOutcome
+
+    out = []
+    for i, (h, kv, page) in enumerate(itertools.product((32, 16, 8), ("bfloat16", "float8_e4m3fn"), (1, 16))):
+        point = {"heads": h, "kv": kv, "page": page}
+        res = CaseResult(i, "decode", point, {})
+        res.outcomes["k"] = {"reference": CheckOutcome("reference", "fail" if fails(point) else "pass")}
+        out.append(res)
+    return out
+
+
+def test_the_trigger_names_one_axis_or_two_at_once():
+    from refmla.sweep.report import trigger
+
+    t = trigger(_results(lambda p: p["heads"] == 32 and p["kv"] == "float8_e4m3fn"), "k", "reference")
+    assert (t.axis, t.value, t.and_axis, t.and_value, t.whenever) == ("heads", 32, "kv", "float8_e4m3fn", True)
+    assert t.text().startswith("fails whenever heads = 32 and kv = float8_e4m3fn (2 of 2 cases; 0 of 10 others)")
+    t = trigger(_results(lambda p: p["heads"] == 32), "k", "reference")  # one axis suffices: no second
+    assert (t.axis, t.value, t.and_axis, t.whenever) == ("heads", 32, None, True) and t.to_json()["and_axis"] is None
+    one = trigger(_results(lambda p: p["heads"] == 32 and p["kv"] == "float8_e4m3fn" and p["page"] == 1), "k", "reference")
+    assert one.and_axis is None  # a single failing case: a pair is never named from one case
+    assert trigger(_results(lambda p: False), "k", "reference") is None
+
+
 def test_space_values_and_cases():
     assert [length_of(v, 16, 2) for v in ("0", "page-1", "page+1", "32k-1", "32k+1", "4097")] == [0, 15, 17, 63, 65, 4097]
     with pytest.raises(ValueError, match="heads"):
