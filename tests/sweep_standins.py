@@ -35,3 +35,53 @@ def install() -> None:
     ``sweep_standins:install``, run again in every worker)."""
     backends._CACHE[NAME] = AiterTorchRef()
     backends._WHERE[NAME] = f"sweep_standins:{AiterTorchRef.__name__}"
+
+
+def record_gpu(folder: str) -> None:
+    """A sweep's ``setup`` (``sweep_standins:record_gpu:FOLDER``): each worker writes the GPU
+    variables it started with to FOLDER/<pid> (what ``--jobs`` pinned it to)."""
+    import json
+    import os
+    from pathlib import Path
+
+    seen = {v: os.environ.get(v) for v in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")}
+    (Path(folder) / str(os.getpid())).write_text(json.dumps(seen))
+
+
+class DiesAt8Heads(Backend):
+    """The fp64 reference, except that its process dies at 8 heads (run it with REFMLA_ISOLATE=0:
+    the sweep's worker itself dies, as a kernel that takes its process down outside isolation),
+    unless it is the process ``REFMLA_TEST_SPARE_PID`` names (the test's own)."""
+
+    name = "dies_at_8_heads"
+
+    def availability(self) -> tuple[bool, str]:
+        return True, "the reference; os._exit(3) at 8 heads"
+
+    def run(self, cap, opts) -> BackendResult:
+        import os
+
+        if cap.q.shape[1] == 8 and str(os.getpid()) != os.environ.get("REFMLA_TEST_SPARE_PID"):
+            os._exit(3)
+        return backends.get_backend("reference").run(cap, opts)
+
+
+def install_dies() -> None:
+    """``dies_at_8_heads`` a backend name in this process (setup ``sweep_standins:install_dies``)."""
+    backends._CACHE[DiesAt8Heads.name] = DiesAt8Heads()
+    backends._WHERE[DiesAt8Heads.name] = f"sweep_standins:{DiesAt8Heads.__name__}"
+
+
+class RaisesAt8Heads(Backend):
+    """The fp64 reference, except that it raises at 8 heads (a kernel that refuses a shape with an
+    exception, or crashes in its isolated child: an ``error`` finding, deterministic)."""
+
+    name = "raises_at_8_heads"
+
+    def availability(self) -> tuple[bool, str]:
+        return True, "the reference; RuntimeError at 8 heads"
+
+    def run(self, cap, opts) -> BackendResult:
+        if cap.q.shape[1] == 8:
+            raise RuntimeError("illegal memory access (planted at 8 heads)")
+        return backends.get_backend("reference").run(cap, opts)

@@ -183,3 +183,31 @@ def test_unrelated_pypi_aiter_is_not_taken(monkeypatch):
     finally:
         forget_aiter()
     assert not ok and "not ROCm aiter" in why
+
+
+SWEEP_SPACE = ["heads=16", "batch=3", "length=page+1", "page=16", "kv=bfloat16", "cap=0", "splits=1,2"]
+
+
+def test_sweep_nan_fills_the_output_aiter_is_handed(standin, tmp_path, monkeypatch):
+    """refmla sweep's nan_fill applies to aiter (the adapter allocates ``o``): the stand-in, which
+    writes every row, passes; the same kernel made to leave request 2's row as the buffer held it
+    (aiter #3069's class, planted by wrapping the stand-in here) is found under nan_fill."""
+    import functools
+
+    from refmla.sweep import SweepConfig, run_sweep
+
+    cfg = dict(backends=["aiter"], budget=600, max_cases=2, layouts=["decode"], space=SWEEP_SPACE, max_shrink=0)
+    rep = run_sweep(SweepConfig(out=str(tmp_path / "ok"), **cfg))
+    assert rep.exit_code == 0 and rep.backends["aiter"].counts["nan_fill"] == {"pass": 2}, rep.backends["aiter"].counts
+    real = standin.mla_decode_fwd
+
+    @functools.wraps(real)
+    def skips_request_2(*args, **kwargs):
+        kept = kwargs["o"][2].clone()
+        real(*args, **kwargs)
+        kwargs["o"][2].copy_(kept)
+
+    monkeypatch.setattr(standin, "mla_decode_fwd", skips_request_2)
+    rep = run_sweep(SweepConfig(out=str(tmp_path / "planted"), **cfg))
+    (f,) = [f for f in rep.findings if f.check == "nan_fill"]
+    assert f.failing_cases == 2 and "row 2" in f.detail and f.replay_verdict == "diverged", f

@@ -38,6 +38,44 @@ def test_pairwise_walk_covers_every_pair_then_goes_random():
     assert [next(other) for _ in range(40)] != points
 
 
+@pytest.mark.parametrize("layout", ["decode", "verify", "block_table", "sparse"])
+def test_every_axis_value_comes_first(layout):
+    """Each value of each axis within the first points (about as many as the widest axis has
+    values): heads = 32 is met early, not after every pair of the other axes."""
+    widest = max(len(v) for v in restrict(layout).values())
+    for seed in range(3):
+        it = iter(Walk(layout, restrict(layout), seed))
+        points = [next(it) for _ in range(widest + 1)]
+        for axis, values in restrict(layout).items():
+            assert {p[axis] for p in points} == set(values), (seed, axis)
+
+
+def _results(fails):
+    """CaseResults over a heads x kv x page grid, ``reference`` failing where ``fails(point)``."""
+    from refmla.sweep.report import CaseResult, CheckOutcome
+
+    out = []
+    for i, (h, kv, page) in enumerate(itertools.product((32, 16, 8), ("bfloat16", "float8_e4m3fn"), (1, 16))):
+        point = {"heads": h, "kv": kv, "page": page}
+        res = CaseResult(i, "decode", point, {})
+        res.outcomes["k"] = {"reference": CheckOutcome("reference", "fail" if fails(point) else "pass")}
+        out.append(res)
+    return out
+
+
+def test_the_trigger_names_one_axis_or_two_at_once():
+    from refmla.sweep.report import trigger
+
+    t = trigger(_results(lambda p: p["heads"] == 32 and p["kv"] == "float8_e4m3fn"), "k", "reference")
+    assert (t.axis, t.value, t.and_axis, t.and_value, t.whenever) == ("heads", 32, "kv", "float8_e4m3fn", True)
+    assert t.text().startswith("fails whenever heads = 32 and kv = float8_e4m3fn (2 of 2 cases; 0 of 10 others)")
+    t = trigger(_results(lambda p: p["heads"] == 32), "k", "reference")  # one axis suffices: no second
+    assert (t.axis, t.value, t.and_axis, t.whenever) == ("heads", 32, None, True) and t.to_json()["and_axis"] is None
+    one = trigger(_results(lambda p: p["heads"] == 32 and p["kv"] == "float8_e4m3fn" and p["page"] == 1), "k", "reference")
+    assert one.and_axis is None  # a single failing case: a pair is never named from one case
+    assert trigger(_results(lambda p: False), "k", "reference") is None
+
+
 def test_space_values_and_cases():
     assert [length_of(v, 16, 2) for v in ("0", "page-1", "page+1", "32k-1", "32k+1", "4097")] == [0, 15, 17, 63, 65, 4097]
     with pytest.raises(ValueError, match="heads"):
@@ -80,6 +118,54 @@ def test_jobs_give_the_same_cases_as_serial(tmp_path):
     assert all(c.outcomes["reference"]["reference"].status == "pass" for c in parallel.cases)
 
 
+def test_jobs_pin_one_gpu_per_worker_where_several_are_visible(tmp_path, monkeypatch):
+    """--jobs N on a machine with several GPUs: worker i sees GPU i mod their count alone (as
+    pytest-xdist users pin theirs), in the variable's own spelling; one GPU or none: untouched."""
+    import os
+
+    import torch
+
+    from refmla.sweep.run import visible_gpus
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("HIP_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert visible_gpus() == ("", [])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    var = "HIP_VISIBLE_DEVICES" if torch.version.hip else "CUDA_VISIBLE_DEVICES"
+    assert visible_gpus() == (var, ["0", "1", "2", "3"])
+    monkeypatch.setenv(var, "3,5")  # already narrowed by the user: the workers share out those two
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    run_sweep(SweepConfig(backends=["reference"], budget=600, out=str(tmp_path / "out"), max_cases=2, jobs=2,
+                          layouts=["decode"], space=["heads=4", "batch=1", "length=1"],
+                          setup=f"sweep_standins:record_gpu:{seen}"))  # fmt: skip
+    workers = [json.loads(f.read_text())[var] for f in seen.iterdir() if f.name != str(os.getpid())]
+    assert sorted(workers) == ["3", "5"], workers
+
+
+def test_a_worker_that_dies_costs_its_case_only(tmp_path, monkeypatch):
+    """--jobs: a process death outside the kernel's isolation is that case's ``error`` finding;
+    the worker is started again and the other cases run and pass."""
+    import os
+
+    import sweep_standins
+
+    monkeypatch.setenv("REFMLA_ISOLATE", "0")
+    monkeypatch.setenv("REFMLA_TEST_SPARE_PID", str(os.getpid()))  # the shrink reruns it here: it passes
+    monkeypatch.setitem(backends._CACHE, "dies_at_8_heads", sweep_standins.DiesAt8Heads())
+    monkeypatch.setitem(backends._WHERE, "dies_at_8_heads", "sweep_standins:DiesAt8Heads")
+    rep = run_sweep(SweepConfig(backends=["dies_at_8_heads"], budget=600, out=str(tmp_path), max_cases=6, jobs=2,
+                                layouts=["decode"], space=["heads=8,4", "batch=1", "length=1", "page=1,16"],
+                                checks=["reference"], max_shrink=0, setup="sweep_standins:install_dies"))  # fmt: skip
+    status = {c.index: (c.point["heads"], c.outcomes["dies_at_8_heads"]["reference"]) for c in rep.cases}
+    assert len(status) >= 6 and {h for h, _ in status.values()} == {8, 4}, status  # (the cases in flight finish)
+    for heads, o in status.values():
+        assert (o.status, "died" in o.detail) == (("error", True) if heads == 8 else ("pass", False)), (heads, o)
+    (f,) = rep.findings
+    assert f.check == "reference" and f.failing_cases == sum(h == 8 for h, _ in status.values())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("plant", sorted(planted_sweep.SWEEP_PLANTS))
 def test_planted_fault_found_shrunk_and_replays_diverged(plant, tmp_path, monkeypatch, capsys):
@@ -105,6 +191,64 @@ def test_planted_fault_found_shrunk_and_replays_diverged(plant, tmp_path, monkey
         capsys.readouterr()
         assert main(["replay", f.capture, "--backend", "triton"]) == 1
         assert "diverged" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("layout", ["decode", "block_table"])
+def test_a_kernel_that_raises_is_a_finding_shrunk_with_a_capture_replay_reruns(layout, tmp_path, monkeypatch, capsys):
+    """A kernel that raises on a shape: an ``error`` finding under the first check, shrunk while it
+    still raises, written as the shrunk case's inputs (no output: there is none), and `refmla
+    replay` on that capture with the backend reruns it: diverged, the error named; never "intermittent"."""
+    import sweep_standins
+
+    name = "triton"  # in this process only: `refmla replay --backend triton` runs it too
+    monkeypatch.setitem(backends._CACHE, name, sweep_standins.RaisesAt8Heads())
+    rep = run_sweep(SweepConfig(backends=[name], budget=600, out=str(tmp_path), max_cases=2, layouts=[layout],
+                                space=["heads=8,4", "batch=3", "length=page+1", "page=16", "kv=bfloat16", "cap=0",
+                                       "splits=1", "table=shuffled", "null=nan"],
+                                max_shrink=6))  # fmt: skip
+    (f,) = rep.findings
+    assert f.check == "reference" and f.failing_cases == 1 and "planted at 8 heads" in f.detail, f
+    assert (f.trigger.axis, f.trigger.value, f.trigger.whenever) == ("heads", 8, True)
+    assert f.shrunk["num_heads"] == 8 and len(f.shrunk["seq_lens"]) == 1 and f.shrink_steps, f
+    assert "intermittent" not in f.shrunk_detail and f.capture and f.replay_verdict == "diverged", f
+    capsys.readouterr()
+    assert main(["replay", f.capture, "--backend", name]) == 1
+    assert "planted at 8 heads" in capsys.readouterr().out
+
+
+HOSTILE = ["heads=16,4", "batch=1,3", "length=0,page+1,32k-1", "page=1,16", "kv=bfloat16,float8_e4m3fnuz", "cap=0,30",
+           "qlen=1,2", "splits=1,past"]  # fmt: skip
+
+
+def test_a_correct_kernel_not_written_here_passes_a_sweep(tmp_path, monkeypatch):
+    """aiter's torch reference (its own fp32 einsum, tests/sweep_standins.py) as a backend: hostile
+    points of decode and verify (empty and page-edge requests, fp8 with scales != 1, a logit cap,
+    empty splits), no false alarm under any check that applies."""
+    import sweep_standins
+
+    monkeypatch.setitem(backends._CACHE, sweep_standins.NAME, sweep_standins.AiterTorchRef())
+    monkeypatch.setitem(backends._WHERE, sweep_standins.NAME, "sweep_standins:AiterTorchRef")
+    rep = run_sweep(SweepConfig(backends=[sweep_standins.NAME], budget=600, out=str(tmp_path), max_cases=8,
+                                layouts=["decode", "verify"], space=HOSTILE, max_shrink=0))  # fmt: skip
+    counts = rep.backends[sweep_standins.NAME].counts
+    assert rep.exit_code == 0 and len(rep.cases) == 8, [f.detail for f in rep.findings]
+    assert counts["reference"] == {"pass": 8} and counts["repeat"] == {"pass": 8}, counts
+    assert {c.layout for c in rep.cases} == {"decode", "verify"}  # every value of the hostile axes was met
+    assert {c.point["kv"] for c in rep.cases} == {"bfloat16", "float8_e4m3fnuz"}
+    assert {c.point["cap"] for c in rep.cases} == {0.0, 30.0} and {c.point["length"] for c in rep.cases} >= {"0", "page+1"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not backends.get_backend("flex").availability()[0], reason="flex unavailable")
+def test_flex_passes_a_sweep(tmp_path, monkeypatch):
+    """PyTorch's flex_attention compiled by Inductor (a kernel not written here): no false alarm
+    (in-process, as the README's known limit advises for flex under load)."""
+    monkeypatch.setenv("REFMLA_ISOLATE", "0")
+    rep = run_sweep(SweepConfig(backends=["flex"], budget=600, out=str(tmp_path), max_cases=3, layouts=["decode"],
+                                space=HOSTILE, max_shrink=0))  # fmt: skip
+    counts = rep.backends["flex"].counts
+    assert rep.exit_code == 0 and len(rep.cases) == 3, [f.detail for f in rep.findings]
+    assert counts["reference"].get("pass", 0) == 3 and counts["repeat"].get("pass", 0) == 3, counts
 
 
 def test_the_plants_edit_one_line_each():

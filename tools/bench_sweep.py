@@ -13,7 +13,8 @@ of tests/planted_sweep.py's faults edited into it at run time (each expected und
 for a plant of tests/planted_layouts.py, the layout's kernel with it (split_floor: vLLM's
 TRITON_MLA, ``--layout block_table``; tail_block: SGLang's Triton sparse kernel, ``--layout sparse``);
 ``aiter_torch_ref`` is aiter's torch reference as a stand-in backend (tests/sweep_standins.py).
-Per backend: cases, cases per minute, seconds in the kernel's runs (child processes included) and
+Per backend: cases, cases per minute (of the walk's wall time, which the backends of one run share,
+and of the backend's own kernel + reference time), seconds in the kernel's runs (child processes included) and
 in the fp64 reference, the control and the comparisons, and every finding with its shrunk case.
 On a CPU-only machine the kernels run in the Triton interpreter: these are sweep times, not
 kernel performance; say "loaded" when other work shares the machine.
@@ -71,10 +72,11 @@ def main() -> int:
     print(render_sweep(rep))
     print(f"\nwall {time.monotonic() - t0:.0f} s (walk {rep.walk_seconds:.0f} s, shrink {rep.shrink_seconds:.0f} s)"
           + (f"; planted {a.plant}" if a.plant else ""))  # fmt: skip
-    for name, b in rep.backends.items():
+    for name, b in rep.backends.items():  # the walk's rate is shared by every backend of the run; its own time is not
         total = b.kernel_seconds + b.reference_seconds
         if b.cases and total:
-            print(f"{name}: {60 * b.cases / rep.walk_seconds:.1f} cases/min; kernel {b.kernel_seconds:.0f} s, "
+            print(f"{name}: {b.cases} cases, {60 * b.cases / rep.walk_seconds:.1f} cases/min of the walk, "
+                  f"{60 * b.cases / total:.1f} cases/min of its own time; kernel {b.kernel_seconds:.0f} s, "
                   f"reference {b.reference_seconds:.0f} s ({100 * b.reference_seconds / total:.0f}% reference)")
     if a.json:
         Path(a.json).write_text(json.dumps(rep.to_json(), indent=1) + "\n")

@@ -54,7 +54,8 @@ class CaseResult:
 
 @dataclass
 class Trigger:
-    """The axis value that best separates a check's failing cases from its passing ones."""
+    """The axis value (or two, both at once) that best separates a check's failing cases from its
+    passing ones."""
 
     axis: str
     value: Any
@@ -62,6 +63,8 @@ class Trigger:
     cases_with: int  # cases with this value
     failing_elsewhere: int  # failing cases without it
     cases_elsewhere: int
+    and_axis: Optional[str] = None  # a second axis whose value, with the first, separates better
+    and_value: Any = None
 
     @property
     def whenever(self) -> bool:
@@ -70,7 +73,8 @@ class Trigger:
 
     def text(self) -> str:
         how = "fails whenever" if self.whenever else "fails most where"
-        return (f"{how} {self.axis} = {self.value} ({self.failing_with} of {self.cases_with} cases; "
+        both = f" and {self.and_axis} = {self.and_value}" if self.and_axis else ""
+        return (f"{how} {self.axis} = {self.value}{both} ({self.failing_with} of {self.cases_with} cases; "
                 f"{self.failing_elsewhere} of {self.cases_elsewhere} others)")  # fmt: skip
 
     def to_json(self) -> dict:
@@ -79,23 +83,42 @@ class Trigger:
 
 def trigger(cases: Sequence[CaseResult], backend: str, check: str) -> Optional[Trigger]:
     """The (axis, value) whose cases fail ``check`` the most alike the failing set (F1 score), or
-    None when nothing failed. Only cases where the check ran (pass or fail) count."""
+    two of them at once ("heads = 32 and kv = float8_e4m3fn") where the pair separates strictly
+    better and holds two failing cases at least; None when nothing failed. Only cases where the
+    check ran (pass, fail or error) count."""
     ran = [(c.point, c.outcomes[backend][check].failed) for c in cases
            if backend in c.outcomes and c.outcomes[backend].get(check) and
            c.outcomes[backend][check].status in ("pass", "fail", "error")]  # fmt: skip
     failing = sum(f for _, f in ran)
     if not failing:
         return None
-    best: Optional[tuple[float, Trigger]] = None
-    for axis in sorted({a for p, _ in ran for a in p}):
-        for value in sorted({repr(p[axis]) for p, _ in ran if axis in p}):
-            with_v = [f for p, f in ran if repr(p.get(axis)) == value]
-            hit = sum(with_v)
-            score = 2 * hit / (len(with_v) + failing)
-            t = Trigger(axis, _plain(value), hit, len(with_v), failing - hit, len(ran) - len(with_v))
+    cases_of: dict[tuple[str, str], int] = {}  # (axis, repr(value)) -> bitmask of the cases with it
+    for i, (p, _) in enumerate(ran):
+        for a, v in p.items():
+            cases_of[(a, repr(v))] = cases_of.get((a, repr(v)), 0) | (1 << i)
+    failed = sum(1 << i for i, (_, f) in enumerate(ran) if f)
+    values = sorted(cases_of)
+
+    def best_of(candidates) -> Optional[tuple[float, tuple, int, int]]:
+        best = None
+        for conds in candidates:
+            mask = cases_of[conds[0]] if len(conds) == 1 else cases_of[conds[0]] & cases_of[conds[1]]
+            hit, n = bin(mask & failed).count("1"), bin(mask).count("1")
+            score = 2 * hit / (n + failing)
             if best is None or score > best[0] + 1e-12:
-                best = (score, t)
-    return best[1] if best else None
+                best = (score, conds, hit, n)
+        return best
+
+    one = best_of((av,) for av in values)
+    two = best_of((x, y) for i, x in enumerate(values) for y in values[i + 1 :] if x[0] != y[0])
+    score, conds, hit, n = one
+    if two is not None and two[0] > score + 1e-12 and two[2] >= 2:
+        score, conds, hit, n = two
+    (axis, value), *rest = conds
+    t = Trigger(axis, _plain(value), hit, n, failing - hit, len(ran) - n)
+    if rest:
+        t.and_axis, t.and_value = rest[0][0], _plain(rest[0][1])
+    return t
 
 
 def _plain(value_repr: str) -> Any:

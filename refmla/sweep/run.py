@@ -106,7 +106,28 @@ def evaluate(layout: str, point: dict, index: int, cfg: SweepConfig, backends: S
     return res
 
 
-def _worker_init(threads: int, setup: Optional[str]) -> None:
+def visible_gpus() -> tuple[str, list[str]]:
+    """(the variable that picks a process's GPUs, the GPUs it names) where more than one is
+    visible; ("", []) otherwise. The variable already set is narrowed (on ROCm
+    ``HIP_VISIBLE_DEVICES`` first), else ``HIP_VISIBLE_DEVICES`` on ROCm, ``CUDA_VISIBLE_DEVICES``
+    on CUDA; its entries keep their own spelling (indices or UUIDs). Creates no CUDA context."""
+    names = ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES") if torch.version.hip else ("CUDA_VISIBLE_DEVICES",)
+    var = next((n for n in names if os.environ.get(n) is not None), names[0])
+    if os.environ.get(var) is not None:
+        gpus = [g.strip() for g in os.environ[var].split(",") if g.strip()]
+    else:
+        try:
+            gpus = [str(i) for i in range(torch.cuda.device_count())]  # NVML / amdsmi where possible
+        except Exception:
+            gpus = []
+    return (var, gpus) if len(gpus) > 1 else ("", [])
+
+
+def _worker_init(threads: int, setup: Optional[str], gpu: Optional[tuple[str, str]] = None) -> None:
+    """A worker's start: ``gpu`` (variable, GPU) set before anything creates a CUDA context, its
+    thread share, then ``setup``."""
+    if gpu is not None:
+        os.environ[gpu[0]] = gpu[1]
     ignore_sigint()
     ensure_interpreter()
     torch.set_num_threads(max(1, threads))
@@ -210,38 +231,47 @@ class Sweeper:
         progress.step(f"{len(self.report.cases)} cases, {fails} failing checks")
 
     def _walk_parallel(self, done, progress: Progress, t0: float) -> None:
+        """``jobs`` workers, each a one-process pool of its own: worker i holds GPU i mod the
+        visible ones where several are (refmla.sweep.run.visible_gpus), one case at a time; a
+        worker that dies costs its case (an ``error`` finding) and is started again."""
         threads = max(1, (os.cpu_count() or 1) // self.cfg.jobs)
         ctx = mp.get_context("spawn")
-        pool = ProcessPoolExecutor(self.cfg.jobs, mp_context=ctx, initializer=_worker_init, initargs=(threads, self.cfg.setup))
-        pending: dict = {}
+        var, gpus = visible_gpus()
+
+        def start(slot: int) -> ProcessPoolExecutor:
+            gpu = (var, gpus[slot % len(gpus)]) if gpus else None
+            init = (threads, self.cfg.setup, gpu)
+            return ProcessPoolExecutor(1, mp_context=ctx, initializer=_worker_init, initargs=init)
+
+        pools = [start(slot) for slot in range(self.cfg.jobs)]
+        pending: dict = {}  # future -> (layout, point, index, backends, slot)
         points = self.points()
         try:
             while True:
-                while not done() and len(pending) < self.cfg.jobs:
-                    nxt = next(points, None)
+                busy = {v[-1] for v in pending.values()}
+                for slot in (s for s in range(self.cfg.jobs) if s not in busy):
+                    nxt = None if done() else next(points, None)
                     if nxt is None:
                         break
                     layout, point, index = nxt
                     backends = self.active(layout)
-                    pending[pool.submit(evaluate, layout, point, index, self.cfg, backends)] = (*nxt, backends)
+                    fut = pools[slot].submit(evaluate, layout, point, index, self.cfg, backends)
+                    pending[fut] = (layout, point, index, backends, slot)
                 if not pending:
                     break
                 finished, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for fut in finished:
-                    layout, point, index, backends = pending.pop(fut)
+                    layout, point, index, backends, slot = pending.pop(fut)
                     try:
                         self.record(fut.result())
                     except BrokenProcessPool:
                         self.record(_died(layout, point, index, backends))
-                        pool.shutdown(wait=False, cancel_futures=True)
-                        pool = ProcessPoolExecutor(self.cfg.jobs, mp_context=ctx, initializer=_worker_init,
-                                                   initargs=(threads, self.cfg.setup))  # fmt: skip
-                        for f, (la, po, ix, bs) in list(pending.items()):
-                            pending.pop(f)
-                            pending[pool.submit(evaluate, la, po, ix, self.cfg, bs)] = (la, po, ix, bs)
+                        pools[slot].shutdown(wait=False, cancel_futures=True)
+                        pools[slot] = start(slot)
                     self._tick(progress, t0)
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+            for pool in pools:
+                pool.shutdown(wait=False, cancel_futures=True)
 
     def findings(self) -> None:
         t0 = time.monotonic()
@@ -270,18 +300,22 @@ class Sweeper:
         path = out / f"{name}-{check}-{first.layout}-{first.index}.safetensors"
         sweep_meta = {"sweep": {"backend": name, "check": check, "seed": self.cfg.seed, "layout": first.layout,
                                 "case": first.index, "point": first.point, "detail": shrunk.outcome.detail}}  # fmt: skip
+        # a kernel that raised or crashed left no output: the capture holds the inputs, and its
+        # replay reruns the kernel (its error is the verdict); else reference and observed only
+        ev = shrunk.evidence or Evidence(None, None, shrunk.case)  # type: ignore[arg-type]
         try:
             if isinstance(shrunk.case, SparseSweepCase):
-                write_sparse_capture(path, shrunk.evidence, sweep_meta, name)
+                write_sparse_capture(path, ev, sweep_meta, name)
             else:
-                write_dense_capture(path, shrunk.evidence, sweep_meta, name)
+                write_dense_capture(path, ev, sweep_meta, name)
         except Exception as e:
             f.shrunk_detail += f"; capture not written: {error_text(e)}"
             return f
         f.capture = str(path)
         f.replay_command = f"refmla replay {path} --backend {name}"
-        try:  # reference and observed only: what the captured (failing) output is, judged
-            f.replay_verdict = replay_file(str(path), ReplayOptions(backends=[], explain=False)).verdict
+        try:
+            rerun = [name] if shrunk.evidence is None else []
+            f.replay_verdict = replay_file(str(path), ReplayOptions(backends=rerun, explain=False)).verdict
         except Exception as e:
             f.replay_verdict = f"replay failed: {error_text(e)}"
         return f
@@ -309,4 +343,4 @@ def run_sweep(cfg: SweepConfig) -> SweepReport:
     return s.report
 
 
-__all__ = ["SweepConfig", "evaluate", "run_sweep"]
+__all__ = ["SweepConfig", "evaluate", "run_sweep", "visible_gpus"]

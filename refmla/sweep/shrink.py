@@ -53,17 +53,21 @@ def candidates(case: AnyCase) -> Iterator[tuple[str, AnyCase]]:
 class Shrunk:
     case: AnyCase
     outcome: CheckOutcome
-    evidence: Evidence
+    evidence: Optional[Evidence]  # None: the kernel raised or crashed (``error``), no output to keep
     steps: list[str] = field(default_factory=list)
     tries: int = 0
 
 
-def fails(case: AnyCase, backend: str, check: str, opts: ReplayOptions, repeat: int):
-    """(outcome, evidence) of ``check`` on ``case`` when it fails, else None."""
+def fails(case: AnyCase, backend: str, check: str, opts: ReplayOptions, repeat: int, status: Optional[str] = None):
+    """(outcome, evidence) of ``check`` on ``case`` when it fails the same way, else None: a
+    ``fail`` with the failing run's output, or an ``error`` (the kernel raised or crashed; its
+    evidence None). A case that fails one way and then the other is not the same failure."""
     outcomes, evidence = any_checks(case, opts, repeat).run(backend, only=(check,))
     o = outcomes.get(check)
-    if o is not None and o.failed and check in evidence:
+    if o is not None and o.status == "fail" and check in evidence and (status is None or status == "fail"):
         return o, evidence[check]
+    if o is not None and o.status == "error" and (status is None or status == "error"):
+        return o, None
     return None
 
 
@@ -74,6 +78,7 @@ def shrink(case: AnyCase, backend: str, check: str, opts: ReplayOptions, repeat:
     first = fails(case, backend, check, opts, repeat)
     if first is None:
         return None
+    status = first[0].status  # a smaller case must fail as this one does (fail, or error)
     best = Shrunk(case, first[0], first[1], tries=1)
     progress = True
     while progress and best.tries < max_tries and (deadline is None or time.monotonic() < deadline):
@@ -82,7 +87,7 @@ def shrink(case: AnyCase, backend: str, check: str, opts: ReplayOptions, repeat:
             if best.tries >= max_tries or (deadline is not None and time.monotonic() >= deadline):
                 break
             best.tries += 1
-            got = fails(smaller, backend, check, opts, repeat)
+            got = fails(smaller, backend, check, opts, repeat, status)
             if got is not None:
                 best = Shrunk(smaller, got[0], got[1], best.steps + [step], best.tries)
                 progress = True

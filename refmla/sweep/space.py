@@ -1,5 +1,7 @@
 """The shape space production runs, per layout, and the walk over it: every pair of axis values
-first (a greedy pairwise covering, AETG-style), then random combinations, reproducible from the seed.
+first (a greedy pairwise covering, AETG-style, that takes a value no point has had before any
+other, so every value of every axis comes within the first points), then random combinations,
+reproducible from the seed.
 
 Four layouts: ``decode`` (SGLang's token slots), ``verify`` (speculative verify over them),
 ``block_table`` (vLLM's paged decode: a block table, its null block, one batch-wide split count)
@@ -185,9 +187,11 @@ class Walk:
     pairs_covered: int = 0
     pairwise_points: int = 0  # points of the covering phase (the rest are random)
     _rng: random.Random = field(init=False, repr=False)
+    _seen: set = field(init=False, repr=False)  # (axis, value)s some point of the walk has had
 
     def __post_init__(self) -> None:
         self._rng = random.Random(f"{self.seed}:{self.layout}")
+        self._seen = set()
 
     def _pairs(self) -> set:
         names = list(self.axes)
@@ -203,14 +207,19 @@ class Walk:
         return sum((((a, v), (axis, value)) in todo) + (((axis, value), (a, v)) in todo) for a, v in point.items())
 
     def _covering_point(self, todo: set) -> dict:
-        (a, va), (b, vb) = self._rng.choice(sorted(todo, key=repr))
+        """A point of the most uncovered pairs, a value no point has had first: every value of
+        every axis comes within the first points (as many as the widest axis has values, about)."""
+        pairs = sorted(todo, key=repr)
+        fresh = [sum(av not in self._seen for av in pair) for pair in pairs]
+        (a, va), (b, vb) = self._rng.choice([p for p, n in zip(pairs, fresh) if n == max(fresh)])
         point = {a: va, b: vb}
         rest = [n for n in self.axes if n not in point]
         self._rng.shuffle(rest)
         for axis in rest:
             options = [v for v in self.axes[axis] if feasible({**point, axis: v}, self.layout)] or [self.axes[axis][-1]]
-            best = max(self._new_pairs(point, axis, v, todo) for v in options)
-            point[axis] = self._rng.choice([v for v in options if self._new_pairs(point, axis, v, todo) == best])
+            score = {v: ((axis, v) not in self._seen, self._new_pairs(point, axis, v, todo)) for v in options}
+            point[axis] = self._rng.choice([v for v in options if score[v] == max(score.values())])
+        self._seen.update(point.items())
         return {n: point[n] for n in self.axes}
 
     def _random_point(self) -> dict:

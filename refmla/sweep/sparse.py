@@ -206,9 +206,10 @@ def sparse_candidates(case: SparseSweepCase) -> Iterator[tuple[str, SparseSweepC
 
 
 def write_sparse_capture(path: Any, ev: Evidence, sweep_meta: dict, backend: str) -> None:
-    """A failing run of a sparse case as a sparse capture: its inputs, the kernel's out and lse."""
+    """A failing run of a sparse case as a sparse capture: its inputs, the kernel's out and lse
+    (none where the kernel raised or crashed: ``ev.out`` None)."""
     t, meta = ev.case.tensors_and_meta(backend)  # type: ignore[union-attr]
-    out = {"out": ev.out, **({"lse": ev.lse.float()} if ev.lse is not None else {})}
+    out = {} if ev.out is None else {"out": ev.out, **({"lse": ev.lse.float()} if ev.lse is not None else {})}
     write_sparse(path, {**t, **out}, {**meta, **sweep_meta})
 
 

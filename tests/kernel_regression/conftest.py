@@ -3,7 +3,8 @@
 Options (pytest registers them when it starts from this folder or a path inside it, e.g.
 ``pytest tests/kernel_regression``; for a bare ``pytest`` they must come from tests/conftest.py):
 
-    --backend NAME      run only this backend (repeatable): reference, triton, aiter, extend
+    --backend NAME      run only this backend (repeatable): a golden backend (reference, triton, aiter,
+                        extend, the per-query paths) or any name `refmla sweep --backend` takes
     --golden-dir DIR    the golden directory (default: golden/ at the repository root)
     --regen             rewrite the goldens in DIR first (its manifest's suite), then test them
     --sweep-budget S    seconds each selected backend is swept for by test_sweep.py (default 8)
@@ -23,6 +24,7 @@ else:
 import pytest
 
 from refmla import golden
+from refmla.sweep.kernels import NAMES as SWEEP_NAMES
 
 DEFAULT_GOLDEN_DIR = Path(__file__).resolve().parents[2] / "golden"
 DEFAULT_SWEEP_BUDGET = 8.0  # make test stays fast; an MI355X image deserves --sweep-budget 600 (docs/golden.md)
@@ -37,9 +39,10 @@ def add_golden_options(parser) -> None:
         "--backend",
         action="append",
         default=None,
-        choices=golden.CHECK_BACKENDS,
+        choices=tuple(dict.fromkeys((*golden.CHECK_BACKENDS, *SWEEP_NAMES))),
         metavar="NAME",
-        help=f"backend to check against the goldens (repeatable; default all: {', '.join(golden.CHECK_BACKENDS)})",
+        help=f"backend to check against the goldens (repeatable; default all: {', '.join(golden.CHECK_BACKENDS)}) "
+        "and to sweep in test_sweep.py (any name `refmla sweep --backend` takes; default triton)",
     )
     group.addoption(
         "--golden-dir", default=None, metavar="DIR", help=f"golden directory (default {DEFAULT_GOLDEN_DIR})"
@@ -78,7 +81,8 @@ def pytest_generate_tests(metafunc) -> None:
     if "golden_file" not in metafunc.fixturenames:
         return
     cases = golden.load_manifest(golden_dir(metafunc.config))["cases"]
-    backends = _option(metafunc.config, "--backend") or golden.CHECK_BACKENDS
+    chosen = _option(metafunc.config, "--backend")  # a name only the sweep takes checks no golden
+    backends = [b for b in chosen if b in golden.CHECK_BACKENDS] if chosen else golden.CHECK_BACKENDS
     slow = pytest.mark.slow  # kernels run in the Triton interpreter on a CPU-only machine
     pairs = [
         pytest.param(golden_dir(metafunc.config) / c["file"], b, marks=() if b == "reference" else slow,

@@ -30,6 +30,7 @@ def captured_buffers(cap: Capture) -> dict:
 
 class AiterBackend(Backend):
     name = "aiter"
+    fills_buffers = True  # o is allocated here (torch.empty, or filled with opts.buffer_fill when given)
 
     def availability(self) -> tuple[bool, str]:
         return aiter_status()
@@ -60,7 +61,8 @@ class AiterBackend(Backend):
 
     @staticmethod
     def _run_path(cap: Capture, opts: ReplayOptions, path):
-        m, sc, call = cap.meta, cap.scales(), AiterCall(out_dtype=cap.out_dtype, device=opts.device)
+        m, sc = cap.meta, cap.scales()
+        call = AiterCall(out_dtype=cap.out_dtype, device=opts.device, fill=opts.buffer_fill)
         if path.name == PERSISTENT:
             check_kv_scales(cap.kv_buffer, m.k_scale, m.v_scale)
             return run_persistent_decode(cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices, sc, path,

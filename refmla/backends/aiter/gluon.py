@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from refmla.backends.aiter.indices import AiterCall, call_kernel, kernel_kwargs
+from refmla.backends.aiter.indices import AiterCall, call_kernel, kernel_kwargs, output_buffer
 from refmla.backends.aiter.probe import locate_aiter
 from refmla.backends.base import BackendUnavailable
 from refmla.backends.calling import KernelNotFound, find_function
@@ -38,7 +38,7 @@ def run_gluon_decode(q: torch.Tensor, kv_buffer: torch.Tensor, kv_indptr: torch.
     Dv = int(sc.kv_lora_rank)
     q_nope, q_pe = q.to(dev).split([Dv, D - Dv], dim=-1)
     lens = (kv_indptr[1:] - kv_indptr[:-1]).long()
-    o = torch.empty(B, H, Dv, dtype=call.out_dtype or q.dtype, device=dev)
+    o = output_buffer((B, H, Dv), call.out_dtype or q.dtype, dev, call.fill)
     values = dict(
         q_nope=q_nope, q_pe=q_pe, kv_c=kv_buffer.to(dev).reshape(-1, D), o=o,
         page_table=kv_indices.to(dev, torch.int32).contiguous(), seq_info=kv_indptr.to(dev, torch.int32).contiguous(),

@@ -37,6 +37,15 @@ class AiterCall:
     out_dtype: Optional[torch.dtype] = None  # default q's
     device: Optional[torch.device] = None  # default CUDA (CPU for the test stand-in)
     page_size: int = 1  # the page size the index arguments are built for (refmla.paged)
+    fill: Optional[float] = None  # ReplayOptions.buffer_fill: ``o`` filled with it first (None: torch.empty)
+
+
+def output_buffer(shape: tuple, dtype: torch.dtype, device: torch.device, fill: Optional[float]) -> torch.Tensor:
+    """The ``o`` the adapter hands aiter's kernel: torch.empty as aiter's callers allocate it, or
+    filled with ``fill`` first (refmla sweep's nan_fill check: a row never written stays NaN)."""
+    if fill is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.full(shape, fill, dtype=dtype, device=device)
 
 def kernel_kwargs(fn: Callable, values: dict[str, Any]) -> dict[str, Any]:
     """Keyword arguments for an aiter kernel by its signature (see refmla.backends.calling)."""
@@ -90,4 +99,4 @@ def aiter_decode_args(
     return args, convention
 
 
-__all__ = ["aiter_decode_args", "kernel_kwargs"]
+__all__ = ["AiterCall", "aiter_decode_args", "call_kernel", "kernel_kwargs", "output_buffer"]

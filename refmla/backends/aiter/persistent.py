@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from refmla.backends.aiter import heads
-from refmla.backends.aiter.indices import AiterCall, aiter_decode_args, call_kernel, kernel_kwargs
+from refmla.backends.aiter.indices import AiterCall, aiter_decode_args, call_kernel, kernel_kwargs, output_buffer
 from refmla.backends.aiter.metadata import build_metadata, compare_buffers, plan_modes
 from refmla.backends.aiter.paths import AiterPath
 from refmla.backends.aiter.probe import locate_aiter
@@ -77,7 +77,7 @@ def run_persistent_decode(q: torch.Tensor, kv_buffer: torch.Tensor, kv_indptr: t
     f32 = dict(dtype=torch.float32, device=dev)
     kv_s = torch.tensor([float(sc.k_scale)], **f32) if fp8_kv else None
     q_s = torch.tensor([q_scale], **f32) if q_scale is not None else kv_s
-    o = torch.empty(B, Hk, int(sc.kv_lora_rank), dtype=call.out_dtype or q.dtype, device=dev)  # [B, Hk, Dv]
+    o = output_buffer((B, Hk, int(sc.kv_lora_rank)), call.out_dtype or q.dtype, dev, call.fill)  # [B, Hk, Dv]
     values = dict(q=q_in, o=o, sm_scale=float(sc.sm_scale), logit_cap=float(sc.logit_cap), q_scale=q_s, kv_scale=kv_s,
                   intra_batch_mode=intra, num_kv_splits=num_kv_splits, **args, **buffers)  # fmt: skip
     kwargs = kernel_kwargs(fn, values)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from refmla.backends.aiter import heads
-from refmla.backends.aiter.indices import AiterCall, aiter_decode_args, call_kernel, kernel_kwargs
+from refmla.backends.aiter.indices import AiterCall, aiter_decode_args, call_kernel, kernel_kwargs, output_buffer
 from refmla.backends.aiter.probe import locate_aiter
 from refmla.backends.base import BackendUnavailable
 from refmla.scales import Scales
@@ -43,7 +43,7 @@ def run_aiter_decode(
     fp8 = check_kv_scales(kv_buffer, k_scale, v_scale)
     q_in, unpad, pad_how = heads.pad_heads(q.to(dev).contiguous())
     args, convention = aiter_decode_args(q_in, kv_buffer, kv_indptr, kv_indices, page_size=call.page_size, device=dev)
-    o = torch.empty(B, q_in.shape[1], Dv, dtype=call.out_dtype or q.dtype, device=dev)  # [B, Hk, Dv]
+    o = output_buffer((B, q_in.shape[1], Dv), call.out_dtype or q.dtype, dev, call.fill)  # [B, Hk, Dv]
     scale = torch.tensor([float(k_scale)], dtype=torch.float32, device=dev) if fp8 else None
     values = dict(
         q=q_in, o=o, sm_scale=float(sc.sm_scale), logit_cap=float(sc.logit_cap), q_scale=scale, kv_scale=scale, **args

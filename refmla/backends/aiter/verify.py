@@ -26,7 +26,7 @@ import torch
 
 from refmla.backends.aiter.backend import AiterBackend
 from refmla.backends.aiter.heads import pad_heads
-from refmla.backends.aiter.indices import aiter_decode_args, call_kernel, kernel_kwargs
+from refmla.backends.aiter.indices import aiter_decode_args, call_kernel, kernel_kwargs, output_buffer
 from refmla.backends.aiter.probe import locate_aiter
 from refmla.backends.base import BackendResult, BackendUnavailable
 from refmla.capture import Capture
@@ -39,7 +39,8 @@ def is_chain(cap: Capture) -> bool:
     return not att.has_mask or att.is_bottom_right_causal()
 
 
-def run_aiter_verify(cap: Capture, page_size: int, out_dtype: torch.dtype, device: Optional[str] = None) -> tuple[torch.Tensor, dict]:
+def run_aiter_verify(cap: Capture, page_size: int, out_dtype: torch.dtype, device: Optional[str] = None,
+                     fill: Optional[float] = None) -> tuple[torch.Tensor, dict]:  # fmt: skip
     """mla_decode_fwd with max_seqlen_q > 1 over the capture: out [T, H, Dv] (CPU) and info."""
     mla, version, standin = locate_aiter()
     fn, m = mla.mla_decode_fwd, cap.meta
@@ -55,7 +56,7 @@ def run_aiter_verify(cap: Capture, page_size: int, out_dtype: torch.dtype, devic
     max_q = int(qlens.max()) if qlens.numel() else 1
     B = cap.batch_size
     args.update(qo_indptr=qo, max_seqlen_q=max_q, kv_last_page_lens=args["kv_last_page_lens"][:B])
-    o = torch.empty(q_in.shape[0], q_in.shape[1], m.kv_lora_rank, dtype=out_dtype, device=dev)  # [T, Hk, Dv]
+    o = output_buffer((q_in.shape[0], q_in.shape[1], m.kv_lora_rank), out_dtype, dev, fill)  # [T, Hk, Dv]
     scale = torch.tensor([float(m.k_scale)], dtype=torch.float32, device=dev) if fp8 else None
     values = dict(q=q_in, o=o, sm_scale=float(m.sm_scale), logit_cap=float(m.logit_cap), q_scale=scale,
                   kv_scale=scale, **args)  # fmt: skip
@@ -87,7 +88,7 @@ class AiterVerifyBackend(AiterBackend):
         # opts.aiter_page_size asks for aiter's page-level convention instead
         P = int(opts.aiter_page_size or 1)
         try:
-            out, info = run_aiter_verify(cap, P, cap.out_dtype, opts.device)
+            out, info = run_aiter_verify(cap, P, cap.out_dtype, opts.device, opts.buffer_fill)
         except AssertionError as e:  # aiter asserts what it does not support (logit_cap > 0, head counts)
             raise BackendUnavailable(f"aiter refused this input: {e}") from None
         return BackendResult(out=out, info=info)
