@@ -295,7 +295,10 @@ def run_sparse_backend(name: str, cap: SparseCapture, ref: SparseOutput, ctrl: S
         entry.localization = _sparse_localization(cmp, entry, cap.q.shape[1])
     if not cmp.passed and opts.explain:
         try:  # the search is an aid: its failure must not cost the replay
-            entry.explanation = explain_sparse(cap, got.out, ref, ctrl, opts.tol)
+            notes: dict = {}
+            entry.explanation = explain_sparse(cap, got.out, ref, ctrl, opts.tol, notes)
+            if notes.get("search_skipped"):
+                entry.info["search_skipped"] = notes["search_skipped"]  # past the search's budget
         except Exception as e:
             entry.info["explain_error"] = error_text(e)
     entry.seconds = round(time.perf_counter() - t0, 3)

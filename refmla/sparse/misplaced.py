@@ -21,7 +21,7 @@ import torch
 from refmla.compare import Comparison, Tolerance
 from refmla.sparse.format import SparseCapture
 from refmla.sparse.layouts import dequantize
-from refmla.sparse.reference import SparseOutput, gather_keys, judge_out, rows_of, sparse_attention
+from refmla.sparse.reference import ROW_BLOCK_BYTES, SparseOutput, gather_keys, judge_out, rows_of, sparse_attention
 
 
 def failing_rows(c: Comparison) -> list[int]:
@@ -123,9 +123,14 @@ def _one_entry_errors(cap: SparseCapture, q: torch.Tensor, keys: torch.Tensor, m
         Z = Z + torch.exp(cap.attn_sink.double() - m)
     N = w.T @ keys[:, :Dv]  # [H, Dv]
     w2 = torch.exp((scale * moved @ q.T - m).clamp(max=700.0)).masked_fill(~valid[:, None], 0.0)  # [W, H]
-    N2 = N[None] - w[..., None] * keys[:, None, :Dv] + w2[..., None] * moved[:, None, :Dv]  # [W, H, Dv]
-    Z2 = Z[None] - w + w2  # [W, H]
-    return (N2 / Z2[..., None] - want[None]).abs().nan_to_num(float("inf")).amax(dim=(1, 2))
+    err = torch.empty(keys.shape[0], dtype=torch.float64)  # [W]
+    step = max(1, ROW_BLOCK_BYTES // (3 * 8 * q.shape[0] * Dv))  # entries a chunk updates: [n, H, Dv] within the block budget
+    for j in range(0, keys.shape[0], step):
+        c = slice(j, j + step)
+        N2 = N[None] - w[c, :, None] * keys[c, None, :Dv] + w2[c, :, None] * moved[c, None, :Dv]  # [n, H, Dv]
+        Z2 = Z[None] - w[c] + w2[c]  # [n, H]
+        err[c] = (N2 / Z2[..., None] - want[None]).abs().nan_to_num(float("inf")).amax(dim=(1, 2))
+    return err
 
 
 def _list_positions(cap: SparseCapture, r: int, pool: int) -> list[int]:
