@@ -66,7 +66,7 @@ def neighbour_slot(cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctr
     best = None
     for shift in (1, -1):
         moved, ok = _moved_keys(cap, tokens, pools, valid, shift)  # [W, D], [W]
-        err = _one_entry_errors(cap, q, keys, moved, valid, want)  # [W]
+        err = one_entry_errors(cap, q, keys, valid, want, moved)  # [W]
         err = torch.where(ok, err, torch.full_like(err, float("inf")))
         j = int(err.argmin())
         if best is None or float(err[j]) < best[0]:
@@ -84,7 +84,7 @@ def neighbour_slot(cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctr
     if not judged.passed:
         return None
     pool = int(pools[j])
-    listed = _list_positions(cap, r, pool)
+    listed = list_positions(cap, r, pool)
     entry = listed[int(((pools == pool) & valid)[:j].sum())]
     meant = int(tokens[j])
     return {"entry": entry, "cache": "extra" if pool else "main", "slot_read": meant + shift, "slot_meant": meant}, r // S, judged
@@ -108,10 +108,11 @@ def _moved_keys(cap: SparseCapture, tokens: torch.Tensor, pools: torch.Tensor, v
     return moved, ok
 
 
-def _one_entry_errors(cap: SparseCapture, q: torch.Tensor, keys: torch.Tensor, moved: torch.Tensor,
-                      valid: torch.Tensor, want: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def one_entry_errors(cap: SparseCapture, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, want: torch.Tensor,
+                     moved: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
     """[W]: the row's max abs error against ``want`` [H, Dv] when entry j alone reads ``moved[j]``
-    (a rank-one update of the softmax's numerator and denominator, per entry)."""
+    (None: entry j is not read at all), by a rank-one update of the softmax's numerator and
+    denominator per entry, in chunks of entries within the block budget."""
     Dv, scale = cap.meta.head_dim_v, cap.meta.softmax_scale
     keys = torch.where(valid[:, None], keys, 0.0)
     s = scale * keys @ q.T  # [W, H]
@@ -122,7 +123,10 @@ def _one_entry_errors(cap: SparseCapture, q: torch.Tensor, keys: torch.Tensor, m
     if cap.attn_sink is not None:
         Z = Z + torch.exp(cap.attn_sink.double() - m)
     N = w.T @ keys[:, :Dv]  # [H, Dv]
-    w2 = torch.exp((scale * moved @ q.T - m).clamp(max=700.0)).masked_fill(~valid[:, None], 0.0)  # [W, H]
+    if moved is None:
+        moved, w2 = keys, torch.zeros_like(w)
+    else:
+        w2 = torch.exp((scale * moved @ q.T - m).clamp(max=700.0)).masked_fill(~valid[:, None], 0.0)  # [W, H]
     err = torch.empty(keys.shape[0], dtype=torch.float64)  # [W]
     step = max(1, ROW_BLOCK_BYTES // (3 * 8 * q.shape[0] * Dv))  # entries a chunk updates: [n, H, Dv] within the block budget
     for j in range(0, keys.shape[0], step):
@@ -133,7 +137,7 @@ def _one_entry_errors(cap: SparseCapture, q: torch.Tensor, keys: torch.Tensor, m
     return err
 
 
-def _list_positions(cap: SparseCapture, r: int, pool: int) -> list[int]:
+def list_positions(cap: SparseCapture, r: int, pool: int) -> list[int]:
     """The positions in row r's index list (of ``pool``'s cache) of the entries it reads, in order."""
     B, S = cap.q.shape[:2]
     idx, ln = (cap.indices, cap.topk_length) if pool == 0 else (cap.extra_indices, cap.extra_topk_length)
@@ -142,4 +146,4 @@ def _list_positions(cap: SparseCapture, r: int, pool: int) -> list[int]:
     return [k for k in range(min(n, row.shape[0])) if int(row[k]) != -1]
 
 
-__all__ = ["neighbour_slot", "rows_permuted"]
+__all__ = ["list_positions", "neighbour_slot", "one_entry_errors", "rows_permuted"]
