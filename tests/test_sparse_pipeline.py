@@ -77,10 +77,17 @@ def test_a_segfaulting_sparse_kernel_is_its_error_every_other_result_kept(tmp_pa
     assert r.verdict == "diverged" and r.diagnosis == "backend_error" and r.diagnosis_backends == ["tilelang"]
 
 
-@pytest.mark.parametrize("only", ["reference", "tilelang"])
-def test_observed_is_judged_whatever_the_backend_filter(tmp_path, capsys, only):
+@pytest.mark.parametrize("only,plant", [("reference", "faults"), ("tilelang", "faults"), ("reference", "test"), ("tilelang", "test")])
+def test_observed_is_judged_whatever_the_backend_filter(tmp_path, capsys, only, plant):
     path = tmp_path / "f.safetensors"
-    synth_sparse(path, V4, "extra_cache_ignored")
+    if plant == "faults":  # refmla.sparse.faults' plain loop
+        synth_sparse(path, V4, "extra_cache_ignored")
+    else:  # this test's own code: a clean capture whose stored out is then made wrong (one head doubled)
+        case = build_case(sparse_preset(V4))
+        out, lse = planted_output(case)
+        out = out.clone()
+        out[1, 0, 3] = out[1, 0, 3] * 2 + 0.5
+        write_sparse(path, {**case.tensors(), "out": out, "lse": lse}, case.meta())
     assert main(["replay", str(path), "--json", "--backend", only, "--no-explain"]) == 1
     d = json.loads(capsys.readouterr().out)
     assert d["verdict"] == "diverged" and d["backends"]["observed"]["status"] == "fail"
