@@ -16,11 +16,7 @@ from refmla.capture import Capture
 from refmla.compare import Comparison, compare, judged_dtype
 from refmla.arithmetic import Arithmetic, producer_arithmetic
 from refmla.control import capture_control, declared_inputs, mla_decode_split_control
-from refmla.options import ReplayOptions
-
-# The hypothesis search and the localization hold one request's rows in fp64 (and its logits per
-# query row and head): a request past this many bytes is not searched, and says so (issue 22).
-SEARCH_REQUEST_BYTES = 2 << 30
+from refmla.options import SEARCH_REQUEST_BYTES, ReplayOptions
 
 
 class ReplayContext:

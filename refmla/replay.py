@@ -38,6 +38,7 @@ from refmla.merge.io import read_chunked, read_merge
 from refmla.merge.judge import judge_merge
 from refmla.isolation import KernelCrashed, KernelError, enabled, run_isolated
 from refmla.localize import localize
+from refmla.localize.entries import entry_spans
 from refmla.repeat import compare_runs
 from refmla.localize.types import Localization
 from refmla.results import PART_NAMES, BackendEntry, MetadataReport, NoiseFloor, ReplayReport, Shape
@@ -306,9 +307,22 @@ def run_sparse_backend(name: str, cap: SparseCapture, ref: SparseOutput, ctrl: S
         entry.info["findings"] = [BackendFinding("nondeterministic", outcome.text(), outcome.to_json()).to_json()]
     if entry.status == "fail":
         entry.localization = _sparse_localization(cmp, entry, cap.q.shape[1])
+        if opts.explain and cmp.row_failed is not None:
+            try:  # which entries (cache, slot) bring the worst failing row of each request back: an aid
+                failing = {}
+                for r in torch.nonzero(cmp.row_failed.any(dim=1)).flatten().tolist():
+                    failing.setdefault(r // cap.q.shape[1], []).append(r)
+                order = {b: failing[b] for b in entry.localization.requests if b in failing}
+                entry.localization.entries = entry_spans(cap, rows_of(cap), got.out, ref, ctrl, opts.tol, order)
+                entry.localization.tried.append("entries: each top-k entry's removal, then each cache's")
+            except Exception as e:
+                entry.info["localize_error"] = error_text(e)
     if not cmp.passed and opts.explain:
         try:  # the search is an aid: its failure must not cost the replay
-            entry.explanation = explain_sparse(cap, got.out, ref, ctrl, opts.tol)
+            notes: dict = {}
+            entry.explanation = explain_sparse(cap, got.out, ref, ctrl, opts.tol, notes)
+            if notes.get("search_skipped"):
+                entry.info["search_skipped"] = notes["search_skipped"]  # past the search's budget
         except Exception as e:
             entry.info["explain_error"] = error_text(e)
     entry.seconds = round(time.perf_counter() - t0, 3)

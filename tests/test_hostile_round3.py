@@ -182,6 +182,70 @@ def test_a_block_table_under_the_bound_is_inspected_in_memory_that_follows_it(tm
     assert peak < 128 * pages * PAGE, f"peak {peak / 2**20:.0f} MiB for {pages * PAGE:,} positions"
 
 
+def wide_sparse(path, sparse_good: Path, K: int, requests: int = 4) -> Path:
+    """The clean capture's every query row reading one live token K times (this test's own
+    indices): the keys a row gathers grow with K, and production's stored output (of the original
+    rows) no longer fits, so the replay judges observed failing and searches it."""
+    t, m = sparse_tensors(sparse_good)
+    token = int(t["indices"][0, 0, 0])
+    B = min(requests, t["q"].shape[0])
+    t = {k: v[:B] if k in ("q", "out", "lse", "indices", "topk_length") else v for k, v in t.items()
+         if not k.startswith("extra") and k not in ("seq_lens", "slot_indptr", "slots", "k_cache_pages")}  # fmt: skip
+    t["indices"] = torch.full((B, t["q"].shape[1], K), token, dtype=torch.int32)
+    t["topk_length"] = torch.full((B,), K, dtype=torch.int32)
+    raw_write(path, t, m)
+    return Path(path)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs /proc to read the peak")
+@pytest.mark.parametrize("cmd", ["replay", "inspect"])
+def test_a_sparse_top_k_past_the_bound_is_refused_up_front(tmp_path, sparse_good, cmd):
+    """A 1e6-entry top-k over one token was the allocator's RuntimeError (4.6 GB for one row's keys)."""
+    from refmla.sparse.validation import MAX_TOPK
+
+    path = wide_sparse(tmp_path / "wide.safetensors", sparse_good, 1_000_000, requests=1)
+    code, peak, err = measured(cmd, str(path))
+    assert code == 2
+    one_error(err, str(path), "tensor 'indices'", "1,000,000 entries", f"{MAX_TOPK:,}")
+    assert peak < 256 << 20, f"peak {peak / 2**20:.0f} MiB: the keys were gathered before the bound"
+
+
+def test_the_sparse_search_in_row_blocks_names_the_same_mistakes(tmp_path, monkeypatch):
+    """The search's candidates and the neighbour-slot ranking work in blocks of query rows (and of
+    entries), memory following a block: with one row (and one entry) a block, each planted mistake
+    (refmla.sparse.faults' plain loop, never the search) is named with the same detail."""
+    from refmla.options import ReplayOptions
+    from refmla.replay import replay_file
+    from refmla.sparse import hypotheses, misplaced, reference
+    from refmla.sparse.make import synth_sparse
+
+    paths = {f: tmp_path / f"{f}.safetensors" for f in ("scale_exponent_off_both", "other_rows_read", "sink_omitted")}
+    for fault, path in paths.items():
+        synth_sparse(path, "deepseek-v4-flash-tp8", fault)
+    whole = {f: replay_file(str(p), ReplayOptions(backends=["reference", "observed"])) for f, p in paths.items()}
+    monkeypatch.setattr(reference, "ROW_BLOCK_BYTES", 1)
+    monkeypatch.setattr(misplaced, "ROW_BLOCK_BYTES", 1)
+    monkeypatch.setattr(hypotheses, "CACHED_KEYS_BYTES", 0)
+    for fault, path in paths.items():
+        got = replay_file(str(path), ReplayOptions(backends=["reference", "observed"])).backends["observed"].explanation
+        want = whole[fault].backends["observed"].explanation
+        assert want is not None and got is not None and got.hypothesis == want.hypothesis, (fault, got, want)
+        assert got.detail == want.detail and got.request == want.request, (fault, got.detail, want.detail)
+
+
+def test_a_sparse_call_past_the_search_budget_says_so(tmp_path, sparse_good, monkeypatch):
+    """A call whose requests' rows are past the search's budget is not searched, and says so
+    (info.search_skipped, as the dense search does); the finding stays a fail."""
+    from refmla.sparse import hypotheses
+
+    path = wide_sparse(tmp_path / "wide.safetensors", sparse_good, 4096)
+    monkeypatch.setattr(hypotheses, "SEARCH_REQUEST_BYTES", 1 << 20)
+    code, out, err = run_cli("replay", str(path), "--backend", "reference", "--json")
+    obs = json.loads(out)["backends"]["observed"]
+    assert code == 1 and obs["status"] == "fail" and obs.get("explanation") is None
+    assert "4,096 entries" in obs["info"]["search_skipped"] and "not searched" in obs["info"]["search_skipped"]
+
+
 # --- 3. one bad capture is its own report, serial and --jobs -----------------------------------
 
 

@@ -244,3 +244,25 @@ def test_the_kv_map_is_validated_on_write(pairs, tmp_path):
     found = [str(e) for e in problems(cap)]
     assert found and "tensor 'slot_indptr'" in found[0] and "seq_lens says" in found[0]
     assert isinstance(problems(cap)[0], CaptureError)
+
+
+def test_disagg_plot_with_a_diverging_sparse_decode_capture_says_it_is_not_drawn(tmp_path):
+    """--plot draws dense replays; a sparse decode capture whose replay diverges is refused in one
+    stderr line (issue 33 class 6: it was skipped in silence), the disagg report unchanged."""
+    pytest.importorskip("matplotlib")
+    from safetensors import safe_open
+
+    from helpers import raw_write
+
+    folder = tmp_path / "pair"
+    assert run_cli("synth-disagg", str(folder), "--preset", "disagg-v4", "--fault", "none")[0] == 0
+    path = sorted((folder / "decode").glob("*.safetensors"))[0]
+    with safe_open(str(path), "pt") as f:
+        t, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()["meta"]
+    t["out"] = (t["out"].double() * 2 + 1).to(t["out"].dtype)  # production's output off, by this test's code
+    raw_write(path, t, json.loads(meta))
+    code, out, err = run_cli("disagg", str(folder / "prefill"), str(folder / "decode"), "--backend", "reference",
+                             "--plot", str(tmp_path / "plots"))  # fmt: skip
+    said = [ln for ln in error_lines(err) if "--plot" in ln]
+    assert code == 1 and len(said) == 1 and str(path) in said[0] and "not drawn" in said[0], err
+    assert not list((tmp_path / "plots").glob(f"{path.stem}*"))

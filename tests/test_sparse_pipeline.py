@@ -77,10 +77,17 @@ def test_a_segfaulting_sparse_kernel_is_its_error_every_other_result_kept(tmp_pa
     assert r.verdict == "diverged" and r.diagnosis == "backend_error" and r.diagnosis_backends == ["tilelang"]
 
 
-@pytest.mark.parametrize("only", ["reference", "tilelang"])
-def test_observed_is_judged_whatever_the_backend_filter(tmp_path, capsys, only):
+@pytest.mark.parametrize("only,plant", [("reference", "faults"), ("tilelang", "faults"), ("reference", "test"), ("tilelang", "test")])
+def test_observed_is_judged_whatever_the_backend_filter(tmp_path, capsys, only, plant):
     path = tmp_path / "f.safetensors"
-    synth_sparse(path, V4, "extra_cache_ignored")
+    if plant == "faults":  # refmla.sparse.faults' plain loop
+        synth_sparse(path, V4, "extra_cache_ignored")
+    else:  # this test's own code: a clean capture whose stored out is then made wrong (one head doubled)
+        case = build_case(sparse_preset(V4))
+        out, lse = planted_output(case)
+        out = out.clone()
+        out[1, 0, 3] = out[1, 0, 3] * 2 + 0.5
+        write_sparse(path, {**case.tensors(), "out": out, "lse": lse}, case.meta())
     assert main(["replay", str(path), "--json", "--backend", only, "--no-explain"]) == 1
     d = json.loads(capsys.readouterr().out)
     assert d["verdict"] == "diverged" and d["backends"]["observed"]["status"] == "fail"
@@ -207,3 +214,32 @@ def test_flashmla_sparse_absent_is_skipped_with_the_reason(tmp_path, monkeypatch
     synth_sparse(path, V4)
     e = replay_file(str(path), ReplayOptions(backends=["flashmla_sparse"])).backends["flashmla_sparse"]
     assert e.status == "skipped" and "FlashMLA's sparse decode is not importable" in e.reason
+
+
+@pytest.mark.parametrize("fault", ["window_off_by_one", "extra_cache_ignored", "other_rows_read"])
+def test_the_localization_names_the_entries_whose_removal_brings_the_row_back(tmp_path, fault):
+    """Per failing request, the top-k entry (cache, its position in that cache's list, the slot) or
+    the cache whose removal brings its row back, else the entry carrying the error (issue 28); the
+    faults planted by refmla.sparse.faults' plain loop, the entries read back from the file here."""
+    from safetensors import safe_open
+
+    path = tmp_path / "f.safetensors"
+    synth_sparse(path, V4, fault)
+    obs = replay_file(str(path), ReplayOptions(backends=["reference", "observed"])).backends["observed"]
+    loc = obs.localization.to_json()
+    assert loc["entries"] and [e["request"] for e in loc["entries"]] == loc["requests"][: len(loc["entries"])]
+    with safe_open(str(path), "pt") as f:
+        indices = f.get_tensor("indices")
+    first = loc["entries"][0]
+    if fault == "extra_cache_ignored":  # no one entry: the whole compressed cache
+        assert all(e["cache"] == "extra" and "entry" not in e and e["how"] == "removal restores" for e in loc["entries"])
+        assert "the compressed cache's entries: removal restores" in loc["text"]
+    elif fault == "window_off_by_one":  # the oldest entry of the full window, each failing request
+        for e in loc["entries"]:
+            assert (e["cache"], e["entry"], e["how"]) == ("main", 0, "removal restores")
+            assert e["slot"] == int(indices[e["request"], 0, 0])
+    else:  # the entry read at its neighbour: its removal does not restore, it carries most of the error
+        detail = obs.explanation.detail
+        assert (first["cache"], first["entry"], first["how"]) == (detail["cache"], detail["entry"], "carries the error")
+        assert first["slot"] == detail["slot_meant"] == int(indices[first["request"], 0, first["entry"]])
+        assert first["share"] > 0.5

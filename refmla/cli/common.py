@@ -113,6 +113,16 @@ def json_documents() -> int:
     return _PRINTED[0]
 
 
+def drawable(reports: Sequence[Any]) -> list[Any]:
+    """The reports --plot draws (dense kinds); each sparse decode capture's refused in one line on
+    stderr, its replay unchanged (the plots read dense captures)."""
+    for r in reports:
+        if getattr(r, "kind", None) == "sparse_decode":
+            print(f"refmla: --plot: {r.capture}: not drawn: the plots read dense captures, not a sparse decode capture",
+                  file=sys.stderr)  # fmt: skip
+    return [r for r in reports if getattr(r, "kind", None) != "sparse_decode"]
+
+
 def need_matplotlib() -> None:
     """--plot without matplotlib: one line, exit 2, before any work."""
     try:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 
 from refmla.backends import NAMES
-from refmla.cli.common import UsageError, expand_captures, need_matplotlib, print_json, unrun_exit, worst_exit
+from refmla.cli.common import (UsageError, drawable, expand_captures, need_matplotlib, print_json, unrun_exit,
+                               worst_exit)
 from refmla.cli.replay_flags import add_replay_flags, replay_options
 from refmla.capture import CaptureError
 from refmla.disagg import run_disagg
@@ -68,7 +69,7 @@ def _plots(report, out_dir) -> list[str]:
 
     from refmla.plots import plot_diff_kv, plot_replay  # matplotlib is optional: imported only when asked for
 
-    written = [str(p) for p in plot_replay([r for r in report.replays if r.verdict == "diverged"], out_dir)]
+    written = [str(p) for p in plot_replay(drawable([r for r in report.replays if r.verdict == "diverged"]), out_dir)]
     for i, diff in enumerate(d for d in report.diffs if not d.ok):
         written += [str(p) for p in plot_diff_kv(diff, Path(out_dir) / f"diff-kv-{i}")]
     for path in written:

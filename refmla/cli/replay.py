@@ -7,12 +7,11 @@ import sys
 from refmla.atomic import WriteError
 from refmla.backends import ALL_NAMES
 from refmla.batch import replay_many
-from refmla.cli.common import (EXIT_INVALID, expand_captures, need_matplotlib, print_json, report_invalid, single_file,
-                               unrun_exit, worst_exit)
+from refmla.cli.common import (EXIT_INVALID, drawable, expand_captures, need_matplotlib, print_json, report_invalid,
+                               single_file, unrun_exit, worst_exit)
 from refmla.cli.replay_flags import add_replay_flags, replay_options
 from refmla.render.replay import render_or_say, summary_table
 from refmla.replay import SPARSE_ONLY, worst_status
-from refmla.sparse.format import SPARSE_MODE
 from refmla.series import attach_series
 from refmla.util import error_text, first_line
 from refmla.merge.backends import BACKENDS as MERGE_BACKENDS
@@ -42,11 +41,7 @@ def run(args) -> int:
             attach_series(reports, opts)  # findings against the previous step, and stale_metadata
         except Exception as e:  # an aid across captures: never the cost of the reports themselves
             print(f"refmla: warning: series checks skipped: {error_text(e)}", file=sys.stderr)
-    failed = _plots([r for r in reports if r.kind != SPARSE_MODE], args.plot) if args.plot else []
-    for r in reports if args.plot else []:  # refused in one line each, the replay itself unchanged
-        if r.kind == SPARSE_MODE:
-            print(f"refmla: --plot: {r.capture}: not drawn: the plots read dense captures, not a sparse decode capture",
-                  file=sys.stderr)  # fmt: skip
+    failed = _plots(drawable(reports), args.plot) if args.plot else []
     if args.json:
         print_json(reports[0] if len(reports) == 1 and single_file(args.captures) else reports)
     else:

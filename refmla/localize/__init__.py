@@ -7,6 +7,7 @@ can be localized, ``tried`` says what was searched.
     stages.py     split kernels: stage-1 partials, stage-1 lse, stage-2 merge, final lse
     lse.py        a final lse in log2 units (or ln where log2 was meant)
     positions.py  one request's (or split's) positions, by removing or zeroing blocks of them
+    entries.py    a sparse capture's request: the top-k entries (cache, position, slot) or the cache whose removal restores
 """
 
 from __future__ import annotations

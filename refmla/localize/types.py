@@ -56,6 +56,7 @@ class Localization:
     spans: list[Span] = field(default_factory=list)
     tried: list[str] = field(default_factory=list)  # what was searched, found or not
     cause: Optional[dict[str, Any]] = None  # a named cause of a part no hypothesis covers (lse_units)
+    entries: list = field(default_factory=list)  # a sparse capture's top-k entries (refmla.localize.entries.EntrySpan)
 
     def text(self) -> str:
         """"request 1 heads 0-7, positions 640..703 (page 10): removal restores, stage 1 (split partials)"."""
@@ -66,6 +67,7 @@ class Localization:
         if len(self.requests) > 1:
             parts[0] += f" (and request(s) {', '.join(map(str, self.requests[1:6]))})"
         parts += [s.text() for s in self.spans if s.request == b][:2]
+        parts += [e.text() for e in self.entries if e.request == b][:2]
         if self.stage:
             parts.append(STAGES[self.stage])
         if self.cause is not None:
@@ -78,7 +80,8 @@ class Localization:
     def to_json(self) -> dict[str, Any]:
         return {"requests": list(self.requests), "heads": {str(b): h for b, h in self.heads.items()},
                 "stage": self.stage, "spans": [s.to_json() for s in self.spans], "tried": list(self.tried),
-                "cause": self.cause, "text": self.text()}  # fmt: skip
+                "cause": self.cause, **({"entries": [e.to_json() for e in self.entries]} if self.entries else {}),
+                "text": self.text()}  # fmt: skip
 
 
 def _ranges(xs: list[int]) -> str:

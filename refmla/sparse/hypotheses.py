@@ -25,11 +25,12 @@ from typing import Callable, Optional
 import torch
 
 from refmla.compare import Tolerance
+from refmla.options import SEARCH_REQUEST_BYTES
 from refmla.results import Alternative, Explanation
 from refmla.sparse.format import SparseCapture
 from refmla.sparse.layouts import dequantize
 from refmla.sparse.misplaced import neighbour_slot, rows_permuted
-from refmla.sparse.reference import SparseOutput, gather_keys, judge_out, rows_of, sparse_attention
+from refmla.sparse.reference import SparseOutput, gather_keys, judge_out, row_blocks, rows_of, sparse_attention
 from refmla.sparse.rows import SparseRows, raw_rows, sparse_rows
 
 
@@ -46,10 +47,25 @@ class Mistake:
 
 
 MAX_CACHED_TOKENS = 1 << 17  # pools up to this many tokens are decoded once per search
+CACHED_KEYS_BYTES = 256 << 20  # the base keys [R, Kt, D] fp64 kept for the whole search up to this size
+
+
+def too_large_to_search(cap: SparseCapture, rows: SparseRows) -> Optional[str]:
+    """Why the call is past the search's budget (the dense one's, SEARCH_REQUEST_BYTES a request: its
+    rows' gathered keys in fp64 and their logits), or None. The search works in blocks of query rows
+    (the reference's), so its memory follows a block; this bounds the work a request may ask of it."""
+    B, S, H, D = cap.q.shape
+    W = rows.token.shape[1]
+    need = S * W * (D * 8 + H * 8)
+    if need <= SEARCH_REQUEST_BYTES:
+        return None
+    return (f"each request's {S} query row(s) attend up to {W:,} entries: searching one would hold "
+            f"{need / 2**30:.1f} GiB (budget {SEARCH_REQUEST_BYTES / 2**30:.0f} GiB); not searched")  # fmt: skip
 
 
 class Decoded:
-    """Each cache decoded once for the whole search (small pools), else token by token."""
+    """Each cache decoded once for the whole search (small pools), else token by token; the rows
+    every candidate reads unless it says otherwise, and their keys when they are small."""
 
     def __init__(self, cap: SparseCapture):
         self.cap, self.full = cap, {}
@@ -58,7 +74,9 @@ class Decoded:
             if cache is not None and cache.shape[0] * page <= MAX_CACHED_TOKENS:
                 self.full[id(cache)] = dequantize(cache, layout, page, cap.meta.kv_fp8_dtype)
         self.base_rows = rows_of(cap)
-        self.base_keys = gather_keys(cap, self.base_rows, decode=self)  # [R, Kt, D], what most candidates read
+        R, W = self.base_rows.token.shape
+        small = R * W * cap.meta.layout.head_dim * 8 <= CACHED_KEYS_BYTES
+        self.base_keys = gather_keys(cap, self.base_rows, decode=self) if small else None  # [R, Kt, D]
 
     def __call__(self, cache, layout, page, fp8, tokens):
         full = self.full.get(id(cache))
@@ -66,28 +84,34 @@ class Decoded:
 
 
 def _attend(cap: SparseCapture, mk: Mistake, decoded: Decoded) -> SparseOutput:
-    rows = mk.rows(cap) if mk.rows else rows_of(cap)
+    """The fp64 output with ``mk`` made, block of query rows by block (the reference's blocks)."""
+    base = decoded.base_rows
+    rows = mk.rows(cap) if mk.rows else base
     main_decode = mk.decode or decoded
 
     def decode(cache, layout, page, fp8, tokens):
         return (main_decode if cache is cap.k_cache else decoded)(cache, layout, page, fp8, tokens)
 
-    base = decoded.base_rows
-    same = (mk.decode is None and rows.token.shape == base.token.shape and torch.equal(rows.token, base.token)
-            and torch.equal(rows.pool_id, base.pool_id) and not bool((rows.valid & ~base.valid).any()))  # fmt: skip
-    keys = decoded.base_keys.clone() if same else gather_keys(cap, rows, decode=decode)
-    if mk.tile is not None:
-        tile, factor, pools = mk.tile
-        width = cap.meta.layout.tile
-        hit = torch.isin(rows.pool_id, torch.tensor(pools, dtype=torch.int8))[..., None]  # [R, W, 1]
-        keys = torch.where(hit & (torch.arange(keys.shape[-1]) // width == tile), keys * factor, keys)  # [R, W, D]
+    same = (decoded.base_keys is not None and mk.decode is None and rows.token.shape == base.token.shape
+            and torch.equal(rows.token, base.token) and torch.equal(rows.pool_id, base.pool_id)
+            and not bool((rows.valid & ~base.valid).any()))  # fmt: skip
     B, S, H, D = cap.q.shape
+    Dv, q = cap.meta.head_dim_v, cap.q.reshape(B * S, H, D)
     sink = cap.attn_sink
     if sink is not None:
         sink = None if mk.sink_terms == 0 else sink.double() + math.log(mk.sink_terms)
-    out, lse = sparse_attention(cap.q.reshape(B * S, H, D), keys, rows.valid, sink, cap.meta.softmax_scale * mk.scale,
-                                cap.meta.head_dim_v)  # fmt: skip
-    return SparseOutput(out.reshape(B, S, H, cap.meta.head_dim_v), lse.reshape(B, S, H))
+    out = torch.zeros(B * S, H, Dv, dtype=torch.float64)  # [R, H, Dv]
+    lse = torch.full((B * S, H), float("inf"), dtype=torch.float64)  # [R, H]
+    for sl in row_blocks(rows, D):
+        part = rows.part(sl)
+        keys = decoded.base_keys[sl].clone() if same else gather_keys(cap, part, decode=decode)  # [n, W, D]
+        if mk.tile is not None:
+            tile, factor, pools = mk.tile
+            width = cap.meta.layout.tile
+            hit = torch.isin(part.pool_id, torch.tensor(pools, dtype=torch.int8))[..., None]  # [n, W, 1]
+            keys = torch.where(hit & (torch.arange(keys.shape[-1]) // width == tile), keys * factor, keys)  # [n, W, D]
+        out[sl], lse[sl] = sparse_attention(q[sl], keys, part.valid, sink, cap.meta.softmax_scale * mk.scale, Dv)
+    return SparseOutput(out.reshape(B, S, H, Dv), lse.reshape(B, S, H))
 
 
 def _lengths_ignored(scope: str) -> Callable[[SparseCapture], SparseRows]:
@@ -175,11 +199,17 @@ def mistakes(cap: SparseCapture) -> list[Mistake]:
 
 
 def explain(cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctrl: SparseOutput,
-            tol: Tolerance) -> Optional[Explanation]:  # fmt: skip
+            tol: Tolerance, notes: Optional[dict] = None) -> Optional[Explanation]:  # fmt: skip
     """The simplest mistake whose output ``out`` matches within the tolerance (the dense
     :class:`~refmla.results.Explanation`), with the others that do as its alternatives. Each candidate
     keeps the capture's own noise floor: its control is the candidate plus the control's error
-    against the reference, row by row."""
+    against the reference, row by row. A call past the search's budget is not searched: None, and
+    ``notes["search_skipped"]`` says why (the dense search's ``info.search_skipped``)."""
+    too_large = too_large_to_search(cap, rows_of(cap))
+    if too_large is not None:
+        if notes is not None:
+            notes["search_skipped"] = too_large
+        return None
     noise = torch.nan_to_num(ctrl.out - ref.out)
     decoded = Decoded(cap)
     fits = []
@@ -220,4 +250,4 @@ def _ratio(worst) -> float:
     return float(r) if r is not None else 0.0
 
 
-__all__ = ["Mistake", "explain", "mistakes"]
+__all__ = ["Mistake", "explain", "mistakes", "too_large_to_search"]

@@ -21,7 +21,7 @@ import torch
 from refmla.compare import Comparison, Tolerance
 from refmla.sparse.format import SparseCapture
 from refmla.sparse.layouts import dequantize
-from refmla.sparse.reference import SparseOutput, gather_keys, judge_out, rows_of, sparse_attention
+from refmla.sparse.reference import ROW_BLOCK_BYTES, SparseOutput, gather_keys, judge_out, rows_of, sparse_attention
 
 
 def failing_rows(c: Comparison) -> list[int]:
@@ -66,7 +66,7 @@ def neighbour_slot(cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctr
     best = None
     for shift in (1, -1):
         moved, ok = _moved_keys(cap, tokens, pools, valid, shift)  # [W, D], [W]
-        err = _one_entry_errors(cap, q, keys, moved, valid, want)  # [W]
+        err = one_entry_errors(cap, q, keys, valid, want, moved)  # [W]
         err = torch.where(ok, err, torch.full_like(err, float("inf")))
         j = int(err.argmin())
         if best is None or float(err[j]) < best[0]:
@@ -84,7 +84,7 @@ def neighbour_slot(cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctr
     if not judged.passed:
         return None
     pool = int(pools[j])
-    listed = _list_positions(cap, r, pool)
+    listed = list_positions(cap, r, pool)
     entry = listed[int(((pools == pool) & valid)[:j].sum())]
     meant = int(tokens[j])
     return {"entry": entry, "cache": "extra" if pool else "main", "slot_read": meant + shift, "slot_meant": meant}, r // S, judged
@@ -108,10 +108,11 @@ def _moved_keys(cap: SparseCapture, tokens: torch.Tensor, pools: torch.Tensor, v
     return moved, ok
 
 
-def _one_entry_errors(cap: SparseCapture, q: torch.Tensor, keys: torch.Tensor, moved: torch.Tensor,
-                      valid: torch.Tensor, want: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def one_entry_errors(cap: SparseCapture, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, want: torch.Tensor,
+                     moved: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
     """[W]: the row's max abs error against ``want`` [H, Dv] when entry j alone reads ``moved[j]``
-    (a rank-one update of the softmax's numerator and denominator, per entry)."""
+    (None: entry j is not read at all), by a rank-one update of the softmax's numerator and
+    denominator per entry, in chunks of entries within the block budget."""
     Dv, scale = cap.meta.head_dim_v, cap.meta.softmax_scale
     keys = torch.where(valid[:, None], keys, 0.0)
     s = scale * keys @ q.T  # [W, H]
@@ -122,13 +123,21 @@ def _one_entry_errors(cap: SparseCapture, q: torch.Tensor, keys: torch.Tensor, m
     if cap.attn_sink is not None:
         Z = Z + torch.exp(cap.attn_sink.double() - m)
     N = w.T @ keys[:, :Dv]  # [H, Dv]
-    w2 = torch.exp((scale * moved @ q.T - m).clamp(max=700.0)).masked_fill(~valid[:, None], 0.0)  # [W, H]
-    N2 = N[None] - w[..., None] * keys[:, None, :Dv] + w2[..., None] * moved[:, None, :Dv]  # [W, H, Dv]
-    Z2 = Z[None] - w + w2  # [W, H]
-    return (N2 / Z2[..., None] - want[None]).abs().nan_to_num(float("inf")).amax(dim=(1, 2))
+    if moved is None:
+        moved, w2 = keys, torch.zeros_like(w)
+    else:
+        w2 = torch.exp((scale * moved @ q.T - m).clamp(max=700.0)).masked_fill(~valid[:, None], 0.0)  # [W, H]
+    err = torch.empty(keys.shape[0], dtype=torch.float64)  # [W]
+    step = max(1, ROW_BLOCK_BYTES // (3 * 8 * q.shape[0] * Dv))  # entries a chunk updates: [n, H, Dv] within the block budget
+    for j in range(0, keys.shape[0], step):
+        c = slice(j, j + step)
+        N2 = N[None] - w[c, :, None] * keys[c, None, :Dv] + w2[c, :, None] * moved[c, None, :Dv]  # [n, H, Dv]
+        Z2 = Z[None] - w[c] + w2[c]  # [n, H]
+        err[c] = (N2 / Z2[..., None] - want[None]).abs().nan_to_num(float("inf")).amax(dim=(1, 2))
+    return err
 
 
-def _list_positions(cap: SparseCapture, r: int, pool: int) -> list[int]:
+def list_positions(cap: SparseCapture, r: int, pool: int) -> list[int]:
     """The positions in row r's index list (of ``pool``'s cache) of the entries it reads, in order."""
     B, S = cap.q.shape[:2]
     idx, ln = (cap.indices, cap.topk_length) if pool == 0 else (cap.extra_indices, cap.extra_topk_length)
@@ -137,4 +146,4 @@ def _list_positions(cap: SparseCapture, r: int, pool: int) -> list[int]:
     return [k for k in range(min(n, row.shape[0])) if int(row[k]) != -1]
 
 
-__all__ = ["neighbour_slot", "rows_permuted"]
+__all__ = ["list_positions", "neighbour_slot", "one_entry_errors", "rows_permuted"]

@@ -28,6 +28,10 @@ from refmla.results import Finding
 from refmla.util import dtype_name, request_label
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+# entries in one index list of a query row (K of indices, K2 of extra_indices), at most: V3.2 reads
+# 2,048, V4 128 + 512; one row's keys in fp64 (both lists: 2 x 32,768 x 576 x 8 bytes = 302 MB) then
+# fit the 2 GiB a replay may use (the reference's blocks are one row at least; issue 33)
+MAX_TOPK = 1 << 15
 def _ratio(cap: SparseCapture) -> list[tuple[str, str]]:
     """A compressed layer's call carries its compressed cache, a window-only layer's none (SGLang's
     _forward_attention passes extra_k_cache exactly when the layer's ratio is > 0)."""
@@ -100,6 +104,8 @@ def _scope(cap: SparseCapture, prefix: str, idx, lengths, tokens: int) -> list[t
     name = f"{prefix}indices"
     if idx.dtype not in INDEX_DTYPES or idx.dim() != 3 or tuple(idx.shape[:2]) != (B, S):
         return [(name, f"{dtype_name(idx.dtype)} {list(idx.shape)}, expected int32 [{B}, {S}, K]")]
+    if idx.shape[2] > MAX_TOPK:
+        return [(name, f"{idx.shape[2]:,} entries per query row: past the bound {MAX_TOPK:,} (docs/contract.md, Bounds)")]
     out = []
     low = idx < -1
     if bool(low.any()):
