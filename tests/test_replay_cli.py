@@ -88,6 +88,9 @@ def test_doctor_lists_every_backend(capsys):
                      "aiter_decode_per_query", "vllm_triton", "flashmla", "flashinfer_mla", "cutlass_mla", "fa3_mla"]
     sparse = [r["backend"] for r in rows if r["kind"] == "sparse_decode"]  # the sparse decode kernels (issue 28)
     assert sparse == ["triton", "aiter_sparse", "tilelang", "flashmla_sparse"]
+    merges = {r["backend"]: r for r in rows if r["kind"] == "merge"}  # the state merges (issue 32)
+    assert list(merges) == ["vllm_triton_merge", "sglang_triton_merge"]
+    assert merges["sglang_triton_merge"]["usable"], merges["sglang_triton_merge"]["detail"]  # SGLang installed here
     assert all(isinstance(r["usable"], bool) and r["detail"] for r in rows)
 
 

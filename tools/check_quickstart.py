@@ -45,7 +45,7 @@ def run_json(cmd: list[str]) -> tuple[int, object]:
 
 
 def doctor_problems(rows: list[dict]) -> list[str]:
-    by_name = {r["backend"]: r for r in rows}
+    by_name = {r["backend"]: r for r in rows if r.get("kind", "dense") == "dense"}  # not the sparse kernel named triton
     problems = []
     triton = by_name.get("triton", {"usable": False, "detail": "missing from doctor"})
     if not triton["usable"]:

@@ -11,6 +11,8 @@ import torch
 from refmla.backends import ALL_NAMES, get_backend
 from refmla.backends.engines import KERNELS, package_versions
 from refmla.cli.common import EXIT_OK, print_json
+from refmla.merge.backends import KERNELS as MERGE_KERNELS
+from refmla.merge.backends import availability as merge_availability
 from refmla.sparse.backends import KERNELS as SPARSE_KERNELS
 from refmla.sparse.backends import availability as sparse_availability
 
@@ -37,6 +39,9 @@ def doctor(args) -> int:
         ok, why = sparse_availability(name)
         engine, kernel = SPARSE_ENGINES[name]
         rows.append({"backend": name, "usable": ok, "detail": why, "engine": engine, "kernel": kernel, "kind": "sparse_decode"})
+    for name, (engine, _, kernel) in MERGE_KERNELS.items():  # the state merges (merge / chunked-prefill captures)
+        ok, why = merge_availability(name)
+        rows.append({"backend": name, "usable": ok, "detail": why, "engine": engine, "kernel": kernel, "kind": "merge"})
     if args.json:
         print_json(rows)
         return EXIT_OK
@@ -44,7 +49,8 @@ def doctor(args) -> int:
     print(f"python {platform.python_version()}  torch {torch.__version__}  gpu {gpu}  "
           f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}")  # fmt: skip
     print("engines and kernel packages: " + ", ".join(f"{k} {v}" for k, v in package_versions().items()))
-    label = {id(r): r["backend"] + (" (sparse)" if r["kind"] == "sparse_decode" else "") for r in rows}
+    suffix = {"sparse_decode": " (sparse)", "merge": " (merge)"}
+    label = {id(r): r["backend"] + suffix.get(r["kind"], "") for r in rows}
     width = max(len(v) for v in label.values())
     for r in rows:
         print(f"  {label[id(r)]:<{width}} {'usable' if r['usable'] else 'unavailable':<12} "

@@ -74,5 +74,25 @@ def sglang_triton_merge(cap: MergeCapture) -> tuple[torch.Tensor, torch.Tensor]:
 BACKENDS: dict[str, Callable[[MergeCapture], tuple[torch.Tensor, torch.Tensor]]] = {
     "vllm_triton_merge": vllm_triton_merge, "sglang_triton_merge": sglang_triton_merge,
 }  # fmt: skip
+KERNELS = {"vllm_triton_merge": ("vllm", "vllm.v1.attention.ops.triton_merge_attn_states", "merge_attn_states"),
+           "sglang_triton_merge": ("sglang", "sglang.kernels.ops.attention.merge_state", "merge_state_triton")}  # fmt: skip
 
-__all__ = ["BACKENDS", "Unavailable"]
+
+def availability(name: str) -> tuple[bool, str]:
+    """(usable, what runs or why not) for the merge kernel ``name`` (`refmla doctor`); never raises."""
+    _, module, fn = KERNELS[name]
+    ok, note = ensure_interpreter()
+    if not ok and "GPU" not in note:
+        return False, note
+    if name == "vllm_triton_merge":
+        seen, why = vllm_triton_on_cpu()
+        if not seen:
+            return False, why
+    try:
+        getattr(__import__(module, fromlist=[fn]), fn)
+    except Exception as e:
+        return False, f"{module}.{fn}: {type(e).__name__}: {e}"
+    return True, f"{module}.{fn}" + (" (interpreter)" if interpreter_active() else "")
+
+
+__all__ = ["BACKENDS", "KERNELS", "Unavailable", "availability"]
