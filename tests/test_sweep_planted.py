@@ -76,6 +76,34 @@ def test_the_trigger_names_one_axis_or_two_at_once():
     assert trigger(_results(lambda p: False), "k", "reference") is None
 
 
+def test_the_trigger_reads_the_failing_layouts_and_what_the_shrink_left():
+    """The heads32 run of this round: one failing block-table case at 32 heads, length 1023, and a
+    passing case at 32 heads in the sparse layout (another kernel under the same name). The sparse
+    case does not count against heads = 32; the shrink took the length to 2 and the batch to 1
+    while the case kept failing, so neither is the trigger; what the cases cannot tell apart is said."""
+    from refmla.sweep.report import CaseResult, CheckOutcome, trigger
+    from refmla.sweep.run import shrunk_away
+
+    points = [("block_table", {"heads": 32, "length": "1023", "batch": 8, "splits": "16"}, "fail"),
+              ("block_table", {"heads": 16, "length": "page", "batch": 1, "splits": "8"}, "pass"),
+              ("block_table", {"heads": 4, "length": "1", "batch": 64, "splits": "2"}, "pass"),
+              ("sparse", {"heads": 32, "length": "2", "batch": 8, "splits": "none"}, "pass"),
+              ("sparse", {"heads": 4, "length": "1023", "batch": 3, "splits": "none"}, "pass")]  # fmt: skip
+    cases = []
+    for i, (layout, point, status) in enumerate(points):
+        res = CaseResult(i, layout, point, {})
+        res.outcomes["triton"] = {"reference": CheckOutcome("reference", status)}
+        cases.append(res)
+    away = shrunk_away(["requests 8 -> 4", "request 0 length 1023 -> 2", "request 0 context 9 -> 4"])
+    assert away == {"batch", "length"}
+    t = trigger(cases, "triton", "reference", away)
+    assert (t.axis, t.value, t.whenever) == ("heads", 32, True)  # not 1 of 2: the sparse case is another kernel
+    assert t.ties == ["splits = 16"] and "as well: splits = 16" in t.text()
+    assert (t.cases_with, t.cases_elsewhere) == (1, 2)  # the two passing block-table cases only
+    plain = trigger(cases, "triton", "reference")  # without the shrink's word, length and batch tie too
+    assert {"length = 1023", "batch = 8"} <= set(plain.ties) | {f"{plain.axis} = {plain.value}"}
+
+
 def test_space_values_and_cases():
     assert [length_of(v, 16, 2) for v in ("0", "page-1", "page+1", "32k-1", "32k+1", "4097")] == [0, 15, 17, 63, 65, 4097]
     with pytest.raises(ValueError, match="heads"):

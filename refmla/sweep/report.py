@@ -65,6 +65,7 @@ class Trigger:
     cases_elsewhere: int
     and_axis: Optional[str] = None  # a second axis whose value, with the first, separates better
     and_value: Any = None
+    ties: list = field(default_factory=list)  # "axis = value" of values with exactly the same cases
 
     @property
     def whenever(self) -> bool:
@@ -74,20 +75,27 @@ class Trigger:
     def text(self) -> str:
         how = "fails whenever" if self.whenever else "fails most where"
         both = f" and {self.and_axis} = {self.and_value}" if self.and_axis else ""
+        ties = f"; as well: {', '.join(self.ties)} (not told apart by these cases)" if self.ties else ""
         return (f"{how} {self.axis} = {self.value}{both} ({self.failing_with} of {self.cases_with} cases; "
-                f"{self.failing_elsewhere} of {self.cases_elsewhere} others)")  # fmt: skip
+                f"{self.failing_elsewhere} of {self.cases_elsewhere} others{ties})")  # fmt: skip
 
     def to_json(self) -> dict:
         return json_safe({**asdict(self), "whenever": self.whenever, "text": self.text()})
 
 
-def trigger(cases: Sequence[CaseResult], backend: str, check: str) -> Optional[Trigger]:
+def trigger(cases: Sequence[CaseResult], backend: str, check: str, not_needed: frozenset = frozenset()) -> Optional[Trigger]:
     """The (axis, value) whose cases fail ``check`` the most alike the failing set (F1 score), or
     two of them at once ("heads = 32 and kv = float8_e4m3fn") where the pair separates strictly
     better and holds two failing cases at least; None when nothing failed. Only cases where the
-    check ran (pass, fail or error) count."""
+    check ran (pass, fail or error) count, and only in the layouts where it failed (a layout no
+    failure came from runs another kernel under the same name, e.g. SGLang's sparse Triton kernel).
+    ``not_needed``: axes the shrink moved away from while the case kept failing (its length, its
+    batch, its heads): their values are not what triggers it. Values that separate as well as the
+    one named are kept in ``ties`` (the cases seen cannot tell them apart)."""
+    failed_in = {c.layout for c in cases if backend in c.outcomes and c.outcomes[backend].get(check)
+                 and c.outcomes[backend][check].failed}  # fmt: skip
     ran = [(c.point, c.outcomes[backend][check].failed) for c in cases
-           if backend in c.outcomes and c.outcomes[backend].get(check) and
+           if c.layout in failed_in and c.outcomes[backend].get(check) and
            c.outcomes[backend][check].status in ("pass", "fail", "error")]  # fmt: skip
     failing = sum(f for _, f in ran)
     if not failing:
@@ -95,18 +103,24 @@ def trigger(cases: Sequence[CaseResult], backend: str, check: str) -> Optional[T
     cases_of: dict[tuple[str, str], int] = {}  # (axis, repr(value)) -> bitmask of the cases with it
     for i, (p, _) in enumerate(ran):
         for a, v in p.items():
-            cases_of[(a, repr(v))] = cases_of.get((a, repr(v)), 0) | (1 << i)
+            if a not in not_needed:
+                cases_of[(a, repr(v))] = cases_of.get((a, repr(v)), 0) | (1 << i)
     failed = sum(1 << i for i, (_, f) in enumerate(ran) if f)
     values = sorted(cases_of)
+    if not values:
+        return None
+
+    def scored(conds) -> tuple[float, tuple, int, int]:
+        mask = cases_of[conds[0]] if len(conds) == 1 else cases_of[conds[0]] & cases_of[conds[1]]
+        hit, n = bin(mask & failed).count("1"), bin(mask).count("1")
+        return 2 * hit / (n + failing), conds, hit, n
 
     def best_of(candidates) -> Optional[tuple[float, tuple, int, int]]:
         best = None
         for conds in candidates:
-            mask = cases_of[conds[0]] if len(conds) == 1 else cases_of[conds[0]] & cases_of[conds[1]]
-            hit, n = bin(mask & failed).count("1"), bin(mask).count("1")
-            score = 2 * hit / (n + failing)
-            if best is None or score > best[0] + 1e-12:
-                best = (score, conds, hit, n)
+            got = scored(conds)
+            if best is None or got[0] > best[0] + 1e-12:
+                best = got
         return best
 
     one = best_of((av,) for av in values)
@@ -118,6 +132,9 @@ def trigger(cases: Sequence[CaseResult], backend: str, check: str) -> Optional[T
     t = Trigger(axis, _plain(value), hit, n, failing - hit, len(ran) - n)
     if rest:
         t.and_axis, t.and_value = rest[0][0], _plain(rest[0][1])
+    else:
+        t.ties = [f"{a} = {_plain(v)}" for a, v in values
+                  if (a, v) != (axis, value) and cases_of[(a, v)] == cases_of[(axis, value)]]  # fmt: skip
     return t
 
 

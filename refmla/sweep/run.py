@@ -297,6 +297,7 @@ class Sweeper:
             f.shrunk_detail = "did not fail again when rerun (intermittent): not shrunk, no capture"
             return f
         f.shrunk, f.shrunk_detail, f.shrink_steps = shrunk.case.params(), shrunk.outcome.detail, shrunk.steps
+        f.trigger = trigger(self.report.cases, name, check, shrunk_away(shrunk.steps)) or f.trigger
         path = out / f"{name}-{check}-{first.layout}-{first.index}.safetensors"
         sweep_meta = {"sweep": {"backend": name, "check": check, "seed": self.cfg.seed, "layout": first.layout,
                                 "case": first.index, "point": first.point, "detail": shrunk.outcome.detail}}  # fmt: skip
@@ -319,6 +320,15 @@ class Sweeper:
         except Exception as e:
             f.replay_verdict = f"replay failed: {error_text(e)}"
         return f
+
+
+SHRUNK_AXES = {"requests": "batch", "request": "length", "heads": "heads"}  # a shrink step's first word -> its axis
+
+
+def shrunk_away(steps: list[str]) -> frozenset:
+    """The axes a shrink moved while the case kept failing ("requests 8 -> 1": batch; "request 0
+    length 1023 -> 2" or "... context ...": length; "heads 32 -> 16": heads): not the trigger."""
+    return frozenset(SHRUNK_AXES[s.split()[0]] for s in steps if s.split() and s.split()[0] in SHRUNK_AXES)
 
 
 PRODUCERS = ("triton", "aiter", "vllm_triton")  # backend names a capture's meta ``backend`` says (others: unknown)
