@@ -65,7 +65,7 @@ class Rounding:
 STANDARD = Rounding()
 
 
-def _dot(a: torch.Tensor, b: torch.Tensor, accum: Optional[torch.dtype], chunk: int) -> torch.Tensor:
+def dot_in(a: torch.Tensor, b: torch.Tensor, accum: Optional[torch.dtype], chunk: int) -> torch.Tensor:
     """a [.., M, K] @ b [.., K, N] in fp32, or summed in ``accum`` ``chunk`` of K at a time (rounded after each)."""
     if accum is None:
         return a @ b
@@ -116,7 +116,7 @@ def _attend32(q: torch.Tensor, kv: torch.Tensor, sc: Scales, rnd: Rounding) -> t
     elif rnd.qk_accum is None:
         s = q_nope.to(f32) @ kT[..., :Dv, :] + q_pe.to(f32) @ kT[..., Dv:, :]  # [H, L]
     else:
-        s = _dot(torch.cat([q_nope.to(f32), q_pe.to(f32)], -1), kT, rnd.qk_accum, QK_CHUNK)
+        s = dot_in(torch.cat([q_nope.to(f32), q_pe.to(f32)], -1), kT, rnd.qk_accum, QK_CHUNK)
     s = s * (sc.sm_scale * ks)
     if sc.logit_cap > 0:
         s = sc.logit_cap * torch.tanh(s / sc.logit_cap)
@@ -124,7 +124,7 @@ def _attend32(q: torch.Tensor, kv: torch.Tensor, sc: Scales, rnd: Rounding) -> t
     p = torch.exp(s - m)  # [H, L] fp32
     l = p.sum(dim=-1, keepdim=True)  # [H, 1] fp32, from the unrounded probabilities
     pr = p.to(rnd.p_dtype or p_dtype).to(f32)  # P rounded to the value dtype
-    acc = _dot(pr, v32, rnd.pv_accum, PV_BLOCK)  # [H, Dv]
+    acc = dot_in(pr, v32, rnd.pv_accum, PV_BLOCK)  # [H, Dv]
     return acc / l * vs, (m + torch.log(l))[..., 0], l[..., 0]
 
 

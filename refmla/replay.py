@@ -30,6 +30,7 @@ from refmla.context import ReplayContext, ReplayOptions
 from refmla.diagnosis import (diagnose, diagnose_sparse, diagnose_upstream, diagnose_verify, unreplayed_path,
                               verify_table)
 from refmla.hypotheses import explain_failure
+from refmla.hypotheses.sparse import explain_sparse
 from refmla.kvwrite.io import read_kv_write
 from refmla.kvwrite.judge import judge_kv_write
 from refmla.merge.backends import BACKENDS as MERGE_BACKENDS
@@ -45,7 +46,6 @@ from refmla.results import PART_NAMES, BackendEntry, MetadataReport, NoiseFloor,
 from refmla.sparse.backends import BACKENDS as SPARSE_BACKENDS
 from refmla.sparse.backends import KERNELS as SPARSE_KERNELS
 from refmla.sparse.format import SPARSE_MODE, SparseCapture
-from refmla.sparse.hypotheses import explain as explain_sparse
 from refmla.sparse.reference import SparseOutput, judge_lse, judge_out, rows_of, sparse_control, sparse_reference
 from refmla.sparse.validation import is_sparse_file, nonfinite_inputs, read_sparse
 from refmla.splits import compare_lse, compare_splits
@@ -209,16 +209,21 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
         notes: dict = {}
         try:
             entry.explanation = explain_failure(ctx, res.out, cmp, notes)
-            if entry.explanation is None and notes.get("numerics_tried"):
-                entry.info["numerics_tried"] = notes["numerics_tried"]  # the rounding variants ruled out
-            if notes.get("hypothesis_errors"):  # families that raised: their errors, the others went on
-                entry.info["hypothesis_errors"] = notes["hypothesis_errors"]
-            if notes.get("search_skipped"):
-                entry.info["search_skipped"] = notes["search_skipped"]  # requests past the search's budget
+            search_notes(entry, notes)
         except Exception as e:  # the search is an aid: its failure must not cost the replay
             entry.info["explain_error"] = error_text(e)
     entry.seconds = round(time.perf_counter() - t0, 3)
     return entry
+
+
+def search_notes(entry: BackendEntry, notes: dict) -> None:
+    """What the hypothesis search learnt besides its answer, into the entry's info (dense and sparse)."""
+    if entry.explanation is None and notes.get("numerics_tried"):
+        entry.info["numerics_tried"] = notes["numerics_tried"]  # the rounding variants ruled out
+    if notes.get("hypothesis_errors"):  # families that raised: their errors, the others went on
+        entry.info["hypothesis_errors"] = notes["hypothesis_errors"]
+    if notes.get("search_skipped"):
+        entry.info["search_skipped"] = notes["search_skipped"]  # requests past the search's budget
 
 
 def repeated(res: BackendResult, more: list[BackendResult]) -> None:
@@ -321,8 +326,7 @@ def run_sparse_backend(name: str, cap: SparseCapture, ref: SparseOutput, ctrl: S
         try:  # the search is an aid: its failure must not cost the replay
             notes: dict = {}
             entry.explanation = explain_sparse(cap, got.out, ref, ctrl, opts.tol, notes)
-            if notes.get("search_skipped"):
-                entry.info["search_skipped"] = notes["search_skipped"]  # past the search's budget
+            search_notes(entry, notes)
         except Exception as e:
             entry.info["explain_error"] = error_text(e)
     entry.seconds = round(time.perf_counter() - t0, 3)

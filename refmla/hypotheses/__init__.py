@@ -82,6 +82,8 @@ The package (imports go down this list):
     misplaced.py (five families: KV read or output written in the
     wrong place), blocktable.py (three families of block-table kernels); stale.py (the newest row
     read as stale bytes, fitted: tried last)
+    sparse.py    a sparse decode capture's search: numerics' variants that apply to it (the same
+                 mechanism, numerics.Trials) around refmla.sparse.hypotheses' mistakes
 
 A new family is a module like those (its candidates through ``per_request`` when each failing
 request gets its own detail, ``global_hypothesis`` when one setting explains the whole output)

@@ -22,6 +22,10 @@ are confirmed on the whole output. Of those that confirm, the simplest is report
 store, the probabilities, the lse, accumulation, a merge; within a kind the best fit) and the
 others are its ``alternatives``; ``variants_tried`` lists every variant with its residual on the
 worst request and the rows that fit it.
+
+The mechanism (:func:`search_variants`, :func:`try_variant`, :func:`rows_fit`) reads a failing
+output through :class:`Trials`: the dense search's (:class:`DenseTrials`, each request's control
+under the variant) or a sparse capture's (refmla.hypotheses.sparse, the sparse control under it).
 """
 
 from __future__ import annotations
@@ -158,10 +162,37 @@ def search_late(s: Search) -> Optional[Explanation]:
 def search_kinds(s: Search, late: bool) -> Optional[Explanation]:
     if not s.failing:
         return None
-    tried: list[dict] = s.memo(TRIED, list)  # also read when another hypothesis answers
+    return search_variants(DenseTrials(s), applicable(s), s.memo(TRIED, list), late)  # also read when another hypothesis answers
+
+
+class Trials:
+    """What trying a variant needs of one failing output: the dense Search's (:class:`DenseTrials`),
+    or a sparse capture's (refmla.hypotheses.sparse). ``rows`` None is the whole output."""
+
+    def screen(self, v: Variant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The worst request's rows [T], its expectation (fp64) and its control under ``v``."""
+        raise NotImplementedError
+
+    def whole(self, v: Variant, rows: torch.Tensor, exp: torch.Tensor, ctl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole output's expectation and control under ``v`` (the screened rows' given)."""
+        raise NotImplementedError
+
+    def judge(self, expected: torch.Tensor, control: torch.Tensor, rows: Optional[torch.Tensor]) -> Comparison:
+        raise NotImplementedError  # the comparator, with the replay's tolerance
+
+    def vote(self, rows: Optional[torch.Tensor], expected: torch.Tensor, control: torch.Tensor, noisy: bool) -> tuple[int, int]:
+        raise NotImplementedError  # rows_fit on those rows
+
+    def explained(self, detail: dict, cmp: Comparison, extra: dict, alts: list[Alternative]) -> Explanation:
+        raise NotImplementedError
+
+
+def search_variants(t: Trials, variants: list[Variant], tried: list[dict], late: bool) -> Optional[Explanation]:
+    """Try the variants of one half (``late``: the accumulation ones), each appended to ``tried``; of
+    those that confirm, the simplest by kind (then the best fit) with the others as alternatives."""
     hits = []
-    for i, v in enumerate(w for w in applicable(s) if w.noisy == late):
-        trial, hit = try_variant(s, v)
+    for i, v in enumerate(w for w in variants if w.noisy == late):
+        trial, hit = try_variant(t, v)
         tried.append(trial.to_json())
         if hit is not None:
             hits.append(((KINDS.index(v.kind), -trial.fit, i), v, hit))
@@ -171,18 +202,25 @@ def search_kinds(s: Search, late: bool) -> Optional[Explanation]:
     (_, v, cmp), rest = hits[0], [(w, c) for _, w, c in hits[1:]]
     alts = [Alternative(NAME, {"variant": w.name}, None, residual(c)) for w, c in rest]
     extra = {"scope": "all requests", "why": v.description, "variants_tried": list(tried)}
-    return explained(s, NAME, {"variant": v.name}, cmp, extra, alts)
+    return t.explained({"variant": v.name}, cmp, extra, alts)
 
 
 def applicable(s: Search) -> list[Variant]:
     """The variants that change something on this capture."""
-    cap, out = s.cap, []
+    cap = s.cap
     splits = cap.is_decode and cap.num_kv_splits is not None and bool((cap.num_kv_splits > 1).any())
+    return variants_for(s.dtype, cap.kv_buffer.dtype, splits)
+
+
+def variants_for(out_dtype: torch.dtype, value_dtype: torch.dtype, splits: bool) -> list[Variant]:
+    """The variants that change something on an output stored in ``out_dtype`` whose control rounds
+    P to ``value_dtype``; the lse and merge variants only with split partials."""
+    out = []
     for v in VARIANTS:
         r = v.rounding
-        if r.store != "nearest_even" and (s.dtype.itemsize >= 4 or (r.store == "via_fp16" and s.dtype == FP16)):
+        if r.store != "nearest_even" and (out_dtype.itemsize >= 4 or (r.store == "via_fp16" and out_dtype == FP16)):
             continue  # nothing is rounded on the store
-        if r.p_dtype is not None and r.p_dtype == cap.kv_buffer.dtype:
+        if r.p_dtype is not None and r.p_dtype == value_dtype:
             continue  # the standard control already rounds P to the value dtype
         if (r.split_lse is not None or r.merge != "ln") and not splits:
             continue
@@ -190,29 +228,52 @@ def applicable(s: Search) -> list[Variant]:
     return out
 
 
-def try_variant(s: Search, v: Variant) -> tuple[Trial, Optional[Comparison]]:
+def try_variant(t: Trials, v: Variant) -> tuple[Trial, Optional[Comparison]]:
     """Screen ``v`` on the worst request, then confirm it on the whole output."""
-    b = s.worst_request
-    rows = s.rows_of(b)
-    exp, ctl = request_under(s, b, v)
-    cmp = s.confirm(exp, ctl, rows)
+    rows, exp, ctl = t.screen(v)
+    cmp = t.judge(exp, ctl, rows)
     trial = Trial(v.name, round(residual(cmp), 4))
     if not v.math:
-        if not (trial.voted(*closer_rows(s, rows, exp, ctl, v.noisy)) and cmp.passed):
+        if not (trial.voted(*t.vote(rows, exp, ctl, v.noisy)) and cmp.passed):
             return trial, None
     elif not cmp.passed:
         return trial, None
-    expected, control = s.ref.clone(), s.ctrl.clone()
-    for r in range(s.cap.batch_size):
-        if r != b and len(s.rows_of(r)):
-            expected[s.rows_of(r)], control[s.rows_of(r)] = request_under(s, r, v)
-    expected[rows], control[rows] = exp, ctl
-    whole = s.confirm(expected, control)
+    expected, control = t.whole(v, rows, exp, ctl)
+    whole = t.judge(expected, control, None)
     if not v.math:
-        trial.confirmed = trial.voted(*closer_rows(s, None, expected, control, v.noisy)) and whole.passed
+        trial.confirmed = trial.voted(*t.vote(None, expected, control, v.noisy)) and whole.passed
     else:
         trial.confirmed = whole.passed
     return trial, whole if trial.confirmed else None
+
+
+class DenseTrials(Trials):
+    """A dense capture's variants: each request's control recomputed under the variant (request_under)."""
+
+    def __init__(self, s: Search):
+        self.s = s
+
+    def screen(self, v):
+        b = self.s.worst_request
+        return (self.s.rows_of(b), *request_under(self.s, b, v))
+
+    def whole(self, v, rows, exp, ctl):
+        s, b = self.s, self.s.worst_request
+        expected, control = s.ref.clone(), s.ctrl.clone()
+        for r in range(s.cap.batch_size):
+            if r != b and len(s.rows_of(r)):
+                expected[s.rows_of(r)], control[s.rows_of(r)] = request_under(s, r, v)
+        expected[rows], control[rows] = exp, ctl
+        return expected, control
+
+    def judge(self, expected, control, rows):
+        return self.s.confirm(expected, control, rows)
+
+    def vote(self, rows, expected, control, noisy):
+        return closer_rows(self.s, rows, expected, control, noisy)
+
+    def explained(self, detail, cmp, extra, alts):
+        return explained(self.s, NAME, detail, cmp, extra, alts)
 
 
 def request_under(s: Search, b: int, v: Variant) -> tuple[torch.Tensor, torch.Tensor]:
@@ -261,20 +322,28 @@ def merged64(s: Search, b: int, n: int, rnd: Rounding) -> torch.Tensor:
 def closer_rows(
     s: Search, rows: Optional[torch.Tensor], expected: torch.Tensor, control: torch.Tensor, noisy: bool
 ) -> tuple[int, int]:
-    """(rows whose noise fits the variant better, rows where the two controls differ).
-
-    Per compared (row, head), deterministic variants: the RMS difference of the output from the
-    standard control and from the variant's; a row where the controls differ votes for the
-    closer. ``noisy`` variants: the RMS error against ``expected`` of the output, of the standard
-    control and of the variant's; a row votes when the two controls' errors differ by more than
-    DISTINCT (in ratio), for the one whose error is closer to the output's (in ratio).
-    """
+    """:func:`rows_fit` of the search's output on ``rows`` (None: all), as the replay compared them."""
     o = s.o64 if rows is None else s.o64[rows]
     std = (s.ctrl if rows is None else s.ctrl[rows]).double()
-    var, e = control.double(), expected
+    mask = s.mask if rows is None else (s.mask[rows] if s.mask is not None else None)
+    return rows_fit(o, std, control.double(), expected, mask, noisy)
+
+
+def rows_fit(
+    o: torch.Tensor, std: torch.Tensor, var: torch.Tensor, e: torch.Tensor, mask: Optional[torch.Tensor], noisy: bool
+) -> tuple[int, int]:
+    """(rows whose noise fits the variant better, rows where the two controls differ).
+
+    o: the output, std / var: the standard and the variant's control, e: the expectation, all
+    [T, H, Dv] fp64; mask [T]: the rows compared (None: all). Per compared (row, head),
+    deterministic variants: the RMS difference of the output from the standard control and from
+    the variant's; a row where the controls differ votes for the closer. ``noisy`` variants: the
+    RMS error against ``e`` of the output, of the standard control and of the variant's; a row
+    votes when the two controls' errors differ by more than DISTINCT (in ratio), for the one whose
+    error is closer to the output's (in ratio).
+    """
     fin = torch.isfinite(o) & torch.isfinite(e) & torch.isfinite(std) & torch.isfinite(var)
     n = fin.sum(-1).clamp(min=1)
-    mask = s.mask if rows is None else (s.mask[rows] if s.mask is not None else None)
 
     def log_rms(x: torch.Tensor) -> torch.Tensor:  # [T, H]
         d = torch.where(fin, x - e, torch.zeros_like(e))

@@ -23,7 +23,9 @@ import torch
 
 from refmla.compare import Comparison, Tolerance, Worst, compare
 from refmla.compare import judge_lse as lse_rule
+from refmla.control import PV_BLOCK, QK_CHUNK, STANDARD, Rounding, dot_in
 from refmla.results import LseCheck
+from refmla.stores import store_as
 from refmla.sparse.format import SparseCapture
 from refmla.sparse.layouts import FP8_DTYPES, PackedLayout, TokenBytes, dequantize, tile_scales, token_bytes
 from refmla.sparse.rows import SparseRows, sparse_rows
@@ -125,36 +127,50 @@ def dequantize_bf16(cache: torch.Tensor, layout: PackedLayout, page_size: int, f
     return torch.cat([nope, rope], dim=1).to(torch.float64)
 
 
-def sparse_control(cap: SparseCapture, rows: Optional[SparseRows] = None) -> SparseOutput:
+def sparse_control(cap: SparseCapture, rows: Optional[SparseRows] = None, rnd: Rounding = STANDARD,
+                   requests: slice = slice(None)) -> SparseOutput:  # fmt: skip
     """q and keys in bf16, q.k in fp32, p = exp(s - m) in fp32 rounded to bf16 before P.V, l and the
     accumulator in fp32, the output rounded once to the output dtype (bf16): the noise floor. In the
-    reference's blocks of query rows."""
+    reference's blocks of query rows. ``rnd`` moves those rounding points as it moves the dense
+    control's (refmla.control.Rounding: the store, P's dtype, q.k / P.V accumulated narrow; the
+    numerics variants); ``requests``: only those requests' rows ([b, S, H, Dv])."""
     rows = rows if rows is not None else rows_of(cap)
     B, S, H, D = cap.q.shape
     Dv = cap.meta.head_dim_v
-    out = torch.zeros(B * S, H, Dv, dtype=torch.float32)  # [R, H, Dv]
-    lse = torch.full((B * S, H), float("inf"), dtype=torch.float32)  # [R, H]
-    q_all = cap.q.reshape(B * S, H, D).to(torch.bfloat16).to(torch.float32)
-    for sl in row_blocks(rows, D):
-        part = rows.part(sl)
-        out[sl], lse[sl] = _control_block(cap, q_all[sl], part)
+    a, e, _ = requests.indices(B)
+    sel = slice(a * S, max(a, e) * S)  # the requests' query rows
+    part, n = rows.part(sel), max(0, e - a) * S
+    out = torch.zeros(n, H, Dv, dtype=torch.float32)  # [n, H, Dv]
+    lse = torch.full((n, H), float("inf"), dtype=torch.float32)  # [n, H]
+    q_all = cap.q.reshape(B * S, H, D)[sel].to(torch.bfloat16).to(torch.float32)
+    for sl in row_blocks(part, D):
+        out[sl], lse[sl] = _control_block(cap, q_all[sl], part.part(sl), rnd)
+    out = store_as(out, torch.bfloat16, rnd.store)  # the kernel's store
     if cap.inv_rope_freqs is not None:
-        out = inverse_rope(out.to(torch.bfloat16).double(), cap.inv_rope_freqs.float(), cap.inv_rope_positions[: B * S])
+        out = inverse_rope(out.double(), cap.inv_rope_freqs.float(), cap.inv_rope_positions[: B * S][sel])
     out = out.to(torch.bfloat16).to(torch.float64)
-    return SparseOutput(out.reshape(B, S, H, Dv), lse.to(torch.float64).reshape(B, S, H))
+    return SparseOutput(out.reshape(-1, S, H, Dv), lse.to(torch.float64).reshape(-1, S, H))
 
 
-def _control_block(cap: SparseCapture, q: torch.Tensor, rows: SparseRows) -> tuple[torch.Tensor, torch.Tensor]:
+def _control_block(cap: SparseCapture, q: torch.Tensor, rows: SparseRows, rnd: Rounding) -> tuple[torch.Tensor, torch.Tensor]:
     """One block of the control: q [n, H, D] fp32 (bf16 values) -> out [n, H, Dv], lse [n, H] fp32."""
     keys = gather_keys(cap, rows, decode=dequantize_bf16).to(torch.float32)  # [n, Kt, D], bf16 values
     keys = torch.where(rows.valid[..., None], keys, 0.0)
-    s = torch.einsum("rhd,rkd->rhk", q, keys) * torch.tensor(cap.meta.softmax_scale, dtype=torch.float32)
+    if rnd.qk_accum is None:
+        s = torch.einsum("rhd,rkd->rhk", q, keys)
+    else:  # q.k summed in a narrow dtype, QK_CHUNK dims at a time (the dense control's)
+        s = dot_in(q, keys.transpose(-1, -2), rnd.qk_accum, QK_CHUNK)
+    s = s * torch.tensor(cap.meta.softmax_scale, dtype=torch.float32)
     s = s.masked_fill(~rows.valid[:, None, :], float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m_safe)  # fp32
     l = p.sum(dim=-1)
-    acc = torch.einsum("rhk,rkd->rhd", p.to(torch.bfloat16).float(), keys[..., : cap.meta.head_dim_v])
+    pr, values = p.to(rnd.p_dtype or torch.bfloat16).float(), keys[..., : cap.meta.head_dim_v]
+    if rnd.pv_accum is None:
+        acc = torch.einsum("rhk,rkd->rhd", pr, values)
+    else:  # P.V summed in a narrow dtype, PV_BLOCK entries at a time
+        acc = dot_in(pr, values, rnd.pv_accum, PV_BLOCK)
     sink = cap.attn_sink
     denom = l if sink is None else l + torch.exp(sink.float()[None, :] - m_safe[..., 0])
     lonely = l == 0
