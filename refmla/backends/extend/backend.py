@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import torch
 
-from refmla.arithmetic import UNSPLIT
+from refmla.arithmetic import SGLANG_EXTEND
 from refmla.backends import aiter as aiter_backend
 from refmla.backends import triton_interp
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
@@ -137,7 +137,8 @@ class ExtendBackend(Backend):
             info["implementation"] = "torch"
             info["sglang_triton_extend"] = tri_entry
         info["aiter_prefill"] = _aiter_prefill(cap, inp, out_dtype, opts, judge)
-        return BackendResult(out=out, lse=out_lse, info=info, defines_empty_rows=True, arithmetic=UNSPLIT)  # one pass
+        return BackendResult(out=out, lse=out_lse, info=info, defines_empty_rows=True,
+                             arithmetic=SGLANG_EXTEND)  # one pass; q rounded whole against the fp8 prefix only
 
 
 __all__ = ["IMPL_ENV", "ExtendBackend", "summarize"]
