@@ -105,5 +105,6 @@ def producer_arithmetic(cap) -> Arithmetic:
     return Arithmetic(schedule, q_round, "to_q_dtype" if vllm else "upcast", base if base in LSE_BASES else "ln")
 
 
-__all__ = ["Arithmetic", "DEQUANTS", "FLEX_ATTENTION", "FP8_E4M3", "FP8_E4M3_MAX", "quantize_q", "LSE_BASES", "Q_ROUNDS", "SCHEDULES", "SGLANG_EXTEND", "SGLANG_TRITON", "UNSPLIT", "VLLM_TRITON",
+__all__ = ["Arithmetic", "DEQUANTS", "FLEX_ATTENTION", "FP8_E4M3", "FP8_E4M3_MAX", "quantize_q", "LSE_BASES", "Q_ROUNDS", "SCHEDULES", "SGLANG_EXTEND",
+           "SGLANG_TRITON", "UNSPLIT", "VLLM_TRITON",
            "producer_arithmetic"]  # fmt: skip

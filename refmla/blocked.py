@@ -74,7 +74,7 @@ class Spans:
         seen = [att.group_rows(int(g))[v] for g, v in zip(att.group_of_row, vis)]
         lens = torch.tensor([len(r) for r in seen], dtype=torch.long)  # [R]
         flat = torch.cat(seen) if seen else att.rows[:0]
-        ff = None if cached is None else torch.tensor([int(v[: int(c)].sum()) for v, c in zip(vis, cached)], dtype=torch.long)
+        ff = None if cached is None else torch.tensor([int(v[: int(c)].sum()) for v, c in zip(vis, cached)]).long()
         return Spans(flat, torch.cumsum(lens, 0) - lens, lens, fresh_from=ff)
 
 
