@@ -22,6 +22,7 @@ copy of the layout (the README links here).
     regions.py      the MR region-size check: SGLang's clamp and MORI's measured sizes (one table)
     blocked.py      the reference's work in cache-sized blocks under a memory budget, short rows batched
     reference.py    the math, fp64: decode, split-KV partials and merge, extend and verify
+    merging.py      split partials merged in fp32: the standard merge and a kernel's other merges
     control.py      the same math at a kernel's rounding points (the tolerance's noise floor)
     compare.py      the one comparator (docs/contract.md section 5) and the one lse rule
     repeat.py       N runs of one kernel on the same inputs, compared bit for bit (nondeterminism)

@@ -11,11 +11,19 @@ from what it declares, never from what the capture's producer did:
                     "keep"            q kept as stored (vLLM's Triton: K is dequantized to q's dtype)
                     "whole_e4m3"      all of q quantized to e4m3 with a per-tensor scale
                                       (FlashMLA / TRT-LLM fp8 paths, the ``kernel_q_dtype`` hook key)
+                    "whole_to_pool"   all of q, the rope part too, cast unscaled to a narrower pool's
+                                      dtype where it meets the pool's K (SGLang's extend kernel over
+                                      the cached prefix: ``q.to(k.dtype)``, ``qpe.to(kpe.dtype)``)
     dequant         "upcast"          an fp8 K / V upcast as stored, k_scale on the logits and
                                       v_scale on the output; P rounded to the pool dtype before P.V
                     "to_q_dtype"      K and V dequantized on load and rounded to q's dtype,
                                       ``(fp8 * scale).to(q.dtype)``; P rounded to q's dtype (vLLM,
                                       flex_attention)
+                    "new_to_q_dtype"  the cached prefix as ``upcast``; the call's new tokens (the last
+                                      n_b positions of request b, its n_b query rows; decode: the
+                                      last one) arrive dequantized to q's dtype, as an extend
+                                      kernel's ``k_extend`` / ``v_extend``: met by q as stored,
+                                      P rounded to q's dtype (SGLang's extend; an unsplit kernel only)
     lse_base        "ln" | "log2"     the base of the lse the kernel returns (compared in ln)
 
 The capture's producer has one too (:func:`producer_arithmetic`): it describes only ``observed``
@@ -34,8 +42,8 @@ from refmla.schedule import SPLIT_BLOCKS
 FP8_E4M3 = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0  # the largest finite e4m3fn value
 SCHEDULES = ("sglang", "uniform", "none")
-Q_ROUNDS = ("latent_to_pool", "keep", "whole_e4m3")
-DEQUANTS = ("upcast", "to_q_dtype")
+Q_ROUNDS = ("latent_to_pool", "keep", "whole_e4m3", "whole_to_pool")
+DEQUANTS = ("upcast", "to_q_dtype", "new_to_q_dtype")
 LSE_BASES = ("ln", "log2")
 
 
@@ -53,6 +61,8 @@ class Arithmetic:
                               ("lse_base", LSE_BASES)):  # fmt: skip
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.dequant == "new_to_q_dtype" and self.split_schedule != "none":
+            raise ValueError("dequant new_to_q_dtype (an extend kernel's new tokens) is for an unsplit kernel")
 
     @property
     def split_block(self) -> Optional[int]:
@@ -68,6 +78,9 @@ VLLM_TRITON = Arithmetic(split_schedule="uniform", q_round="keep", dequant="to_q
 UNSPLIT = Arithmetic(split_schedule="none")
 # PyTorch's flex_attention (refmla.backends.flex): one pass in q's dtype, an fp8 pool dequantized into it
 FLEX_ATTENTION = Arithmetic(split_schedule="none", q_round="keep", dequant="to_q_dtype")
+# SGLang's Triton extend (refmla.backends.extend): one pass; over an fp8 prefix q rounded whole to the pool dtype,
+# K / V upcast, P in the pool dtype; the new tokens' K / V in q's dtype, met by q as stored
+SGLANG_EXTEND = Arithmetic(split_schedule="none", q_round="whole_to_pool", dequant="new_to_q_dtype")
 
 
 def quantize_q(q: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -92,5 +105,6 @@ def producer_arithmetic(cap) -> Arithmetic:
     return Arithmetic(schedule, q_round, "to_q_dtype" if vllm else "upcast", base if base in LSE_BASES else "ln")
 
 
-__all__ = ["Arithmetic", "DEQUANTS", "FLEX_ATTENTION", "FP8_E4M3", "FP8_E4M3_MAX", "quantize_q", "LSE_BASES", "Q_ROUNDS", "SCHEDULES", "SGLANG_TRITON", "UNSPLIT", "VLLM_TRITON",
+__all__ = ["Arithmetic", "DEQUANTS", "FLEX_ATTENTION", "FP8_E4M3", "FP8_E4M3_MAX", "quantize_q", "LSE_BASES", "Q_ROUNDS", "SCHEDULES", "SGLANG_EXTEND",
+           "SGLANG_TRITON", "UNSPLIT", "VLLM_TRITON",
            "producer_arithmetic"]  # fmt: skip

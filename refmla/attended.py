@@ -181,6 +181,11 @@ class Attended:
         """[G] int64: rows each group owns (L_g)."""
         return self.indptr[1:] - self.indptr[:-1]
 
+    def new_tokens(self) -> torch.Tensor:
+        """[G] int64: how many of each group's last positions a call brings as new tokens (an extend
+        kernel's ``k_extend``): one per query row, at most L_g (decode: 1 per non-empty group)."""
+        return torch.minimum(self.query_indptr[1:] - self.query_indptr[:-1], self.lengths())
+
     def max_length(self) -> int:
         return int(self.lengths().max()) if self.num_groups else 0
 

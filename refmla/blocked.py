@@ -57,19 +57,25 @@ class Spans:
     starts: torch.Tensor  # [R] int64
     lens: torch.Tensor  # [R] int64
     query: Optional[torch.Tensor] = None  # [R] int64: the row of q each span uses (None: span r uses q[r])
+    fresh_from: Optional[torch.Tensor] = None  # [R] int64: span r's entries from this one on are new tokens
 
     @staticmethod
-    def of_attended(att: Attended) -> "Spans":
+    def of_attended(att: Attended, fresh: bool = False) -> "Spans":
         """What each query row of ``att`` sees: a prefix of its group (decode, extend, chain verify:
-        no copy), or for a tree mask its visible rows, gathered into one flat array."""
+        no copy), or for a tree mask its visible rows, gathered into one flat array. ``fresh``: with
+        ``fresh_from``, where each span's entries among the call's new tokens begin
+        (:meth:`Attended.new_tokens`: an extend kernel reads them from ``k_extend``, not the cache)."""
         starts = att.indptr[:-1][att.group_of_row]  # [R]
+        cached = (att.lengths() - att.new_tokens())[att.group_of_row] if fresh else None  # [R] prefix lengths
         if att.mask is None:
-            lens = att.causal_len if att.causal_len is not None else att.lengths()[att.group_of_row]
-            return Spans(att.rows, starts, lens.long())
-        seen = [att.group_rows(g)[vis] for g in range(att.num_groups) for vis in att.visibility(g)]
+            lens = (att.causal_len if att.causal_len is not None else att.lengths()[att.group_of_row]).long()
+            return Spans(att.rows, starts, lens, fresh_from=None if cached is None else torch.minimum(lens, cached))
+        vis = [v for g in range(att.num_groups) for v in att.visibility(g)]  # [L_g] per query row
+        seen = [att.group_rows(int(g))[v] for g, v in zip(att.group_of_row, vis)]
         lens = torch.tensor([len(r) for r in seen], dtype=torch.long)  # [R]
         flat = torch.cat(seen) if seen else att.rows[:0]
-        return Spans(flat, torch.cumsum(lens, 0) - lens, lens)
+        ff = None if cached is None else torch.tensor([int(v[: int(c)].sum()) for v, c in zip(vis, cached)]).long()
+        return Spans(flat, torch.cumsum(lens, 0) - lens, lens, fresh_from=ff)
 
 
 def unit_budget(H: int, D: int, Dv: int, stored_itemsize: int, itemsize: int = 8) -> int:

@@ -6,7 +6,7 @@ any of them.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -28,14 +28,6 @@ class ReplayContext:
         self.producer = producer_arithmetic(cap)  # the arithmetic of ``observed`` and of undeclared backends
         self._controls: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._splits: dict[tuple, tuple] = {}
-        self._cache: dict[str, Any] = {}
-
-    def cached(self, key: str, compute: Callable[[], Any]) -> Any:
-        """``compute()`` once per replay, under ``key`` (e.g. refmla.splits' lse slack, which every
-        backend's lse check uses)."""
-        if key not in self._cache:
-            self._cache[key] = compute()
-        return self._cache[key]
 
     def control(self, out_dtype: torch.dtype, arith: Optional[Arithmetic] = None, splits=None) -> torch.Tensor:
         """The low-precision control's output in ``out_dtype`` at the arithmetic a backend declares

@@ -5,7 +5,12 @@ control's error on that row (refmla.compare). The control reads q and the pool a
 the latent part of q to a narrower pool's dtype (the Triton kernel's ``q.to(K dtype)``),
 accumulates dots in fp32, rounds the probabilities to the value dtype before P.V, keeps the sums
 in fp32 and rounds the output to the output dtype. With a split schedule, each split's partial is
-fp32 and the merge is fp32, as the split kernels do.
+fp32 and the merge is fp32, as the split kernels do (refmla.merging).
+
+A kernel's declared arithmetic (refmla.arithmetic) moves the rounding of q and of the dequantized
+K / V: ``keep`` / ``to_q_dtype`` (vLLM), ``whole_e4m3`` (FlashMLA), or SGLang's extend
+(``whole_to_pool`` / ``new_to_q_dtype``): over the cached prefix all of q rounded to the pool
+dtype; the call's new tokens, passed dequantized to q's dtype, met by q as stored.
 
 :class:`Rounding` moves those rounding points (a kernel that stores toward zero, accumulates P.V
 in bf16, merges its splits with the wrong base, ...): the numerics hypotheses recompute the
@@ -24,16 +29,15 @@ from refmla.arithmetic import Arithmetic, producer_arithmetic, quantize_q
 from refmla.attended import Attended
 from refmla.blocked import GROUP_BYTES, Spans, plan
 from refmla.capture import Capture
+from refmla.merging import LN2, LOG2E, MERGE_FANIN, MERGES, Partials, _StreamMerge, merge_partials  # noqa: F401
 from refmla.reference import gather, mla_decode_split_ref, one_pool
 from refmla.scales import Scales
 from refmla.schedule import MIN_BLOCK_KV, split_bounds
 from refmla.stores import STORES, store_as  # noqa: F401  (re-exported: the control's stores)
 
-MERGES = ("ln", "log2_as_ln", "ln_as_log2", "unnormalized")  # how split partials are merged
 QK_CHUNK = 64  # dims summed in fp32 before a narrow q.k accumulator rounds (the rope part is one chunk)
 CONTROL_BLOCK_ROWS = 16384  # rows the control gathers and upcasts at once; a longer span is merged in fp32
 PV_BLOCK = 32  # positions summed in fp32 before a narrow P.V accumulator rounds (Triton's BLOCK_N)
-LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,8 @@ class Rounding:
     split_lse: Optional[torch.dtype] = None
     merge: str = "ln"
     q_round: str = "latent_to_pool"  # refmla.arithmetic.Q_ROUNDS: "keep" leaves q's latent part as stored
-    dequant: str = "upcast"  # refmla.arithmetic.DEQUANTS: "to_q_dtype" rounds fp8 * scale to q's dtype (vLLM)
+    dequant: str = "upcast"  # refmla.arithmetic.DEQUANTS: "to_q_dtype" rounds fp8 * scale to q's dtype (vLLM);
+    # "new_to_q_dtype" does so for the call's new tokens only (the spans' fresh_from, an extend kernel's k_extend)
 
     @property
     def standard_merge(self) -> bool:
@@ -91,41 +96,62 @@ def attend_control(
     return store_as(o, out_dtype, rnd.store), lse
 
 
-def _attend32(q: torch.Tensor, kv: torch.Tensor, sc: Scales, rnd: Rounding) -> tuple[torch.Tensor, ...]:
+def _attend32(q: torch.Tensor, kv: torch.Tensor, sc: Scales, rnd: Rounding, fresh=None) -> tuple[torch.Tensor, ...]:
     """attend_control before the store: out [.., H, Dv] fp32, lse [.., H] and the softmax sum [.., H] fp32.
 
-    q [H, D] and kv [L, D], or a batch of them (q [G, H, D], kv [G, L, D]: the same ops per entry)."""
-    H, Dv = q.shape[-2], sc.kv_lora_rank
-    f32 = torch.float32
+    q [H, D] and kv [L, D], or a batch of them (q [G, H, D], kv [G, L, D]: the same ops per entry).
+    ``fresh`` [.., L] bool, under dequant ``new_to_q_dtype``: the call's new tokens, whose K / V are
+    dequantized to q's dtype and met by q as stored, P rounded to q's dtype (an extend kernel's
+    k_extend / v_extend); the other rows as ``upcast`` (its cached prefix)."""
+    f32, Dv = torch.float32, sc.kv_lora_rank
     if kv.shape[-2] == 0:
         lead = q.shape[:-1]
         return q.new_zeros(*lead, Dv, dtype=f32), q.new_full(lead, -math.inf, dtype=f32), q.new_zeros(lead, dtype=f32)
     q_nope, q_pe = q[..., :Dv], q[..., Dv:]  # [H, Dv], [H, Dr]
     narrow, ks, vs, p_dtype = kv.dtype.itemsize < q.dtype.itemsize, sc.k_scale, sc.v_scale, kv.dtype
     if narrow and rnd.dequant == "to_q_dtype":  # vLLM: (fp8 * scale).to(q.dtype) on load, P in q's dtype
-        k32, ks, vs, p_dtype = (kv.to(f32) * sc.k_scale).to(q.dtype).to(f32), 1.0, 1.0, q.dtype  # [L, D]
-        v32 = k32[..., :Dv] if sc.v_scale == sc.k_scale else (kv[..., :Dv].to(f32) * sc.v_scale).to(q.dtype).to(f32)
+        (k32, v32), ks, vs, p_dtype = _dequant_to(q.dtype, kv, sc), 1.0, 1.0, q.dtype  # [L, D], [L, Dv]
     else:
-        if narrow and rnd.q_round == "latent_to_pool":  # narrower pool: the dot runs in the pool dtype
+        if narrow and rnd.q_round in ("latent_to_pool", "whole_to_pool"):  # the dot runs in the pool dtype
             q_nope = q_nope.to(kv.dtype)
+            q_pe = q_pe.to(kv.dtype) if rnd.q_round == "whole_to_pool" else q_pe  # SGLang's extend: qpe too
         k32 = kv.to(f32)  # [L, D]
         v32 = k32[..., :Dv]  # [L, Dv]
-    kT = k32.transpose(-1, -2)  # [D, L]
-    if rnd.qk_accum is None and kv.shape[-2] == 1:  # one row: a dot (a GEMV's order depends on the batch)
-        s = ((q_nope.to(f32) * k32[..., :Dv]).sum(-1) + (q_pe.to(f32) * k32[..., Dv:]).sum(-1))[..., None]  # [H, 1]
-    elif rnd.qk_accum is None:
-        s = q_nope.to(f32) @ kT[..., :Dv, :] + q_pe.to(f32) @ kT[..., Dv:, :]  # [H, L]
-    else:
-        s = dot_in(torch.cat([q_nope.to(f32), q_pe.to(f32)], -1), kT, rnd.qk_accum, QK_CHUNK)
-    s = s * (sc.sm_scale * ks)
+    s = _logits(q_nope, q_pe, k32, rnd) * (sc.sm_scale * ks)
+    fresh = fresh if narrow and rnd.dequant == "new_to_q_dtype" and fresh is not None and bool(fresh.any()) else None
+    if fresh is not None:  # the new tokens: (fp8 * scale).to(q.dtype) met by q as stored
+        kq, vq = _dequant_to(q.dtype, kv, sc)  # [L, D], [L, Dv]
+        s = torch.where(fresh[..., None, :], _logits(q[..., :Dv], q[..., Dv:], kq, rnd) * sc.sm_scale, s)
     if sc.logit_cap > 0:
         s = sc.logit_cap * torch.tanh(s / sc.logit_cap)
     m = s.max(dim=-1, keepdim=True).values  # [H, 1]
     p = torch.exp(s - m)  # [H, L] fp32
     l = p.sum(dim=-1, keepdim=True)  # [H, 1] fp32, from the unrounded probabilities
     pr = p.to(rnd.p_dtype or p_dtype).to(f32)  # P rounded to the value dtype
+    if fresh is not None:  # P.V of the prefix (times v_scale) plus that of the new tokens (P in q's dtype)
+        new, pq = fresh[..., None, :], p.to(rnd.p_dtype or q.dtype).to(f32)
+        acc = dot_in(pr.masked_fill(new, 0.0), v32, rnd.pv_accum, PV_BLOCK) * vs
+        acc = acc + dot_in(pq.masked_fill(~new, 0.0), vq, rnd.pv_accum, PV_BLOCK)
+        return acc / l, (m + torch.log(l))[..., 0], l[..., 0]
     acc = dot_in(pr, v32, rnd.pv_accum, PV_BLOCK)  # [H, Dv]
     return acc / l * vs, (m + torch.log(l))[..., 0], l[..., 0]
+
+
+def _dequant_to(dtype: torch.dtype, kv: torch.Tensor, sc: Scales) -> tuple[torch.Tensor, torch.Tensor]:
+    """K [.., L, D] and V [.., L, Dv] of a narrow kv dequantized on load, ``(kv * scale).to(dtype)``, as fp32."""
+    k = (kv.float() * sc.k_scale).to(dtype).float()
+    Dv = sc.kv_lora_rank
+    return k, k[..., :Dv] if sc.v_scale == sc.k_scale else (kv[..., :Dv].float() * sc.v_scale).to(dtype).float()
+
+
+def _logits(q_nope: torch.Tensor, q_pe: torch.Tensor, k32: torch.Tensor, rnd: Rounding) -> torch.Tensor:
+    """q [.., H, D] (its latent and rope parts, any dtype) . k32 [.., L, D] fp32 -> [.., H, L] fp32, unscaled."""
+    f32, Dv, kT = torch.float32, q_nope.shape[-1], k32.transpose(-1, -2)  # kT [D, L]
+    if rnd.qk_accum is None and k32.shape[-2] == 1:  # one row: a dot (a GEMV's order depends on the batch)
+        return ((q_nope.to(f32) * k32[..., :Dv]).sum(-1) + (q_pe.to(f32) * k32[..., Dv:]).sum(-1))[..., None]
+    if rnd.qk_accum is None:
+        return q_nope.to(f32) @ kT[..., :Dv, :] + q_pe.to(f32) @ kT[..., Dv:, :]  # [H, L]
+    return dot_in(torch.cat([q_nope.to(f32), q_pe.to(f32)], -1), kT, rnd.qk_accum, QK_CHUNK)
 
 
 def mla_control(
@@ -134,7 +160,8 @@ def mla_control(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The control of every query row over what ``att`` says it sees (decode, extend, chain or
     tree verify), unsplit: out [R, H, Dv] in out_dtype, lse [R, H] fp32."""
-    return control_spans(q, kv_buffer, Spans.of_attended(one_pool(att)), sc, out_dtype, rounding)  # blocked, batched
+    spans = Spans.of_attended(one_pool(att), fresh=rounding.dequant == "new_to_q_dtype")  # fresh: the new tokens
+    return control_spans(q, kv_buffer, spans, sc, out_dtype, rounding)  # blocked, batched
 
 
 def mla_control_split(
@@ -172,12 +199,15 @@ def control_spans(
         if kind == "long":
             r = int(rows[0])
             start, n = int(spans.starts[r]), int(spans.lens[r])
-            out[r], lse[r] = attend_control_rows(q[qrow(r)], kv_buffer, spans.indices[start : start + n], sc, out_dtype, rnd)
+            fresh = None if spans.fresh_from is None else int(spans.fresh_from[r])
+            out[r], lse[r] = attend_control_rows(q[qrow(r)], kv_buffer, spans.indices[start : start + n], sc, out_dtype,
+                                                 rnd, fresh)  # fmt: skip
             continue
         L = int(spans.lens[rows[0]])
         flat = (spans.starts[rows][:, None] + torch.arange(L)[None, :]).reshape(-1)  # [G * L]
         kv = gather(kv_buffer, spans.indices[flat].long(), kv_buffer.dtype).view(len(rows), L, D)  # [G, L, D]
-        o, l, _ = _attend32(q[qrow(rows)], kv, sc, rnd)  # [G, H, Dv], [G, H]
+        fresh = None if spans.fresh_from is None else torch.arange(L)[None, :] >= spans.fresh_from[rows][:, None]
+        o, l, _ = _attend32(q[qrow(rows)], kv, sc, rnd, fresh)  # [G, H, Dv], [G, H]
         out[rows], lse[rows] = store_as(o, out_dtype, rnd.store), l
     return out, lse
 
@@ -192,23 +222,26 @@ def control_budget(H: int, D: int, Dv: int, stored_itemsize: int) -> int:
 
 def attend_control_rows(
     q: torch.Tensor, kv_buffer: torch.Tensor, rows: torch.Tensor, sc: Scales, out_dtype: torch.dtype,
-    rnd: Rounding = STANDARD,
+    rnd: Rounding = STANDARD, fresh_from: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """attend_control over pool ``rows``, gathered CONTROL_BLOCK_ROWS at a time: one block is
     :func:`attend_control` itself; a longer span's blocks are fp32 partials merged in fp32, as a
-    split kernel merges its splits (so memory stays at one block whatever the length)."""
-    o, lse, _ = _attend32_rows(q, kv_buffer, rows, sc, rnd)
+    split kernel merges its splits (so memory stays at one block whatever the length).
+    ``fresh_from``: rows from this one on are the call's new tokens (:func:`_attend32`'s ``fresh``)."""
+    o, lse, _ = _attend32_rows(q, kv_buffer, rows, sc, rnd, fresh_from)
     return store_as(o, out_dtype, rnd.store), lse
 
 
 def _attend32_rows(
-    q: torch.Tensor, kv_buffer: torch.Tensor, rows: torch.Tensor, sc: Scales, rnd: Rounding
+    q: torch.Tensor, kv_buffer: torch.Tensor, rows: torch.Tensor, sc: Scales, rnd: Rounding, fresh_from=None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`_attend32` over pool ``rows`` [n], gathered CONTROL_BLOCK_ROWS at a time: (o [H, Dv],
     lse [H], sum [H]) fp32. One block is _attend32 itself; longer, the blocks merge in fp32
     (:class:`Partials`), the sum taken relative to the largest block maximum."""
     def block(s: int) -> tuple[torch.Tensor, ...]:
-        return _attend32(q, gather(kv_buffer, rows[s : s + CONTROL_BLOCK_ROWS].long(), kv_buffer.dtype), sc, rnd)
+        kv = gather(kv_buffer, rows[s : s + CONTROL_BLOCK_ROWS].long(), kv_buffer.dtype)  # [n, D]
+        fresh = None if fresh_from is None else torch.arange(s, s + kv.shape[0]) >= fresh_from
+        return _attend32(q, kv, sc, rnd, fresh)
 
     if rows.shape[0] <= CONTROL_BLOCK_ROWS:
         return block(0)
@@ -216,32 +249,6 @@ def _attend32_rows(
     for s in range(0, rows.shape[0], CONTROL_BLOCK_ROWS):
         parts.add(*block(s))
     return parts.merged()
-
-
-MERGE_FANIN = 64  # partials held at once; more are merged 64 at a time (the budget's headroom)
-
-
-class Partials:
-    """fp32 partials (o [H, Dv] normalized, lse [H], sum [H]) merged in the standard way (exp of
-    lse - logsumexp), at most MERGE_FANIN held: up to that many the merge is the flat one, bit for bit."""
-
-    def __init__(self):
-        self.parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-
-    def add(self, o: torch.Tensor, lse: torch.Tensor, z: torch.Tensor) -> None:
-        self.parts.append((o, lse, z))
-        if len(self.parts) == MERGE_FANIN:
-            self.parts = [self.merged()]
-
-    def merged(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if len(self.parts) == 1:
-            return self.parts[0]
-        outs = torch.stack([o for o, _, _ in self.parts])  # [S, H, Dv]
-        lses = torch.stack([l for _, l, _ in self.parts])  # [S, H]
-        sums = torch.stack([z for _, _, z in self.parts])  # [S, H]
-        lse = torch.logsumexp(lses, dim=0)  # [H]
-        m = (lses - torch.log(sums)).amax(dim=0)  # [H] the largest partial maximum
-        return (torch.exp(lses - lse)[..., None] * outs).sum(dim=0), lse, torch.exp(lse - m)
 
 
 def attend_control_split(
@@ -320,62 +327,6 @@ def _split(L: int, parts, out_dtype, num_splits: int, rnd: Rounding, split_block
         stream.add(chunk)
     o, lse = stream.result()
     return store_as(o, out_dtype, rnd.store), lse
-
-
-def merge_partials(outs: torch.Tensor, lses: torch.Tensor, sums: torch.Tensor, rnd: Rounding) -> torch.Tensor:
-    """Split partials merged as a kernel under ``rnd`` merges them (fp32 or fp64, as given).
-
-    outs [S, H, Dv] normalized partials, lses [S, H], sums [S, H] each partial's sum of p (its
-    normalization, for ``unnormalized``) -> [H, Dv].
-    """
-    num, den, _ = _weighted(outs, lses, sums, rnd)
-    return num / den[..., None]
-
-
-def _weighted(outs: torch.Tensor, lses: torch.Tensor, sums: torch.Tensor, rnd: Rounding) -> tuple[torch.Tensor, ...]:
-    """:func:`merge_partials` before its division: sum_s w_s o_s [H, Dv], sum_s w_s [H], and the
-    maximum m [H] the weights w_s = exp(c (lse_s - m)) are taken against (c: the merge's base)."""
-    if rnd.split_lse is not None:
-        lses = lses.to(rnd.split_lse).to(lses.dtype)
-    if rnd.merge == "unnormalized":
-        outs = outs * sums[..., None]
-    m = lses.amax(dim=0)  # [H]
-    w = torch.exp(_in_base(lses - m, rnd))  # [S, H]
-    return (w[..., None] * outs).sum(dim=0), w.sum(dim=0), m
-
-
-def _in_base(d: torch.Tensor, rnd: Rounding) -> torch.Tensor:
-    """A difference of lses as the merge exponentiates it (log2 units read as ln, or the reverse)."""
-    if rnd.merge == "log2_as_ln":  # lse stored as log2, merged with exp
-        return d * LOG2E
-    if rnd.merge == "ln_as_log2":  # natural lse merged with exp2
-        return d * LN2
-    return d
-
-
-class _StreamMerge:
-    """:func:`merge_partials` over chunks of splits, folded as they come (a running numerator,
-    denominator and maximum); with one chunk it is merge_partials itself, bit for bit."""
-
-    def __init__(self, rnd: Rounding):
-        self.rnd, self.acc, self.lse = rnd, None, None
-
-    def add(self, parts: list[tuple[torch.Tensor, ...]]) -> None:
-        outs, lses, sums = (torch.stack([p[i] for p in parts]) for i in range(3))  # [S, H, Dv], [S, H], [S, H]
-        num, den, m = _weighted(outs, lses, sums, self.rnd)
-        lse = torch.logsumexp(lses, dim=0)  # [H]
-        if self.acc is None:
-            self.acc, self.lse = (num, den, m), lse
-            return
-        num0, den0, m0 = self.acc
-        top = torch.maximum(m0, m)
-        a, b = torch.exp(_in_base(m0 - top, self.rnd)), torch.exp(_in_base(m - top, self.rnd))  # [H]
-        self.acc = (num0 * a[:, None] + num * b[:, None], den0 * a + den * b, top)
-        self.lse = torch.logaddexp(self.lse, lse)
-
-    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        num, den, _ = self.acc
-        return num / den[..., None], self.lse
 
 
 def mla_decode_split_control(

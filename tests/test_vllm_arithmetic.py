@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from refmla.arithmetic import SGLANG_TRITON, UNSPLIT, VLLM_TRITON, Arithmetic, producer_arithmetic
+from refmla.arithmetic import SGLANG_EXTEND, SGLANG_TRITON, UNSPLIT, VLLM_TRITON, Arithmetic, producer_arithmetic
 from refmla.backends import get_backend
 from refmla.capture import read_capture, write_capture
 from refmla.context import ReplayOptions
@@ -54,7 +54,7 @@ def test_a_clean_vllm_capture_agrees_by_default_and_through_each_kernel(tmp_path
     assert cap.meta.split_schedule == "uniform" and set(cap.num_kv_splits.tolist()) == {2}
     report = replay_capture(cap, ReplayOptions(explain=False))
     assert report.verdict == "agree", report.diagnosis_text
-    for name, arith in (("vllm_triton", VLLM_TRITON), ("triton", SGLANG_TRITON), ("extend", UNSPLIT)):
+    for name, arith in (("vllm_triton", VLLM_TRITON), ("triton", SGLANG_TRITON), ("extend", SGLANG_EXTEND)):
         entry = report.backends[name]  # vllm_triton: in the default list for a vLLM capture
         assert entry.status == "pass", (name, entry.reason)
         assert entry.info["arithmetic"] == arith.to_json(), name

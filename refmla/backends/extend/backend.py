@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import torch
 
-from refmla.arithmetic import UNSPLIT
+from refmla.arithmetic import SGLANG_EXTEND, UNSPLIT, Arithmetic
 from refmla.backends import aiter as aiter_backend
 from refmla.backends import triton_interp
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
@@ -20,7 +20,7 @@ from refmla.backends.extend.sglang_triton import run_triton_extend, triton_exten
 from refmla.backends.reference import reference_output
 from refmla.capture import Capture
 from refmla.compare import Comparison, compare
-from refmla.control import mla_control
+from refmla.control import capture_control
 from refmla.options import ReplayOptions
 from refmla.util import error_text
 
@@ -52,15 +52,17 @@ class _Judge:
     def __init__(self, cap, out_dtype: torch.dtype, tol):
         self.cap, self.out_dtype = cap, out_dtype
         self.kw = {"tol": tol} if tol is not None else {}
-        self.truth: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.expected: Optional[torch.Tensor] = None
+        self.controls: dict[Arithmetic, torch.Tensor] = {}
 
-    def __call__(self, name: str, out: torch.Tensor) -> dict:
+    def __call__(self, name: str, out: torch.Tensor, arith: Arithmetic = UNSPLIT) -> dict:
+        """``out`` against the reference within the control of the arithmetic it declares (refmla.arithmetic)."""
         cap = self.cap
-        if self.truth is None:
-            expected = reference_output(cap)[0]
-            control = mla_control(cap.q, cap.kv_buffer, cap.attended(), cap.scales(), self.out_dtype)[0]  # unsplit
-            self.truth = (expected, control)
-        expected, control = self.truth
+        if self.expected is None:
+            self.expected = reference_output(cap)[0]
+        if arith not in self.controls:
+            self.controls[arith] = capture_control(cap, self.out_dtype, arith=arith)[0]  # unsplit
+        expected, control = self.expected, self.controls[arith]
         rows = cap.request_of_row()
         cmp = compare(name, out, expected, control, out_dtype=self.out_dtype, request_of_row=rows, **self.kw)
         return summarize(cmp)
@@ -131,13 +133,14 @@ class ExtendBackend(Backend):
             out, out_lse = scatter_rows(o, inp), (scatter_rows(lse, inp, -math.inf) if lse is not None else None)
             info["implementation"] = "sglang_triton"
             info["triton"] = tinfo
-            info["torch_extend"] = {**judge("torch_extend", torch_full), "seconds": torch_s}
+            info["torch_extend"] = {**judge("torch_extend", torch_full, SGLANG_EXTEND), "seconds": torch_s}
         else:
             out, out_lse = torch_full, scatter_rows(t_lse, inp, -math.inf)
             info["implementation"] = "torch"
             info["sglang_triton_extend"] = tri_entry
         info["aiter_prefill"] = _aiter_prefill(cap, inp, out_dtype, opts, judge)
-        return BackendResult(out=out, lse=out_lse, info=info, defines_empty_rows=True, arithmetic=UNSPLIT)  # one pass
+        return BackendResult(out=out, lse=out_lse, info=info, defines_empty_rows=True,
+                             arithmetic=SGLANG_EXTEND)  # one pass; q rounded whole against the fp8 prefix only
 
 
 __all__ = ["IMPL_ENV", "ExtendBackend", "summarize"]
