@@ -179,3 +179,41 @@ def test_flex_on_a_missing_gpu_is_skipped_with_the_reason(tmp_path):
     rep = replay_file(_synth(tmp_path, "hostile"), ReplayOptions(backends=["flex"], device="cuda"))
     entry = rep.backends["flex"]
     assert entry.status == "skipped" and "GPU" in entry.reason
+
+
+@needs_flex
+def test_a_guard_past_dynamos_recompile_limit_compiles_afresh(tmp_path, monkeypatch):
+    """A recompile the shape key does not foresee ends in FailOnRecompileLimitHit under fullgraph
+    (seen in the suite: V a view of K on one call, a tensor of its own on the next): the call is
+    compiled afresh once, never a sweep's false `error`."""
+    import refmla.backends.flex as flex
+
+    cap = read_capture(_synth(tmp_path, "hostile"))
+    m = cap.meta
+    args = (cap.q, cap.kv_buffer, cap.attended(), Scales(m.kv_lora_rank, m.sm_scale))
+    want, _, _ = run_flex_mla(*args, device="cpu")
+    FailOnRecompileLimitHit = type("FailOnRecompileLimitHit", (RuntimeError,), {})
+    real, calls = flex._call, []
+
+    def once_past_the_limit(*a, **k):
+        calls.append(len(flex._shapes))
+        if len(calls) == 1:
+            raise FailOnRecompileLimitHit("Hard failure due to fullgraph=True")
+        return real(*a, **k)
+
+    monkeypatch.setattr(flex, "_call", once_past_the_limit)
+    got, _, _ = run_flex_mla(*args, device="cpu")
+    assert len(calls) == 2 and calls[1] == 1 and torch.equal(got, want)  # caches emptied, then the one key
+    monkeypatch.setattr(flex, "_call", lambda *a, **k: (_ for _ in ()).throw(ValueError("a kernel error")))
+    with pytest.raises(ValueError):  # any other error is the kernel's, not retried
+        run_flex_mla(*args, device="cpu")
+
+
+def test_the_compile_key_tells_a_view_of_k_from_a_v_of_its_own():
+    """V is K's first Dv columns when both scales are 1, a tensor of its own otherwise: dynamo
+    guards on V's stride, so the key must too (else its recompiles go uncounted)."""
+    att = Attended.token_index(torch.tensor([0, 3]), torch.arange(3))
+    kv = torch.randn(3, 1, 576).to(torch.bfloat16)
+    same = Packed(torch.randn(1, 2, 576).to(torch.bfloat16), kv, att, Scales(512, 0.1), "cpu")
+    scaled = Packed(torch.randn(1, 2, 576).to(torch.bfloat16), kv, att, Scales(512, 0.1, v_scale=0.5), "cpu")
+    assert same.v.stride() != scaled.v.stride()

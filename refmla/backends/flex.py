@@ -73,10 +73,15 @@ def _guard_recompiles(key: tuple) -> None:
     cfg = torch._dynamo.config
     limit = int(getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", 8)))
     if len(_shapes) + 1 >= limit:
-        torch._dynamo.reset()
-        _shapes.clear()
-        _compiled.clear()
+        _reset_compiled()
     _shapes.add(key)
+
+
+def _reset_compiled() -> None:
+    """Dynamo's caches and ours emptied: the next call compiles afresh."""
+    torch._dynamo.reset()
+    _shapes.clear()
+    _compiled.clear()
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,7 +212,8 @@ def run_flex_mla(
     sm_scale, logit_cap = sc.sm_scale, sc.logit_cap
     pk = Packed(q, kv_buffer, att, sc, device)
     want_lse = device.type != "cpu"
-    key = (device.type, pk.NQ, pk.NK, pk.dtype, logit_cap > 0, want_lse)
+    # what dynamo guards on: the shapes, dtype, score_mod's code, V a view of K or a tensor of its own
+    key = (device.type, pk.NQ, pk.NK, pk.dtype, logit_cap > 0, want_lse, pk.k.stride(), pk.v.stride())
     _guard_recompiles(key)
     fn = _flex_fn(device.type)
     kwargs = dict(score_mod=_score_mod(sm_scale, logit_cap, device), block_mask=pk.block_mask(), scale=1.0)
@@ -216,7 +222,14 @@ def run_flex_mla(
 
         kwargs["return_aux"] = AuxRequest(lse=True)
     t0 = time.perf_counter()
-    res, note = _call(fn, pk, kwargs, device)
+    try:
+        res, note = _call(fn, pk, kwargs, device)
+    except Exception as e:  # a guard the key does not model: compile afresh, once
+        if type(e).__name__ != "FailOnRecompileLimitHit":
+            raise
+        _reset_compiled()
+        _shapes.add(key)
+        res, note = _call(_flex_fn(device.type), pk, kwargs, device)
     seconds = time.perf_counter() - t0
     o, aux = (res[0], res[1]) if want_lse else (res, None)
     out = o[0, 0, : T * H].reshape(T, H, pk.Dv).to(out_dtype or q.dtype)  # [T, H, Dv]

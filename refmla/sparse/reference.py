@@ -149,7 +149,8 @@ def sparse_control(cap: SparseCapture, rows: Optional[SparseRows] = None, rnd: R
     if cap.inv_rope_freqs is not None:
         out = inverse_rope(out.double(), cap.inv_rope_freqs.float(), cap.inv_rope_positions[: B * S][sel])
     out = out.to(torch.bfloat16).to(torch.float64)
-    return SparseOutput(out.reshape(-1, S, H, Dv), lse.to(torch.float64).reshape(-1, S, H))
+    b = max(0, e - a)  # requests in the selection (0 heads or 0 query tokens: an empty result, not -1)
+    return SparseOutput(out.reshape(b, S, H, Dv), lse.to(torch.float64).reshape(b, S, H))
 
 
 def _control_block(cap: SparseCapture, q: torch.Tensor, rows: SparseRows, rnd: Rounding) -> tuple[torch.Tensor, torch.Tensor]:
