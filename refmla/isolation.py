@@ -27,7 +27,10 @@ then by another of the parent's threads is never released in the child (a long-l
 process: a test runner, a server). A watchdog turns such a child into a finding instead of a
 hang: a forked child that neither replies nor uses any CPU time for ``REFMLA_STALL_S`` seconds
 (default 60; read from /proc) is killed and reported as KernelCrashed ("made no progress for
-60 s ..."), the backend's ``error``, every other backend's result kept.
+60 s ..."), the backend's ``error``, every other backend's result kept. A child that spins instead
+(a spin lock held at the fork: MKL's allocator, seen in a sweep's forked child) uses CPU and never
+replies; ``run_isolated(..., wall_s=N)`` kills it after N seconds of wall time the same way (the
+sweep sets it: ``ReplayOptions.kernel_seconds``).
 
 ``REFMLA_ISOLATE=0`` (or ``ReplayOptions.isolate = False``) runs backends in-process (a debugger
 wants that); then a crashing kernel takes the process down, as it would without refmla.
@@ -44,6 +47,7 @@ import select
 import signal
 import struct
 import sys
+import time
 from typing import Any, Callable
 
 import torch
@@ -55,6 +59,8 @@ ENV = "REFMLA_ISOLATE"
 STALL_ENV = "REFMLA_STALL_S"
 DEFAULT_STALL_S = 60.0
 WATCH_S = 0.25  # how often the parent looks at a silent child's CPU time
+WALL_TEXT = ("still running after {s:g} s of wall time with no reply: a kernel that does not return (a spin "
+             "lock held at the fork, an endless loop); rerun with REFMLA_ISOLATE=0 to run it in-process")
 STALL_TEXT = ("made no progress for {s:g} s (no CPU used, no reply): a deadlock, e.g. on a lock a thread of "
               "the replay's process held at the fork; rerun with REFMLA_ISOLATE=0 to run it in-process")
 
@@ -110,12 +116,13 @@ def cuda_in_play() -> bool:
         return False
 
 
-def run_isolated(fn: Callable[..., Any], *args: Any) -> Any:
+def run_isolated(fn: Callable[..., Any], *args: Any, wall_s: float | None = None) -> Any:
     """``fn(*args)`` in a child process; its return value, or its exception re-raised here:
-    BackendUnavailable as itself, anything else as KernelError, a death as KernelCrashed."""
+    BackendUnavailable as itself, anything else as KernelError, a death as KernelCrashed (a forked
+    child still running after ``wall_s`` seconds too)."""
     if not hasattr(os, "fork") or cuda_in_play():
         return _spawned(fn, args)
-    return _forked(fn, args)
+    return _forked(fn, args, wall_s)
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,7 +178,7 @@ def _framed(data: bytes) -> bytes | None:
     return data[8:] if len(data) - 8 == n else None
 
 
-def _forked(fn: Callable[..., Any], args: tuple) -> Any:
+def _forked(fn: Callable[..., Any], args: tuple, wall_s: float | None = None) -> Any:
     r, w = os.pipe()
     sys.stdout.flush(), sys.stderr.flush()  # the child must not write this process's buffers twice
     pid = os.fork()
@@ -188,7 +195,7 @@ def _forked(fn: Callable[..., Any], args: tuple) -> Any:
             os._exit(code)
     os.close(w)
     try:
-        data, stalled = _read_watched(r, pid)
+        data, stalled = _read_watched(r, pid, wall_s)
     except BaseException:  # SIGINT / SIGTERM (or anything) here: the child must not outlive this process
         _end_child(pid)
         raise
@@ -198,7 +205,7 @@ def _forked(fn: Callable[..., Any], args: tuple) -> Any:
         os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
     if stalled:
-        raise KernelCrashed(STALL_TEXT.format(s=stall_seconds()))
+        raise KernelCrashed(stalled)
     payload = _framed(data)
     if payload is None or os.WIFSIGNALED(status):
         raise KernelCrashed(crash_text(status))
@@ -235,29 +242,30 @@ def cpu_ticks(pid: int) -> int | None:
         return None
 
 
-def _read_watched(fd: int, pid: int) -> tuple[bytes, bool]:
-    """Everything the child writes to ``fd`` until it closes it; (bytes, True) instead when the
-    child neither writes nor uses CPU for stall_seconds() (a forked CPU kernel that progresses
-    computes: one asleep that long waits on what will never come, e.g. a lock held at the fork by a
-    thread the child does not have). Without /proc, a plain read (no watchdog)."""
-    chunks, limit = [], stall_seconds()
+def _read_watched(fd: int, pid: int, wall_s: float | None = None) -> tuple[bytes, str]:
+    """Everything the child writes to ``fd`` until it closes it, and "" (all is well); or what it
+    has written and why it is to be killed: it neither writes nor uses CPU for stall_seconds() (a
+    forked CPU kernel that progresses computes: one asleep that long waits on what will never come,
+    e.g. a lock held at the fork by a thread the child does not have), or it has not replied after
+    ``wall_s`` seconds (one that spins). Without /proc, only the wall-time limit."""
+    chunks, limit, started = [], stall_seconds(), time.monotonic()
     ticks, idle = cpu_ticks(pid), 0.0
-    if ticks is None:
-        return _read_all(fd), False
     while True:
         ready, _, _ = select.select([fd], [], [], WATCH_S)
         if ready:
             chunk = os.read(fd, 1 << 20)
             if not chunk:
-                return b"".join(chunks), False
+                return b"".join(chunks), ""
             chunks.append(chunk)
             idle = 0.0
             continue
+        if wall_s is not None and time.monotonic() - started >= wall_s:
+            return b"".join(chunks), WALL_TEXT.format(s=wall_s)
         now = cpu_ticks(pid)
         idle = 0.0 if now is None or now != ticks else idle + WATCH_S
         ticks = now if now is not None else ticks
-        if idle >= limit:
-            return b"".join(chunks), True
+        if now is not None and idle >= limit:
+            return b"".join(chunks), STALL_TEXT.format(s=limit)
 
 
 def _spawn_main(conn) -> None:

@@ -59,6 +59,7 @@ class ReplayOptions:
     isolate: bool = True  # run each kernel backend in a child process (refmla.isolation): a crash is its error
     repeat: int = 1  # run each kernel backend this many times, bitwise compared (refmla.repeat; 1: once)
     buffer_fill: Optional[float] = None  # fill of the output / scratch buffers an adapter allocates (None: its own)
+    kernel_seconds: Optional[float] = None  # an isolated kernel run still going after this is killed (None: no limit)
 
     def check(self) -> None:
         """ValueError naming the first option out of its bounds (the CLI refuses the same values)."""

@@ -139,6 +139,28 @@ def test_a_child_that_computes_longer_than_the_stall_limit_is_kept(monkeypatch):
     assert isolation.run_isolated(_busy, 1.5) > 0  # CPU used all along: progress, never killed
 
 
+def test_a_child_that_spins_past_its_wall_time_is_an_error_not_a_hang(monkeypatch):
+    """A spin lock held at the fork (MKL's allocator, seen in a sweep's forked child) uses CPU and
+    never replies: the CPU watchdog cannot see it, the wall-time limit does."""
+    import time
+
+    monkeypatch.setenv(isolation.STALL_ENV, "0.5")
+    t0 = time.monotonic()
+    with pytest.raises(isolation.KernelCrashed, match="^still running after 1 s of wall time .*REFMLA_ISOLATE=0"):
+        isolation.run_isolated(_busy, 60.0, wall_s=1.0)
+    assert time.monotonic() - t0 < 10  # killed at its limit, not after the 60 s it would spin
+    assert isolation.run_isolated(_busy, 0.2, wall_s=30.0) > 0  # within its limit: its result
+
+
+def test_the_sweep_gives_its_kernel_runs_a_wall_time_limit():
+    from refmla.sweep import SweepConfig
+    from refmla.sweep.run import KERNEL_S_FLOOR
+
+    assert SweepConfig(budget=8).options().kernel_seconds == KERNEL_S_FLOOR
+    assert SweepConfig(budget=900).options().kernel_seconds == 900
+    assert ReplayOptions().kernel_seconds is None  # a replay waits for its kernels as before
+
+
 def test_a_deadlocked_kernel_is_that_backends_error_and_the_others_are_kept(hostile, monkeypatch):
     """A kernel backend whose child blocks on a lock held at the fork: ``error`` naming the stall,
     the triton backend after it and the observed output kept, exit 1 (not a hang)."""

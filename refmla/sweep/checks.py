@@ -85,7 +85,7 @@ class CaseChecks:
         opts = replace(self.opts, buffer_fill=fill)
         t0 = time.perf_counter()
         try:
-            return run_isolated(b.run, cap, opts) if enabled(opts.isolate) else b.run(cap, opts)
+            return run_isolated(b.run, cap, opts, wall_s=opts.kernel_seconds) if enabled(opts.isolate) else b.run(cap, opts)
         finally:
             self.timing.kernel += time.perf_counter() - t0
 

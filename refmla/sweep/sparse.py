@@ -139,7 +139,9 @@ class SparseChecks:
         run = BACKENDS[backend]
         t0 = time.perf_counter()
         try:
-            return run_isolated(run, self.cap) if backend in KERNELS and enabled(self.opts.isolate) else run(self.cap)
+            if backend in KERNELS and enabled(self.opts.isolate):
+                return run_isolated(run, self.cap, wall_s=self.opts.kernel_seconds)
+            return run(self.cap)
         finally:
             self.timing.kernel += time.perf_counter() - t0
 
