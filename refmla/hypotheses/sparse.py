@@ -94,4 +94,5 @@ def explain_sparse(cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctr
         notes["hypothesis_errors"] = errors
     return found
 
+
 __all__ = ["SparseTrials", "explain_sparse"]
