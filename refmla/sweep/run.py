@@ -41,7 +41,7 @@ from refmla.sweep.sparse import SparseSweepCase, any_case, any_checks, write_spa
 from refmla.util import error_text
 
 SKIPS_TO_DROP = 2  # consecutive skipped cases after which a backend is dropped from a layout
-KERNEL_S_FLOOR = 120.0  # a forked kernel run is killed after max(this, the budget) seconds of wall time (it hangs)
+KERNEL_S_FLOOR = 120.0  # a forked kernel run is killed after max(this, budget / 5) seconds of wall time (it hangs)
 
 
 @dataclass
@@ -85,7 +85,7 @@ class SweepConfig:
     def options(self) -> ReplayOptions:
         """The replay options every kernel run reads: production-width split buffers (no trim)."""
         return ReplayOptions(backends=list(self.backends), tol=self.tol, explain=False, trim=False,
-                             kernel_seconds=max(KERNEL_S_FLOOR, self.budget))  # a run past it hangs: an error
+                             kernel_seconds=max(KERNEL_S_FLOOR, self.budget / 5))  # past it: tried again, then an error
 
 
 def run_setup(setup: Optional[str]) -> None:
