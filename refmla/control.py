@@ -29,7 +29,7 @@ from refmla.arithmetic import Arithmetic, producer_arithmetic, quantize_q
 from refmla.attended import Attended
 from refmla.blocked import GROUP_BYTES, Spans, plan
 from refmla.capture import Capture
-from refmla.merging import LN2, LOG2E, MERGE_FANIN, MERGES, Partials, _StreamMerge, merge_partials  # noqa: F401
+from refmla.merging import MERGE_FANIN, Partials, StreamMerge
 from refmla.reference import gather, mla_decode_split_ref, one_pool
 from refmla.scales import Scales
 from refmla.schedule import MIN_BLOCK_KV, split_bounds
@@ -317,7 +317,7 @@ def _split(L: int, parts, out_dtype, num_splits: int, rnd: Rounding, split_block
             merged.add(*part)
         o, lse, _ = merged.merged()
         return store_as(o, out_dtype, rnd.store), lse
-    stream, chunk = _StreamMerge(rnd), []
+    stream, chunk = StreamMerge(rnd), []
     for part in parts(bounds):
         chunk.append(part)
         if len(chunk) == MERGE_FANIN:

@@ -70,7 +70,7 @@ def _in_base(d: torch.Tensor, rnd) -> torch.Tensor:
     return d
 
 
-class _StreamMerge:
+class StreamMerge:
     """:func:`merge_partials` over chunks of splits, folded as they come (a running numerator,
     denominator and maximum); with one chunk it is merge_partials itself, bit for bit."""
 
@@ -95,4 +95,4 @@ class _StreamMerge:
         return num / den[..., None], self.lse
 
 
-__all__ = ["LN2", "LOG2E", "MERGES", "MERGE_FANIN", "Partials", "merge_partials"]
+__all__ = ["LN2", "LOG2E", "MERGES", "MERGE_FANIN", "Partials", "StreamMerge", "merge_partials"]

@@ -20,7 +20,7 @@ import torch
 from refmla.arithmetic import Arithmetic
 from refmla.compare import Comparison, Worst, compare, judge_lse
 from refmla.context import ReplayContext
-from refmla.control import LN2
+from refmla.merging import LN2
 from refmla.results import LseCheck, SplitCheck
 from refmla.schedule import nonempty_splits
 

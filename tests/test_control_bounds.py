@@ -18,7 +18,8 @@ import torch
 from helpers import MEASURE_ENV, ROOT, measure_control, paged_case
 from refmla import control
 from refmla.attended import Attended
-from refmla.control import Rounding, merge_partials, mla_control_split, store_as
+from refmla.control import Rounding, mla_control_split, store_as
+from refmla.merging import merge_partials
 from refmla.reference import gather
 from refmla.scales import Scales
 from refmla.schedule import split_bounds

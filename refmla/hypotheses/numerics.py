@@ -38,7 +38,8 @@ import torch
 
 from refmla import reference as ref
 from refmla.compare import Comparison
-from refmla.control import Rounding, attend_control, attend_control_split, merge_partials
+from refmla.control import Rounding, attend_control, attend_control_split
+from refmla.merging import merge_partials
 from refmla.hypotheses.drivers import explained, residual
 from refmla.hypotheses.ranges import split_count, split_schedule
 from refmla.hypotheses.search import Search
