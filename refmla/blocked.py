@@ -21,8 +21,10 @@ H = 16 are too skinny to split, and a worker never waits on another at a barrier
 unit is one group of short rows, or up to :func:`long_batch` long rows in lockstep (block j of each
 at once: one bmm for q.k and one for p.v over the rows that have a whole block j, the softmax merge
 as one op over all of them, a row's last partial block alone). Every torch call from Python takes
-the GIL, and two workers issuing ~20 calls per block hand it back and forth; in lockstep a call
-covers several blocks. Batching changes no bits: bmm runs one GEMM per entry, and the elementwise
+the GIL, and two workers hand it back and forth at every call (measured: each call costs about 4x
+more wall time at 2 threads than at 1); in lockstep a call covers several blocks, and a step makes
+13 calls whatever the number of rows (one gather, one upcast, q.k, its scale, and 9 for the merge:
+the running max rides in the logits' last column). Batching changes no bits: bmm runs one GEMM per entry, and the elementwise
 ops and reductions work row by row (tests/test_blocked.py checks rows alone, batched, 1 and 2 threads).
 
 Memory: each worker holds at most :func:`unit_budget` bytes (the stated budget), besides the outputs
@@ -47,6 +49,7 @@ from refmla.scales import Scales
 BLOCK_ROWS = 256  # rows per block: 256 x 576 fp64 = 1.2 MB, about one core's L2 (measured: tools/bench_reference.py)
 GROUP_BYTES = 4 << 20  # a group of short rows: its q, logits, output and rows in accum_dtype at most this
 MAX_GROUP = 4096  # query rows per group at most (one bmm each)
+GRID_BLOCKS = 16  # a lockstep unit lays out its rows' pool indices this many blocks at a time
 
 
 @dataclass(frozen=True)
@@ -80,17 +83,24 @@ class Spans:
 
 def unit_budget(H: int, D: int, Dv: int, stored_itemsize: int, itemsize: int = 8) -> int:
     """Bytes one worker may hold besides the outputs (the stated budget), at most: one long row's
-    block (its rows as stored and upcast, logits [H, BLOCK_ROWS], q, acc) plus one group of short
-    rows (GROUP_BYTES, and its rows as stored)."""
-    block = BLOCK_ROWS * D * (stored_itemsize + itemsize) + H * (BLOCK_ROWS + D + 2 * Dv + 4) * itemsize
-    return block + GROUP_BYTES + BLOCK_ROWS * D * stored_itemsize
+    row's share of a lockstep unit (:func:`_row_block`) plus one group of short rows (GROUP_BYTES,
+    and its rows as stored)."""
+    return _row_block(H, D, Dv, stored_itemsize, itemsize) + GROUP_BYTES + BLOCK_ROWS * D * stored_itemsize
 
 
 def long_batch(H: int, D: int, Dv: int, stored_itemsize: int, itemsize: int = 8) -> int:
     """How many long rows one unit runs in lockstep within :func:`unit_budget`: each holds one block
     (rows as stored and upcast) and its q, logits, acc and merge state (3 at H = 16, D = 576)."""
-    block = BLOCK_ROWS * D * (stored_itemsize + itemsize) + H * (BLOCK_ROWS + D + 2 * Dv + 4) * itemsize
+    block = _row_block(H, D, Dv, stored_itemsize, itemsize)
     return max(1, unit_budget(H, D, Dv, stored_itemsize, itemsize) // block)
+
+
+def _row_block(H: int, D: int, Dv: int, stored_itemsize: int, itemsize: int) -> int:
+    """Bytes one long row holds in a unit: its block as stored and upcast, its logits (and running
+    max) [H, BLOCK_ROWS + 1], q [H, D], acc and output [H, Dv], m, l, lse [H], and its int64 pool
+    indices for GRID_BLOCKS blocks."""
+    per_head = H * (BLOCK_ROWS + 1 + D + 2 * Dv + 3) * itemsize
+    return BLOCK_ROWS * D * (stored_itemsize + itemsize) + per_head + GRID_BLOCKS * BLOCK_ROWS * 8
 
 
 def attend_spans(
@@ -198,32 +208,49 @@ class _Job:
 
     def long_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k rows (longest first) over their spans in blocks of BLOCK_ROWS, in lockstep, merged online
-        (module docstring): block j of the rows that have a whole one as one bmm pair, a row's last
-        partial block alone. Returns out [k, H, Dv], lse [k, H]."""
-        sc, Dv, k = self.sc, self.sc.kv_lora_rank, len(rows)
+        (module docstring): block j of the w rows that have a whole one (a prefix: longest first) as
+        one gather, one upcast and one bmm pair, then each row's last partial block alone. The
+        running max rides in the logits' last column, so that one amax gives max(m, max_j s_j) and
+        one exp both p and exp(m - m') (the same elementwise ops on the same numbers: the same bits,
+        in fewer calls; two workers take turns at the GIL for every call). Returns out [k, H, Dv],
+        lse [k, H]."""
+        sc, Dv, k, n = self.sc, self.sc.kv_lora_rank, len(rows), BLOCK_ROWS
         q = self.q[self.qrow(rows).to(self.q.device)].to(self.dtype)  # [k, H, D]
+        H, D = q.shape[1], q.shape[2]
         starts, lens = self.spans.starts[rows].tolist(), self.spans.lens[rows].tolist()
-        blocks = [self.indices[s : s + L].split(BLOCK_ROWS) for s, L in zip(starts, lens)]  # views, per row
-        stored, kv = (b.view(k, BLOCK_ROWS, -1) for b in self.block(k * BLOCK_ROWS))  # [k, BLOCK_ROWS, D]
-        kv_t, v, each = kv.transpose(1, 2), kv[..., :Dv], stored.unbind(0)  # [k, D, n], [k, n, Dv], k x [n, D]
+        whole = [L // n for L in lens]  # whole blocks per row: non-increasing, each >= 1 (a long row)
+        grid = self.indices.new_empty(min(whole[0], GRID_BLOCKS), k * n)  # block j of the first w rows
+        stored, kv = self.block(k * n)  # [k * n, D] as stored and upcast
+        sx = torch.empty(k, H, n + 1, dtype=self.dtype, device=q.device)  # [k, H, n] logits | [k, H, 1] max
+        lockstep = _Lockstep(q, stored, kv, sx, Dv)
         m = l = acc = None  # [k, H, 1], [k, H, 1], [k, H, Dv]
-        for j in range(len(blocks[0])):
-            active = [b[j] for b in blocks if len(b) > j]  # this block's pool rows, per row still going
-            whole = sum(len(a) == BLOCK_ROWS for a in active)  # a prefix: the rows are longest first
-            for i, a in enumerate(active):
-                torch.index_select(self.pool, 0, a, out=each[i] if i < whole else each[i][: len(a)])
-            if whole:
-                w = (lambda x: x) if whole == k else (lambda x: x[:whole])  # no view to make when all are whole
-                w(kv).copy_(w(stored))  # [w, BLOCK_ROWS, D]
-                s = logits(torch.bmm(w(q), w(kv_t)), sc)  # [w, H, BLOCK_ROWS]
-                if m is None:  # every long row has a whole first block
-                    m = s.amax(dim=-1, keepdim=True)
-                    p = s.sub_(m).exp_()  # [k, H, BLOCK_ROWS]
-                    l, acc = p.sum(dim=-1, keepdim=True), torch.bmm(p, v)
-                else:
-                    merge(w(m), w(l), w(acc), s, w(v))
-            for i in range(whole, len(active)):  # a last partial block: [n, D]
-                part = kv[i, : len(active[i])].copy_(each[i][: len(active[i])])
+        for j in range(whole[0]):
+            if j % GRID_BLOCKS == 0:  # the pool rows of the next GRID_BLOCKS blocks, row by row
+                for i, (s, b) in enumerate(zip(starts, whole)):
+                    c = min(b - j, GRID_BLOCKS)
+                    if c > 0:
+                        grid[:c, i * n : (i + 1) * n] = self.indices[s + j * n : s + (j + c) * n].view(c, n)
+            w = sum(b > j for b in whole)  # rows with a whole block j
+            x = lockstep.of(w)
+            torch.index_select(self.pool, 0, grid[j % GRID_BLOCKS, : w * n], out=x.stored)
+            x.kv.copy_(x.stored_3d)  # [w, n, D]
+            logits(torch.bmm(x.q, x.kv_t, out=x.s), sc)  # [w, H, n]
+            if m is None:  # block 0: every row has it whole
+                m = x.s.amax(dim=-1, keepdim=True)
+                p = x.s.sub_(m).exp_()  # [k, H, n]
+                l, acc = p.sum(dim=-1, keepdim=True), torch.bmm(p, x.v)
+                continue
+            mw, lw, aw = (m, l, acc) if w == k else (m[:w], l[:w], acc[:w])
+            x.alpha.copy_(mw)  # the running max m as one more logit
+            torch.amax(x.sx, dim=-1, keepdim=True, out=mw)  # m' = max(m, max_j s_j)  [w, H, 1]
+            x.sx.sub_(mw).exp_()  # p = exp(s - m') [w, H, n], alpha = exp(m - m') [w, H, 1]
+            lw.mul_(x.alpha).add_(x.s.sum(dim=-1, keepdim=True))
+            aw.mul_(x.alpha).baddbmm_(x.s, x.v)
+        for i, (s, L) in enumerate(zip(starts, lens)):  # a last partial block: [r, D]
+            r = L % n
+            if r:
+                torch.index_select(self.pool, 0, self.indices[s + L - r : s + L], out=stored[:r])
+                part = kv[:r].copy_(stored[:r])
                 merge(m[i], l[i], acc[i], logits(q[i] @ part.T, sc), part[:, :Dv])
         return acc.div_(l).mul_(sc.v_scale), m.add_(l.log()).squeeze(-1)
 
@@ -246,6 +273,34 @@ class _Job:
         l = p.sum(dim=-1)  # [G, H]
         acc = torch.bmm(p, kv[..., :Dv], out=out)  # [G, H, Dv]
         return acc.div_(l[..., None]).mul_(sc.v_scale), torch.add(m, l.log_(), out=lse)
+
+
+class _Lockstep:
+    """The views one lockstep unit uses for its first w rows, made once per w (a view is a call)."""
+
+    def __init__(self, q, stored, kv, sx, Dv: int):
+        self.q, self.stored, self.kv, self.sx, self.Dv, self.views = q, stored, kv, sx, Dv, {}
+
+    def of(self, w: int) -> "_Views":
+        if w not in self.views:
+            n, D = self.sx.shape[-1] - 1, self.kv.shape[-1]
+            kv, sx = self.kv[: w * n].view(w, n, D), self.sx[:w]
+            self.views[w] = _Views(self.q[:w], self.stored[: w * n], self.stored[: w * n].view(w, n, D), kv,
+                                   kv.transpose(1, 2), kv[..., : self.Dv], sx, sx[..., :n], sx[..., n:])  # fmt: skip
+        return self.views[w]
+
+
+@dataclass(frozen=True)
+class _Views:
+    q: torch.Tensor  # [w, H, D]
+    stored: torch.Tensor  # [w * n, D] as stored
+    stored_3d: torch.Tensor  # [w, n, D]
+    kv: torch.Tensor  # [w, n, D] upcast
+    kv_t: torch.Tensor  # [w, D, n]
+    v: torch.Tensor  # [w, n, Dv]
+    sx: torch.Tensor  # [w, H, n + 1]
+    s: torch.Tensor  # [w, H, n]: the logits, then p
+    alpha: torch.Tensor  # [w, H, 1]: the running max, then exp(m - m')
 
 
 def merge(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, s: torch.Tensor, v: torch.Tensor) -> None:

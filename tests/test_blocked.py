@@ -278,3 +278,39 @@ def test_the_control_of_half_a_million_indices_at_one_row_stays_within_its_budge
     got = measure_control(500000, 2)
     assert got["peak"] <= got["budget"] + (16 << 20), f"peak {got['peak'] / 2**20:.1f} MiB > budget {got['budget'] / 2**20:.1f} MiB"
     assert got["out_err"] <= 2 * torch.finfo(torch.bfloat16).eps, got
+
+
+def _calls(fn) -> int:
+    """The C functions fn calls from Python (each torch call takes the GIL: at 2 threads the workers
+    take turns at it for every one of them)."""
+    count = 0
+
+    def prof(frame, event, arg):
+        nonlocal count
+        count += event == "c_call"
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+def test_a_lockstep_step_makes_the_same_calls_whatever_its_rows():
+    """12 rows of 8 whole blocks run as 4 lockstep units of 3; 4 such rows as 4 units of 1. The steps
+    are as many, and a step's calls do not grow with its rows: the 12 rows cost at most a few calls
+    per row more (laying out their indices), not a gather and a merge per row and block."""
+    L, H = 8 * blocked.BLOCK_ROWS, 4
+    q, kv, indptr, idx = paged_case([L] * 12, H, 16, seed=13)
+    assert blocked.long_batch(H, 576, 512, 2) >= 3
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        units = [len(r) for _, r in blocked.plan(torch.full((12,), L), H, 576, 512, lockstep=3)]
+        assert units == [3, 3, 3, 3]
+        twelve = _calls(lambda: decode(q, kv, indptr, idx))
+        four = _calls(lambda: decode(q[:4], kv, indptr[:5], idx[: 4 * L]))
+    finally:
+        torch.set_num_threads(before)
+    assert four < twelve <= four + 4 * 12, f"12 rows in lockstep made {twelve} calls, 4 rows alone {four}"

@@ -1,7 +1,9 @@
 """Benchmark: the fp64 reference against aiter's own torch reference and this machine's limits.
 
-Per --threads count, one fresh process reads the capture (64 requests x 16 heads x 2k-4k tokens,
-bf16, page size 1, shuffled slots, D = 576: Kimi-K2 / DeepSeek-V3), and measures there:
+The capture: 64 requests x 16 heads x 2k-4k tokens, bf16, page size 1, shuffled slots, D = 576
+(Kimi-K2 / DeepSeek-V3). Per --threads count one fresh process measures the first call's peak
+memory (the reference's, then aiter's) and aiter's error; then one more process times everything
+at every thread count, interleaved:
 
     reference     refmla.reference.mla_decode_ref (fp64, blocked: refmla.blocked); its peak memory
                   on its first call, before anything else ran in the process
@@ -13,15 +15,20 @@ bf16, page size 1, shuffled slots, D = 576: Kimi-K2 / DeepSeek-V3), and measures
     dgemm         the limit on compute: a square fp64 GEMM (N = --gemm-n), torch's threads
     gather        the limit on memory: every attended row gathered as stored and upcast to
                   fp64, in blocks of 64k rows into one reused buffer, torch's threads
-    floor         the limit of the reference's shape: its own work and nothing else, on the
-                  same worker threads (refmla.blocked.run_units) - every block of BLOCK_ROWS
-                  rows gathered and upcast into a reused buffer, then its two fp64 GEMMs
-                  [H, D] x [D, n] and [H, n] x [n, Dv] (no softmax, no merge); and those GEMMs
-                  alone on one in-cache block, for their rate (M = H = 16 rows: a skinny GEMM
-                  runs well below a square one)
+    floor         the limit of the reference's shape: its own work and nothing else, in the
+                  units refmla.blocked plans, on the same worker threads (run_units) - per
+                  lockstep step the rows' blocks of BLOCK_ROWS gathered at once and upcast into
+                  a reused buffer, then the two fp64 bmm [H, D] x [D, n] and [H, n] x [n, Dv]
+                  (no softmax, no merge; a last partial block alone); and those GEMMs alone on
+                  one in-cache block, for their rate (M = H = 16 rows: a skinny GEMM runs well
+                  below a square one)
 
-reference, aiter and peer_loop are timed in that one process, interleaved, best of --repeat, after
-one untimed call each (aiter's output is checked against the reference on it: bf16 rounding).
+reference, aiter, peer_loop and the floor are timed in that one process, best of --repeat rounds, a round
+running each of them at each thread count (after one untimed call each per count): the ratios
+between formulations and between thread counts come from the same minutes, so a shared machine's
+drift (the same 1-thread call measured 0.27 s and 0.35 s ten minutes apart on the CI-class VM)
+moves both sides of each ratio alike. aiter's output is checked against the reference (bf16
+rounding) in the memory process.
 
     flops  = sum_b 2 * H * L_b * D  (q.k)  +  2 * H * L_b * Dv  (p.v)
     bytes  = sum_b L_b * D * itemsize      (the attended rows as stored, read once)
@@ -59,7 +66,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from aiter_peer import ENV, AiterPeerError, load_aiter_peer  # noqa: E402
 from refmla.attended import Attended  # noqa: E402
-from refmla.blocked import BLOCK_ROWS, run_units, unit_budget  # noqa: E402
+from refmla.blocked import BLOCK_ROWS, long_batch, plan, run_units, unit_budget  # noqa: E402
 from refmla.capture import read_capture, write_capture  # noqa: E402
 from refmla.reference import mla_decode_ref  # noqa: E402
 from refmla.scales import Scales  # noqa: E402
@@ -106,37 +113,62 @@ def probe_gather(kv_buffer, kv_indices, block: int = 1 << 16) -> float:
     return min(_seconds(run) for _ in range(3))
 
 
-def probe_floor(q, kv_buffer, kv_indptr, kv_indices, kv_lora_rank: int) -> dict:
-    """Seconds of the reference's irreducible work (module docstring: floor) on torch's threads,
-    and seconds of its GEMMs alone at the same shapes on one in-cache block (the skinny-GEMM rate)."""
-    pool, H, D = kv_buffer[:, 0], q.shape[1], kv_buffer.shape[-1]
-    p = torch.rand(H, BLOCK_ROWS, dtype=torch.float64)  # stands for the probabilities: [H, n]
+def floor(q, kv_buffer, kv_indptr, kv_indices, kv_lora_rank: int):
+    """The reference's irreducible work (module docstring: floor) as a function of no arguments: the
+    units refmla.blocked plans for this batch on torch's threads (lockstep rows, longest first), per
+    step one gather of the whole blocks, one upcast and the two bmm; a last partial block alone."""
+    pool, H, D, Dv, n = kv_buffer[:, 0], q.shape[1], kv_buffer.shape[-1], kv_lora_rank, BLOCK_ROWS
+    lens = kv_indptr[1:] - kv_indptr[:-1]
+    k = long_batch(H, D, Dv, kv_buffer.dtype.itemsize)
     local = threading.local()
 
-    def request(b: int) -> None:
+    def unit(u) -> None:
+        rows = u[1].tolist()
         if not hasattr(local, "bufs"):
-            local.bufs = (pool.new_empty(BLOCK_ROWS, D), torch.empty(BLOCK_ROWS, D, dtype=torch.float64))
-        stored, up = local.bufs
-        qb, rows = q[b].double(), kv_indices[int(kv_indptr[b]) : int(kv_indptr[b + 1])].long()
-        for s in range(0, rows.shape[0], BLOCK_ROWS):
-            n = min(BLOCK_ROWS, rows.shape[0] - s)
-            torch.index_select(pool, 0, rows[s : s + n], out=stored[:n])
-            kv = up[:n].copy_(stored[:n])  # [n, D]
-            qb @ kv.T  # [H, n]
-            p[:, :n] @ kv[:, :kv_lora_rank]  # [H, Dv]
+            local.bufs = (pool.new_empty(k * n, D), torch.empty(k * n, D, dtype=torch.float64),
+                          torch.rand(k, H, n, dtype=torch.float64))  # fmt: skip
+        stored, up, p = local.bufs  # p stands for the probabilities: [k, H, n]
+        qs = q[rows].double()  # [w, H, D]
+        spans = [kv_indices[int(kv_indptr[b]) : int(kv_indptr[b + 1])].long() for b in rows]
+        for j in range(len(spans[0]) // n):
+            w = sum(len(x) // n > j for x in spans)
+            idx = torch.cat([x[j * n : (j + 1) * n] for x in spans[:w]])
+            torch.index_select(pool, 0, idx, out=stored[: w * n])
+            kv = up[: w * n].copy_(stored[: w * n]).view(w, n, D)
+            torch.bmm(qs[:w], kv.transpose(1, 2))  # [w, H, n]
+            torch.bmm(p[:w], kv[..., :Dv])  # [w, H, Dv]
+        for i, x in enumerate(spans):
+            r = len(x) % n
+            if r:
+                torch.index_select(pool, 0, x[len(x) - r :], out=stored[:r])
+                kv = up[:r].copy_(stored[:r])
+                qs[i] @ kv.T
+                p[0, :, :r] @ kv[:, :Dv]
 
-    total = min(_seconds(lambda: run_units(request, list(range(q.shape[0])))) for _ in range(2))
-    blocks = sum(-(-int(kv_indptr[b + 1] - kv_indptr[b]) // BLOCK_ROWS) for b in range(q.shape[0]))
-    kv, qb = torch.randn(BLOCK_ROWS, D, dtype=torch.float64), q[0].double()
+    def run() -> None:
+        run_units(unit, list(plan(lens, H, D, Dv, 8, k, torch.get_num_threads())))  # short rows: one at a time
+
+    return run
+
+
+def probe_gemm_block(q, kv_lora_rank: int) -> float:
+    """Seconds of one block's two GEMMs [H, D] x [D, n] and [H, n] x [n, Dv] on one in-cache block, on
+    one thread as a worker runs them (the skinny-GEMM rate: M = H = 16 rows run well below a square
+    GEMM)."""
+    H, D = q.shape[1], q.shape[2]
+    kv, qb, p = torch.randn(BLOCK_ROWS, D, dtype=torch.float64), q[0].double(), torch.rand(H, BLOCK_ROWS, dtype=torch.float64)
 
     def gemms() -> None:
         for _ in range(256):
             qb @ kv.T
             p @ kv[:, :kv_lora_rank]
 
-    torch.set_num_threads(1)  # as a worker runs them
-    with_one = min(_seconds(gemms) for _ in range(3)) / 256  # one block's two GEMMs, one thread's BLAS
-    return {"floor": total, "gemm_block": with_one, "blocks": blocks}
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return min(_seconds(gemms) for _ in range(3)) / 256
+    finally:
+        torch.set_num_threads(before)
 
 
 def reference(q, kv_buffer, kv_indptr, kv_indices, *, kv_lora_rank, sm_scale):
@@ -151,41 +183,64 @@ def _seconds(fn) -> float:
     return time.perf_counter() - t0
 
 
-def run_child(path: str, threads: int, repeat: int, gemm_n: int, aiter_repo: str | None) -> dict:
-    """In this (fresh) process: open the capture, read its pool once, then the reference's peak on
-    its first call, aiter's error and peak, the probes, and the formulations' times (module docstring)."""
+def run_memory(path: str, threads: int, aiter_repo: str | None) -> dict:
+    """In this (fresh) process, at ``threads``: open the capture, read its pool once, then the
+    reference's peak on its first call (before anything else ran here) and aiter's, and aiter's
+    error against the reference."""
     torch.set_num_threads(threads)
     cap = read_capture(path)
     kv, m = cap.kv_buffer, cap.meta
     float(kv[:, 0, :1].float().sum())  # page the pool in: its file pages are the capture, not the work
-    args = (cap.q, kv, cap.kv_indptr, cap.kv_indices)
-    kw = dict(kv_lora_rank=m.kv_lora_rank, sm_scale=m.sm_scale)
-    formulations = {"reference": reference, "peer_loop": peer_loop}
-    r: dict = {"load": [os.getloadavg()[0]], "peak_above_open_mib": {}}
+    args, kw = (cap.q, kv, cap.kv_indptr, cap.kv_indices), dict(kv_lora_rank=m.kv_lora_rank, sm_scale=m.sm_scale)
+    r: dict = {"peak_above_open_mib": {}}
     _reset_peak()
     base = _status_kib("VmRSS")
     want, _ = reference(*args, **kw)  # the first call: this process image's peak (ru_maxrss would include the parent's)
     r["peak_above_open_mib"]["reference"] = (_status_kib("VmHWM") - base) / 1024
     if aiter_repo:
         peer = load_aiter_peer(aiter_repo)
-        formulations["aiter"] = peer.decode
         _reset_peak()
         base = _status_kib("VmRSS")
         got, _ = peer.decode(*args, **kw)
         r["peak_above_open_mib"]["aiter"] = (_status_kib("VmHWM") - base) / 1024
         r["aiter_error"] = float((got.double() - want).abs().max() / want.abs().max())
-    peer_loop(*args, **kw)  # warm, as the others were
-    r["dgemm"] = probe_dgemm(gemm_n)
-    r["gather"] = probe_gather(kv, cap.kv_indices)
-    r.update(probe_floor(cap.q, kv, cap.kv_indptr, cap.kv_indices, m.kv_lora_rank))
-    torch.set_num_threads(threads)  # probe_floor's GEMM rate ran on one
-    times: dict[str, list[float]] = {}
-    for _ in range(repeat):  # interleaved
-        for name, fn in formulations.items():
-            times.setdefault(name, []).append(_seconds(lambda: fn(*args, **kw)))
-    r["load"].append(os.getloadavg()[0])
-    r["times"] = {name: min(v) for name, v in times.items()}
     return r
+
+
+def run_timing(path: str, threads: list[int], repeat: int, gemm_n: int, aiter_repo: str | None) -> dict:
+    """In this (fresh) process: the probes at each thread count, then the formulations' times, every
+    formulation at every thread count in each of ``repeat`` rounds (interleaved: a machine whose speed
+    drifts over minutes, as a shared VM's does, moves all of them alike, so the ratios between
+    formulations and between thread counts stay side by side); best of the rounds."""
+    cap = read_capture(path)
+    kv, m = cap.kv_buffer, cap.meta
+    float(kv[:, 0, :1].float().sum())
+    args, kw = (cap.q, kv, cap.kv_indptr, cap.kv_indices), dict(kv_lora_rank=m.kv_lora_rank, sm_scale=m.sm_scale)
+    formulations = {"reference": reference, "peer_loop": peer_loop}
+    if aiter_repo:
+        formulations["aiter"] = load_aiter_peer(aiter_repo).decode
+    floor_run = floor(*args, m.kv_lora_rank)
+    formulations["floor"] = lambda *a, **k: floor_run()
+    out: dict = {t: {"load": [os.getloadavg()[0]]} for t in threads}
+    for t in threads:
+        torch.set_num_threads(t)
+        for fn in formulations.values():
+            fn(*args, **kw)  # warm at this thread count
+        r = out[t]
+        r["dgemm"] = probe_dgemm(gemm_n)
+        r["gather"] = probe_gather(kv, cap.kv_indices)
+        r["gemm_block"] = probe_gemm_block(cap.q, m.kv_lora_rank)
+    times: dict[tuple[int, str], list[float]] = {}
+    for _ in range(repeat):
+        for t in threads:
+            torch.set_num_threads(t)
+            for name, fn in formulations.items():
+                times.setdefault((t, name), []).append(_seconds(lambda: fn(*args, **kw)))
+    for t in threads:
+        out[t]["load"].append(os.getloadavg()[0])
+        out[t]["times"] = {name: min(times[(t, name)]) for name in formulations if name != "floor"}
+        out[t]["floor"] = min(times[(t, "floor")])
+    return out
 
 
 def _status_kib(key: str) -> int:
@@ -216,9 +271,14 @@ def main() -> int:
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts, each measured (default 1,2)")
     ap.add_argument("--gemm-n", type=int, default=2048, help="square dgemm size of the compute probe")
     ap.add_argument("--child", metavar="PATH", help=argparse.SUPPRESS)
+    ap.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    threads = [int(t) for t in args.threads.split(",")]
+    if args.child and args.memory:
+        print(json.dumps(run_memory(args.child, threads[0], args.aiter_repo)))
+        return 0
     if args.child:
-        print(json.dumps(run_child(args.child, int(args.threads), args.repeat, args.gemm_n, args.aiter_repo)))
+        print(json.dumps(run_timing(args.child, threads, args.repeat, args.gemm_n, args.aiter_repo)))
         return 0
     if args.aiter_repo:
         try:
@@ -230,7 +290,6 @@ def main() -> int:
               f"executing only {', '.join(peer.functions)}")  # fmt: skip
     else:
         print(f"aiter: no checkout given (--aiter-repo / ${ENV}): its targets are NOT judged")
-    threads = [int(t) for t in args.threads.split(",")]
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(args.min_len, args.max_len + 1, (args.requests,), generator=g).tolist()
     spec = SynthSpec(name="bench", num_heads=args.heads, seq_lens=tuple(lens), free_pages=0)
@@ -241,10 +300,13 @@ def main() -> int:
         size_mib = os.path.getsize(path) / 2**20
         print(f"capture: {args.requests} requests x {args.heads} heads x {args.min_len}-{args.max_len} tokens, "
               f"bf16, {size_mib:.0f} MiB; torch {torch.__version__}, best of {args.repeat}, interleaved")  # fmt: skip
+        child = [sys.executable, __file__, "--child", path, "--repeat", str(args.repeat), "--gemm-n", str(args.gemm_n),
+                 *(["--aiter-repo", args.aiter_repo] if args.aiter_repo else [])]  # fmt: skip
+        for t in threads:  # a fresh process per thread count: a first call's peak
+            results[t] = json.loads(subprocess.check_output([*child, "--memory", "--threads", str(t)]))
+        timed = json.loads(subprocess.check_output([*child, "--threads", args.threads]))  # all counts, interleaved
         for t in threads:
-            cmd = [sys.executable, __file__, "--child", path, "--threads", str(t), "--repeat", str(args.repeat),
-                   "--gemm-n", str(args.gemm_n), *(["--aiter-repo", args.aiter_repo] if args.aiter_repo else [])]
-            results[t] = json.loads(subprocess.check_output(cmd))
+            results[t].update(timed[str(t)])
     H, D, Dv = args.heads, spec.head_dim, spec.kv_lora_rank
     shape = Shape(H, D, Dv, spec.kv_dtype.itemsize, sum(2 * H * L * D + 2 * H * L * Dv for L in lens),
                   sum(lens) * D * spec.kv_dtype.itemsize, args.requests * H * (Dv + 1) * 8 / 2**20)  # fmt: skip
