@@ -127,6 +127,9 @@ def test_long_rows_run_in_lockstep_units_longest_first_within_the_budget():
     assert sorted(order.tolist()) == list(range(len(LOCKSTEP)))
     shrunk = [rows for kind, rows in blocked.plan(lens, H, D, Dv, lockstep=k, workers=2) if kind == "long"]
     assert len(shrunk) >= blocked.UNITS_PER_WORKER * 2, "enough units for every worker to share the tail"
+    k2 = len(LOCKSTEP) // (blocked.UNITS_PER_WORKER * 2)  # lockstep shrunk so that each worker has 4 units
+    assert [len(r) for r in shrunk] == [k2] * (len(LOCKSTEP) // k2 - 2) + [1] * (2 * k2), "the last 2 units: a row each"
+    assert torch.equal(torch.cat(shrunk), order), "still longest first"
     assert [len(rows) for _, rows in blocked.plan(lens[:3], H, D, Dv, lockstep=k, workers=1)] == [1, 1, 1]
 
 
