@@ -21,24 +21,32 @@ H = 16 are too skinny to split, and a worker never waits on another at a barrier
 unit is one group of short rows, or up to :func:`long_batch` long rows in lockstep (block j of each
 at once: one bmm for q.k and one for p.v over the rows that have a whole block j, the softmax merge
 as one op over all of them, a row's last partial block alone). Every torch call from Python takes
-the GIL, and two workers hand it back and forth at every call (measured: each call costs about 4x
-more wall time at 2 threads than at 1); in lockstep a call covers several blocks, and a step makes
-13 calls whatever the number of rows (one gather, one upcast, q.k, its scale, and 9 for the merge:
-the running max rides in the logits' last column). Batching changes no bits: bmm runs one GEMM per entry, and the elementwise
-ops and reductions work row by row (tests/test_blocked.py checks rows alone, batched, 1 and 2 threads).
+the GIL, and two workers running Python take turns at it at every call (measured: a call costs
+about 4x the wall time at 2 threads as at 1). So the lockstep loop (:func:`lockstep`) runs compiled
+by TorchScript, which releases the GIL for the whole unit: one call from Python per unit. Where
+torch has no TorchScript (or $REFMLA_NO_TORCHSCRIPT is set) the same function runs as Python, and a
+step still makes 13 calls whatever its number of rows (one gather, one upcast, q.k, its scale and 9
+for the merge: the running max rides in the logits' last column). Batching changes no bits: bmm
+runs one GEMM per entry, and the elementwise ops and reductions work row by row; compiled or not,
+the same ops (tests/test_blocked.py checks rows alone, batched, 1 and 2 threads, both ways).
 
 Memory: each worker holds at most :func:`unit_budget` bytes (the stated budget), besides the outputs
-[R, H, Dv] and [R, H] and the int64 row spans [R]; it never depends on L.
+[R, H, Dv] and [R, H] and the int64 row spans [R]; it never depends on L. The first call in a process
+also compiles the loop, once: COMPILE_BYTES at most (measured +6 MiB, 60 ms).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import os
+import sys
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -50,6 +58,7 @@ BLOCK_ROWS = 256  # rows per block: 256 x 576 fp64 = 1.2 MB, about one core's L2
 GROUP_BYTES = 4 << 20  # a group of short rows: its q, logits, output and rows in accum_dtype at most this
 MAX_GROUP = 4096  # query rows per group at most (one bmm each)
 GRID_BLOCKS = 16  # a lockstep unit lays out its rows' pool indices this many blocks at a time
+COMPILE_BYTES = 8 << 20  # TorchScript's compile of the lockstep loop, once per process (measured +6 MiB)
 
 
 @dataclass(frozen=True)
@@ -186,6 +195,7 @@ class _Job:
         self.q, self.pool, self.spans, self.sc, self.dtype, self.out, self.lse = q, pool, spans, sc, dtype, out, lse
         self.indices = spans.indices.to(pool.device)
         self.local = threading.local()
+        self.lockstep = lockstep_fn()  # compiled here, on the calling thread, before any worker starts
 
     def run(self, unit: tuple[str, torch.Tensor]) -> None:
         kind, rows = unit
@@ -212,51 +222,15 @@ class _Job:
         return bufs[0][:n], bufs[1][:n]
 
     def long_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k rows (longest first) over their spans in blocks of BLOCK_ROWS, in lockstep, merged online
-        (module docstring): block j of the w rows that have a whole one (a prefix: longest first) as
-        one gather, one upcast and one bmm pair, then each row's last partial block alone. The
-        running max rides in the logits' last column, so that one amax gives max(m, max_j s_j) and
-        one exp both p and exp(m - m') (the same elementwise ops on the same numbers: the same bits,
-        in fewer calls; two workers take turns at the GIL for every call). Returns out [k, H, Dv],
-        lse [k, H]."""
-        sc, Dv, k, n = self.sc, self.sc.kv_lora_rank, len(rows), BLOCK_ROWS
+        """k rows (longest first) over their spans in blocks of BLOCK_ROWS, in lockstep, merged
+        online (:func:`lockstep`, run by TorchScript without the GIL where torch has it). Returns
+        out [k, H, Dv], lse [k, H]."""
+        sc, k = self.sc, len(rows)
         q = self.q[self.qrow(rows).to(self.q.device)].to(self.dtype)  # [k, H, D]
-        H, D = q.shape[1], q.shape[2]
         starts, lens = self.spans.starts[rows].tolist(), self.spans.lens[rows].tolist()
-        whole = [L // n for L in lens]  # whole blocks per row: non-increasing, each >= 1 (a long row)
-        grid = self.indices.new_empty(min(whole[0], GRID_BLOCKS), k * n)  # block j of the first w rows
-        stored, kv = self.block(k * n)  # [k * n, D] as stored and upcast
-        sx = torch.empty(k, H, n + 1, dtype=self.dtype, device=q.device)  # [k, H, n] logits | [k, H, 1] max
-        lockstep = _Lockstep(q, stored, kv, sx, Dv)
-        m = l = acc = None  # [k, H, 1], [k, H, 1], [k, H, Dv]
-        for j in range(whole[0]):
-            if j % GRID_BLOCKS == 0:  # the pool rows of the next GRID_BLOCKS blocks, row by row
-                for i, (s, b) in enumerate(zip(starts, whole)):
-                    c = min(b - j, GRID_BLOCKS)
-                    if c > 0:
-                        grid[:c, i * n : (i + 1) * n] = self.indices[s + j * n : s + (j + c) * n].view(c, n)
-            w = sum(b > j for b in whole)  # rows with a whole block j
-            x = lockstep.of(w)
-            torch.index_select(self.pool, 0, grid[j % GRID_BLOCKS, : w * n], out=x.stored)
-            x.kv.copy_(x.stored_3d)  # [w, n, D]
-            logits(torch.bmm(x.q, x.kv_t, out=x.s), sc)  # [w, H, n]
-            if m is None:  # block 0: every row has it whole
-                m = x.s.amax(dim=-1, keepdim=True)
-                p = x.s.sub_(m).exp_()  # [k, H, n]
-                l, acc = p.sum(dim=-1, keepdim=True), torch.bmm(p, x.v)
-                continue
-            mw, lw, aw = (m, l, acc) if w == k else (m[:w], l[:w], acc[:w])
-            x.alpha.copy_(mw)  # the running max m as one more logit
-            torch.amax(x.sx, dim=-1, keepdim=True, out=mw)  # m' = max(m, max_j s_j)  [w, H, 1]
-            x.sx.sub_(mw).exp_()  # p = exp(s - m') [w, H, n], alpha = exp(m - m') [w, H, 1]
-            lw.mul_(x.alpha).add_(x.s.sum(dim=-1, keepdim=True))
-            aw.mul_(x.alpha).baddbmm_(x.s, x.v)
-        for i, (s, L) in enumerate(zip(starts, lens)):  # a last partial block: [r, D]
-            r = L % n
-            if r:
-                torch.index_select(self.pool, 0, self.indices[s + L - r : s + L], out=stored[:r])
-                part = kv[:r].copy_(stored[:r])
-                merge(m[i], l[i], acc[i], logits(q[i] @ part.T, sc), part[:, :Dv])
+        stored, kv = self.block(k * BLOCK_ROWS)  # [k * n, D] as stored and upcast
+        m, l, acc = self.lockstep(self.pool, self.indices, q, starts, lens, stored, kv, BLOCK_ROWS, sc.kv_lora_rank,
+                                  GRID_BLOCKS, float(sc.sm_scale * sc.k_scale), float(sc.logit_cap))  # fmt: skip
         return acc.div_(l).mul_(sc.v_scale), m.add_(l.log()).squeeze(-1)
 
     def short_group(self, rows: torch.Tensor, out=None, lse=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,32 +254,73 @@ class _Job:
         return acc.div_(l[..., None]).mul_(sc.v_scale), torch.add(m, l.log_(), out=lse)
 
 
-class _Lockstep:
-    """The views one lockstep unit uses for its first w rows, made once per w (a view is a call)."""
-
-    def __init__(self, q, stored, kv, sx, Dv: int):
-        self.q, self.stored, self.kv, self.sx, self.Dv, self.views = q, stored, kv, sx, Dv, {}
-
-    def of(self, w: int) -> "_Views":
-        if w not in self.views:
-            n, D = self.sx.shape[-1] - 1, self.kv.shape[-1]
-            kv, sx = self.kv[: w * n].view(w, n, D), self.sx[:w]
-            self.views[w] = _Views(self.q[:w], self.stored[: w * n], self.stored[: w * n].view(w, n, D), kv,
-                                   kv.transpose(1, 2), kv[..., : self.Dv], sx, sx[..., :n], sx[..., n:])  # fmt: skip
-        return self.views[w]
-
-
-@dataclass(frozen=True)
-class _Views:
-    q: torch.Tensor  # [w, H, D]
-    stored: torch.Tensor  # [w * n, D] as stored
-    stored_3d: torch.Tensor  # [w, n, D]
-    kv: torch.Tensor  # [w, n, D] upcast
-    kv_t: torch.Tensor  # [w, D, n]
-    v: torch.Tensor  # [w, n, Dv]
-    sx: torch.Tensor  # [w, H, n + 1]
-    s: torch.Tensor  # [w, H, n]: the logits, then p
-    alpha: torch.Tensor  # [w, H, 1]: the running max, then exp(m - m')
+def lockstep(
+    pool: torch.Tensor,
+    indices: torch.Tensor,
+    q: torch.Tensor,
+    starts: List[int],
+    lens: List[int],
+    stored: torch.Tensor,
+    kv: torch.Tensor,
+    n: int,
+    Dv: int,
+    grid_blocks: int,
+    scale: float,
+    cap: float,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k long rows (longest first; row i attends pool rows indices[starts[i] : starts[i] + lens[i]]
+    with q [k, H, D]) in blocks of n, merged online (module docstring) -> m, l [k, H, 1] and the
+    unnormalised acc [k, H, Dv]. Step j: block j of the w rows that have a whole one (a prefix:
+    longest first) as one gather, one upcast into ``stored`` / ``kv`` [>= k * n, D] and one bmm
+    pair; then each row's last partial block alone. The running max rides in the logits' last
+    column, so that one amax gives max(m, max_j s_j) and one exp both p and exp(m - m') (the same
+    elementwise ops on the same numbers as :func:`merge`). Written in the Python that TorchScript
+    compiles: :func:`lockstep_fn` runs it compiled, without the GIL, or as plain Python; the same
+    bits (tests/test_blocked.py)."""
+    k, H, D = q.shape[0], q.shape[1], q.shape[2]
+    whole = [L // n for L in lens]  # whole blocks per row: non-increasing, each >= 1 (a long row)
+    grid = torch.empty([min(whole[0], grid_blocks), k * n], dtype=indices.dtype, device=indices.device)
+    sx = torch.empty([k, H, n + 1], dtype=q.dtype, device=q.device)  # [k, H, n] logits | [k, H, 1] max
+    m = torch.empty([k, H, 1], dtype=q.dtype, device=q.device)
+    l = torch.empty([k, H, 1], dtype=q.dtype, device=q.device)
+    acc = torch.empty([k, H, Dv], dtype=q.dtype, device=q.device)
+    for j in range(whole[0]):
+        if j % grid_blocks == 0:  # the pool rows of the next grid_blocks blocks, row by row
+            for i in range(k):
+                c = min(whole[i] - j, grid_blocks)
+                if c > 0:
+                    grid[:c, i * n : (i + 1) * n] = indices[starts[i] + j * n : starts[i] + (j + c) * n].view(c, n)
+        w = 0  # rows with a whole block j
+        for b in whole:
+            if b > j:
+                w += 1
+        torch.index_select(pool, 0, grid[j % grid_blocks, : w * n], out=stored[: w * n])
+        kv_w = kv[: w * n].view(w, n, D)
+        kv_w.copy_(stored[: w * n].view(w, n, D))  # [w, n, D]
+        v = kv_w[:, :, :Dv]  # [w, n, Dv]
+        s = sx[:w, :, :n]  # [w, H, n]: the logits, then p
+        _logits(torch.bmm(q[:w], kv_w.transpose(1, 2), out=s), scale, cap)
+        if j == 0:  # every row has block 0 whole
+            torch.amax(s, dim=-1, keepdim=True, out=m)
+            s.sub_(m).exp_()
+            torch.sum(s, dim=-1, keepdim=True, out=l)
+            torch.bmm(s, v, out=acc)
+        else:
+            alpha = sx[:w, :, n:]  # [w, H, 1]: the running max m, then exp(m - m')
+            alpha.copy_(m[:w])
+            torch.amax(sx[:w], dim=-1, keepdim=True, out=m[:w])  # m' = max(m, max_j s_j)
+            sx[:w].sub_(m[:w]).exp_()  # p = exp(s - m'), alpha = exp(m - m')
+            l[:w].mul_(alpha).add_(s.sum(dim=-1, keepdim=True))
+            acc[:w].mul_(alpha).baddbmm_(s, v)
+    for i in range(k):  # a last partial block: [r, D]
+        r = lens[i] % n
+        if r > 0:
+            end = starts[i] + lens[i]
+            torch.index_select(pool, 0, indices[end - r : end], out=stored[:r])
+            part = kv[:r]
+            part.copy_(stored[:r])
+            merge(m[i], l[i], acc[i], _logits(torch.mm(q[i], part.t()), scale, cap), part[:, :Dv])
+    return m, l, acc
 
 
 def merge(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, s: torch.Tensor, v: torch.Tensor) -> None:
@@ -316,13 +331,40 @@ def merge(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, s: torch.Tensor, 
     p = s.sub_(m_new).exp_()  # [.., H, n]
     l.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
     acc.mul_(alpha)
-    acc.baddbmm_(p, v) if acc.dim() == 3 else acc.addmm_(p, v)
+    if acc.dim() == 3:
+        acc.baddbmm_(p, v)
+    else:
+        acc.addmm_(p, v)
     m.copy_(m_new)
 
 
 def logits(s: torch.Tensor, sc: Scales) -> torch.Tensor:
     """q.k [.., H, n] -> the scaled (and capped) logits, in place."""
-    s = s.mul_(sc.sm_scale * sc.k_scale)
-    if sc.logit_cap > 0:
-        s = s.div_(sc.logit_cap).tanh_().mul_(sc.logit_cap)  # cap * tanh(s / cap)
+    return _logits(s, sc.sm_scale * sc.k_scale, float(sc.logit_cap))
+
+
+def _logits(s: torch.Tensor, scale: float, cap: float) -> torch.Tensor:
+    s = s.mul_(scale)
+    if cap > 0:
+        s = s.div_(cap).tanh_().mul_(cap)  # cap * tanh(s / cap)
     return s
+
+
+NO_TORCHSCRIPT = "REFMLA_NO_TORCHSCRIPT"  # set (to anything): the lockstep loop runs as plain Python
+
+
+@functools.lru_cache(maxsize=None)
+def lockstep_fn():
+    """:func:`lockstep` compiled by TorchScript, once per process: it releases the GIL while it runs,
+    where two workers running it as Python take turns at the GIL for every torch call. torch marks
+    torch.jit.script deprecated (for torch.compile, whose generated kernels would not be the eager
+    ops' bits); where it is gone, fails, or $REFMLA_NO_TORCHSCRIPT is set, the same function runs
+    as Python."""
+    if os.environ.get(NO_TORCHSCRIPT) or sys.version_info >= (3, 14):  # torch: "may break" on 3.14+
+        return lockstep
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.jit.script(lockstep)
+    except Exception:  # noqa: BLE001 - any failure to compile leaves the plain function: the same math
+        return lockstep
