@@ -353,18 +353,22 @@ def _logits(s: torch.Tensor, scale: float, cap: float) -> torch.Tensor:
 NO_TORCHSCRIPT = "REFMLA_NO_TORCHSCRIPT"  # set (to anything): the lockstep loop runs as plain Python
 
 
-@functools.lru_cache(maxsize=None)
 def lockstep_fn():
-    """:func:`lockstep` compiled by TorchScript, once per process: it releases the GIL while it runs,
+    """:func:`lockstep` compiled by TorchScript (once per process): it releases the GIL while it runs,
     where two workers running it as Python take turns at the GIL for every torch call. torch marks
     torch.jit.script deprecated (for torch.compile, whose generated kernels would not be the eager
-    ops' bits); where it is gone, fails, or $REFMLA_NO_TORCHSCRIPT is set, the same function runs
-    as Python."""
-    if os.environ.get(NO_TORCHSCRIPT) or sys.version_info >= (3, 14):  # torch: "may break" on 3.14+
+    ops' bits); where it is gone or fails, on Python 3.14+ (torch: it "may break" there) or while
+    $REFMLA_NO_TORCHSCRIPT is set, the same function runs as Python."""
+    if os.environ.get(NO_TORCHSCRIPT) or sys.version_info >= (3, 14):
         return lockstep
+    return _compiled()
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled():
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+            warnings.simplefilter("ignore")  # the deprecation (above)
             return torch.jit.script(lockstep)
     except Exception:  # noqa: BLE001 - any failure to compile leaves the plain function: the same math
         return lockstep

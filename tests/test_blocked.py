@@ -308,7 +308,7 @@ def test_a_lockstep_step_makes_the_same_calls_whatever_its_rows(monkeypatch):
     units of 3; 4 such rows as 4 units of 1. The steps are as many, and a step's calls do not grow
     with its rows: the 12 rows cost at most a few calls per row more (laying out their indices),
     not a gather and a merge per row and block."""
-    monkeypatch.setattr(blocked, "lockstep_fn", lambda: blocked.lockstep)
+    monkeypatch.setenv(blocked.NO_TORCHSCRIPT, "1")
     L, H = 8 * blocked.BLOCK_ROWS, 4
     q, kv, indptr, idx = paged_case([L] * 12, H, 16, seed=13)
     assert blocked.long_batch(H, 576, 512, 2) >= 3
@@ -342,7 +342,8 @@ def test_the_compiled_lockstep_loop_has_the_plain_ones_bits(monkeypatch, heads, 
             torch.set_num_threads(threads)
             runs["compiled", threads] = ref.mla_decode_ref(q * 4, kv, att, sc)
             with monkeypatch.context() as m:
-                m.setattr(blocked, "lockstep_fn", lambda: blocked.lockstep)
+                m.setenv(blocked.NO_TORCHSCRIPT, "1")
+                assert blocked.lockstep_fn() is blocked.lockstep
                 runs["python", threads] = ref.mla_decode_ref(q * 4, kv, att, sc)
     finally:
         torch.set_num_threads(before)
