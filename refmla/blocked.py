@@ -21,9 +21,9 @@ H = 16 are too skinny to split, and a worker never waits on another at a barrier
 unit is one group of short rows, or up to :func:`long_batch` long rows in lockstep (block j of each
 at once: one bmm for q.k and one for p.v over the rows that have a whole block j, the softmax merge
 as one op over all of them, a row's last partial block alone). Every torch call from Python takes
-the GIL, and two workers running Python take turns at it at every call (measured: a call costs
-about 4x the wall time at 2 threads as at 1). So the lockstep loop (:func:`lockstep`) runs compiled
-by TorchScript, which releases the GIL for the whole unit: one call from Python per unit. Where
+the GIL, and two workers running Python take turns at it at every call. So the lockstep loop
+(:func:`lockstep`) runs compiled by TorchScript, which releases the GIL for the whole unit: one call
+from Python per unit (tools/bench_reference.py times it both ways side by side). Where
 torch has no TorchScript (or $REFMLA_NO_TORCHSCRIPT is set) the same function runs as Python, and a
 step still makes 13 calls whatever its number of rows (one gather, one upcast, q.k, its scale and 9
 for the merge: the running max rides in the logits' last column). Batching changes no bits: bmm
@@ -92,7 +92,7 @@ class Spans:
 
 def unit_budget(H: int, D: int, Dv: int, stored_itemsize: int, itemsize: int = 8) -> int:
     """Bytes one worker may hold besides the outputs (the stated budget), at most: one long row's
-    row's share of a lockstep unit (:func:`_row_block`) plus one group of short rows (GROUP_BYTES,
+    share of a lockstep unit (:func:`_row_block`) plus one group of short rows (GROUP_BYTES,
     and its rows as stored)."""
     return _row_block(H, D, Dv, stored_itemsize, itemsize) + GROUP_BYTES + BLOCK_ROWS * D * stored_itemsize
 
@@ -137,8 +137,7 @@ def plan(
     """The units of work: ("long", rows) for the rows past BLOCK_ROWS, longest first, up to
     ``lockstep`` of them each (fewer when ``workers`` would get under UNITS_PER_WORKER units; with
     several workers the last ``workers`` units split into single rows, so that they finish within
-    a row of each other: measured 2-3 % off the 2-thread time of tools/bench_reference.py's batch;
-    the split never changes a row's bits, only how evenly the workers finish), ("short", rows) for
+    a row of each other; the split never changes a row's bits, only how evenly the workers finish), ("short", rows) for
     groups of short rows of one length (stable order), each within GROUP_BYTES and MAX_GROUP rows."""
     n = lens.cpu().numpy()  # numpy: its stable sort of 10^6 lengths takes milliseconds
     long = np.flatnonzero(n > BLOCK_ROWS)
