@@ -76,6 +76,18 @@ def test_the_trigger_names_one_axis_or_two_at_once():
     assert trigger(_results(lambda p: False), "k", "reference") is None
 
 
+def test_the_trigger_skips_cases_the_backend_did_not_run_in_a_failing_layout():
+    """A case of a failing layout without the backend (dropped after its skips, or run by a worker
+    with other backends) counts neither way, and does not stop the sweep."""
+    from refmla.sweep.report import CaseResult, CheckOutcome, trigger
+
+    cases = _results(lambda p: p["heads"] == 32)
+    other = CaseResult(len(cases), "decode", {"heads": 32, "kv": "bfloat16", "page": 1}, {})
+    other.outcomes["aiter"] = {"reference": CheckOutcome("reference", "fail")}  # no "k" here
+    t = trigger([*cases, other], "k", "reference")
+    assert (t.axis, t.value, t.cases_with) == ("heads", 32, 4)
+
+
 def test_the_trigger_reads_the_failing_layouts_and_what_the_shrink_left():
     """The heads32 run of this round: one failing block-table case at 32 heads, length 1023, and a
     passing case at 32 heads in the sparse layout (another kernel under the same name). The sparse

@@ -92,11 +92,9 @@ def trigger(cases: Sequence[CaseResult], backend: str, check: str, not_needed: f
     ``not_needed``: axes the shrink moved away from while the case kept failing (its length, its
     batch, its heads): their values are not what triggers it. Values that separate as well as the
     one named are kept in ``ties`` (the cases seen cannot tell them apart)."""
-    failed_in = {c.layout for c in cases if backend in c.outcomes and c.outcomes[backend].get(check)
-                 and c.outcomes[backend][check].failed}  # fmt: skip
-    ran = [(c.point, c.outcomes[backend][check].failed) for c in cases
-           if c.layout in failed_in and c.outcomes[backend].get(check) and
-           c.outcomes[backend][check].status in ("pass", "fail", "error")]  # fmt: skip
+    seen = [(c, c.outcomes[backend][check]) for c in cases if c.outcomes.get(backend, {}).get(check)]
+    failed_in = {c.layout for c, o in seen if o.failed}
+    ran = [(c.point, o.failed) for c, o in seen if c.layout in failed_in and o.status in ("pass", "fail", "error")]
     failing = sum(f for _, f in ran)
     if not failing:
         return None
