@@ -83,6 +83,10 @@ class KernelCrashed(Exception):
         return str(self.args[0])
 
 
+class KernelTimeout(KernelCrashed):
+    """The forked child was still running after its wall-time limit (one that spins): killed."""
+
+
 class KernelError(Exception):
     """The kernel raised in the child: the message is the child's error_text (type and first line)."""
 
@@ -125,12 +129,8 @@ def run_isolated(fn: Callable[..., Any], *args: Any, wall_s: float | None = None
         return _spawned(fn, args)
     try:
         return _forked(fn, args, wall_s)
-    except KernelCrashed as e:
-        if not str(e).startswith("still running after"):  # WALL_TEXT: not a crash, not a stall
-            raise
-        # once more in a fresh child: a lock the fork inherited is the fork's doing, not the
-        # kernel's; a kernel that hangs again is the finding
-        return _forked(fn, args, wall_s)
+    except KernelTimeout:  # once more in a fresh child: a lock the fork inherited is the fork's
+        return _forked(fn, args, wall_s)  # doing, not the kernel's; a kernel that hangs again is the finding
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,15 +169,6 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _read_all(fd: int) -> bytes:
-    chunks = []
-    while True:
-        chunk = os.read(fd, 1 << 20)
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
-
-
 def _framed(data: bytes) -> bytes | None:
     """The payload of a complete length-prefixed reply, None when the child died mid-way."""
     if len(data) < 8:
@@ -203,17 +194,17 @@ def _forked(fn: Callable[..., Any], args: tuple, wall_s: float | None = None) ->
             os._exit(code)
     os.close(w)
     try:
-        data, stalled = _read_watched(r, pid, wall_s)
+        data, killed = _read_watched(r, pid, wall_s)
     except BaseException:  # SIGINT / SIGTERM (or anything) here: the child must not outlive this process
         _end_child(pid)
         raise
     finally:
         os.close(r)
-    if stalled:
+    if killed is not None:
         os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
-    if stalled:
-        raise KernelCrashed(stalled)
+    if killed is not None:
+        raise killed
     payload = _framed(data)
     if payload is None or os.WIFSIGNALED(status):
         raise KernelCrashed(crash_text(status))
@@ -250,9 +241,9 @@ def cpu_ticks(pid: int) -> int | None:
         return None
 
 
-def _read_watched(fd: int, pid: int, wall_s: float | None = None) -> tuple[bytes, str]:
-    """Everything the child writes to ``fd`` until it closes it, and "" (all is well); or what it
-    has written and why it is to be killed: it neither writes nor uses CPU for stall_seconds() (a
+def _read_watched(fd: int, pid: int, wall_s: float | None = None) -> tuple[bytes, KernelCrashed | None]:
+    """Everything the child writes to ``fd`` until it closes it, and None (all is well); or what it
+    has written and why it is to be killed, as the error to raise: it neither writes nor uses CPU for stall_seconds() (a
     forked CPU kernel that progresses computes: one asleep that long waits on what will never come,
     e.g. a lock held at the fork by a thread the child does not have), or it has not replied after
     ``wall_s`` seconds (one that spins). Without /proc, only the wall-time limit."""
@@ -263,17 +254,17 @@ def _read_watched(fd: int, pid: int, wall_s: float | None = None) -> tuple[bytes
         if ready:
             chunk = os.read(fd, 1 << 20)
             if not chunk:
-                return b"".join(chunks), ""
+                return b"".join(chunks), None
             chunks.append(chunk)
             idle = 0.0
             continue
         if wall_s is not None and time.monotonic() - started >= wall_s:
-            return b"".join(chunks), WALL_TEXT.format(s=wall_s)
+            return b"".join(chunks), KernelTimeout(WALL_TEXT.format(s=wall_s))
         now = cpu_ticks(pid)
         idle = 0.0 if now is None or now != ticks else idle + WATCH_S
         ticks = now if now is not None else ticks
         if now is not None and idle >= limit:
-            return b"".join(chunks), STALL_TEXT.format(s=limit)
+            return b"".join(chunks), KernelCrashed(STALL_TEXT.format(s=limit))
 
 
 def _spawn_main(conn) -> None:

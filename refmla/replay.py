@@ -172,7 +172,8 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
     if not ok:
         return BackendEntry("skipped", reason=why)
     try:
-        run = backend.run if not enabled(ctx.opts.isolate) else lambda c, o: run_isolated(backend.run, c, o)
+        wall = ctx.opts.kernel_seconds
+        run = backend.run if not enabled(ctx.opts.isolate) else lambda c, o: run_isolated(backend.run, c, o, wall_s=wall)
         res = run(ctx.cap, ctx.opts)
         if ctx.opts.repeat > 1 and name != "observed":  # the same inputs again: every bit must match
             repeated(res, [run(ctx.cap, ctx.opts) for _ in range(ctx.opts.repeat - 1)])
@@ -288,7 +289,8 @@ def run_sparse_backend(name: str, cap: SparseCapture, ref: SparseOutput, ctrl: S
     if name == "reference":
         return BackendEntry("pass", max_abs_err=0.0, cos_diff=0.0, info={"accum_dtype": "float64", "what": "the truth"})
     run = SPARSE_BACKENDS[name]
-    call = (lambda: run_isolated(run, cap)) if name in SPARSE_KERNELS and enabled(opts.isolate) else (lambda: run(cap))
+    isolate = name in SPARSE_KERNELS and enabled(opts.isolate)
+    call = (lambda: run_isolated(run, cap, wall_s=opts.kernel_seconds)) if isolate else (lambda: run(cap))
     try:
         got = call()
         if opts.repeat > 1 and name in SPARSE_KERNELS:  # the same inputs again: every bit must match (issue 31)

@@ -198,3 +198,28 @@ def test_a_deadlocked_kernel_is_that_backends_error_and_the_others_are_kept(host
     assert entry.status == "error" and entry.reason.startswith("made no progress for 1 s"), entry.reason
     assert report.backends["triton"].status == "pass" and report.backends["observed"].status == "pass"
     assert report.exit_code == 1 and report.diagnosis == "backend_error"
+
+
+def test_a_replay_given_a_wall_time_limit_kills_a_kernel_that_spins(hostile, monkeypatch):
+    """``ReplayOptions.kernel_seconds`` holds for a replay as for the sweep (whose findings are
+    replayed with it): a kernel that spins is that backend's ``error``, the others are kept."""
+    import refmla.backends as backends
+    import refmla.replay as replay
+    from refmla.backends.triton import TritonBackend
+
+    monkeypatch.setenv(isolation.STALL_ENV, "0.5")  # the CPU watchdog cannot see a spin
+
+    class Spins(TritonBackend):
+        name = "triton_spins"
+
+        def run(self, cap, opts):
+            _busy(60.0)
+            return super().run(cap, opts)
+
+    monkeypatch.setitem(backends._CACHE, Spins.name, Spins())
+    monkeypatch.setitem(backends._WHERE, Spins.name, "tests/test_isolation.py")
+    monkeypatch.setattr(replay, "ALL_NAMES", tuple(replay.ALL_NAMES) + (Spins.name,))
+    report = replay_capture(read_capture(hostile), ReplayOptions(backends=[Spins.name, "triton"], kernel_seconds=1.0))
+    entry = report.backends[Spins.name]
+    assert entry.status == "error" and entry.reason.startswith("still running after 1 s of wall time"), entry.reason
+    assert report.backends["triton"].status == "pass" and report.exit_code == 1

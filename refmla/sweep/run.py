@@ -18,7 +18,7 @@ import os
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -318,7 +318,8 @@ class Sweeper:
         f.replay_command = f"refmla replay {path} --backend {name}"
         try:
             rerun = [name] if shrunk.evidence is None else []
-            f.replay_verdict = replay_file(str(path), ReplayOptions(backends=rerun, explain=False)).verdict
+            opts = replace(self.cfg.options(), backends=rerun)  # the sweep's wall-time limit: a kernel that spun spins again
+            f.replay_verdict = replay_file(str(path), opts).verdict
         except Exception as e:
             f.replay_verdict = f"replay failed: {error_text(e)}"
         return f
