@@ -70,18 +70,16 @@ def synth(out: Union[str, Path], preset_name: str = "kimi-k2-tp8", fault: str = 
     """Write a synthetic capture of preset ``preset_name`` to ``out``; returns what was planted. A
     DeepSeek-V4 / V3.2 preset writes a sparse decode capture (``layer``: that layer of the model); a
     kv-write-*, merge-* or chunked-prefill* preset a KV writer, merge or chunked-prefill capture."""
+    if preset_name not in ALL_PRESETS:
+        raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(ALL_PRESETS)}")
+    if layer is not None and preset_name not in SPARSE_PRESETS:
+        raise ValueError(f"layer applies to the sparse presets ({', '.join(SPARSE_PRESETS)}), not {preset_name!r}")
     if preset_name in KIND_SYNTHS:
-        if layer is not None:
-            raise ValueError(f"layer applies to the sparse presets ({', '.join(SPARSE_PRESETS)}), not {preset_name!r}")
         return KIND_SYNTHS[preset_name](out, preset_name, fault, seed=seed or 0)
     if preset_name in SPARSE_PRESETS:
         if fault not in ("none", *SPARSE_FAULTS):
             raise ValueError(f"unknown fault {fault!r} for a sparse preset; choose from none, {', '.join(SPARSE_FAULTS)}")
         return synth_sparse(out, preset_name, None if fault == "none" else fault, seed, layer=layer)
-    if preset_name not in PRESETS:
-        raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(ALL_PRESETS)}")
-    if layer is not None:
-        raise ValueError(f"layer applies to the sparse presets ({', '.join(SPARSE_PRESETS)}), not {preset_name!r}")
     if fault not in FAULTS:
         raise ValueError(f"unknown fault {fault!r}; choose from {', '.join(FAULTS)}")
     spec = dense_preset(preset_name, seed=seed) if seed is not None else dense_preset(preset_name)

@@ -80,3 +80,17 @@ def test_the_api_entry_points_check_the_same_bounds(capture):
         replay_many([capture], ReplayOptions(tol=Tolerance(k=1e300)))
     with pytest.raises(ValueError, match="option jobs"):
         replay_many([capture], ReplayOptions(), jobs=0)
+
+
+@pytest.mark.parametrize("preset", ["kv-write-bf16", "merge-cp-log2"])
+def test_plot_refuses_a_kv_writer_or_merge_capture_in_one_line(tmp_path, preset):
+    """--plot draws dense attention captures; a KV writer's or a merge's capture is refused in one
+    stderr line (it was skipped in silence), its replay unchanged."""
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "c.safetensors"
+    assert run_cli("synth", str(path), "--preset", preset)[0] == 0
+    code, out, err = run_cli("replay", str(path), "--plot", str(tmp_path / "plots"))
+    said = [ln for ln in error_lines(err) if "--plot" in ln]
+    assert code == 0 and "agree" in out, (code, out[-500:], err[-500:])
+    assert len(said) == 1 and str(path) in said[0] and "not drawn" in said[0], err
+    assert not list((tmp_path / "plots").glob("c*"))

@@ -114,13 +114,17 @@ def json_documents() -> int:
 
 
 def drawable(reports: Sequence[Any]) -> list[Any]:
-    """The reports --plot draws (dense kinds); each sparse decode capture's refused in one line on
-    stderr, its replay unchanged (the plots read dense captures)."""
+    """The reports --plot draws (dense attention captures; None: a file not read far enough to tell,
+    which the plots skip); every other kind (sparse decode, kv_write, merge) refused in one line on
+    stderr, its replay unchanged."""
+    keep = []
     for r in reports:
-        if getattr(r, "kind", None) == "sparse_decode":
-            print(f"refmla: --plot: {r.capture}: not drawn: the plots read dense captures, not a sparse decode capture",
-                  file=sys.stderr)  # fmt: skip
-    return [r for r in reports if getattr(r, "kind", None) != "sparse_decode"]
+        if getattr(r, "kind", None) in ("dense", None):
+            keep.append(r)
+        else:
+            print(f"refmla: --plot: {r.capture}: not drawn: the plots read dense attention captures, not a {r.kind.replace('_', ' ')} "
+                  "capture", file=sys.stderr)  # fmt: skip
+    return keep
 
 
 def need_matplotlib() -> None:
