@@ -16,12 +16,12 @@ from typing import Optional, Sequence
 
 from refmla.compare import Tolerance
 
-# option -> (lowest, highest) accepted, both included
 # The hypothesis search and the localization hold one request's rows in fp64 (and its logits per
 # query row and head): a request past this many bytes is not searched, and says so (issue 22; the
 # sparse search too, issue 33)
 SEARCH_REQUEST_BYTES = 2 << 30
 
+# option -> (lowest, highest) accepted, both included
 BOUNDS = {
     "k": (0.0, 1e6),  # allowed multiple of the control's error
     "ulps": (0.0, 1e6),  # plus this many output-dtype ulps

@@ -16,7 +16,7 @@ diagnosis; ``kind`` says which (``dense`` | ``sparse_decode``).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -176,7 +176,8 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
         run = backend.run if not enabled(ctx.opts.isolate) else lambda c, o: run_isolated(backend.run, c, o, wall_s=wall)
         res = run(ctx.cap, ctx.opts)
         if ctx.opts.repeat > 1 and name != "observed":  # the same inputs again: every bit must match
-            repeated(res, [run(ctx.cap, ctx.opts) for _ in range(ctx.opts.repeat - 1)])
+            finding = repeated(res, [run(ctx.cap, ctx.opts) for _ in range(ctx.opts.repeat - 1)])
+            res.findings += [finding] if finding else []
     except BackendUnavailable as e:
         return BackendEntry("skipped", reason=str(e))
     except (KernelCrashed, KernelError) as e:  # died or raised in its own process (refmla.isolation)
@@ -189,10 +190,8 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
     control = res.control if res.control is not None else ctx.control(judged_dtype(res.out.dtype), arith, splits)
     cmp = ctx.compare(name, res.out, row_mask=mask, control=control)
     entry = BackendEntry.judged(cmp, info={"version": why, **res.info, "arithmetic": arith.to_json()})
-    if res.findings:  # a finding is never a pass (e.g. aiter's rebuilt persistent metadata differs)
-        entry.status = "fail"
-        entry.reason = "; ".join([r for r in (entry.reason,) if r] + [f.message for f in res.findings])
-        entry.info["findings"] = [f.to_json() for f in res.findings]  # docs/contract.md section 3
+    if res.findings:
+        fail_with(entry, res.findings)
     if mask is not None and not bool(mask.all()):
         entry.info["not_compared"] = "rows of zero-length requests (this path leaves them undefined)"
     if res.attn_logits is not None and res.attn_lse is not None and ctx.cap.is_decode:
@@ -227,14 +226,23 @@ def search_notes(entry: BackendEntry, notes: dict) -> None:
         entry.info["search_skipped"] = notes["search_skipped"]  # requests past the search's budget
 
 
-def repeated(res: BackendResult, more: list[BackendResult]) -> None:
-    """Compare ``res`` with the same backend's further runs bit for bit (refmla.repeat): the outcome
-    in ``res.info["repeat"]``, and a ``nondeterministic`` finding (a fail) when any bit differs."""
+def repeated(res: Any, more: list) -> Optional[BackendFinding]:
+    """Compare ``res`` (a dense or sparse backend's result) with the same backend's further runs bit
+    for bit (refmla.repeat): the outcome in ``res.info["repeat"]``; a ``nondeterministic`` finding
+    (a fail) when any bit differs."""
     parts = ("out", "lse", "attn_logits", "attn_lse")
-    outcome = compare_runs([{p: getattr(r, p) for p in parts if getattr(r, p) is not None} for r in (res, *more)])
+    outcome = compare_runs([{p: t for p in parts if (t := getattr(r, p, None)) is not None} for r in (res, *more)])
     res.info["repeat"] = outcome.to_json()
-    if not outcome.deterministic:
-        res.findings.append(BackendFinding("nondeterministic", outcome.text(), outcome.to_json()))
+    return None if outcome.deterministic else BackendFinding("nondeterministic", outcome.text(), outcome.to_json())
+
+
+def fail_with(entry: BackendEntry, findings: list[BackendFinding]) -> None:
+    """A finding is never a pass (e.g. aiter's rebuilt persistent metadata differs, a second run's
+    bits): the entry fails with each finding's message, listed in ``info.findings`` (docs/contract.md
+    section 3)."""
+    entry.status = "fail"
+    entry.reason = "; ".join([r for r in (entry.reason,) if r] + [f.message for f in findings])
+    entry.info["findings"] = [f.to_json() for f in findings]
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,12 +299,11 @@ def run_sparse_backend(name: str, cap: SparseCapture, ref: SparseOutput, ctrl: S
     run = SPARSE_BACKENDS[name]
     isolate = name in SPARSE_KERNELS and enabled(opts.isolate)
     call = (lambda: run_isolated(run, cap, wall_s=opts.kernel_seconds)) if isolate else (lambda: run(cap))
+    finding = None
     try:
         got = call()
         if opts.repeat > 1 and name in SPARSE_KERNELS:  # the same inputs again: every bit must match (issue 31)
-            runs = [got, *(call() for _ in range(opts.repeat - 1))]
-            outcome = compare_runs([{p: t for p in ("out", "lse") if (t := getattr(r, p)) is not None} for r in runs])
-            got.info["repeat"] = outcome.to_json()
+            finding = repeated(got, [call() for _ in range(opts.repeat - 1)])
     except BackendUnavailable as e:
         return BackendEntry("skipped", reason=str(e))
     except (KernelCrashed, KernelError) as e:  # died or raised in its own process
@@ -308,10 +315,8 @@ def run_sparse_backend(name: str, cap: SparseCapture, ref: SparseOutput, ctrl: S
     if got.lse is not None:
         entry.lse = judge_lse(got.lse, ref, ctrl, opts.tol)
     entry.judge_parts()
-    if "repeat" in got.info and not got.info["repeat"]["deterministic"]:  # a finding even within the tolerance
-        entry.status = "fail"
-        entry.reason = "; ".join([r for r in (entry.reason,) if r] + [outcome.text()])
-        entry.info["findings"] = [BackendFinding("nondeterministic", outcome.text(), outcome.to_json()).to_json()]
+    if finding is not None:  # a finding even within the tolerance
+        fail_with(entry, [finding])
     if entry.status == "fail":
         entry.localization = _sparse_localization(cmp, entry, cap.q.shape[1])
         if opts.explain and cmp.row_failed is not None:

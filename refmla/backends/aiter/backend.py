@@ -53,8 +53,6 @@ class AiterBackend(Backend):
             raise BackendUnavailable(f"aiter refused this input ({path.name} path): {e}") from None
         info["path"] = path.name
         info["production_path"] = path.to_json()
-        if findings:
-            info["findings"] = [f.to_json() for f in findings]
         if bool((lens == 0).any()):
             info["zero_length_requests"] = "output rows of zero-length requests are not compared"
         return BackendResult(out=out, info=info, defines_empty_rows=not bool((lens == 0).any()), findings=findings)
