@@ -17,8 +17,8 @@ import torch
 
 from refmla.compare import Tolerance
 from refmla.sparse.format import SparseCapture
-from refmla.sparse.misplaced import list_positions, one_entry_errors
-from refmla.sparse.reference import SparseOutput, gather_keys, judge_out, sparse_attention
+from refmla.sparse.misplaced import entry_position, judge_row_variant, one_entry_errors
+from refmla.sparse.reference import SparseOutput, gather_keys
 from refmla.sparse.rows import SparseRows
 
 CACHES = ("main", "extra")
@@ -52,12 +52,7 @@ class EntrySpan:
 
 def _restores(cap, out, ref, ctrl, tol, r: int, q, keys, valid) -> bool:
     """Whether row r's output with only ``valid`` entries read passes at the row's noise floor."""
-    B, S, H, _ = cap.q.shape
-    o, lse = sparse_attention(q[None], keys[None], valid[None], cap.attn_sink, cap.meta.softmax_scale, cap.meta.head_dim_v)
-    v_out, v_lse = ref.out.clone(), ref.lse.clone()
-    v_out.view(B * S, H, -1)[r], v_lse.view(B * S, H)[r] = o[0], lse[0]
-    noise = torch.nan_to_num(ctrl.out - ref.out)
-    c = judge_out("localize", cap, out, SparseOutput(v_out, v_lse), SparseOutput(v_out + noise, v_lse), tol)
+    c = judge_row_variant("localize", cap, out, ref, ctrl, tol, r, q, keys, valid)
     return c.row_failed is None or not bool(c.row_failed[r].any())
 
 
@@ -83,7 +78,7 @@ def entry_spans(cap: SparseCapture, rows: SparseRows, out: torch.Tensor, ref: Sp
         j = int(err.argmin())
         span = None
         if _restores(cap, out, ref, ctrl, tol, r, q, keys, valid & (torch.arange(valid.shape[0]) != j)):
-            span = _entry(cap, b, r, int(pools[j]), j, tokens, pools, valid, "removal restores")
+            span = _entry(cap, b, r, j, tokens, pools, valid, "removal restores")
         for pool in (1, 0) if span is None and bool(((pools == 1) & valid).any()) else ():
             if _restores(cap, out, ref, ctrl, tol, r, q, keys, valid & (pools != pool)):
                 span = EntrySpan(b, r, CACHES[pool], "removal restores")
@@ -92,16 +87,15 @@ def entry_spans(cap: SparseCapture, rows: SparseRows, out: torch.Tensor, ref: Sp
             base = float((ref.out.reshape(B * S, H, Dv)[r] - want).abs().nan_to_num(float("inf")).amax())
             share = 1.0 - float(err[j]) / base if base > 0 and base != float("inf") else 0.0
             if share > 0.5:
-                span = _entry(cap, b, r, int(pools[j]), j, tokens, pools, valid, "carries the error", round(share, 3))
+                span = _entry(cap, b, r, j, tokens, pools, valid, "carries the error", round(share, 3))
         if span is not None:
             found.append(span)
     return found
 
 
-def _entry(cap, b: int, r: int, pool: int, j: int, tokens, pools, valid, how: str, share=None) -> EntrySpan:
-    listed = list_positions(cap, r, pool)
-    entry = listed[int(((pools == pool) & valid)[:j].sum())]
-    return EntrySpan(b, r, CACHES[pool], how, entry=entry, slot=int(tokens[j]), share=share)
+def _entry(cap, b: int, r: int, j: int, tokens, pools, valid, how: str, share=None) -> EntrySpan:
+    return EntrySpan(b, r, CACHES[int(pools[j])], how, entry=entry_position(cap, r, j, pools, valid),
+                     slot=int(tokens[j]), share=share)
 
 
 __all__ = ["EntrySpan", "entry_spans"]

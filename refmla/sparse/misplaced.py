@@ -76,18 +76,32 @@ def neighbour_slot(cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctr
     _, j, shift, key = best
     keys2 = keys.clone()
     keys2[j] = key
-    o, lse = sparse_attention(q[None], keys2[None], valid[None], cap.attn_sink, cap.meta.softmax_scale, cap.meta.head_dim_v)
-    v_out, v_lse = ref.out.clone(), ref.lse.clone()
-    v_out.view(B * S, H, -1)[r], v_lse.view(B * S, H)[r] = o[0], lse[0]
-    noise = torch.nan_to_num(ctrl.out - ref.out)
-    judged = judge_out("other_rows_read", cap, out, SparseOutput(v_out, v_lse), SparseOutput(v_out + noise, v_lse), tol)
+    judged = judge_row_variant("other_rows_read", cap, out, ref, ctrl, tol, r, q, keys2, valid)
     if not judged.passed:
         return None
     pool = int(pools[j])
-    listed = list_positions(cap, r, pool)
-    entry = listed[int(((pools == pool) & valid)[:j].sum())]
     meant = int(tokens[j])
-    return {"entry": entry, "cache": "extra" if pool else "main", "slot_read": meant + shift, "slot_meant": meant}, r // S, judged
+    return ({"entry": entry_position(cap, r, j, pools, valid), "cache": "extra" if pool else "main",
+             "slot_read": meant + shift, "slot_meant": meant}, r // S, judged)  # fmt: skip
+
+
+def judge_row_variant(name: str, cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctrl: SparseOutput,
+                      tol: Tolerance, r: int, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> Comparison:  # fmt: skip
+    """Query row r's output recomputed from ``keys`` [W, D] with ``valid`` [W] (a variant of what
+    it read), spliced into the reference, and production's output judged against it at the
+    reference's noise floor (the control's distance from it) by the one comparator."""
+    B, S, H, _ = cap.q.shape
+    o, lse = sparse_attention(q[None], keys[None], valid[None], cap.attn_sink, cap.meta.softmax_scale, cap.meta.head_dim_v)
+    v_out, v_lse = ref.out.clone(), ref.lse.clone()
+    v_out.view(B * S, H, -1)[r], v_lse.view(B * S, H)[r] = o[0], lse[0]
+    noise = torch.nan_to_num(ctrl.out - ref.out)
+    return judge_out(name, cap, out, SparseOutput(v_out, v_lse), SparseOutput(v_out + noise, v_lse), tol)
+
+
+def entry_position(cap: SparseCapture, r: int, j: int, pools: torch.Tensor, valid: torch.Tensor) -> int:
+    """Row r's entry j (of its gathered rows) as its position in its cache's index list."""
+    pool = int(pools[j])
+    return list_positions(cap, r, pool)[int(((pools == pool) & valid)[:j].sum())]
 
 
 def _moved_keys(cap: SparseCapture, tokens: torch.Tensor, pools: torch.Tensor, valid: torch.Tensor,
@@ -146,4 +160,5 @@ def list_positions(cap: SparseCapture, r: int, pool: int) -> list[int]:
     return [k for k in range(min(n, row.shape[0])) if int(row[k]) != -1]
 
 
-__all__ = ["list_positions", "neighbour_slot", "one_entry_errors", "rows_permuted"]
+__all__ = ["entry_position", "judge_row_variant", "list_positions", "neighbour_slot", "one_entry_errors",
+           "rows_permuted"]
