@@ -32,6 +32,7 @@ and is the control of a backend that declares none.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -94,15 +95,19 @@ def quantize_q(q: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 def producer_arithmetic(cap) -> Arithmetic:
     """The arithmetic of the kernel that wrote the capture's ``out`` (the ``observed`` backend):
-    vLLM's TRITON_MLA for a vLLM capture, the capture's ``split_schedule`` (SGLang's by default),
-    q quantized whole where the hook saw it go in as e4m3, the lse base of meta ``lse_base``."""
+    vLLM's TRITON_MLA for a vLLM capture, SGLang's extend kernel for an extend or verify capture of
+    SGLang's Triton backend (it runs extend_attention_fwd), else the capture's ``split_schedule``
+    (SGLang's by default) with q quantized whole where the hook saw it go in as e4m3; the lse base
+    of meta ``lse_base``."""
     m = cap.meta
-    schedule = m.split_schedule or "sglang"
+    base = m.extra.get("lse_base", "ln")
+    base = base if base in LSE_BASES else "ln"
     vllm = m.backend == "vllm_triton" or m.engine_backend == "TRITON_MLA"
+    if not vllm and not cap.is_decode and m.backend in (None, "triton"):
+        return dataclasses.replace(SGLANG_EXTEND, lse_base=base)
     e4m3_q = m.extra.get("kernel_q_dtype") == "float8_e4m3fn" and cap.kv_buffer.dtype.itemsize == 1
     q_round = "whole_e4m3" if e4m3_q else ("keep" if vllm else "latent_to_pool")
-    base = m.extra.get("lse_base", "ln")
-    return Arithmetic(schedule, q_round, "to_q_dtype" if vllm else "upcast", base if base in LSE_BASES else "ln")
+    return Arithmetic(m.split_schedule or "sglang", q_round, "to_q_dtype" if vllm else "upcast", base)
 
 
 __all__ = ["Arithmetic", "DEQUANTS", "FLEX_ATTENTION", "FP8_E4M3", "FP8_E4M3_MAX", "quantize_q", "LSE_BASES", "Q_ROUNDS", "SCHEDULES", "SGLANG_EXTEND",

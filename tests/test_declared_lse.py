@@ -15,6 +15,7 @@ backend gets an allowance its declaration does not justify:
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -69,6 +70,32 @@ def test_extends_declared_control_is_what_extend_computes_on_a_clean_fp8_capture
     if impl == "torch":
         assert to_new <= 2.0**-8 * out.abs().max(), to_new  # a bf16 ulp (half an ulp at the top binade)
     assert to_new < to_old, (to_new, to_old)
+
+
+@pytest.mark.skipif(not TRITON_OK, reason=str(TRITON_WHY))
+@pytest.mark.parametrize("name", ["kimi-k2-tp8-extend", "kimi-k2-tp8-eagle-tree"])
+def test_sglangs_extend_kernel_as_the_producer_of_an_fp8_extend_capture_passes(tmp_path, name):
+    """An extend or verify capture of SGLang's Triton backend was written by extend_attention_fwd:
+    with SGLang's own kernel's output (not refmla's) as the captured ``out`` of a clean fp8
+    capture, ``observed`` is judged at that kernel's arithmetic and passes (at the decode kernel's
+    it failed: q's rope part rounded to fp8 moves its logits past the decode control's allowance)."""
+    from safetensors import safe_open
+
+    from helpers import raw_write
+
+    path = tmp_path / f"{name}.safetensors"
+    synth_capture(path, fp8_pool(preset(name)))
+    res = get_backend("extend").run(read_capture(path), ReplayOptions(extend_impl="triton"))
+    assert res.info["implementation"] == "sglang_triton"
+    with safe_open(str(path), "pt") as f:
+        t, meta = {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["meta"])
+    assert meta["backend"] == "triton" and meta["mode"] in ("extend", "verify")
+    t["out"] = res.out.to(t["out"].dtype)
+    raw_write(path, t, meta)
+    report = replay_capture(read_capture(path), ReplayOptions(backends=["reference"], explain=False))
+    observed = report.backends["observed"]
+    assert observed.info["arithmetic"] == SGLANG_EXTEND.to_json()
+    assert observed.status == "pass" and report.exit_code == 0, observed.reason
 
 
 def _vllm_fp8(tmp_path, plant_lse: float = 0.0, at: tuple[int, int] = (0, 0)):

@@ -15,7 +15,7 @@ import torch
 
 from refmla import reference as ref
 from refmla.attended import Attended
-from refmla.control import control_output
+from refmla.control import STANDARD, Rounding, control_output
 from refmla.scales import Scales
 from refmla.schedule import MIN_BLOCK_KV
 from refmla.synth.spec import SynthSpec
@@ -129,8 +129,21 @@ def faulty_output(spec: SynthSpec, t: dict[str, torch.Tensor], name: str) -> tup
 @fault("none", "a correct kernel: the low-precision control at the split kernel's rounding points", expect=None)
 def _none(p: Planting):
     t = p.t
-    out, _ = control_output(t["q"], t["kv_buffer"], p.att, p.scales, p.spec.dtype, t.get("num_kv_splits"))
+    out, _ = control_output(t["q"], t["kv_buffer"], p.att, p.scales, p.spec.dtype, t.get("num_kv_splits"),
+                            producer_rounding(p.spec))  # fmt: skip
     return out, {}
+
+
+# SGLang's Triton backend runs extend_attention_fwd for extend and verify: over an fp8 prefix it rounds
+# all of q to the pool dtype and meets the new tokens' K / V in q's dtype (refmla.arithmetic.SGLANG_EXTEND)
+SGLANG_EXTEND_ROUNDING = Rounding(q_round="whole_to_pool", dequant="new_to_q_dtype")
+
+
+def producer_rounding(spec: SynthSpec) -> Rounding:
+    """The rounding points of the kernel the spec's capture says wrote its ``out``: SGLang's extend
+    kernel for an extend or verify capture of its Triton backend, else its split decode kernel's."""
+    extend = bool(spec.new_tokens or spec.draft_token_num)
+    return SGLANG_EXTEND_ROUNDING if extend and spec.extra_meta.get("backend", "triton") == "triton" else STANDARD
 
 
 @fault("seq_len_off_by", "the kernel attended seq_len - 1 tokens of the fault request")
