@@ -32,7 +32,7 @@ the same ops (tests/test_blocked.py checks rows alone, batched, 1 and 2 threads,
 
 Memory: each worker holds at most :func:`unit_budget` bytes (the stated budget), besides the outputs
 [R, H, Dv] and [R, H] and the int64 row spans [R]; it never depends on L. The first call in a process
-also compiles the loop, once: COMPILE_BYTES at most (measured +6 MiB, 60 ms).
+also compiles the loop, once: COMPILE_BYTES at most (tools/bench_reference.py's first-call peak: +5-7 MiB).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ BLOCK_ROWS = 256  # rows per block: 256 x 576 fp64 = 1.2 MB, about one core's L2
 GROUP_BYTES = 4 << 20  # a group of short rows: its q, logits, output and rows in accum_dtype at most this
 MAX_GROUP = 4096  # query rows per group at most (one bmm each)
 GRID_BLOCKS = 16  # a lockstep unit lays out its rows' pool indices this many blocks at a time
-COMPILE_BYTES = 8 << 20  # TorchScript's compile of the lockstep loop, once per process (measured +6 MiB)
+COMPILE_BYTES = 8 << 20  # TorchScript's compile of the lockstep loop, once per process (measured +5-7 MiB)
 
 
 @dataclass(frozen=True)

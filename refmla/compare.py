@@ -308,10 +308,10 @@ class LseJudgement:
 
 def judge_lse(
     got: torch.Tensor, want: torch.Tensor, control: Optional[torch.Tensor] = None, k: float = 0.0,
-    floor: Optional[torch.Tensor] = None, slack: Optional[torch.Tensor] = None,
+    floor: Optional[torch.Tensor] = None,
 ) -> LseJudgement:  # fmt: skip
-    """The one lse rule (docs/contract.md section 5): |got - want| <= k * |control - want| + floor
-    (+ slack), floor 1e-5 * (1 + |want|) unless given; non-finite values follow the output's rule
+    """The one lse rule (docs/contract.md section 5): |got - want| <= k * |control - want| + floor,
+    floor 1e-5 * (1 + |want|) unless given; non-finite values follow the output's rule
     (:func:`same_nonfinite`: NaN against NaN and the same infinity on both sides, an empty row's
     -inf, agree; a NaN or Inf against anything else fails; issue 22). Used by the replay's lse
     check, the split partials' lse and the goldens' self-check (floor: one fp32 ulp, k 0)."""
@@ -323,8 +323,6 @@ def judge_lse(
     allowed = floor
     if control is not None:
         allowed = k * (control.detach().double().cpu() - want).abs().nan_to_num(0.0) + floor
-    if slack is not None:
-        allowed = allowed + slack
     return LseJudgement(bad=~(err <= allowed), err=err, allowed=allowed)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
@@ -117,3 +118,15 @@ def measure_control(L: int, H: int, splits: int = 0) -> dict:
                        text=True, cwd=ROOT, env=MEASURE_ENV, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def load_tool(name: str):
+    """tools/<name>.py as module ``name``, loaded once per process (a second call returns the same
+    module: dataclasses look their module up by name, so it must stay the one in sys.modules)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

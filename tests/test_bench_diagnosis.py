@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "tools" / "bench_diagnosis.py"
-_spec = importlib.util.spec_from_file_location("bench_diagnosis", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["bench_diagnosis"] = bench  # dataclasses look their module up by name
-_spec.loader.exec_module(bench)
+from helpers import load_tool
+
+bench = load_tool("bench_diagnosis")
 
 
 def _row(expect, verdict, hypothesis=None, planted=None, explained=None):
@@ -92,8 +86,7 @@ def test_the_vllm_leg_names_a_fault_only_with_its_request_and_detail(tmp_path, m
     for page 1 of request 1, with an offline path agreeing, is named and diagnosed observed; the
     same answer judged against another request or another page is not."""
     monkeypatch.setenv("REFMLA_EXTEND_IMPL", "torch")  # the offline path, without the interpreter
-    sys.path.insert(0, str(_PATH.parent))
-    import planting_vllm as pv
+    pv = load_tool("planting_vllm")
 
     from refmla.capture import write_capture
     from refmla.context import ReplayOptions

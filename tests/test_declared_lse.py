@@ -14,15 +14,13 @@ backend gets an allowance its declaration does not justify:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import load_tool
 from refmla.arithmetic import SGLANG_EXTEND, UNSPLIT, Arithmetic
 from refmla.backends import get_backend
 from refmla.backends.extend import triton_extend_status
@@ -34,11 +32,7 @@ from refmla.replay import replay_capture
 from refmla.synth import preset, synth_capture
 from refmla.synth.zoo import fp8_pool
 
-_PATH = Path(__file__).resolve().parents[1] / "tools" / "planting_vllm.py"
-_spec = importlib.util.spec_from_file_location("planting_vllm", _PATH)
-pv = importlib.util.module_from_spec(_spec)
-sys.modules["planting_vllm"] = pv  # dataclasses look their module up by name
-_spec.loader.exec_module(pv)
+pv = load_tool("planting_vllm")
 
 TRITON_OK, TRITON_WHY = triton_extend_status()
 IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TRITON_OK, reason=str(TRITON_WHY)))]
@@ -94,7 +88,8 @@ def test_sglangs_extend_kernel_as_the_producer_of_an_fp8_extend_capture_passes(t
     raw_write(path, t, meta)
     report = replay_capture(read_capture(path), ReplayOptions(backends=["reference"], explain=False))
     observed = report.backends["observed"]
-    assert observed.info["arithmetic"] == SGLANG_EXTEND.to_json()
+    want = {"split_schedule": "none", "q_round": "whole_to_pool", "dequant": "new_to_q_dtype", "lse_base": "ln"}
+    assert observed.info["arithmetic"] == want  # extend's declaration (docs/contract.md section 5)
     assert observed.status == "pass" and report.exit_code == 0, observed.reason
 
 

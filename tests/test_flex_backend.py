@@ -12,10 +12,9 @@ import dataclasses
 import pytest
 import torch
 
-from refmla.arithmetic import FLEX_ATTENTION
 from refmla.attended import Attended
 from refmla.backends import NAMES, OPT_IN, get_backend
-from refmla.backends.flex import BLOCK, Packed, bucket, run_flex_mla
+from refmla.backends.flex import BLOCK, Packed, bucket, compile_key, run_flex_mla
 from refmla.capture import read_capture
 from refmla.context import ReplayContext, ReplayOptions
 from refmla.replay import backend_names, replay_file
@@ -119,7 +118,8 @@ def test_flex_passes_every_preset(tmp_path, name):
     assert rep.verdict == "agree" and rep.exit_code == 0
     assert entry.max_abs_err > 0  # a bf16 kernel, not the reference itself
     assert entry.info["compute_dtype"] == "bfloat16"
-    assert entry.info["arithmetic"] == FLEX_ATTENTION.to_json()  # judged by its own arithmetic (issue 27)
+    want = {"split_schedule": "none", "q_round": "keep", "dequant": "to_q_dtype", "lse_base": "ln"}
+    assert entry.info["arithmetic"] == want  # judged by its own arithmetic (issue 27; docs/contract.md section 5)
 
 
 @needs_flex
@@ -192,7 +192,7 @@ def test_a_guard_past_dynamos_recompile_limit_compiles_afresh(tmp_path, monkeypa
     m = cap.meta
     args = (cap.q, cap.kv_buffer, cap.attended(), Scales(m.kv_lora_rank, m.sm_scale))
     want, _, _ = run_flex_mla(*args, device="cpu")
-    FailOnRecompileLimitHit = type("FailOnRecompileLimitHit", (RuntimeError,), {})
+    from torch._dynamo.exc import FailOnRecompileLimitHit  # the real one: the backend matches it by name
     real, calls = flex._call, []
 
     def once_past_the_limit(*a, **k):
@@ -217,3 +217,5 @@ def test_the_compile_key_tells_a_view_of_k_from_a_v_of_its_own():
     same = Packed(torch.randn(1, 2, 576).to(torch.bfloat16), kv, att, Scales(512, 0.1), "cpu")
     scaled = Packed(torch.randn(1, 2, 576).to(torch.bfloat16), kv, att, Scales(512, 0.1, v_scale=0.5), "cpu")
     assert same.v.stride() != scaled.v.stride()
+    cpu = torch.device("cpu")
+    assert compile_key(same, cpu, 0.0, False) != compile_key(scaled, cpu, 0.0, False)

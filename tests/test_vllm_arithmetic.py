@@ -11,23 +11,17 @@ their detail; a fault on ``observed`` is diagnosed ``observed``.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-from refmla.arithmetic import SGLANG_EXTEND, SGLANG_TRITON, UNSPLIT, VLLM_TRITON, Arithmetic, producer_arithmetic
+from helpers import load_tool
+from refmla.arithmetic import SGLANG_TRITON, UNSPLIT, VLLM_TRITON, Arithmetic, producer_arithmetic
 from refmla.backends import get_backend
 from refmla.capture import read_capture, write_capture
 from refmla.context import ReplayOptions
 from refmla.replay import replay_capture
 
-_PATH = Path(__file__).resolve().parents[1] / "tools" / "planting_vllm.py"
-_spec = importlib.util.spec_from_file_location("planting_vllm", _PATH)
-pv = importlib.util.module_from_spec(_spec)
-sys.modules["planting_vllm"] = pv  # dataclasses look their module up by name
-_spec.loader.exec_module(pv)
+pv = load_tool("planting_vllm")
 
 SMALL = {"seq_lens": (1030, 77, 283), "heads": 2}  # 2 vLLM splits on the longest request
 CLEAN = {"seq_lens": (1030, 45)}  # the clean replays run every kernel under the interpreter: fewer tokens
@@ -54,10 +48,13 @@ def test_a_clean_vllm_capture_agrees_by_default_and_through_each_kernel(tmp_path
     assert cap.meta.split_schedule == "uniform" and set(cap.num_kv_splits.tolist()) == {2}
     report = replay_capture(cap, ReplayOptions(explain=False))
     assert report.verdict == "agree", report.diagnosis_text
-    for name, arith in (("vllm_triton", VLLM_TRITON), ("triton", SGLANG_TRITON), ("extend", SGLANG_EXTEND)):
+    declared = {"vllm_triton": ("uniform", "keep", "to_q_dtype"), "triton": ("sglang", "latent_to_pool", "upcast"),
+                "extend": ("none", "whole_to_pool", "new_to_q_dtype")}  # docs/contract.md section 5  # fmt: skip
+    for name, (schedule, q_round, dequant) in declared.items():
         entry = report.backends[name]  # vllm_triton: in the default list for a vLLM capture
         assert entry.status == "pass", (name, entry.reason)
-        assert entry.info["arithmetic"] == arith.to_json(), name
+        want = {"split_schedule": schedule, "q_round": q_round, "dequant": dequant, "lse_base": "ln"}
+        assert entry.info["arithmetic"] == want, name
     assert report.backends["vllm_triton"].splits.status == "pass"  # its partials on its own uniform schedule
     assert report.backends["triton"].splits.status == "pass"  # SGLang's on its 32-token one
     assert report.backends["observed"].info["arithmetic"]["split_schedule"] == "uniform"

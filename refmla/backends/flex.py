@@ -196,6 +196,12 @@ def _score_mod(sm_scale: float, logit_cap: float, device):
 # --------------------------------------------------------------------------------------------
 
 
+def compile_key(pk: "Packed", device: torch.device, logit_cap: float, want_lse: bool) -> tuple:
+    """What dynamo guards on, as a key of compiles: the shapes, dtype, score_mod's code, and K's and
+    V's strides (V a view of K, or a tensor of its own when a scale is applied)."""
+    return (device.type, pk.NQ, pk.NK, pk.dtype, logit_cap > 0, want_lse, pk.k.stride(), pk.v.stride())
+
+
 def run_flex_mla(
     q: torch.Tensor, kv_buffer: torch.Tensor, att: Attended, sc: Scales, out_dtype: Optional[torch.dtype] = None,
     device=None,
@@ -212,8 +218,7 @@ def run_flex_mla(
     sm_scale, logit_cap = sc.sm_scale, sc.logit_cap
     pk = Packed(q, kv_buffer, att, sc, device)
     want_lse = device.type != "cpu"
-    # what dynamo guards on: the shapes, dtype, score_mod's code, V a view of K or a tensor of its own
-    key = (device.type, pk.NQ, pk.NK, pk.dtype, logit_cap > 0, want_lse, pk.k.stride(), pk.v.stride())
+    key = compile_key(pk, device, logit_cap, want_lse)
     _guard_recompiles(key)
     fn = _flex_fn(device.type)
     kwargs = dict(score_mod=_score_mod(sm_scale, logit_cap, device), block_mask=pk.block_mask(), scale=1.0)

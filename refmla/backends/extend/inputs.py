@@ -60,12 +60,10 @@ def _indptr(lens: torch.Tensor) -> torch.Tensor:
 def _new_tokens(att: Attended) -> tuple[torch.Tensor, list[list[int]], int]:
     """(new tokens per request [B], the capture's `out` rows of each request, rows of `out`);
     decode: one new token per request that has a token."""
-    B = att.num_groups
+    B, n = att.num_groups, att.new_tokens()  # [B]: the split the control's fresh_from reads too
     if att.one_query_per_group:
-        n = (att.lengths() > 0).long()  # [B]
         return n, [[b] if int(n[b]) else [] for b in range(B)], B
-    qo = att.query_indptr
-    return qo[1:] - qo[:-1], [list(att.queries(b)) for b in range(B)], att.num_rows
+    return n, [list(att.queries(b)) for b in range(B)], att.num_rows
 
 
 def as_extend(cap: Capture) -> ExtendInputs:
