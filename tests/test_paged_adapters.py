@@ -13,14 +13,16 @@ import sys
 import pytest
 import torch
 
-from helpers import STANDINS
+from helpers import STANDINS, load_tool
 from refmla.backends import PAGED, get_backend
 from refmla.backends import _CACHE as BACKEND_CACHE
 from refmla.capture import read_capture, write_capture
 from refmla.context import ReplayOptions
+from refmla.hook.vllm_paths import VLLM_IMPLS
 from refmla.replay import replay_capture
 
 PAGED_STANDINS = STANDINS / "paged_standins"
+pv = load_tool("planting_vllm")
 FAKES = ("flash_mla", "flashinfer", "sgl_kernel", "paged_standin_ref", "vllm.vllm_flash_attn", "vllm_flash_attn_standin")
 
 
@@ -240,32 +242,44 @@ def test_fp8_observed_output_of_a_kernel_that_took_q_in_e4m3(tmp_path, kernel_q)
         assert entry.status == "fail", "the replay's control judged the e4m3-rounded q as within its noise"
 
 
-ENGINE_KERNELS = [("FLASHMLA", "flashmla"), ("FLASHINFER_MLA", "flashinfer_mla"), ("CUTLASS_MLA", "cutlass_mla"),
-                  ("FLASH_ATTN_MLA", "fa3_mla")]  # vLLM's backend name -> the capture's meta backend (hook)
+# vLLM's backend name -> the capture's meta backend, as the vLLM hook writes it, for its block-table kernels
+ENGINE_KERNELS = [(engine, name) for _, engine, name in VLLM_IMPLS.values() if name in PAGED]
 
 
 def _vllm_capture(tmp_path, engine_backend: str, name: str):
-    cap = _capture(tmp_path, 64)
-    cap.meta.backend, cap.meta.engine, cap.meta.engine_backend = name, "vllm", engine_backend
-    return cap
+    """A decode capture shaped as vLLM writes it (tools/planting_vllm.py: its block table, split
+    schedule and metadata; out from its fp64 loop), naming the kernel that wrote it."""
+    t, meta, _ = pv.capture(pv.VllmSpec(block=64, seq_lens=(1030, 77, 283), heads=2), "none")
+    return read_capture(write_capture(tmp_path / "vllm.safetensors", t, {**meta, "backend": name, "engine_backend": engine_backend}))
+
+
+def test_the_hook_names_every_block_table_kernel():
+    assert sorted(name for _, name in ENGINE_KERNELS) == sorted(PAGED)
 
 
 @pytest.mark.parametrize(("engine_backend", "name"), ENGINE_KERNELS)
-def test_a_vllm_capture_replays_through_its_own_kernel_by_default(standins, tmp_path, engine_backend, name):
+def test_a_vllm_capture_replays_through_its_own_kernel_by_default(standins, tmp_path, engine_backend, name, monkeypatch):
     """Issue 27: a capture vLLM's FLASHMLA (...) wrote names its kernel (meta backend, as the vLLM hook
-    writes it); a default replay runs that kernel where it can run (here: the stand-in)."""
+    writes it); a default replay runs that kernel where it can run (here: the stand-in) and it passes."""
     from refmla.replay import backend_names, engine_default
 
+    monkeypatch.setenv("REFMLA_EXTEND_IMPL", "torch")  # the other default backends, without the interpreter's extend
     cap = _vllm_capture(tmp_path, engine_backend, name)
-    assert name in backend_names(ReplayOptions(), cap.meta.mode, engine_default(cap))
     assert name not in backend_names(ReplayOptions(), cap.meta.mode)  # opt-in for any other capture
+    assert engine_default(cap) == (name,)
+    report = replay_capture(cap, ReplayOptions(explain=False))
+    assert report.backends[name].status == "pass", report.backends[name].reason
+    assert report.verdict == "agree" and report.exit_code == 0
+
+
+class _Absent:
+    def availability(self) -> tuple[bool, str]:
+        return False, "this test: the kernel is not installed"
 
 
 @pytest.mark.parametrize(("engine_backend", "name"), ENGINE_KERNELS)
-def test_without_its_kernel_a_vllm_capture_replays_the_others(tmp_path, engine_backend, name):
+def test_without_its_kernel_a_vllm_capture_replays_the_others(tmp_path, engine_backend, name, monkeypatch):
     from refmla.replay import engine_default
 
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present: the real kernels may be usable")
-    BACKEND_CACHE.pop(name, None)
+    monkeypatch.setitem(BACKEND_CACHE, name, _Absent())  # whatever this machine has
     assert engine_default(_vllm_capture(tmp_path, engine_backend, name)) == ()
