@@ -83,3 +83,17 @@ def test_a_graph_replayed_with_the_previous_steps_metadata_is_named_from_the_ser
     indptr / indices / split counts is stale_metadata(step=7); two clean steps agree."""
     outcome, said, _ = bench_planted.stale_case(tmp_path, SMALL, fault)
     assert outcome == ("named" if fault else "agree"), said
+
+
+def test_a_faint_missing_page_that_is_a_whole_split_is_split_missing_with_the_page_as_another_cause(tmp_path: Path):
+    """At SMALL, page 1 is request 2's split 1: the faint missing page reads as that split missing
+    (the primary), and the page's own range is kept under other_causes, with its bounds."""
+    from refmla.capture import read_capture
+
+    outcome, said, _ = bench_planted.run_case(tmp_path, SMALL, "page_missing_faint")
+    assert outcome == "named", said
+    report = replay_capture(read_capture(tmp_path / "page_missing_faint.safetensors"), ReplayOptions(backends=["reference"]))
+    e = report.backends["observed"].explanation
+    assert e.hypothesis == "split_missing", e.text()
+    ranges = [a.detail for a in e.other_causes if a.hypothesis == "kv_range_missing"]
+    assert ranges and {"start", "end"} <= set(ranges[0]), e.text()
