@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -154,16 +155,20 @@ def test_the_readme_marks_its_cpu_blocks_and_the_checker_runs_them(tmp_path):
     import check_quickstart as q
 
     blocks = q.readme_blocks((ROOT / "README.md").read_text())
-    langs = sorted(b.lang for b in blocks)
-    assert len(blocks) >= 3 and "python" in langs and "bash" in langs
-    assert any("refmla regions --model deepseek-v4-flash --tokens 23448064" in b.text for b in blocks)
+    assert len(blocks) >= 4 and all(q.dollar_commands(b.text) or b.lang == "bash" for b in blocks)
+    shown = [cmd for b in blocks for cmd, out in q.dollar_commands(b.text) if out]  # each shows its output
+    assert any("refmla regions --model deepseek-v4-flash --tokens 23448064" in c for c in shown)
+    assert any(c.startswith("refmla replay demo/") for c in shown) and any("refmla disagg" in c for c in shown)
+    assert any("--preset deepseek-v4-flash-tp8" in c for c in shown)  # the V4 example, checked whole
+    docs = [b for p in q.pages(str(ROOT / "README.md"))[1:] for b in q.readme_blocks(Path(p).read_text())]
+    assert "python" in [b.lang for b in docs]  # the Python API's example runs too
     bin_dir = tmp_path / "bin"  # `refmla` on PATH as `make demo` leaves it
     bin_dir.mkdir()
     shim = bin_dir / "refmla"
     shim.write_text(f"#!/bin/sh\nPYTHONPATH={ROOT}{os.pathsep}$PYTHONPATH exec {sys.executable} -m refmla \"$@\"\n")
     shim.chmod(0o755)
     regions = next(b for b in blocks if "refmla regions" in b.text)
-    assert q.block_problems(regions, str(bin_dir), str(tmp_path)) == []
+    assert q.block_problems(regions, str(bin_dir), str(tmp_path)) == []  # printed whole, as the README shows
     wrong = q.Block(1, "bash", "refmla regions --model deepseek-v4-flash --tokens 23448064   # exit 0: wrong")
     assert "exited 1 (expected [0])" in q.block_problems(wrong, str(bin_dir), str(tmp_path))[0]
 
@@ -185,9 +190,41 @@ def test_the_readme_says_verify_calls_need_their_mode():
     from refmla.hook.config import HookConfig
 
     assert HookConfig(out_dir="x").modes == frozenset({"decode"})  # the default captures no verify call ...
+    verify = (ROOT / "docs" / "verify.md").read_text()
+    assert "--modes decode,verify" in verify  # ... so the page that says they are captured says how
     readme = (ROOT / "README.md").read_text()
-    verify = readme[readme.index("## The speculative-verify path"):readme.index("## aiter: the kernel")]
-    assert "--modes decode,verify" in verify  # ... so the section that says they are captured says how
+    capture = readme[readme.index("**1. Capture on both nodes.**"):readme.index("**2. Replay the decode captures**")]
+    assert "--modes\n  decode,verify" in capture or "--modes decode,verify" in capture
+
+
+def test_the_readme_says_what_a_prefill_node_captures():
+    """The default captures nothing on a prefill node, and MHA prefill is never captured: the capture
+    step says which options capture what there (and the hook's skip line is the one it quotes)."""
+    from refmla.hook.config import HookConfig
+
+    assert "extend" not in HookConfig(out_dir="x").modes
+    readme = (ROOT / "README.md").read_text()
+    capture = readme[readme.index("**1. Capture on both nodes.**"):readme.index("**2. Replay the decode captures**")]
+    for said in ("--modes extend", "kvwrite", "MHA prefill is not captured", "not an absorbed-MLA call",
+                 "--disaggregation-mode prefill", "--disaggregation-mode decode"):
+        assert said in capture, said
+    hook = (ROOT / "refmla" / "hook" / "extract.py").read_text()
+    assert 'Skip(f"not an absorbed-MLA call' in hook
+    assert "## On each node of a disaggregated deployment" in (ROOT / "docs" / "capture.md").read_text()
+
+
+def test_the_readme_names_every_diagnosis_class():
+    """Every class of docs/contract.md section 6 (and of refmla.diagnosis) is in the README's table."""
+    from refmla import diagnosis
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("**Diagnoses**"):readme.index("**Glossary**")]
+    contract = (ROOT / "docs" / "contract.md").read_text()
+    section = contract[contract.index("## 6. Diagnosis classes"):contract.index("## 7. Exit codes")]
+    classes = {ln.split("`")[1] for ln in section.splitlines() if ln.startswith("| `")}
+    classes |= {m.group(1) for ln in diagnosis.__doc__.splitlines() if (m := re.match(r"    (\w+)  ", ln))}
+    assert "observed_unconfirmed" in classes and len(classes) >= 17
+    assert [c for c in sorted(classes) if f"`{c}`" not in table] == []
 
 
 def test_every_install_line_of_refmla_leaves_the_engines_packages_alone():

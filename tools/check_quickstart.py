@@ -11,8 +11,8 @@ Reads `refmla doctor --json` and `refmla replay CAPTURE --json` and passes only 
           kv_range_missing on the request and range the demo planted; triton passes, with its split
           partials compared and passing; extend passes through SGLang's kernel; reference passes.
 
-With --readme README.md it also runs every README block marked `<!-- cpu -->` (the line before its
-fence), in README order, in one scratch folder that holds a copy of --capture at the same relative
+With --readme README.md it also runs every block marked `<!-- cpu -->` (the line before its fence)
+of the README and of the docs/*.md pages beside it, in that order, in one scratch folder that holds a copy of --capture at the same relative
 path (so `refmla replay demo/...` runs as printed); `refmla` and `python` come from --refmla's folder:
   bash blocks     each command line; exit 0 or 1 (a finding is output), or the `# exit N` its
                   comment names; never a traceback. What they print is not shown, so not compared.
@@ -47,6 +47,7 @@ Prints one line, `quickstart ok: ...`, or one `quickstart REGRESSED: ...` line p
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -189,9 +190,10 @@ def _trim(lines: list[str]) -> list[str]:
 
 @dataclass
 class Block:
-    line: int  # where its fence opens in the README (1-based)
+    line: int  # where its fence opens in its page (1-based)
     lang: str  # "bash", "python", "" ...
     text: str
+    page: str = "README"  # the page it is on, as problems name it
 
 
 def readme_blocks(text: str) -> list[Block]:
@@ -237,7 +239,7 @@ def block_problems(block: Block, bin_dir: str, cwd: str, printed: dict | None = 
     """What of one marked block does not run as printed (the module docstring's rules). ``printed``,
     when given, receives each `$ ` command's stdout (for --update)."""
     env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
-    where = f"README line {block.line}"
+    where = f"{block.page} line {block.line}"
     if block.lang == "python":
         p = _run(block.text, env, cwd, python=os.path.join(bin_dir, "python"))
         want = [ln.split("#", 1)[1].strip() for ln in block.text.splitlines() if ln.startswith("print(") and "#" in ln]
@@ -260,22 +262,34 @@ def block_problems(block: Block, bin_dir: str, cwd: str, printed: dict | None = 
     return problems
 
 
+def pages(readme: str) -> list[str]:
+    """The README, then the pages of the docs/ folder beside it."""
+    docs = os.path.join(os.path.dirname(os.path.abspath(readme)), "docs")
+    return [readme] + (sorted(glob.glob(os.path.join(docs, "*.md"))) if os.path.isdir(docs) else [])
+
+
 def readme_problems(readme: str, refmla: str, capture: str = "", update: bool = False) -> tuple[int, list[str]]:
-    """(blocks run, problems) of the README's marked blocks, in a scratch folder holding ``capture``
-    at its relative path. ``update``: rewrite the `$ ` blocks' printed lines with what ran."""
-    with open(readme, encoding="utf-8") as f:
-        text = f.read()
-    blocks = readme_blocks(text)
+    """(blocks run, problems) of the marked blocks of the README and its docs/ pages, in README order
+    then the pages', in one scratch folder holding ``capture`` at its relative path. ``update``:
+    rewrite the `$ ` blocks' printed lines with what ran."""
+    texts = {}
+    for path in pages(readme):
+        with open(path, encoding="utf-8") as f:
+            texts[path] = f.read()
+    name = {p: "README" if p == readme else os.path.join("docs", os.path.basename(p)) for p in texts}
+    blocks = {p: [Block(b.line, b.lang, b.text, name[p]) for b in readme_blocks(t)] for p, t in texts.items()}
     bin_dir = os.path.dirname(os.path.abspath(refmla))
     printed: dict = {}
     with tempfile.TemporaryDirectory(prefix="refmla-readme-") as cwd:
         if capture and os.path.isfile(capture) and not os.path.isabs(capture):
             os.makedirs(os.path.join(cwd, os.path.dirname(capture)) or cwd, exist_ok=True)
             shutil.copyfile(capture, os.path.join(cwd, capture))
-        problems = [p for b in blocks for p in block_problems(b, bin_dir, cwd, printed if update else None)]
+        problems = [q for bs in blocks.values() for b in bs for q in block_problems(b, bin_dir, cwd, printed if update else None)]
     if update:
-        _rewrite(readme, text, blocks, printed)
-    return len(blocks), problems
+        for p, bs in blocks.items():
+            if any(dollar_commands(b.text) for b in bs):
+                _rewrite(p, texts[p], bs, printed)
+    return sum(len(bs) for bs in blocks.values()), problems
 
 
 def _rewrite(readme: str, text: str, blocks: list[Block], printed: dict) -> None:
@@ -306,7 +320,7 @@ def main() -> int:
             print(f"quickstart REGRESSED: {p}")
         if problems:
             return 1
-        print(f"quickstart ok: {n} README block(s) marked {MARK} run as printed")
+        print(f"quickstart ok: {n} block(s) marked {MARK} in the README and docs/ run as printed")
 
     _, rows = run_json([args.refmla, "doctor"])
     problems = [rows] if isinstance(rows, str) else doctor_problems(rows)
