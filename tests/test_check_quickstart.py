@@ -101,3 +101,15 @@ def test_the_scratch_folder_holds_the_demo_capture_at_its_path(bin_dir, tmp_path
     readme = tmp_path / "README.md"
     readme.write_text("<!-- cpu -->\n```\n$ cat demo/c.safetensors && echo\nx\n```\n")
     assert q.readme_problems(str(readme), os.path.join(bin_dir, "refmla"), "demo/c.safetensors") == (1, [])
+
+
+def test_the_docs_pages_beside_the_readme_are_run_too_and_named(bin_dir, tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("<!-- cpu -->\n```\n$ echo 1.000 in 3 s\n1.004 in 9 s\n```\n")
+    (tmp_path / "docs" / "b.md").write_text("x\n\n<!-- cpu -->\n```bash\nexit 2   # exit 0\n```\n")
+    (tmp_path / "docs" / "a.md").write_text("<!-- cpu -->\n```python\nprint(2.0 / 3)  # 0.667\n```\n")
+    n, problems = q.readme_problems(str(tmp_path / "README.md"), os.path.join(bin_dir, "refmla"))
+    assert n == 3 and len(problems) == 1 and problems[0].startswith("docs/b.md line 4: `exit 2` exited 2")
+    (tmp_path / "docs" / "a.md").write_text("<!-- cpu -->\n```python\nprint(2.0 / 3)  # 0.7\n```\n")
+    _, problems = q.readme_problems(str(tmp_path / "README.md"), os.path.join(bin_dir, "refmla"))
+    assert "docs/a.md line 2: printed '0.6666666666666666', the README says '0.7'" in problems
