@@ -10,7 +10,7 @@ from refmla.backends.named import Choices
 from refmla.cli.common import EXIT_OK, UsageError, output_path, print_json
 from refmla.render.sweep import render_sweep
 from refmla.sweep import CHECKS, LAYOUTS, SweepConfig, run_sweep
-from refmla.sweep.kernels import LAYOUT_BACKENDS, NAMES, default_backends
+from refmla.sweep.kernels import LAYOUT_BACKENDS, NAMES, default_backends, layout_backends
 
 DEFAULT_BACKENDS = default_backends(LAYOUTS)  # each layout's own kernels (refmla.sweep.kernels)
 
@@ -53,7 +53,7 @@ def sweep(args) -> int:
     cfg = SweepConfig(
         backends=args.backend or default_backends(layouts), budget=args.budget, seed=args.seed, out=args.out,
         jobs=args.jobs, repeat=args.repeat, layouts=layouts, space=args.space, checks=args.check or CHECKS,
-        max_shrink=args.max_shrink, per_layout=None if args.backend else LAYOUT_BACKENDS,
+        max_shrink=args.max_shrink, per_layout=None if args.backend else layout_backends(),
     )  # fmt: skip
     try:
         cfg.check()
