@@ -11,7 +11,7 @@ One module per command group, each adding its parser, and what they share:
     regions.py   refmla regions (the MR region check of a capture or of a model's pool)
     synth.py     refmla synth / synth-disagg
     doctor.py    refmla doctor
-    golden.py    refmla golden generate
+    golden.py    refmla golden generate / check
     sweep.py     refmla sweep
     capture.py   refmla capture run (the hook itself is refmla.hook)
 

@@ -19,6 +19,7 @@ from refmla.golden import sparse as sparse_golden
 from refmla.golden.isolate import golden_meta
 from refmla.capture.kinds import file_mode
 from refmla.results import BackendEntry
+from refmla.util import error_text
 
 
 def add_parser(sub) -> None:
@@ -54,6 +55,12 @@ def golden_files(paths) -> list[Path]:
             except (FileNotFoundError, ValueError, KeyError) as e:
                 raise UsageError(f"{p}: not a golden folder ({e})") from None
         elif Path(p).is_file():
+            try:
+                meta = golden_meta(p)
+            except Exception as e:
+                raise UsageError(f"{p}: not a golden file ({error_text(e)})") from None
+            if not meta:
+                raise UsageError(f"{p}: not a golden file (its meta has no 'golden'; refmla replay checks a capture)")
             files.append(Path(p))
         else:
             raise UsageError(f"{p}: no such file or folder")
