@@ -10,6 +10,7 @@ sweeps are narrowed to 4 heads, short batches and a few cases.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -18,7 +19,8 @@ import torch
 
 import refmla.api as api
 from refmla.backends import named
-from refmla.kernel import InterfaceError, KernelOutputs
+from refmla.arithmetic import UNSPLIT
+from refmla.kernel import InterfaceError, KernelOutputs, declare
 from refmla.sweep import SweepConfig, run_sweep
 
 from own_kernel_kit import EXAMPLE, GOLDEN, SPEC, SOURCE, cli, entry_point_dir, planted
@@ -203,3 +205,37 @@ def test_interface_error_on_the_command_line_is_one_line_exit_2(tmp_path):
     assert p.returncode == 2 and "returned out float16" in p.stderr.strip().splitlines()[-1], p.stderr[-800:]
     p = cli("replay", str(SMALL), "--backend", "no_such_pkg.mod:decode")
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "cannot import no_such_pkg.mod" in p.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# the other direction: a token-slot kernel on a block-table capture
+# --------------------------------------------------------------------------------------------
+
+
+@declare(layout="token_slots", arithmetic=UNSPLIT)  # one pass, no split
+def slots_decode(inp):
+    """Plain PyTorch decode over token slots, fp32 (written here from the math, not refmla's reference)."""
+    Dv = inp.kv_lora_rank
+    for b in range(inp.q.shape[0]):
+        rows = inp.kv_indices[int(inp.kv_indptr[b]) : int(inp.kv_indptr[b + 1])]
+        kv = inp.kv_buffer[rows, 0].float()  # [L, D]
+        s = inp.q[b].float() @ kv.T * (inp.sm_scale * inp.k_scale)  # [H, L]
+        if inp.logit_cap > 0:
+            s = inp.logit_cap * torch.tanh(s / inp.logit_cap)
+        inp.out[b] = (torch.softmax(s, -1) @ kv[:, :Dv] * inp.v_scale).to(inp.out.dtype)
+        inp.lse[b] = torch.logsumexp(s, -1)
+    return KernelOutputs(out=inp.out, lse=inp.lse)
+
+
+def test_a_token_slot_kernel_reads_a_block_table_capture_through_its_token_rows():
+    from refmla.sweep.cases import capture_of, case_of
+    from refmla.sweep.space import Walk, restrict
+
+    point = next(iter(Walk("block_table", restrict("block_table", ["heads=4", "batch=3", "page=16"]), 0)))
+    cap = capture_of(case_of("block_table", point, 0, 0))
+    assert cap.block_table is not None and cap.meta.page_size == 16
+    e = api.replay(cap, backends={"slots": slots_decode}, explain=False).backends["slots"]
+    assert e.status == "pass", e.reason
+    assert e.info["layout_source"] == "the capture's token rows of its block_table"
+    broken = declare(arithmetic=UNSPLIT)(lambda inp: slots_decode(dataclasses.replace(inp, kv_indices=inp.kv_indices.flip(0))))
+    assert api.replay(cap, backends={"slots": broken}, explain=False).backends["slots"].status == "fail"
