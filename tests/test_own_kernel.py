@@ -52,9 +52,11 @@ def sweep(spec: str, out, layout: str, cases: int):
 
 
 def test_clean_example_passes_replay_by_the_api(example):
-    report = api.replay(SMALL, backends={"mine": example}, explain=False)
+    report = api.replay(SMALL, backends={"mine": example}, explain=False, repeat=2)
     e = report.backends["mine"]
     assert e.status == "pass", e.reason
+    assert e.info["repeat"]["runs"] == 2 and e.info["repeat"]["deterministic"]  # run twice, bit for bit
+    assert e.info["arithmetic"]["split_schedule"] == "sglang"  # judged at the arithmetic it declares
     assert e.lse is not None and e.lse.status == "pass"  # its lse is judged
     assert e.splits is not None and e.splits.status == "pass"  # and its split partials
     assert e.info["layout"] == "block_table" and "page-size-1" in e.info["layout_source"]  # converted
