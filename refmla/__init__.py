@@ -18,6 +18,7 @@ copy of the layout (the README links here).
     scales.py       Scales: the scalars of one call's math, passed whole everywhere
     attended.py     Attended: which pool rows each query row reads (built once per capture)
     blocktable.py   block tables (vLLM, FlashMLA, FlashInfer, CUTLASS, FA3): token rows, consistency
+    kernel.py       bring your own kernel: KernelInputs / KernelOutputs / KernelSpec (stable, docs/own-kernel.md)
     capture/        the refmla.capture/1 file: format, validation, read (lazy), write (compacted, atomic)
     regions.py      the MR region-size check: SGLang's clamp and MORI's measured sizes (one table)
     blocked.py      the reference's work in cache-sized blocks under a memory budget, short rows batched

@@ -1,6 +1,7 @@
 """The Python API: what the command line calls, for a notebook or a script.
 
     refmla.replay(path_or_capture, backends=None, tol=None, **options) -> ReplayReport
+                    (backends: names, or {"mine": kernel} of refmla.kernel's interface)
     refmla.synth(out, preset_name="kimi-k2-tp8", fault="none", seed=None, layer=None) -> dict (what was planted)
                     (every kind: dense, verify, sparse, kv_write, merge, chunked_prefill presets)
     refmla.regions(capture=None, model=None, config=None, tokens=None, ...) -> RegionCheck
@@ -14,10 +15,13 @@ refmla.capture.CaptureError, a ValueError) with the one line the CLI prints.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
+from refmla.backends import ALL_NAMES
+from refmla.backends.named import register, unregister
 from refmla.capture import Capture, CaptureError, read_capture
 from refmla.compare import Tolerance
 from refmla.hook.geometry import MORI_ENV
@@ -45,17 +49,44 @@ ALL_PRESETS = [*PRESETS, *SPARSE_PRESETS, *KIND_SYNTHS]
 TRANSFER_BACKENDS = ("mori", "mooncake", "nixl", "ascend", "fake")
 
 
-def replay(path_or_capture: Union[str, Path, Capture], backends: Optional[Sequence[str]] = None,
-           tol: Optional[Tolerance] = None, **options: Any) -> ReplayReport:
+def replay(path_or_capture: Union[str, Path, Capture],
+           backends: Union[Sequence[str], Mapping[str, Callable], None] = None,
+           tol: Optional[Tolerance] = None, **options: Any) -> ReplayReport:  # fmt: skip
     """One capture (a path, or a Capture already read) through ``backends`` (None: every backend
     usable here), judged with ``tol``; ``options``: the other ReplayOptions fields (device,
-    cu_count, explain, ...). Every kind (dense, block-table, verify, sparse decode, kv_write, merge)."""
+    cu_count, explain, ...). Every kind (dense, block-table, verify, sparse decode, kv_write, merge).
+
+    ``backends`` names backends (refmla's own, ``"module:function"``, an installed package's
+    kernel), or maps names to kernels of refmla.kernel's interface, ``{"mine": decode}`` (docs/own-kernel.md),
+    registered under those names for this call. A callable that does not meet the interface
+    raises refmla.kernel.InterfaceError (a ValueError)."""
     tol = tol or Tolerance()
+    if isinstance(backends, Mapping):
+        with registered(backends):
+            return replay(path_or_capture, list(backends), tol, **options)
     opts = ReplayOptions(backends=list(backends) if backends else None, tol=tol, **options)
     opts.check()
     if isinstance(path_or_capture, Capture):
         return replay_capture(path_or_capture, opts)
     return replay_file(path_or_capture, opts)
+
+
+@contextlib.contextmanager
+def registered(kernels: Mapping[str, Callable]) -> Iterator[None]:
+    """``kernels`` (name -> callable of refmla.kernel's interface) as backends within the block; a
+    callable under a name refmla already has (``triton``) is refused: ValueError."""
+    taken = [n for n in kernels if n in ALL_NAMES or n in ("reference", "observed")]
+    if taken:
+        raise ValueError(f"backends={{{taken[0]!r}: ...}}: {taken[0]} is a backend of refmla's own; name your kernel otherwise")
+    for name, fn in kernels.items():
+        if isinstance(fn, str):
+            raise ValueError(f"backends={{{name!r}: {fn!r}}}: give a callable, or pass names as a list")
+        register(name, fn)  # its signature checked: InterfaceError
+    try:
+        yield
+    finally:
+        for name in kernels:
+            unregister(name)
 
 
 def unrun_backends(report: Any, asked: Sequence[str]) -> list[tuple[str, str]]:
@@ -129,4 +160,4 @@ def regions(capture: Union[str, Path, None] = None, model: Optional[str] = None,
     return plan_regions(buffers(geometry, kv_dtype, page_size), tokens, clamp, transfer_backend, what=geometry.name)
 
 
-__all__ = ["ALL_PRESETS", "CaptureError", "env_clamp", "regions", "replay", "synth", "unrun_backends"]
+__all__ = ["ALL_PRESETS", "CaptureError", "env_clamp", "registered", "regions", "replay", "synth", "unrun_backends"]

@@ -20,6 +20,7 @@ import torch
 from refmla.backends.triton_interp import ensure_interpreter
 from refmla.capture import CaptureError
 from refmla.options import ReplayOptions, bound_problem
+from refmla.kernel import InterfaceError
 from refmla.progress import Progress
 from refmla.replay import invalid_report, replay_file
 from refmla.results import ReplayReport
@@ -31,6 +32,8 @@ def replay_one(path: str, opts: ReplayOptions) -> ReplayReport:
     """replay_file that never raises: a crash of refmla itself becomes an ``invalid`` report."""
     try:
         return replay_file(path, opts)
+    except InterfaceError as e:  # a kernel that does not meet refmla.kernel's interface: said as such
+        return invalid_report(str(path), CaptureError(path, "kernel interface", str(e)))
     except Exception as e:  # one bad file must not end the run
         return invalid_report(str(path), CaptureError(path, "replay", error_text(e)))
 

@@ -54,6 +54,7 @@ from typing import Any, Callable
 import torch
 
 from refmla.backends.base import BackendUnavailable
+from refmla.kernel import InterfaceError
 from refmla.util import error_text
 
 ENV = "REFMLA_ISOLATE"
@@ -123,8 +124,8 @@ def cuda_in_play() -> bool:
 
 def run_isolated(fn: Callable[..., Any], *args: Any, wall_s: float | None = None) -> Any:
     """``fn(*args)`` in a child process; its return value, or its exception re-raised here:
-    BackendUnavailable as itself, anything else as KernelError, a death as KernelCrashed (a forked
-    child still running after ``wall_s`` seconds too)."""
+    BackendUnavailable and refmla.kernel.InterfaceError as themselves, anything else as KernelError,
+    a death as KernelCrashed (a forked child still running after ``wall_s`` seconds too)."""
     if not hasattr(os, "fork") or cuda_in_play():
         return _spawned(fn, args)
     try:
@@ -134,7 +135,8 @@ def run_isolated(fn: Callable[..., Any], *args: Any, wall_s: float | None = None
 
 
 # --------------------------------------------------------------------------------------------
-# The reply: ("ok", value) | ("unavailable", text) | ("error", text), torch.save'd, length-prefixed
+# The reply: ("ok", value) | ("unavailable", text) | ("interface", text) | ("error", text),
+# torch.save'd, length-prefixed
 # --------------------------------------------------------------------------------------------
 
 
@@ -143,6 +145,8 @@ def _reply(fn: Callable[..., Any], args: tuple) -> bytes:
         msg: tuple = ("ok", fn(*args))
     except BackendUnavailable as e:
         msg = ("unavailable", str(e))
+    except InterfaceError as e:  # a callable that does not meet refmla.kernel's interface: the caller's usage error
+        msg = ("interface", str(e))
     except BaseException as e:  # everything the kernel raises is the parent's to report
         msg = ("error", error_text(e))
     buf = io.BytesIO()
@@ -160,6 +164,8 @@ def _unpack(data: bytes) -> Any:
         return value
     if kind == "unavailable":
         raise BackendUnavailable(value)
+    if kind == "interface":
+        raise InterfaceError(value)
     raise KernelError(value)
 
 

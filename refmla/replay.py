@@ -20,7 +20,8 @@ from typing import Any, Optional
 
 import torch
 
-from refmla.backends import ALL_NAMES, NAMES, PAGED, VERIFY_ONLY, BackendUnavailable, get_backend
+from refmla.backends import (ALL_NAMES, NAMES, PAGED, VERIFY_ONLY, BackendUnavailable, get_backend, is_backend,
+                             plugin_defaults)
 from refmla.backends.base import BackendFinding, BackendResult
 from refmla.capture import Capture, CaptureError, read_capture
 from refmla.capture.kinds import file_mode
@@ -38,6 +39,7 @@ from refmla.merge.chunked_judge import judge_chunked
 from refmla.merge.io import read_chunked, read_merge
 from refmla.merge.judge import judge_merge
 from refmla.isolation import KernelCrashed, KernelError, enabled, run_isolated
+from refmla.kernel import InterfaceError
 from refmla.localize import localize
 from refmla.localize.entries import entry_spans
 from refmla.repeat import compare_runs
@@ -84,11 +86,14 @@ def backend_names(opts: ReplayOptions, mode: str = "verify", engine: tuple = ())
     verify-only per-query decode paths only for a verify capture) plus ``engine``: the producing
     engine's own kernel (:func:`engine_default`)."""
     default = [n for n in NAMES[2:] if mode == "verify" or n not in VERIFY_ONLY] + list(engine)
+    default += list(plugin_defaults())  # the installed packages' kernels (entry points)
     chosen = default if opts.backends is None else [n for n in opts.backends if n not in NAMES[:2] and n not in SPARSE_ONLY]
     for n in chosen:
-        if n not in ALL_NAMES and n not in MERGE_BACKENDS:  # a merge kernel is for merge captures
-            raise KeyError(f"unknown backend {n!r}; choose from {', '.join(ALL_NAMES)}")
-    return ["reference", "observed", *dict.fromkeys(n for n in chosen if n in ALL_NAMES)]
+        if n not in MERGE_BACKENDS and not is_backend(n):  # a merge kernel is for merge captures
+            raise KeyError(f"unknown backend {n!r}; choose from {', '.join(ALL_NAMES)}, or name your kernel "
+                           "as module:function (docs/own-kernel.md)")  # fmt: skip
+    dense = [n for n in chosen if n in ALL_NAMES or (n not in MERGE_BACKENDS and is_backend(n))]
+    return ["reference", "observed", *dict.fromkeys(dense)]
 
 
 def engine_default(cap: Capture) -> tuple:
@@ -182,6 +187,8 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
         return BackendEntry("skipped", reason=str(e))
     except (KernelCrashed, KernelError) as e:  # died or raised in its own process (refmla.isolation)
         return BackendEntry("error", reason=str(e), seconds=round(time.perf_counter() - t0, 3))
+    except InterfaceError:  # not a kernel of refmla.kernel's interface: the caller's error (exit 2), no finding
+        raise
     except Exception as e:  # a kernel that crashes is a finding, not a crash of refmla
         return BackendEntry("error", reason=error_text(e))
     mask = None if res.defines_empty_rows else ~ctx.empty_rows()

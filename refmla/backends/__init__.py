@@ -16,6 +16,11 @@
                the NVIDIA block-table MLA decode kernels (refmla.backends.paged; opt-in, CUDA; by
                default for a capture whose meta backend names one: refmla.replay.engine_default)
 
+Kernels outside refmla (refmla.kernel's interface, docs/own-kernel.md) are backends too:
+``get_backend("pkg.module:fn")``, ``"path/file.py:fn"``, a name registered in this process, or an
+installed package's entry point (group ``refmla.backends``; those join the default sets:
+:func:`plugin_defaults`). named.py resolves them, plugin.py runs them.
+
 Support modules: base.py (Backend, BackendResult), calling.py (find a kernel, call it by keyword),
 triton_interp.py / cpu_compat.py / vllm_compat.py (the kernels on a CPU-only machine), engines.py
 (installed engines and which kernel each backend calls: ``refmla doctor``).
@@ -37,6 +42,8 @@ Modules:
     triton_interp.py  the Triton interpreter on CPU (and its bf16 dot fix)
     vllm_compat.py    vLLM's Triton MLA decode module importable on a CPU-only machine
     engines.py        installed engines and the kernel each backend calls (``refmla doctor``)
+    plugin.py         a kernel outside refmla (refmla.kernel) run and checked as a backend
+    named.py          the names such a kernel goes by: module:fn, file.py:fn, registered, entry points
     reference.py      the ``reference`` and ``observed`` backends
     triton.py         the ``triton`` backend: SGLang's decode kernel
     per_query.py      the ``*_decode_per_query`` backends
@@ -96,9 +103,10 @@ _CACHE: dict[str, Backend] = {}
 
 
 def get_backend(name: str) -> Backend:
-    """The backend called ``name``. Raises KeyError for a name that is not a backend."""
+    """The backend called ``name``. Raises KeyError for a name that is not a backend, and
+    refmla.kernel.InterfaceError for a ``module:fn`` that cannot be loaded as a kernel."""
     if name not in _WHERE:
-        raise KeyError(f"unknown backend {name!r}; choose from {', '.join(ALL_NAMES)}")
+        return _outside(name)
     if name not in _CACHE:
         module, cls = _WHERE[name].split(":")
         try:
@@ -108,4 +116,38 @@ def get_backend(name: str) -> Backend:
     return _CACHE[name]
 
 
-__all__ = ["ALL_NAMES", "NAMES", "OPT_IN", "PAGED", "VERIFY_ONLY", "Backend", "BackendResult", "BackendUnavailable", "get_backend"]
+def is_backend(name: str) -> bool:
+    """Whether ``name`` names a dense backend: refmla's own, or a kernel outside it (refmla.backends.named)."""
+    from refmla.backends import named
+
+    return name in _WHERE or named.known(name)
+
+
+def plugin_defaults() -> tuple[str, ...]:
+    """The installed packages' kernels (entry points of ``refmla.backends``): in every default set."""
+    from refmla.backends import named
+
+    return tuple(n for n in named.entry_point_names() if n not in _WHERE)
+
+
+def _outside(name: str) -> Backend:
+    """A kernel outside refmla by name (refmla.backends.named); a registered one is looked up each
+    time (the API may register another callable under the same name)."""
+    from refmla.backends import named
+
+    if name in _CACHE and not named.is_registered(name):
+        return _CACHE[name]
+    try:
+        backend: Backend = named.load(name)
+    except KeyError:
+        raise KeyError(f"unknown backend {name!r}; choose from {', '.join(ALL_NAMES)}, or name your kernel "
+                       "as module:function (docs/own-kernel.md)") from None
+    except named.EntryPointBroken as e:
+        backend = _Missing(name, str(e))
+    if not named.is_registered(name):
+        _CACHE[name] = backend
+    return backend
+
+
+__all__ = ["ALL_NAMES", "NAMES", "OPT_IN", "PAGED", "VERIFY_ONLY", "Backend", "BackendResult", "BackendUnavailable", "get_backend", "is_backend",
+           "plugin_defaults"]

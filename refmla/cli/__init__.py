@@ -11,7 +11,7 @@ One module per command group, each adding its parser, and what they share:
     regions.py   refmla regions (the MR region check of a capture or of a model's pool)
     synth.py     refmla synth / synth-disagg
     doctor.py    refmla doctor
-    golden.py    refmla golden generate
+    golden.py    refmla golden generate / check
     sweep.py     refmla sweep
     capture.py   refmla capture run (the hook itself is refmla.hook)
 
@@ -30,6 +30,7 @@ from refmla import __version__
 from refmla.backends.triton_interp import ensure_interpreter
 from refmla.capture import CaptureError
 from refmla.atomic import WriteError
+from refmla.kernel import InterfaceError
 from refmla.cli import diffkv, disagg, doctor, golden, inspect, regions, replay, sweep, synth
 from refmla.cli.capture import add_capture_parser
 from refmla.cli.common import EXIT_INVALID, UsageError, describe_inputs, json_documents, print_json
@@ -116,7 +117,7 @@ def _main(argv: Optional[Sequence[str]] = None, wants_json: bool = False, printe
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (CaptureError, UsageError, WriteError) as e:
+    except (CaptureError, UsageError, WriteError, InterfaceError) as e:  # InterfaceError: refmla.kernel's
         print(f"refmla: error: {printable(first_line(e))}", file=sys.stderr)
         _json_error(wants_json, printed, printable(first_line(e)))
         return EXIT_INVALID

@@ -1,5 +1,6 @@
 """`refmla doctor [--json]`: which backends are usable here, with versions and why not, and the
-engine and kernel each one runs (refmla.backends.engines)."""
+engine and kernel each one runs (refmla.backends.engines); an installed package's kernels (entry
+points of ``refmla.backends``, docs/own-kernel.md) follow refmla's own dense backends."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import platform
 
 import torch
 
-from refmla.backends import ALL_NAMES, get_backend
+from refmla.backends import ALL_NAMES, get_backend, plugin_defaults
+from refmla.backends.named import entry_point_of
 from refmla.backends.engines import KERNELS, package_versions
 from refmla.cli.common import EXIT_OK, print_json
 from refmla.merge.backends import KERNELS as MERGE_KERNELS
@@ -35,6 +37,11 @@ def doctor(args) -> int:
         of = KERNELS.get(name)
         rows.append({"backend": name, "usable": ok, "detail": why, "engine": of.engine if of else None,
                      "kernel": of.kernel if of else None, "kind": "dense"})  # fmt: skip
+    for name in plugin_defaults():  # the installed packages' kernels (entry points of refmla.backends)
+        ok, why = get_backend(name).availability()
+        dist, value = entry_point_of(name)
+        rows.append({"backend": name, "usable": ok, "detail": why, "engine": dist, "kernel": value, "kind": "dense",
+                     "entry_point": True})  # fmt: skip
     for name in SPARSE_KERNELS:  # the sparse decode kernels (DeepSeek V3.2 / V4 captures)
         ok, why = sparse_availability(name)
         engine, kernel = SPARSE_ENGINES[name]

@@ -1,11 +1,25 @@
 """`refmla golden generate --out DIR [--suite quick|full]`: write the golden suite, the sparse
-decode goldens under DIR/sparse/ (refmla.golden.sparse)."""
+decode goldens under DIR/sparse/ (refmla.golden.sparse).
+
+`refmla golden check DIR|FILE... [--backend NAME]... [--json]`: every golden file (a folder's
+manifest, or the files named) against each backend (default: the golden backends and the installed
+packages' kernels; ``--backend module:function`` names a kernel outside refmla); exit 0 all pass,
+1 one fails or errs."""
 
 from __future__ import annotations
 
-from refmla.cli.common import EXIT_OK, output_path
-from refmla.golden import generate
+from pathlib import Path
+
+from refmla.backends import plugin_defaults
+from refmla.backends.named import Choices
+from refmla.cli.common import EXIT_DIVERGED, EXIT_OK, UsageError, is_dir, output_path, print_json
+from refmla.golden import (CHECK_BACKENDS, GoldenResult, backend_applies, check, check_isolated, generate,
+                           load_manifest, needs_isolation)
 from refmla.golden import sparse as sparse_golden
+from refmla.golden.isolate import golden_meta
+from refmla.capture.kinds import file_mode
+from refmla.results import BackendEntry
+from refmla.util import error_text
 
 
 def add_parser(sub) -> None:
@@ -15,6 +29,13 @@ def add_parser(sub) -> None:
     gg.add_argument("--out", required=True, type=output_path)
     gg.add_argument("--suite", choices=("quick", "full"), default="quick")
     gg.set_defaults(func=golden_generate)
+    gc = gsub.add_parser("check", help="check backends against golden files (a folder's manifest, or files)")
+    gc.add_argument("paths", nargs="+", metavar="DIR|FILE")
+    gc.add_argument("--backend", action="append", choices=Choices(CHECK_BACKENDS), metavar="NAME",
+                    help=f"backend to check (repeatable; default {' '.join(CHECK_BACKENDS)} and the installed "
+                         "packages' kernels); or your kernel as module:function (docs/own-kernel.md)")  # fmt: skip
+    gc.add_argument("--json", action="store_true", help="the results as JSON on stdout")
+    gc.set_defaults(func=golden_check)
 
 
 def golden_generate(args) -> int:
@@ -22,3 +43,53 @@ def golden_generate(args) -> int:
     sparse = sparse_golden.generate(args.out / "sparse" if hasattr(args.out, "joinpath") else f"{args.out}/sparse")
     print(f"wrote {len(manifest['cases'])} golden cases to {args.out} and {len(sparse['cases'])} sparse ones to its sparse/")
     return EXIT_OK
+
+
+def golden_files(paths) -> list[Path]:
+    """Each folder's golden files in its manifest's order, each file as given."""
+    files: list[Path] = []
+    for p in paths:
+        if is_dir(p):
+            try:
+                files += [Path(p) / c["file"] for c in load_manifest(p)["cases"]]
+            except (FileNotFoundError, ValueError, KeyError) as e:
+                raise UsageError(f"{p}: not a golden folder ({e})") from None
+        elif Path(p).is_file():
+            try:
+                meta = golden_meta(p)
+            except Exception as e:
+                raise UsageError(f"{p}: not a golden file ({error_text(e)})") from None
+            if not meta:
+                raise UsageError(f"{p}: not a golden file (its meta has no 'golden'; refmla replay checks a capture)")
+            files.append(Path(p))
+        else:
+            raise UsageError(f"{p}: no such file or folder")
+    return files
+
+
+def check_one(path: Path, backend: str) -> GoldenResult:
+    """:func:`refmla.golden.check`; a case whose pool sits past 4 GiB in a child process (or skipped
+    without the memory), as the kernel-regression suite runs it."""
+    isolate, no_room = needs_isolation(path)
+    if no_room:
+        return GoldenResult(golden_meta(path).get("case", path.stem), backend, BackendEntry("skipped", reason=no_room))
+    return check_isolated(path, backend) if isolate else check(path, backend)
+
+
+def golden_check(args) -> int:
+    backends = list(dict.fromkeys(args.backend or [*CHECK_BACKENDS, *plugin_defaults()]))
+    results = []
+    for path in golden_files(args.paths):
+        mode = file_mode(path) or "decode"
+        for b in backends:
+            if backend_applies(b, mode):
+                results.append(check_one(path, b))
+    if args.json:
+        print_json([r.to_json() for r in results])
+    else:
+        for r in results:
+            print(r.message() if r.status in ("fail", "error") else f"golden {r.case} / {r.backend}: {r.status.upper()}"
+                  + (f" ({r.reason})" if r.status == "skipped" and r.reason else ""))  # fmt: skip
+        counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "error", "skipped")}
+        print(", ".join(f"{n} {s}" for s, n in counts.items()))
+    return EXIT_DIVERGED if any(r.status in ("fail", "error") for r in results) else EXIT_OK

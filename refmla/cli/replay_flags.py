@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Sequence
 
+from refmla.backends.named import Choices
 from refmla.cli.common import UsageError, output_path
 from refmla.compare import Tolerance
 from refmla.options import ReplayOptions, bound_problem
@@ -36,8 +37,9 @@ def bounded(name: str, kind: type) -> Callable[[str], float]:
 def add_replay_flags(p: argparse.ArgumentParser, backends: Sequence[str], jobs_help: str) -> None:
     """--backend, --json, --k, --ulps, --cos, --device, --cu-count, --jobs, --plot, --no-explain, --allow-skip,
     --repeat."""
-    p.add_argument("--backend", action="append", choices=list(backends),
-                   help="replay only these backends (repeatable; flex runs only when named)")  # fmt: skip
+    p.add_argument("--backend", action="append", choices=Choices(backends), metavar="NAME",
+                   help=f"replay only these backends (repeatable; flex runs only when named): {', '.join(backends)}; "
+                        "or your kernel as module:function or file.py:function (docs/own-kernel.md)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="JSON report on stdout")
     p.add_argument("--k", type=bounded("k", float), default=2.0, help="allowed multiple of the control's error (2)")
     p.add_argument("--ulps", type=bounded("ulps", float), default=1.0, help="plus this many output-dtype ulps (1)")

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 
+from refmla.backends.named import Choices
 from refmla.cli.common import EXIT_OK, UsageError, output_path, print_json
 from refmla.render.sweep import render_sweep
 from refmla.sweep import CHECKS, LAYOUTS, SweepConfig, run_sweep
-from refmla.sweep.kernels import LAYOUT_BACKENDS, NAMES, default_backends
+from refmla.sweep.kernels import LAYOUT_BACKENDS, NAMES, default_backends, layout_backends
 
 DEFAULT_BACKENDS = default_backends(LAYOUTS)  # each layout's own kernels (refmla.sweep.kernels)
 
@@ -29,9 +30,10 @@ def _positive(kind):
 
 def add_parser(sub) -> None:
     p = sub.add_parser("sweep", help="check backends over the production shape space (four checks, shrunk captures)")
-    p.add_argument("--backend", action="append", choices=NAMES, metavar="NAME",
+    p.add_argument("--backend", action="append", choices=Choices(NAMES), metavar="NAME",
                    help="backend to sweep on every walked layout it reads (repeatable; default each layout's own: "
-                        + "; ".join(f"{la} {' '.join(b)}" for la, b in LAYOUT_BACKENDS.items()) + ")")
+                        + "; ".join(f"{la} {' '.join(b)}" for la, b in LAYOUT_BACKENDS.items())
+                        + "; or your kernel as module:function, docs/own-kernel.md)")
     p.add_argument("--budget", type=_positive(float), default=60.0, help="seconds of walking (default 60)")
     p.add_argument("--seed", type=int, default=0, help="the walk's seed: the same seed, the same cases")
     p.add_argument("--out", type=output_path, default="refmla-sweep", help="where shrunk captures go (default refmla-sweep)")
@@ -51,7 +53,7 @@ def sweep(args) -> int:
     cfg = SweepConfig(
         backends=args.backend or default_backends(layouts), budget=args.budget, seed=args.seed, out=args.out,
         jobs=args.jobs, repeat=args.repeat, layouts=layouts, space=args.space, checks=args.check or CHECKS,
-        max_shrink=args.max_shrink, per_layout=None if args.backend else LAYOUT_BACKENDS,
+        max_shrink=args.max_shrink, per_layout=None if args.backend else layout_backends(),
     )  # fmt: skip
     try:
         cfg.check()

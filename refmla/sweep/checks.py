@@ -1,7 +1,8 @@
 """The four checks every case is run through, per backend, each reported by name:
 
     reference  the output against the fp64 reference under the tolerance (refmla.compare, the
-               control's noise floor), buffers filled with 0 first
+               control's noise floor), and the lse where the kernel returns one (as replay judges
+               it), buffers filled with 0 first
     nan_fill   the adapter's output and scratch buffers filled with NaN first: a value the kernel
                never wrote (a row, a split partial it reads) comes out NaN where the 0-filled run
                was finite (n/a for a backend whose kernel allocates its own buffers)
@@ -34,8 +35,10 @@ from refmla.context import ReplayContext
 from refmla.control import capture_control
 from refmla.golden.cases import GoldenCase
 from refmla.isolation import enabled, run_isolated
+from refmla.kernel import InterfaceError
 from refmla.options import ReplayOptions
 from refmla.repeat import compare_runs
+from refmla.splits import compare_lse
 from refmla.sweep.cases import capture_of, split_alternatives, with_splits
 from refmla.sweep.report import CheckOutcome
 from refmla.util import error_text
@@ -123,10 +126,26 @@ class CaseChecks:
 
     def _reference(self, backend: str, first: BackendResult):
         cmp = self.judge(backend, first, self.case)
-        if cmp.passed:
+        lse = self.judge_lse(first)
+        if cmp.passed and (lse is None or lse.status == "pass"):
             return CheckOutcome("reference", "pass", cmp.summary()), None
-        return (CheckOutcome("reference", "fail", "; ".join(cmp.reasons), {"comparison": cmp.to_json()}),
-                self._evidence(first, self.case))  # fmt: skip
+        reasons = list(cmp.reasons) + ([f"lse: {lse.reason}"] if lse is not None and lse.status == "fail" else [])
+        data = {"comparison": cmp.to_json(), **({"lse": lse.to_json()} if lse is not None else {})}
+        return CheckOutcome("reference", "fail", "; ".join(reasons), data), self._evidence(first, self.case)
+
+    def judge_lse(self, res: BackendResult):
+        """The lse a kernel returns against the reference's, as the replay judges it (refmla.splits.compare_lse,
+        its declared arithmetic's control); None for a kernel that returns none."""
+        if res.lse is None or res.control is not None:
+            return None
+        t0 = time.perf_counter()
+        mask = None if res.defines_empty_rows else ~self.ctx.empty_rows()
+        dtype, arith = judged_dtype(res.out.dtype), res.arithmetic or self.ctx.producer
+        splits = res.num_kv_splits if res.num_kv_splits is not None else self.cap.num_kv_splits
+        check = compare_lse(self.ctx, res.lse, dtype, row_mask=mask, control_lse=self.ctx.control_lse(dtype, arith, splits),
+                            arith=arith)  # fmt: skip
+        self.timing.reference += time.perf_counter() - t0
+        return check
 
     def _nan_fill(self, backend: str, first: BackendResult):
         if not get_backend(backend).fills_buffers:
@@ -199,6 +218,8 @@ def run_checks(checker: Any, backend: str, only: Sequence[str], first_run: Calla
         first = first_run()
     except BackendUnavailable as e:
         return {c: CheckOutcome(c, "skipped", str(e)) for c in only}, {}
+    except InterfaceError:  # not a kernel of refmla.kernel's interface: the sweep's usage error (exit 2)
+        raise
     except Exception as e:  # a kernel that crashes or raises is its finding
         text = error_text(e)
         return {c: CheckOutcome(c, "n/a" if i else "error", text) for i, c in enumerate(only)}, {}
@@ -209,6 +230,8 @@ def run_checks(checker: Any, backend: str, only: Sequence[str], first_run: Calla
             outcome, ev = getattr(checker, f"_{check}")(backend, first)
         except BackendUnavailable as e:
             outcome, ev = CheckOutcome(check, "skipped", str(e)), None
+        except InterfaceError:
+            raise
         except Exception as e:
             outcome, ev = CheckOutcome(check, "error", error_text(e)), None
         outcomes[check] = outcome

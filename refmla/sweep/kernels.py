@@ -12,14 +12,15 @@ A name means that kernel of the layout it runs on: ``triton`` is SGLang's Triton
 on the dense layouts and its DeepSeek-V4 Triton sparse kernel on ``sparse``; ``reference`` is
 the fp64 truth of either. ``aiter_sparse``, ``tilelang`` and ``flashmla_sparse`` read sparse
 captures only; every other name reads dense ones only. Named with ``--backend``, a backend
-sweeps every walked layout it reads.
+sweeps every walked layout it reads. An installed package's kernels (entry points of
+``refmla.backends``) join every dense layout's defaults (:func:`layout_backends`).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from refmla.backends import ALL_NAMES, PAGED, get_backend
+from refmla.backends import ALL_NAMES, PAGED, get_backend, plugin_defaults
 from refmla.sparse.backends import BACKENDS as SPARSE_BACKENDS
 from refmla.sparse.backends import availability as sparse_availability
 
@@ -34,9 +35,17 @@ LAYOUT_BACKENDS: dict[str, tuple[str, ...]] = {
 }
 
 
+def layout_backends() -> dict[str, tuple[str, ...]]:
+    """LAYOUT_BACKENDS with the installed packages' kernels (entry points of ``refmla.backends``,
+    refmla.backends.plugin_defaults) added to every dense layout."""
+    mine = plugin_defaults()
+    return {la: names + (mine if la != "sparse" else ()) for la, names in LAYOUT_BACKENDS.items()}
+
+
 def default_backends(layouts: Sequence[str]) -> list[str]:
     """The default kernels of ``layouts``, each once, in the order the layouts list them."""
-    return list(dict.fromkeys(n for layout in layouts for n in LAYOUT_BACKENDS[layout]))
+    per = layout_backends()
+    return list(dict.fromkeys(n for layout in layouts for n in per[layout]))
 
 
 def availability(name: str, layout: str) -> tuple[bool, str]:
@@ -50,4 +59,5 @@ def availability(name: str, layout: str) -> tuple[bool, str]:
     return get_backend(name).availability()
 
 
-__all__ = ["LAYOUT_BACKENDS", "NAMES", "SPARSE_NAMES", "SPARSE_ONLY", "availability", "default_backends"]
+__all__ = ["LAYOUT_BACKENDS", "NAMES", "SPARSE_NAMES", "SPARSE_ONLY", "availability", "default_backends",
+           "layout_backends"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing as mp
 import os
+import shlex
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -300,7 +301,7 @@ class Sweeper:
             return f
         f.shrunk, f.shrunk_detail, f.shrink_steps = shrunk.case.params(), shrunk.outcome.detail, shrunk.steps
         f.trigger = trigger(self.report.cases, name, check, shrunk_away(shrunk.steps)) or f.trigger
-        path = out / f"{name}-{check}-{first.layout}-{first.index}.safetensors"
+        path = out / f"{file_safe(name)}-{check}-{first.layout}-{first.index}.safetensors"
         sweep_meta = {"sweep": {"backend": name, "check": check, "seed": self.cfg.seed, "layout": first.layout,
                                 "case": first.index, "point": first.point, "detail": shrunk.outcome.detail}}  # fmt: skip
         # a kernel that raised or crashed left no output: the capture holds the inputs, and its
@@ -315,7 +316,7 @@ class Sweeper:
             f.shrunk_detail += f"; capture not written: {error_text(e)}"
             return f
         f.capture = str(path)
-        f.replay_command = f"refmla replay {path} --backend {name}"
+        f.replay_command = f"refmla replay {shlex.quote(str(path))} --backend {shlex.quote(name)}"
         try:
             rerun = [name] if shrunk.evidence is None else []
             opts = replace(self.cfg.options(), backends=rerun)  # the sweep's wall-time limit: a kernel that spun spins again
@@ -323,6 +324,12 @@ class Sweeper:
         except Exception as e:
             f.replay_verdict = f"replay failed: {error_text(e)}"
         return f
+
+
+def file_safe(name: str) -> str:
+    """A backend's name in a file name: a kernel named by its path (``dir/kernel.py:decode``) keeps
+    only letters, digits, ``.``, ``_`` and ``-``."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
 
 
 SHRUNK_AXES = {"requests": "batch", "request": "length", "heads": "heads"}  # a shrink step's first word -> its axis

@@ -4,7 +4,9 @@ Options (pytest registers them when it starts from this folder or a path inside 
 ``pytest tests/kernel_regression``; for a bare ``pytest`` they must come from tests/conftest.py):
 
     --backend NAME      run only this backend (repeatable): a golden backend (reference, triton, aiter,
-                        extend, the per-query paths) or any name `refmla sweep --backend` takes
+                        extend, the per-query paths), any name `refmla sweep --backend` takes, or a
+                        kernel outside refmla (module:function, file.py:function, an installed
+                        package's entry point: those join the defaults; docs/own-kernel.md)
     --golden-dir DIR    the golden directory (default: golden/ at the repository root)
     --regen             rewrite the goldens in DIR first (its manifest's suite), then test them
     --sweep-budget S    seconds each selected backend is swept for by test_sweep.py (default 8)
@@ -24,6 +26,8 @@ else:
 import pytest
 
 from refmla import golden
+from refmla.backends import named, plugin_defaults
+from refmla.backends.named import Choices
 from refmla.sweep.kernels import NAMES as SWEEP_NAMES
 
 DEFAULT_GOLDEN_DIR = Path(__file__).resolve().parents[2] / "golden"
@@ -39,10 +43,11 @@ def add_golden_options(parser) -> None:
         "--backend",
         action="append",
         default=None,
-        choices=tuple(dict.fromkeys((*golden.CHECK_BACKENDS, *SWEEP_NAMES))),
+        choices=Choices(dict.fromkeys((*golden.CHECK_BACKENDS, *SWEEP_NAMES))),  # and module:function kernels
         metavar="NAME",
         help=f"backend to check against the goldens (repeatable; default all: {', '.join(golden.CHECK_BACKENDS)}) "
-        "and to sweep in test_sweep.py (any name `refmla sweep --backend` takes; default triton)",
+        "and to sweep in test_sweep.py (any name `refmla sweep --backend` takes; default triton); "
+        "or your kernel as module:function (docs/own-kernel.md); installed packages' kernels join the defaults",
     )
     group.addoption(
         "--golden-dir", default=None, metavar="DIR", help=f"golden directory (default {DEFAULT_GOLDEN_DIR})"
@@ -82,7 +87,8 @@ def pytest_generate_tests(metafunc) -> None:
         return
     cases = golden.load_manifest(golden_dir(metafunc.config))["cases"]
     chosen = _option(metafunc.config, "--backend")  # a name only the sweep takes checks no golden
-    backends = [b for b in chosen if b in golden.CHECK_BACKENDS] if chosen else golden.CHECK_BACKENDS
+    defaults = (*golden.CHECK_BACKENDS, *plugin_defaults())  # refmla's and the installed packages' kernels
+    backends = [b for b in chosen if b in golden.CHECK_BACKENDS or named.known(b)] if chosen else defaults
     slow = pytest.mark.slow  # kernels run in the Triton interpreter on a CPU-only machine
     pairs = [
         pytest.param(golden_dir(metafunc.config) / c["file"], b, marks=() if b == "reference" else slow,

@@ -2,12 +2,14 @@
 the production shape space, one test per (backend, check). A failing test names the shrunk
 capture and the command that replays it. Without ``--backend`` the sweep checks ``triton`` (the
 kernel that runs on every machine); on an MI355X: ``--backend aiter --sweep-budget 600``
-(docs/golden.md)."""
+(docs/golden.md). Installed packages' kernels (entry points of ``refmla.backends``) are swept by
+default too, and ``--backend module:function`` names a kernel outside refmla (docs/own-kernel.md)."""
 
 from __future__ import annotations
 
 import pytest
 
+from refmla.backends import named, plugin_defaults
 from refmla.sweep import CHECKS, SweepConfig, run_sweep
 from refmla.sweep.kernels import NAMES
 
@@ -27,7 +29,8 @@ def _option(config, name, default=None):
 def pytest_generate_tests(metafunc) -> None:
     if "sweep_backend" not in metafunc.fixturenames:
         return
-    chosen = [b for b in _option(metafunc.config, "--backend") or DEFAULT_BACKENDS if b in NAMES]
+    asked = _option(metafunc.config, "--backend") or (*DEFAULT_BACKENDS, *plugin_defaults())
+    chosen = [b for b in asked if b in NAMES or named.known(b)]
     pairs = [pytest.param(b, c, marks=() if b == "reference" else pytest.mark.slow, id=f"{b}-{c}")
              for b in dict.fromkeys(chosen) for c in CHECKS]  # fmt: skip
     metafunc.parametrize(("sweep_backend", "check"), pairs)
