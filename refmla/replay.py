@@ -31,9 +31,12 @@ from refmla.diagnosis import (diagnose, diagnose_sparse, diagnose_upstream, diag
                               verify_table)
 from refmla.hypotheses import explain_failure
 from refmla.hypotheses.sparse import explain_sparse
+from refmla.indexer.io import read_indexer
+from refmla.indexer.judge import judge_indexer
 from refmla.kvwrite.io import read_kv_write
 from refmla.kvwrite.judge import judge_kv_write
 from refmla.merge.backends import BACKENDS as MERGE_BACKENDS
+from refmla.indexer.backends import BACKENDS as INDEXER_BACKENDS
 from refmla.merge.chunked_judge import judge_chunked
 from refmla.merge.io import read_chunked, read_merge
 from refmla.merge.judge import judge_merge
@@ -54,7 +57,7 @@ from refmla.util import dtype_name, error_text, callable_module
 
 # capture kinds with tensors of their own, by meta mode: (reader, judge) -> a ReplayReport
 KINDS = {"kv_write": (read_kv_write, judge_kv_write), "merge": (read_merge, judge_merge),
-         "chunked_prefill": (read_chunked, judge_chunked)}
+         "chunked_prefill": (read_chunked, judge_chunked), "indexer": (read_indexer, judge_indexer)}
 
 
 def replay_file(path: Any, opts: ReplayOptions) -> ReplayReport:
@@ -86,7 +89,7 @@ def backend_names(opts: ReplayOptions, mode: str = "verify", engine: tuple = ())
     default = [n for n in NAMES[2:] if mode == "verify" or n not in VERIFY_ONLY] + list(engine)
     chosen = default if opts.backends is None else [n for n in opts.backends if n not in NAMES[:2] and n not in SPARSE_ONLY]
     for n in chosen:
-        if n not in ALL_NAMES and n not in MERGE_BACKENDS:  # a merge kernel is for merge captures
+        if n not in ALL_NAMES and n not in MERGE_BACKENDS and n not in INDEXER_BACKENDS:  # merge / indexer captures' own
             raise KeyError(f"unknown backend {n!r}; choose from {', '.join(ALL_NAMES)}")
     return ["reference", "observed", *dict.fromkeys(n for n in chosen if n in ALL_NAMES)]
 
