@@ -31,6 +31,7 @@ from refmla.diagnosis import (diagnose, diagnose_sparse, diagnose_upstream, diag
                               verify_table)
 from refmla.hypotheses import explain_failure
 from refmla.hypotheses.sparse import explain_sparse
+from refmla.indexer.chain import attach as attach_indexer
 from refmla.indexer.io import read_indexer
 from refmla.indexer.judge import judge_indexer
 from refmla.kvwrite.io import read_kv_write
@@ -289,6 +290,7 @@ def replay_sparse(cap: SparseCapture, opts: ReplayOptions) -> ReplayReport:
         report.verdict = "diverged"
         d = diagnose_upstream(findings)
         report.diagnosis, report.diagnosis_text, report.diagnosis_backends = d.name, d.text, d.backends
+    attach_indexer(cap, report, opts)  # the indexer capture beside it, if any, judges the indices (refmla.indexer.chain)
     return report
 
 

@@ -38,8 +38,9 @@ def sglang():
     return utils, indexer
 
 
-def call(seq_lens, ratio=1, topk=256, heads=64, seed=0, bf16=False, kind="slots", fault="none"):
-    """(tensors, meta) of one decode call of the indexer; ``fault`` planted (module docstring)."""
+def call(seq_lens, ratio=1, topk=256, heads=64, seed=0, bf16=False, kind="slots", fault="none", pages=None):
+    """(tensors, meta) of one decode call of the indexer; ``fault`` planted (module docstring);
+    ``pages``: (page table [B, M], page count) to use instead of shuffled pages of its own."""
     g = torch.Generator().manual_seed(seed)
     B = len(seq_lens)
     n = torch.tensor([s // ratio for s in seq_lens])  # entries the indexer scores
@@ -51,6 +52,8 @@ def call(seq_lens, ratio=1, topk=256, heads=64, seed=0, bf16=False, kind="slots"
     for b, c in enumerate(npages):
         table[b, :c] = perm[at : at + c].int()
         at += c
+    if pages is not None:
+        table, P = pages
     kv = torch.randn(P, PS, D, generator=g) * (0.5 + 3 * torch.rand(P, PS, 1, generator=g))
     q = torch.randn(B, heads, D, generator=g)
     w_raw = torch.randn(B, heads, generator=g)

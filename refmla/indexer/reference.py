@@ -135,11 +135,12 @@ def _entry(e: Entry) -> str:
     return f"{where} score {e.score:.4g} rank {e.rank}" + ("" if e.why in ("missing", "below_topk") else f" {e.why.replace('_', ' ')}")
 
 
-def positions(cap: IndexerCapture, b: int, values: torch.Tensor) -> torch.Tensor:
+def positions(cap: IndexerCapture, b: int, values: torch.Tensor, kind: Optional[str] = None) -> torch.Tensor:
     """[n] int64 positions of produced values (-1 dropped before): the values themselves, or slots
-    mapped back through request b's pages (a slot in no page of b: -2, not this request's)."""
+    mapped back through request b's pages (a slot in no page of b: -2, not this request's);
+    ``kind`` (default the capture's indices_kind) says which the values are."""
     v = values.long()
-    if cap.meta.indices_kind == "positions":
+    if (kind or cap.meta.indices_kind) == "positions":
         return v
     ps, L = cap.meta.page_size, int(cap.entries[b])
     rows = cap.page_table[b, : max(1, (L + ps - 1) // ps)].long()
