@@ -60,7 +60,7 @@ copy of the layout (the README links here).
     render/         text for people: tables, reports, diff-kv and disagg results
     hook/           the capture hooks for a live SGLang or vLLM server (imports only refmla, util.py,
                     schedule.py, blocktable.py, capture/, kvwrite/,
-                    merge/ and sparse/)
+                    merge/, sparse/ and indexer/)
     api.py          the Python API: replay(), synth(), regions() (what the command line calls)
     cli/            the thin command line, one module per command (the top)
     __main__.py     ``python -m refmla``: the command line

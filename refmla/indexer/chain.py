@@ -39,16 +39,27 @@ def _meta(path: Path) -> dict:
         return {}
 
 
+_FOLDERS: dict = {}  # folder -> (its mtime, [(path, meta)] of its indexer captures): each header read once
+
+
+def _indexers(folder: Path) -> list:
+    try:
+        stamp = folder.stat().st_mtime_ns
+    except OSError:
+        return []
+    if _FOLDERS.get(folder, (None,))[0] != stamp:
+        found = [(p, m) for p in sorted(folder.glob("*.safetensors")) if (m := _meta(p)).get("mode") == MODE]
+        _FOLDERS[folder] = (stamp, found)
+    return _FOLDERS[folder][1]
+
+
 def beside(cap: Any) -> Optional[Path]:
     """The indexer capture in the sparse capture's folder with its layer, rank, step and rids, or None."""
     here = Path(cap.path)
     want = {k: (getattr(cap.meta, k, None)) for k in KEYS}
     want["rids"] = [str(r) for r in want["rids"]] if want["rids"] is not None else None
-    for p in sorted(here.parent.glob("*.safetensors")):
-        if p == here:
-            continue
-        m = _meta(p)
-        if m.get("mode") == MODE and all(m.get(k) == v for k, v in want.items() if v is not None):
+    for p, m in _indexers(here.parent):
+        if p != here and all(m.get(k) == v for k, v in want.items() if v is not None):
             return p
     return None
 

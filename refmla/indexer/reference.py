@@ -53,32 +53,34 @@ class Scored:
 
 
 def keys(cap: IndexerCapture, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(k [L, D] as stored, in fp32, exact; scales [L] fp32) of request b's entries."""
+    """(k [L, D] as stored, in fp64, exact; scales [L] fp64) of request b's entries."""
     m, (_, _, D) = cap.meta, cap.q.shape
     L, ps = int(cap.entries[b]), m.page_size
     pages = cap.page_table[b, : (L + ps - 1) // ps].long()  # [n] rows of k_cache
     rows = cap.k_cache[pages]
     if m.k_layout == "bf16":  # [n, ps, D], no scale
-        return rows.reshape(-1, D)[:L].float(), torch.ones(L)
-    vals = rows[:, : ps * D].contiguous().view(FP8[m.fp8_dtype]).reshape(-1, D)[:L].float()  # [L, D]
+        return rows.reshape(-1, D)[:L].double(), torch.ones(L, dtype=torch.float64)
+    vals = rows[:, : ps * D].contiguous().view(FP8[m.fp8_dtype]).reshape(-1, D)[:L].double()  # [L, D]
     scales = rows[:, ps * D : ps * (D + 4)].contiguous().view(torch.float32).reshape(-1)[:L]  # [L]
-    return vals, scales
+    return vals, scales.double()
 
 
 def logits(cap: IndexerCapture, b: int, variant: Variant = TRUE, k: float = 2.0) -> Scored:
-    """Request b's logits in fp64 and the noise of its control (module docstring)."""
-    kv, ks = keys(cap, b)  # [L, D], [L]
-    q = cap.q_values()[b].float()  # [H, D]
-    if cap.q_scale is not None and variant.q_scale:
-        qs = cap.q_scale[b].float()  # [H]
-    else:
-        qs = torch.ones(q.shape[0])
-    w = cap.weights[b].float() if variant.weights else torch.ones(q.shape[0])  # [H]
+    """Request b's logits in fp64 and the noise of its control (module docstring). fp8 q and keys
+    make each fp64 dot product exact (products of 8 significant bits within 2**+-36)."""
+    kv, ks = keys(cap, b)  # [L, D], [L] fp64
+    q = cap.q_values()[b].double()  # [H, D]
+    H = q.shape[0]
+    qs = cap.q_scale[b].double() if cap.q_scale is not None and variant.q_scale else torch.ones(H, dtype=torch.float64)
+    w = cap.weights[b].double() if variant.weights else torch.ones(H, dtype=torch.float64)  # [H]
     ks = ks if variant.k_scale else torch.ones_like(ks)
-    dots = kv.double() @ (q.double() * qs.double()[:, None]).T  # [L, H]
-    ref = ((dots.clamp_min(0) if variant.relu else dots) @ w.double()) * ks.double()  # [L]
-    d32 = (kv @ (q * qs[:, None]).T).to(torch.bfloat16).float()  # [L, H] fp32 dots rounded to bf16
-    ctl = ((d32.clamp_min(0) if variant.relu else d32) * w).sum(1) * ks  # [L] fp32
+    dots = kv @ (q * qs[:, None]).T  # [L, H]
+    d16 = dots.to(torch.float32).to(torch.bfloat16)  # [L, H] the control's dots: rounded to bf16
+    if variant.relu:
+        dots.clamp_min_(0)
+        d16.clamp_min_(0)
+    ref = (dots @ w) * ks  # [L]
+    ctl = (d16.float() @ w.float()) * ks.float()  # [L] fp32 sum over heads, times the scale
     if not ref.numel():
         return Scored(ref, 0.0)
     big = float(ref.abs().max())
@@ -168,27 +170,26 @@ def judge_request(cap: IndexerCapture, b: int, values: torch.Tensor, scored: Sco
     pos = vals if as_positions else positions(cap, b, vals)
     rank = lambda p: int((s > s[p]).sum()) + 1  # noqa: E731
     kth = float(torch.topk(s, E).values[-1]) if E else None
-    extra: list[Entry] = []
-    seen: set = set()
-    chosen = []
-    for v, p in zip(vals.tolist(), pos.tolist()):
-        if p == -2 or p < 0:
-            extra.append(Entry(None, v, None, None, "not_this_request"))
-        elif p >= L:
-            extra.append(Entry(p, v, None, None, "past_bound"))
-        elif p in seen:
-            extra.append(Entry(p, v, float(s[p]), rank(p), "duplicate"))
-        else:
-            seen.add(p)
-            chosen.append(p)
+    inside = (pos >= 0) & (pos < L)
+    first = torch.zeros_like(inside)  # the first time each position inside the bound is listed
+    if bool(inside.any()):
+        u, inv = torch.unique(pos[inside], return_inverse=True)
+        at = torch.full((u.numel(),), pos.numel(), dtype=torch.long).scatter_reduce(
+            0, inv, torch.nonzero(inside).flatten(), "amin")  # fmt: skip
+        first[at] = True
+    extra = [Entry(None if p < 0 else p, v, None if p < 0 or p >= L else float(s[p]), None if p < 0 or p >= L else rank(p),
+                   "not_this_request" if p < 0 else "past_bound" if p >= L else "duplicate")
+             for v, p in zip(vals[~first][:SHOWN].tolist(), pos[~first][:SHOWN].tolist())]  # fmt: skip
+    invalid = int((~first).sum())  # entries past the bound, duplicated, not this request's (SHOWN of them named)
+    chosen = pos[first]
     n = scored.noise
     mask = torch.zeros(L, dtype=torch.bool)
-    mask[torch.tensor(chosen, dtype=torch.long)] = True
-    lo = float(s[mask].min()) if chosen else float("inf")  # the worst entry chosen
-    hi = float(s[~mask].max()) if L > len(chosen) else float("-inf")  # the best entry left out
-    ok = len(vals) == E and not extra and hi <= lo + 2 * n
+    mask[chosen] = True
+    lo = float(s[mask].min()) if chosen.numel() else float("inf")  # the worst entry chosen
+    hi = float(s[~mask].max()) if L > chosen.numel() else float("-inf")  # the best entry left out
+    ok = len(vals) == E and not invalid and hi <= lo + 2 * n
     if ok or kth is None:
-        return RequestVerdict(b, ok, E, len(vals), L, n, kth, extra=extra, n_extra=len(extra))
+        return RequestVerdict(b, ok, E, len(vals), L, n, kth, extra=extra, n_extra=invalid)
     # named: left out though clearly above the k-th best, chosen though clearly below it (one noise:
     # a pair more than 2 noise apart has one of them more than 1 noise from the k-th best)
     miss = ((~mask) & (s > kth + n)).nonzero().flatten()
@@ -198,7 +199,7 @@ def judge_request(cap: IndexerCapture, b: int, values: torch.Tensor, scored: Sco
     extra += [Entry(int(p), int(p), float(s[p]), rank(int(p)), "below_topk") for p in below[:SHOWN]]
     return RequestVerdict(b, False, E, len(vals), L, n, kth,
                           [Entry(int(p), int(p), float(s[p]), rank(int(p)), "missing") for p in miss[:SHOWN]],
-                          extra[: SHOWN + 4], int(miss.numel()), len(extra) + max(0, below.numel() - SHOWN))  # fmt: skip
+                          extra, int(miss.numel()), invalid + int(below.numel()))  # fmt: skip
 
 
 @dataclass
