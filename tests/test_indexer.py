@@ -34,11 +34,22 @@ def judged(tmp_path, name="c.safetensors", backends=(), **kw):
 @pytest.mark.parametrize("kind", ["slots", "positions"])
 def test_clean_sglang_fp8_calls_agree_and_its_torch_path_too(tmp_path, shape, kind):
     for seed in range(3):
-        r = judged(tmp_path, backends=["sglang_indexer_torch"] if seed == 0 else [], shape=shape, seed=seed, kind=kind)
+        engines = ["sglang_indexer_torch", "vllm_indexer_torch"] if seed == 0 else []
+        r = judged(tmp_path, backends=engines, shape=shape, seed=seed, kind=kind)
         assert r.verdict == "agree", r.diagnosis_text
         assert r.backends["observed"].status == "pass"
-        if seed == 0:
-            assert r.backends["sglang_indexer_torch"].status == "pass", r.backends["sglang_indexer_torch"].reason
+        for name in engines:  # the engines' own indexer code on the same inputs, judged by the reference
+            assert r.backends[name].status == "pass", r.backends[name].reason
+
+
+def test_an_engines_indexer_code_choosing_wrong_is_indexer_kernel(tmp_path, monkeypatch):
+    from refmla.indexer import backends
+
+    real = backends.BACKENDS["vllm_indexer_torch"]
+    monkeypatch.setitem(backends.BACKENDS, "vllm_indexer_torch", lambda cap: real(cap).roll(1, dims=0))  # rows swapped
+    r = judged(tmp_path, backends=["vllm_indexer_torch"], seed=2)
+    assert r.diagnosis == "indexer_kernel" and r.backends["vllm_indexer_torch"].status == "fail"
+    assert r.backends["observed"].status == "pass" and r.exit_code == 1
 
 
 @pytest.mark.parametrize("shape", ["v32", "v4c4"])

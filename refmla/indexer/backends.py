@@ -3,6 +3,11 @@
     sglang_indexer_torch  SGLang's pure-torch decode indexer (``fp8_paged_mqa_logits_torch``, the
                           path ``SGLANG_FP8_PAGED_MQA_LOGITS_TORCH`` selects, then
                           ``topk_transform_pytorch_vectorized``), imported from the installed SGLang
+    vllm_indexer_torch    vLLM's torch paged logits (``fp8_paged_mqa_logits_torch`` of
+                          ``vllm.v1.attention.ops.rocm_aiter_mla_sparse``, its ROCm fallback), then
+                          the top-k of each row's valid logits as vLLM's ``top_k_per_row_decode``
+                          returns it (positions, -1 past the valid count; torch.topk here: the CUDA op
+                          does not run on a CPU)
 
 Each takes the capture's inputs as SGLang's indexer hands them over (q fp8 [B, 1, H, D], the
 cache viewed [P, page_size, 1, D + 4], the indexer's seq lens, the page table) and returns the
@@ -58,6 +63,39 @@ def sglang_indexer_torch(cap: IndexerCapture) -> torch.Tensor:
     return torch.where(slots >= 0, prod, -1).int()
 
 
-BACKENDS: dict[str, Callable[[IndexerCapture], torch.Tensor]] = {"sglang_indexer_torch": sglang_indexer_torch}
+def _slots(cap: IndexerCapture, pos: torch.Tensor) -> torch.Tensor:
+    """[B, K] positions (-1 invalid) in the capture's numbering: themselves, or production slots."""
+    if cap.meta.indices_kind == "positions":
+        return pos.int()
+    ps = cap.meta.page_size
+    rows = torch.gather(cap.page_table.long(), 1, (pos.clamp(min=0) // ps).long())
+    prod = cap.k_cache_pages.long()[rows] if cap.k_cache_pages is not None else rows
+    return torch.where(pos >= 0, prod * ps + pos % ps, -1).int()
 
-__all__ = ["BACKENDS", "Unavailable", "sglang_indexer_torch"]
+
+def vllm_indexer_torch(cap: IndexerCapture) -> torch.Tensor:
+    m, (B, H, D) = cap.meta, cap.q.shape
+    if m.k_layout != "fp8" or cap.q.element_size() != 1 or cap.q_scale is not None or m.fp8_dtype != "float8_e4m3fn":
+        raise Unavailable("vLLM's torch indexer takes e4m3fn q (its scale in the weights) and fp8 keys")
+    from refmla.backends.cpu_compat import torchvision_cpu_shim
+
+    torchvision_cpu_shim()
+    try:
+        from vllm.v1.attention.ops.rocm_aiter_mla_sparse import fp8_paged_mqa_logits_torch
+    except Exception as e:
+        raise Unavailable(f"vllm.v1.attention.ops.rocm_aiter_mla_sparse not importable: {type(e).__name__}: {e}") from None
+    kv = cap.k_cache[:, : m.page_size * (D + 4)].contiguous().view(-1, m.page_size, 1, D + 4)
+    table, n = cap.page_table.int().clamp(min=0), cap.entries.int()
+    logits = fp8_paged_mqa_logits_torch(cap.q_values().unsqueeze(1).contiguous(), kv, cap.weights.float(), n, table,
+                                        table.shape[1] * m.page_size)  # fmt: skip
+    pos = torch.full((B, m.topk), -1, dtype=torch.int64)
+    for b in range(B):
+        k = min(m.topk, int(n[b]))
+        pos[b, :k] = torch.topk(logits[b, : int(n[b])], k).indices
+    return _slots(cap, pos)
+
+
+BACKENDS: dict[str, Callable[[IndexerCapture], torch.Tensor]] = {"sglang_indexer_torch": sglang_indexer_torch,
+                                                                 "vllm_indexer_torch": vllm_indexer_torch}
+
+__all__ = ["BACKENDS", "Unavailable", "sglang_indexer_torch", "vllm_indexer_torch"]
