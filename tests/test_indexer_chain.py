@@ -71,3 +71,67 @@ def test_an_indexer_capture_of_another_step_is_not_paired(tmp_path):
     kit.raw_write(tmp_path / "other-step.safetensors", t, m)
     r = replay_file(path, opts())
     assert "indexer" not in r.backends and r.verdict == "agree"
+
+
+def v4_pair(folder, fault="none"):
+    """A DeepSeek-V4 C4 decode (window cache + compressed cache, sink) whose compressed entries are
+    what the C4 indexer produced (its pages of 64 compressed entries: the compressed cache's pages)."""
+    p = sparse_preset("deepseek-v4-flash-tp8")
+    seq, K2 = [400, 2100, 3000], 512
+    g = torch.Generator().manual_seed(4)
+    main, tok = _paged_pool(seq, "v4", p.page_size, g)
+    extra, etok = _paged_pool([n // 4 for n in seq], "v4", 64, g)
+    rows = torch.full((len(seq), p.topk), -1, dtype=torch.int32)
+    for b, n in enumerate(seq):  # the window: the last 128 positions, in order
+        w = tok[b][max(0, n - p.window) : n]
+        rows[b, : len(w)] = w.int()
+    M = max(-(-(n // 4) // 64) for n in seq) + 1
+    table = torch.full((len(seq), M), -1, dtype=torch.int32)
+    for b, t in enumerate(etok):
+        pg = (t[::64] // 64).int()
+        table[b, : len(pg)] = pg
+    itensors, imeta = kit.call(seq, ratio=4, topk=K2, seed=6, kind="slots", fault=fault, pages=(table, extra.pages.shape[0]))
+    slots = itensors["indices"]
+    case = SparseCase(preset=p, q=torch.randn(len(seq), 1, p.heads, 512, generator=g).to(torch.bfloat16), main=main,
+                      indices=rows[:, None], topk_length=(rows != -1).sum(1).int(), sink=torch.randn(p.heads, generator=g),
+                      extra=extra, extra_indices=slots[:, None].int(), extra_topk_length=(slots != -1).sum(1).int())  # fmt: skip
+    out, lse = planted_output(case)
+    meta = {**case.meta(), "layer_id": imeta["layer_id"], "step": imeta["step"], "rids": imeta["rids"]}
+    write_sparse(folder / "decode.safetensors", {**case.tensors(), "out": out, "lse": lse}, meta)
+    kit.raw_write(folder / "indexer.safetensors", itensors, imeta)
+    return folder / "decode.safetensors"
+
+
+def test_a_v4_c4_decode_judges_its_compressed_entries_by_the_c4_indexer(tmp_path):
+    for sub in ("clean", "off"):
+        (tmp_path / sub).mkdir()
+    r = replay_file(v4_pair(tmp_path / "clean"), opts())
+    assert r.verdict == "agree" and r.backends["indexer"].status == "pass", r.diagnosis_text
+    r = replay_file(v4_pair(tmp_path / "off", "topk_off_by"), opts())
+    assert r.backends["observed"].status == "pass" and r.diagnosis == "upstream_indexer"
+    e = r.backends["indexer"].explanation
+    assert e is not None and e.hypothesis == "topk_off_by" and e.detail["by"] == 1
+
+
+def test_a_diverging_decode_over_wrong_indices_names_the_indexer_first(tmp_path):
+    path = pair(tmp_path, "topk_unwritten")
+    from refmla.sparse.validation import read_sparse
+
+    cap = read_sparse(path)
+    t = cap.tensors()
+    t["out"] = (t["out"].float() + 1).to(t["out"].dtype)  # production's output off as well
+    write_sparse(path, t, cap.meta.to_json())
+    r = replay_file(path, opts())
+    assert r.backends["observed"].status == "fail" and r.diagnosis == "upstream_indexer"
+    assert r.diagnosis_backends[0] == "indexer" and "upstream of the decode's own divergence" in r.diagnosis_text
+
+
+def test_an_unusable_indexer_capture_beside_is_skipped_with_its_reason(tmp_path):
+    path = pair(tmp_path)
+    t, m = kit.call(SEQ, topk=K, seed=5)
+    t["indices"] = t["indices"][:, :7]  # not topk wide
+    kit.raw_write(tmp_path / "indexer.safetensors", t, m)
+    r = replay_file(path, opts())
+    e = r.backends["indexer"]
+    assert e.status == "skipped" and "indexer.safetensors" in e.reason and "tensor 'indices'" in e.reason
+    assert r.verdict == "agree"

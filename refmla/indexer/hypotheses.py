@@ -7,7 +7,7 @@ what the mistaken indexer did, and the produced set is judged by the one set jud
                                (its produced row, or right as that request's top-k)
     compress_ratio_wrong       V4: positions in tokens (right once divided by the ratio), or the causal
                                bound of another ratio (seq_len // r)
-    topk_future                entries past the causal bound
+    topk_future                entries past the causal bound, every other entry within the top-k
     topk_off_by                every entry moved by d positions (1, 2) or one page
     topk_length_wrong          the right top entries, but another count than min(K, L)
     indexer_scale_not_applied  right under logits without the key's (or q's) scale
@@ -72,8 +72,9 @@ def _ratio(cap, b, values, v, scores) -> Iterator[Proposal]:
 
 
 def _future(cap, b, values, v, scores) -> Iterator[Proposal]:
+    """Entries past the bound, the others all within the top-k (an off-by-one set is not this)."""
     past = sorted(e.position for e in v.extra if e.why == "past_bound")
-    if past:
+    if past and len(past) == v.n_extra:
         yield "topk_future", {"bound": v.bound, "past_bound": len(past), "positions": past[:8]}
 
 
