@@ -95,7 +95,22 @@ def vllm_indexer_torch(cap: IndexerCapture) -> torch.Tensor:
     return _slots(cap, pos)
 
 
+KERNELS = {"sglang_indexer_torch": ("sglang", "sglang.srt.layers.attention.dsv4.indexer.fp8_paged_mqa_logits_torch"),
+           "vllm_indexer_torch": ("vllm", "vllm.v1.attention.ops.rocm_aiter_mla_sparse.fp8_paged_mqa_logits_torch")}
+
+
+def availability(name: str) -> tuple[bool, str]:
+    """(installed, what) of an engine's indexer code, without importing the engine (that takes seconds)."""
+    from importlib import metadata
+
+    engine = KERNELS[name][0]
+    try:
+        return True, f"{engine} {metadata.version(engine)} installed (runs on CPU; fp8 captures, pages of 64, D 128)"
+    except metadata.PackageNotFoundError:
+        return False, f"{engine} not installed"
+
+
 BACKENDS: dict[str, Callable[[IndexerCapture], torch.Tensor]] = {"sglang_indexer_torch": sglang_indexer_torch,
                                                                  "vllm_indexer_torch": vllm_indexer_torch}
 
-__all__ = ["BACKENDS", "Unavailable", "sglang_indexer_torch", "vllm_indexer_torch"]
+__all__ = ["BACKENDS", "KERNELS", "Unavailable", "availability", "sglang_indexer_torch", "vllm_indexer_torch"]
