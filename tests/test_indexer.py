@@ -151,3 +151,28 @@ def test_cli_replay_json_inspect_and_synth(tmp_path):
             assert doc["diagnosis"] == "indexer" and doc["backends"]["observed"]["explanation"]["hypothesis"] == fault
     p = run("inspect", str(tmp_path / "topk_stale.safetensors"), "--json")
     assert p.returncode == 0 and json.loads(p.stdout)["description"]["previous_step"] is True
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_reference_logits_are_deepseeks_formula_in_fp64_and_the_noise_covers_sglangs_bf16_dots(tmp_path, bf16):
+    from refmla.indexer.reference import logits
+
+    tensors, meta = kit.call([700, 1900], ratio=1, seed=9, bf16=bf16, kind="positions")
+    kit.raw_write(tmp_path / "r.safetensors", tensors, meta)
+    cap = read_indexer(tmp_path / "r.safetensors")
+    for b, L in enumerate((700, 1900)):
+        pages = tensors["page_table"][b]
+        if bf16:
+            k, ks = kit._rows(tensors["k_cache"].double(), pages, L), torch.ones(L, dtype=torch.float64)
+        else:
+            raw = tensors["k_cache"]  # [P, PS * (D + 4)]: a page's fp8 values, then its fp32 scales
+            vals = raw[:, : kit.PS * kit.D].contiguous().view(torch.float8_e4m3fn).reshape(-1, kit.PS, kit.D)
+            k = kit._rows(vals.double(), pages, L)
+            ks = kit._rows(raw[:, kit.PS * kit.D :].contiguous().view(torch.float32).reshape(-1, kit.PS, 1).double(), pages, L)[:, 0]
+        want = kit._deepseek(tensors["q"][b].double(), tensors["weights"][b].double(), k, ks, "none")
+        got = logits(cap, b)
+        assert torch.allclose(got.logits, want, rtol=1e-12, atol=1e-12)
+        bf16_dots = (k.float() @ tensors["q"][b].float().T).to(torch.bfloat16).float().relu()  # SGLang's torch path
+        sglang = (bf16_dots * tensors["weights"][b]).sum(1) * ks.float()
+        assert float((sglang.double() - want).abs().max()) <= got.noise  # its own rounding is within the noise
+        assert got.noise < 0.05 * float(want.abs().max())  # and the noise is no blanket
