@@ -176,3 +176,16 @@ def test_the_reference_logits_are_deepseeks_formula_in_fp64_and_the_noise_covers
         sglang = (bf16_dots * tensors["weights"][b]).sum(1) * ks.float()
         assert float((sglang.double() - want).abs().max()) <= got.noise  # its own rounding is within the noise
         assert got.noise < 0.05 * float(want.abs().max())  # and the noise is no blanket
+
+
+def test_slots_past_the_bound_and_slots_of_another_request_are_named_so(tmp_path):
+    tensors, meta = kit.call([640, 1280], topk=256, seed=3, kind="slots", fault="topk_future")  # L a page multiple:
+    other = int(tensors["indices"][1, 5])  # the future entries lie in the request's spare page
+    tensors["indices"][0, 10] = other  # one of request 1's slots in request 0's row
+    kit.raw_write(tmp_path / "s.safetensors", tensors, meta)
+    r = judge_indexer(read_indexer(tmp_path / "s.safetensors"), ReplayOptions(backends=[], tol=Tolerance()))
+    v0 = next(v for v in r.backends["observed"].info["index_sets"]["failing"] if v["request"] == 0)
+    whys = [e["why"] for e in v0["extra"]]
+    assert whys.count("past_bound") == 3 and whys.count("not_this_request") == 1
+    assert [e["position"] for e in v0["extra"] if e["why"] == "past_bound"] == [640, 641, 642]
+    assert next(e for e in v0["extra"] if e["why"] == "not_this_request")["value"] == other

@@ -144,15 +144,16 @@ def positions(cap: IndexerCapture, b: int, values: torch.Tensor, kind: Optional[
     v = values.long()
     if (kind or cap.meta.indices_kind) == "positions":
         return v
-    ps, L = cap.meta.page_size, int(cap.entries[b])
-    rows = cap.page_table[b, : max(1, (L + ps - 1) // ps)].long()
-    rows = rows[rows >= 0]
+    ps = cap.meta.page_size
+    table = cap.page_table[b].long()  # every page the table gives b: a slot past the bound maps past it
+    j = torch.nonzero(table >= 0).flatten()  # [n] the request's page numbers in use
+    rows = table[j]
     prod = cap.k_cache_pages.long()[rows] if cap.k_cache_pages is not None else rows  # [n] production pages
     order = torch.argsort(prod)
     page = v // ps
     at = torch.searchsorted(prod[order], page).clamp(max=max(0, prod.numel() - 1))
     hit = prod.numel() > 0 and (prod[order][at] == page)
-    logical = order[at]  # the request's page number j
+    logical = j[order[at]] if j.numel() else at  # the request's page number
     return torch.where(torch.as_tensor(hit), logical * ps + v % ps, torch.full_like(v, -2))
 
 
