@@ -149,7 +149,8 @@ def first_problem(cap: IndexerCapture) -> Optional[tuple[str, str]]:
     need = (cap.entries + ps - 1) // ps  # [B] pages each request's entries fill
     if B and int(need.max()) > pt.shape[1]:
         b = int(need.argmax())
-        return "tensor 'page_table'", f"request {b} needs {int(need[b])} pages for its {int(cap.entries[b])} entries, the table has {pt.shape[1]}"
+        return "tensor 'page_table'", (f"request {b} needs {int(need[b])} pages for its {int(cap.entries[b])} "
+                                       f"entries, the table has {pt.shape[1]}")  # fmt: skip
     cols = torch.arange(pt.shape[1])
     if bool(((cols[None, :] < need[:, None]) & (pt < 0)).any()):
         b = int(((cols[None, :] < need[:, None]) & (pt < 0)).any(1).nonzero()[0])

@@ -11,7 +11,7 @@ page-translated indices SGLang's ``topk_transform`` writes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -33,7 +33,8 @@ class Preset:
 PRESETS = {
     "indexer-v32": Preset(64, 128, 256, 1, (200, 777, 1500, 2100)),  # V3.2: 64 index heads x 128, top-2048 cut to 256
     "indexer-v32-bf16": Preset(64, 128, 256, 1, (300, 1025, 1800), fp8=False, indices_kind="positions"),
-    "indexer-v4-c4": Preset(64, 128, 128, 4, (400, 2051, 4097, 6000), indices_kind="positions"),  # V4 C4: entries = seq_len // 4, top-512 cut to 128
+    # V4 C4: entries = seq_len // 4, top-512 cut to 128
+    "indexer-v4-c4": Preset(64, 128, 128, 4, (400, 2051, 4097, 6000), indices_kind="positions"),
 }
 FAULTS = ("none", "topk_stale", "topk_unwritten", "topk_future", "topk_off_by", "indexer_scale_not_applied",
           "indexer_relu_omitted", "indexer_weights_ignored", "compress_ratio_wrong", "topk_length_wrong")  # fmt: skip
