@@ -37,6 +37,8 @@ copy of the layout (the README links here).
     isolation.py    each kernel backend in a child process: a crash (signal, GPU fault) is its error
     sparse/         DeepSeek's sparse MLA decode (V3.2 DSA, V4): packed layouts, exact decode, presets, kernel
                     adapters, the sparse-only mistakes (the rest is the one pipeline below)
+    indexer/        DeepSeek's lightning indexer (mode indexer): fp64 top-k, the set judge, its mistakes, the
+                    check of a sparse decode's indices by the indexer capture beside it
     context.py      what one replay's backends share: reference, control, split references
     hypotheses/     which simple mistake explains a diverging output (section 4), one module per family
     diagnosis.py    which compute path diverges: a class name and a sentence (section 6)
@@ -59,7 +61,7 @@ copy of the layout (the README links here).
     render/         text for people: tables, reports, diff-kv and disagg results
     hook/           the capture hooks for a live SGLang or vLLM server (imports only refmla, util.py,
                     schedule.py, blocktable.py, capture/, kvwrite/,
-                    merge/ and sparse/)
+                    merge/, sparse/ and indexer/)
     api.py          the Python API: replay(), synth(), regions() (what the command line calls)
     cli/            the thin command line, one module per command (the top)
     __main__.py     ``python -m refmla``: the command line

@@ -32,6 +32,8 @@ from refmla.regions import PoolMeta, RegionCheck, check_region, plan_regions
 from refmla.replay import replay_capture, replay_file
 from refmla.results import ReplayReport
 from refmla.kvwrite.synth import PRESETS as KV_WRITE_PRESETS
+from refmla.indexer.synth import PRESETS as INDEXER_PRESETS
+from refmla.indexer.synth import synth_indexer
 from refmla.kvwrite.synth import synth_kv_write
 from refmla.merge.chunked_synth import PRESETS as CHUNKED_PRESETS
 from refmla.merge.chunked_synth import synth_chunked
@@ -44,7 +46,7 @@ from refmla.synth import FAULTS, PRESETS, synth_capture
 from refmla.synth import preset as dense_preset
 
 KIND_SYNTHS = {**{p: synth_kv_write for p in KV_WRITE_PRESETS}, **{p: synth_merge for p in MERGE_PRESETS},
-               **{p: synth_chunked for p in CHUNKED_PRESETS}}  # fmt: skip  # each checks its own faults
+               **{p: synth_chunked for p in CHUNKED_PRESETS}, **{p: synth_indexer for p in INDEXER_PRESETS}}  # fmt: skip  # each checks its own faults
 ALL_PRESETS = [*PRESETS, *SPARSE_PRESETS, *KIND_SYNTHS]
 TRANSFER_BACKENDS = ("mori", "mooncake", "nixl", "ascend", "fake")
 

@@ -19,6 +19,8 @@ import torch
 
 from refmla.capture import CaptureError, read_capture
 from refmla.capture.kinds import file_mode
+from refmla.indexer.format import describe as describe_indexer
+from refmla.indexer.io import read_indexer
 from refmla.kvwrite.format import describe as describe_kv_write
 from refmla.kvwrite.io import read_kv_write
 from refmla.merge.chunked_format import describe as describe_chunked
@@ -79,7 +81,7 @@ class InspectEntry:
 
 # the kinds with tensors of their own, by meta mode: (reader, describe)
 KINDS = {"kv_write": (read_kv_write, describe_kv_write), "merge": (read_merge, describe_merge),
-         "chunked_prefill": (read_chunked, describe_chunked)}
+         "chunked_prefill": (read_chunked, describe_chunked), "indexer": (read_indexer, describe_indexer)}
 
 
 def _inspect_kind(path: str, read, describe) -> InspectEntry:

@@ -32,9 +32,13 @@ from refmla.diagnosis import (diagnose, diagnose_sparse, diagnose_upstream, diag
                               verify_table)
 from refmla.hypotheses import explain_failure
 from refmla.hypotheses.sparse import explain_sparse
+from refmla.indexer.chain import attach as attach_indexer
+from refmla.indexer.io import read_indexer
+from refmla.indexer.judge import judge_indexer
 from refmla.kvwrite.io import read_kv_write
 from refmla.kvwrite.judge import judge_kv_write
 from refmla.merge.backends import BACKENDS as MERGE_BACKENDS
+from refmla.indexer.backends import BACKENDS as INDEXER_BACKENDS
 from refmla.merge.chunked_judge import judge_chunked
 from refmla.merge.io import read_chunked, read_merge
 from refmla.merge.judge import judge_merge
@@ -56,7 +60,7 @@ from refmla.util import dtype_name, error_text, callable_module
 
 # capture kinds with tensors of their own, by meta mode: (reader, judge) -> a ReplayReport
 KINDS = {"kv_write": (read_kv_write, judge_kv_write), "merge": (read_merge, judge_merge),
-         "chunked_prefill": (read_chunked, judge_chunked)}
+         "chunked_prefill": (read_chunked, judge_chunked), "indexer": (read_indexer, judge_indexer)}
 
 
 def replay_file(path: Any, opts: ReplayOptions) -> ReplayReport:
@@ -89,10 +93,11 @@ def backend_names(opts: ReplayOptions, mode: str = "verify", engine: tuple = ())
     default += list(plugin_defaults())  # the installed packages' kernels (entry points)
     chosen = default if opts.backends is None else [n for n in opts.backends if n not in NAMES[:2] and n not in SPARSE_ONLY]
     for n in chosen:
-        if n not in MERGE_BACKENDS and not is_backend(n):  # a merge kernel is for merge captures
+        if n not in MERGE_BACKENDS and n not in INDEXER_BACKENDS and not is_backend(n):  # merge / indexer captures' own
             raise KeyError(f"unknown backend {n!r}; choose from {', '.join(ALL_NAMES)}, or name your kernel "
                            "as module:function (docs/own-kernel.md)")  # fmt: skip
-    dense = [n for n in chosen if n in ALL_NAMES or (n not in MERGE_BACKENDS and is_backend(n))]
+    others = (*MERGE_BACKENDS, *INDEXER_BACKENDS)  # a merge or indexer kernel is for its own kind of capture
+    dense = [n for n in chosen if n in ALL_NAMES or (n not in others and is_backend(n))]
     return ["reference", "observed", *dict.fromkeys(dense)]
 
 
@@ -293,6 +298,7 @@ def replay_sparse(cap: SparseCapture, opts: ReplayOptions) -> ReplayReport:
         report.verdict = "diverged"
         d = diagnose_upstream(findings)
         report.diagnosis, report.diagnosis_text, report.diagnosis_backends = d.name, d.text, d.backends
+    attach_indexer(cap, report, opts)  # the indexer capture beside it, if any, judges the indices (refmla.indexer.chain)
     return report
 
 

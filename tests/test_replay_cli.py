@@ -91,6 +91,8 @@ def test_doctor_lists_every_backend(capsys):
     merges = {r["backend"]: r for r in rows if r["kind"] == "merge"}  # the state merges (issue 32)
     assert list(merges) == ["vllm_triton_merge", "sglang_triton_merge"]
     assert merges["sglang_triton_merge"]["usable"], merges["sglang_triton_merge"]["detail"]  # SGLang installed here
+    indexers = [r["backend"] for r in rows if r["kind"] == "indexer"]  # the engines' indexer code
+    assert indexers == ["sglang_indexer_torch", "vllm_indexer_torch"]
     assert all(isinstance(r["usable"], bool) and r["detail"] for r in rows)
 
 
@@ -105,7 +107,7 @@ def test_a_skipped_backend_still_carries_every_contract_key(tmp_path, capsys):
 
 
 KIND_PRESETS = {"kv_write": "kv-write-fp8", "kv_write (packed)": "kv-write-v4", "merge": "merge-chunked-prefill",
-                "chunked_prefill": "chunked-prefill"}  # fmt: skip
+                "chunked_prefill": "chunked-prefill", "indexer": "indexer-v32"}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", list(KIND_PRESETS))

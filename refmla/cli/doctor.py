@@ -13,6 +13,8 @@ from refmla.backends import ALL_NAMES, get_backend, plugin_defaults
 from refmla.backends.named import entry_point_of
 from refmla.backends.engines import KERNELS, package_versions
 from refmla.cli.common import EXIT_OK, print_json
+from refmla.indexer.backends import KERNELS as INDEXER_KERNELS
+from refmla.indexer.backends import availability as indexer_availability
 from refmla.merge.backends import KERNELS as MERGE_KERNELS
 from refmla.merge.backends import availability as merge_availability
 from refmla.sparse.backends import KERNELS as SPARSE_KERNELS
@@ -49,6 +51,9 @@ def doctor(args) -> int:
     for name, (engine, _, kernel) in MERGE_KERNELS.items():  # the state merges (merge / chunked-prefill captures)
         ok, why = merge_availability(name)
         rows.append({"backend": name, "usable": ok, "detail": why, "engine": engine, "kernel": kernel, "kind": "merge"})
+    for name, (engine, kernel) in INDEXER_KERNELS.items():  # the engines' indexer code (indexer captures)
+        ok, why = indexer_availability(name)
+        rows.append({"backend": name, "usable": ok, "detail": why, "engine": engine, "kernel": kernel, "kind": "indexer"})
     if args.json:
         print_json(rows)
         return EXIT_OK
@@ -56,7 +61,7 @@ def doctor(args) -> int:
     print(f"python {platform.python_version()}  torch {torch.__version__}  gpu {gpu}  "
           f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}")  # fmt: skip
     print("engines and kernel packages: " + ", ".join(f"{k} {v}" for k, v in package_versions().items()))
-    suffix = {"sparse_decode": " (sparse)", "merge": " (merge)"}
+    suffix = {"sparse_decode": " (sparse)", "merge": " (merge)", "indexer": " (indexer)"}
     label = {id(r): r["backend"] + suffix.get(r["kind"], "") for r in rows}
     width = max(len(v) for v in label.values())
     for r in rows:

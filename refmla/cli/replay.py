@@ -15,14 +15,16 @@ from refmla.replay import SPARSE_ONLY, worst_status
 from refmla.series import attach_series
 from refmla.util import error_text, first_line
 from refmla.merge.backends import BACKENDS as MERGE_BACKENDS
+from refmla.indexer.backends import BACKENDS as INDEXER_BACKENDS
 
 MERGE_ONLY = list(MERGE_BACKENDS)  # the merge kernels, for merge captures (refmla.merge.backends)
+INDEXER_ONLY = list(INDEXER_BACKENDS)  # the engines' indexer code, for indexer captures (refmla.indexer.backends)
 
 
 def add_parser(sub) -> None:
     r = sub.add_parser("replay", help="replay captures through the backends, compare with the reference")
     r.add_argument("captures", nargs="+", metavar="CAPTURE", help="capture files or directories")
-    add_replay_flags(r, list(ALL_NAMES) + SPARSE_ONLY + MERGE_ONLY, "replay captures in parallel processes")
+    add_replay_flags(r, list(ALL_NAMES) + SPARSE_ONLY + MERGE_ONLY + INDEXER_ONLY, "replay captures in parallel processes")
     r.set_defaults(func=run)
 
 

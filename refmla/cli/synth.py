@@ -14,6 +14,8 @@ from refmla.kvwrite.packed_synth import FAULTS as PACKED_FAULTS
 from refmla.kvwrite.packed_synth import PRESETS as PACKED_PRESETS
 from refmla.kvwrite.synth import FAULTS as KV_WRITE_FAULTS
 from refmla.kvwrite.synth import ROW_PRESETS as KV_WRITE_PRESETS
+from refmla.indexer.synth import FAULTS as INDEXER_FAULTS
+from refmla.indexer.synth import PRESETS as INDEXER_PRESETS
 from refmla.merge.chunked_synth import FAULTS as CHUNKED_FAULTS
 from refmla.merge.chunked_synth import PRESETS as CHUNKED_PRESETS
 from refmla.merge.synth import FAULTS as MERGE_FAULTS
@@ -35,7 +37,7 @@ def add_parser(sub) -> None:
     kinds = _kinds(("dense / verify", PRESETS, FAULTS), ("sparse decode", SPARSE_PRESETS, SPARSE_FAULTS),
                    ("KV writer", KV_WRITE_PRESETS, KV_WRITE_FAULTS),
                    ("packed KV writer", PACKED_PRESETS, PACKED_FAULTS), ("merge", MERGE_PRESETS, MERGE_FAULTS),
-                   ("chunked-prefill", CHUNKED_PRESETS, CHUNKED_FAULTS))  # fmt: skip
+                   ("chunked-prefill", CHUNKED_PRESETS, CHUNKED_FAULTS), ("indexer", INDEXER_PRESETS, INDEXER_FAULTS))  # fmt: skip
     s = sub.add_parser("synth", help="write a synthetic capture", formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=f"{kinds}\n\n(every preset also takes --fault none)")  # fmt: skip
     s.add_argument("out", type=output_path)

@@ -45,6 +45,7 @@ def _targets(cfg: HookConfig) -> dict[str, Callable[[Any], None]]:
         targets[DSV4_MODULE] = _patch_dsv4_entrypoint
     if "dsa" in cfg.backends:
         targets[DSA_MODULE] = _patch_dsa_aiter
+        targets[INDEXER_MODULE] = _patch_indexer
     for kind, switch, table in (("kvwrite", "kvwrite", KV_WRITERS), ("merge", "merge", MERGES),
                                 ("chunked", "merge", CHUNKED_PREFILL)):  # fmt: skip
         if switch in cfg.backends:
@@ -172,6 +173,28 @@ def _patch_dsa_aiter(module) -> None:
     setattr(cls, DSA_METHOD, wrapper)
     inst.patched.append((cls, DSA_METHOD, original))
     inst.state.log.info("wrapped %s.%s.%s (dsa)", module.__name__, DSA_CLASS, DSA_METHOD)
+
+
+INDEXER_MODULE, INDEXER_CLASS, INDEXER_METHOD = "sglang.srt.layers.attention.dsa.dsa_indexer", "Indexer", "_get_topk_paged"
+
+
+def _patch_indexer(module) -> None:
+    """Wrap the V3.2 indexer's decode top-k (refmla.hook.indexer_call)."""
+    inst = _SLOT.current
+    cls = getattr(module, INDEXER_CLASS, None)
+    original = cls.__dict__.get(INDEXER_METHOD) if cls is not None else None
+    if inst is None or original is None or getattr(original, MARK, None) is not None:
+        if inst is not None and original is None:
+            inst.state.once(f"noindexer:{module.__name__}", logging.WARNING, "%s has no %s.%s in this SGLang: the "
+                            "indexer not captured", module.__name__, INDEXER_CLASS, INDEXER_METHOD)  # fmt: skip
+        return
+    from refmla.hook.indexer_call import wrap_get_topk_paged
+
+    wrapper = wrap_get_topk_paged(original, current_state)
+    setattr(wrapper, MARK, original)
+    setattr(cls, INDEXER_METHOD, wrapper)
+    inst.patched.append((cls, INDEXER_METHOD, original))
+    inst.state.log.info("wrapped %s.%s.%s (indexer)", module.__name__, INDEXER_CLASS, INDEXER_METHOD)
 
 
 def call_patcher(slot: InstallSlot, kind: str, entries) -> Callable[[Any], None]:
