@@ -8,7 +8,8 @@ meta ``mode`` is ``sparse_decode``. Tensors (B requests, S query tokens each, H 
     k_cache            [P, W] uint8   the main (window) cache's pages as stored, W >= the layout's page bytes
     indices            [B, S, K]      int32 flat token indices page * page_size + offset, -1 invalid
     topk_length        [B]            optional: entries at position >= topk_length[b] are not read
-    attn_sink          [H] fp32       optional: per-head sink logit (adds exp(sink - max) to the denominator)
+    attn_sink          [H] fp32       optional: per-head sink logit (adds exp(sink - max) to the denominator;
+                                      +inf: out 0, -inf: no sink, as FlashMLA defines it; NaN: a finding)
     extra_k_cache      [P2, W2] uint8 optional: the compressed cache (V4 C4 / C128), its own layout and page size
     extra_indices      [B, S, K2]     with extra_k_cache
     extra_topk_length  [B]            optional, with extra_k_cache

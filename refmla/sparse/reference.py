@@ -6,6 +6,7 @@ rows, H heads, Kt = K + K2 entries of both caches, D head dim, Dv value width).
     m     = max_j s_j,   l = sum_j exp(s_j - m)
     out   = sum_j exp(s_j - m) v_j / (l + exp(sink - m))      v_j = k_j[:Dv]; no sink: / l
     lse   = m + ln l                                natural log, the sink not included
+    sink +inf: out = 0;  sink -inf: no sink         (FlashMLA's out * 1 / (1 + exp(sink - lse)))
     lonely row (no valid entry): out = 0, lse = +inf   (FlashMLA's convention; SGLang's Triton kernel too)
     inv_rope (when captured): out[..., -d_rope:] rotated by conj(freqs_cis[position]), pairs interleaved
 
