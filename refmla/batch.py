@@ -21,7 +21,7 @@ from refmla.backends.triton_interp import ensure_interpreter
 from refmla.capture import CaptureError
 from refmla.options import ReplayOptions, bound_problem
 from refmla.progress import Progress
-from refmla.replay import invalid_report, replay_file
+from refmla.pipeline import invalid_report, replay_file
 from refmla.results import ReplayReport
 from refmla.signals import ignore_sigint
 from refmla.util import error_text

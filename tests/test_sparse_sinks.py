@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from refmla.options import ReplayOptions
-from refmla.replay import replay_file
+from refmla.pipeline import replay_file
 from refmla.sparse.format import SparseCapture, parse_sparse_meta
 from refmla.sparse.presets import sparse_preset
 from refmla.sparse.reference import sparse_control, sparse_reference

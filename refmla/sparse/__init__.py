@@ -1,6 +1,6 @@
 """DeepSeek's sparse MLA decode (V3.2 DSA; V4 with a window cache and a compressed cache, packed
 fp8 layouts, a per-head attention sink): what is its own. Reading, replaying, judging, diagnosing,
-rendering and the goldens are the one pipeline every capture kind takes (refmla.replay,
+rendering and the goldens are the one pipeline every capture kind takes (refmla.pipeline,
 refmla.diagnosis, refmla.render, refmla.golden.sparse); a sparse capture enters it as an
 ``Attended.sparse_topk`` of one or two pools.
 

@@ -49,7 +49,7 @@ from refmla.sparse.format import SPARSE_MODE, SparseCapture
 from refmla.sparse.reference import SparseOutput, judge_lse, judge_out, rows_of, sparse_control, sparse_reference
 from refmla.sparse.validation import is_sparse_file, nonfinite_inputs, read_sparse
 from refmla.splits import compare_lse, compare_splits
-from refmla.util import dtype_name, error_text, callable_module
+from refmla.util import dtype_name, error_text
 
 
 # capture kinds with tensors of their own, by meta mode: (reader, judge) -> a ReplayReport
@@ -357,6 +357,3 @@ def _sparse_localization(cmp, entry: BackendEntry, S: int) -> Localization:
 def worst_status(reports: list[ReplayReport]) -> int:
     """Exit code over reports: 2 invalid > 1 diverged > 0 agree."""
     return max((r.exit_code for r in reports), default=0)
-
-
-callable_module(__name__)  # refmla.replay(...) calls refmla.api (the Python API)
