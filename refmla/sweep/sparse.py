@@ -33,7 +33,8 @@ from refmla.golden.cases import GoldenCase
 from refmla.isolation import enabled, run_isolated
 from refmla.options import ReplayOptions
 from refmla.repeat import compare_runs
-from refmla.sparse.backends import BACKENDS, KERNELS, PathOutput
+from refmla.sparse.arithmetic import SGLANG_TRITON_SPARSE
+from refmla.sparse.backends import BACKENDS, KERNELS, PathOutput, declared_arithmetic
 from refmla.sparse.format import KERNEL_BACKENDS, SparseCapture, parse_sparse_meta
 from refmla.sparse.presets import PRESETS, SparsePreset
 from refmla.sparse.reference import judge_lse, judge_out, rows_of, sparse_control, sparse_reference
@@ -124,6 +125,7 @@ class SparseChecks:
         self.timing = Timing()
         self.cap = case.capture()
         self._truth: Optional[tuple] = None
+        self._controls: dict = {}  # SparseArithmetic -> its control (a kernel declaring other than SGLang's Triton)
 
     @property
     def truth(self) -> tuple:
@@ -146,10 +148,16 @@ class SparseChecks:
             self.timing.kernel += time.perf_counter() - t0
 
     def judge(self, name: str, got: PathOutput) -> tuple[bool, str, dict]:
-        """(passed, what it says, its numbers) of one run's out and lse against the reference."""
+        """(passed, what it says, its numbers) of one run's out and lse against the reference, at the
+        path's own declared arithmetic (refmla.sparse.arithmetic)."""
         ref, ctrl = self.truth
         t0 = time.perf_counter()
-        cmp = judge_out(name, self.cap, got.out, ref, ctrl, self.opts.tol)
+        arith = declared_arithmetic(name, self.cap)
+        if arith != SGLANG_TRITON_SPARSE:  # the truth's control is that one's
+            if arith not in self._controls:
+                self._controls[arith] = sparse_control(self.cap, rows_of(self.cap), arith=arith)
+            ctrl = self._controls[arith]
+        cmp = judge_out(name, self.cap, got.out, ref, ctrl, self.opts.tol, arith)
         lse = judge_lse(got.lse, ref, ctrl, self.opts.tol) if got.lse is not None else None
         self.timing.reference += time.perf_counter() - t0
         lse_bad = lse is not None and lse.status != "pass"
