@@ -32,7 +32,6 @@ import torch
 from refmla.golden.cases import GoldenCase
 from refmla.isolation import enabled, run_isolated
 from refmla.options import ReplayOptions
-from refmla.repeat import compare_runs
 from refmla.sparse.arithmetic import SGLANG_TRITON_SPARSE
 from refmla.sparse.backends import BACKENDS, KERNELS, PathOutput, declared_arithmetic
 from refmla.sparse.format import KERNEL_BACKENDS, SparseCapture, parse_sparse_meta
@@ -41,7 +40,7 @@ from refmla.sparse.reference import judge_lse, judge_out, rows_of, sparse_contro
 from refmla.sparse.synth import build_case
 from refmla.sparse.validation import write_sparse
 from refmla.sweep.cases import case_of, case_seed
-from refmla.sweep.checks import CHECKS, CaseChecks, Evidence, Timing, run_checks
+from refmla.sweep.checks import CHECKS, CaseChecks, Evidence, Timing, repeat_check, run_checks
 from refmla.sweep.report import CheckOutcome
 from refmla.sweep.space import HEADS, MAX_SPARSE_UNITS, RATIO, sparse_context, sparse_units, sparse_valid
 
@@ -184,15 +183,18 @@ class SparseChecks:
     def _nan_fill(self, backend: str, first: PathOutput):
         return CheckOutcome("nan_fill", "n/a", NO_BUFFERS), None
 
+    def again(self, backend: str) -> PathOutput:
+        """Another run on the same inputs (the repeat check's)."""
+        return self.kernel(backend)
+
+    def passes(self, backend: str, got: PathOutput) -> bool:
+        return self.judge(backend, got)[0]
+
+    def kept(self, got: PathOutput) -> Evidence:
+        return self._evidence(got)
+
     def _repeat(self, backend: str, first: PathOutput):
-        runs = [first] + [self.kernel(backend) for _ in range(max(1, self.repeat - 1))]
-        tensors = [{"out": r.out, **({"lse": r.lse} if r.lse is not None else {})} for r in runs]
-        outcome = compare_runs(tensors)
-        if outcome.deterministic:
-            return CheckOutcome("repeat", "pass", outcome.text(), outcome.to_json()), None
-        wrong = [r for r in runs if not self.judge(backend, r)[0]]
-        shown = (wrong or runs[1:])[0]  # a run past the tolerance when there is one: its capture replays diverged
-        return CheckOutcome("repeat", "fail", outcome.text(), outcome.to_json()), self._evidence(shown)
+        return repeat_check(self, backend, first)  # the one repeat check (refmla.sweep.checks), every case kind
 
     def _splits(self, backend: str, first: PathOutput):
         return CheckOutcome("splits", "n/a", NO_SPLITS), None
