@@ -20,7 +20,7 @@ copy of the layout (the README links here).
     blocktable.py   block tables (vLLM, FlashMLA, FlashInfer, CUTLASS, FA3): token rows, consistency
     kernel.py       bring your own kernel: KernelInputs / KernelOutputs / KernelSpec (stable, docs/own-kernel.md)
     capture/        the refmla.capture/1 file: format, validation, read (lazy), write (compacted, atomic)
-    regions.py      the MR region-size check: SGLang's clamp and MORI's measured sizes (one table)
+    region_check.py the MR region-size check: SGLang's clamp and MORI's measured sizes (one table)
     blocked.py      the reference's work in cache-sized blocks under a memory budget, short rows batched
     reference.py    the math, fp64: decode, split-KV partials and merge, extend and verify
     merging.py      split partials merged in fp32: the standard merge and a kernel's other merges
@@ -46,13 +46,13 @@ copy of the layout (the README links here).
     localize/       where a failing backend goes wrong: requests, heads, positions, split stage
     kvwrite/        the KV cache writer's capture (mode kv_write): documented rows, bit for bit, writer mistakes
     merge/          the merge of attention pieces (mode merge): fp64 merge, merge mistakes, merge kernels
-    replay.py       capture -> backends -> comparison -> ReplayReport
+    pipeline.py     the one replay: capture -> backends -> comparison -> ReplayReport
     series.py       one layer and rank across decode steps
     batch.py        many captures, serial or in worker processes, with the same result
     inspection.py   `refmla inspect` entries
     diffkv/         prefill vs decode KV rows, bit for bit (transfer fidelity)
     disagg/         `refmla disagg`: diffkv + checks + series + replay per (request, layer, rank)
-    synth/          synthetic captures with planted faults
+    synthetic/      synthetic captures with planted faults
     golden/         the golden suite: deterministic cases, build, check
     sweep/          `refmla sweep`: every backend over the production shape space (token slots, verify,
                     block tables, sparse), four checks, shrunk captures
@@ -74,13 +74,14 @@ table and compacts its pages with the same functions the reader checks them with
 
 __version__ = "0.1.0"
 CAPTURE_FORMAT = "refmla.capture/1"
-API = ("replay", "synth", "regions", "api")  # refmla.replay(...) etc.: refmla/api.py, loaded on first use
+API = ("replay", "synth", "regions")  # refmla.replay(...) etc.: plain functions of refmla/api.py, loaded on first use
 
 
 def __getattr__(name: str):
-    """``refmla.replay`` / ``synth`` / ``regions`` (callable modules, refmla.api) without importing them at ``import refmla``."""
-    if name in API:
+    """``refmla.replay`` / ``synth`` / ``regions``: the functions of refmla.api, without importing it at ``import refmla``."""
+    if name in API or name == "api":
         import importlib
 
-        return importlib.import_module(f"refmla.{name}")
+        api = importlib.import_module("refmla.api")
+        return api if name == "api" else getattr(api, name)
     raise AttributeError(f"module 'refmla' has no attribute {name!r}")

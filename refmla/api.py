@@ -7,9 +7,8 @@
     refmla.regions(capture=None, model=None, config=None, tokens=None, ...) -> RegionCheck
     refmla.api.unrun_backends(report, asked) -> [(backend, reason)]: backends asked for that did not run
 
-``refmla.replay`` / ``refmla.synth`` / ``refmla.regions`` are the modules of those names made
-callable (:func:`refmla.util.callable_module`): calling one calls the function here, and
-``import refmla`` loads none of them until first used. Bad input raises :class:`ValueError` (or
+``refmla.replay`` / ``refmla.synth`` / ``refmla.regions`` are these functions (the package's
+``__getattr__`` hands them out, so ``import refmla`` loads none of this until first used). Bad input raises :class:`ValueError` (or
 refmla.capture.CaptureError, a ValueError) with the one line the CLI prints.
 """
 
@@ -28,8 +27,8 @@ from refmla.hook.geometry import MORI_ENV
 from refmla.options import ReplayOptions
 from refmla.sparse.validation import is_sparse_file, read_sparse
 from refmla.poolplan import KV_DTYPES, MODELS, buffers, geometry_from_config, model_geometry
-from refmla.regions import PoolMeta, RegionCheck, check_region, plan_regions
-from refmla.replay import replay_capture, replay_file
+from refmla.region_check import PoolMeta, RegionCheck, check_region, plan_regions
+from refmla.pipeline import replay_capture, replay_file
 from refmla.results import ReplayReport
 from refmla.kvwrite.synth import PRESETS as KV_WRITE_PRESETS
 from refmla.indexer.synth import PRESETS as INDEXER_PRESETS
@@ -42,8 +41,8 @@ from refmla.merge.synth import synth_merge
 from refmla.sparse.faults import FAULTS as SPARSE_FAULTS
 from refmla.sparse.make import synth_sparse
 from refmla.sparse.presets import PRESETS as SPARSE_PRESETS
-from refmla.synth import FAULTS, PRESETS, synth_capture
-from refmla.synth import preset as dense_preset
+from refmla.synthetic import FAULTS, PRESETS, synth_capture
+from refmla.synthetic import preset as dense_preset
 
 KIND_SYNTHS = {**{p: synth_kv_write for p in KV_WRITE_PRESETS}, **{p: synth_merge for p in MERGE_PRESETS},
                **{p: synth_chunked for p in CHUNKED_PRESETS}, **{p: synth_indexer for p in INDEXER_PRESETS}}  # fmt: skip  # each checks its own faults

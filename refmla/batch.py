@@ -22,7 +22,7 @@ from refmla.capture import CaptureError
 from refmla.options import ReplayOptions, bound_problem
 from refmla.kernel import InterfaceError
 from refmla.progress import Progress
-from refmla.replay import invalid_report, replay_file
+from refmla.pipeline import invalid_report, replay_file
 from refmla.results import ReplayReport
 from refmla.signals import ignore_sigint
 from refmla.util import error_text

@@ -14,7 +14,7 @@ dtype; the call's new tokens, passed dequantized to q's dtype, met by q as store
 
 :class:`Rounding` moves those rounding points (a kernel that stores toward zero, accumulates P.V
 in bf16, merges its splits with the wrong base, ...): the numerics hypotheses recompute the
-control under it (refmla.hypotheses.numerics) and refmla synth plants it (refmla.synth.rounding).
+control under it (refmla.hypotheses.numerics) and refmla synth plants it (refmla.synthetic.rounding).
 The default, STANDARD, is the control described above, bit for bit.
 """
 

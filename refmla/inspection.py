@@ -1,6 +1,6 @@
 """`refmla inspect`: what a capture holds (shapes, dtypes, meta) and what its metadata checks found.
 
-One entry per capture, with the MR region-size check of its pool geometry (refmla.regions: a
+One entry per capture, with the MR region-size check of its pool geometry (refmla.region_check: a
 ``finding`` exits 1, a ``warning`` -- within 5 % below the limit -- is reported and exits 0, a
 capture without geometry is ``not_recorded``); a sparse decode capture's entry is built by
 refmla.sparse.inspection's description (:func:`inspect_sparse`: the same entry with ``sparse`` added); with several captures each readable one also gets its series findings
@@ -29,7 +29,7 @@ from refmla.merge.io import read_chunked, read_merge
 from refmla.checks import check_capture
 from refmla.flashmla_plan import check_flashmla_plan
 from refmla.plan import PlanCheck, check_aiter_plan
-from refmla.regions import RegionCheck, check_region
+from refmla.region_check import RegionCheck, check_region
 from refmla.results import Finding, MetadataReport
 from refmla.series import series_checks
 from refmla.sparse.inspection import describe

@@ -1,5 +1,5 @@
 """The KV buffers a model's SGLang pool registers, per page, for the region check before a server
-starts (``refmla regions --model | --config``; the check itself is :mod:`refmla.regions`).
+starts (``refmla regions --model | --config``; the check itself is :mod:`refmla.region_check`).
 
     MLA (DeepSeek-V3, Kimi-K2)   one "MLA KV" buffer per layer: (kv_lora_rank + rope) x dtype bytes per token
     DeepSeek-V3.2 (NSA)          one "KV" buffer per layer (fp8: SGLang's 656-byte row) and one
@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from refmla.regions import PlannedBuffer
+from refmla.region_check import PlannedBuffer
 from refmla.sparse.presets import V4_FLASH_COMPRESS_RATIOS
 
 KV_DTYPES = {"bf16": 2, "fp8": 1}

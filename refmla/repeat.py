@@ -100,4 +100,10 @@ def compare_runs(runs: Sequence[Mapping[str, torch.Tensor]]) -> RepeatOutcome:
     return RepeatOutcome(len(runs), differing_runs, differing, name, idx, (a, b))
 
 
-__all__ = ["RepeatOutcome", "compare_runs"]
+def run_tensors(run) -> dict[str, torch.Tensor]:
+    """The tensors a repeated run is compared on: its ``out``, and its ``lse`` where it returns one
+    (a dense BackendResult or a sparse PathOutput alike)."""
+    return {"out": run.out, **({"lse": run.lse} if getattr(run, "lse", None) is not None else {})}
+
+
+__all__ = ["RepeatOutcome", "compare_runs", "run_tensors"]

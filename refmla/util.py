@@ -120,19 +120,3 @@ def single_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(n)
-
-
-class _CallableModule(type(contextlib)):
-    """A module that can be called: ``refmla.replay(...)`` is ``refmla.api.replay(...)`` (refmla/api.py)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        import importlib  # the API sits at the top of the layout: reached only when called
-
-        return getattr(importlib.import_module("refmla.api"), self.__name__.rsplit(".", 1)[-1])(*args, **kwargs)
-
-
-def callable_module(name: str) -> None:
-    """Make module ``name`` callable as the API function of its name (refmla.api), the module unchanged."""
-    import sys
-
-    sys.modules[name].__class__ = _CallableModule

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from helpers import raw_write
-from refmla.synth import SynthSpec, faulty_output, make_inputs, make_meta
+from refmla.synthetic import SynthSpec, faulty_output, make_inputs, make_meta
 
 SMALL = SynthSpec(name="small", num_heads=2, seq_lens=(40, 7), max_kv_splits=4, num_kv_splits=(2, 1), free_pages=1)
 

@@ -88,7 +88,7 @@ class PlantedTriton(TritonBackend):
 def register(monkeypatch, *plants: str) -> list[str]:
     """Make ``triton_<plant>`` a backend name for this test (the replay picks backends by name)."""
     import refmla.backends as backends
-    import refmla.replay as replay
+    import refmla.pipeline as replay
 
     names = [f"triton_{p}" for p in plants]
     for p, n in zip(plants, names):
@@ -102,7 +102,7 @@ def replay_with_plants(path: str, opts):
     """A picklable batch task (refmla.batch.replay_many): register every plant in this (worker)
     process, then replay as ``refmla replay`` does."""
     import refmla.backends as backends
-    import refmla.replay as replay
+    import refmla.pipeline as replay
     from refmla.batch import replay_one
 
     for p in PLANTS:

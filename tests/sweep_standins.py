@@ -1,6 +1,6 @@
 """A correct kernel not written here, as a backend the sweep can check: aiter's torch reference.
 
-``aiter_torch_ref`` runs :func:`refmla.synth.benign.fp32_einsum`, aiter's own torch reference
+``aiter_torch_ref`` runs :func:`refmla.synthetic.benign.fp32_einsum`, aiter's own torch reference
 written its way (op_tests/test_mla.py's torch_mla_extend: rows gathered as stored, an fp32 einsum
 per request, a causal bias, softmax, an fp32 einsum with V, one rounding) -- the stand-in
 tools/bench_diagnosis.py counts false alarms with. It reads kv_indptr / qo_indptr itself, not
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import refmla.backends as backends
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
-from refmla.synth.benign import fp32_einsum
+from refmla.synthetic.benign import fp32_einsum
 
 NAME = "aiter_torch_ref"
 
@@ -20,7 +20,7 @@ class AiterTorchRef(Backend):
     name = NAME
 
     def availability(self) -> tuple[bool, str]:
-        return True, "aiter's torch reference (fp32 einsum per request), refmla.synth.benign.fp32_einsum"
+        return True, "aiter's torch reference (fp32 einsum per request), refmla.synthetic.benign.fp32_einsum"
 
     def run(self, cap, opts) -> BackendResult:
         if cap.custom_mask is not None:

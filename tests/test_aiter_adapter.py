@@ -18,8 +18,8 @@ from refmla.backends import get_backend
 from refmla.backends.aiter import AiterBackend, aiter_status
 from refmla.capture import read_capture, write_capture
 from refmla.context import ReplayContext, ReplayOptions
-from refmla.replay import run_backend
-from refmla.synth import SynthSpec, make_inputs, make_meta, synth_capture
+from refmla.pipeline import run_backend
+from refmla.synthetic import SynthSpec, make_inputs, make_meta, synth_capture
 
 
 
@@ -123,7 +123,7 @@ def test_head_padding_slice_bug_is_caught_and_explained(standin, tmp_path, monke
 def test_buggy_decode_kernel_is_diagnosed_decode(standin, tmp_path, monkeypatch):
     """aiter wrong, extend right, production output right: the decode compute path is named."""
     import refmla.backends.aiter.heads as adapter
-    from refmla.replay import replay_capture
+    from refmla.pipeline import replay_capture
 
     monkeypatch.setenv("REFMLA_EXTEND_IMPL", "torch")
     monkeypatch.setattr(adapter, "pad_heads", lambda q: (q.repeat_interleave(2, dim=1), lambda o: o[:, :8], "buggy"))

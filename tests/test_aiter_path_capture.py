@@ -19,7 +19,7 @@ from refmla.capture import read_capture, write_capture
 from refmla.hook import kernel_probes
 from refmla.hook.aiter_meta import BUFFER_MAX_BYTES, aiter_buffers, aiter_path_meta
 from refmla.hook.call import Call, CallContext
-from refmla.synth import SynthSpec, make_inputs, make_meta
+from refmla.synthetic import SynthSpec, make_inputs, make_meta
 from tests.test_aiter_paths import FP8, replay_aiter
 
 NAMES = ("work_meta_data", "work_indptr", "work_info_set", "reduce_indptr", "reduce_final_map", "reduce_partial_map")

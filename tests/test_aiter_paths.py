@@ -15,9 +15,9 @@ from refmla.backends.aiter.paths import production_path, sglang_modes
 from refmla.capture import read_capture, write_capture
 from refmla.context import ReplayContext, ReplayOptions
 from refmla.diagnosis import diagnose, unreplayed_path
-from refmla.replay import replay_capture, run_backend
-from refmla.synth import SynthSpec, make_inputs, make_meta
-from refmla.synth.faults import faulty_output
+from refmla.pipeline import replay_capture, run_backend
+from refmla.synthetic import SynthSpec, make_inputs, make_meta
+from refmla.synthetic.faults import faulty_output
 from helpers import STANDINS, forget_aiter
 
 FP8 = torch.float8_e4m3fn

@@ -3,7 +3,9 @@ the order the package docstring states, the hook's boundary, every module listed
 package's docstring, small modules.
 
 The import graph is read from the source (ast), every ``import refmla...`` counted wherever it
-stands, inside a function too: an import moved into a function still makes a cycle. Each check is a
+stands, at module level or inside a function (an import moved into a function still makes a
+cycle), and so is every import by name: ``importlib.import_module("refmla.x")`` / ``__import__``
+with a literal name, and a ``"refmla.x:Name"`` registry entry that is loaded that way. Each check is a
 function of a package folder, so the tests below also run it on a copy with a planted violation:
 a check that cannot fail checks nothing.
 """
@@ -36,11 +38,15 @@ def modules(package: Path = PACKAGE) -> dict[str, Path]:
     return {module_name(p, package): p for p in files if not any(n in p.parts for n in NOT_MODULES)}
 
 
-def imported(path: Path, name: str, known: set[str]) -> set[str]:
-    """The refmla modules ``path`` imports (``from refmla.x import y`` is refmla.x.y when that is a module)."""
+def imported(path: Path, name: str, known: set[str], top_level_only: bool = False) -> set[str]:
+    """The refmla modules ``path`` imports (``from refmla.x import y`` is refmla.x.y when that is a
+    module); ``top_level_only``: only the statements at module level, none inside a function."""
     is_pkg = path.name == "__init__.py"
     out = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    funcs = (ast.FunctionDef, ast.AsyncFunctionDef)
+    nodes = [n for top in tree.body if not isinstance(top, funcs) for n in ast.walk(top)] if top_level_only else ast.walk(tree)
+    for node in nodes:
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -50,16 +56,41 @@ def imported(path: Path, name: str, known: set[str]) -> set[str]:
                 pkg = pkg[: len(pkg) - node.level + 1]
                 base = ".".join(pkg + ([base] if base else []))
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        elif isinstance(node, ast.Call) and by_name(node):
+            targets = [node.args[0].value]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and ":" in node.value:
+            targets = [node.value.split(":", 1)[0]]  # "refmla.backends.triton:TritonBackend"
         else:
             continue
         out |= {t for t in targets if t in known and t != name}
     return out
 
 
+def by_name(call: ast.Call) -> bool:
+    """``importlib.import_module("...")``, ``import_module("...")`` or ``__import__("...")`` with a literal name."""
+    f = call.func
+    called = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+    literal = bool(call.args) and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str)
+    return called in ("import_module", "__import__") and literal
+
+
+ROOT = "refmla"  # the package root: its constants (version, format name) are importable by every module
+ROOT_LAZY = {"refmla.api"}  # what the root's functions may name: refmla.replay / synth / regions, on first use
+
+
 def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the refmla modules it imports. The root counts only its module-level imports: every
+    module depends on its package root anyway, and the root's ``__getattr__`` hands out the API on
+    first use (:func:`root_lazy_imports` checks that it names nothing else)."""
     mods = modules(package)
     known = set(mods)
-    return {name: imported(path, name, known) for name, path in mods.items()}
+    return {name: imported(path, name, known, top_level_only=name == ROOT) for name, path in mods.items()}
+
+
+def root_lazy_imports(package: Path = PACKAGE) -> set[str]:
+    """What the root's functions import beyond ROOT_LAZY (none)."""
+    mods = modules(package)
+    return imported(mods[ROOT], ROOT, set(mods)) - ROOT_LAZY
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str]:
@@ -190,6 +221,10 @@ def test_the_cycle_finder_finds_one():
     assert find_cycle({"a": {"b"}, "b": set()}) == []
 
 
+def test_the_root_imports_nothing_and_names_only_the_api_on_first_use():
+    assert import_graph()[ROOT] == set() and root_lazy_imports() == set()
+
+
 def test_the_bottom_imports_nothing_of_refmla():
     graph = import_graph()
     for bottom in ("refmla.util", "refmla.schedule", "refmla.paged", "refmla.pool", "refmla.scales", "refmla.attended"):
@@ -241,9 +276,23 @@ def _append(path: Path, text: str) -> None:
     path.write_text(path.read_text() + text)
 
 
-def test_an_upward_import_is_caught(copy):
-    _append(copy / "util.py", "\n\ndef _planted():\n    from refmla.cli import main  # noqa\n")
+@pytest.mark.parametrize("planted", [
+    "\nfrom refmla.cli import main  # noqa\n",  # at module level
+    "\n\ndef _planted():\n    from refmla.cli import main  # noqa\n",  # inside a function
+    "\n\ndef _planted():\n    import importlib\n\n    return importlib.import_module('refmla.cli')\n",  # by name
+    "\n_PLANTED = {'x': 'refmla.cli:main'}  # a registry entry loaded by name\n",
+], ids=["module_level", "in_function", "import_module", "registry"])  # fmt: skip
+def test_an_upward_import_is_caught(copy, planted):
+    _append(copy / "util.py", planted)
     assert any("refmla.util imports refmla.cli" in v for v in upward_imports(copy))
+    assert not upward_imports()  # the real tree has none
+
+
+def test_a_root_import_beyond_the_api_is_caught(copy):
+    _append(copy / "__init__.py", "\n\ndef _planted():\n    from refmla.cli import main  # noqa\n")
+    assert root_lazy_imports(copy) == {"refmla.cli"} and import_graph(copy)[ROOT] == set()
+    _append(copy / "__init__.py", "\nfrom refmla.cli import main  # noqa\n")
+    assert import_graph(copy)[ROOT] == {"refmla.cli"}
 
 
 def test_a_module_outside_the_layout_is_caught(copy):
@@ -252,8 +301,8 @@ def test_a_module_outside_the_layout_is_caught(copy):
 
 
 def test_a_hook_import_outside_its_boundary_is_caught(copy):
-    _append(copy / "hook" / "config.py", "\n\ndef _planted():\n    from refmla.replay import replay_file  # noqa\n")
-    assert any("refmla.hook.config imports refmla.replay" in v for v in hook_violations(copy))
+    _append(copy / "hook" / "config.py", "\n\ndef _planted():\n    from refmla.pipeline import replay_file  # noqa\n")
+    assert any("refmla.hook.config imports refmla.pipeline" in v for v in hook_violations(copy))
 
 
 def test_a_module_missing_from_its_package_docstring_is_caught(copy):

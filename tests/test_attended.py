@@ -118,7 +118,7 @@ def test_two_pools_count_each_pool_apart():
 @pytest.mark.parametrize("name", ["hostile", "kimi-k2-tp8-extend", "kimi-k2-tp8-mtp", "kimi-k2-tp8-eagle-tree"])
 def test_capture_builds_it_once_and_again_when_an_index_changes(tmp_path, name):
     from refmla.capture import read_capture
-    from refmla.synth import preset, synth_capture
+    from refmla.synthetic import preset, synth_capture
 
     path = tmp_path / "c.safetensors"
     synth_capture(path, preset(name, num_heads=2))
@@ -145,7 +145,7 @@ def test_capture_builds_it_once_and_again_when_an_index_changes(tmp_path, name):
 def test_capture_scales_is_the_dataclass(tmp_path):
     from refmla.capture import read_capture
     from refmla.scales import Scales
-    from refmla.synth import preset, synth_capture
+    from refmla.synthetic import preset, synth_capture
 
     synth_capture(tmp_path / "c.safetensors", preset("hostile", logit_cap=30.0))
     sc = read_capture(tmp_path / "c.safetensors").scales()

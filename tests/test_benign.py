@@ -1,4 +1,4 @@
-"""No false alarm on a correct kernel that is not SGLang's (refmla/synth/benign.py).
+"""No false alarm on a correct kernel that is not SGLang's (refmla/synthetic/benign.py).
 
 Each benign variant writes a capture whose ``out`` a correct kernel computed with its own
 rounding: another split count, aiter's fp32 einsum reference, compiled flex_attention. Replay
@@ -17,9 +17,9 @@ from refmla.attended import Attended
 from refmla.backends import get_backend
 from refmla.capture import read_capture
 from refmla.context import ReplayOptions
-from refmla.replay import replay_file
-from refmla.synth import EXPECT, FAULTS, PRESETS, make_inputs, preset, synth_capture
-from refmla.synth.benign import MAX_SPLITS, fp32_einsum
+from refmla.pipeline import replay_file
+from refmla.synthetic import EXPECT, FAULTS, PRESETS, make_inputs, preset, synth_capture
+from refmla.synthetic.benign import MAX_SPLITS, fp32_einsum
 
 BENIGN = [f for f in FAULTS if EXPECT[f] is None and f != "benign_flex"]  # none, splits, fp32 einsum
 FLEX_OK, FLEX_WHY = get_backend("flex").availability()

@@ -16,8 +16,8 @@ from refmla.context import ReplayContext, ReplayOptions
 from refmla.control import capture_control
 from refmla.disagg import run_disagg
 from refmla.render.replay import backend_row
-from refmla.replay import replay_capture
-from refmla.synth.disagg import disagg_preset, synth_disagg
+from refmla.pipeline import replay_capture
+from refmla.synthetic.disagg import disagg_preset, synth_disagg
 
 OPTS = ReplayOptions(backends=["reference"])  # the observed capture is what is judged
 

@@ -6,8 +6,8 @@ import pytest
 
 from refmla.capture import read_capture
 from refmla.context import ReplayOptions
-from refmla.replay import replay_capture
-from refmla.synth import EXPECT, preset, synth_capture
+from refmla.pipeline import replay_capture
+from refmla.synthetic import EXPECT, preset, synth_capture
 
 FAULTS = ("read_past_block_table", "padded_row_nan", "null_block_read", "pages_as_tokens", "kv_scale_inconsistent")
 DETAIL = {  # what the explanation must say, from what was planted
@@ -38,10 +38,10 @@ def test_planted_fault_is_named_with_its_detail(tmp_path, fault, preset_name):
 
 def test_a_correct_kernel_on_a_block_table_capture_agrees(tmp_path):
     """The same table and null block with no fault: nothing is named (no false alarm)."""
-    from refmla.synth import faults, make_inputs
-    from refmla.synth.blocktable_faults import with_table
+    from refmla.synthetic import faults, make_inputs
+    from refmla.synthetic.blocktable_faults import with_table
     from refmla.capture import write_capture
-    from refmla.synth import make_meta
+    from refmla.synthetic import make_meta
 
     spec = preset("deepseek-v3-tp8")
     t = make_inputs(spec)

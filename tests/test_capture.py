@@ -10,8 +10,8 @@ from helpers import raw_write
 from refmla.capture import CaptureError, read_capture, write_capture
 from refmla.cli import main
 from refmla.context import ReplayOptions
-from refmla.replay import replay_capture
-from refmla.synth import make_inputs, make_meta, preset
+from refmla.pipeline import replay_capture
+from refmla.synthetic import make_inputs, make_meta, preset
 
 
 @pytest.fixture

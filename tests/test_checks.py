@@ -12,7 +12,7 @@ from refmla.capture import read_capture, write_capture
 from refmla.checks import check_capture
 from refmla.pool import per_request
 from refmla.cli import main
-from refmla.synth import SynthSpec, make_inputs, make_meta
+from refmla.synthetic import SynthSpec, make_inputs, make_meta
 
 SPEC = SynthSpec(name="checks", num_heads=2, seq_lens=(40, 17, 64, 0), page_size=16, kv_lora_rank=32,
                  qk_rope_head_dim=8, free_pages=2, seed=4)  # fmt: skip
@@ -149,12 +149,12 @@ def test_inspect_exit_codes(tmp_path, capsys):
 
 def test_replay_reports_findings_without_changing_the_verdict(tmp_path):
     from refmla.context import ReplayOptions
-    from refmla.replay import replay_file
+    from refmla.pipeline import replay_file
 
     t = inputs_with_req_to_token()
     t["req_to_token"][3, 0] = 1  # request 3 has seq_len 0: entries past seq_len are not compared
     t["req_to_token"][2, 40] = slot(t, 0, 1)
-    from refmla.synth import faulty_output
+    from refmla.synthetic import faulty_output
 
     t["out"] = faulty_output(SPEC, t, "none")[0]
     write(tmp_path, t)

@@ -17,7 +17,7 @@ import torch
 from refmla.cli import main as refmla_main
 from refmla.hook.config import HookConfig
 from refmla.options import ReplayOptions
-from refmla.replay import replay_file
+from refmla.pipeline import replay_file
 
 H, NOPE, ROPE, DV, RANK = 4, 32, 64, 32, 512
 PREFIX, EXTEND, CAPACITY = (70, 37), (5, 3), 48  # chunks of 24: request 1's last chunk is empty

@@ -28,9 +28,9 @@ from refmla.backends.reference import reference_output
 from refmla.capture import read_capture, write_capture
 from refmla.context import ReplayOptions
 from refmla.control import capture_control
-from refmla.replay import replay_capture
-from refmla.synth import preset, synth_capture
-from refmla.synth.zoo import fp8_pool
+from refmla.pipeline import replay_capture
+from refmla.synthetic import preset, synth_capture
+from refmla.synthetic.zoo import fp8_pool
 
 pv = load_tool("planting_vllm")
 

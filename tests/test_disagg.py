@@ -1,4 +1,4 @@
-"""`refmla disagg` on synthetic disaggregated pairs (refmla.synth.disagg): every planted fault is named
+"""`refmla disagg` on synthetic disaggregated pairs (refmla.synthetic.disagg): every planted fault is named
 with its request, layer, rank, position / page / run / step and class; a clean pair is clean."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from refmla.cli import main
 from refmla.context import ReplayOptions
 from refmla.disagg import run_disagg
-from refmla.synth.disagg import disagg_preset, synth_disagg
-from refmla.synth.disagg_faults import DISAGG_FAULTS
+from refmla.synthetic.disagg import disagg_preset, synth_disagg
+from refmla.synthetic.disagg_faults import DISAGG_FAULTS
 
 FAST = ReplayOptions(backends=["extend"])  # reference, observed and the extend baseline (no interpreted Triton)
 
@@ -183,7 +183,7 @@ def test_the_cause_comes_before_its_symptoms(kw, want):
 def test_a_region_finding_alone_is_a_transfer_fault():
     from refmla.capture import parse_meta
     from refmla.disagg import classify, overall
-    from refmla.regions import check_region
+    from refmla.region_check import check_region
 
     meta = parse_meta({"mode": "decode", "backend": "triton", "kv_lora_rank": 512, "qk_rope_head_dim": 64,
                        "sm_scale": 0.1, "logit_cap": 0.0, "page_size": 1, "kv_pool_rows": 4_000_000,

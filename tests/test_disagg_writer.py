@@ -1,7 +1,7 @@
 """``refmla disagg`` with the first link: a prefill KV writer capture beside the prefill pool
 captures and the decode captures (written -> transferred -> read). The writer capture is made by
 this file's own plain loop (an fp8 writer that forgets its scale, or a correct one); the prefill /
-decode pair is the project's clean synthetic pair (refmla.synth.disagg)."""
+decode pair is the project's clean synthetic pair (refmla.synthetic.disagg)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from refmla.cli import main
 from refmla.context import ReplayOptions
 from refmla.disagg import run_disagg
-from refmla.synth.disagg import disagg_preset, synth_disagg
+from refmla.synthetic.disagg import disagg_preset, synth_disagg
 
 
 def files(root, side):

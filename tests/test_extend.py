@@ -15,8 +15,8 @@ from refmla.capture import read_capture
 from refmla.cli import main as cli
 from refmla.compare import compare
 from refmla.context import ReplayContext, ReplayOptions
-from refmla.replay import run_backend
-from refmla.synth import SynthSpec, preset, synth_capture
+from refmla.pipeline import run_backend
+from refmla.synthetic import SynthSpec, preset, synth_capture
 
 TRITON_OK, TRITON_WHY = triton_extend_status()
 needs_triton = pytest.mark.skipif(not TRITON_OK, reason=f"SGLang Triton extend unavailable: {TRITON_WHY}")

@@ -8,7 +8,7 @@ import torch
 from refmla.backends.extend import as_extend, local
 from refmla.capture import read_capture, write_capture
 from refmla.context import ReplayOptions
-from refmla.replay import replay_capture
+from refmla.pipeline import replay_capture
 
 
 def _one_row_pool(path, L: int, H: int = 4):

@@ -22,7 +22,7 @@ import torch
 
 from refmla.capture import write_capture
 from refmla.cli import main
-from refmla.synth import preset, synth_capture
+from refmla.synthetic import preset, synth_capture
 
 FIXTURES = Path(__file__).parent / "fixtures" / "reports"
 REGEN = bool(os.environ.get("REFMLA_REGEN_FIXTURES"))

@@ -22,7 +22,7 @@ from helpers import raw_write
 from hostile import run_cli
 from refmla.capture import read_capture, write_capture
 from refmla.flashmla_plan import check_flashmla_plan
-from refmla.synth import SynthSpec, make_inputs, make_meta
+from refmla.synthetic import SynthSpec, make_inputs, make_meta
 
 BLOCK, OVERHEAD = 64, 5
 

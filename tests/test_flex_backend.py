@@ -17,9 +17,9 @@ from refmla.backends import NAMES, OPT_IN, get_backend
 from refmla.backends.flex import BLOCK, Packed, bucket, compile_key, run_flex_mla
 from refmla.capture import read_capture
 from refmla.context import ReplayContext, ReplayOptions
-from refmla.replay import backend_names, replay_file
+from refmla.pipeline import backend_names, replay_file
 from refmla.scales import Scales
-from refmla.synth import PRESETS, preset, synth_capture
+from refmla.synthetic import PRESETS, preset, synth_capture
 
 FLEX_OK, FLEX_WHY = get_backend("flex").availability()
 needs_flex = pytest.mark.skipif(not FLEX_OK, reason=f"flex unavailable: {FLEX_WHY}")
@@ -36,7 +36,7 @@ def test_bucket_is_a_power_of_two_of_at_least_one_block():
 
 
 def _packed(spec):
-    from refmla.synth import make_inputs
+    from refmla.synthetic import make_inputs
 
     t = make_inputs(spec)
     pk = Packed(t["q"], t["kv_buffer"], Attended.from_tensors(t), spec.scales(), "cpu")

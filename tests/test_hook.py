@@ -119,7 +119,7 @@ def test_decode_capture_replays_bit_for_bit(T, hook, dtype):
         assert torch.equal(cap.req_to_token[b, :L].long(), seg.long())
 
     patching.uninstall()  # replay in a process without the hook, as a user would
-    replay = pytest.importorskip("refmla.replay")
+    replay = pytest.importorskip("refmla.pipeline")
     report = replay.replay_file(str(files[0]), ReplayOptions(backends=["triton"])).to_json()
     observed, triton = report["backends"]["observed"], report["backends"]["triton"]
     assert triton["status"] in ("pass", "fail"), triton.get("reason")  # it ran
@@ -159,7 +159,7 @@ def test_extend_capture_replays(T, hook):
     assert cap.num_kv_splits is None and cap.attn_logits is None  # decode-only tensors
 
     patching.uninstall()
-    replay = pytest.importorskip("refmla.replay")
+    replay = pytest.importorskip("refmla.pipeline")
     report = replay.replay_file(str(path), ReplayOptions(backends=["extend"])).to_json()
     assert report["verdict"] == "agree", json.dumps(json_safe(report), indent=1)[:3000]
 
@@ -445,7 +445,7 @@ def test_verify_capture_replays(T, hook, topk, n):
     assert torch.equal(cap.out.reshape(served.shape), served)
 
     patching.uninstall()
-    replay = pytest.importorskip("refmla.replay")
+    replay = pytest.importorskip("refmla.pipeline")
     opts = ReplayOptions(backends=["extend", "triton_decode_per_query"])
     report = replay.replay_file(str(path), opts).to_json()
     assert report["verdict"] == "agree", json.dumps(json_safe(report), indent=1)[:3000]
@@ -501,7 +501,7 @@ def test_draft_extend_capture_replays(T, hook):
     assert cap.custom_mask is None and cap.qo_indptr.tolist() == [0, 3, 6]
     assert torch.equal(cap.out.reshape(served.shape), served)
     patching.uninstall()
-    replay = pytest.importorskip("refmla.replay")
+    replay = pytest.importorskip("refmla.pipeline")
     report = replay.replay_file(str(path), ReplayOptions(backends=["triton_decode_per_query"])).to_json()
     assert report["verdict"] == "agree", json.dumps(json_safe(report), indent=1)[:3000]
 
@@ -510,7 +510,7 @@ def test_capture_records_the_pool_geometry(T, hook, monkeypatch):
     """Rows, row bytes and layers per registered buffer as SGLang's MLATokenToKVPool allocated them
     (what MORI registers: get_contiguous_buf_infos), and SGLANG_MORI_MAX_MR_BYTES from the env."""
     from refmla.capture import read_capture
-    from refmla.regions import check_region
+    from refmla.region_check import check_region
 
     monkeypatch.setenv("SGLANG_MORI_MAX_MR_BYTES", str(1 << 20))
     fx = T.build(T.Case(mode="decode", prefix_lens=(70, 37)))

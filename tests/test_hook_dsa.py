@@ -81,7 +81,7 @@ def test_the_dsa_aiter_decode_is_captured_as_a_decode_over_the_top_k_and_replays
     from refmla.backends.triton_interp import ensure_interpreter, install_bf16_dot_fix
     from refmla.hook import patching
     from refmla.options import ReplayOptions
-    from refmla.replay import replay_file
+    from refmla.pipeline import replay_file
 
     ensure_interpreter()
     install_bf16_dot_fix()
@@ -144,7 +144,7 @@ def test_a_kernel_reading_minus_one_as_slot_0_is_caught_in_the_replay(tmp_path, 
     of page_table_1 as slot 0 (SGLang #31218's class of bug) diverges from the capture's reference."""
     from refmla.hook import patching
     from refmla.options import ReplayOptions
-    from refmla.replay import replay_file
+    from refmla.pipeline import replay_file
 
     def buggy(self, q_all, kv_cache, page_table_1, layer, metadata, bs):
         return forward_aiter(self, q_all, kv_cache, page_table_1.clamp(min=0), layer, metadata, bs)

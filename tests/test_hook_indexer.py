@@ -70,7 +70,7 @@ def test_the_indexer_call_is_captured_and_replays_agree(tmp_path, indexer_class)
     from refmla.hook import patching
     from refmla.indexer.io import read_indexer
     from refmla.options import ReplayOptions
-    from refmla.replay import replay_file
+    from refmla.pipeline import replay_file
 
     state = patching.install(HookConfig(out_dir=str(tmp_path), backends=frozenset({"dsa"})))
     assert getattr(indexer_class._get_topk_paged, "__wrapped__", None) is _get_topk_paged

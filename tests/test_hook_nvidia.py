@@ -21,7 +21,7 @@ from refmla.context import ReplayOptions
 from refmla.hook import patching
 from refmla.hook.config import BACKENDS, DEFAULT_BACKENDS, HookConfig
 from refmla.hook.sglang_paths import BACKEND_CLASSES, DECODE_ONLY
-from refmla.replay import replay_capture
+from refmla.pipeline import replay_capture
 
 FP8 = torch.float8_e4m3fn
 CLASS = {"flashmla": "FlashMLABackend", "trtllm_mla": "TRTLLMMLABackend",

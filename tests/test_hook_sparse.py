@@ -19,7 +19,7 @@ from refmla.sparse.format import SparseCapture, parse_sparse_meta
 from refmla.sparse.validation import read_sparse
 from refmla.sparse.presets import sparse_preset
 from refmla.options import ReplayOptions
-from refmla.replay import replay_file
+from refmla.pipeline import replay_file
 from refmla.sparse.synth import build_case
 
 
@@ -193,7 +193,7 @@ def forward_attention_of_batch(mod, layer, kwargs, compress_ratio, token_to_kv_p
 
 @pytest.fixture(scope="module")
 def v4_pair(tmp_path_factory):
-    from refmla.synth.disagg_sparse import sparse_disagg_preset, synth_sparse_disagg
+    from refmla.synthetic.disagg_sparse import sparse_disagg_preset, synth_sparse_disagg
 
     root = tmp_path_factory.mktemp("v4-pair")
     synth_sparse_disagg(root, sparse_disagg_preset("disagg-v4", layers=(2,)), "none")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hostile import SMALL, error_lines, run_cli, small_capture, write_small
-from refmla.synth import preset
+from refmla.synthetic import preset
 
 
 def _no_heads(t, m):

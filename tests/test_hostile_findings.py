@@ -63,7 +63,7 @@ def test_a_bad_part_is_a_divergence_named_in_the_diagnosis(tmp_path, where, bad)
 
 def test_nan_lse_of_an_empty_request_is_not_compared(tmp_path):
     """A production kernel leaves a zero-length request's row undefined: its lse is not judged."""
-    from refmla.synth import preset
+    from refmla.synthetic import preset
 
     spec = preset("hostile", num_heads=2, seq_lens=(37, 0, 5), num_kv_splits=(2, 1, 1), max_kv_splits=4)
 

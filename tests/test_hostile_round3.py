@@ -215,7 +215,7 @@ def test_the_sparse_search_in_row_blocks_names_the_same_mistakes(tmp_path, monke
     entries), memory following a block: with one row (and one entry) a block, each planted mistake
     (refmla.sparse.faults' plain loop, never the search) is named with the same detail."""
     from refmla.options import ReplayOptions
-    from refmla.replay import replay_file
+    from refmla.pipeline import replay_file
     from refmla.sparse import hypotheses, misplaced, reference
     from refmla.sparse.make import synth_sparse
 

@@ -157,7 +157,7 @@ def test_optional_lists_may_be_absent(tmp_path):
 
 
 def test_heads_zero_in_extend_mode_too(tmp_path):
-    from refmla.synth import preset
+    from refmla.synthetic import preset
 
     spec = preset("kimi-k2-tp8-extend", seq_lens=(9, 5), num_heads=2)
     path = write_small(tmp_path / "e.safetensors", _no_heads, spec=spec)

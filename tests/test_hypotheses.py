@@ -1,4 +1,4 @@
-"""Planted faults (refmla.synth) are found: the failing backend, the worst request, the hypothesis
+"""Planted faults (refmla.synthetic) are found: the failing backend, the worst request, the hypothesis
 and its detail (docs/contract.md section 4); clean captures agree and exit 0."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from refmla.capture import read_capture, write_capture
 from refmla.cli import main as cli
 from refmla.hypotheses import HYPOTHESES, explain_failure
 from refmla.context import ReplayContext, ReplayOptions
-from refmla.synth import MIN_BLOCK_KV, SynthSpec, faulty_output, make_inputs, make_meta, preset, synth_capture
+from refmla.synthetic import MIN_BLOCK_KV, SynthSpec, faulty_output, make_inputs, make_meta, preset, synth_capture
 
 KIMI = preset("kimi-k2-tp8")  # 8 heads, page size 1, seq_lens (611, 257, 1024, 33), fault on request 2
 # a small softmax scale keeps the logits near 0, where all-zero rows weigh as much as real ones:
@@ -344,12 +344,12 @@ def test_fp8_pool_zeroed_range_is_explained(tmp_path):
 
 
 def test_a_failing_search_does_not_crash_replay(tmp_path, capsys, monkeypatch):
-    import refmla.replay
+    import refmla.pipeline
 
     def broken(*a, **k):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(refmla.replay, "explain_failure", broken)
+    monkeypatch.setattr(refmla.pipeline, "explain_failure", broken)
     path, _ = planted_case(tmp_path, KIMI, "seq_len_off_by")
     code, report = replay_json(capsys, path)
     obs = report["backends"]["observed"]

@@ -11,7 +11,7 @@ import torch
 import indexer_kit as kit
 from refmla.compare import Tolerance
 from refmla.context import ReplayOptions
-from refmla.replay import replay_file
+from refmla.pipeline import replay_file
 from refmla.sparse.faults import planted_output
 from refmla.sparse.presets import sparse_preset
 from refmla.sparse.synth import SparseCase, _paged_pool

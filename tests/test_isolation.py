@@ -14,8 +14,8 @@ from refmla import batch, isolation
 from refmla.backends.base import BackendUnavailable
 from refmla.capture import read_capture
 from refmla.context import ReplayOptions
-from refmla.replay import replay_capture
-from refmla.synth import preset, synth_capture
+from refmla.pipeline import replay_capture
+from refmla.synthetic import preset, synth_capture
 
 
 def _segfault():
@@ -177,7 +177,7 @@ def test_a_deadlocked_kernel_is_that_backends_error_and_the_others_are_kept(host
     """A kernel backend whose child blocks on a lock held at the fork: ``error`` naming the stall,
     the triton backend after it and the observed output kept, exit 1 (not a hang)."""
     import refmla.backends as backends
-    import refmla.replay as replay
+    import refmla.pipeline as replay
     from refmla.backends.triton import TritonBackend
 
     monkeypatch.setenv(isolation.STALL_ENV, "1")
@@ -204,7 +204,7 @@ def test_a_replay_given_a_wall_time_limit_kills_a_kernel_that_spins(hostile, mon
     """``ReplayOptions.kernel_seconds`` holds for a replay as for the sweep (whose findings are
     replayed with it): a kernel that spins is that backend's ``error``, the others are kept."""
     import refmla.backends as backends
-    import refmla.replay as replay
+    import refmla.pipeline as replay
     from refmla.backends.triton import TritonBackend
 
     monkeypatch.setenv(isolation.STALL_ENV, "0.5")  # the CPU watchdog cannot see a spin

@@ -20,7 +20,7 @@ import torch
 from refmla.cli import main as refmla_main
 from refmla.hook.config import HookConfig
 from refmla.options import ReplayOptions
-from refmla.replay import replay_file
+from refmla.pipeline import replay_file
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import sglang_kit  # noqa: E402

@@ -23,8 +23,8 @@ import planting  # noqa: E402
 
 from refmla.capture import read_capture, write_capture  # noqa: E402
 from refmla.context import ReplayOptions  # noqa: E402
-from refmla.replay import replay_capture  # noqa: E402
-from refmla.synth import make_inputs, make_meta, preset  # noqa: E402
+from refmla.pipeline import replay_capture  # noqa: E402
+from refmla.synthetic import make_inputs, make_meta, preset  # noqa: E402
 
 SMALL = preset("kimi-k2-tp8", **bench_planted.SMALL)  # 4 heads; request 2 has 3 splits
 PAGED = preset("kimi-k2-tp8-page256", num_heads=4, seq_lens=(300, 200, 700, 150))

@@ -16,9 +16,9 @@ from refmla.capture import read_capture, write_capture
 from refmla.context import ReplayOptions
 from refmla.localize.positions import Segment, locate
 from refmla.reference import Scales
-from refmla.replay import replay_capture
+from refmla.pipeline import replay_capture
 from refmla.schedule import split_bounds
-from refmla.synth import make_inputs, make_meta, preset, synth_capture
+from refmla.synthetic import make_inputs, make_meta, preset, synth_capture
 
 
 @pytest.fixture(scope="module")

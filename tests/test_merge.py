@@ -14,7 +14,7 @@ import torch
 from refmla.cli import main as refmla_main
 from refmla.hook.config import HookConfig
 from refmla.options import ReplayOptions
-from refmla.replay import replay_file
+from refmla.pipeline import replay_file
 
 T, H, D = 5, 3, 32
 

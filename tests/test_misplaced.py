@@ -14,8 +14,8 @@ import planting  # noqa: E402
 
 from refmla.capture import read_capture, write_capture  # noqa: E402
 from refmla.context import ReplayOptions  # noqa: E402
-from refmla.replay import replay_capture  # noqa: E402
-from refmla.synth import make_inputs, make_meta, preset  # noqa: E402
+from refmla.pipeline import replay_capture  # noqa: E402
+from refmla.synthetic import make_inputs, make_meta, preset  # noqa: E402
 
 SPECS = {
     "deepseek-v3-tp8-page64": preset("deepseek-v3-tp8", num_heads=4, seq_lens=(300, 200, 420, 150)),

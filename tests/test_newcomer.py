@@ -16,11 +16,11 @@ from refmla.cli import main
 from refmla.cli.common import EXIT_NOT_RUN, unrun_exit, worst_exit
 from refmla.diagnosis import diagnose, diagnose_verify
 from refmla.disagg.report import DisaggReport
-from refmla.regions import check_region
+from refmla.region_check import check_region
 from refmla.results import BackendEntry
 from refmla.sparse.presets import PRESETS as SPARSE_PRESETS
-from refmla.synth import preset, synth_capture
-from refmla.synth.disagg import DisaggSpec, synth_disagg
+from refmla.synthetic import preset, synth_capture
+from refmla.synthetic.disagg import DisaggSpec, synth_disagg
 from refmla.api import synth as synth_capture_api
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,7 +106,7 @@ def test_a_masking_explanation_is_not_called_a_transfer_problem():
 def test_a_verify_capture_with_a_masking_fault_replayed(tmp_path, monkeypatch):
     from refmla.capture import read_capture
     from refmla.context import ReplayOptions
-    from refmla.replay import replay_capture
+    from refmla.pipeline import replay_capture
 
     monkeypatch.setenv("REFMLA_EXTEND_IMPL", "torch")
     path = tmp_path / "v.safetensors"

@@ -17,10 +17,10 @@ from refmla.scales import Scales
 from refmla.diagnosis import diagnose
 from refmla.hypotheses import explain_failure
 from refmla.hypotheses.numerics import BY_NAME
-from refmla.synth import SynthSpec, make_inputs, make_meta, preset, synth_capture
-from refmla.synth.faults import EXPECT, FAULTS
-from refmla.synth import MAY_AGREE
-from refmla.synth.rounding import outlier_channel
+from refmla.synthetic import SynthSpec, make_inputs, make_meta, preset, synth_capture
+from refmla.synthetic.faults import EXPECT, FAULTS
+from refmla.synthetic import MAY_AGREE
+from refmla.synthetic.rounding import outlier_channel
 
 NUMERIC_FAULTS = [f for f in FAULTS if EXPECT[f] == "numerics"]
 BENIGN_NUMERIC = [f for f in FAULTS if f in BY_NAME and EXPECT[f] is None]
@@ -151,7 +151,7 @@ def rtz_capture(tmp_path, triton_out: bool):
         synth_capture(path, spec, "out_round_toward_zero")
         return path
     from refmla.backends.triton import TritonLaunch, run_triton_decode
-    from refmla.synth.faults import Planting
+    from refmla.synthetic.faults import Planting
 
     t = make_inputs(spec)
     outlier_channel(Planting(spec, t))
@@ -196,7 +196,7 @@ def test_unexplained_failure_lists_the_numerics_ruled_out(tmp_path, capsys):
     tried, with their residuals, and that none fits."""
     spec = preset("kimi-k2-tp8")
     t = make_inputs(spec)
-    from refmla.synth import faulty_output
+    from refmla.synthetic import faulty_output
 
     out, _ = faulty_output(spec, t, "none")
     g = torch.Generator().manual_seed(0)
@@ -215,7 +215,7 @@ def test_unexplained_failure_lists_the_numerics_ruled_out(tmp_path, capsys):
 def test_small_structured_fault_is_named_exactly_not_as_noise(tmp_path, ratio):
     """sm_scale off by 0.2 %: its error is as large as bf16 accumulation noise, but the scale
     reproduces it exactly, and is named (the accumulation variants come last)."""
-    from refmla.synth.faults import Planting
+    from refmla.synthetic.faults import Planting
 
     spec = preset("deepseek-v3-tp8")
     t = make_inputs(spec)

@@ -88,7 +88,7 @@ def test_entry_point_found_in_this_process(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLE))
     named.refresh()
     try:
-        from refmla.replay import backend_names
+        from refmla.pipeline import backend_names
         from refmla.options import ReplayOptions
 
         assert "my_kernel" in backend_names(ReplayOptions(), "decode")

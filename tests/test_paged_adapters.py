@@ -19,7 +19,7 @@ from refmla.backends import _CACHE as BACKEND_CACHE
 from refmla.capture import read_capture, write_capture
 from refmla.context import ReplayOptions
 from refmla.hook.vllm_paths import VLLM_IMPLS
-from refmla.replay import replay_capture
+from refmla.pipeline import replay_capture
 
 PAGED_STANDINS = STANDINS / "paged_standins"
 pv = load_tool("planting_vllm")
@@ -261,7 +261,7 @@ def test_the_hook_names_every_block_table_kernel():
 def test_a_vllm_capture_replays_through_its_own_kernel_by_default(standins, tmp_path, engine_backend, name, monkeypatch):
     """Issue 27: a capture vLLM's FLASHMLA (...) wrote names its kernel (meta backend, as the vLLM hook
     writes it); a default replay runs that kernel where it can run (here: the stand-in) and it passes."""
-    from refmla.replay import backend_names, engine_default
+    from refmla.pipeline import backend_names, engine_default
 
     monkeypatch.setenv("REFMLA_EXTEND_IMPL", "torch")  # the other default backends, without the interpreter's extend
     cap = _vllm_capture(tmp_path, engine_backend, name)
@@ -279,7 +279,7 @@ class _Absent:
 
 @pytest.mark.parametrize(("engine_backend", "name"), ENGINE_KERNELS)
 def test_without_its_kernel_a_vllm_capture_replays_the_others(tmp_path, engine_backend, name, monkeypatch):
-    from refmla.replay import engine_default
+    from refmla.pipeline import engine_default
 
     monkeypatch.setitem(BACKEND_CACHE, name, _Absent())  # whatever this machine has
     assert engine_default(_vllm_capture(tmp_path, engine_backend, name)) == ()

@@ -13,7 +13,7 @@ import torch
 
 from hostile import run_cli
 from refmla.capture import write_capture
-from refmla.synth import SynthSpec, make_inputs, make_meta
+from refmla.synthetic import SynthSpec, make_inputs, make_meta
 
 SPEC = SynthSpec(name="plan", num_heads=8, seq_lens=(70, 33, 120, 16), max_kv_splits=8)
 GRANULARITY, HEADS, CUS = 16, 16, 8  # kv entries per work item, the kernel's (padded) heads, CUs

@@ -1,4 +1,4 @@
-"""The MR region-size check (refmla.regions) and the pool geometry the hook records (refmla.hook.geometry)."""
+"""The MR region-size check (refmla.region_check) and the pool geometry the hook records (refmla.hook.geometry)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from refmla.capture import CaptureError, parse_meta
 from refmla.cli import main
 from refmla.hook.geometry import buffer_geometry, disagg_meta, pool_counts
-from refmla.regions import (DEFAULT_MR_LIMIT, LARGEST_REGISTERED, MEASURED, SMALLEST_FAILED, check_region,
+from refmla.region_check import (DEFAULT_MR_LIMIT, LARGEST_REGISTERED, MEASURED, SMALLEST_FAILED, check_region,
                             clamp_tokens, fitting_tokens, size_text)
-from refmla.synth import preset, synth_capture
+from refmla.synthetic import preset, synth_capture
 
 BASE = {"mode": "decode", "backend": "triton", "kv_lora_rank": 512, "qk_rope_head_dim": 64,
         "sm_scale": 0.1, "logit_cap": 0.0, "page_size": 64}  # fmt: skip

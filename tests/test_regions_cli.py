@@ -12,8 +12,8 @@ import pytest
 import refmla
 from refmla.cli import main
 from refmla.poolplan import buffers, geometry_from_config, model_geometry
-from refmla.regions import SMALLEST_FAILED, PlannedBuffer, plan_regions
-from refmla.synth import preset, synth_capture
+from refmla.region_check import SMALLEST_FAILED, PlannedBuffer, plan_regions
+from refmla.synthetic import preset, synth_capture
 
 V4 = ["regions", "--model", "deepseek-v4-flash", "--tokens"]
 
@@ -104,13 +104,25 @@ def test_import_refmla_stays_light():
     code = "import sys, refmla; print('torch' in sys.modules, callable(refmla.regions), 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "True", "True"]  # nothing heavy until the API is first used
-    import refmla.replay as module  # the module stays the module (callable as the API)
 
-    assert hasattr(module, "replay_file") and callable(module)
+
+def test_the_api_names_are_plain_functions_and_no_module_is_callable():
+    import inspect
+
+    import refmla.api
+    import refmla.pipeline
+    import refmla.region_check
+    import refmla.synthetic
+
+    for name in ("replay", "synth", "regions"):
+        f = getattr(refmla, name)
+        assert inspect.isfunction(f) and f is getattr(refmla.api, name), name
+    for module in (refmla.pipeline, refmla.region_check, refmla.synthetic):
+        assert type(module) is type(inspect) and not callable(module), module.__name__
 
 
 def test_page_size_and_kv_dtype_change_the_buffers_the_check_sees(capsys):
-    from refmla.regions import DEFAULT_MR_LIMIT, clamp_tokens
+    from refmla.region_check import DEFAULT_MR_LIMIT, clamp_tokens
 
     argv = ["regions", "--model", "kimi-k2", "--tokens", "1880000", "--page-size", "1", "--tp", "8", "--json"]
     assert main([*argv, "--kv-dtype", "fp8"]) == 0

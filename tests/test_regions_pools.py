@@ -7,7 +7,7 @@ import pytest
 
 from refmla.capture import CaptureError, parse_meta
 from refmla.hook.geometry import registered_regions
-from refmla.regions import DEFAULT_MR_LIMIT, check_region, compressed_bytes_per_token, compressed_regions
+from refmla.region_check import DEFAULT_MR_LIMIT, check_region, compressed_bytes_per_token, compressed_regions
 
 BASE = {"mode": "decode", "backend": "triton", "kv_lora_rank": 512, "qk_rope_head_dim": 64,
         "sm_scale": 0.1, "logit_cap": 0.0, "page_size": 256}  # fmt: skip

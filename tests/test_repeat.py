@@ -42,7 +42,7 @@ class Flaky(Backend):
 def register(monkeypatch, backend: Backend) -> None:
     import refmla.backends as backends
     import refmla.cli.replay as cli_replay
-    import refmla.replay as replay
+    import refmla.pipeline as replay
 
     monkeypatch.setitem(backends._CACHE, "flaky", backend)
     monkeypatch.setitem(backends._WHERE, "flaky", "tests:Flaky")

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from refmla.cli import main
-from refmla.synth import EXPECT, FAULT_MODES, FAULTS, preset, synth_capture
-from refmla.synth import MAY_AGREE
+from refmla.synthetic import EXPECT, FAULT_MODES, FAULTS, preset, synth_capture
+from refmla.synthetic import MAY_AGREE
 
 CONTRACT_BACKEND_KEYS = {"status", "reason", "max_abs_err", "cos_diff", "worst"}
 

@@ -206,7 +206,7 @@ def test_inspect_directory_runs_series_checks(tmp_path, capsys):
 
 def test_replay_plots(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from refmla.synth import SynthSpec, synth_capture
+    from refmla.synthetic import SynthSpec, synth_capture
 
     spec = SynthSpec(name="plot", num_heads=4, seq_lens=(100, 300, 200), page_size=16, kv_lora_rank=32,
                      qk_rope_head_dim=8, fault_request=1)  # fmt: skip

@@ -22,7 +22,7 @@ from refmla.sparse.make import synth_sparse
 from refmla.sparse.presets import sparse_preset
 from refmla.sparse.reference import inverse_rope, sparse_control, sparse_reference
 from refmla.options import ReplayOptions
-from refmla.replay import replay_file
+from refmla.pipeline import replay_file
 from refmla.sparse.synth import build_case
 from refmla.sparse.validation import problems
 
@@ -217,7 +217,7 @@ def test_a_clean_capture_round_trips_and_agrees(tmp_path):
 
 def test_a_sparse_capture_carries_the_pools_regions_and_replay_checks_them(tmp_path):
     from refmla.capture import CaptureError
-    from refmla.regions import compressed_regions
+    from refmla.region_check import compressed_regions
     from refmla.sparse.validation import write_sparse
 
     case = small("deepseek-v4-flash-tp8-swa", seq_lens=(1, 60))

@@ -14,7 +14,7 @@ from refmla.sparse import backends as sparse_backends
 from refmla.sparse.backends import PathOutput, Unavailable
 from refmla.sparse.make import synth_sparse
 from refmla.options import ReplayOptions
-from refmla.replay import replay_file
+from refmla.pipeline import replay_file
 from refmla.results import BackendEntry
 
 V4 = "deepseek-v4-flash-tp8"

@@ -17,8 +17,8 @@ from refmla.context import ReplayOptions
 from refmla.disagg import run_disagg
 from refmla.sparse.format import KV_MAP
 from refmla.sparse.validation import read_sparse
-from refmla.synth.disagg import disagg_preset, synth_disagg
-from refmla.synth.disagg_sparse import SPARSE_DISAGG_FAULTS, SPARSE_DISAGG_PRESETS
+from refmla.synthetic.disagg import disagg_preset, synth_disagg
+from refmla.synthetic.disagg_sparse import SPARSE_DISAGG_FAULTS, SPARSE_DISAGG_PRESETS
 
 FAST = ReplayOptions(backends=["extend"])  # reference, observed (no sparse kernel): the transfer is the question
 V4_FAULTS = [f for f in SPARSE_DISAGG_FAULTS if f != "none"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from refmla.cli import main
-from refmla.regions import compressed_regions
+from refmla.region_check import compressed_regions
 from refmla.sparse.validation import write_sparse
 from refmla.sparse.make import synth_sparse
 from refmla.sparse.presets import sparse_preset

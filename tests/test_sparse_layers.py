@@ -13,7 +13,7 @@ from refmla.cli import main
 from refmla.sparse.validation import read_sparse
 from refmla.sparse.presets import PRESETS, V4_FLASH_COMPRESS_RATIOS, for_layer, sparse_preset
 from refmla.options import ReplayOptions
-from refmla.replay import replay_file
+from refmla.pipeline import replay_file
 from refmla.sparse.synth import build_case
 
 V4 = "deepseek-v4-flash-tp8"

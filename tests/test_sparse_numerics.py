@@ -18,7 +18,7 @@ import torch
 from refmla.cli import main
 from refmla.hypotheses.numerics import BY_NAME
 from refmla.options import ReplayOptions
-from refmla.replay import replay_file
+from refmla.pipeline import replay_file
 from refmla.sparse.presets import PRESETS, sparse_preset
 from refmla.sparse.synth import build_case
 from refmla.sparse.validation import write_sparse

@@ -1,4 +1,4 @@
-"""Sparse decode captures take the one replay (refmla.replay): the dense document (backends keyed by
+"""Sparse decode captures take the one replay (refmla.pipeline): the dense document (backends keyed by
 name, lower-case statuses, kind), a folder of every kind as one JSON array and one summary (serial
 and --jobs), kernels isolated (a planted segfault is that backend's error), observed judged
 whatever --backend filter, NaN inputs as upstream_nonfinite, every meta number bounded, empty
@@ -15,7 +15,7 @@ import torch
 
 from refmla.cli import main
 from refmla.options import ReplayOptions
-from refmla.replay import replay_file
+from refmla.pipeline import replay_file
 from refmla.sparse import backends as sparse_backends
 from refmla.sparse.backends import PathOutput
 from refmla.sparse.faults import planted_output

@@ -18,7 +18,7 @@ from refmla.backends.vllm_triton import VllmTritonBackend
 from refmla.capture import read_capture, write_capture
 from refmla.cli import main
 from refmla.options import ReplayOptions
-from refmla.replay import replay_file
+from refmla.pipeline import replay_file
 from refmla.schedule import vllm_num_kv_splits
 from refmla.sparse import backends as sparse_backends
 from refmla.sparse.reference import rows_of

@@ -35,8 +35,8 @@ from refmla.capture import read_capture, write_capture  # noqa: E402
 from refmla.backends.base import BackendResult  # noqa: E402
 from refmla.capture import Capture, parse_meta  # noqa: E402
 from refmla.context import ReplayContext, ReplayOptions  # noqa: E402
-from refmla.replay import compare_splits  # noqa: E402
-from refmla.synth import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE, SynthSpec, make_inputs, make_meta  # noqa: E402
+from refmla.pipeline import compare_splits  # noqa: E402
+from refmla.synthetic import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE, SynthSpec, make_inputs, make_meta  # noqa: E402
 
 DEVICE = "cpu" if INTERPRETING else "cuda"
 # the interpreter evaluates masked-off lanes too (-inf - -inf); the kernel masks the results

@@ -22,7 +22,7 @@ from refmla.cli import main as refmla_main
 from refmla.hook.config import HookConfig
 from refmla.kvwrite.io import read_kv_write, write_kv_write
 from refmla.options import ReplayOptions
-from refmla.replay import replay_file
+from refmla.pipeline import replay_file
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import dsv4_kit  # noqa: E402

@@ -56,7 +56,7 @@ def test_the_search_reads_the_comparisons_verdicts(tmp_path):
     from refmla.capture import read_capture
     from refmla.context import ReplayContext, ReplayOptions
     from refmla.hypotheses.search import Search
-    from refmla.synth import preset, synth_capture
+    from refmla.synthetic import preset, synth_capture
 
     synth_capture(tmp_path / "c.safetensors", preset("hostile"), "seq_len_off_by")
     cap = read_capture(tmp_path / "c.safetensors")

@@ -17,7 +17,7 @@ from refmla.capture import read_capture, write_capture
 from refmla.cli import main
 from refmla.control import mla_control
 from refmla.scales import Scales
-from refmla.synth import make_inputs, make_meta, preset
+from refmla.synthetic import make_inputs, make_meta, preset
 from tests.helpers import raw_write
 
 SMALL = dict(seq_lens=(40, 9, 70), num_heads=4)

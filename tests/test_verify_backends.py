@@ -13,8 +13,8 @@ import torch
 from refmla.backends.per_query import per_query_batch
 from refmla.capture import read_capture
 from refmla.context import ReplayContext, ReplayOptions
-from refmla.replay import backend_names, replay_file, run_backend
-from refmla.synth import preset, synth_capture
+from refmla.pipeline import backend_names, replay_file, run_backend
+from refmla.synthetic import preset, synth_capture
 
 SMALL = dict(seq_lens=(37, 16, 9), num_heads=8)
 
@@ -168,7 +168,7 @@ def test_done_when_mtp_preset_replays_through_every_path(tmp_path):
 
 def test_aiter_pow2_padding_bug_is_named(standin, monkeypatch, tmp_path):
     """aiter issue #2720's class: a kernel that strides queries by the next power of two of qlen."""
-    from refmla.synth.verify_faults import padded_queries
+    from refmla.synthetic.verify_faults import padded_queries
 
     cap = _capture(tmp_path, draft_token_num=3)
     real = standin.mla_decode_fwd
@@ -236,7 +236,7 @@ def test_seed_question_plain_decode_diverges_verify_agrees(standin, monkeypatch,
         return r
 
     monkeypatch.setattr(standin, "mla_decode_fwd", decode_bug)
-    from refmla.replay import replay_capture
+    from refmla.pipeline import replay_capture
 
     rep = replay_capture(cap, ReplayOptions(backends=["aiter", "aiter_decode_per_query"], explain=False)).to_json()
     assert rep["backends"]["aiter"]["status"] == "pass"

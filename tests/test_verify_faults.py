@@ -8,8 +8,8 @@ import pytest
 from refmla.capture import read_capture
 from refmla.cli import main
 from refmla.context import ReplayOptions
-from refmla.replay import replay_capture
-from refmla.synth import EXPECT, FAULT_MODES, VERIFY_PRESET, preset, synth_capture
+from refmla.pipeline import replay_capture
+from refmla.synthetic import EXPECT, FAULT_MODES, VERIFY_PRESET, preset, synth_capture
 
 VERIFY_FAULTS = [f for f, m in FAULT_MODES.items() if m == "verify"]
 SMALL = {"kimi-k2-tp8-mtp": dict(seq_lens=(300, 41, 130, 35)), "kimi-k2-tp8-eagle-tree": dict(seq_lens=(120, 133, 70))}

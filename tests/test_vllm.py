@@ -18,7 +18,7 @@ import vllm_kit
 from refmla.backends import get_backend, triton_interp
 from refmla.capture import read_capture
 from refmla.context import ReplayOptions
-from refmla.replay import replay_capture
+from refmla.pipeline import replay_capture
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 DECODE_GOLDENS = sorted(p.name for p in GOLDEN.glob("*.safetensors") if "verify" not in p.name)

@@ -19,7 +19,7 @@ from refmla.arithmetic import SGLANG_TRITON, UNSPLIT, VLLM_TRITON, Arithmetic, p
 from refmla.backends import get_backend
 from refmla.capture import read_capture, write_capture
 from refmla.context import ReplayOptions
-from refmla.replay import replay_capture
+from refmla.pipeline import replay_capture
 
 pv = load_tool("planting_vllm")
 

@@ -1,4 +1,4 @@
-"""The zoo of faults from real MLA kernel bugs (refmla.synth.zoo): each is planted, replayed end to
+"""The zoo of faults from real MLA kernel bugs (refmla.synthetic.zoo): each is planted, replayed end to
 end through `refmla replay --json`, and named by its hypothesis with the detail a kernel engineer
 needs; planting refuses presets where the fault cannot exist."""
 
@@ -13,8 +13,8 @@ import torch
 from refmla.attended import Attended
 from refmla.cli import main as cli
 from refmla.scales import Scales
-from refmla.synth import preset, synth_capture
-from refmla.synth.faults import EXPECT
+from refmla.synthetic import preset, synth_capture
+from refmla.synthetic.faults import EXPECT
 
 PAGE256 = preset("kimi-k2-tp8-page256")  # seq_lens (611, 257, 1300, 33), fault on request 2
 DSV3 = preset("deepseek-v3-tp8")  # 16 heads, page 64, seq_lens (700, 129, 1024, 1)
@@ -89,7 +89,7 @@ def test_empty_split_merged_zero_scratch(tmp_path, capsys):
     the request's lse is small (flat logits, a short request)."""
     from refmla import reference as ref
     from refmla.capture import write_capture
-    from refmla.synth import faulty_output, make_inputs, make_meta
+    from refmla.synthetic import faulty_output, make_inputs, make_meta
 
     spec = dataclasses.replace(preset("kimi-k2-tp8"), name="flat", sm_scale=0.01, fault_request=3)
     t = make_inputs(spec)
@@ -130,7 +130,7 @@ def test_offset_overflow_reads_zeros(tmp_path, capsys):
     """Slots past the wrap whose wrapped rows the capture does not hold, read as zeros (a
     never-written slot of a zero-initialized pool): named, with the first wrapped slot."""
     from refmla.capture import write_capture
-    from refmla.synth import faulty_output, make_inputs, make_meta
+    from refmla.synthetic import faulty_output, make_inputs, make_meta
 
     spec = preset("kimi-k2-tp8")
     t = make_inputs(spec)
@@ -191,7 +191,7 @@ def test_rope_mishandled(tmp_path, capsys, spec, fault, how):
 
 def test_zoo_faults_registered_with_their_hypothesis():
     from refmla.hypotheses import HYPOTHESES
-    from refmla.synth.zoo import __doc__ as zoo_doc
+    from refmla.synthetic.zoo import __doc__ as zoo_doc
 
     zoo = ["last_page_read_full", "last_page_len_swapped", "empty_split_merged", "offset_overflow", "k_scale_twice",
            "v_scale_missing", "rope_ignored", "rope_swapped"]  # fmt: skip
@@ -235,7 +235,7 @@ def test_existing_faults_still_named_on_paged_presets(tmp_path, capsys, spec, fa
 
 def test_scale_faults_refuse_unscaled_inputs():
     """faulty_output on inputs made without the fault's spec (k_scale 1) would plant nothing: refused."""
-    from refmla.synth import faulty_output, make_inputs
+    from refmla.synthetic import faulty_output, make_inputs
 
     spec = preset("hostile")
     with pytest.raises(ValueError, match="k_scale"):

@@ -1,8 +1,8 @@
 """Diagnostic power: every planted fault named with its detail, every correct kernel passing.
 
-For every fault in refmla.synth.FAULTS (the registry: faults added later are included) on the
+For every fault in refmla.synthetic.FAULTS (the registry: faults added later are included) on the
 Kimi-K2 TP8 and DeepSeek-V3 TP8 presets at page sizes 1 and 256: write the synthetic capture,
-replay it in-process (refmla.replay.replay_file, reference + observed unless --backend), and
+replay it in-process (refmla.pipeline.replay_file, reference + observed unless --backend), and
 record what the replay said against what was planted:
 
     named    a fault (EXPECT[name] is a hypothesis): the replay diverges and the observed output's
@@ -45,8 +45,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 from refmla.context import ReplayOptions  # noqa: E402
-from refmla.replay import replay_file  # noqa: E402
-from refmla.synth import EXPECT, FAULTS, MAY_AGREE, preset, synth_capture  # noqa: E402
+from refmla.pipeline import replay_file  # noqa: E402
+from refmla.synthetic import EXPECT, FAULTS, MAY_AGREE, preset, synth_capture  # noqa: E402
 
 PRESETS = ("kimi-k2-tp8", "deepseek-v3-tp8")
 PAGE_SIZES = (1, 256)

@@ -1,6 +1,6 @@
 """Benchmark: `refmla disagg` on a realistic disaggregated pair against running diff-kv and replay separately.
 
-The pair (refmla.synth.disagg, written once, timed apart): 64 requests of ~4k prompt tokens
+The pair (refmla.synthetic.disagg, written once, timed apart): 64 requests of ~4k prompt tokens
 (3584..4607), 3 layers x 8 ranks, page size 16, chunked prefill (2 extend captures per layer and
 rank), 1 decode step, bf16 Kimi-K2 latent rows (576), heads shrunk to 1 per rank so that the files
 stay on one disk (about 0.9 GB per layer and rank: the prefill pool, the prefill q, the decode pool).
@@ -32,8 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from refmla.synth.disagg import DisaggSpec, synth_disagg  # noqa: E402
-from refmla.synth.spec import SynthSpec  # noqa: E402
+from refmla.synthetic.disagg import DisaggSpec, synth_disagg  # noqa: E402
+from refmla.synthetic.spec import SynthSpec  # noqa: E402
 
 
 def spec_for(a) -> DisaggSpec:

@@ -1,7 +1,7 @@
 """How long the hypothesis search (refmla.hypotheses.explain_failure) takes, per planted fault.
 
 The issue's yardstick: a capture of 8 requests x 1300 tokens x 8 heads (Kimi-K2 TP8 decode),
-searched within a few seconds on CPU. Each case plants one fault with refmla.synth, builds the
+searched within a few seconds on CPU. Each case plants one fault with refmla.synthetic, builds the
 replay context (reference + control, not timed as search), then times the search alone.
 
     python tools/bench_explain.py                 # page sizes 1 and 64, every fault
@@ -27,7 +27,7 @@ import torch
 from refmla.capture import read_capture
 from refmla.hypotheses import explain_failure
 from refmla.context import ReplayContext, ReplayOptions
-from refmla.synth import EXPECT, FAULT_MODES, FAULTS, preset, synth_capture
+from refmla.synthetic import EXPECT, FAULT_MODES, FAULTS, preset, synth_capture
 
 
 def bench_case(spec, fault: str, repeat: int, folder: Path) -> dict:

@@ -32,9 +32,9 @@ import planting  # noqa: E402
 from refmla.capture import read_capture, write_capture  # noqa: E402
 from refmla.context import ReplayOptions  # noqa: E402
 from refmla.batch import replay_many  # noqa: E402
-from refmla.replay import replay_capture  # noqa: E402
+from refmla.pipeline import replay_capture  # noqa: E402
 from refmla.series import attach_series  # noqa: E402
-from refmla.synth import make_inputs, make_meta, preset  # noqa: E402
+from refmla.synthetic import make_inputs, make_meta, preset  # noqa: E402
 
 FULL = {"kimi-k2-tp8 page 1": ("kimi-k2-tp8", {}), "kimi-k2-tp8 page 256": ("kimi-k2-tp8-page256", {}),
         "deepseek-v3-tp8 page 64": ("deepseek-v3-tp8", {}), "deepseek-v3-tp8 page 1": ("deepseek-v3-tp8", {"page_size": 1})}  # fmt: skip

@@ -73,7 +73,7 @@ from refmla.blocked import BLOCK_ROWS, COMPILE_BYTES, NO_TORCHSCRIPT, long_batch
 from refmla.capture import read_capture, write_capture  # noqa: E402
 from refmla.reference import mla_decode_ref  # noqa: E402
 from refmla.scales import Scales  # noqa: E402
-from refmla.synth import SynthSpec, make_inputs, make_meta  # noqa: E402
+from refmla.synthetic import SynthSpec, make_inputs, make_meta  # noqa: E402
 
 ALLOWANCE_MIB = 16  # interpreter, thread stacks and BLAS scratch besides the reference's own buffers
 TARGET_FRACTION, TARGET_PEER, TARGET_SCALING = 0.6, {1: 1.2, 2: 0.8}, 1.7

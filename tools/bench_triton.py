@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from refmla import schedule  # noqa: E402
 from refmla.backends import triton as tb  # noqa: E402
 from refmla.scales import Scales  # noqa: E402
-from refmla.synth import KIMI_K2_SCALE, SynthSpec, make_inputs  # noqa: E402
+from refmla.synthetic import KIMI_K2_SCALE, SynthSpec, make_inputs  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from refmla.synth.disagg_faults import DISAGG_FAULTS  # noqa: E402
+from refmla.synthetic.disagg_faults import DISAGG_FAULTS  # noqa: E402
 
 
 def refmla(*args: str) -> subprocess.CompletedProcess:

@@ -74,7 +74,7 @@ def check_goldens(folder: str, deadline: float) -> list[dict]:
     from refmla.backends import get_backend
     from refmla.capture import read_capture
     from refmla.context import ReplayOptions
-    from refmla.replay import replay_capture
+    from refmla.pipeline import replay_capture
 
     gpu = bool(gpu_name())
     usable = {}

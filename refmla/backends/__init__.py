@@ -11,10 +11,10 @@
                it sees (refmla.backends.per_query), the plain-decode path over the same KV
     flex       PyTorch's flex_attention compiled by Inductor: an independent kernel (opt-in, see below)
     vllm_triton  vLLM's TRITON_MLA decode kernel over a block table, its uniform split schedule (opt-in;
-                 by default for a capture vLLM's TRITON_MLA wrote: refmla.replay.engine_default)
+                 by default for a capture vLLM's TRITON_MLA wrote: refmla.pipeline.engine_default)
     flashmla, flashinfer_mla, cutlass_mla, fa3_mla
                the NVIDIA block-table MLA decode kernels (refmla.backends.paged; opt-in, CUDA; by
-               default for a capture whose meta backend names one: refmla.replay.engine_default)
+               default for a capture whose meta backend names one: refmla.pipeline.engine_default)
 
 Kernels outside refmla (refmla.kernel's interface, docs/own-kernel.md) are backends too:
 ``get_backend("pkg.module:fn")``, ``"path/file.py:fn"``, a name registered in this process, or an

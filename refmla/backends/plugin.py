@@ -4,7 +4,7 @@
             --outputs_of (shapes and dtypes checked)--> BackendResult
 
 The replay, the goldens and the sweep run it through the same path as every other backend
-(refmla.replay.run_backend: a child process, repeats, its declared arithmetic's control). A
+(refmla.pipeline.run_backend: a child process, repeats, its declared arithmetic's control). A
 kernel that raises, hangs or crashes is its ``error``; a callable that does not meet the
 interface (its signature, what it returned) raises :class:`refmla.kernel.InterfaceError`, one
 line naming what it gave against what was expected (the command line's exit 2).

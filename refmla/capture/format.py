@@ -81,7 +81,7 @@ class CaptureMeta:
     aiter_version: Optional[str] = None
     draft_token_num: Optional[int] = None  # verify: query tokens per request in SGLang's target_verify
     topk: Optional[int] = None  # verify: EAGLE topk (1: a chain, > 1: a tree with custom_mask)
-    # the production pool's geometry (docs/contract.md section 1, "pool geometry"; refmla.regions)
+    # the production pool's geometry (docs/contract.md section 1, "pool geometry"; refmla.region_check)
     kv_pool_rows: Optional[int] = None  # rows of one registered KV buffer (SGLang: max_total_num_tokens + page_size)
     kv_pool_row_bytes: Optional[int] = None  # bytes of one row of one layer (kv_cache_dim x element size)
     kv_pool_layers_per_buffer: Optional[int] = None  # layers one registered buffer holds (MLATokenToKVPool: 1)
@@ -138,7 +138,7 @@ META_KEYS = {
 }  # fmt: skip
 MAX_META_DEPTH = 32  # nesting of a meta value (lists / objects): production's are 1 deep; the JSON encoder recurses
 INT_RANGE = (-(2**63), 2**63)  # every int key fits int64: sizes multiply, and tensors / floats are made of them
-GEOMETRY_KEYS = ("kv_pool_rows", "kv_pool_row_bytes", "kv_pool_layers_per_buffer")  # what refmla.regions needs
+GEOMETRY_KEYS = ("kv_pool_rows", "kv_pool_row_bytes", "kv_pool_layers_per_buffer")  # what refmla.region_check needs
 
 
 def parse_meta(raw: Mapping[str, Any], path: Any = "<meta>") -> CaptureMeta:

@@ -11,7 +11,7 @@ from refmla.cli.common import (EXIT_INVALID, drawable, expand_captures, need_mat
                                single_file, unrun_exit, worst_exit)
 from refmla.cli.replay_flags import add_replay_flags, replay_options
 from refmla.render.replay import render_or_say, summary_table
-from refmla.replay import SPARSE_ONLY, worst_status
+from refmla.pipeline import SPARSE_ONLY, worst_status
 from refmla.series import attach_series
 from refmla.util import error_text, first_line
 from refmla.merge.backends import BACKENDS as MERGE_BACKENDS

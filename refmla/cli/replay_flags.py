@@ -14,7 +14,7 @@ from refmla.backends.named import Choices
 from refmla.cli.common import UsageError, output_path
 from refmla.compare import Tolerance
 from refmla.options import ReplayOptions, bound_problem
-from refmla.replay import backend_names
+from refmla.pipeline import backend_names
 
 
 def bounded(name: str, kind: type) -> Callable[[str], float]:

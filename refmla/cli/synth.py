@@ -21,10 +21,10 @@ from refmla.merge.chunked_synth import PRESETS as CHUNKED_PRESETS
 from refmla.merge.synth import FAULTS as MERGE_FAULTS
 from refmla.merge.synth import PRESETS as MERGE_PRESETS
 from refmla.sparse.presets import PRESETS as SPARSE_PRESETS
-from refmla.synth import FAULTS, PRESETS
-from refmla.synth.disagg import DISAGG_PRESETS, disagg_preset, synth_disagg
-from refmla.synth.disagg_faults import DISAGG_FAULTS
-from refmla.synth.disagg_sparse import SPARSE_DISAGG_FAULTS, SPARSE_DISAGG_PRESETS, sparse_disagg_preset, synth_sparse_disagg
+from refmla.synthetic import FAULTS, PRESETS
+from refmla.synthetic.disagg import DISAGG_PRESETS, disagg_preset, synth_disagg
+from refmla.synthetic.disagg_faults import DISAGG_FAULTS
+from refmla.synthetic.disagg_sparse import SPARSE_DISAGG_FAULTS, SPARSE_DISAGG_PRESETS, sparse_disagg_preset, synth_sparse_disagg
 
 
 def _kinds(*kinds: tuple[str, dict, tuple]) -> str:
@@ -90,7 +90,7 @@ def synth_disagg_cmd(args) -> int:
 
 
 def _synth_sparse_disagg(args) -> int:
-    """A sparse pair (refmla.synth.disagg_sparse): DeepSeek-V4's window and compressed caches, or V3.2's."""
+    """A sparse pair (refmla.synthetic.disagg_sparse): DeepSeek-V4's window and compressed caches, or V3.2's."""
     if args.fault not in SPARSE_DISAGG_FAULTS:
         raise UsageError(f"fault {args.fault!r} is a dense preset's; preset {args.preset} takes "
                          f"{', '.join(SPARSE_DISAGG_FAULTS)}")  # fmt: skip

@@ -6,8 +6,8 @@ disaggregated deployment with the existing modules -- it re-implements none of t
     did the prompt's KV arrive intact     refmla.diffkv (prefill-stored vs decode-received, every
                                           position, page and transfer run)
     is the decode metadata right          refmla.checks (run by each replay), refmla.series across
-                                          decode steps, refmla.regions (the MR region-size check)
-    which compute path diverges           refmla.batch / refmla.replay through every backend,
+                                          decode steps, refmla.region_check (the MR region-size check)
+    which compute path diverges           refmla.batch / refmla.pipeline through every backend,
                                           refmla.diagnosis per request
 
     writer.py    the first link: the prefill KV writer captures (kv_write) judged, one answer per row

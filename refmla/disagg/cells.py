@@ -2,8 +2,8 @@
 
     transfer   the request's entry of the diff-kv of its first decode capture (refmla.diffkv)
     metadata   its metadata findings in each decode replay (refmla.checks, run by the replay), its
-               series findings across decode steps (refmla.series), the region checks (refmla.regions)
-    decode     its rows in each decode replay (refmla.replay): per backend pass / fail for this
+               series findings across decode steps (refmla.series), the region checks (refmla.region_check)
+    decode     its rows in each decode replay (refmla.pipeline): per backend pass / fail for this
                request, then refmla.diagnosis on those statuses
 """
 
@@ -15,7 +15,7 @@ from refmla.blame import blames_request
 from refmla.diagnosis import diagnose
 from refmla.diffkv import RequestDiff
 from refmla.disagg.report import DecodeCell, MetadataCell, TransferCell
-from refmla.regions import STATUSES, RegionCheck
+from refmla.region_check import STATUSES, RegionCheck
 from refmla.results import BackendEntry, Finding, ReplayReport
 
 

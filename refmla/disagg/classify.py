@@ -7,7 +7,7 @@ Precedence, the cause before its symptoms:
     metadata   a structural finding (repeated slots, kv_indices != req_to_token, seq_len not +1
                per step): the decode side read the wrong rows, whatever the transfer did
     transfer   the decode rows differ from the prefill rows (diff-kv), or the KV region is over the
-               MR limit (refmla.regions: MORI cannot register it, the KV never arrives)
+               MR limit (refmla.region_check: MORI cannot register it, the KV never arrives)
     metadata   any other metadata or series warning (zero / NaN rows, rows changed between steps),
                or a decode capture that is invalid (nothing replayed)
     compute    a compute path diverges over KV that arrived intact and metadata that is right

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from refmla.capture import CaptureError, parse_meta
-from refmla.regions import RegionCheck, check_region
+from refmla.region_check import RegionCheck, check_region
 from refmla.series import _header, group_series
 from refmla.sparse.format import SparseMeta, is_sparse_meta, parse_sparse_meta
 
@@ -31,7 +31,7 @@ class Header:
     meta: object  # CaptureMeta, or SparseMeta (a sparse decode capture)
 
     def region(self) -> RegionCheck:
-        """The MR region-size check of the capture's pool geometry (refmla.regions)."""
+        """The MR region-size check of the capture's pool geometry (refmla.region_check)."""
         return self.meta.region() if isinstance(self.meta, SparseMeta) else check_region(self.meta)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from refmla.regions import RegionCheck
+from refmla.region_check import RegionCheck
 from refmla.results import Finding
 
 CLASSES = ("writer", "transfer", "metadata", "compute", "none")  # where a row's fault is, in order of precedence

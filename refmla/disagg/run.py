@@ -9,7 +9,7 @@
     diff-kv   in the same worker right after (refmla.disagg.task): each request's first decode
               capture against its prefill captures (refmla.diffkv.diff_kv)
     series    the decode captures of one (layer, rank) across steps (refmla.series.series_checks)
-    regions   the MR region-size check of every capture's pool geometry (refmla.regions)
+    regions   the MR region-size check of every capture's pool geometry (refmla.region_check)
     rows      one per (request, layer, rank), classified (refmla.disagg.classify)
 """
 

@@ -38,7 +38,7 @@ def split_writers(paths: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def judge_writers(paths: Sequence[str], opts: ReplayOptions) -> list[ReplayReport]:
-    """Each writer capture judged (refmla.replay; an unusable one is an ``invalid`` report)."""
+    """Each writer capture judged (refmla.pipeline; an unusable one is an ``invalid`` report)."""
     return [replay_one(str(p), opts) for p in paths]
 
 

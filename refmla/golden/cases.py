@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
 
 from refmla.golden.determinism import hashed_lengths
-from refmla.synth import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE
+from refmla.synthetic import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE
 
 MODES = ("decode", "verify")  # what a case can be; refmla.golden.build has one builder per mode
 NO_MSCALE_SCALE = 192**-0.5  # qk_head_dim**-0.5, a model without yarn rope scaling

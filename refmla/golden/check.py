@@ -23,7 +23,7 @@ from refmla.compare import Tolerance, compare, judge_lse, ulp
 from refmla.context import ReplayContext, ReplayOptions
 from refmla.golden.determinism import nan_filled
 from refmla.golden.result import GoldenResult
-from refmla.replay import run_backend
+from refmla.pipeline import run_backend
 from refmla.results import BackendEntry
 
 CHECK_BACKENDS = ("reference", "triton", "aiter", "extend", "triton_decode_per_query", "aiter_decode_per_query")
@@ -117,7 +117,7 @@ def check(path: PathLike, backend: str, *, tol: Tolerance = Tolerance(), device:
 
     ``reference`` is the self-check: this machine's fp64 reference, out / lse / split partials,
     must round to the stored fp32 values (one fp32 ulp at the row's magnitude). Other backends run
-    through :func:`refmla.replay.run_backend` against the stored reference, with the control
+    through :func:`refmla.pipeline.run_backend` against the stored reference, with the control
     recomputed for the tolerance, so the verdict is the one ``refmla replay`` gives; a backend that
     returns split partials (triton) must match the stored per-split reference too. Never raises
     for a backend's failure: a crash is status ``error``, an unusable backend ``skipped``.

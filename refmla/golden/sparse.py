@@ -20,7 +20,7 @@ import torch
 
 from refmla.atomic import write_text
 from refmla.compare import Tolerance
-from refmla.sparse.backends import BACKENDS, Unavailable
+from refmla.sparse.backends import BACKENDS, Unavailable, declared_arithmetic
 from refmla.sparse.faults import planted_output
 from refmla.sparse.format import SparseCapture, parse_sparse_meta
 from refmla.sparse.validation import read_sparse, write_sparse
@@ -91,8 +91,9 @@ def check(path: Any, backend: str, tol: Tolerance = Tolerance()) -> SparseGolden
         got = BACKENDS[backend](cap)
     except Unavailable as e:
         return SparseGoldenResult("skipped", str(e))
-    ctrl = sparse_control(cap)
-    c = judge_out(backend, cap, got.out, stored, ctrl, tol)
+    arith = declared_arithmetic(backend, cap)  # each kernel at its own declared arithmetic
+    ctrl = sparse_control(cap, arith=arith)
+    c = judge_out(backend, cap, got.out, stored, ctrl, tol, arith)
     lse = judge_lse(got.lse, stored, ctrl, tol) if got.lse is not None else None
     if c.passed and (lse is None or lse.status == "pass"):
         return SparseGoldenResult("pass")

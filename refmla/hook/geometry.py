@@ -1,4 +1,4 @@
-"""The production KV pool's geometry, for the MR region-size check (:mod:`refmla.regions`).
+"""The production KV pool's geometry, for the MR region-size check (:mod:`refmla.region_check`).
 
 With prefill/decode disaggregation, the transfer engine registers every KV buffer the pool
 returns from ``get_contiguous_buf_infos()`` as one RDMA memory region; MORI's registration fails
@@ -15,7 +15,7 @@ with EINVAL once a region crosses a size limit (SGLang clamps ``max_total_num_to
     kv_pool_region_bytes       every registered buffer's bytes, from the pool's own
     kv_pool_region_item_bytes  ``get_contiguous_buf_infos()`` (data_lens, item_lens): any pool class
     kv_pool_page_size          (MLA, DeepSeek-V4's C4 / indexer / C128 buffers, hybrid pools) gives
-    kv_pool_class              the right region; the largest decides (refmla.regions)
+    kv_pool_class              the right region; the largest decides (refmla.region_check)
 
 Every reader is defensive: a pool or server-args layout it does not know gives fewer keys, never
 an error (the hook never raises into the server).

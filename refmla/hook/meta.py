@@ -147,7 +147,7 @@ def verify_meta(ctx: CallContext) -> dict[str, Any]:
 
 
 def pool_geometry_meta(ctx: CallContext) -> dict[str, Any]:
-    """What decides the size of a registered KV region (refmla.regions): rows, row bytes, layers per
+    """What decides the size of a registered KV region (refmla.region_check): rows, row bytes, layers per
     buffer, the pool's capacity, the disaggregation mode and backend, SGLANG_MORI_MAX_MR_BYTES."""
     return {**buffer_geometry(ctx.pool, ctx.k_buf), **pool_counts(ctx.pool), **registered_regions(ctx.pool),
             **disagg_meta()}

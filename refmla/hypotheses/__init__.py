@@ -77,7 +77,7 @@ The package (imports go down this list):
     seq_len.py, kv_range.py, split.py, sm_scale.py, heads_folded.py, head_misaligned.py, logit_cap.py,
     numerics.py, verify.py
     (the speculative verify families), and the faults of real
-    MLA kernels (refmla/synth/zoo.py plants them): pages.py (two families), empty_split.py,
+    MLA kernels (refmla/synthetic/zoo.py plants them): pages.py (two families), empty_split.py,
     overflow.py, kv_scale.py, rope.py, partials.py (three families of the split partials' plan),
     misplaced.py (five families: KV read or output written in the
     wrong place), blocktable.py (three families of block-table kernels); stale.py (the newest row

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from refmla.regions import BAND_STATUS, RegionCheck, size_text
+from refmla.region_check import BAND_STATUS, RegionCheck, size_text
 
 BAND_TEXT = {"fails": "FAILS (at / past the smallest measured to fail)",
              "unmeasured": "UNMEASURED (between the largest registered and the smallest failed)",

@@ -28,6 +28,7 @@ import torch
 
 from refmla.backends.base import BackendUnavailable
 from refmla.backends.calling import first_module_with
+from refmla.sparse.arithmetic import DECLARED, SGLANG_TRITON_SPARSE, SparseArithmetic, producer_sparse_arithmetic
 from refmla.sparse.format import SparseCapture
 from refmla.sparse.reference import inverse_rope, sparse_reference
 
@@ -210,7 +211,17 @@ BACKENDS: dict[str, Callable[[SparseCapture], PathOutput]] = {
     "reference": run_reference, "observed": run_observed, "triton": run_triton,
     "aiter_sparse": run_aiter_sparse, "tilelang": run_tilelang, "flashmla_sparse": run_flashmla_sparse,
 }  # fmt: skip
+
+
+def declared_arithmetic(name: str, cap: SparseCapture) -> SparseArithmetic:
+    """The arithmetic a path is judged at (refmla.sparse.arithmetic): each kernel's own declaration,
+    observed's producer's (meta ``backend``), SGLang's Triton kernel's for any other path."""
+    if name == "observed":
+        return producer_sparse_arithmetic(cap.meta.backend)
+    return DECLARED.get(name, SGLANG_TRITON_SPARSE)
+
+
 DEFAULT_BACKENDS = ("reference", "observed", "triton", "aiter_sparse", "tilelang", "flashmla_sparse")
 KERNELS = DEFAULT_BACKENDS[2:]  # the kernel paths: run in a child process (refmla.isolation)
 
-__all__ = ["BACKENDS", "DEFAULT_BACKENDS", "FLASHMLA_MODULES", "KERNELS", "availability", "flashmla_module", "PathOutput", "Unavailable", "kernel_kwargs"]
+__all__ = ["BACKENDS", "DEFAULT_BACKENDS", "FLASHMLA_MODULES", "KERNELS", "availability", "declared_arithmetic", "flashmla_module", "PathOutput", "Unavailable", "kernel_kwargs"]

@@ -8,7 +8,8 @@ meta ``mode`` is ``sparse_decode``. Tensors (B requests, S query tokens each, H 
     k_cache            [P, W] uint8   the main (window) cache's pages as stored, W >= the layout's page bytes
     indices            [B, S, K]      int32 flat token indices page * page_size + offset, -1 invalid
     topk_length        [B]            optional: entries at position >= topk_length[b] are not read
-    attn_sink          [H] fp32       optional: per-head sink logit (adds exp(sink - max) to the denominator)
+    attn_sink          [H] fp32       optional: per-head sink logit (adds exp(sink - max) to the denominator;
+                                      +inf: out 0, -inf: no sink, as FlashMLA defines it; NaN: a finding)
     extra_k_cache      [P2, W2] uint8 optional: the compressed cache (V4 C4 / C128), its own layout and page size
     extra_indices      [B, S, K2]     with extra_k_cache
     extra_topk_length  [B]            optional, with extra_k_cache
@@ -43,7 +44,7 @@ import torch
 from refmla.capture import CaptureError, check_meta_numbers
 from refmla.capture.format import META_KEYS as DENSE_META_KEYS
 from refmla.capture.format import _check_geometry as check_geometry
-from refmla.regions import PoolMeta, RegionCheck, check_region
+from refmla.region_check import PoolMeta, RegionCheck, check_region
 from refmla.sparse.layouts import FP8_DTYPES, LAYOUTS, PackedLayout
 
 SPARSE_MODE = "sparse_decode"
@@ -105,7 +106,7 @@ class SparseMeta:
         return None if self.extra_kv_layout is None else LAYOUTS[self.extra_kv_layout]
 
     def region(self) -> RegionCheck:
-        """The MR region-size check of the pool geometry among the keys (refmla.regions)."""
+        """The MR region-size check of the pool geometry among the keys (refmla.region_check)."""
         return check_region(PoolMeta.from_raw({**self.to_json(), "page_size": self.page_size}))
 
     def to_json(self) -> dict:
@@ -256,7 +257,7 @@ class SparseCapture:
         return {n: getattr(self, n) for n in TENSORS if getattr(self, n) is not None}
 
     def region(self) -> RegionCheck:
-        """The MR region-size check of the pool geometry in meta (refmla.regions)."""
+        """The MR region-size check of the pool geometry in meta (refmla.region_check)."""
         return self.meta.region()
 
     def cache_tokens(self, extra: bool = False) -> int:

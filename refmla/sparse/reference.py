@@ -6,6 +6,7 @@ rows, H heads, Kt = K + K2 entries of both caches, D head dim, Dv value width).
     m     = max_j s_j,   l = sum_j exp(s_j - m)
     out   = sum_j exp(s_j - m) v_j / (l + exp(sink - m))      v_j = k_j[:Dv]; no sink: / l
     lse   = m + ln l                                natural log, the sink not included
+    sink +inf: out = 0;  sink -inf: no sink         (FlashMLA's out * 1 / (1 + exp(sink - lse)))
     lonely row (no valid entry): out = 0, lse = +inf   (FlashMLA's convention; SGLang's Triton kernel too)
     inv_rope (when captured): out[..., -d_rope:] rotated by conj(freqs_cis[position]), pairs interleaved
 
@@ -26,6 +27,7 @@ from refmla.compare import judge_lse as lse_rule
 from refmla.control import PV_BLOCK, QK_CHUNK, STANDARD, Rounding, dot_in
 from refmla.results import LseCheck
 from refmla.stores import store_as
+from refmla.sparse.arithmetic import SGLANG_TRITON_SPARSE, SparseArithmetic
 from refmla.sparse.format import SparseCapture
 from refmla.sparse.layouts import FP8_DTYPES, PackedLayout, TokenBytes, dequantize, tile_scales, token_bytes
 from refmla.sparse.rows import SparseRows, sparse_rows
@@ -112,7 +114,7 @@ def sparse_reference(cap: SparseCapture, rows: Optional[SparseRows] = None) -> S
 
 
 # --------------------------------------------------------------------------------------------
-# The control: the same math at the kernels' rounding points (SGLang's Triton sparse decode)
+# The control: the same math at a kernel's declared rounding points (refmla.sparse.arithmetic)
 # --------------------------------------------------------------------------------------------
 
 
@@ -128,12 +130,14 @@ def dequantize_bf16(cache: torch.Tensor, layout: PackedLayout, page_size: int, f
 
 
 def sparse_control(cap: SparseCapture, rows: Optional[SparseRows] = None, rnd: Rounding = STANDARD,
-                   requests: slice = slice(None)) -> SparseOutput:  # fmt: skip
-    """q and keys in bf16, q.k in fp32, p = exp(s - m) in fp32 rounded to bf16 before P.V, l and the
-    accumulator in fp32, the output rounded once to the output dtype (bf16): the noise floor. In the
-    reference's blocks of query rows. ``rnd`` moves those rounding points as it moves the dense
-    control's (refmla.control.Rounding: the store, P's dtype, q.k / P.V accumulated narrow; the
-    numerics variants); ``requests``: only those requests' rows ([b, S, H, Dv])."""
+                   requests: slice = slice(None), arith: SparseArithmetic = SGLANG_TRITON_SPARSE) -> SparseOutput:  # fmt: skip
+    """The same math at the rounding points ``arith`` declares (refmla.sparse.arithmetic; SGLang's
+    Triton kernel's by default): q and keys in bf16, q.k in fp32, p = exp(s - m) in fp32 rounded to
+    bf16 before P.V, l and the accumulator in fp32, a kernel's bf16 split partials merged in fp32,
+    the output rounded once to its dtype: the noise floor. In the reference's blocks of query rows.
+    ``rnd`` moves those rounding points as it moves the dense control's (refmla.control.Rounding:
+    the store, P's dtype, q.k / P.V accumulated narrow; the numerics variants); ``requests``: only
+    those requests' rows ([b, S, H, Dv])."""
     rows = rows if rows is not None else rows_of(cap)
     B, S, H, D = cap.q.shape
     Dv = cap.meta.head_dim_v
@@ -142,18 +146,20 @@ def sparse_control(cap: SparseCapture, rows: Optional[SparseRows] = None, rnd: R
     part, n = rows.part(sel), max(0, e - a) * S
     out = torch.zeros(n, H, Dv, dtype=torch.float32)  # [n, H, Dv]
     lse = torch.full((n, H), float("inf"), dtype=torch.float32)  # [n, H]
-    q_all = cap.q.reshape(B * S, H, D)[sel].to(torch.bfloat16).to(torch.float32)
+    q_all = cap.q.reshape(B * S, H, D)[sel].to(getattr(torch, arith.q_dtype)).to(torch.float32)
     for sl in row_blocks(part, D):
-        out[sl], lse[sl] = _control_block(cap, q_all[sl], part.part(sl), rnd)
-    out = store_as(out, torch.bfloat16, rnd.store)  # the kernel's store
+        out[sl], lse[sl] = _control_block(cap, q_all[sl], part.part(sl), rnd, arith)
+    out_dtype = getattr(torch, arith.out_dtype)
+    out = store_as(out, out_dtype, rnd.store)  # the kernel's store
     if cap.inv_rope_freqs is not None:
         out = inverse_rope(out.double(), cap.inv_rope_freqs.float(), cap.inv_rope_positions[: B * S][sel])
-    out = out.to(torch.bfloat16).to(torch.float64)
+    out = out.to(out_dtype).to(torch.float64)
     b = max(0, e - a)  # requests in the selection (0 heads or 0 query tokens: an empty result, not -1)
     return SparseOutput(out.reshape(b, S, H, Dv), lse.to(torch.float64).reshape(b, S, H))
 
 
-def _control_block(cap: SparseCapture, q: torch.Tensor, rows: SparseRows, rnd: Rounding) -> tuple[torch.Tensor, torch.Tensor]:
+def _control_block(cap: SparseCapture, q: torch.Tensor, rows: SparseRows, rnd: Rounding,
+                   arith: SparseArithmetic) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One block of the control: q [n, H, D] fp32 (bf16 values) -> out [n, H, Dv], lse [n, H] fp32."""
     keys = gather_keys(cap, rows, decode=dequantize_bf16).to(torch.float32)  # [n, Kt, D], bf16 values
     keys = torch.where(rows.valid[..., None], keys, 0.0)
@@ -162,22 +168,63 @@ def _control_block(cap: SparseCapture, q: torch.Tensor, rows: SparseRows, rnd: R
     else:  # q.k summed in a narrow dtype, QK_CHUNK dims at a time (the dense control's)
         s = dot_in(q, keys.transpose(-1, -2), rnd.qk_accum, QK_CHUNK)
     s = s * torch.tensor(cap.meta.softmax_scale, dtype=torch.float32)
-    s = s.masked_fill(~rows.valid[:, None, :], float("-inf"))
+    values, p_dtype = keys[..., : cap.meta.head_dim_v], rnd.p_dtype or getattr(torch, arith.p_dtype)
+    sink = None if cap.attn_sink is None else cap.attn_sink.float()[None, :]  # [1, H]
+    if arith.one_pass:
+        acc, l, m = _pass(s, rows.valid, values, p_dtype, rnd)
+        denom = l if sink is None else l + torch.exp(sink - m)  # [n, H]
+        out = acc / torch.where(denom == 0, 1.0, denom)[..., None]  # [n, H, Dv]
+    else:  # each split's normalized output stored bf16, its lse fp32, merged in fp32
+        out, l, m = _split_passes(s, rows, values, p_dtype, rnd, arith.group)
+    lonely = l == 0
+    lse = torch.where(lonely, float("inf"), m + torch.log(torch.where(lonely, 1.0, l)))  # [n, H]
+    if sink is not None and not arith.one_pass:  # the combine's 1 / (1 + exp(sink - lse))
+        out = out / (1.0 + torch.exp(sink - lse))[..., None]
+    return torch.where(lonely[..., None], 0.0, out), lse
+
+
+def _pass(s: torch.Tensor, valid: torch.Tensor, values: torch.Tensor, p_dtype: torch.dtype,
+          rnd: Rounding) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One online-softmax pass over the entries ``valid`` [n, Kt] of s [n, H, Kt]: the P.V
+    accumulator [n, H, Dv], l [n, H] and m [n, H] (0 where the row attends nothing), fp32."""
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(s - m_safe)  # fp32
-    l = p.sum(dim=-1)
-    pr, values = p.to(rnd.p_dtype or torch.bfloat16).float(), keys[..., : cap.meta.head_dim_v]
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m)  # fp32, 0 on entries not read
+    pr = p.to(p_dtype).float()
     if rnd.pv_accum is None:
         acc = torch.einsum("rhk,rkd->rhd", pr, values)
     else:  # P.V summed in a narrow dtype, PV_BLOCK entries at a time
         acc = dot_in(pr, values, rnd.pv_accum, PV_BLOCK)
-    sink = cap.attn_sink
-    denom = l if sink is None else l + torch.exp(sink.float()[None, :] - m_safe[..., 0])
-    lonely = l == 0
-    out = torch.where(lonely[..., None], 0.0, acc / torch.where(denom == 0, 1.0, denom)[..., None])
-    lse = torch.where(lonely, float("inf"), m_safe[..., 0] + torch.log(torch.where(l == 0, 1.0, l)))
-    return out, lse
+    return acc, p.sum(dim=-1), m[..., 0]
+
+
+def _split_passes(s: torch.Tensor, rows: SparseRows, values: torch.Tensor, p_dtype: torch.dtype, rnd: Rounding,
+                  group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Splits of ``group`` entries of each cache (a row's entries in list order): each split's output
+    acc / l rounded to bf16, merged by its lse in fp32; -> out [n, H, Dv] (normalized), l, m [n, H]
+    of the whole row (out the merged one, l / m as one pass would give them)."""
+    rank = torch.zeros_like(rows.token)
+    for pid in (0, 1):  # an entry's place among its own cache's entries
+        mine = rows.valid & (rows.pool_id == pid)
+        rank = torch.where(mine, torch.cumsum(mine.long(), dim=1) - 1, rank)
+    split = torch.where(rows.valid, rows.pool_id.long() * (rows.token.shape[1] + 1) + rank // group, -1)  # [n, Kt]
+    n, H, Dv = s.shape[0], s.shape[1], values.shape[-1]
+    num, l_all = torch.zeros(n, H, Dv), torch.zeros(n, H)
+    m_all = torch.full((n, H), float("-inf"))
+    parts = []
+    for g in torch.unique(split[split >= 0]).tolist():
+        acc, l, m = _pass(s, split == g, values, p_dtype, rnd)
+        o = (acc / torch.where(l == 0, 1.0, l)[..., None]).to(torch.bfloat16).float()  # Partial_O bf16
+        parts.append((o, torch.where(l == 0, float("-inf"), m + torch.log(torch.where(l == 0, 1.0, l)))))
+    if not parts:
+        return num, l_all, torch.zeros(n, H)
+    lse_max = torch.stack([p[1] for p in parts]).amax(dim=0)  # [n, H]
+    safe = torch.where(torch.isfinite(lse_max), lse_max, torch.zeros_like(lse_max))
+    for o, lse_g in parts:
+        w = torch.exp(lse_g - safe)  # [n, H], 0 for an empty split
+        num, l_all = num + w[..., None] * o, l_all + w
+    return num / torch.where(l_all == 0, 1.0, l_all)[..., None], l_all, safe
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,10 +234,12 @@ def _control_block(cap: SparseCapture, q: torch.Tensor, rows: SparseRows, rnd: R
 
 
 def judge_out(name: str, cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctrl: SparseOutput,
-              tol: Tolerance) -> Comparison:  # fmt: skip
+              tol: Tolerance, arith: SparseArithmetic = SGLANG_TRITON_SPARSE) -> Comparison:  # fmt: skip
+    """A path's out [B, S, H, Dv] by the one comparator, ``ctrl`` its control at ``arith`` (whose
+    output dtype sets the ulp)."""
     B, S, H, Dv = ref.out.shape
     flat = lambda t: t.reshape(B * S, H, Dv)  # noqa: E731 - [B, S, H, Dv] -> rows [R, H, Dv]
-    return compare(name, flat(out), flat(ref.out), flat(ctrl.out), out_dtype=torch.bfloat16, tol=tol,
+    return compare(name, flat(out), flat(ref.out), flat(ctrl.out), out_dtype=getattr(torch, arith.out_dtype), tol=tol,
                    request_of_row=cap.request_of_row())  # fmt: skip
 
 

@@ -230,14 +230,15 @@ UPSTREAM = "the input is already non-finite: the fault is upstream of attention"
 
 
 def nonfinite_inputs(cap: SparseCapture, ref_out: torch.Tensor, lonely: torch.Tensor) -> list[Finding]:
-    """Requests whose q, attn_sink or attended cache bytes (fp8 values, UE8M0 / fp32 scales, rope)
-    are NaN / Inf: the q rows and the sink are looked at, the attended bytes through the fp64
+    """Requests whose q or attended cache bytes (fp8 values, UE8M0 / fp32 scales, rope) are NaN /
+    Inf, or whose attn_sink is NaN (a sink of +inf or -inf is defined, FlashMLA's convention: the
+    output scaled by 1 / (1 + exp(sink - lse)), 0 at +inf, unchanged at -inf): the q rows and the sink are looked at, the attended bytes through the fp64
     reference ``ref_out`` [B, S, H, Dv] (non-finite only from them). ``lonely`` [B * S]: rows
     that attend nothing (their output reads nothing). Agreeing NaN is not agreement."""
     B, S, H, _ = cap.q.shape
     live = ~lonely.reshape(B, S)  # [B, S]
     bad_q = (~torch.isfinite(cap.q.float()).all(dim=-1) & live[..., None]).any(dim=1)  # [B, H]
-    sink_bad = cap.attn_sink is not None and not bool(torch.isfinite(cap.attn_sink.float()).all())
+    sink_bad = cap.attn_sink is not None and bool(torch.isnan(cap.attn_sink.float()).any())  # +-inf is defined
     bad_kv = (~torch.isfinite(ref_out).all(dim=-1) & live[..., None]).any(dim=1).any(dim=1) & ~bad_q.any(dim=1)  # [B]
     found = []
     for b in range(B):

@@ -26,7 +26,7 @@ from refmla.golden.cases import NO_MSCALE_SCALE, GoldenCase
 from refmla.schedule import MIN_BLOCK_KV, vllm_num_kv_splits
 from refmla.sweep.space import MAX_TILE_TOKENS, length_of
 from refmla.sweep.tables import TableCase, table_inputs, table_meta
-from refmla.synth import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE
+from refmla.synthetic import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE
 
 FP8_SCALES = (0.8125, 1.375)  # k_scale, v_scale of an fp8 pool (!= 1: a forgotten scale shows)
 MAX_KV_SPLITS = 16  # SGLang's default max_kv_splits: the most splits a case asks for (buffers: its own most)

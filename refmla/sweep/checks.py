@@ -37,7 +37,7 @@ from refmla.golden.cases import GoldenCase
 from refmla.isolation import enabled, run_isolated
 from refmla.kernel import InterfaceError
 from refmla.options import ReplayOptions
-from refmla.repeat import compare_runs
+from refmla.repeat import compare_runs, run_tensors
 from refmla.splits import compare_lse
 from refmla.sweep.cases import capture_of, split_alternatives, with_splits
 from refmla.sweep.report import CheckOutcome
@@ -165,15 +165,18 @@ class CaseChecks:
         data = {"values": n, "rows": rows, "first": [row, head, dim]}
         return CheckOutcome("nan_fill", "fail", text, data), self._evidence(poisoned, self.case)
 
+    def again(self, backend: str) -> BackendResult:
+        """Another run on the same inputs (the repeat check's)."""
+        return self.kernel(backend, self.case, 0.0)
+
+    def passes(self, backend: str, res: BackendResult) -> bool:
+        return self.judge(backend, res, self.case).passed
+
+    def kept(self, res: BackendResult) -> Evidence:
+        return self._evidence(res, self.case)
+
     def _repeat(self, backend: str, first: BackendResult):
-        runs = [first] + [self.kernel(backend, self.case, 0.0) for _ in range(max(1, self.repeat - 1))]
-        outcome = compare_runs([_tensors(r) for r in runs])
-        if outcome.deterministic:
-            return CheckOutcome("repeat", "pass", outcome.text(), outcome.to_json()), None
-        differs = [r for r in runs[1:] if not torch.equal(_bits(r.out), _bits(first.out))]
-        wrong = [r for r in [first, *differs] if not self.judge(backend, r, self.case).passed]
-        shown = (wrong or differs)[0]  # a run past the tolerance when there is one: its capture replays diverged
-        return CheckOutcome("repeat", "fail", outcome.text(), outcome.to_json()), self._evidence(shown, self.case)
+        return repeat_check(self, backend, first)  # the one repeat check, every case kind
 
     def _splits(self, backend: str, first: BackendResult):
         if first.num_kv_splits is None or self.case.mode != "decode":
@@ -240,18 +243,23 @@ def run_checks(checker: Any, backend: str, only: Sequence[str], first_run: Calla
     return outcomes, evidence
 
 
+def repeat_check(checker: Any, backend: str, first: Any):
+    """``repeat``: ``first`` and ``checker.repeat - 1`` more runs (``checker.again``) compared bit for
+    bit (refmla.repeat, out and lse); when they differ, the evidence is a differing run past the
+    tolerance (``checker.passes``) when there is one (its capture replays diverged), else the first
+    run that differs. The same for a dense and a sparse case (the checker supplies the three calls)."""
+    runs = [first] + [checker.again(backend) for _ in range(max(1, checker.repeat - 1))]
+    outcome = compare_runs([run_tensors(r) for r in runs])
+    if outcome.deterministic:
+        return CheckOutcome("repeat", "pass", outcome.text(), outcome.to_json()), None
+    differs = [r for r in runs[1:] if not compare_runs([run_tensors(first), run_tensors(r)]).deterministic]
+    wrong = [r for r in [first, *differs] if not checker.passes(backend, r)]
+    shown = (wrong or differs)[0]
+    return CheckOutcome("repeat", "fail", outcome.text(), outcome.to_json()), checker.kept(shown)
+
+
 def _counts(splits: tuple[int, ...]) -> str:
     return f"splits {splits[0]}" if len(set(splits)) == 1 else f"splits {list(splits)}"
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous()
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def _tensors(res: BackendResult) -> dict[str, torch.Tensor]:
-    """The tensors a repeated run is compared on: the output, and the lse where the kernel returns one."""
-    return {"out": res.out, **({"lse": res.lse} if res.lse is not None else {})}
-
-
-__all__ = ["CHECKS", "CaseChecks", "Evidence", "Timing", "refusal", "run_checks"]
+__all__ = ["CHECKS", "CaseChecks", "Evidence", "Timing", "refusal", "repeat_check", "run_checks"]

@@ -30,7 +30,7 @@ from refmla.capture import write_capture
 from refmla.compare import Tolerance
 from refmla.options import ReplayOptions, bound_problem
 from refmla.progress import Progress
-from refmla.replay import replay_file
+from refmla.pipeline import replay_file
 from refmla.signals import ignore_sigint
 from refmla.sweep.cases import capture_meta, capture_of
 from refmla.sweep.checks import CHECKS, Evidence

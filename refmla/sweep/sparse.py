@@ -32,15 +32,15 @@ import torch
 from refmla.golden.cases import GoldenCase
 from refmla.isolation import enabled, run_isolated
 from refmla.options import ReplayOptions
-from refmla.repeat import compare_runs
-from refmla.sparse.backends import BACKENDS, KERNELS, PathOutput
+from refmla.sparse.arithmetic import SGLANG_TRITON_SPARSE
+from refmla.sparse.backends import BACKENDS, KERNELS, PathOutput, declared_arithmetic
 from refmla.sparse.format import KERNEL_BACKENDS, SparseCapture, parse_sparse_meta
 from refmla.sparse.presets import PRESETS, SparsePreset
 from refmla.sparse.reference import judge_lse, judge_out, rows_of, sparse_control, sparse_reference
 from refmla.sparse.synth import build_case
 from refmla.sparse.validation import write_sparse
 from refmla.sweep.cases import case_of, case_seed
-from refmla.sweep.checks import CHECKS, CaseChecks, Evidence, Timing, run_checks
+from refmla.sweep.checks import CHECKS, CaseChecks, Evidence, Timing, repeat_check, run_checks
 from refmla.sweep.report import CheckOutcome
 from refmla.sweep.space import HEADS, MAX_SPARSE_UNITS, RATIO, sparse_context, sparse_units, sparse_valid
 
@@ -124,6 +124,7 @@ class SparseChecks:
         self.timing = Timing()
         self.cap = case.capture()
         self._truth: Optional[tuple] = None
+        self._controls: dict = {}  # SparseArithmetic -> its control (a kernel declaring other than SGLang's Triton)
 
     @property
     def truth(self) -> tuple:
@@ -146,10 +147,16 @@ class SparseChecks:
             self.timing.kernel += time.perf_counter() - t0
 
     def judge(self, name: str, got: PathOutput) -> tuple[bool, str, dict]:
-        """(passed, what it says, its numbers) of one run's out and lse against the reference."""
+        """(passed, what it says, its numbers) of one run's out and lse against the reference, at the
+        path's own declared arithmetic (refmla.sparse.arithmetic)."""
         ref, ctrl = self.truth
         t0 = time.perf_counter()
-        cmp = judge_out(name, self.cap, got.out, ref, ctrl, self.opts.tol)
+        arith = declared_arithmetic(name, self.cap)
+        if arith != SGLANG_TRITON_SPARSE:  # the truth's control is that one's
+            if arith not in self._controls:
+                self._controls[arith] = sparse_control(self.cap, rows_of(self.cap), arith=arith)
+            ctrl = self._controls[arith]
+        cmp = judge_out(name, self.cap, got.out, ref, ctrl, self.opts.tol, arith)
         lse = judge_lse(got.lse, ref, ctrl, self.opts.tol) if got.lse is not None else None
         self.timing.reference += time.perf_counter() - t0
         lse_bad = lse is not None and lse.status != "pass"
@@ -176,15 +183,18 @@ class SparseChecks:
     def _nan_fill(self, backend: str, first: PathOutput):
         return CheckOutcome("nan_fill", "n/a", NO_BUFFERS), None
 
+    def again(self, backend: str) -> PathOutput:
+        """Another run on the same inputs (the repeat check's)."""
+        return self.kernel(backend)
+
+    def passes(self, backend: str, got: PathOutput) -> bool:
+        return self.judge(backend, got)[0]
+
+    def kept(self, got: PathOutput) -> Evidence:
+        return self._evidence(got)
+
     def _repeat(self, backend: str, first: PathOutput):
-        runs = [first] + [self.kernel(backend) for _ in range(max(1, self.repeat - 1))]
-        tensors = [{"out": r.out, **({"lse": r.lse} if r.lse is not None else {})} for r in runs]
-        outcome = compare_runs(tensors)
-        if outcome.deterministic:
-            return CheckOutcome("repeat", "pass", outcome.text(), outcome.to_json()), None
-        wrong = [r for r in runs if not self.judge(backend, r)[0]]
-        shown = (wrong or runs[1:])[0]  # a run past the tolerance when there is one: its capture replays diverged
-        return CheckOutcome("repeat", "fail", outcome.text(), outcome.to_json()), self._evidence(shown)
+        return repeat_check(self, backend, first)  # the one repeat check (refmla.sweep.checks), every case kind
 
     def _splits(self, backend: str, first: PathOutput):
         return CheckOutcome("splits", "n/a", NO_SPLITS), None

@@ -22,7 +22,7 @@ import torch
 from refmla.backends.flex import FlexBackend, run_flex_mla
 from refmla.control import control_output
 from refmla.scales import Scales
-from refmla.synth.faults import Planting, fault
+from refmla.synthetic.faults import Planting, fault
 
 MAX_SPLITS = 16  # SGLang's default max_kv_splits
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from refmla.attended import tree_visibility
-from refmla.synth.spec import SynthSpec
+from refmla.synthetic.spec import SynthSpec
 
 
 def make_inputs(spec: SynthSpec) -> dict[str, torch.Tensor]:

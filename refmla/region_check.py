@@ -32,7 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from refmla.util import callable_module
 from refmla.capture import CaptureMeta
 
 DEFAULT_MR_LIMIT = 2 << 30  # SGLang's default SGLANG_MORI_MAX_MR_BYTES (its clamp): 2 GiB
@@ -325,6 +324,3 @@ class PoolMeta:
         kw = {k: raw[k] for k in cls.__dataclass_fields__ if raw.get(k) is not None}
         _check_geometry(dict(kw), "<meta>")
         return cls(**kw)
-
-
-callable_module(__name__)  # refmla.regions(...) calls refmla.api (the Python API)

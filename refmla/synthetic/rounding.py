@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from refmla.control import Rounding, control_output, store_as
-from refmla.synth.faults import MAY_AGREE, Planting, fault  # noqa: F401  (MAY_AGREE: re-exported)
+from refmla.synthetic.faults import MAY_AGREE, Planting, fault  # noqa: F401  (MAY_AGREE: re-exported)
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

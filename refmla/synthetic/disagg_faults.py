@@ -24,10 +24,10 @@ import torch
 
 from refmla import reference as ref
 from refmla.attended import Attended
-from refmla.regions import SMALLEST_FAILED
+from refmla.region_check import SMALLEST_FAILED
 from refmla.scales import Scales
 from refmla.schedule import MIN_BLOCK_KV
-from refmla.synth.spec import SynthSpec
+from refmla.synthetic.spec import SynthSpec
 
 
 @dataclass

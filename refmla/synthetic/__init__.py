@@ -27,20 +27,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from refmla.util import callable_module
 from refmla.capture import write_capture
 from refmla.schedule import MIN_BLOCK_KV
-from refmla.synth import benign, blocktable_faults, launch_faults, verify_faults, zoo  # noqa: F401  (register the benign variants, the verify
+from refmla.synthetic import benign, blocktable_faults, launch_faults, verify_faults, zoo  # noqa: F401  (register the benign variants, the verify
 #                                                    faults and the zoo's faults)
-from refmla.synth import rounding as _rounding  # noqa: F401  (registers the numerics faults)
-from refmla.synth.faults import EXPECT, FAULT_MODES, FAULTS, MAY_AGREE, VERIFY_PRESET, faulty_output, spec_for
-from refmla.synth.inputs import geometry_meta, make_inputs, make_meta
-from refmla.synth.spec import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE, PRESETS, SynthSpec, preset, yarn_sm_scale
+from refmla.synthetic import rounding as _rounding  # noqa: F401  (registers the numerics faults)
+from refmla.synthetic.faults import EXPECT, FAULT_MODES, FAULTS, MAY_AGREE, VERIFY_PRESET, faulty_output, spec_for
+from refmla.synthetic.inputs import geometry_meta, make_inputs, make_meta
+from refmla.synthetic.spec import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE, PRESETS, SynthSpec, preset, yarn_sm_scale
 
 
 def synth_capture(path: Any, spec: SynthSpec, fault: str = "none") -> dict:
     """Write a synthetic capture to ``path``; returns what was planted (on the spec the fault needs:
-    refmla.synth.faults.spec_for)."""
+    refmla.synthetic.faults.spec_for)."""
     spec = spec_for(spec, fault) if fault in FAULTS else spec
     t = make_inputs(spec)
     out, planted = faulty_output(spec, t, fault)
@@ -56,6 +55,3 @@ __all__ = [
     "SynthSpec", "VERIFY_PRESET", "faulty_output", "geometry_meta", "make_inputs", "make_meta", "preset", "spec_for",
     "synth_capture", "yarn_sm_scale",
 ]  # fmt: skip
-
-
-callable_module(__name__)  # refmla.synth(...) calls refmla.api (the Python API)

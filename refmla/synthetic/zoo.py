@@ -10,7 +10,7 @@ the broken kernel computes it and registered with the hypothesis that must name 
     rope_ignored            q . k over the latent dims only
     rope_swapped            q's latent and rope parts swapped against the cache's
 
-Rows a correct kernel never reads are NaN in a synthetic pool (refmla.synth.inputs); a broken
+Rows a correct kernel never reads are NaN in a synthetic pool (refmla.synthetic.inputs); a broken
 kernel that reads them in production reads whatever a previous request left there, so the faults
 below first write such stale (finite) rows where they read them.
 """
@@ -24,8 +24,8 @@ import torch
 
 from refmla import reference as ref
 from refmla.schedule import nonempty_splits
-from refmla.synth.faults import Planting, fault
-from refmla.synth.spec import SynthSpec
+from refmla.synthetic.faults import Planting, fault
+from refmla.synthetic.spec import SynthSpec
 
 
 def _lens(p: Planting) -> list[int]:
@@ -209,7 +209,7 @@ def fp8_pool(spec: SynthSpec) -> SynthSpec:
 def _need_scales(p: Planting) -> None:
     if p.spec.k_scale == 1.0 or p.spec.v_scale == 1.0:
         raise ValueError(f"spec {p.spec.name}: the scale faults need k_scale and v_scale != 1 "
-                         "(synth_capture plants them on refmla.synth.faults.spec_for(spec, fault))")  # fmt: skip
+                         "(synth_capture plants them on refmla.synthetic.faults.spec_for(spec, fault))")  # fmt: skip
 
 
 @fault("k_scale_twice", "fp8 pool: the kernel applied k_scale twice (dequantized K, then scaled the logits by "

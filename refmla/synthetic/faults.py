@@ -18,7 +18,7 @@ from refmla.attended import Attended
 from refmla.control import STANDARD, Rounding, control_output
 from refmla.scales import Scales
 from refmla.schedule import MIN_BLOCK_KV
-from refmla.synth.spec import SynthSpec
+from refmla.synthetic.spec import SynthSpec
 
 
 @dataclass
@@ -88,7 +88,7 @@ def fault(
     """Register a fault. ``expect``: the hypothesis replay must name for it ("" means the fault's
     own name; None means a correct kernel that must pass). tools/bench_diagnosis.py reads EXPECT
     and MAY_AGREE. ``spec``: how a preset becomes one the fault can exist on (e.g. an fp8 pool),
-    applied by :func:`spec_for` (refmla.synth.synth_capture does). ``may_agree``: on some presets
+    applied by :func:`spec_for` (refmla.synthetic.synth_capture does). ``may_agree``: on some presets
     the planted output stays within the tolerance, and ``agree`` is then right, not a miss.
     ``mode``: the capture mode the fault needs (None: any), with the ``preset`` it is meant for
     (verify faults)."""

@@ -39,7 +39,7 @@ from refmla.sparse.layouts import LAYOUTS, PackedLayout, dequantize, quantize, r
 from refmla.sparse.presets import SparsePreset, for_layer, sparse_preset
 from refmla.sparse.synth import Pool, SparseCase
 from refmla.sparse.validation import write_sparse
-from refmla.synth.disagg_faults import lookup
+from refmla.synthetic.disagg_faults import lookup
 
 GARBAGE = 0xFF  # a freed / never written token: NaN in e4m3fn, UE8M0 (255), fp32 and bf16
 

@@ -19,7 +19,7 @@ import torch
 
 from refmla import reference as ref
 from refmla.attended import Attended
-from refmla.synth.faults import Planting, fault
+from refmla.synthetic.faults import Planting, fault
 
 Visibility = Callable[[int, int, int], torch.Tensor]  # (b, L, n) -> [n, L] bool
 

@@ -49,13 +49,15 @@ from refmla.localize.entries import entry_spans
 from refmla.repeat import compare_runs
 from refmla.localize.types import Localization
 from refmla.results import PART_NAMES, BackendEntry, MetadataReport, NoiseFloor, ReplayReport, Shape
+from refmla.sparse.arithmetic import SGLANG_TRITON_SPARSE, SparseArithmetic
 from refmla.sparse.backends import BACKENDS as SPARSE_BACKENDS
 from refmla.sparse.backends import KERNELS as SPARSE_KERNELS
+from refmla.sparse.backends import declared_arithmetic
 from refmla.sparse.format import SPARSE_MODE, SparseCapture
 from refmla.sparse.reference import SparseOutput, judge_lse, judge_out, rows_of, sparse_control, sparse_reference
 from refmla.sparse.validation import is_sparse_file, nonfinite_inputs, read_sparse
 from refmla.splits import compare_lse, compare_splits
-from refmla.util import dtype_name, error_text, callable_module
+from refmla.util import dtype_name, error_text
 
 
 # capture kinds with tensors of their own, by meta mode: (reader, judge) -> a ReplayReport
@@ -288,8 +290,9 @@ def replay_sparse(cap: SparseCapture, opts: ReplayOptions) -> ReplayReport:
     report.control = NoiseFloor("bfloat16", ctl.max_abs_err, ctl.cos_diff)
     report.kind_keys = {"noise": float((ctrl.out - ref.out).nan_to_num().abs().max()) if ref.out.numel() else 0.0,
                         "lonely_rows": int(rows.lonely.sum()), "region": cap.region().to_json()}  # fmt: skip
+    controls: dict[SparseArithmetic, SparseOutput] = {}
     for name in sparse_backend_names(opts):
-        report.backends[name] = run_sparse_backend(name, cap, ref, ctrl, opts)
+        report.backends[name] = run_sparse_backend(name, cap, ref, ctrl, opts, controls)
     d = diagnose_sparse(report.backends, m.backend)
     report.diagnosis, report.diagnosis_text, report.diagnosis_backends = d.name, d.text, d.backends
     statuses = [b.status for b in report.backends.values()]
@@ -303,9 +306,11 @@ def replay_sparse(cap: SparseCapture, opts: ReplayOptions) -> ReplayReport:
 
 
 def run_sparse_backend(name: str, cap: SparseCapture, ref: SparseOutput, ctrl: SparseOutput,
-                       opts: ReplayOptions) -> BackendEntry:  # fmt: skip
-    """One path of a sparse capture, judged and (failing) explained and localized; a kernel runs in
-    its own process (refmla.isolation): its crash is its ``error``, never the replay's."""
+                       opts: ReplayOptions, controls: Optional[dict] = None) -> BackendEntry:  # fmt: skip
+    """One path of a sparse capture, judged at its own declared arithmetic (``ctrl`` is SGLang's
+    Triton kernel's control; another declaration's is built once into ``controls``) and (failing)
+    explained and localized; a kernel runs in its own process (refmla.isolation): its crash is its
+    ``error``, never the replay's."""
     t0 = time.perf_counter()
     if name == "reference":
         return BackendEntry("pass", max_abs_err=0.0, cos_diff=0.0, info={"accum_dtype": "float64", "what": "the truth"})
@@ -323,8 +328,14 @@ def run_sparse_backend(name: str, cap: SparseCapture, ref: SparseOutput, ctrl: S
         return BackendEntry("error", reason=str(e), seconds=round(time.perf_counter() - t0, 3))
     except Exception as e:  # a kernel that crashes is a finding, not a crash of refmla
         return BackendEntry("error", reason=error_text(e))
-    cmp = judge_out(name, cap, got.out, ref, ctrl, opts.tol)
-    entry = BackendEntry.judged(cmp, info={"version": got.note, **got.info})
+    arith = declared_arithmetic(name, cap)
+    if arith != SGLANG_TRITON_SPARSE:  # ctrl is that one's
+        controls = {} if controls is None else controls
+        if arith not in controls:
+            controls[arith] = sparse_control(cap, rows_of(cap), arith=arith)
+        ctrl = controls[arith]
+    cmp = judge_out(name, cap, got.out, ref, ctrl, opts.tol, arith)
+    entry = BackendEntry.judged(cmp, info={"version": got.note, **got.info, "arithmetic": arith.to_json()})
     if got.lse is not None:
         entry.lse = judge_lse(got.lse, ref, ctrl, opts.tol)
     entry.judge_parts()
@@ -370,6 +381,3 @@ def _sparse_localization(cmp, entry: BackendEntry, S: int) -> Localization:
 def worst_status(reports: list[ReplayReport]) -> int:
     """Exit code over reports: 2 invalid > 1 diverged > 0 agree."""
     return max((r.exit_code for r in reports), default=0)
-
-
-callable_module(__name__)  # refmla.replay(...) calls refmla.api (the Python API)

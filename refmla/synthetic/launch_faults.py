@@ -21,7 +21,7 @@ import torch
 
 from refmla import reference as ref
 from refmla.schedule import split_bounds
-from refmla.synth.faults import Planting, fault
+from refmla.synthetic.faults import Planting, fault
 
 
 def _fold(p: Planting, want: int) -> int:

@@ -22,8 +22,8 @@ import math
 
 import torch
 
-from refmla.synth.faults import Planting, fault
-from refmla.synth.spec import SynthSpec
+from refmla.synthetic.faults import Planting, fault
+from refmla.synthetic.spec import SynthSpec
 
 
 def attend(p: Planting, rows_of: dict, k_scale: float = None, v_scale: float = None) -> torch.Tensor:

@@ -7,7 +7,7 @@ node's pool at other physical slots (another page shuffle); the decode node then
 ``decode_steps`` decode captures, request b attending its prompt plus 1, 2, ... decode tokens,
 with the production ``out`` a correct kernel computes over what the decode pool holds.
 
-A fault (refmla.synth.disagg_faults) changes what the transfer wrote, the decode metadata or the
+A fault (refmla.synthetic.disagg_faults) changes what the transfer wrote, the decode metadata or the
 production output at one (request, layer, rank, step), and says what ``refmla disagg`` must name.
 Files: ``OUT/prefill/L{layer}-R{rank}-c{k}.safetensors``, ``OUT/decode/L{layer}-R{rank}-s{step}.safetensors``.
 """
@@ -26,9 +26,9 @@ from refmla.attended import Attended
 from refmla.capture import write_capture
 from refmla.control import mla_control_split
 from refmla.scales import Scales
-from refmla.synth.disagg_faults import DISAGG_FAULTS, Planted, World, lookup
-from refmla.synth.inputs import geometry_meta
-from refmla.synth.spec import SynthSpec
+from refmla.synthetic.disagg_faults import DISAGG_FAULTS, Planted, World, lookup
+from refmla.synthetic.inputs import geometry_meta
+from refmla.synthetic.spec import SynthSpec
 from refmla.util import cdiv
 
 
