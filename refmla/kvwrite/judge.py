@@ -63,6 +63,21 @@ def _observed(cap: KvWriteCapture, mm: Mismatch, explain_failures: bool) -> Back
     return entry
 
 
+# the writer hypotheses that are the contract between writer and reader, not a writer's own slip
+BYTES_CONTRACT = {"kv_fp8_encoding_mismatch": "kv_contract", "kv_cast_overflow": "kv_saturated"}
+
+
+def bytes_headline(cap: KvWriteCapture, e) -> str:
+    """The report's first words when the bytes' encoding or the cast's range explains the rows."""
+    d = e.detail
+    if e.hypothesis == "kv_fp8_encoding_mismatch":
+        return (f"kv_fp8_encoding_mismatch: the KV writer {cap.meta.writer} stored {d['written']} bytes into a pool "
+                f"read as {d['read']} (a value read is {d['read_over_written']} times the one written)")  # fmt: skip
+    return (f"kv_cast_overflow: the scale {d['scale']:g} is too small for {d['kv_dtype']}: {d['elements']} element(s) "
+            f"past its range, and the writer's cast ({d['cast']}) stored {d['stored_nan']} of them as NaN where a "
+            f"saturating writer stores +-{fp8_max(d['kv_dtype']):g}")  # fmt: skip
+
+
 def judge_kv_write(cap: KvWriteCapture, opts: Any = None) -> ReplayReport:
     """The report of a readable capture (module docstring); ``opts`` a ReplayOptions (its ``explain``)."""
     explain_failures = getattr(opts, "explain", True)
@@ -84,6 +99,12 @@ def judge_kv_write(cap: KvWriteCapture, opts: Any = None) -> ReplayReport:
         why = f"; {e.text()}" if e is not None else "; no simple writer mistake reproduces them"
         report.verdict, report.diagnosis, report.diagnosis_backends = "diverged", "kv_writer", ["observed"]
         report.diagnosis_text = f"the KV writer {cap.meta.writer} stored rows that are not the documented ones: {observed.reason}{why}"
+        if e is not None and e.hypothesis in BYTES_CONTRACT:
+            report.diagnosis = BYTES_CONTRACT[e.hypothesis]
+            report.diagnosis_text = bytes_headline(cap, e) + f" ({observed.reason}; {e.text()})"
+            if e.hypothesis == "kv_cast_overflow" and sat:
+                findings[-1].message = findings[-1].message.replace("stored saturated", "stored as NaN by torch's cast")
+                report.metadata.warnings[-1] = findings[-1].message
     elif sat:
         report.verdict, report.diagnosis = "diverged", "kv_saturated"
         report.diagnosis_text = (f"the writer stored what it was given, but the scale {cap.scale_value():g} is too "
