@@ -204,3 +204,37 @@ def test_v4_pages_written_e4m3fn_read_e4m3fnuz_replay_as_the_encoding_mismatch(t
     assert r.diagnosis == "kv_contract" and e.hypothesis == "kv_fp8_encoding_mismatch"
     assert (e.detail["written"], e.detail["read"]) == ("float8_e4m3fn", "float8_e4m3fnuz")
     assert "float8_e4m3fn bytes into a pool read as float8_e4m3fnuz" in r.diagnosis_text
+
+
+# --- SGLang's reserved slot 0: padding -------------------------------------------------------------
+
+
+def test_sglangs_reserved_slot_0_is_padding(tmp_path):
+    """A CUDA-graph batch's padded tokens go to slot 0, which SGLang's real scatter
+    (set_mla_kv_buffer_dcp_sharded_triton, reserved_skip_index 0) leaves as it was: padding, not
+    compared, noted; the same rows from a writer of another engine are a token not written."""
+    import refmla.hook
+    from refmla.hook.config import HookConfig
+
+    try:
+        pool = sglang_kit.mla_pool("bfloat16", size=48)
+    except sglang_kit.Unavailable as e:
+        pytest.skip(str(e))
+    g = torch.Generator().manual_seed(1)
+    nope, rope = torch.randn(4, 1, 512, generator=g).bfloat16(), torch.randn(4, 1, 64, generator=g).bfloat16()
+    refmla.hook.install(HookConfig(out_dir=str(tmp_path), backends=frozenset({"kvwrite"}), min_seq_len=0))
+    try:
+        pool.set_mla_kv_buffer(Layer(), torch.tensor([7, 3, 12, 0]), nope, rope)
+    finally:
+        refmla.hook.uninstall()
+    (f,) = sorted(tmp_path.glob("kvwrite-*.safetensors"))
+    r = replay_file(f, ReplayOptions())
+    assert r.verdict == "agree", r.diagnosis_text
+    (note,) = [x for x in r.metadata.findings if x.check == "padding_slot"]
+    assert note.severity == "note" and note.numbers["tokens"] == [3]
+    cap = read_kv_write(f)
+    t = {n: getattr(cap, n) for n in ("latent", "rope", "slots", "pool_slots", "rows_before", "rows_after")}
+    other = tmp_path / "other.safetensors"
+    write_kv_write(other, t, {**cap.meta.to_json(), "writer": "test.writer", "engine": None})
+    e = replay_file(other, ReplayOptions()).backends["observed"].explanation
+    assert e.hypothesis == "kv_tokens_not_written" and e.detail["tokens"] == [3] and e.detail["slots"] == [0]

@@ -29,7 +29,8 @@ def mismatch(cap: KvWriteCapture) -> Mismatch:
     ok = same_bytes(expected_pool(cap, rows), cap.rows_after)  # [N]
     pos = cap.positions()
     twice = {s for s, n in Counter(cap.slots.tolist()).items() if n > 1}
-    tokens = [t for t in range(cap.tokens) if not bool(ok[pos[t]]) and int(cap.slots[t]) not in twice]
+    skip = set(cap.padding_tokens())  # SGLang's reserved slot 0: padding, whatever it holds
+    tokens = [t for t in range(cap.tokens) if not bool(ok[pos[t]]) and int(cap.slots[t]) not in twice and t not in skip]
     written = set(pos.tolist())
     others = [p for p in range(cap.pool_slots.shape[0]) if p not in written and not bool(ok[p])]
     width = packed.written_width(cap) if cap.meta.packed else None
@@ -82,6 +83,10 @@ def judge_kv_write(cap: KvWriteCapture, opts: Any = None) -> ReplayReport:
     """The report of a readable capture (module docstring); ``opts`` a ReplayOptions (its ``explain``)."""
     explain_failures = getattr(opts, "explain", True)
     findings = [Finding("kv_write", "warning", w) for w in cap.warnings]
+    pad = cap.padding_tokens()
+    if pad:
+        findings.append(Finding("padding_slot", "note", f"{len(pad)} token(s) at SGLang's reserved slot 0 (padded "
+                                f"tokens of a CUDA-graph batch): not compared", numbers={"tokens": pad[:16]}))  # fmt: skip
     sat = saturated(cap)
     if sat:
         parts = ", ".join(f"{n} {part}" for part, n in sat.items())
@@ -91,7 +96,7 @@ def judge_kv_write(cap: KvWriteCapture, opts: Any = None) -> ReplayReport:
     mm = mismatch(cap)
     observed = _observed(cap, mm, explain_failures)
     report = ReplayReport(capture=cap.path, verdict="agree", diagnosis=None, mode=cap.meta.mode, meta=cap.meta,  # type: ignore[arg-type]
-                          metadata=MetadataReport(ok=True, warnings=[f.message for f in findings], findings=findings),
+                          metadata=MetadataReport(ok=True, warnings=[f.message for f in findings if f.severity == "warning"], findings=findings),
                           backends={"reference": REFERENCE, "observed": observed}, kind=cap.meta.mode,
                           diagnosis_backends=[])  # fmt: skip
     if observed.status == "fail":
