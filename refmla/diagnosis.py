@@ -111,7 +111,7 @@ class Diagnosis:
 
 NUMERICS = "numerics"  # the hypothesis family whose explanations make the diagnosis ``numerics``
 # the families whose explanations make the diagnosis ``kv_contract``: the bytes read another way (added)
-BYTES_CONTRACT = ("kv_fp8_encoding_mismatch", "kv_scale_format")
+BYTES_CONTRACT = ("kv_fp8_encoding_mismatch", "kv_scale_format", "kv_page_stride")
 MASKING = ("causal_alignment", "mask_wrong_request", "qlen_pow2_padding")  # the verify mask's families
 
 # verify captures: which backend stands for which path over the same KV
