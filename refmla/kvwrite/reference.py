@@ -7,7 +7,8 @@
                               aiter's quantize, SGLang's cast: ``x.to(fp8)``, its caller divided)
 
 :func:`written_rows` takes the variants the hypotheses try (the scale not applied, applied
-inverted) as a :class:`Variant`, so there is one writer model. A packed capture (meta
+inverted, another scale, another fp8 encoding, torch's own cast without saturation: NaN past the
+range on e4m3fnuz) as a :class:`Variant`, so there is one writer model. A packed capture (meta
 ``kv_layout``) has its own exact rule, per tile (refmla.kvwrite.packed): its documented token rows
 come from there, and its saturation is none (each tile's scale covers its amax).
 """
