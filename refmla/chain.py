@@ -11,6 +11,12 @@ tp_rank, step) whose written slots the decode attends (its physical slots, ``ori
     the writer's pool dtype is another than the decode capture's KV dtype: the contract's (the two
       sides disagree on the encoding)
 
+And a writer call that wrote none of its rows (``kv_tokens_not_written``, every token) is linked to
+the writer capture of another layer of the same (tp_rank, step) whose kept rows at those slots (before
+or after its own call) hold exactly this call's documented rows: ``kv_written_to_other_layer``
+(``layer``, ``writer_capture``, ``rows``: which of its rows held them), the call's rows written
+into another layer's buffer.
+
 The decode report's diagnosis becomes ``kv_contract`` (or keeps it) with a text naming the writer's
 capture and whose it is; a metadata finding ``kv_writer_link`` (``writer``, ``slots``, ``whose``)
 records the link. Nothing here raises into the reports: a link that cannot be read is skipped.
@@ -20,9 +26,13 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from refmla.capture import read_capture
 from refmla.kvwrite.io import read_kv_write
-from refmla.results import Finding, ReplayReport
+from refmla.kvwrite.judge import mismatch
+from refmla.kvwrite.reference import same_bytes
+from refmla.results import Alternative, Explanation, Finding, ReplayReport
 from refmla.util import dtype_name
 
 ENCODING = "kv_fp8_encoding_mismatch"
@@ -82,8 +92,47 @@ def _apply(r: ReplayReport, w: ReplayReport, whose: str, sentence: str, slots: l
     r.metadata.warnings.append(sentence)
 
 
+def link_layers(reports: list[ReplayReport]) -> None:
+    """``kv_written_to_other_layer`` for each writer call whose rows went to another layer's buffer
+    (module docstring); its report's explanation and text say which layer."""
+    writes = [r for r in reports if r.kind == "kv_write" and r.verdict in ("agree", "diverged") and r.meta is not None]
+    for r in writes:
+        e = r.backends["observed"].explanation if r.verdict == "diverged" else None
+        if e is None or e.hypothesis != "kv_tokens_not_written" or not e.detail.get("every_token"):
+            continue
+        for o in writes:
+            if o is r or o.meta.layer_id == r.meta.layer_id or (o.meta.tp_rank, o.meta.step) != (r.meta.tp_rank, r.meta.step):
+                continue
+            try:
+                found = _other_layer(r, o)
+            except Exception:  # an aid across captures: never the cost of the reports themselves
+                continue
+            if found is not None:
+                found.other_causes.append(Alternative(e.hypothesis, e.detail, None, 0.0))
+                r.backends["observed"].explanation = found
+                r.diagnosis_text = (f"kv_written_to_other_layer: the KV writer {r.meta.writer} wrote this call's rows "
+                                    f"into layer {o.meta.layer_id}'s buffer ({o.capture}); {r.diagnosis_text}")  # fmt: skip
+                break
+
+
+def _other_layer(r: ReplayReport, o: ReplayReport) -> Optional[Explanation]:
+    cap, other = read_kv_write(r.capture), read_kv_write(o.capture)
+    if other.meta.kv_dtype != cap.meta.kv_dtype or other.rows_after.shape[1] != cap.rows_after.shape[1]:
+        return None
+    kept = other.pool_slots.tolist()
+    if not all(int(s) in kept for s in cap.slots.tolist()):
+        return None
+    rows = mismatch(cap).rows  # [T, D] this call's documented rows
+    at = torch.tensor([kept.index(int(s)) for s in cap.slots.tolist()])
+    for name in ("rows_before", "rows_after"):
+        if bool(same_bytes(getattr(other, name)[at], rows).all()):
+            return Explanation("kv_written_to_other_layer", None, {"layer": other.meta.layer_id, "writer_capture": o.capture,
+                               "rows": name, "tokens": list(range(cap.tokens)), "slots": cap.slots.tolist()}, 0.0)  # fmt: skip
+    return None
+
+
 def _few(slots: list[int]) -> str:
     return ", ".join(map(str, slots[:8])) + (", ..." if len(slots) > 8 else "")
 
 
-__all__ = ["link_writers"]
+__all__ = ["link_layers", "link_writers"]

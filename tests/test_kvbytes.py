@@ -11,6 +11,7 @@ by refmla's reference."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 
 import pytest
@@ -238,3 +239,45 @@ def test_sglangs_reserved_slot_0_is_padding(tmp_path):
     write_kv_write(other, t, {**cap.meta.to_json(), "writer": "test.writer", "engine": None})
     e = replay_file(other, ReplayOptions()).backends["observed"].explanation
     assert e.hypothesis == "kv_tokens_not_written" and e.detail["tokens"] == [3] and e.detail["slots"] == [0]
+
+
+# --- a call written into another layer's buffer (refmla.chain.link_layers) -------------------------
+
+
+def test_a_call_written_into_another_layers_buffer_is_named_with_the_layer(tmp_path, capsys):
+    """Layer 1's call writes its rows into layer 2's buffer (the test's planted loop); layer 2's own
+    call then captures those rows before overwriting them: replayed together, layer 1's capture
+    names layer 2."""
+    from refmla.batch import replay_many
+    from refmla.chain import link_layers
+
+    g = torch.Generator().manual_seed(4)
+    pools = {layer: torch.randn(64, 576, generator=g).bfloat16() for layer in (1, 2)}
+    slots = torch.tensor([5, 17, 40])
+    keep = torch.unique(torch.cat([slots - 1, slots, slots + 1]))
+    paths = []
+    for layer, into in ((1, 2), (2, 2)):  # layer 1's writer indexes layer 2's buffer
+        kv_c, k_pe = torch.randn(3, 512, generator=g).bfloat16(), torch.randn(3, 64, generator=g).bfloat16()
+        before = pools[layer][keep].clone()
+        for i, s in enumerate(slots.tolist()):
+            pools[into][s] = torch.cat([kv_c[i], k_pe[i]])
+        path = tmp_path / f"kvwrite-L{layer}.safetensors"
+        write_kv_write(path, {"latent": kv_c, "rope": k_pe, "slots": slots, "pool_slots": keep, "rows_before": before,
+                              "rows_after": pools[layer][keep].clone()},
+                       {"mode": "kv_write", "writer": "vllm.concat_and_cache_mla", "kv_dtype": "bfloat16",
+                        "kv_lora_rank": 512, "qk_rope_head_dim": 64, "layer_id": layer, "tp_rank": 0, "step": 3})  # fmt: skip
+        paths.append(str(path))
+    reports = replay_many(paths, ReplayOptions())
+    assert reports[0].backends["observed"].explanation.hypothesis == "kv_tokens_not_written"
+    assert reports[1].verdict == "agree"
+    link_layers(reports)
+    e = reports[0].backends["observed"].explanation
+    assert e.hypothesis == "kv_written_to_other_layer" and e.detail["layer"] == 2 and e.detail["rows"] == "rows_before"
+    assert e.other_causes[0].hypothesis == "kv_tokens_not_written"
+    assert reports[0].diagnosis_text.startswith("kv_written_to_other_layer")
+    from refmla.cli import main as refmla_main
+
+    assert refmla_main(["replay", str(tmp_path), "--json"]) == 1  # the folder, as a user replays it
+    doc = json.loads(capsys.readouterr().out)
+    (first,) = [d for d in doc if d["capture"].endswith("kvwrite-L1.safetensors")]
+    assert first["backends"]["observed"]["explanation"]["hypothesis"] == "kv_written_to_other_layer"
