@@ -41,11 +41,23 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2)
 def search_encoding(s: Search) -> Optional[Explanation]:
     kv = s.cap.kv_buffer
     if kv.dtype not in FP8 or s.worst_request is None:
+        return None  # screened on the worst request first: two whole-output recomputes at most
+
+    b = s.worst_request
+    r = s.req(b)
+    if not r.L:
         return None
+
+    def screened(other: torch.dtype) -> bool:
+        """The worst request, its own rows decoded as ``other``, within SCREEN of its output."""
+        _, kvs = s.own_rows(b)
+        read = kvs.contiguous().view(torch.uint8).view(other)  # [L, D]
+        exp, _ = s.attend_kv(b, read.double(), read, r.vis)
+        return rescore(s, b, exp) < SCREEN
 
     def candidates() -> Iterator[Candidate]:
         for other in FP8:
-            if other == kv.dtype:
+            if other == kv.dtype or not screened(other):
                 continue
             read = kv.view(torch.uint8).view(other)  # the same bytes, decoded the other way
             cap = copy.copy(s.cap)
