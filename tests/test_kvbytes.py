@@ -100,6 +100,23 @@ def test_a_scale_of_another_value_is_named_with_its_ratio(tmp_path, ratio):
     assert e.hypothesis == "kv_scale_other_value" and e.detail["ratio"] == pytest.approx(ratio, rel=1e-6)
 
 
+def _high_half(x: float) -> float:
+    """An fp32's high two bytes as a bf16 (its mantissa truncated), by this file's own arithmetic."""
+    import struct
+
+    return struct.unpack("<f", struct.pack("<I", struct.unpack("<I", struct.pack("<f", x))[0] & 0xFFFF0000))[0]
+
+
+@pytest.mark.parametrize("read,value", [("ue8m0", 2.0**-6), ("bf16", _high_half(0.0131))])
+def test_a_writer_that_read_its_fp32_scale_as_another_format_is_named(tmp_path, read, value):
+    """The writer was given 0.0131 (fp32) and divided by its UE8M0 power of two rounded up (2^-6) or
+    by the fp32's high half read as a bf16."""
+    case = WriterCase(scale=0.0131, scale_used=value)
+    e = replay_file(vllm_loop(case, tmp_path / "w.safetensors"), ReplayOptions()).backends["observed"].explanation
+    assert e.hypothesis == "kv_scale_format" and e.detail["read"] == read and e.detail["stored"] == "fp32"
+    assert e.detail["value_read"] == value
+
+
 def test_tokens_left_unwritten_are_named_which(tmp_path):
     e = replay_file(vllm_loop(WriterCase(skip=(2, 4)), tmp_path / "w.safetensors"), ReplayOptions()).backends["observed"].explanation
     assert e.hypothesis == "kv_tokens_not_written" and e.detail["tokens"] == [2, 4] and not e.detail["every_token"]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import struct
 from typing import Iterator, Optional
 
 import torch
@@ -31,6 +30,7 @@ from refmla.hypotheses.drivers import global_hypothesis, rescore
 from refmla.hypotheses.scalars import full_under, worst_out
 from refmla.hypotheses.search import SCREEN, Candidate, Search
 from refmla.results import Explanation
+from refmla.scales import read_as
 from refmla.util import dtype_name
 
 ENCODING = "kv_fp8_encoding_mismatch"
@@ -67,28 +67,6 @@ def search_encoding(s: Search) -> Optional[Explanation]:
                             capture_control(cap, s.dtype)[0])  # fmt: skip
 
     return global_hypothesis(s, ENCODING, candidates())
-
-
-def _fp32_bits(x: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", x))[0]
-
-
-def read_as(x: float) -> list[tuple[str, str, float]]:
-    """(read, how, value) for each way a kernel may read the fp32 scale ``x``'s bytes; the values that
-    differ from ``x`` and are finite and positive."""
-    bits = _fp32_bits(x)
-    as_bf16 = lambda b: torch.tensor([b], dtype=torch.int16).view(torch.bfloat16).item()  # noqa: E731
-    e = (bits >> 23) & 0xFF
-    ways = [("bf16", "its high half (truncated)", as_bf16(struct.unpack("<h", struct.pack("<H", bits >> 16))[0])),
-            ("bf16", "its low half", as_bf16(struct.unpack("<h", struct.pack("<H", bits & 0xFFFF))[0])),
-            ("ue8m0", "its exponent (rounded down to a power of two)", 2.0 ** (e - 127)),
-            ("ue8m0", "rounded up to a power of two", 2.0 ** (e - 127 + (1 if bits & 0x7FFFFF else 0))),
-            ("ue8m0", "its first byte as the exponent", 2.0 ** ((bits & 0xFF) - 127))]  # fmt: skip
-    out = []
-    for read, how, v in ways:
-        if v == v and 0 < v < float("inf") and v != x and all(v != w for _, _, w in out):
-            out.append((read, how, float(v)))
-    return out
 
 
 def search_format(s: Search) -> Optional[Explanation]:

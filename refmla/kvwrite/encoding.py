@@ -10,6 +10,8 @@ the rows bit for bit, never within a tolerance:
     kv_cast_overflow          the rows are torch's own cast of the scaled row, x.to(fp8) without
                               saturation: past the range torch's e4m3fnuz cast gives NaN (torch 2.13:
                               from 248 up) where e4m3fn's saturates; the scale is too small
+    kv_scale_format           fp8: divided by the recorded fp32 scale read as bf16 or UE8M0
+                              (refmla.scales.read_as: ``read``, ``how``, ``value_read``)
     kv_scale_other_value      fp8: the rows are the inputs divided by another scale (``ratio`` times
                               the one recorded; 2x, 448/240, a calibration's other value)
 
@@ -29,6 +31,7 @@ from refmla.kvwrite import packed
 from refmla.kvwrite.format import KvWriteCapture
 from refmla.kvwrite.reference import Variant, fp8_max, is_fp8, same_bytes, scaled_input, written_rows
 from refmla.results import Explanation
+from refmla.scales import read_as
 
 ENCODINGS = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2")
 PACKED_ENCODINGS = ("float8_e4m3fn", "float8_e4m3fnuz")  # a V4 page's nope part (refmla.sparse.layouts)
@@ -117,6 +120,11 @@ def scale_other_value(cap: KvWriteCapture, mm) -> Optional[Explanation]:
     """The differing rows divided by ``ratio`` times the recorded scale (estimated from the bytes)."""
     if cap.meta.packed or not is_fp8(cap.meta.kv_dtype) or not mm.tokens or mm.others:
         return None
+    s = cap.scale_value()
+    for read, how, value in read_as(s) if s != 1.0 else ():  # the recorded fp32 scale read in another format
+        if reproduces(cap, mm.tokens, rows_as(cap, Variant(scale_used=value))):
+            return _explained("kv_scale_format", {"scale": s, "stored": "fp32", "read": read, "how": how,
+                              "value_read": value, **_where(cap, mm.tokens)})  # fmt: skip
     for r in _ratios(cap, mm.tokens):
         if reproduces(cap, mm.tokens, rows_as(cap, Variant(ratio=r))):
             s = cap.scale_value()

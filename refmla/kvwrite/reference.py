@@ -30,6 +30,7 @@ class Variant:
 
     scale: str = "divide"  # "divide" (documented) | "none" (scale not applied) | "multiply" (inverted)
     ratio: float = 1.0  # the scale the writer used, as a multiple of the one it was given
+    scale_used: Optional[float] = None  # ... or outright (the given scale's bytes read as bf16 / UE8M0)
     encoding: Optional[str] = None  # the fp8 the row was stored in (None: the pool's meta kv_dtype)
     cast: str = "saturate"  # "saturate" (documented) | "torch": torch's own x.to(fp8), NaN past range on fnuz
 
@@ -51,7 +52,8 @@ def scaled_input(cap: KvWriteCapture, variant: Variant = DOCUMENTED) -> torch.Te
     x = torch.cat([p.to(torch.float32) for p in parts], dim=1)  # [T, D]
     if cap.meta.kv_dtype not in FP8:
         return x
-    s = torch.tensor(cap.scale_value(), dtype=torch.float32) * variant.ratio
+    given = cap.scale_value() if variant.scale_used is None else variant.scale_used
+    s = torch.tensor(given, dtype=torch.float32) * variant.ratio
     return {"divide": x / s, "none": x, "multiply": x * s}[variant.scale]
 
 
