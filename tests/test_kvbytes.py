@@ -115,6 +115,7 @@ def test_a_writer_that_read_its_fp32_scale_as_another_format_is_named(tmp_path, 
     e = replay_file(vllm_loop(case, tmp_path / "w.safetensors"), ReplayOptions()).backends["observed"].explanation
     assert e.hypothesis == "kv_scale_format" and e.detail["read"] == read and e.detail["stored"] == "fp32"
     assert e.detail["value_read"] == value
+    assert replay_file(str(tmp_path / "w.safetensors"), ReplayOptions()).diagnosis == "kv_contract"
 
 
 def test_tokens_left_unwritten_are_named_which(tmp_path):

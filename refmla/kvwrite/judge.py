@@ -65,7 +65,8 @@ def _observed(cap: KvWriteCapture, mm: Mismatch, explain_failures: bool) -> Back
 
 
 # the writer hypotheses that are the contract between writer and reader, not a writer's own slip
-BYTES_CONTRACT = {"kv_fp8_encoding_mismatch": "kv_contract", "kv_cast_overflow": "kv_saturated"}
+BYTES_CONTRACT = {"kv_fp8_encoding_mismatch": "kv_contract", "kv_scale_format": "kv_contract",
+                  "kv_cast_overflow": "kv_saturated"}  # fmt: skip
 
 
 def bytes_headline(cap: KvWriteCapture, e) -> str:
@@ -74,6 +75,9 @@ def bytes_headline(cap: KvWriteCapture, e) -> str:
     if e.hypothesis == "kv_fp8_encoding_mismatch":
         return (f"kv_fp8_encoding_mismatch: the KV writer {cap.meta.writer} stored {d['written']} bytes into a pool "
                 f"read as {d['read']} (a value read is {d['read_over_written']} times the one written)")  # fmt: skip
+    if e.hypothesis == "kv_scale_format":
+        return (f"kv_scale_format: the KV writer {cap.meta.writer} divided by its fp32 scale {d['scale']:g} read as "
+                f"{d['read']} ({d['how']}: {d['value_read']:g})")  # fmt: skip
     return (f"kv_cast_overflow: the scale {d['scale']:g} is too small for {d['kv_dtype']}: {d['elements']} element(s) "
             f"past its range, and the writer's cast ({d['cast']}) stored {d['stored_nan']} of them as NaN where a "
             f"saturating writer stores +-{fp8_max(d['kv_dtype']):g}")  # fmt: skip
