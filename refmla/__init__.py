@@ -48,6 +48,7 @@ copy of the layout (the README links here).
     merge/          the merge of attention pieces (mode merge): fp64 merge, merge mistakes, merge kernels
     pipeline.py     the one replay: capture -> backends -> comparison -> ReplayReport
     series.py       one layer and rank across decode steps
+    chain.py        a decode capture and its step's KV writer capture: the writer's or the contract's part
     batch.py        many captures, serial or in worker processes, with the same result
     inspection.py   `refmla inspect` entries
     diffkv/         prefill vs decode KV rows, bit for bit (transfer fidelity)

@@ -46,6 +46,14 @@ SCHEDULES = ("sglang", "uniform", "none")
 Q_ROUNDS = ("latent_to_pool", "keep", "whole_e4m3", "whole_to_pool")
 DEQUANTS = ("upcast", "to_q_dtype", "new_to_q_dtype")
 LSE_BASES = ("ln", "log2")
+# one base, two spellings (decode captures and backends say ln / log2, merge captures e / 2): either is
+# accepted wherever an lse base is read, and names the same base
+LSE_BASE_ALIASES = {"ln": "ln", "e": "ln", "log2": "log2", "2": "log2"}
+
+
+def lse_base_of(value) -> Optional[str]:
+    """The canonical name ("ln" | "log2") of an lse base in either spelling; None when it is neither."""
+    return LSE_BASE_ALIASES.get(value) if isinstance(value, str) else None
 
 
 @dataclass(frozen=True)
@@ -100,8 +108,7 @@ def producer_arithmetic(cap) -> Arithmetic:
     (SGLang's by default) with q quantized whole where the hook saw it go in as e4m3; the lse base
     of meta ``lse_base``."""
     m = cap.meta
-    base = m.extra.get("lse_base", "ln")
-    base = base if base in LSE_BASES else "ln"
+    base = lse_base_of(m.extra.get("lse_base", "ln")) or "ln"  # an unknown spelling is refused when read
     vllm = m.backend == "vllm_triton" or m.engine_backend == "TRITON_MLA"
     if not vllm and not cap.is_decode and m.backend in (None, "triton"):
         return dataclasses.replace(SGLANG_EXTEND, lse_base=base)
@@ -110,6 +117,7 @@ def producer_arithmetic(cap) -> Arithmetic:
     return Arithmetic(m.split_schedule or "sglang", q_round, "to_q_dtype" if vllm else "upcast", base)
 
 
-__all__ = ["Arithmetic", "DEQUANTS", "FLEX_ATTENTION", "FP8_E4M3", "FP8_E4M3_MAX", "quantize_q", "LSE_BASES", "Q_ROUNDS", "SCHEDULES", "SGLANG_EXTEND",
+__all__ = ["Arithmetic", "DEQUANTS", "FLEX_ATTENTION", "FP8_E4M3", "FP8_E4M3_MAX", "quantize_q", "LSE_BASES",
+           "LSE_BASE_ALIASES", "lse_base_of", "Q_ROUNDS", "SCHEDULES", "SGLANG_EXTEND",
            "SGLANG_TRITON", "UNSPLIT", "VLLM_TRITON",
            "producer_arithmetic"]  # fmt: skip

@@ -88,6 +88,10 @@ SENTENCES = {
         "verify ({verify}) and plain decode ({decode}) both diverge over the same KV: suspect the KV or the "
         "inputs they share (transfer, meta), not one kernel"
     ),
+    "kv_contract": (
+        "{hypothesis}: {bad} read the KV bytes another way than they were written ({detail}); the contract "
+        "between the KV writer and the reader is broken, not the attention math"
+    ),
     "numerics": (
         "the kernel computes the same attention with different rounding ({variants}); no data or "
         "metadata fault ({bad} outside the tolerance only through rounding)"
@@ -106,6 +110,8 @@ class Diagnosis:
 
 
 NUMERICS = "numerics"  # the hypothesis family whose explanations make the diagnosis ``numerics``
+# the families whose explanations make the diagnosis ``kv_contract``: the bytes read another way (added)
+BYTES_CONTRACT = ("kv_fp8_encoding_mismatch", "kv_scale_format", "kv_page_stride")
 MASKING = ("causal_alignment", "mask_wrong_request", "qlen_pow2_padding")  # the verify mask's families
 
 # verify captures: which backend stands for which path over the same KV
@@ -159,6 +165,10 @@ def diagnose(
     numeric = numeric_variants(failed, explained or {})
     if numeric:
         return _say("numerics", failed, variants=", ".join(numeric), bad=", ".join(failed))
+    contract = [(explained or {}).get(n) for n in failed]
+    if failed and all(c is not None and c[0] in BYTES_CONTRACT for c in contract):
+        detail = ", ".join(f"{k}={v}" for k, v in contract[0][1].items())
+        return _say("kv_contract", failed, hypothesis=contract[0][0], bad=", ".join(failed), detail=detail)
     ran = {n for n, s in statuses.items() if s in ("pass", "fail")}
     decode_ran = [n for n in statuses if n in ran and is_decode_kernel(n)]
     decode_bad = [n for n in decode_ran if n in failed]

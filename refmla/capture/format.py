@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from refmla import CAPTURE_FORMAT
+from refmla.arithmetic import LSE_BASE_ALIASES, lse_base_of
 from refmla.attended import Attended
 from refmla.capture.numbers import MAX_HEADS, MAX_KV_SPLITS, MAX_PAGE, META_NUMBERS, meta_number_problems
 from refmla.scales import Scales
@@ -160,6 +161,8 @@ def parse_meta(raw: Mapping[str, Any], path: Any = "<meta>") -> CaptureMeta:
         kw["rids"] = [str(r) for r in kw["rids"]]
         _check_unique_rids(kw["rids"], path)
     extra = {k: v for k, v in raw.items() if k not in META_KEYS and k != "format"}
+    if "lse_base" in extra and lse_base_of(extra["lse_base"]) is None:
+        raise _bad_key(path, "lse_base", f"must be one of {', '.join(LSE_BASE_ALIASES)}, got {extra['lse_base']!r}")
     return CaptureMeta(**kw, extra=extra)
 
 

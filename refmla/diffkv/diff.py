@@ -6,6 +6,8 @@
     compare    ``rows_differ`` per owner capture: memcmp per run contiguous in both pools, else
                chunked gathers; then ``row_stats`` of the mismatched rows only (a sparse cache's:
                of their decoded values, and which packed sections differ)
+    encoding   fp8 rows that differ in value but not in bytes: the sides' encodings differ
+               (``kv_fp8_encoding_mismatch`` in the result's notes)
     per request  positions compared, mismatched, first mismatch, mismatched pages (decode
                page_size), max abs difference, row norms of both sides, transfer runs (``runs``)
 """
@@ -43,7 +45,28 @@ def diff_kv(prefill: list[Capture], decode: Capture) -> DiffResult:
         index = _LazyIndex(prefill)
         entries = [_request_diff(p, cmp, prefill, decode, phys, index) for p in plan.requests]
         entries += [_unpaired(r) for r in pairing.requests if not r.paired]
+        notes += encoding_notes(cmp, prefill, decode)
         return _result(entries, pairing, prefill, decode, phys, notes + pairing.notes, plan.compared)
+
+
+def encoding_notes(cmp: "_Compared", prefill: list[Capture], decode: Capture) -> list[str]:
+    """``kv_fp8_encoding_mismatch`` where a prefill capture's fp8 dtype is not the decode's and every
+    row that differs in value holds the same bytes on both sides: the transfer copied the bytes
+    intact, the two sides read them in other encodings (written = the prefill's, read = the decode's)."""
+    d, out = decode.kv_buffer, []
+    for ci, c in enumerate(prefill):
+        if c.kv_buffer.dtype == d.dtype or c.kv_buffer.dtype.itemsize != 1 or d.dtype.itemsize != 1:
+            continue
+        sel = cmp.bad[cmp.p_cap[cmp.bad] == ci]
+        if not sel.numel():
+            continue
+        a = c.kv_buffer[cmp.p_row[sel]].contiguous().view(torch.uint8).reshape(sel.numel(), -1)
+        b = d[cmp.d_row[sel]].contiguous().view(torch.uint8).reshape(sel.numel(), -1)
+        if bool((a == b).all()):
+            out.append(f"kv_fp8_encoding_mismatch(written={dtype_name(c.kv_buffer.dtype)}, read={dtype_name(d.dtype)}): "
+                       f"the {sel.numel()} row(s) of {c.path} that differ in value hold the same bytes on both sides: "
+                       f"the transfer copied them intact, the two sides read them in other fp8 encodings")  # fmt: skip
+    return out
 
 
 # --------------------------------------------------------------------------------------------

@@ -36,8 +36,11 @@ report the first, in the table's order, that brings the backend's error back to 
                          "end", "to_request"}         to_request's output instead of its own
     partials_misaddressed {"stride", "axis", "side"}  stage 2 read (or stage 1 wrote) the partials at
                                                       another split / head stride
+    kv_fp8_encoding_mismatch {"written", "read"}      an fp8 pool read in another encoding (kv_bytes.py)
     kv_scale_misapplied {"scale", "applied"}          fp8 k_scale / v_scale applied twice, not at all, or
                                                       one in the other's place
+    kv_scale_format     {"scale", "stored", "read",   the fp32 dequant scale read as bf16 / UE8M0 (kv_bytes.py)
+                         "how", "value_read"}
     wrong_sm_scale      {"ratio": r}                  used r * sm_scale
     heads_folded        {"fold": f, "how"}            a folded launch (H / f heads per pseudo-row) unfolded
                                                       wrongly: mixed / transposed / zero / duplicated
@@ -78,7 +81,7 @@ The package (imports go down this list):
     numerics.py, verify.py
     (the speculative verify families), and the faults of real
     MLA kernels (refmla/synthetic/zoo.py plants them): pages.py (two families), empty_split.py,
-    overflow.py, kv_scale.py, rope.py, partials.py (three families of the split partials' plan),
+    overflow.py, kv_scale.py, kv_bytes.py, rope.py, partials.py (three families of the split partials' plan),
     misplaced.py (five families: KV read or output written in the
     wrong place), blocktable.py (three families of block-table kernels); stale.py (the newest row
     read as stale bytes, fitted: tried last)
@@ -105,7 +108,8 @@ import torch
 from refmla.compare import Comparison
 from refmla.context import ReplayContext
 from refmla.hypotheses import (
-    blocktable, empty_split, head_misaligned, heads_folded, kv_range, kv_scale, logit_cap, misplaced, numerics, overflow,
+    blocktable, empty_split, head_misaligned, heads_folded, kv_bytes, kv_range, kv_scale, logit_cap, misplaced, numerics,
+    overflow,
     pages, partials, rope, seq_len, sm_scale, split, stale, verify,
 )
 from refmla.hypotheses.search import Search, SearchFn
@@ -139,7 +143,9 @@ SEARCHES: dict[str, SearchFn] = {
     partials.REPEATED: partials.search_repeated,
     partials.MISROUTED: partials.search_misrouted,
     partials.MISADDRESSED: partials.search_misaddressed,
+    kv_bytes.ENCODING: kv_bytes.search_encoding,  # the bytes read in another fp8 encoding (K and V x 2 or / 2)
     kv_scale.NAME: kv_scale.search,
+    kv_bytes.FORMAT: kv_bytes.search_format,  # the fp32 scale read as bf16 / UE8M0
     sm_scale.NAME: sm_scale.search,
     heads_folded.NAME: heads_folded.search,  # a fold's patterns named before a bare head mapping
     head_misaligned.NAME: head_misaligned.search,

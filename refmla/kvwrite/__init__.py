@@ -7,6 +7,8 @@ Modules, imports going down this list:
     format.py      the capture: tensors, meta, KvWriteCapture and its validation (file + key on error)
     io.py          read / write (refmla.capture.kinds: lazy, validated, atomic)
     reference.py   the documented rows, exactly: bf16 cast, fp8 x / scale saturated, round to nearest even
+    encoding.py    the bytes' fp8 encoding, torch's cast past the range, another scale: the writer
+                   reference re-run the other way (kv_fp8_encoding_mismatch, kv_cast_overflow, ...)
     hypotheses.py  which writer mistake reproduces the differing rows bit for bit
     packed_hypotheses.py  the packed writer's: a tile's exponent off, the scale not applied, the rope
                    bytes elsewhere (and the shared row-to-other-slot / neighbour mechanisms)

@@ -43,6 +43,11 @@ FP8 = ("float8_e4m3fn", "float8_e4m3fnuz")
 # quantize + cache write), or its caller before the call (SGLang's MLA pool: the backend divides k by
 # layer.k_scale, the pool only casts) -- then the capture's inputs are already divided
 SCALE_APPLIED = ("writer", "caller")
+PADDING_SLOT = {"sglang": 0}  # the pool row SGLang reserves for padded tokens (never a request's)
+
+
+def _sglang(meta: "KvWriteMeta") -> bool:
+    return meta.engine == "sglang" or meta.writer.startswith("sglang.")
 
 
 @dataclass
@@ -166,6 +171,13 @@ class KvWriteCapture(KindCapture):
             return 1.0
         return float(self.scale.reshape(-1)[0])
 
+    def padding_tokens(self) -> list[int]:
+        """Tokens written to the engine's padding slot: SGLang's reserved slot 0 (the padded tokens of a
+        CUDA-graph batch write there, or a writer skips them); vLLM's -1 never reaches a capture."""
+        if not _sglang(self.meta) or not self.tokens:
+            return []
+        return [int(t) for t in (self.slots == PADDING_SLOT["sglang"]).nonzero()[:, 0]]
+
     def positions(self) -> torch.Tensor:
         """[T] the index into pool_slots of each token's slot."""
         return torch.searchsorted(self.pool_slots.long(), self.slots.long())
@@ -233,5 +245,5 @@ def describe(cap: KvWriteCapture) -> dict:
             **(packed.describe_packed(cap) if cap.meta.packed else {})}  # fmt: skip
 
 
-__all__ = ["FP8", "KV_DTYPES", "MODE", "SCALE_APPLIED", "TENSORS", "KvWriteCapture", "KvWriteMeta", "describe",
+__all__ = ["FP8", "KV_DTYPES", "MODE", "PADDING_SLOT", "SCALE_APPLIED", "TENSORS", "KvWriteCapture", "KvWriteMeta", "describe",
            "parse_kv_write_meta", "validate"]  # fmt: skip

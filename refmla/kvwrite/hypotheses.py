@@ -1,8 +1,13 @@
 """Which simple writer mistake explains rows that differ from the documented ones (each checked
 bit for bit, never within a tolerance), tried in this order:
 
+    kv_fp8_encoding_mismatch fp8: the rows in another fp8 encoding than the pool's (refmla.kvwrite.encoding)
+    kv_cast_overflow         fp8: torch's own cast past the range (NaN on e4m3fnuz), not saturation
     kv_scale_not_applied     fp8: the rows are the inputs rounded without dividing by the scale
     kv_scale_inverted        fp8: the inputs multiplied by the scale instead of divided
+    kv_scale_other_value     fp8: divided by another scale (its ratio to the recorded one)
+    kv_tokens_not_written    some tokens' rows (every token's: the call wrote elsewhere) left as they were
+    kv_rope_stale            the latent part written, the rope part left as it was
     kv_rope_offset           the rope part stored at another column than after the latent
     kv_row_to_other_slot     a token's row stored at another kept slot (its neighbour, ...)
     kv_neighbour_overwritten a row the call did not write changed (next to the slots it wrote)
@@ -18,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from refmla.kvwrite import encoding
 from refmla.kvwrite.format import FP8, KvWriteCapture
 from refmla.kvwrite.reference import Variant, same_bytes, written_rows
 from refmla.results import Explanation
@@ -49,6 +55,55 @@ def _scale(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:
         if bool(same_bytes(rows, cap.rows_after[pos]).all()):
             return _explained(name, {"scale": cap.scale_value(), "tokens": mm.tokens, "slots": mm.slots(cap)})
     return None
+
+
+def parts(cap: KvWriteCapture) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The (start, end) columns of a token row's latent part (packed: its nope bytes and exponents
+    together) and of its rope part."""
+    if cap.meta.packed:
+        from refmla.kvwrite import packed
+
+        lay = packed.layout_of(cap.meta.kv_layout)
+        return (0, lay.d_nope), (lay.d_nope, lay.data_bytes)
+    L = cap.meta.kv_lora_rank
+    return (0, L), (L, cap.meta.head_dim)
+
+
+def _cols(rows: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
+    return rows[:, span[0] : span[1]].contiguous()
+
+
+def _kept(cap: KvWriteCapture, mm: Mismatch, span: tuple[int, int]) -> torch.Tensor:
+    """[t] bool: each differing token's columns ``span`` hold what they held before the call."""
+    pos = cap.positions()[mm.tokens]
+    return same_bytes(_cols(cap.rows_after[pos], span), _cols(cap.rows_before[pos], span))
+
+
+def _not_written(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:
+    if not mm.tokens or mm.others:
+        return None
+    w = mm.width or cap.rows_after.shape[1]
+    if not bool(_kept(cap, mm, (0, w)).all()):
+        return None
+    every = len(mm.tokens) == cap.tokens
+    return _explained("kv_tokens_not_written", {"tokens": mm.tokens, "slots": mm.slots(cap), "every_token": every,
+                      "why": "the call wrote none of its rows here: another layer's buffer, or a write that never ran"
+                      if every else "these tokens' rows were skipped (a slot mapping that dropped them)"})  # fmt: skip
+
+
+def _rope_stale(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:
+    lat, rope = parts(cap)
+    if rope[1] <= rope[0] or not mm.tokens or mm.others:
+        return None
+    pos = cap.positions()[mm.tokens]
+    w = mm.width or cap.rows_after.shape[1]
+    rest = [(0, lat[1]), (rope[1], w)] if rope[1] < w else [(0, lat[1])]
+    ok = _kept(cap, mm, rope) & ~same_bytes(_cols(mm.rows[mm.tokens], rope), _cols(cap.rows_before[pos], rope))
+    for span in rest:
+        ok &= same_bytes(_cols(cap.rows_after[pos], span), _cols(mm.rows[mm.tokens], span))
+    if not bool(ok.all()):
+        return None
+    return _explained("kv_rope_stale", {"tokens": mm.tokens, "slots": mm.slots(cap), "rope_columns": list(rope)})
 
 
 def _rope_offset(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:
@@ -95,9 +150,11 @@ def _neighbours(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:
     return _explained("kv_neighbour_overwritten", {"slots": slots, "next_to_written_slot": next_to})
 
 
-HYPOTHESES = (_scale, _rope_offset, _other_slot, _neighbours)
+HYPOTHESES = (encoding.encoding_mismatch, encoding.cast_overflow, _scale, encoding.scale_other_value, _not_written,
+              _rope_stale, _rope_offset, _other_slot, _neighbours)  # fmt: skip
 # the mechanisms every layout shares (refmla.kvwrite.packed_hypotheses reuses them)
 row_to_other_slot, neighbour_overwritten, explained = _other_slot, _neighbours, _explained
+tokens_not_written, rope_stale = _not_written, _rope_stale
 
 
 def explain(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:
@@ -109,4 +166,5 @@ def explain(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:
     return None
 
 
-__all__ = ["HYPOTHESES", "Mismatch", "explain", "explained", "neighbour_overwritten", "row_to_other_slot"]
+__all__ = ["HYPOTHESES", "Mismatch", "explain", "explained", "neighbour_overwritten", "parts", "rope_stale",
+           "row_to_other_slot", "tokens_not_written"]  # fmt: skip

@@ -29,7 +29,8 @@ def mismatch(cap: KvWriteCapture) -> Mismatch:
     ok = same_bytes(expected_pool(cap, rows), cap.rows_after)  # [N]
     pos = cap.positions()
     twice = {s for s, n in Counter(cap.slots.tolist()).items() if n > 1}
-    tokens = [t for t in range(cap.tokens) if not bool(ok[pos[t]]) and int(cap.slots[t]) not in twice]
+    skip = set(cap.padding_tokens())  # SGLang's reserved slot 0: padding, whatever it holds
+    tokens = [t for t in range(cap.tokens) if not bool(ok[pos[t]]) and int(cap.slots[t]) not in twice and t not in skip]
     written = set(pos.tolist())
     others = [p for p in range(cap.pool_slots.shape[0]) if p not in written and not bool(ok[p])]
     width = packed.written_width(cap) if cap.meta.packed else None
@@ -63,10 +64,33 @@ def _observed(cap: KvWriteCapture, mm: Mismatch, explain_failures: bool) -> Back
     return entry
 
 
+# the writer hypotheses that are the contract between writer and reader, not a writer's own slip
+BYTES_CONTRACT = {"kv_fp8_encoding_mismatch": "kv_contract", "kv_scale_format": "kv_contract",
+                  "kv_cast_overflow": "kv_saturated"}  # fmt: skip
+
+
+def bytes_headline(cap: KvWriteCapture, e) -> str:
+    """The report's first words when the bytes' encoding or the cast's range explains the rows."""
+    d = e.detail
+    if e.hypothesis == "kv_fp8_encoding_mismatch":
+        return (f"kv_fp8_encoding_mismatch: the KV writer {cap.meta.writer} stored {d['written']} bytes into a pool "
+                f"read as {d['read']} (a value read is {d['read_over_written']} times the one written)")  # fmt: skip
+    if e.hypothesis == "kv_scale_format":
+        return (f"kv_scale_format: the KV writer {cap.meta.writer} divided by its fp32 scale {d['scale']:g} read as "
+                f"{d['read']} ({d['how']}: {d['value_read']:g})")  # fmt: skip
+    return (f"kv_cast_overflow: the scale {d['scale']:g} is too small for {d['kv_dtype']}: {d['elements']} element(s) "
+            f"past its range, and the writer's cast ({d['cast']}) stored {d['stored_nan']} of them as NaN where a "
+            f"saturating writer stores +-{fp8_max(d['kv_dtype']):g}")  # fmt: skip
+
+
 def judge_kv_write(cap: KvWriteCapture, opts: Any = None) -> ReplayReport:
     """The report of a readable capture (module docstring); ``opts`` a ReplayOptions (its ``explain``)."""
     explain_failures = getattr(opts, "explain", True)
     findings = [Finding("kv_write", "warning", w) for w in cap.warnings]
+    pad = cap.padding_tokens()
+    if pad:
+        findings.append(Finding("padding_slot", "note", f"{len(pad)} token(s) at SGLang's reserved slot 0 (padded "
+                                f"tokens of a CUDA-graph batch): not compared", numbers={"tokens": pad[:16]}))  # fmt: skip
     sat = saturated(cap)
     if sat:
         parts = ", ".join(f"{n} {part}" for part, n in sat.items())
@@ -76,7 +100,7 @@ def judge_kv_write(cap: KvWriteCapture, opts: Any = None) -> ReplayReport:
     mm = mismatch(cap)
     observed = _observed(cap, mm, explain_failures)
     report = ReplayReport(capture=cap.path, verdict="agree", diagnosis=None, mode=cap.meta.mode, meta=cap.meta,  # type: ignore[arg-type]
-                          metadata=MetadataReport(ok=True, warnings=[f.message for f in findings], findings=findings),
+                          metadata=MetadataReport(ok=True, warnings=[f.message for f in findings if f.severity == "warning"], findings=findings),
                           backends={"reference": REFERENCE, "observed": observed}, kind=cap.meta.mode,
                           diagnosis_backends=[])  # fmt: skip
     if observed.status == "fail":
@@ -84,6 +108,12 @@ def judge_kv_write(cap: KvWriteCapture, opts: Any = None) -> ReplayReport:
         why = f"; {e.text()}" if e is not None else "; no simple writer mistake reproduces them"
         report.verdict, report.diagnosis, report.diagnosis_backends = "diverged", "kv_writer", ["observed"]
         report.diagnosis_text = f"the KV writer {cap.meta.writer} stored rows that are not the documented ones: {observed.reason}{why}"
+        if e is not None and e.hypothesis in BYTES_CONTRACT:
+            report.diagnosis = BYTES_CONTRACT[e.hypothesis]
+            report.diagnosis_text = bytes_headline(cap, e) + f" ({observed.reason}; {e.text()})"
+            if e.hypothesis == "kv_cast_overflow" and sat:
+                findings[-1].message = findings[-1].message.replace("stored saturated", "stored as NaN by torch's cast")
+                report.metadata.warnings[-1] = findings[-1].message
     elif sat:
         report.verdict, report.diagnosis = "diverged", "kv_saturated"
         report.diagnosis_text = (f"the writer stored what it was given, but the scale {cap.scale_value():g} is too "

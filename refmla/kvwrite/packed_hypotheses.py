@@ -1,10 +1,15 @@
 """Which simple mistake of a packed writer (DeepSeek-V4's UE8M0 pages, meta ``kv_layout``) explains
 the token rows that differ from the documented ones, each checked bit for bit, tried in this order:
 
+    kv_fp8_encoding_mismatch  the pages written in the other fp8 encoding (e4m3fn <-> e4m3fnuz: the tile
+                              exponents from amax / 448 or / 240, the bytes in the other format;
+                              refmla.kvwrite.encoding)
+
     kv_scale_not_applied      a quantizing writer stored the latent rounded without the tile scales
                               (the exponent bytes documented, or 127: scale 1)
     kv_ue8m0_exponent_off     some tiles' exponent bytes differ from the documented ones, their fp8
                               bytes either as documented or requantized at the stored exponent
+    kv_tokens_not_written, kv_rope_stale  rows (or their rope bytes) left as they were (refmla.kvwrite.hypotheses)
     kv_rope_offset            the rope's 128 bytes at another byte offset of the token's data row
                               (or past it, into the next slot's row of the same page)
     kv_row_to_other_slot      a token's bytes stored at another kept slot (refmla.kvwrite.hypotheses)
@@ -21,7 +26,9 @@ import torch
 
 from refmla.kvwrite import packed
 from refmla.kvwrite.format import KvWriteCapture
-from refmla.kvwrite.hypotheses import Mismatch, explained, neighbour_overwritten, row_to_other_slot
+from refmla.kvwrite.encoding import encoding_mismatch
+from refmla.kvwrite.hypotheses import (Mismatch, explained, neighbour_overwritten, rope_stale, row_to_other_slot,
+                                       tokens_not_written)
 from refmla.results import Explanation
 
 
@@ -143,7 +150,8 @@ def _nope_kept(stream: torch.Tensor, nope: torch.Tensor, o: int, width: int) -> 
     return torch.equal(stream[: nope.shape[0]][keep], nope[keep])
 
 
-HYPOTHESES = (_scale_not_applied, _exponent_off, _rope_offset, row_to_other_slot, neighbour_overwritten)
+HYPOTHESES = (encoding_mismatch, _scale_not_applied, _exponent_off, tokens_not_written, rope_stale, _rope_offset,
+              row_to_other_slot, neighbour_overwritten)  # fmt: skip
 
 
 def explain_packed(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:

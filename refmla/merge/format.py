@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import torch
 
+from refmla.arithmetic import LSE_BASE_ALIASES, lse_base_of
 from refmla.capture.format import CaptureError
 from refmla.capture.kinds import KindCapture, KindMeta
 
@@ -30,6 +31,7 @@ MODE = "merge"
 TENSORS = {"out_a": True, "lse_a": True, "out_b": True, "lse_b": True, "out": True, "lse": False,
            "len_a": False, "len_b": False}  # fmt: skip
 LSE_BASES = ("e", "2")  # natural log (SGLang merge_state / _v2, vLLM merge_attn_states), log2 (FlashInfer, aiter)
+MERGE_SPELLING = {"ln": "e", "log2": "2"}  # a merge capture's meta says e / 2; ln / log2 are read as aliases
 OUT_DTYPES = {torch.bfloat16, torch.float16, torch.float32}
 
 
@@ -37,7 +39,7 @@ OUT_DTYPES = {torch.bfloat16, torch.float16, torch.float32}
 class MergeMeta(KindMeta):
     mode: str  # "merge"
     merger: str  # the merge wrapped, e.g. "sglang.merge_state", "vllm.merge_attn_states"
-    lse_base: str = "e"  # LSE_BASES: the base the merger's lse inputs and output are in
+    lse_base: str = "e"  # LSE_BASES: the base of the lse tensors the capture holds, as their producer wrote them
 
     def summary(self) -> str:
         return f"merger {self.merger}  lse base {self.lse_base}{self.where()}"
@@ -52,9 +54,11 @@ def merger_keys(raw: Any, path: Any, mode: str) -> dict:
         raise CaptureError(path, "meta key 'mode'", f"expected {mode!r}, got {raw.get('mode')!r}")
     if not isinstance(raw.get("merger"), str):
         raise CaptureError(path, "meta key 'merger'", "missing or not a string")
-    if raw.get("lse_base", "e") not in LSE_BASES:
-        raise CaptureError(path, "meta key 'lse_base'", f"expected 'e' or '2', got {raw.get('lse_base')!r}")
-    return {"mode": mode, "merger": raw["merger"], "lse_base": raw.get("lse_base", "e")}
+    base = lse_base_of(raw.get("lse_base", "e"))
+    if base is None:
+        raise CaptureError(path, "meta key 'lse_base'", f"expected one of {', '.join(LSE_BASE_ALIASES)} (e = ln, 2 = log2), "
+                           f"got {raw.get('lse_base')!r}")  # fmt: skip
+    return {"mode": mode, "merger": raw["merger"], "lse_base": MERGE_SPELLING[base]}
 
 
 def parse_merge_meta(raw: Any, path: Any) -> MergeMeta:

@@ -7,6 +7,7 @@ the one comparator against the output production wrote. Tried in this order:
     merge_piece_dropped      one piece left out (the output is the other piece alone)
     merge_lse_layout         the lse read as [H, T] when it is [T, H] (vLLM's layout against SGLang's)
     merge_lse_swapped        each piece's output weighted by the other piece's lse
+    merge_unnormalized       the weighted sum never divided by the weights' sum (weights exp(lse - max), or exp(lse))
 """
 
 from __future__ import annotations
@@ -64,7 +65,14 @@ def _swapped(cap: MergeCapture) -> Iterator[Variant]:
     yield "merge_lse_swapped", {}, p.with_(lse_a=p.lse_b, lse_b=p.lse_a)
 
 
-FAMILIES: tuple[Callable[[MergeCapture], Iterator[Variant]], ...] = (_base, _empty, _dropped, _layout, _swapped)
+def _unnormalized(cap: MergeCapture) -> Iterator[Variant]:
+    p = documented(cap)
+    for weights in ("exp(lse - max)", "exp(lse)"):
+        yield "merge_unnormalized", {"weights": weights}, p.with_(weights=weights)
+
+
+FAMILIES: tuple[Callable[[MergeCapture], Iterator[Variant]], ...] = (_base, _empty, _dropped, _layout, _swapped,
+                                                                     _unnormalized)  # fmt: skip
 
 
 def explain(cap: MergeCapture, tol: Tolerance) -> Optional[Explanation]:

@@ -15,7 +15,7 @@ from refmla.merge.backends import BACKENDS, Unavailable
 from refmla.merge.format import MergeCapture
 from refmla.merge.hypotheses import explain
 from refmla.merge.reference import control, reference
-from refmla.results import BackendEntry, Finding, LseCheck, MetadataReport, NoiseFloor, ReplayReport
+from refmla.results import BackendEntry, Explanation, Finding, LseCheck, MetadataReport, NoiseFloor, ReplayReport
 from refmla.util import dtype_name, error_text
 
 REFERENCE = BackendEntry("pass", max_abs_err=0.0, cos_diff=0.0, info={"accum_dtype": "float64", "what": "the truth"})
@@ -48,8 +48,25 @@ def merge_entry(name: str, cap: MergeCapture, out: torch.Tensor, lse: Optional[t
         entry.lse = lse_check(lse, ref[1], ctl[1], tol, request_of_row)
     entry.judge_parts()
     if entry.status == "fail" and explain_failures:
-        entry.explanation = explain(cap, tol)
+        entry.explanation = both_empty_nan(cap, out, ref, ctl, tol) or explain(cap, tol)
     return entry
+
+
+def both_empty_nan(cap: MergeCapture, out: torch.Tensor, ref, ctl, tol: Tolerance) -> Optional[Explanation]:
+    """``merge_both_empty_nan``: the output is NaN exactly where both pieces are empty (0 / 0: no guard for
+    max_lse = -inf, as SGLang's Triton merge) and agrees everywhere else; None otherwise."""
+    both = cap.empty("a") & cap.empty("b")  # [T, H]
+    if not bool(both.any()) or not bool(torch.isnan(out[both]).all()):
+        return None
+    nan = torch.tensor(float("nan"), dtype=torch.float64)
+    want = torch.where(both[..., None], nan, ref[0].double())
+    c = compare("both_empty_nan", out, want, torch.where(both[..., None], nan.to(ctl[0].dtype), ctl[0]), tol=tol)
+    if not c.passed:
+        return None
+    rows = sorted({int(t) for t in both.nonzero()[:, 0]})
+    return Explanation(hypothesis="merge_both_empty_nan", request=None, max_abs_err=c.max_abs_err,
+                       detail={"rows": rows[:16], "pairs": int(both.sum()),
+                               "why": "0 / 0: exp(lse - max) with max = -inf, no guard for two empty pieces"})  # fmt: skip
 
 
 def _kernel(name: str, cap: MergeCapture, ref, ctl, tol: Tolerance) -> BackendEntry:
@@ -61,6 +78,8 @@ def _kernel(name: str, cap: MergeCapture, ref, ctl, tol: Tolerance) -> BackendEn
     except Exception as e:  # a kernel that crashes is a finding
         return BackendEntry("error", reason=error_text(e))
     entry = merge_entry(name, cap, out, lse, ref, ctl, tol, False, {"lse_base": "e"})
+    if entry.status == "fail":
+        entry.explanation = both_empty_nan(cap, out, ref, ctl, tol)
     entry.seconds = round(time.perf_counter() - t0, 3)
     return entry
 
@@ -98,7 +117,12 @@ def judge_merge(cap: MergeCapture, opts: Any = None) -> ReplayReport:
     else:
         report.diagnosis = "merge_kernel"
         report.diagnosis_text = f"merge kernel(s) {', '.join(bad)} diverge from the fp64 merge while production's output agrees"
+    nan = [n for n in bad if entries[n].explanation is not None and entries[n].explanation.hypothesis == "merge_both_empty_nan"]
+    if nan:
+        d = entries[nan[0]].explanation.detail
+        report.diagnosis_text += (f"; {', '.join(nan)} give NaN on the {d['pairs']} (row, head) where both pieces are "
+                                  f"empty (rows {d['rows']}; {d['why']}), the documented row is out 0, lse -inf")  # fmt: skip
     return report
 
 
-__all__ = ["judge_merge", "lse_check", "merge_entry"]
+__all__ = ["both_empty_nan", "judge_merge", "lse_check", "merge_entry"]

@@ -5,7 +5,10 @@
     wa, wb   = exp(la - m), exp(lb - m)                      [T, H]
     out      = (wa * out_a + wb * out_b) / (wa + wb)         [T, H, D]
     lse      = m + ln(wa + wb), back in the merger's base    [T, H]
-    both empty (m = -inf): out 0, lse -inf
+    both empty (m = -inf): out 0, lse -inf (vLLM's torch and Triton merges; SGLang's Triton merge gives NaN)
+
+``Pieces.weights`` other than "normalized" is a merger that forgot to divide by wa + wb
+(``merge_unnormalized``).
 
 The reference runs it in fp64 on the documented inputs (an empty piece's lse is -inf whatever was
 recorded); the control runs it in fp32 and rounds ``out`` to the capture's dtype (the tolerance's
@@ -33,6 +36,7 @@ class Pieces:
     out_b: torch.Tensor
     lse_b: torch.Tensor
     base: str  # "e" | "2"
+    weights: str = "normalized"  # NORMALIZED; a mistaken merger's: "exp(lse - max)" | "exp(lse)", not divided by their sum
 
     def with_(self, **kw) -> "Pieces":
         return replace(self, **kw)
@@ -60,7 +64,11 @@ def merge(p: Pieces, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, 
     m0 = torch.where(empty, torch.zeros_like(m), m)
     wa, wb = torch.exp(la - m0), torch.exp(lb - m0)  # [T, H]
     se = wa + wb
-    out = (wa[..., None] * p.out_a.to(dtype) + wb[..., None] * p.out_b.to(dtype)) / se[..., None]  # [T, H, D]
+    if p.weights == "exp(lse)":  # the max never subtracted either
+        wa, wb = torch.exp(la), torch.exp(lb)
+    out = wa[..., None] * p.out_a.to(dtype) + wb[..., None] * p.out_b.to(dtype)  # [T, H, D]
+    if p.weights == "normalized":
+        out = out / se[..., None]
     out = torch.where(empty[..., None], torch.zeros_like(out), out)
     lse = torch.where(empty, m, m0 + torch.log(se)) / unit  # [T, H]
     return out, lse

@@ -14,6 +14,9 @@ the others that fit are alternatives.
     output_rows_permuted / other_rows_read        rows written to another request's row, an entry read at slot +- 1
                                                   (refmla.sparse.misplaced), when no whole-call mistake fits
     rope_wrong_bytes(offset)                      the rope section read 2 bytes early or late
+    kv_fp8_encoding_mismatch(written, read)       the caches' fp8 bytes read in the other encoding (e4m3fn <->
+                                                  e4m3fnuz: DeepSeek-V4 on MI300X), both caches
+    kv_page_stride(stride, page_stride)           the main cache's pages read at another stride (padded <-> unpadded)
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class Mistake:
     sink_terms: int = 1
     scale: float = 1.0  # the softmax scale used, as a ratio of the capture's
     why: Optional[str] = None  # what the mistake is, in words (wrong_sm_scale)
+    all_caches: bool = False  # ``decode`` applies to the extra cache too (an encoding is the pool's, not one cache's)
 
 
 MAX_CACHED_TOKENS = 1 << 17  # pools up to this many tokens are decoded once per search
@@ -90,7 +94,7 @@ def _attend(cap: SparseCapture, mk: Mistake, decoded: Decoded) -> SparseOutput:
     main_decode = mk.decode or decoded
 
     def decode(cache, layout, page, fp8, tokens):
-        return (main_decode if cache is cap.k_cache else decoded)(cache, layout, page, fp8, tokens)
+        return (main_decode if cache is cap.k_cache or mk.all_caches else decoded)(cache, layout, page, fp8, tokens)
 
     same = (decoded.base_keys is not None and mk.decode is None and rows.token.shape == base.token.shape
             and torch.equal(rows.token, base.token) and torch.equal(rows.pool_id, base.pool_id)
@@ -195,7 +199,37 @@ def mistakes(cap: SparseCapture) -> list[Mistake]:
                     for name, pools in caches]  # fmt: skip
     out += [Mistake("wrong_sm_scale", {"ratio": r}, scale=r, why=why) for r, why in scale_ratios(cap)]
     out += [Mistake("rope_wrong_bytes", {"offset": o}, decode=_rope_shifted(o)) for o in (-2, 2)]
+    other = "float8_e4m3fnuz" if m.kv_fp8_dtype == "float8_e4m3fn" else "float8_e4m3fn"
+    out.append(Mistake("kv_fp8_encoding_mismatch", {"written": m.kv_fp8_dtype, "read": other}, decode=_as_fp8(other),
+                       all_caches=True))  # fmt: skip
+    out += [Mistake("kv_page_stride", {"stride": w, "page_stride": int(cap.k_cache.shape[1]), "cache": "main"},
+                    decode=_strided(w)) for w in page_strides(cap)]  # fmt: skip
     return out
+
+
+def _as_fp8(fp8_read: str):
+    def decode(cache, layout, page, fp8, tokens):
+        return dequantize(cache, layout, page, fp8_read, tokens)
+
+    return decode
+
+
+def page_strides(cap: SparseCapture) -> list[int]:
+    """Page strides a kernel may assume instead of the cache's own: the page's bytes unpadded, or
+    padded to a multiple of 576 (V4's rule), where that is not the stride the cache has."""
+    lay, page, W = cap.meta.layout, cap.meta.page_size, int(cap.k_cache.shape[1])
+    tight = page * lay.bytes_per_token
+    return [w for w in dict.fromkeys((tight, -(-tight // 576) * 576)) if w != W]
+
+
+def _strided(stride: int):
+    def decode(cache, layout, page, fp8, tokens):
+        flat = cache.contiguous().view(torch.uint8).reshape(-1)
+        pages = -(-flat.numel() // stride)
+        padded = torch.cat([flat, flat.new_zeros(pages * stride - flat.numel())])
+        return dequantize(padded.view(pages, stride), layout, page, fp8, tokens)
+
+    return decode
 
 
 def explain(cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctrl: SparseOutput,
