@@ -60,6 +60,8 @@ class Backend:
     # True when run() allocates the kernel's output / scratch buffers itself and fills them with
     # ReplayOptions.buffer_fill (refmla sweep's NaN-fill check); False: the kernel allocates its own
     fills_buffers: bool = False
+    # the capture modes run() reads (a decode-only kernel: ("decode",)); () when it says at run time
+    modes: tuple[str, ...] = ()
 
     def availability(self) -> tuple[bool, str]:
         """(usable here, reason if not / version string if yes). Must never raise."""

@@ -1,7 +1,9 @@
 """The four checks every case is run through, per backend, each reported by name:
 
     reference  the output against the fp64 reference under the tolerance (refmla.compare, the
-               control's noise floor), buffers filled with 0 first
+               control's noise floor), buffers filled with 0 first; and the lse and the stage-1
+               split partials wherever the kernel returns them, judged as replay judges them
+               (refmla.splits.result_parts: at the lse base and split schedule it declares)
     nan_fill   the adapter's output and scratch buffers filled with NaN first: a value the kernel
                never wrote (a row, a split partial it reads) comes out NaN where the 0-filled run
                was finite (n/a for a backend whose kernel allocates its own buffers)
@@ -36,6 +38,8 @@ from refmla.golden.cases import GoldenCase
 from refmla.isolation import enabled, run_isolated
 from refmla.options import ReplayOptions
 from refmla.repeat import compare_runs
+from refmla.results import PART_NAMES
+from refmla.splits import result_parts
 from refmla.sweep.cases import capture_of, split_alternatives, with_splits
 from refmla.sweep.report import CheckOutcome
 from refmla.util import error_text
@@ -52,6 +56,7 @@ class Evidence:
     case: GoldenCase  # the case of that run (its split counts; a sparse case: refmla.sweep.sparse)
     arithmetic: Optional[Arithmetic] = None  # what the kernel declared (None: the capture producer's)
     lse: Optional[torch.Tensor] = None  # the sparse kernels' lse, kept in their capture
+    rerun: bool = False  # a part besides out failed: the capture's replay reruns the kernel
 
 
 @dataclass
@@ -121,12 +126,31 @@ class CaseChecks:
     def _evidence(self, res: BackendResult, case: GoldenCase) -> Evidence:
         return Evidence(res.out, res.num_kv_splits, case, res.arithmetic)
 
+    def parts(self, res: BackendResult) -> dict[str, Any]:
+        """The parts besides ``out`` that ``res`` returns (its lse, its split partials), judged as
+        replay judges them (refmla.splits.result_parts): part name -> its check."""
+        arith = res.arithmetic or self.ctx.producer
+        splits = res.num_kv_splits if res.num_kv_splits is not None else self.cap.num_kv_splits
+        mask = None if res.defines_empty_rows else ~self.ctx.empty_rows()
+        t0 = time.perf_counter()
+        split, lse = result_parts(self.ctx, res, arith, splits, mask)
+        self.timing.reference += time.perf_counter() - t0
+        return {name: c for name, c in (("lse", lse), ("attn_logits", split)) if c is not None}
+
     def _reference(self, backend: str, first: BackendResult):
         cmp = self.judge(backend, first, self.case)
-        if cmp.passed:
-            return CheckOutcome("reference", "pass", cmp.summary()), None
-        return (CheckOutcome("reference", "fail", "; ".join(cmp.reasons), {"comparison": cmp.to_json()}),
-                self._evidence(first, self.case))  # fmt: skip
+        parts = self.parts(first)
+        failed = {name: c for name, c in parts.items() if c.status == "fail"}
+        data = {name: c.to_json() for name, c in parts.items()}
+        if cmp.passed and not failed:
+            said = "".join(f"; {PART_NAMES[n]} pass" for n, c in parts.items() if c.status == "pass")
+            return CheckOutcome("reference", "pass", cmp.summary() + said, data), None
+        reasons = ([] if cmp.passed else ["; ".join(cmp.reasons)]) + [
+            f"{PART_NAMES[n]}: {c.reason or 'fail'}" for n, c in failed.items()]  # fmt: skip
+        data = {"comparison": cmp.to_json(), **data, "failed_parts": (["out"] if not cmp.passed else []) + list(failed)}
+        ev = self._evidence(first, self.case)
+        ev.rerun = bool(failed)  # the capture's out alone does not show a wrong lse or partial: replay reruns the kernel
+        return CheckOutcome("reference", "fail", "; ".join(reasons), data), ev
 
     def _nan_fill(self, backend: str, first: BackendResult):
         if not get_backend(backend).fills_buffers:

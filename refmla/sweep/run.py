@@ -33,7 +33,7 @@ from refmla.replay import replay_file
 from refmla.signals import ignore_sigint
 from refmla.sweep.cases import capture_meta, capture_of
 from refmla.sweep.checks import CHECKS, Evidence
-from refmla.sweep.kernels import availability
+from refmla.sweep.kernels import availability, not_read
 from refmla.sweep.report import BackendSweep, CaseResult, CheckOutcome, Finding, SweepReport, trigger
 from refmla.sweep.shrink import shrink
 from refmla.sweep.space import LAYOUTS, NOT_YET, Walk, restrict
@@ -64,6 +64,7 @@ class SweepConfig:
     # layout -> the backends it sweeps (refmla.sweep.kernels.LAYOUT_BACKENDS when --backend is not
     # given); None: every backend sweeps every walked layout it reads
     per_layout: Optional[dict] = None
+    allow_skip: bool = False  # a named backend (per_layout None) that does not run on a layout it reads: exit 0, not 3
 
     def check(self) -> None:
         """ValueError naming the first bad option (the CLI's exit 2)."""
@@ -149,7 +150,8 @@ class Sweeper:
         run_setup(cfg.setup)
         self.cfg = cfg
         self.report = SweepReport(cfg.seed, cfg.budget, cfg.repeat, cfg.jobs, list(cfg.layouts),
-                                  out_dir=str(cfg.out), not_walked=list(NOT_YET))  # fmt: skip
+                                  out_dir=str(cfg.out), not_walked=list(NOT_YET), asked=cfg.per_layout is None,
+                                  allow_skip=cfg.allow_skip)  # fmt: skip
         for name in cfg.backends:
             self.report.backends[name] = self.backend_sweep(name)
         self.walks = [Walk(layout, restrict(layout, cfg.space), cfg.seed) for layout in cfg.layouts]
@@ -159,15 +161,18 @@ class Sweeper:
     def backend_sweep(self, name: str) -> BackendSweep:
         """A backend's availability on each walked layout: available on one at least, the others
         in ``skipped_layouts`` with the reason (a sparse-only kernel on a dense layout, a layout's
-        kernel that is not among its defaults)."""
+        kernel that is not among its defaults); of those, the layouts it reads but cannot run on
+        here in ``not_run`` too."""
         per = {layout: availability(name, layout) for layout in self.cfg.layouts}
         for layout in self.cfg.layouts:
             if per[layout][0] and self.cfg.per_layout is not None and name not in self.cfg.per_layout.get(layout, ()):
                 per[layout] = (False, f"not among {layout}'s default kernels (name it with --backend)")
         usable = [why for ok, why in per.values() if ok]
+        unrun = {la: why for la, (ok, why) in per.items() if not ok and not_read(name, la) is None}
         if not usable:
-            return BackendSweep(name, available=False, reason="; ".join(dict.fromkeys(why for _, why in per.values())))
-        b = BackendSweep(name, available=True, reason="; ".join(dict.fromkeys(usable)))
+            reason = "; ".join(dict.fromkeys(why for _, why in per.values()))
+            return BackendSweep(name, available=False, reason=reason, not_run=unrun)
+        b = BackendSweep(name, available=True, reason="; ".join(dict.fromkeys(usable)), not_run=unrun)
         b.skipped_layouts = {layout: why for layout, (ok, why) in per.items() if not ok}
         return b
 
@@ -200,8 +205,8 @@ class Sweeper:
             key = (name, res.layout)
             if all(o.status == "skipped" for o in outcomes.values()):
                 self.skips[key] = self.skips.get(key, 0) + 1
-                if self.skips[key] >= SKIPS_TO_DROP:
-                    b.skipped_layouts[res.layout] = next(iter(outcomes.values())).detail
+                if self.skips[key] >= SKIPS_TO_DROP:  # it reads the layout and did not run: not a pass
+                    b.skipped_layouts[res.layout] = b.not_run[res.layout] = next(iter(outcomes.values())).detail
             else:
                 self.skips[key] = 0
 
@@ -317,7 +322,7 @@ class Sweeper:
         f.capture = str(path)
         f.replay_command = f"refmla replay {path} --backend {name}"
         try:
-            rerun = [name] if shrunk.evidence is None else []
+            rerun = [name] if shrunk.evidence is None or shrunk.evidence.rerun else []
             opts = replace(self.cfg.options(), backends=rerun)  # the sweep's wall-time limit: a kernel that spun spins again
             f.replay_verdict = replay_file(str(path), opts).verdict
         except Exception as e:
