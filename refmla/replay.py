@@ -48,7 +48,7 @@ from refmla.sparse.backends import KERNELS as SPARSE_KERNELS
 from refmla.sparse.format import SPARSE_MODE, SparseCapture
 from refmla.sparse.reference import SparseOutput, judge_lse, judge_out, rows_of, sparse_control, sparse_reference
 from refmla.sparse.validation import is_sparse_file, nonfinite_inputs, read_sparse
-from refmla.splits import result_parts
+from refmla.splits import compare_splits, result_parts  # (compare_splits: as before, importable from here)
 from refmla.util import dtype_name, error_text, callable_module
 
 

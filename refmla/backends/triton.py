@@ -98,26 +98,20 @@ _KNOWN = (
 )  # fmt: skip
 
 
-# decode_attention_fwd's documented parameter order (SGLang's releases with k_scale / v_scale, 0.4.x
-# to 0.5.23): a wrapper that hides the signature (``def f(*args, **kwargs)`` without functools.wraps)
-# is called with these, positionally; the later keyword parameters keep their defaults (has_mla:
-# V read from v_buffer, a view of the same rows; page_size 1: token slots, the same addressing)
-DOCUMENTED_ORDER = (
-    "q", "k_buffer", "v_buffer", "o", "kv_indptr", "kv_indices", "attn_logits", "attn_lse",
-    "num_kv_splits", "max_kv_splits", "sm_scale", "k_scale", "v_scale", "logit_cap",
-)  # fmt: skip
+# decode_attention_fwd's documented parameter order (SGLang 0.4.x to 0.5.23, with k_scale / v_scale): a
+# wrapper hiding the signature (no functools.wraps) gets these positionally; the later keywords keep their
+# defaults (has_mla: v_buffer is a view of the same rows; page_size 1: token slots, the same addressing)
+DOCUMENTED_ORDER = ("q", "k_buffer", "v_buffer", "o", "kv_indptr", "kv_indices", "attn_logits", "attn_lse",
+                    "num_kv_splits", "max_kv_splits", "sm_scale", "k_scale", "v_scale", "logit_cap")  # fmt: skip
 
 
 def kernel_call(fn: Callable, values: dict[str, Any]) -> tuple[list[Any], dict[str, Any], list[str]]:
-    """(positional, keyword arguments, notes) for ``fn``: by keyword from its signature
-    (:func:`build_kernel_kwargs`), or, where the signature cannot be read, by
-    :data:`DOCUMENTED_ORDER`, positionally."""
+    """(positional, keyword arguments, notes) for ``fn``: by keyword from its signature, or where
+    that cannot be read, positionally by :data:`DOCUMENTED_ORDER`."""
     why = unreadable_signature(fn)
     if why is None:
-        kwargs, notes = build_kernel_kwargs(fn, values)
-        return [], kwargs, notes
-    note = f"{why}: called by SGLang's documented parameter order ({', '.join(DOCUMENTED_ORDER)})"
-    return positional_for(fn, values, DOCUMENTED_ORDER), {}, [note]
+        return ([], *build_kernel_kwargs(fn, values))
+    return positional_for(fn, values, DOCUMENTED_ORDER), {}, [f"{why}: called by SGLang's documented parameter order"]
 
 
 def build_kernel_kwargs(fn: Callable, values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

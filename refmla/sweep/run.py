@@ -12,16 +12,19 @@ sparse capture, and ``refmla replay`` reads either.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing as mp
 import os
 import time
+import warnings
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from refmla.backends.triton_interp import ensure_interpreter
@@ -31,6 +34,7 @@ from refmla.options import ReplayOptions, bound_problem
 from refmla.progress import Progress
 from refmla.replay import replay_file
 from refmla.signals import ignore_sigint
+from refmla.sweep.bounds import Bounds, bounds_for
 from refmla.sweep.cases import capture_meta, capture_of
 from refmla.sweep.checks import CHECKS, Evidence
 from refmla.sweep.kernels import availability, not_read
@@ -40,6 +44,7 @@ from refmla.sweep.space import LAYOUTS, NOT_YET, Walk, restrict
 from refmla.sweep.sparse import SparseSweepCase, any_case, any_checks, write_sparse_capture
 from refmla.util import error_text
 
+SHRINK_SHARE = 0.15  # of the budget the walk leaves to shrinking once a check has failed
 SKIPS_TO_DROP = 2  # consecutive skipped cases after which a backend is dropped from a layout
 KERNEL_S_FLOOR = 120.0  # a forked kernel run is killed after max(this, budget / 5) seconds of wall time (it hangs)
 
@@ -65,6 +70,13 @@ class SweepConfig:
     # given); None: every backend sweeps every walked layout it reads
     per_layout: Optional[dict] = None
     allow_skip: bool = False  # a named backend (per_layout None) that does not run on a layout it reads: exit 0, not 3
+    sizes: Optional[str] = None  # the bounds' profile (refmla.sweep.bounds): cpu | gpu | production; None: where it runs
+    limits: dict = field(default_factory=dict)  # bound -> value (--max-length ...), over the profile's
+    bounds: Optional[Bounds] = None  # the bounds walked under (set from sizes and limits when the sweep starts)
+
+    def walk_bounds(self) -> Bounds:
+        """The bounds the walk keeps to: ``bounds`` where set, else ``sizes`` with ``limits``."""
+        return self.bounds or bounds_for(self.sizes, **self.limits)
 
     def check(self) -> None:
         """ValueError naming the first bad option (the CLI's exit 2)."""
@@ -77,8 +89,9 @@ class SweepConfig:
             raise ValueError(f"option jobs: {problem}")
         if self.max_shrink < 0:
             raise ValueError(f"option max_shrink: must be >= 0, got {self.max_shrink}")
+        bounds = self.walk_bounds()  # (ValueError for a bad profile or limit)
         for layout in self.layouts:
-            restrict(layout, self.space)
+            restrict(layout, self.space, bounds)
         for check in self.checks:
             if check not in CHECKS:
                 raise ValueError(f"option check: {check!r} is not one of {', '.join(CHECKS)}")
@@ -87,6 +100,15 @@ class SweepConfig:
         """The replay options every kernel run reads: production-width split buffers (no trim)."""
         return ReplayOptions(backends=list(self.backends), tol=self.tol, explain=False, trim=False,
                              kernel_seconds=max(KERNEL_S_FLOOR, self.budget / 5))  # past it: tried again, then an error
+
+
+@contextlib.contextmanager
+def quiet_interpreter():
+    """The Triton interpreter's numpy warnings kept out of the output: it evaluates masked-off lanes
+    too (-inf - -inf, x / 0) and the kernels discard those results."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"(triton|numpy)(\.|$)")
+        yield
 
 
 def run_setup(setup: Optional[str]) -> None:
@@ -98,7 +120,7 @@ def run_setup(setup: Optional[str]) -> None:
 
 def evaluate(layout: str, point: dict, index: int, cfg: SweepConfig, backends: Sequence[str]) -> CaseResult:
     """One case through every check of every backend in ``backends``."""
-    case = any_case(layout, point, cfg.seed, index)
+    case = any_case(layout, point, cfg.seed, index, cfg.walk_bounds())
     res = CaseResult(index, layout, point, case.params())
     checks = any_checks(case, cfg.options(), cfg.repeat)
     for b in backends:  # the reference is computed once, in the first backend's time
@@ -133,6 +155,7 @@ def _worker_init(threads: int, setup: Optional[str], gpu: Optional[tuple[str, st
         os.environ[gpu[0]] = gpu[1]
     ignore_sigint()
     ensure_interpreter()
+    quiet_interpreter().__enter__()  # for the worker's life
     torch.set_num_threads(max(1, threads))
     run_setup(setup)
 
@@ -148,13 +171,14 @@ class Sweeper:
     def __init__(self, cfg: SweepConfig):
         cfg.check()
         run_setup(cfg.setup)
-        self.cfg = cfg
+        cfg = self.cfg = replace(cfg, bounds=cfg.walk_bounds())  # once: every worker walks the same bounds
         self.report = SweepReport(cfg.seed, cfg.budget, cfg.repeat, cfg.jobs, list(cfg.layouts),
                                   out_dir=str(cfg.out), not_walked=list(NOT_YET), asked=cfg.per_layout is None,
                                   allow_skip=cfg.allow_skip)  # fmt: skip
         for name in cfg.backends:
             self.report.backends[name] = self.backend_sweep(name)
-        self.walks = [Walk(layout, restrict(layout, cfg.space), cfg.seed) for layout in cfg.layouts]
+        self.report.bounds = cfg.bounds.to_json()
+        self.walks = [Walk(layout, restrict(layout, cfg.space, cfg.bounds), cfg.seed, cfg.bounds) for layout in cfg.layouts]
         self.counters = {w.layout: 0 for w in self.walks}
         self.skips: dict[tuple[str, str], int] = {}
 
@@ -211,31 +235,44 @@ class Sweeper:
                 self.skips[key] = 0
 
     def walk(self) -> None:
-        t0 = time.monotonic()
-        done = lambda: (time.monotonic() - t0 >= self.cfg.budget or  # noqa: E731
-                        (self.cfg.max_cases is not None and len(self.report.cases) >= self.cfg.max_cases))
-        progress = Progress(max(2, int(self.cfg.budget)), unit="s")
+        """The cases within the budget: none starts past it (the last may finish); once a check has
+        failed, the walk leaves SHRINK_SHARE of the budget to shrinking (refmla.sweep.run.findings)."""
+        t0 = self.t0 = time.monotonic()
+
+        def done() -> bool:
+            if self.cfg.max_cases is not None and len(self.report.cases) >= self.cfg.max_cases:
+                return True
+            limit = self.cfg.budget * (1 - SHRINK_SHARE if self.failing() else 1)
+            return time.monotonic() - t0 >= limit
+
+        progress = Progress(self.cfg.max_cases or 2, unit="case")
         try:
-            if self.cfg.jobs <= 1:
-                for layout, point, index in self.points():
-                    if done():
-                        break
-                    self.record(evaluate(layout, point, index, self.cfg, self.active(layout)))
-                    self._tick(progress, t0)
-            else:
-                self._walk_parallel(done, progress, t0)
+            with quiet_interpreter():
+                if self.cfg.jobs <= 1:
+                    for layout, point, index in self.points():
+                        if done():
+                            break
+                        self.record(evaluate(layout, point, index, self.cfg, self.active(layout)))
+                        self._tick(progress, t0)
+                else:
+                    self._walk_parallel(done, progress, t0)
         finally:
             progress.close()
         self.report.walk_seconds = time.monotonic() - t0
         self.report.cases.sort(key=lambda c: (self.cfg.layouts.index(c.layout), c.index))
         self.report.pairs = {w.layout: [w.pairs_covered, w.pairs_total] for w in self.walks if w.pairs_total}
 
+    def failing(self) -> bool:
+        return any(o.failed for r in self.report.cases for oc in r.outcomes.values() for o in oc.values())
+
     def _tick(self, progress: Progress, t0: float) -> None:
-        target = min(progress.total, int(time.monotonic() - t0))
-        fails = len({(n, c) for r in self.report.cases for n, oc in r.outcomes.items() for c, o in oc.items() if o.failed})
-        while progress.done < target - 1:
-            progress.done += 1
-        progress.step(f"{len(self.report.cases)} cases, {fails} failing checks")
+        """One case done: the total is the cases the budget holds at the pace so far (``max_cases``
+        where it is smaller), never fewer than the cases done."""
+        n, elapsed = len(self.report.cases), time.monotonic() - t0
+        estimate = int(n * self.cfg.budget / elapsed) if elapsed > 0 else n
+        progress.retotal(max(n, min(estimate, self.cfg.max_cases or estimate)))
+        fails = len({(b, c) for r in self.report.cases for b, oc in r.outcomes.items() for c, o in oc.items() if o.failed})
+        progress.step(f"{n} cases, {fails} failing checks, {elapsed:.0f} of {self.cfg.budget:g} s")
 
     def _walk_parallel(self, done, progress: Progress, t0: float) -> None:
         """``jobs`` workers, each a one-process pool of its own: worker i holds GPU i mod the
@@ -294,9 +331,11 @@ class Sweeper:
         first = failing[0]
         f = Finding(name, check, first.outcomes[name][check].detail, first.index, first.layout, len(failing),
                     trigger=trigger(self.report.cases, name, check))  # fmt: skip
-        case = any_case(first.layout, first.point, self.cfg.seed, first.index)
+        case = any_case(first.layout, first.point, self.cfg.seed, first.index, self.cfg.bounds)
         try:
-            shrunk = shrink(case, name, check, self.cfg.options(), self.cfg.repeat, max_tries=self.cfg.max_shrink)
+            with quiet_interpreter():  # the budget's end: shrinking stops there (the capture is still written)
+                shrunk = shrink(case, name, check, self.cfg.options(), self.cfg.repeat, max_tries=self.cfg.max_shrink,
+                                deadline=getattr(self, "t0", time.monotonic()) + self.cfg.budget)  # fmt: skip
         except Exception as e:  # shrinking is an aid: the finding stands without it
             f.shrunk_detail = f"not shrunk: {error_text(e)}"
             return f
