@@ -6,7 +6,10 @@
                (refmla.splits.result_parts: at the lse base and split schedule it declares)
     nan_fill   the adapter's output and scratch buffers filled with NaN first: a value the kernel
                never wrote (a row, a split partial it reads) comes out NaN where the 0-filled run
-               was finite (n/a for a backend whose kernel allocates its own buffers)
+               was finite, again on a second NaN-filled run and never on a second 0-filled one
+               (else ``nondeterministic``: the fill does not decide it); n/a for a backend whose
+               kernel allocates its own buffers; buffers it allocates inside (aiter's partials)
+               are named as not poisoned
     repeat     N runs on the same inputs, compared bit for bit (refmla.repeat)
     splits     the kernel at two more split counts (1, and past every length: empty splits) where
                it takes one: failing at some counts and passing at others is an answer that moves
@@ -153,22 +156,35 @@ class CaseChecks:
         return CheckOutcome("reference", "fail", "; ".join(reasons), data), ev
 
     def _nan_fill(self, backend: str, first: BackendResult):
-        if not get_backend(backend).fills_buffers:
+        b = get_backend(backend)
+        if not b.fills_buffers:
             return CheckOutcome("nan_fill", "n/a", "the kernel allocates its own output and scratch buffers"), None
+        unpoisoned = f"; not poisoned: {b.unpoisoned}" if b.unpoisoned else ""
         poisoned = self.kernel(backend, self.case, math.nan)
+        leaked = self._leaked(poisoned, first)
+        n = int(leaked.sum())
+        if not n:
+            return CheckOutcome("nan_fill", "pass", "no value of the NaN fill reached the output" + unpoisoned), None
+        # the fill decides it only if a second NaN-filled run leaks the same values and a second
+        # 0-filled one does not: else the NaN came and went on its own (nondeterministic)
+        again, zero = self.kernel(backend, self.case, math.nan), self.kernel(backend, self.case, 0.0)
+        decided = torch.equal(self._leaked(again, first), leaked) and not bool(self._leaked(zero, first).any())
+        row, head, dim = (int(i) for i in leaked.nonzero()[0])
+        rows = int(leaked.any(dim=-1).any(dim=-1).sum())
+        where = f"{n} output values are NaN with NaN-filled buffers and finite with 0-filled ones, in {rows} row(s); " \
+                f"first at row {row} head {head} dim {dim}"  # fmt: skip
+        why = ": a value the kernel never wrote" if decided else (
+            "; not again on a rerun with the same fill, or NaN with 0-filled buffers too: nondeterministic, "
+            "not decided by the fill (see repeat)")  # fmt: skip
+        data = {"values": n, "rows": rows, "first": [row, head, dim], "kind": "unwritten" if decided else "nondeterministic"}
+        return CheckOutcome("nan_fill", "fail", where + why + unpoisoned, data), self._evidence(poisoned, self.case)
+
+    def _leaked(self, run: BackendResult, first: BackendResult) -> torch.Tensor:
+        """[R, H, Dv] values non-finite in ``run`` and finite in ``first`` (rows the kernel defines)."""
         keep = torch.ones(first.out.shape[0], dtype=torch.bool)
         if not first.defines_empty_rows:
             keep = ~self.ctx.empty_rows()
-        leaked = (~torch.isfinite(poisoned.out.float()) & torch.isfinite(first.out.float())) & keep[:, None, None]
-        n = int(leaked.sum())
-        if not n:
-            return CheckOutcome("nan_fill", "pass", "no value of the NaN fill reached the output"), None
-        row, head, dim = (int(i) for i in leaked.nonzero()[0])
-        rows = int(leaked.any(dim=-1).any(dim=-1).sum())
-        text = (f"{n} output values are NaN with NaN-filled buffers and finite with 0-filled ones, in {rows} "
-                f"row(s); first at row {row} head {head} dim {dim}: a value the kernel never wrote")  # fmt: skip
-        data = {"values": n, "rows": rows, "first": [row, head, dim]}
-        return CheckOutcome("nan_fill", "fail", text, data), self._evidence(poisoned, self.case)
+        return (~torch.isfinite(run.out.float()) & torch.isfinite(first.out.float())) & keep[:, None, None]
 
     def _repeat(self, backend: str, first: BackendResult):
         runs = [first] + [self.kernel(backend, self.case, 0.0) for _ in range(max(1, self.repeat - 1))]
