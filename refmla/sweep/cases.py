@@ -52,10 +52,12 @@ def _splits(value: str, lens: list[int], rng: random.Random) -> tuple[int, ...]:
 
 def first_length(layout: str, point: Mapping[str, Any], rng: random.Random, bounds: Bounds = CPU) -> int:
     """Request 0's length: the point's, its multiple ``k`` (of 32, or of the schedule's edge)
-    drawn from 1 2 4 8 among those that keep the case within ``bounds``."""
+    drawn from 1 2 4 8 among those that keep the case within ``bounds`` (its tiles, its longest length)."""
     P, tiles, unit = int(point["page"]), -(-int(point["heads"]) // 16), edge_unit(point, layout)
     value = str(point["length"])
-    fits = [k for k in (1, 2, 4, 8) if length_of(value, P, k, unit) * tiles <= bounds.tile_tokens] or [1]
+    fits = [k for k in (1, 2, 4, 8)
+            if length_of(value, P, k, unit) * tiles <= bounds.tile_tokens and length_of(value, P, k, unit) <= bounds.length]
+    fits = fits or [1]
     k = rng.choice((1, 2, 4, 8))  # drawn first whatever fits: the same cases as before where all do
     return length_of(value, P, k if k in fits else fits[-1], unit)
 

@@ -137,7 +137,7 @@ def feasible(p: Mapping[str, Any], layout: str = "decode", bounds: Bounds = CPU)
         topks = [p["topk"]] if "topk" in p else TOPKS
         return any(_sparse_fits(heads, batch, str(p.get("length", "0")), c, t, bounds) for c in caches for t in topks)
     length = length_of(str(p.get("length", "0")), int(p.get("page", 1)), 1, edge_unit(p, layout))
-    return batch * qlen * heads <= bounds.rows and length * -(-heads // 16) <= bounds.tile_tokens
+    return batch * qlen * heads <= bounds.rows and length * -(-heads // 16) <= bounds.tile_tokens and length <= bounds.length
 
 
 def _sparse_fits(heads: int, batch: int, length: str, cache: str, topk: int, bounds: Bounds = CPU) -> bool:
