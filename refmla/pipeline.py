@@ -56,7 +56,7 @@ from refmla.sparse.backends import declared_arithmetic
 from refmla.sparse.format import SPARSE_MODE, SparseCapture
 from refmla.sparse.reference import SparseOutput, judge_lse, judge_out, rows_of, sparse_control, sparse_reference
 from refmla.sparse.validation import is_sparse_file, nonfinite_inputs, read_sparse
-from refmla.splits import compare_lse, compare_splits
+from refmla.splits import compare_lse, compare_splits, result_parts
 from refmla.util import dtype_name, error_text
 
 
@@ -208,11 +208,7 @@ def run_backend(name: str, ctx: ReplayContext) -> BackendEntry:
         fail_with(entry, res.findings)
     if mask is not None and not bool(mask.all()):
         entry.info["not_compared"] = "rows of zero-length requests (this path leaves them undefined)"
-    if res.attn_logits is not None and res.attn_lse is not None and ctx.cap.is_decode:
-        entry.splits = compare_splits(ctx, res, arith)
-    if res.lse is not None:
-        ctl_lse = res.control_lse if res.control is not None else ctx.control_lse(judged_dtype(res.out.dtype), arith, splits)
-        entry.lse = compare_lse(ctx, res.lse, judged_dtype(res.out.dtype), row_mask=mask, control_lse=ctl_lse, arith=arith)
+    entry.splits, entry.lse = result_parts(ctx, res, arith, splits, mask)  # the sweep judges them the same way
     entry.judge_parts()  # a failing lse or split partial fails the backend
     if entry.status == "fail" and ctx.opts.explain:
         try:  # where it goes wrong, explained or not (refmla.localize): an aid, never the replay's cost

@@ -17,6 +17,7 @@ class Progress:
 
     def __init__(self, total: int, stream: Optional[TextIO] = None, unit: str = "capture"):
         self.total, self.done = total, 0
+        self.lines = total > 1  # one line per item when redirected (a total that moves: always)
         self.stream = stream if stream is not None else sys.stderr
         if isinstance(self.stream, PrintableStream):  # the bar's own \r and tqdm's cursor codes pass;
             self.stream = self.stream.stream  # the labels (file names) are escaped in step()
@@ -41,8 +42,14 @@ class Progress:
             bar = "#" * (20 * self.done // self.total)
             self.stream.write(f"\r[{bar:<20}] {self.done}/{self.total} {label[-50:]:<50}")
             self.stream.flush()
-        elif self.total > 1:
+        elif self.lines:
             self.stream.write(f"[{self.done}/{self.total}] {label}\n")
+
+    def retotal(self, total: int) -> None:
+        """A new total (an estimate that moved: the cases a sweep's budget holds), never below ``done``."""
+        self.total, self.lines = max(int(total), self.done, 1), True
+        if self._bar is not None:
+            self._bar.total = self.total
 
     def close(self) -> None:
         if self._bar is not None:

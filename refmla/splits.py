@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from refmla.arithmetic import Arithmetic
-from refmla.compare import Comparison, Worst, compare, judge_lse
+from refmla.compare import Comparison, Worst, compare, judge_lse, judged_dtype
 from refmla.context import ReplayContext
 from refmla.merging import LN2
 from refmla.results import LseCheck, SplitCheck
@@ -138,3 +138,19 @@ def compare_lse(
                         f"{float(got[r, h]):.6g} vs {float(want[r, h]):.6g})"
                         + (f", {nonfinite} NaN/Inf" if nonfinite else ""))  # fmt: skip
     return check
+
+
+def result_parts(ctx: ReplayContext, res, arith: Arithmetic, splits, row_mask=None) -> tuple[Optional[SplitCheck], Optional[LseCheck]]:
+    """(split partials, lse) of a BackendResult judged as replay judges them, None for a part the
+    kernel does not return: its stage-1 partials (decode) on the split schedule of ``arith``
+    (:func:`compare_splits`), its lse against the reference at ``arith``'s lse base and its control
+    over ``splits`` (:func:`compare_lse`; the backend's own control's lse where it brought one)."""
+    parts = None
+    if res.attn_logits is not None and res.attn_lse is not None and ctx.cap.is_decode:
+        parts = compare_splits(ctx, res, arith)
+    lse = None
+    if res.lse is not None:
+        dtype = judged_dtype(res.out.dtype)
+        ctl = res.control_lse if res.control is not None else ctx.control_lse(dtype, arith, splits)
+        lse = compare_lse(ctx, res.lse, dtype, row_mask=row_mask, control_lse=ctl, arith=arith)
+    return parts, lse

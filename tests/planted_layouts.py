@@ -56,9 +56,9 @@ QUICK_SPACE = {
 _DIR = Path(tempfile.mkdtemp(prefix="refmla-planted-layouts-"))
 
 
-def planted_module(plant: str):
-    """The installed kernel module with ``plant`` edited in, imported under a name of its own."""
-    module, func, old, new = PLANTS[plant]
+def planted_module(plant: str, plants: dict = PLANTS):
+    """The installed kernel module with ``plant`` (of ``plants``) edited in, imported under a name of its own."""
+    module, func, old, new = plants[plant]
     triton_interp.ensure_interpreter()
     src = inspect.getsource(importlib.import_module(module))
     start = src.index(f"def {func}(")
@@ -81,11 +81,11 @@ def planted_module(plant: str):
 class PlantedVllm(vt.VllmTritonBackend):
     """refmla's ``vllm_triton`` backend calling the planted copy of vLLM's kernel module."""
 
-    def __init__(self, plant: str):
-        self.plant = plant
+    def __init__(self, plant: str, plants: dict = PLANTS):
+        self.plant, self.plants = plant, plants
 
     def run(self, cap, opts):
-        mod = planted_module(self.plant)
+        mod = planted_module(self.plant, self.plants)
         located = vt.locate_vllm_kernel
         _, _, version = located()
         vt.locate_vllm_kernel = lambda: (mod.decode_attention_fwd, mod.__name__, f"{version} planted {self.plant}")

@@ -1,26 +1,32 @@
-"""A correct kernel not written here, as a backend the sweep can check: aiter's torch reference.
+"""Stand-in backends for the sweep's tests.
 
-``aiter_torch_ref`` runs :func:`refmla.synthetic.benign.fp32_einsum`, aiter's own torch reference
-written its way (op_tests/test_mla.py's torch_mla_extend: rows gathered as stored, an fp32 einsum
-per request, a causal bias, softmax, an fp32 einsum with V, one rounding) -- the stand-in
-tools/bench_diagnosis.py counts false alarms with. It reads kv_indptr / qo_indptr itself, not
-refmla.attended. A correct kernel: a sweep must find nothing in it.
+``aiter_peer_ref``: a correct kernel not written here -- aiter's own torch reference
+(``op_tests/test_mla.py::torch_mla_extend``), loaded at run time from the aiter checkout
+``$REFMLA_AITER_REPO`` names by tools/aiter_peer.py (nothing of aiter is copied into refmla).
+
+``aiter_torch_ref``: refmla's own rewrite of aiter's reference (:func:`refmla.synthetic.benign.fp32_einsum`:
+rows gathered as stored, an fp32 einsum per request, softmax, an fp32 einsum with V, one rounding),
+the stand-in tools/bench_diagnosis.py counts false alarms with. It is written here: a second
+formulation, not an independent check.
 """
 
 from __future__ import annotations
+
+import os
 
 import refmla.backends as backends
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 from refmla.synthetic.benign import fp32_einsum
 
 NAME = "aiter_torch_ref"
+PEER = "aiter_peer_ref"
 
 
 class AiterTorchRef(Backend):
     name = NAME
 
     def availability(self) -> tuple[bool, str]:
-        return True, "aiter's torch reference (fp32 einsum per request), refmla.synthetic.benign.fp32_einsum"
+        return True, "refmla's rewrite of aiter's torch reference (fp32 einsum per request), refmla.synthetic.benign.fp32_einsum"
 
     def run(self, cap, opts) -> BackendResult:
         if cap.custom_mask is not None:
@@ -30,11 +36,53 @@ class AiterTorchRef(Backend):
         return BackendResult(out=out, info={"what": "aiter torch reference"})
 
 
+class AiterPeerRef(Backend):
+    """aiter's own ``torch_mla_extend`` from the checkout ``$REFMLA_AITER_REPO`` names, on decode
+    captures (one query row per request, as aiter's tests call it). It takes no k_scale / v_scale
+    and no logit cap: points with them are n/a (``refuses``)."""
+
+    name = PEER
+
+    def _peer(self):
+        from helpers import load_tool
+
+        repo = os.environ.get("REFMLA_AITER_REPO")
+        if not repo:
+            raise BackendUnavailable("no aiter checkout: set REFMLA_AITER_REPO to one")
+        return load_tool("aiter_peer").load_aiter_peer(repo)
+
+    def availability(self) -> tuple[bool, str]:
+        try:
+            peer = self._peer()
+        except Exception as e:
+            return False, str(e)
+        return True, f"aiter's {peer.path}::torch_mla_extend {peer.commit}".strip()
+
+    def refuses(self, cap):
+        m = cap.meta
+        if m.mode != "decode":
+            return f"aiter's torch reference is called here as its tests call it for decode; this capture is {m.mode}"
+        if m.k_scale != 1.0 or m.v_scale != 1.0 or m.logit_cap > 0 or cap.kv_buffer.dtype.itemsize == 1:
+            return "aiter's torch reference takes no k_scale / v_scale, fp8 pool or logit cap"
+        return None
+
+    def run(self, cap, opts) -> BackendResult:
+        why = self.refuses(cap)
+        if why:
+            raise BackendUnavailable(why)
+        peer = self._peer()
+        out, lse = peer.decode(cap.q, cap.kv_buffer, cap.kv_indptr, cap.kv_indices.long(),
+                               kv_lora_rank=cap.meta.kv_lora_rank, sm_scale=cap.meta.sm_scale)  # fmt: skip
+        return BackendResult(out=out.to(cap.out_dtype), info={"what": f"aiter {peer.path}"},
+                             defines_empty_rows=not bool((cap.seq_lens == 0).any()))  # fmt: skip
+
+
 def install() -> None:
-    """Make ``aiter_torch_ref`` a backend name in this process (a sweep's ``setup``:
-    ``sweep_standins:install``, run again in every worker)."""
-    backends._CACHE[NAME] = AiterTorchRef()
-    backends._WHERE[NAME] = f"sweep_standins:{AiterTorchRef.__name__}"
+    """Make ``aiter_torch_ref`` and ``aiter_peer_ref`` backend names in this process (a sweep's
+    ``setup``: ``sweep_standins:install``, run again in every worker)."""
+    for cls in (AiterTorchRef, AiterPeerRef):
+        backends._CACHE[cls.name] = cls()
+        backends._WHERE[cls.name] = f"sweep_standins:{cls.__name__}"
 
 
 def record_gpu(folder: str) -> None:

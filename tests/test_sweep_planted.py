@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 
 import pytest
 
@@ -260,10 +261,11 @@ HOSTILE = ["heads=16,4", "batch=1,3", "length=0,page+1,32k-1", "page=1,16", "kv=
            "qlen=1,2", "splits=1,past"]  # fmt: skip
 
 
-def test_a_correct_kernel_not_written_here_passes_a_sweep(tmp_path, monkeypatch):
-    """aiter's torch reference (its own fp32 einsum, tests/sweep_standins.py) as a backend: hostile
-    points of decode and verify (empty and page-edge requests, fp8 with scales != 1, a logit cap,
-    empty splits), no false alarm under any check that applies."""
+def test_refmlas_rewrite_of_aiters_reference_passes_a_hostile_sweep(tmp_path, monkeypatch):
+    """refmla's own rewrite of aiter's torch reference (refmla.synthetic.benign.fp32_einsum, written
+    here: a second formulation, not an independent kernel) as a backend: hostile points of decode
+    and verify (empty and page-edge requests, fp8 with scales != 1, a logit cap, empty splits), no
+    false alarm under any check that applies."""
     import sweep_standins
 
     monkeypatch.setitem(backends._CACHE, sweep_standins.NAME, sweep_standins.AiterTorchRef())
@@ -276,6 +278,25 @@ def test_a_correct_kernel_not_written_here_passes_a_sweep(tmp_path, monkeypatch)
     assert {c.layout for c in rep.cases} == {"decode", "verify"}  # every value of the hostile axes was met
     assert {c.point["kv"] for c in rep.cases} == {"bfloat16", "float8_e4m3fnuz"}
     assert {c.point["cap"] for c in rep.cases} == {0.0, 30.0} and {c.point["length"] for c in rep.cases} >= {"0", "page+1"}
+
+
+@pytest.mark.skipif(not os.environ.get("REFMLA_AITER_REPO"), reason="no aiter checkout (set REFMLA_AITER_REPO)")
+def test_a_correct_kernel_not_written_here_passes_a_sweep(tmp_path, monkeypatch):
+    """aiter's own torch reference (op_tests/test_mla.py::torch_mla_extend, loaded at run time from
+    the checkout REFMLA_AITER_REPO names: code not written here) as a backend on hostile decode
+    points it takes (bf16, no scales, no cap: empty and page-edge requests, empty splits, heads
+    16 and 4): no false alarm, its output judged against the reference."""
+    import sweep_standins
+
+    monkeypatch.setitem(backends._CACHE, sweep_standins.PEER, sweep_standins.AiterPeerRef())
+    monkeypatch.setitem(backends._WHERE, sweep_standins.PEER, "sweep_standins:AiterPeerRef")
+    space = [*HOSTILE, "kv=bfloat16", "cap=0"]
+    rep = run_sweep(SweepConfig(backends=[sweep_standins.PEER], budget=600, out=str(tmp_path), max_cases=6,
+                                layouts=["decode"], space=space, max_shrink=0))  # fmt: skip
+    counts = rep.backends[sweep_standins.PEER].counts
+    assert rep.exit_code == 0 and len(rep.cases) == 6, [f.detail for f in rep.findings]
+    assert counts["reference"] == {"pass": 6} and counts["repeat"] == {"pass": 6}, counts
+    assert {c.point["length"] for c in rep.cases} >= {"0", "page+1"} and {c.point["heads"] for c in rep.cases} == {16, 4}
 
 
 @pytest.mark.slow

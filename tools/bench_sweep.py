@@ -2,7 +2,8 @@
 
     python tools/bench_sweep.py --backend triton --budget 300             # SGLang's kernel as installed
     python tools/bench_sweep.py --plant heads32 --budget 300              # the kernel with a planted fault
-    python tools/bench_sweep.py --backend flex --backend aiter_torch_ref  # correct kernels not written here
+    python tools/bench_sweep.py --backend flex --backend aiter_peer_ref   # correct kernels not written here
+                                                     # (aiter_peer_ref: REFMLA_AITER_REPO=/path/to/aiter)
     python tools/bench_sweep.py --backend vllm_triton --layout block_table  # vLLM's TRITON_MLA over block tables
     python tools/bench_sweep.py --backend triton --layout sparse          # SGLang's DeepSeek-V4 sparse kernel
     python tools/bench_sweep.py --plant tail_block --budget 300           # a fault in a new layout's kernel
@@ -12,12 +13,15 @@
 of tests/planted_sweep.py's faults edited into it at run time (each expected under its check), or,
 for a plant of tests/planted_layouts.py, the layout's kernel with it (split_floor: vLLM's
 TRITON_MLA, ``--layout block_table``; tail_block: SGLang's Triton sparse kernel, ``--layout sparse``);
-``aiter_torch_ref`` is aiter's torch reference as a stand-in backend (tests/sweep_standins.py).
+``aiter_peer_ref`` is aiter's own torch reference loaded from the checkout ``$REFMLA_AITER_REPO``
+names, ``aiter_torch_ref`` refmla's rewrite of it (tests/sweep_standins.py).
 Per backend: cases, cases per minute (of the walk's wall time, which the backends of one run share,
 and of the backend's own kernel + reference time), seconds in the kernel's runs (child processes included) and
 in the fp64 reference, the control and the comparisons, and every finding with its shrunk case.
 On a CPU-only machine the kernels run in the Triton interpreter: these are sweep times, not
-kernel performance; say "loaded" when other work shares the machine.
+kernel performance; say "loaded" when other work shares the machine. The space covered: per
+layout the value pairs of the planned space (under the bounds walked, ``--sizes``) the walk covered,
+and whether its first points (the largest, the schedule boundaries) were all walked.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # plante
 from refmla.render.sweep import render_sweep  # noqa: E402
 from refmla.sweep import SweepConfig, run_sweep  # noqa: E402
 
-STANDINS = {"aiter_torch_ref": "sweep_standins:install"}
+STANDINS = {"aiter_torch_ref": "sweep_standins:install", "aiter_peer_ref": "sweep_standins:install"}
 
 
 def main() -> int:
@@ -52,6 +56,7 @@ def main() -> int:
     p.add_argument("--max-shrink", type=int, default=16)
     p.add_argument("--out", default="/tmp/refmla-bench-sweep")
     p.add_argument("--json", help="write the report's JSON here")
+    p.add_argument("--sizes", choices=("cpu", "gpu", "production"), help="the bounds walked (default: where it runs)")
     a = p.parse_args()
     import planted_layouts
 
@@ -66,7 +71,7 @@ def main() -> int:
         if b in STANDINS:
             setup = STANDINS[b]
     cfg = SweepConfig(backends=backends, budget=a.budget, seed=a.seed, out=a.out, jobs=a.jobs,
-                      layouts=layouts, space=a.space, max_shrink=a.max_shrink, setup=setup)  # fmt: skip
+                      layouts=layouts, space=a.space, max_shrink=a.max_shrink, setup=setup, sizes=a.sizes)  # fmt: skip
     t0 = time.monotonic()
     rep = run_sweep(cfg)
     print(render_sweep(rep))
@@ -78,6 +83,10 @@ def main() -> int:
             print(f"{name}: {b.cases} cases, {60 * b.cases / rep.walk_seconds:.1f} cases/min of the walk, "
                   f"{60 * b.cases / total:.1f} cases/min of its own time; kernel {b.kernel_seconds:.0f} s, "
                   f"reference {b.reference_seconds:.0f} s ({100 * b.reference_seconds / total:.0f}% reference)")
+    for layout, (covered, total) in rep.pairs.items():
+        walked = sum(c.layout == layout for c in rep.cases)
+        print(f"{layout}: {walked} cases, {covered} of {total} value pairs of the planned space "
+              f"({100 * covered / total:.0f}%) under {rep.bounds.get('profile')} bounds")
     if a.json:
         Path(a.json).write_text(json.dumps(rep.to_json(), indent=1) + "\n")
     return rep.exit_code

@@ -60,6 +60,11 @@ class Backend:
     # True when run() allocates the kernel's output / scratch buffers itself and fills them with
     # ReplayOptions.buffer_fill (refmla sweep's NaN-fill check); False: the kernel allocates its own
     fills_buffers: bool = False
+    # the buffers the kernel reads that it allocates inside, which no fill of the caller's reaches
+    # (named by the sweep's nan_fill check: those were not poisoned); "" where the caller hands them all
+    unpoisoned: str = ""
+    # the capture modes run() reads (a decode-only kernel: ("decode",)); () when it says at run time
+    modes: tuple[str, ...] = ()
 
     def availability(self) -> tuple[bool, str]:
         """(usable here, reason if not / version string if yes). Must never raise."""

@@ -93,16 +93,48 @@ def _drop_orphans(root: str) -> None:
 MATH_NEUTRAL = {"k_scale": 1.0, "v_scale": 1.0}
 
 
+def unreadable_signature(fn: Callable) -> Optional[str]:
+    """Why ``fn``'s parameters cannot be read, or None when they can: a wrapper ``def f(*args,
+    **kwargs)`` without ``functools.wraps`` (a profiler's, a monkeypatch's) names none of them
+    (``inspect.signature`` follows ``__wrapped__`` where the wrapper sets it)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError) as e:
+        return f"its signature cannot be read ({e})"
+    if params and all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
+        return f"it takes ({', '.join(str(p) for p in params.values())}): a wrapper that hides the kernel's parameters"
+    return None
+
+
+def positional_for(fn: Callable, values: Mapping[str, Any], documented: Sequence[str]) -> list[Any]:
+    """The arguments of a kernel whose signature cannot be read (:func:`unreadable_signature`), in
+    the engine's documented parameter order ``documented`` (every name a key of ``values``)."""
+    missing = [n for n in documented if n not in values]
+    if missing:
+        raise KernelSignatureError(f"{_name(fn)}: no value for documented parameter(s) {', '.join(missing)}")
+    return [values[n] for n in documented]
+
+
+def _name(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', getattr(fn, '__name__', repr(fn)))}"
+
+
 def kwargs_for(
     fn: Callable, values: Mapping[str, Any], aliases: Optional[Mapping[str, str]] = None
 ) -> dict[str, Any]:
     """Keyword arguments for ``fn`` from ``values`` by its signature.
 
     ``aliases`` maps a parameter name some release uses to the key in ``values``. Raises
-    KernelSignatureError when ``fn`` requires a parameter refmla does not fill, or when a value
-    that changes the math (k_scale / v_scale other than 1) has no parameter to go to.
+    KernelSignatureError when ``fn`` requires a parameter refmla does not fill, when a value
+    that changes the math (k_scale / v_scale other than 1) has no parameter to go to, or when its
+    parameters cannot be read (a wrapper without ``functools.wraps``: an adapter that knows the
+    engine's documented order calls it by :func:`positional_for` instead).
     """
     aliases = aliases or {}
+    why = unreadable_signature(fn)
+    if why:
+        raise KernelSignatureError(f"{_name(fn)}: {why}; refmla cannot tell which argument goes where, "
+                                   "so it does not call it (wrap the kernel with functools.wraps)")  # fmt: skip
     params = inspect.signature(fn).parameters
     kwargs = {}
     for name, p in params.items():

@@ -30,7 +30,7 @@ import importlib
 import inspect
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -38,7 +38,8 @@ import torch
 from refmla.arithmetic import SGLANG_TRITON
 from refmla.backends import triton_interp
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
-from refmla.backends.calling import KernelNotFound, KernelSignatureError, find_function, kwargs_for
+from refmla.backends.calling import (KernelNotFound, KernelSignatureError, find_function, kwargs_for, positional_for,
+                                    unreadable_signature)
 from refmla.capture import Capture
 from refmla.options import ReplayOptions
 from refmla.scales import Scales
@@ -95,6 +96,22 @@ _KNOWN = (
     "num_kv_splits", "max_kv_splits", "sm_scale", "k_scale", "v_scale", "logit_cap", "has_mla",
     "page_size",
 )  # fmt: skip
+
+
+# decode_attention_fwd's documented parameter order (SGLang 0.4.x to 0.5.23, with k_scale / v_scale): a
+# wrapper hiding the signature (no functools.wraps) gets these positionally; the later keywords keep their
+# defaults (has_mla: v_buffer is a view of the same rows; page_size 1: token slots, the same addressing)
+DOCUMENTED_ORDER = ("q", "k_buffer", "v_buffer", "o", "kv_indptr", "kv_indices", "attn_logits", "attn_lse",
+                    "num_kv_splits", "max_kv_splits", "sm_scale", "k_scale", "v_scale", "logit_cap")  # fmt: skip
+
+
+def kernel_call(fn: Callable, values: dict[str, Any]) -> tuple[list[Any], dict[str, Any], list[str]]:
+    """(positional, keyword arguments, notes) for ``fn``: by keyword from its signature, or where
+    that cannot be read, positionally by :data:`DOCUMENTED_ORDER`."""
+    why = unreadable_signature(fn)
+    if why is None:
+        return ([], *build_kernel_kwargs(fn, values))
+    return positional_for(fn, values, DOCUMENTED_ORDER), {}, [f"{why}: called by SGLang's documented parameter order"]
 
 
 def build_kernel_kwargs(fn: Callable, values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -194,8 +211,8 @@ def run_triton_decode(
         max_kv_splits=plan.used, sm_scale=float(sc.sm_scale), k_scale=float(sc.k_scale), v_scale=float(sc.v_scale),
         logit_cap=float(sc.logit_cap), has_mla=True, page_size=int(launch.page_size),
     )  # fmt: skip
-    kwargs, notes = build_kernel_kwargs(fn, values)
-    seconds = call_kernel(fn, kwargs, q.device)
+    args, kwargs, notes = kernel_call(fn, values)
+    seconds = call_kernel(fn, kwargs, q.device, args)
     info = {
         "sglang_version": version,
         "kernel_module": module_path,
@@ -205,7 +222,7 @@ def run_triton_decode(
         "interpreter": interpreted,
         "bf16_dot_fix": dot_fix,
         **_split_info(plan),
-        "kernel_params": sorted(kwargs),
+        "kernel_params": sorted(kwargs) if kwargs else list(DOCUMENTED_ORDER),
         "attn_logits_include_v_scale": False,
         "kernel_seconds": round(seconds, 3),
     }
@@ -276,13 +293,13 @@ def _buffers(q: torch.Tensor, S: int, Dv: int, out_dtype: torch.dtype, fill: flo
     return out, attn_logits, attn_lse
 
 
-def call_kernel(fn: Callable, kwargs: dict[str, Any], dev: torch.device) -> float:
-    """Run the kernel; its wall time in seconds."""
+def call_kernel(fn: Callable, kwargs: dict[str, Any], dev: torch.device, args: Sequence[Any] = ()) -> float:
+    """Run the kernel (``fn(*args, **kwargs)``); its wall time in seconds."""
     t0 = time.perf_counter()
     # the interpreter computes masked-off lanes too (NaN-poisoned rows, empty splits): numpy's
     # warnings about them are noise, the masked results are discarded by the kernel
     with torch.no_grad(), np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        fn(**kwargs)
+        fn(*args, **kwargs)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     return time.perf_counter() - t0
@@ -315,6 +332,7 @@ def _triton_version() -> str:
 class TritonBackend(Backend):
     name = "triton"
     fills_buffers = True  # out, attn_logits and attn_lse are allocated here, filled with opts.buffer_fill
+    modes = ("decode",)
 
     def availability(self) -> tuple[bool, str]:
         ok, how = triton_interp.triton_ready()
@@ -421,6 +439,7 @@ __all__ = [
     "KernelSignatureError",
     "TritonBackend",
     "TritonLaunch",
+    "DOCUMENTED_ORDER",
     "build_kernel_kwargs",
     "call_kernel",
     "device_for",

@@ -132,6 +132,7 @@ def run_vllm_decode(
 class VllmTritonBackend(Backend):
     name = "vllm_triton"
     fills_buffers = True  # o, lse and attn_logits are allocated here, filled with opts.buffer_fill when given
+    modes = ("decode",)
 
     def availability(self) -> tuple[bool, str]:
         ok, how = triton_interp.triton_ready()

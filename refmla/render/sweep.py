@@ -18,6 +18,8 @@ def render_sweep(rep: SweepReport) -> str:
     lines = [f"refmla sweep: {len(rep.cases)} cases in {rep.walk_seconds:.0f} s (budget {rep.budget:g} s, seed "
              f"{rep.seed}, {cpm:.1f} cases/min), shrinking {rep.shrink_seconds:.0f} s; covered {pairs}"
              if cpm is not None else f"refmla sweep: no case ran (budget {rep.budget:g} s)"]  # fmt: skip
+    if rep.bounds:
+        lines.append("bounds walked: " + ", ".join(f"{k} {v}" for k, v in rep.bounds.items()))
     if rep.not_walked:
         lines.append(f"layouts not walked yet: {', '.join(rep.not_walked)}")
     for name, b in rep.backends.items():
@@ -27,13 +29,16 @@ def render_sweep(rep: SweepReport) -> str:
             continue
         total = b.kernel_seconds + b.reference_seconds
         share = f"{100 * b.reference_seconds / total:.0f}%" if total else "n/a"
+        unrun = rep.asked and b.not_run and not b.findings
+        verdict = "FAIL" if not b.passed else "DID NOT RUN on " + ", ".join(b.not_run) if unrun else "PASS"
         lines.append(f"{name}: {b.cases} cases, kernel {b.kernel_seconds:.1f} s, reference {b.reference_seconds:.1f} s "
-                     f"({share} of the time) -- {'PASS' if b.passed else 'FAIL'}")  # fmt: skip
+                     f"({share} of the time) -- {verdict}")  # fmt: skip
         rows = [[check] + [str(per.get(s, 0)) for s in STATUSES] for check, per in b.counts.items()]
         if rows:
             lines.append(table(rows, ["check", *STATUSES]))
         for layout, why in b.skipped_layouts.items():
-            lines.append(f"  {layout}: not taken ({clip(why, 100)})")
+            said = "did not run" if layout in b.not_run else "not taken"
+            lines.append(f"  {layout}: {said} ({clip(why, 100)})")
         for f in b.findings:
             lines.append(f"  FINDING {name} {f.check}: {f.failing_cases} failing case(s), first {f.layout} #{f.first_case}")
             lines.append(f"    {clip(f.detail, 200)}")

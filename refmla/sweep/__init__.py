@@ -4,8 +4,10 @@ calls someone captured (issue 30; docs/contract.md, the sweep).
 Modules (imports go down this list):
 
     report.py   typed results: CheckOutcome, CaseResult, Finding, Trigger, BackendSweep, SweepReport
-    space.py    the axes per layout (decode, verify, block_table, sparse) and the walk: pairwise
-                coverage first, then random, from the seed; the CPU's budget per case
+    bounds.py   the size bounds walked, by where it runs: cpu (the interpreter's), gpu, production
+    space.py    the axes per layout (decode, verify, block_table, sparse) under the bounds, and the
+                walk: the largest point (GPU), the schedule's boundaries, pairwise coverage, then
+                random, from the seed
     kernels.py  which backends sweep which layout: each layout's default kernels, why one takes none
     tables.py   the block_table case: vLLM's pool, null block, shuffled / ordered / shared table
     cases.py    a dense point made concrete (a GoldenCase, a TableCase) and its capture tensors

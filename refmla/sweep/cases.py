@@ -24,7 +24,8 @@ from refmla.compare import Tolerance
 from refmla.golden.build import BUILDERS
 from refmla.golden.cases import NO_MSCALE_SCALE, GoldenCase
 from refmla.schedule import MIN_BLOCK_KV, vllm_num_kv_splits
-from refmla.sweep.space import MAX_TILE_TOKENS, length_of
+from refmla.sweep.bounds import CPU, Bounds
+from refmla.sweep.space import edge_unit, length_of
 from refmla.sweep.tables import TableCase, table_inputs, table_meta
 from refmla.synthetic import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE
 
@@ -49,19 +50,31 @@ def _splits(value: str, lens: list[int], rng: random.Random) -> tuple[int, ...]:
     return (int(value),) * len(lens)
 
 
-def case_of(layout: str, point: Mapping[str, Any], seed: int, index: int) -> GoldenCase:
-    """The concrete case of ``point`` (the ``index``-th of ``layout``'s walk under ``seed``)."""
+def first_length(layout: str, point: Mapping[str, Any], rng: random.Random, bounds: Bounds = CPU) -> int:
+    """Request 0's length: the point's, its multiple ``k`` (of 32, or of the schedule's edge)
+    drawn from 1 2 4 8 among those that keep the case within ``bounds`` (its tiles, its longest length)."""
+    P, tiles, unit = int(point["page"]), -(-int(point["heads"]) // 16), edge_unit(point, layout)
+    value = str(point["length"])
+    fits = [k for k in (1, 2, 4, 8)
+            if length_of(value, P, k, unit) * tiles <= bounds.tile_tokens and length_of(value, P, k, unit) <= bounds.length]
+    fits = fits or [1]
+    k = rng.choice((1, 2, 4, 8))  # drawn first whatever fits: the same cases as before where all do
+    return length_of(value, P, k if k in fits else fits[-1], unit)
+
+
+def case_of(layout: str, point: Mapping[str, Any], seed: int, index: int, bounds: Bounds = CPU) -> GoldenCase:
+    """The concrete case of ``point`` (the ``index``-th of ``layout``'s walk under ``seed``), within ``bounds``."""
     cs = case_seed(seed, layout, index)
     rng = random.Random(cs)
     if layout == "block_table":
-        return _table_case(point, cs, rng, index)
+        return _table_case(point, cs, rng, index, bounds)
     P, H, B = int(point["page"]), int(point["heads"]), int(point["batch"])
     qlen = int(point.get("qlen", 0))
-    lens = [length_of(str(point["length"]), P, rng.choice((1, 2, 4, 8)))]
+    lens = [first_length(layout, point, rng, bounds)]
     tiles = -(-H // 16)
     for _ in range(B - 1):
         L = length_of(rng.choice(OTHER_LENGTHS), P, 1)
-        lens.append(L if (sum(lens) + L) * tiles <= MAX_TILE_TOKENS else 0)
+        lens.append(L if (sum(lens) + L) * tiles <= bounds.tile_tokens else 0)
     if layout == "verify":
         lens = [max(L, qlen) for L in lens]
     kv = str(point["kv"])
@@ -78,15 +91,16 @@ def case_of(layout: str, point: Mapping[str, Any], seed: int, index: int) -> Gol
     )  # fmt: skip
 
 
-def _table_case(point: Mapping[str, Any], cs: int, rng: random.Random, index: int) -> TableCase:
+def _table_case(point: Mapping[str, Any], cs: int, rng: random.Random, index: int, bounds: Bounds = CPU) -> TableCase:
     """A block-table point made concrete: every request attends >= 1 token (a decode step's own),
     one split count for the batch (``rule``: vLLM's for the longest request), fp8 with one scale."""
     P, H, B = int(point["page"]), int(point["heads"]), int(point["batch"])
     tiles = -(-H // 16)
-    lens = [max(1, length_of(str(point["length"]), P, 1))]
+    value = str(point["length"])
+    lens = [max(1, first_length("block_table", point, rng, bounds) if value.startswith("edge") else length_of(value, P, 1))]
     for _ in range(B - 1):
         L = max(1, length_of(rng.choice(OTHER_LENGTHS), P, 1))
-        lens.append(L if (sum(lens) + L) * tiles <= MAX_TILE_TOKENS else 1)
+        lens.append(L if (sum(lens) + L) * tiles <= bounds.tile_tokens else 1)
     S = vllm_num_kv_splits(max(lens)) if point["splits"] == "rule" else int(point["splits"])
     kv = str(point["kv"])
     scale = TABLE_FP8_SCALE if kv.startswith("float8") else 1.0

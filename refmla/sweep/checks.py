@@ -1,11 +1,15 @@
 """The four checks every case is run through, per backend, each reported by name:
 
     reference  the output against the fp64 reference under the tolerance (refmla.compare, the
-               control's noise floor), and the lse where the kernel returns one (as replay judges
-               it), buffers filled with 0 first
+               control's noise floor), buffers filled with 0 first; and the lse and the stage-1
+               split partials wherever the kernel returns them, judged as replay judges them
+               (refmla.splits.result_parts: at the lse base and split schedule it declares)
     nan_fill   the adapter's output and scratch buffers filled with NaN first: a value the kernel
                never wrote (a row, a split partial it reads) comes out NaN where the 0-filled run
-               was finite (n/a for a backend whose kernel allocates its own buffers)
+               was finite, again on a second NaN-filled run and never on a second 0-filled one
+               (else ``nondeterministic``: the fill does not decide it); n/a for a backend whose
+               kernel allocates its own buffers; buffers it allocates inside (aiter's partials)
+               are named as not poisoned
     repeat     N runs on the same inputs, compared bit for bit (refmla.repeat)
     splits     the kernel at two more split counts (1, and past every length: empty splits) where
                it takes one: failing at some counts and passing at others is an answer that moves
@@ -38,7 +42,8 @@ from refmla.isolation import enabled, run_isolated
 from refmla.kernel import InterfaceError
 from refmla.options import ReplayOptions
 from refmla.repeat import compare_runs, run_tensors
-from refmla.splits import compare_lse
+from refmla.results import PART_NAMES
+from refmla.splits import result_parts
 from refmla.sweep.cases import capture_of, split_alternatives, with_splits
 from refmla.sweep.report import CheckOutcome
 from refmla.util import error_text
@@ -55,6 +60,7 @@ class Evidence:
     case: GoldenCase  # the case of that run (its split counts; a sparse case: refmla.sweep.sparse)
     arithmetic: Optional[Arithmetic] = None  # what the kernel declared (None: the capture producer's)
     lse: Optional[torch.Tensor] = None  # the sparse kernels' lse, kept in their capture
+    rerun: bool = False  # a part besides out failed: the capture's replay reruns the kernel
 
 
 @dataclass
@@ -124,46 +130,62 @@ class CaseChecks:
     def _evidence(self, res: BackendResult, case: GoldenCase) -> Evidence:
         return Evidence(res.out, res.num_kv_splits, case, res.arithmetic)
 
+    def parts(self, res: BackendResult) -> dict[str, Any]:
+        """The parts besides ``out`` that ``res`` returns (its lse, its split partials), judged as
+        replay judges them (refmla.splits.result_parts): part name -> its check."""
+        arith = res.arithmetic or self.ctx.producer
+        splits = res.num_kv_splits if res.num_kv_splits is not None else self.cap.num_kv_splits
+        mask = None if res.defines_empty_rows else ~self.ctx.empty_rows()
+        t0 = time.perf_counter()
+        split, lse = result_parts(self.ctx, res, arith, splits, mask)
+        self.timing.reference += time.perf_counter() - t0
+        return {name: c for name, c in (("lse", lse), ("attn_logits", split)) if c is not None}
+
     def _reference(self, backend: str, first: BackendResult):
         cmp = self.judge(backend, first, self.case)
-        lse = self.judge_lse(first)
-        if cmp.passed and (lse is None or lse.status == "pass"):
-            return CheckOutcome("reference", "pass", cmp.summary()), None
-        reasons = list(cmp.reasons) + ([f"lse: {lse.reason}"] if lse is not None and lse.status == "fail" else [])
-        data = {"comparison": cmp.to_json(), **({"lse": lse.to_json()} if lse is not None else {})}
-        return CheckOutcome("reference", "fail", "; ".join(reasons), data), self._evidence(first, self.case)
-
-    def judge_lse(self, res: BackendResult):
-        """The lse a kernel returns against the reference's, as the replay judges it (refmla.splits.compare_lse,
-        its declared arithmetic's control); None for a kernel that returns none."""
-        if res.lse is None or res.control is not None:
-            return None
-        t0 = time.perf_counter()
-        mask = None if res.defines_empty_rows else ~self.ctx.empty_rows()
-        dtype, arith = judged_dtype(res.out.dtype), res.arithmetic or self.ctx.producer
-        splits = res.num_kv_splits if res.num_kv_splits is not None else self.cap.num_kv_splits
-        check = compare_lse(self.ctx, res.lse, dtype, row_mask=mask, control_lse=self.ctx.control_lse(dtype, arith, splits),
-                            arith=arith)  # fmt: skip
-        self.timing.reference += time.perf_counter() - t0
-        return check
+        parts = self.parts(first)
+        failed = {name: c for name, c in parts.items() if c.status == "fail"}
+        data = {name: c.to_json() for name, c in parts.items()}
+        if cmp.passed and not failed:
+            said = "".join(f"; {PART_NAMES[n]} pass" for n, c in parts.items() if c.status == "pass")
+            return CheckOutcome("reference", "pass", cmp.summary() + said, data), None
+        reasons = ([] if cmp.passed else ["; ".join(cmp.reasons)]) + [
+            f"{PART_NAMES[n]}: {c.reason or 'fail'}" for n, c in failed.items()]  # fmt: skip
+        data = {"comparison": cmp.to_json(), **data, "failed_parts": (["out"] if not cmp.passed else []) + list(failed)}
+        ev = self._evidence(first, self.case)
+        ev.rerun = bool(failed)  # the capture's out alone does not show a wrong lse or partial: replay reruns the kernel
+        return CheckOutcome("reference", "fail", "; ".join(reasons), data), ev
 
     def _nan_fill(self, backend: str, first: BackendResult):
-        if not get_backend(backend).fills_buffers:
+        b = get_backend(backend)
+        if not b.fills_buffers:
             return CheckOutcome("nan_fill", "n/a", "the kernel allocates its own output and scratch buffers"), None
+        unpoisoned = f"; not poisoned: {b.unpoisoned}" if b.unpoisoned else ""
         poisoned = self.kernel(backend, self.case, math.nan)
+        leaked = self._leaked(poisoned, first)
+        n = int(leaked.sum())
+        if not n:
+            return CheckOutcome("nan_fill", "pass", "no value of the NaN fill reached the output" + unpoisoned), None
+        # the fill decides it only if a second NaN-filled run leaks the same values and a second
+        # 0-filled one does not: else the NaN came and went on its own (nondeterministic)
+        again, zero = self.kernel(backend, self.case, math.nan), self.kernel(backend, self.case, 0.0)
+        decided = torch.equal(self._leaked(again, first), leaked) and not bool(self._leaked(zero, first).any())
+        row, head, dim = (int(i) for i in leaked.nonzero()[0])
+        rows = int(leaked.any(dim=-1).any(dim=-1).sum())
+        where = f"{n} output values are NaN with NaN-filled buffers and finite with 0-filled ones, in {rows} row(s); " \
+                f"first at row {row} head {head} dim {dim}"  # fmt: skip
+        why = ": a value the kernel never wrote" if decided else (
+            "; not again on a rerun with the same fill, or NaN with 0-filled buffers too: nondeterministic, "
+            "not decided by the fill (see repeat)")  # fmt: skip
+        data = {"values": n, "rows": rows, "first": [row, head, dim], "kind": "unwritten" if decided else "nondeterministic"}
+        return CheckOutcome("nan_fill", "fail", where + why + unpoisoned, data), self._evidence(poisoned, self.case)
+
+    def _leaked(self, run: BackendResult, first: BackendResult) -> torch.Tensor:
+        """[R, H, Dv] values non-finite in ``run`` and finite in ``first`` (rows the kernel defines)."""
         keep = torch.ones(first.out.shape[0], dtype=torch.bool)
         if not first.defines_empty_rows:
             keep = ~self.ctx.empty_rows()
-        leaked = (~torch.isfinite(poisoned.out.float()) & torch.isfinite(first.out.float())) & keep[:, None, None]
-        n = int(leaked.sum())
-        if not n:
-            return CheckOutcome("nan_fill", "pass", "no value of the NaN fill reached the output"), None
-        row, head, dim = (int(i) for i in leaked.nonzero()[0])
-        rows = int(leaked.any(dim=-1).any(dim=-1).sum())
-        text = (f"{n} output values are NaN with NaN-filled buffers and finite with 0-filled ones, in {rows} "
-                f"row(s); first at row {row} head {head} dim {dim}: a value the kernel never wrote")  # fmt: skip
-        data = {"values": n, "rows": rows, "first": [row, head, dim]}
-        return CheckOutcome("nan_fill", "fail", text, data), self._evidence(poisoned, self.case)
+        return (~torch.isfinite(run.out.float()) & torch.isfinite(first.out.float())) & keep[:, None, None]
 
     def again(self, backend: str) -> BackendResult:
         """Another run on the same inputs (the repeat check's)."""

@@ -18,7 +18,7 @@ sweeps every walked layout it reads. An installed package's kernels (entry point
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from refmla.backends import ALL_NAMES, PAGED, get_backend, plugin_defaults
 from refmla.sparse.backends import BACKENDS as SPARSE_BACKENDS
@@ -48,16 +48,33 @@ def default_backends(layouts: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(n for layout in layouts for n in per[layout]))
 
 
-def availability(name: str, layout: str) -> tuple[bool, str]:
-    """(``name`` runs on ``layout`` here, its version line or why not); never raises for a known name."""
+MODE = {"decode": "decode", "verify": "verify", "block_table": "decode"}  # a dense layout's capture mode
+
+
+def not_read(name: str, layout: str) -> Optional[str]:
+    """Why ``name`` reads no capture of ``layout`` (a dense kernel on ``sparse``, a sparse one on a
+    dense layout, a decode-only kernel on ``verify``: its ``Backend.modes``), or None when it does."""
     if layout == "sparse":
         if name not in SPARSE_NAMES:
-            return False, f"a dense kernel: it reads no sparse capture (sparse kernels: {', '.join(SPARSE_NAMES[1:])})"
-        return (True, "fp64 sparse reference") if name == "reference" else sparse_availability(name)
+            return f"a dense kernel: it reads no sparse capture (sparse kernels: {', '.join(SPARSE_NAMES[1:])})"
+        return None
     if name in SPARSE_ONLY:
-        return False, "a sparse decode kernel (DeepSeek V3.2 / V4): it reads the sparse layout only"
+        return "a sparse decode kernel (DeepSeek V3.2 / V4): it reads the sparse layout only"
+    modes = getattr(get_backend(name), "modes", ())
+    if modes and MODE[layout] not in modes:
+        return f"a {' / '.join(modes)} kernel: it reads no {MODE[layout]} capture"
+    return None
+
+
+def availability(name: str, layout: str) -> tuple[bool, str]:
+    """(``name`` runs on ``layout`` here, its version line or why not); never raises for a known name."""
+    why = not_read(name, layout)
+    if why:
+        return False, why
+    if layout == "sparse":
+        return (True, "fp64 sparse reference") if name == "reference" else sparse_availability(name)
     return get_backend(name).availability()
 
 
 __all__ = ["LAYOUT_BACKENDS", "NAMES", "SPARSE_NAMES", "SPARSE_ONLY", "availability", "default_backends",
-           "layout_backends"]
+           "layout_backends", "not_read"]

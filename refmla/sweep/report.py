@@ -175,6 +175,7 @@ class BackendSweep:
     counts: dict[str, dict[str, int]] = field(default_factory=dict)  # check -> status -> cases
     findings: list[Finding] = field(default_factory=list)
     skipped_layouts: dict[str, str] = field(default_factory=dict)  # layout -> why the backend takes none
+    not_run: dict[str, str] = field(default_factory=dict)  # of those, layouts it reads where it did not run, and why
     cases: int = 0
     kernel_seconds: float = 0.0
     reference_seconds: float = 0.0
@@ -194,7 +195,7 @@ class BackendSweep:
         return json_safe({
             "backend": self.backend, "available": self.available, "reason": self.reason, "cases": self.cases,
             "counts": self.counts, "findings": [f.to_json() for f in self.findings],
-            "skipped_layouts": self.skipped_layouts, "kernel_seconds": round(self.kernel_seconds, 3),
+            "skipped_layouts": self.skipped_layouts, "not_run": self.not_run, "kernel_seconds": round(self.kernel_seconds, 3),
             "reference_seconds": round(self.reference_seconds, 3), "cases_per_minute": cpm,
             "passed": self.passed,
         })  # fmt: skip
@@ -218,15 +219,29 @@ class SweepReport:
     shrink_seconds: float = 0.0
     out_dir: Optional[str] = None
     not_walked: list[str] = field(default_factory=list)  # layouts the sweep does not walk yet
+    asked: bool = False  # the backends were named (--backend): one that does not run is not a pass
+    allow_skip: bool = False  # --allow-skip: a named backend that did not run is accepted
+    bounds: dict = field(default_factory=dict)  # the size bounds the walk kept to (refmla.sweep.space.Bounds)
 
     @property
     def findings(self) -> list[Finding]:
         return [f for b in self.backends.values() for f in b.findings]
 
     @property
+    def not_run(self) -> list[tuple[str, str, str]]:
+        """(backend, layout, why) of each walked layout a named backend reads and did not run on
+        (unavailable here, or every case of it skipped); [] without --backend."""
+        if not self.asked:
+            return []
+        return [(n, la, why) for n, b in self.backends.items() for la, why in b.not_run.items()]
+
+    @property
     def exit_code(self) -> int:
-        """0 no finding, 1 a finding (docs/contract.md: exit codes)."""
-        return 1 if self.findings else 0
+        """0 no finding, 1 a finding, 3 a backend named with --backend did not run on a layout it
+        reads (unless --allow-skip) (docs/contract.md: exit codes; 1 over 3)."""
+        if self.findings:
+            return 1
+        return 3 if self.not_run and not self.allow_skip else 0
 
     @property
     def cases_per_minute(self) -> Optional[float]:
@@ -239,7 +254,8 @@ class SweepReport:
             "jobs": self.jobs, "layouts": self.layouts, "not_walked": self.not_walked, "pairs": self.pairs,
             "walk_seconds": round(self.walk_seconds, 3), "shrink_seconds": round(self.shrink_seconds, 3),
             "cases_per_minute": None if cpm is None or math.isnan(cpm) else round(cpm, 2),
-            "out_dir": self.out_dir, "exit_code": self.exit_code,
+            "out_dir": self.out_dir, "exit_code": self.exit_code, "bounds": self.bounds,
+            "not_run": [{"backend": n, "layout": la, "why": why} for n, la, why in self.not_run],
             "backends": {n: b.to_json() for n, b in self.backends.items()},
             "findings": [f.to_json() for f in self.findings], "cases": [c.to_json() for c in self.cases],
         })  # fmt: skip

@@ -12,17 +12,20 @@ sparse capture, and ``refmla replay`` reads either.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing as mp
 import os
 import shlex
 import time
+import warnings
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from refmla.backends.triton_interp import ensure_interpreter
@@ -32,15 +35,17 @@ from refmla.options import ReplayOptions, bound_problem
 from refmla.progress import Progress
 from refmla.pipeline import replay_file
 from refmla.signals import ignore_sigint
+from refmla.sweep.bounds import Bounds, bounds_for
 from refmla.sweep.cases import capture_meta, capture_of
 from refmla.sweep.checks import CHECKS, Evidence
-from refmla.sweep.kernels import availability
+from refmla.sweep.kernels import availability, not_read
 from refmla.sweep.report import BackendSweep, CaseResult, CheckOutcome, Finding, SweepReport, trigger
 from refmla.sweep.shrink import shrink
 from refmla.sweep.space import LAYOUTS, NOT_YET, Walk, restrict
 from refmla.sweep.sparse import SparseSweepCase, any_case, any_checks, write_sparse_capture
 from refmla.util import error_text
 
+SHRINK_SHARE = 0.15  # of the budget the walk leaves to shrinking once a check has failed
 SKIPS_TO_DROP = 2  # consecutive skipped cases after which a backend is dropped from a layout
 KERNEL_S_FLOOR = 120.0  # a forked kernel run is killed after max(this, budget / 5) seconds of wall time (it hangs)
 
@@ -65,6 +70,14 @@ class SweepConfig:
     # layout -> the backends it sweeps (refmla.sweep.kernels.LAYOUT_BACKENDS when --backend is not
     # given); None: every backend sweeps every walked layout it reads
     per_layout: Optional[dict] = None
+    allow_skip: bool = False  # a named backend (per_layout None) that does not run on a layout it reads: exit 0, not 3
+    sizes: Optional[str] = None  # the bounds' profile (refmla.sweep.bounds): cpu | gpu | production; None: where it runs
+    limits: dict = field(default_factory=dict)  # bound -> value (--max-length ...), over the profile's
+    bounds: Optional[Bounds] = None  # the bounds walked under (set from sizes and limits when the sweep starts)
+
+    def walk_bounds(self) -> Bounds:
+        """The bounds the walk keeps to: ``bounds`` where set, else ``sizes`` with ``limits``."""
+        return self.bounds or bounds_for(self.sizes, **self.limits)
 
     def check(self) -> None:
         """ValueError naming the first bad option (the CLI's exit 2)."""
@@ -77,8 +90,9 @@ class SweepConfig:
             raise ValueError(f"option jobs: {problem}")
         if self.max_shrink < 0:
             raise ValueError(f"option max_shrink: must be >= 0, got {self.max_shrink}")
+        bounds = self.walk_bounds()  # (ValueError for a bad profile or limit)
         for layout in self.layouts:
-            restrict(layout, self.space)
+            restrict(layout, self.space, bounds)
         for check in self.checks:
             if check not in CHECKS:
                 raise ValueError(f"option check: {check!r} is not one of {', '.join(CHECKS)}")
@@ -87,6 +101,15 @@ class SweepConfig:
         """The replay options every kernel run reads: production-width split buffers (no trim)."""
         return ReplayOptions(backends=list(self.backends), tol=self.tol, explain=False, trim=False,
                              kernel_seconds=max(KERNEL_S_FLOOR, self.budget / 5))  # past it: tried again, then an error
+
+
+@contextlib.contextmanager
+def quiet_interpreter():
+    """The Triton interpreter's numpy warnings kept out of the output: it evaluates masked-off lanes
+    too (-inf - -inf, x / 0) and the kernels discard those results."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"(triton|numpy)(\.|$)")
+        yield
 
 
 def run_setup(setup: Optional[str]) -> None:
@@ -98,7 +121,7 @@ def run_setup(setup: Optional[str]) -> None:
 
 def evaluate(layout: str, point: dict, index: int, cfg: SweepConfig, backends: Sequence[str]) -> CaseResult:
     """One case through every check of every backend in ``backends``."""
-    case = any_case(layout, point, cfg.seed, index)
+    case = any_case(layout, point, cfg.seed, index, cfg.walk_bounds())
     res = CaseResult(index, layout, point, case.params())
     checks = any_checks(case, cfg.options(), cfg.repeat)
     for b in backends:  # the reference is computed once, in the first backend's time
@@ -133,6 +156,7 @@ def _worker_init(threads: int, setup: Optional[str], gpu: Optional[tuple[str, st
         os.environ[gpu[0]] = gpu[1]
     ignore_sigint()
     ensure_interpreter()
+    quiet_interpreter().__enter__()  # for the worker's life
     torch.set_num_threads(max(1, threads))
     run_setup(setup)
 
@@ -148,27 +172,32 @@ class Sweeper:
     def __init__(self, cfg: SweepConfig):
         cfg.check()
         run_setup(cfg.setup)
-        self.cfg = cfg
+        cfg = self.cfg = replace(cfg, bounds=cfg.walk_bounds())  # once: every worker walks the same bounds
         self.report = SweepReport(cfg.seed, cfg.budget, cfg.repeat, cfg.jobs, list(cfg.layouts),
-                                  out_dir=str(cfg.out), not_walked=list(NOT_YET))  # fmt: skip
+                                  out_dir=str(cfg.out), not_walked=list(NOT_YET), asked=cfg.per_layout is None,
+                                  allow_skip=cfg.allow_skip)  # fmt: skip
         for name in cfg.backends:
             self.report.backends[name] = self.backend_sweep(name)
-        self.walks = [Walk(layout, restrict(layout, cfg.space), cfg.seed) for layout in cfg.layouts]
+        self.report.bounds = cfg.bounds.to_json()
+        self.walks = [Walk(layout, restrict(layout, cfg.space, cfg.bounds), cfg.seed, cfg.bounds) for layout in cfg.layouts]
         self.counters = {w.layout: 0 for w in self.walks}
         self.skips: dict[tuple[str, str], int] = {}
 
     def backend_sweep(self, name: str) -> BackendSweep:
         """A backend's availability on each walked layout: available on one at least, the others
         in ``skipped_layouts`` with the reason (a sparse-only kernel on a dense layout, a layout's
-        kernel that is not among its defaults)."""
+        kernel that is not among its defaults); of those, the layouts it reads but cannot run on
+        here in ``not_run`` too."""
         per = {layout: availability(name, layout) for layout in self.cfg.layouts}
         for layout in self.cfg.layouts:
             if per[layout][0] and self.cfg.per_layout is not None and name not in self.cfg.per_layout.get(layout, ()):
                 per[layout] = (False, f"not among {layout}'s default kernels (name it with --backend)")
         usable = [why for ok, why in per.values() if ok]
+        unrun = {la: why for la, (ok, why) in per.items() if not ok and not_read(name, la) is None}
         if not usable:
-            return BackendSweep(name, available=False, reason="; ".join(dict.fromkeys(why for _, why in per.values())))
-        b = BackendSweep(name, available=True, reason="; ".join(dict.fromkeys(usable)))
+            reason = "; ".join(dict.fromkeys(why for _, why in per.values()))
+            return BackendSweep(name, available=False, reason=reason, not_run=unrun)
+        b = BackendSweep(name, available=True, reason="; ".join(dict.fromkeys(usable)), not_run=unrun)
         b.skipped_layouts = {layout: why for layout, (ok, why) in per.items() if not ok}
         return b
 
@@ -201,37 +230,50 @@ class Sweeper:
             key = (name, res.layout)
             if all(o.status == "skipped" for o in outcomes.values()):
                 self.skips[key] = self.skips.get(key, 0) + 1
-                if self.skips[key] >= SKIPS_TO_DROP:
-                    b.skipped_layouts[res.layout] = next(iter(outcomes.values())).detail
+                if self.skips[key] >= SKIPS_TO_DROP:  # it reads the layout and did not run: not a pass
+                    b.skipped_layouts[res.layout] = b.not_run[res.layout] = next(iter(outcomes.values())).detail
             else:
                 self.skips[key] = 0
 
     def walk(self) -> None:
-        t0 = time.monotonic()
-        done = lambda: (time.monotonic() - t0 >= self.cfg.budget or  # noqa: E731
-                        (self.cfg.max_cases is not None and len(self.report.cases) >= self.cfg.max_cases))
-        progress = Progress(max(2, int(self.cfg.budget)), unit="s")
+        """The cases within the budget: none starts past it (the last may finish); once a check has
+        failed, the walk leaves SHRINK_SHARE of the budget to shrinking (refmla.sweep.run.findings)."""
+        t0 = self.t0 = time.monotonic()
+
+        def done() -> bool:
+            if self.cfg.max_cases is not None and len(self.report.cases) >= self.cfg.max_cases:
+                return True
+            limit = self.cfg.budget * (1 - SHRINK_SHARE if self.failing() else 1)
+            return time.monotonic() - t0 >= limit
+
+        progress = Progress(self.cfg.max_cases or 2, unit="case")
         try:
-            if self.cfg.jobs <= 1:
-                for layout, point, index in self.points():
-                    if done():
-                        break
-                    self.record(evaluate(layout, point, index, self.cfg, self.active(layout)))
-                    self._tick(progress, t0)
-            else:
-                self._walk_parallel(done, progress, t0)
+            with quiet_interpreter():
+                if self.cfg.jobs <= 1:
+                    for layout, point, index in self.points():
+                        if done():
+                            break
+                        self.record(evaluate(layout, point, index, self.cfg, self.active(layout)))
+                        self._tick(progress, t0)
+                else:
+                    self._walk_parallel(done, progress, t0)
         finally:
             progress.close()
         self.report.walk_seconds = time.monotonic() - t0
         self.report.cases.sort(key=lambda c: (self.cfg.layouts.index(c.layout), c.index))
         self.report.pairs = {w.layout: [w.pairs_covered, w.pairs_total] for w in self.walks if w.pairs_total}
 
+    def failing(self) -> bool:
+        return any(o.failed for r in self.report.cases for oc in r.outcomes.values() for o in oc.values())
+
     def _tick(self, progress: Progress, t0: float) -> None:
-        target = min(progress.total, int(time.monotonic() - t0))
-        fails = len({(n, c) for r in self.report.cases for n, oc in r.outcomes.items() for c, o in oc.items() if o.failed})
-        while progress.done < target - 1:
-            progress.done += 1
-        progress.step(f"{len(self.report.cases)} cases, {fails} failing checks")
+        """One case done: the total is the cases the budget holds at the pace so far (``max_cases``
+        where it is smaller), never fewer than the cases done."""
+        n, elapsed = len(self.report.cases), time.monotonic() - t0
+        estimate = int(n * self.cfg.budget / elapsed) if elapsed > 0 else n
+        progress.retotal(max(n, min(estimate, self.cfg.max_cases or estimate)))
+        fails = len({(b, c) for r in self.report.cases for b, oc in r.outcomes.items() for c, o in oc.items() if o.failed})
+        progress.step(f"{n} cases, {fails} failing checks, {elapsed:.0f} of {self.cfg.budget:g} s")
 
     def _walk_parallel(self, done, progress: Progress, t0: float) -> None:
         """``jobs`` workers, each a one-process pool of its own: worker i holds GPU i mod the
@@ -290,9 +332,11 @@ class Sweeper:
         first = failing[0]
         f = Finding(name, check, first.outcomes[name][check].detail, first.index, first.layout, len(failing),
                     trigger=trigger(self.report.cases, name, check))  # fmt: skip
-        case = any_case(first.layout, first.point, self.cfg.seed, first.index)
+        case = any_case(first.layout, first.point, self.cfg.seed, first.index, self.cfg.bounds)
         try:
-            shrunk = shrink(case, name, check, self.cfg.options(), self.cfg.repeat, max_tries=self.cfg.max_shrink)
+            with quiet_interpreter():  # the budget's end: shrinking stops there (the capture is still written)
+                shrunk = shrink(case, name, check, self.cfg.options(), self.cfg.repeat, max_tries=self.cfg.max_shrink,
+                                deadline=getattr(self, "t0", time.monotonic()) + self.cfg.budget)  # fmt: skip
         except Exception as e:  # shrinking is an aid: the finding stands without it
             f.shrunk_detail = f"not shrunk: {error_text(e)}"
             return f
@@ -318,7 +362,7 @@ class Sweeper:
         f.capture = str(path)
         f.replay_command = f"refmla replay {shlex.quote(str(path))} --backend {shlex.quote(name)}"
         try:
-            rerun = [name] if shrunk.evidence is None else []
+            rerun = [name] if shrunk.evidence is None or shrunk.evidence.rerun else []
             opts = replace(self.cfg.options(), backends=rerun)  # the sweep's wall-time limit: a kernel that spun spins again
             f.replay_verdict = replay_file(str(path), opts).verdict
         except Exception as e:

@@ -20,13 +20,16 @@ proposed: :func:`feasible`.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
+from refmla.sweep.bounds import CPU, Bounds
+
 HEADS = (128, 64, 32, 16, 8, 4)  # heads per rank: DeepSeek-V3 128 / Kimi-K2 64 at TP 1..16
 PAGES = (1, 16, 64, 256)
-LENGTHS = ("0", "1", "page-1", "page", "page+1", "32k-1", "32k", "32k+1", "2049", "4097")
+LENGTHS = ("0", "1", "page-1", "page", "page+1", "32k-1", "32k", "32k+1", "2049", "4097", "edge", "edge+1", "edge-1")
 BATCHES = (1, 2, 3, 8, 64)
 SPLITS = ("1", "2", "4", "16", "past", "mixed")  # per request; "mixed": each its own 1..16
 KV_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz")
@@ -36,7 +39,11 @@ QLENS = (1, 2, 3, 4, 5, 6, 7, 8)  # verify: query tokens per request (non-powers
 # TRT-LLM, FlashMLA 64; 128: CUTLASS MLA); lengths at block edges and at vLLM's split rule's edges
 # (max_seq_len // 512: 1 split below 1024, 2 from 1024, 4 from 1536); a decode request attends >= 1 token
 TABLE_PAGES = (1, 16, 32, 64, 128)
-TABLE_LENGTHS = ("1", "page-1", "page", "page+1", "2page+1", "1023", "1024", "1536", "4097")
+TABLE_LENGTHS = ("1", "page-1", "page", "page+1", "2page+1", "1023", "1024", "1536", "4097", "edge", "edge+1", "edge-1")
+# "edge" +- 1: a length on an exact boundary of the point's split schedule, its page and its kernel's
+# block at once (k x lcm(splits x block, page): every split exactly full, :func:`edge_unit`)
+EDGES = ("edge", "edge+1", "edge-1")
+KERNEL_BLOCK = {"decode": 32, "verify": 32, "block_table": 16}  # SGLang's 32-token split block; vLLM's BLOCK_N
 TABLE_SPLITS = ("rule", "1", "2", "3", "8", "16")  # one count for the batch; "rule": vLLM's _compute_num_kv_splits
 TABLES = ("shuffled", "ordered", "shared")  # pages handed out shuffled, in order, or a shared prefix (prefix caching)
 NULLS = ("nan", "stale")  # what the null block (page 0, every padding entry) holds
@@ -63,24 +70,38 @@ LAYOUTS: dict[str, dict[str, tuple]] = {
     "sparse": {"cache": CACHES, "heads": HEADS, "topk": TOPKS, "length": SPARSE_LENGTHS, "batch": BATCHES,
                "page": SPARSE_PAGES, "sink": SINKS, "topk_length": TOPK_LENGTHS},
 }  # fmt: skip
+# past the interpreter's bounds (refmla.sweep.bounds): production's contexts (8k-128k, powers of two
+# and one past them) and batches, on the axes where the bounds reach them
+LONG_LENGTHS = ("8192", "8193", "32768", "32769", "65536", "131072", "131073")
+LONG_SPARSE = ("8192", "65536", "131072")  # request 0's sparse context
+LONG_BATCHES = (128, 256)
 NOT_YET: tuple = ()  # layouts the sweep does not walk yet (the report's not_walked): none since all four are
 
-MAX_ROWS = 256  # query rows x heads of one case: the interpreter's stage 2 runs one program per (row, head)
-MAX_TILE_TOKENS = 8192  # attended tokens x 16-head tiles of one case: stage 1's work
-LONG = 4097  # the longest length the space names
+MAX_ROWS = CPU.rows  # query rows x heads of one case: the interpreter's stage 2 runs one program per (row, head)
+MAX_TILE_TOKENS = CPU.tile_tokens  # attended tokens x 16-head tiles of one case: stage 1's work
+LONG = CPU.length  # the longest length the CPU's space names
 # sparse: SGLang's Triton sparse kernel runs one program per (query row, 16-head tile), its loop over
 # the row's valid entries in blocks; in the interpreter ~0.2-0.5 s per 128 entries of one program
-MAX_SPARSE_UNITS = 64  # 16-head tiles x each query row's 128-entry blocks (one at least) of one case
-MAX_SPARSE_CONTEXT = 16384  # request 0's context tokens (the synthetic caches hold every one)
+MAX_SPARSE_UNITS = CPU.sparse_units  # 16-head tiles x each query row's 128-entry blocks (one at least) of one case
+MAX_SPARSE_CONTEXT = CPU.sparse_context  # request 0's context tokens (the synthetic caches hold every one)
 
 
-def length_of(value: str, page: int, k: int) -> int:
-    """The token count a length value names for ``page`` and the multiple ``k`` of 32."""
-    base = {"2page": 2 * page, "page": page, "32k": 32 * k}
+def length_of(value: str, page: int, k: int, unit: int = 32) -> int:
+    """The token count a length value names for ``page`` and the multiple ``k`` of 32 (``edge``:
+    of lcm(``unit``, ``page``), :func:`edge_unit`)."""
+    base = {"2page": 2 * page, "page": page, "32k": 32 * k, "edge": math.lcm(int(unit), int(page)) * k}
     for name, n in base.items():
         if value.startswith(name):
             return max(0, n + int(value[len(name) :] or 0))
     return int(value)
+
+
+def edge_unit(p: Mapping[str, Any], layout: str) -> int:
+    """The length every split of the point's schedule fills exactly, in its kernel's blocks:
+    splits x the block (SGLang's 32 tokens; vLLM's uniform splits of its BLOCK_N); a split count
+    that is not a number (``past``, ``mixed``, ``rule``) or none (verify): one block."""
+    splits = str(p.get("splits", "1"))
+    return (int(splits) if splits.isdigit() else 1) * KERNEL_BLOCK.get(layout, 32)
 
 
 def sparse_context(value: str, cache: str, topk: int) -> int:
@@ -108,21 +129,32 @@ def sparse_units(heads: int, valid: list[int]) -> int:
     return -(-int(heads) // 16) * sum(max(1, -(-v // 128)) for v in valid)
 
 
-def feasible(p: Mapping[str, Any], layout: str = "decode") -> bool:
-    """Whether a (partial) point of ``layout`` fits the CPU's budget, axes it lacks at their cheapest."""
+def feasible(p: Mapping[str, Any], layout: str = "decode", bounds: Bounds = CPU) -> bool:
+    """Whether a (partial) point of ``layout`` fits ``bounds`` (default the CPU's), axes it lacks at their cheapest."""
     heads, batch, qlen = p.get("heads", 4), p.get("batch", 1), p.get("qlen", 1)
     if layout == "sparse":
         caches = [p["cache"]] if "cache" in p else CACHES
         topks = [p["topk"]] if "topk" in p else TOPKS
-        return any(_sparse_fits(heads, batch, str(p.get("length", "0")), c, t) for c in caches for t in topks)
-    length = length_of(str(p.get("length", "0")), int(p.get("page", 1)), 1)
-    return batch * qlen * heads <= MAX_ROWS and length * -(-heads // 16) <= MAX_TILE_TOKENS
+        return any(_sparse_fits(heads, batch, str(p.get("length", "0")), c, t, bounds) for c in caches for t in topks)
+    length = length_of(str(p.get("length", "0")), int(p.get("page", 1)), 1, edge_unit(p, layout))
+    return batch * qlen * heads <= bounds.rows and length * -(-heads // 16) <= bounds.tile_tokens and length <= bounds.length
 
 
-def _sparse_fits(heads: int, batch: int, length: str, cache: str, topk: int) -> bool:
+def _sparse_fits(heads: int, batch: int, length: str, cache: str, topk: int, bounds: Bounds = CPU) -> bool:
     context = sparse_context(length, cache, topk)
     valid = [sparse_valid(context, cache, topk)] + [0] * (int(batch) - 1)
-    return context <= MAX_SPARSE_CONTEXT and sparse_units(heads, valid) <= MAX_SPARSE_UNITS
+    return context <= bounds.sparse_context and sparse_units(heads, valid) <= bounds.sparse_units
+
+
+def axes_of(layout: str, bounds: Bounds = CPU) -> dict[str, tuple]:
+    """The axes of ``layout`` under ``bounds``: the long lengths (contexts) and large batches up to
+    the bounds join their axes; a named length or batch past them leaves."""
+    axes = dict(LAYOUTS[layout])
+    long = LONG_SPARSE if layout == "sparse" else LONG_LENGTHS
+    axes["length"] = tuple(v for v in axes["length"] + (long if bounds.long else ())
+                           if not v.isdigit() or int(v) <= bounds.length)  # fmt: skip
+    axes["batch"] = tuple(v for v in axes["batch"] + LONG_BATCHES if v <= bounds.batch)
+    return axes
 
 
 def parse_value(axis: str, text: str, axes: Mapping[str, tuple]) -> Any:
@@ -140,26 +172,27 @@ def _float(text: str) -> Optional[float]:
         return None
 
 
-def restrict(layout: str, space: Sequence[str] = ()) -> dict[str, tuple]:
-    """The axes of ``layout`` with each ``AXIS=V1,V2`` of ``space`` keeping only those values.
-    A value of another layout's axis of that name (``splits=past`` for block_table, ``page=256``)
-    is left out here; a restriction none of whose values this layout's axis has leaves it whole,
-    as an axis this layout lacks does (``qlen`` for decode). ValueError for an unknown layout,
-    axis or value: one no layout has (the CLI's exit 2)."""
+def restrict(layout: str, space: Sequence[str] = (), bounds: Bounds = CPU) -> dict[str, tuple]:
+    """The axes of ``layout`` under ``bounds`` (:func:`axes_of`) with each ``AXIS=V1,V2`` of
+    ``space`` keeping only those values. A value of another layout's axis of that name
+    (``splits=past`` for block_table, ``page=256``) is left out here; a restriction none of whose
+    values this layout's axis has leaves it whole, as an axis this layout lacks does (``qlen`` for
+    decode). ValueError for an unknown layout, axis or value: one no layout has (the CLI's exit 2)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
-    axes = dict(LAYOUTS[layout])
+    every = {name: axes_of(name, bounds) for name in LAYOUTS}
+    axes = dict(every[layout])
     for item in space:
         name, sep, values = item.partition("=")
         if not sep or not values:
             raise ValueError(f"--space {item!r}: expected AXIS=V1,V2")
-        owners = [a for a in LAYOUTS.values() if name in a]
+        owners = [a for a in every.values() if name in a]
         if not owners:
             raise ValueError(f"--space {name}: unknown axis; choose from {', '.join(sorted(set().union(*LAYOUTS.values())))}")
         kept = []
         for text in (v.strip() for v in values.split(",")):
-            if name in axes and _has(name, text, LAYOUTS[layout]):
-                kept.append(parse_value(name, text, LAYOUTS[layout]))
+            if name in axes and _has(name, text, every[layout]):
+                kept.append(parse_value(name, text, every[layout]))
             elif not any(_has(name, text, a) for a in owners):
                 raise ValueError(f"--space {name}: {text!r} is not one of "
                                  f"{', '.join(dict.fromkeys(str(v) for a in owners for v in a[name]))}")  # fmt: skip
@@ -178,11 +211,16 @@ def _has(axis: str, text: str, axes: Mapping[str, tuple]) -> bool:
 
 @dataclass
 class Walk:
-    """The points of one layout, pairwise coverage first, then random: ``next(iter(walk))``."""
+    """The points of one layout: first its largest point (``bounds.largest_first``: the longest
+    length, then the largest batch and heads that fit), then a point on each schedule boundary
+    (``edge``, ``edge+1``, ``edge-1``, each with another split count of several splits), then
+    pairwise coverage (which pairs every boundary with every split count and page), then random:
+    ``next(iter(walk))``."""
 
     layout: str
     axes: dict[str, tuple]
     seed: int
+    bounds: Bounds = CPU
     pairs_total: int = 0
     pairs_covered: int = 0
     pairwise_points: int = 0  # points of the covering phase (the rest are random)
@@ -199,24 +237,29 @@ class Walk:
         for a, b in itertools.combinations(names, 2):
             for va in self.axes[a]:
                 for vb in self.axes[b]:
-                    if feasible({a: va, b: vb}, self.layout):
+                    if feasible({a: va, b: vb}, self.layout, self.bounds):
                         out.add(((a, va), (b, vb)))
         return out
 
     def _new_pairs(self, point: dict, axis: str, value: Any, todo: set) -> int:
         return sum((((a, v), (axis, value)) in todo) + (((axis, value), (a, v)) in todo) for a, v in point.items())
 
-    def _covering_point(self, todo: set) -> dict:
+    def _covering_point(self, todo: set, fixed: Optional[dict] = None) -> dict:
         """A point of the most uncovered pairs, a value no point has had first: every value of
-        every axis comes within the first points (as many as the widest axis has values, about)."""
-        pairs = sorted(todo, key=repr)
-        fresh = [sum(av not in self._seen for av in pair) for pair in pairs]
-        (a, va), (b, vb) = self._rng.choice([p for p, n in zip(pairs, fresh) if n == max(fresh)])
-        point = {a: va, b: vb}
+        every axis comes within the first points (as many as the widest axis has values, about).
+        ``fixed``: axis values the point starts from instead of an uncovered pair."""
+        if fixed:
+            point = dict(fixed)
+        else:
+            pairs = sorted(todo, key=repr)
+            fresh = [sum(av not in self._seen for av in pair) for pair in pairs]
+            (a, va), (b, vb) = self._rng.choice([p for p, n in zip(pairs, fresh) if n == max(fresh)])
+            point = {a: va, b: vb}
         rest = [n for n in self.axes if n not in point]
         self._rng.shuffle(rest)
         for axis in rest:
-            options = [v for v in self.axes[axis] if feasible({**point, axis: v}, self.layout)] or [self.axes[axis][-1]]
+            options = [v for v in self.axes[axis] if feasible({**point, axis: v}, self.layout, self.bounds)]
+            options = options or [self.axes[axis][-1]]
             score = {v: ((axis, v) not in self._seen, self._new_pairs(point, axis, v, todo)) for v in options}
             point[axis] = self._rng.choice([v for v in options if score[v] == max(score.values())])
         self._seen.update(point.items())
@@ -225,15 +268,46 @@ class Walk:
     def _random_point(self) -> dict:
         for _ in range(1000):
             point = {n: self._rng.choice(vals) for n, vals in self.axes.items()}
-            if feasible(point, self.layout):
+            if feasible(point, self.layout, self.bounds):
                 return point
         return {n: vals[-1] for n, vals in self.axes.items()}
+
+    def first_points(self) -> list[dict]:
+        """The fixed axis values of the walk's first points: the largest (on a GPU's bounds), then
+        one per schedule boundary, each with the next split count of several splits."""
+        firsts = []
+        if self.bounds.largest_first and "length" in self.axes:
+            firsts.append(self._largest())
+        edges = [v for v in EDGES if v in self.axes.get("length", ())]
+        several = [v for v in self.axes.get("splits", ()) if str(v).isdigit() and int(v) > 1] or list(self.axes.get("splits", ()))
+        for i, edge in enumerate(edges):
+            fixed = {"length": edge, **({"splits": several[i % len(several)]} if several else {})}
+            if feasible(fixed, self.layout, self.bounds):
+                firsts.append(fixed)
+        return firsts
+
+    def _largest(self) -> dict:
+        """The longest length, then the largest batch, then the most heads that fit with it."""
+        page = max(self.axes.get("page", (1,)))
+        named = (lambda v: int(v) if str(v).isdigit() else 0) if self.layout == "sparse" else (  # noqa: E731
+            lambda v: length_of(str(v), page, 1))
+        lengths = sorted(self.axes["length"], key=named)
+        point: dict = {}
+        for axis, values in (("length", lengths), ("batch", sorted(self.axes.get("batch", ())) or [])):
+            fits = [v for v in values if feasible({**point, axis: v}, self.layout, self.bounds)]
+            if fits:
+                point[axis] = fits[-1]
+        heads = [v for v in sorted(self.axes.get("heads", ())) if feasible({**point, "heads": v}, self.layout, self.bounds)]
+        if heads:
+            point["heads"] = heads[-1]
+        return point
 
     def __iter__(self) -> Iterator[dict]:
         todo = self._pairs()
         self.pairs_total = len(todo)
-        while todo:
-            point = self._covering_point(todo)
+        firsts = self.first_points()
+        while todo or firsts:
+            point = self._covering_point(todo, firsts.pop(0) if firsts else None)
             for (a, va), (b, vb) in itertools.combinations(point.items(), 2):
                 todo.discard(((a, va), (b, vb)))
                 todo.discard(((b, vb), (a, va)))
@@ -252,5 +326,5 @@ def interleave(walks: Sequence[Walk]) -> Iterator[tuple[str, dict]]:
             yield layout, next(it)
 
 
-__all__ = ["HEADS", "LAYOUTS", "NOT_YET", "Walk", "feasible", "interleave", "length_of", "restrict", "sparse_context",
-           "sparse_units", "sparse_valid"]
+__all__ = ["EDGES", "HEADS", "LAYOUTS", "LONG_LENGTHS", "NOT_YET", "Walk", "axes_of", "edge_unit", "feasible", "interleave",
+           "length_of", "restrict", "sparse_context", "sparse_units", "sparse_valid"]

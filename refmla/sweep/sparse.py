@@ -42,7 +42,8 @@ from refmla.sparse.validation import write_sparse
 from refmla.sweep.cases import case_of, case_seed
 from refmla.sweep.checks import CHECKS, CaseChecks, Evidence, Timing, repeat_check, run_checks
 from refmla.sweep.report import CheckOutcome
-from refmla.sweep.space import HEADS, MAX_SPARSE_UNITS, RATIO, sparse_context, sparse_units, sparse_valid
+from refmla.sweep.bounds import CPU, Bounds
+from refmla.sweep.space import HEADS, RATIO, sparse_context, sparse_units, sparse_valid
 
 PRESET_OF = {"v4-c4": "deepseek-v4-flash-tp8", "v4-c128": "deepseek-v4-flash-tp8-c128",
              "v4-swa": "deepseek-v4-flash-tp8-swa", "v32": "deepseek-v3.2-tp8"}  # fmt: skip
@@ -93,7 +94,7 @@ class SparseSweepCase:
         return SparseCapture(path=f"<{self.name}>", meta=parse_sparse_meta(meta), **t)
 
 
-def sparse_case(point: Mapping[str, Any], seed: int, index: int) -> SparseSweepCase:
+def sparse_case(point: Mapping[str, Any], seed: int, index: int, bounds: Bounds = CPU) -> SparseSweepCase:
     """The concrete case of a sparse point: request 0's context from the point, the others short
     edges (drawn from the case's seed) while the case stays in the CPU's budget."""
     cs = case_seed(seed, "sparse", index)
@@ -102,7 +103,7 @@ def sparse_case(point: Mapping[str, Any], seed: int, index: int) -> SparseSweepC
     lens = [sparse_context(str(point["length"]), cache, topk)]
     for _ in range(int(point["batch"]) - 1):
         L = int(rng.choice(OTHER_LENGTHS))
-        fits = sparse_units(H, [sparse_valid(n, cache, topk) for n in lens + [L]]) <= MAX_SPARSE_UNITS
+        fits = sparse_units(H, [sparse_valid(n, cache, topk) for n in lens + [L]]) <= bounds.sparse_units
         lens.append(L if fits else 0)
     return SparseSweepCase(name=f"sweep-sparse-{index}", cache=cache, seq_lens=tuple(lens), num_heads=H, topk=topk,
                            page_size=int(point["page"]), sink=str(point["sink"]),
@@ -228,9 +229,11 @@ def write_sparse_capture(path: Any, ev: Evidence, sweep_meta: dict, backend: str
 AnyCase = Union[GoldenCase, SparseSweepCase]
 
 
-def any_case(layout: str, point: Mapping[str, Any], seed: int, index: int) -> AnyCase:
-    """The case of a point of any layout."""
-    return sparse_case(point, seed, index) if layout == "sparse" else case_of(layout, point, seed, index)
+def any_case(layout: str, point: Mapping[str, Any], seed: int, index: int, bounds: Bounds = CPU) -> AnyCase:
+    """The case of a point of any layout, within ``bounds``."""
+    if layout == "sparse":
+        return sparse_case(point, seed, index, bounds)
+    return case_of(layout, point, seed, index, bounds)
 
 
 def any_checks(case: AnyCase, opts: ReplayOptions, repeat: int = 3) -> Union[CaseChecks, SparseChecks]:

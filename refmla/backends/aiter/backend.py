@@ -31,6 +31,7 @@ def captured_buffers(cap: Capture) -> dict:
 class AiterBackend(Backend):
     name = "aiter"
     fills_buffers = True  # o is allocated here (torch.empty, or filled with opts.buffer_fill when given)
+    unpoisoned = "the split partials (logits, attn_lse): mla_decode_fwd allocates them itself"
 
     def availability(self) -> tuple[bool, str]:
         return aiter_status()

@@ -79,6 +79,7 @@ def repage(cap, P: int) -> tuple[torch.Tensor, torch.Tensor]:
 class PagedKernelBackend(Backend):
     """Find ``attr`` in ``modules``; run :meth:`call` on the capture's paged inputs."""
 
+    modes = ("decode",)
     modules: tuple = ()
     attr: str = ""
     fp8_attr: str = ""  # the kernel's fp8-cache entry point, when it has one (else fp8 is refused)
