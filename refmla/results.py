@@ -209,6 +209,21 @@ class BackendEntry:
     def ran(self) -> bool:
         return self.status in ("pass", "fail")
 
+    @property
+    def nonfinite(self) -> int:
+        """Elements of ``out`` whose NaN / Inf placement differs from the reference (0: none, or not compared)."""
+        return self.comparison.nan_mismatch if self.comparison is not None else 0
+
+    def err_text(self) -> str:
+        """The max_abs_err cell: ``nan (4096 non-finite)`` for misplaced NaN / Inf, ``-`` when not compared."""
+        if self.comparison is not None:
+            return self.comparison.err_text()
+        return "-" if self.max_abs_err is None else ("0" if self.max_abs_err == 0 else f"{self.max_abs_err:.3g}")
+
+    def badness(self) -> tuple:
+        """Orders failing backends worst last: a misplaced NaN / Inf above any finite error."""
+        return (self.nonfinite > 0, self.max_abs_err if self.max_abs_err is not None else 0.0)
+
     def to_json(self) -> dict:
         d: dict[str, Any] = {"status": self.status, "reason": self.reason, "max_abs_err": self.max_abs_err,
                              "cos_diff": self.cos_diff, "worst": self.worst.to_json() if self.worst is not None else None}  # fmt: skip

@@ -96,7 +96,7 @@ def backend_row(name: str, b: BackendEntry) -> list[str]:
     if b.splits is not None and b.splits.status in ("pass", "fail"):
         note += f" | splits {b.splits.status} ({b.splits.compared_splits} partials)"
     status = b.status.upper() if b.status == "fail" else b.status
-    return [name, status, fmt(b.max_abs_err), fmt(b.cos_diff), where, note]
+    return [name, status, b.err_text(), fmt(b.cos_diff), where, note]
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,7 +143,7 @@ def summary_table(reports: list[ReplayReport]) -> str:
 def summary_row(key: tuple, rs: list[ReplayReport]) -> list[str]:
     n = {v: sum(1 for r in rs if r.verdict == v) for v in VERDICTS}
     diag = sorted({str(r.diagnosis) for r in rs if r.diagnosis})
-    failing = [(b.max_abs_err, name) for r in rs for name, b in r.backends.items()
+    failing = [(b.badness(), name, b) for r in rs for name, b in r.backends.items()
                if b.status == "fail" and b.max_abs_err is not None]  # fmt: skip
     worst = max(failing, default=None, key=lambda t: t[0])
     series = sum(len(_warnings(r.series)) for r in rs)
@@ -151,6 +151,6 @@ def summary_row(key: tuple, rs: list[ReplayReport]) -> list[str]:
     return [
         *("-" if v is None else str(v) for v in key), str(len(rs)), str(n["agree"]),
         str(n["diverged"]) if not n["diverged"] else f"{n['diverged']} !", str(n["invalid"]),
-        ",".join(diag) or "-", f"{worst[1]} {worst[0]:.3g}" if worst else "-",
+        ",".join(diag) or "-", f"{worst[1]} {worst[2].err_text()}" if worst else "-",
         str(warn) if warn else "-", str(series) if series else "-",
     ]  # fmt: skip
