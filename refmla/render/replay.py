@@ -5,6 +5,7 @@ from __future__ import annotations
 from refmla.blame import worst_blame
 from refmla.render.table import clip, fmt, table
 from refmla.results import BackendEntry, ReplayReport, alternatives_text
+from refmla.series import no_series_note
 from refmla.util import printable
 
 MAX_WARNINGS = 8  # metadata warnings printed under one report
@@ -130,6 +131,8 @@ def summary_table(reports: list[ReplayReport]) -> str:
     totals = (f"{len(reports)} captures: {count['agree']} agree, {count['diverged']} diverged, "
               f"{count['invalid']} invalid; {len(shown)} series finding(s)")  # fmt: skip
     lines = ["summary by layer, rank and step", table(rows, header) if rows else "(no readable capture)", "", totals]
+    note = no_series_note(sum(r.meta is not None and r.series is None for r in reports), len(reports))
+    lines += [note] if note else []
     lines += [printable(f"  series {p}: {m}") for p, m in shown[:MAX_SERIES_LINES]]
     if len(shown) > MAX_SERIES_LINES:
         lines.append(f"  ... {len(shown) - MAX_SERIES_LINES} more series finding(s) (see --json)")
