@@ -103,8 +103,13 @@ class Diagnosis:
     name: Optional[str]
     text: str
     backends: list[str] = field(default_factory=list)
+    # the causes the sentence names and leaves open (refmla.nextsteps.CAUSES keys): what the report's
+    # next steps tell apart; empty where the sentence names the one cause
+    causes: tuple = ()
 
 
+# the causes the ``observed`` sentence names, in its order (refmla.nextsteps.CAUSES keys)
+OBSERVED_CAUSES = ("kv_state", "graph_replay", "capture_metadata", "kernel_build")
 NUMERICS = "numerics"  # the hypothesis family whose explanations make the diagnosis ``numerics``
 MASKING = ("causal_alignment", "mask_wrong_request", "qlen_pow2_padding")  # the verify mask's families
 
@@ -187,7 +192,9 @@ def diagnose(
         masking = (explained or {}).get("observed")
         if masking is not None and masking[0] in MASKING and (decode_ok or extend == "pass"):
             return Diagnosis("observed", _masking_sentence(masking, decode_ok, extend == "pass", produced_by), ["observed"])
-        return Diagnosis(*_observed(decode_ok, extend == "pass", produced_by, unreplayed), ["observed"])
+        name, sentence = _observed(decode_ok, extend == "pass", produced_by, unreplayed)
+        state = name == "observed" and unreplayed is None  # the sentence that names the four causes
+        return Diagnosis(name, sentence, ["observed"], OBSERVED_CAUSES if state else ())
     errored = [n for n, s in statuses.items() if s == "error"]
     if errored:
         return _say("backend_error", errored, bad=", ".join(errored))
@@ -356,6 +363,6 @@ def diagnose_sparse(entries: Mapping[str, Any], produced_by: Optional[str] = Non
         if why and agree:
             base = Diagnosis("observed", SPARSE_UNREPLAYED.format(why=why, agree=", ".join(agree)), ["observed"])
         elif why:
-            base = Diagnosis(base.name, f"{base.text}; {why}", base.backends)
+            base = Diagnosis(base.name, f"{base.text}; {why}", base.backends, base.causes)
     said = "; ".join(f"{n}: {e.explanation.text()}" for n, e in entries.items() if e.explanation and e.status == "fail")
-    return Diagnosis(base.name, base.text + (f"; {said}" if said else ""), base.backends)
+    return Diagnosis(base.name, base.text + (f"; {said}" if said else ""), base.backends, base.causes)

@@ -301,6 +301,8 @@ class ReplayReport:
     verify_vs_decode: Optional[list[dict]] = None  # verify captures: each path over the same KV (diagnosis.verify_table)
     kind: Optional[str] = None  # "dense" | "sparse_decode" (None: a file not read far enough to tell)
     kind_keys: dict[str, Any] = field(default_factory=dict)  # keys only this kind has (sparse: noise, lonely_rows, region)
+    # what tells the diagnosis's open causes apart (refmla.nextsteps.NextStep, each with to_json); None: nothing open
+    next_steps: Optional[list] = None
 
     @property
     def exit_code(self) -> int:
@@ -330,6 +332,8 @@ class ReplayReport:
             d["series"] = [f.to_json() for f in self.series]
         if self.verify_vs_decode is not None:
             d["verify_vs_decode"] = self.verify_vs_decode
+        if self.next_steps is not None:
+            d["next_steps"] = [s.to_json() for s in self.next_steps]
         return d
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from refmla.blame import worst_blame
 from refmla.render.table import clip, fmt, table
+from refmla.nextsteps import text_lines
 from refmla.results import BackendEntry, ReplayReport, alternatives_text
 from refmla.series import no_series_note
 from refmla.util import printable
@@ -38,6 +39,7 @@ def render(report: ReplayReport) -> str:
     for name, b in report.backends.items():
         if b.status == "fail" and b.explanation is not None:
             lines.append(f"  {name}: {b.explanation.text()}")
+    lines += text_lines(report.next_steps or [])
     if report.verify_vs_decode:
         lines += ["", "verify vs plain decode over the same KV", verify_paths_table(report.verify_vs_decode)]
     return "\n".join(lines)
