@@ -37,6 +37,7 @@ from refmla.sparse.faults import FAULTS as SPARSE_FAULTS
 from refmla.sparse.make import synth_sparse
 from refmla.sparse.presets import PRESETS as SPARSE_PRESETS
 from refmla.synth import FAULTS, PRESETS, synth_capture
+from refmla.util import first_line
 from refmla.synth import preset as dense_preset
 
 KIND_SYNTHS = {**{p: synth_kv_write for p in KV_WRITE_PRESETS}, **{p: synth_merge for p in MERGE_PRESETS},
@@ -49,13 +50,19 @@ def replay(path_or_capture: Union[str, Path, Capture], backends: Optional[Sequen
            tol: Optional[Tolerance] = None, **options: Any) -> ReplayReport:
     """One capture (a path, or a Capture already read) through ``backends`` (None: every backend
     usable here), judged with ``tol``; ``options``: the other ReplayOptions fields (device,
-    cu_count, explain, ...). Every kind (dense, block-table, verify, sparse decode, kv_write, merge)."""
+    cu_count, explain, ...). Every kind (dense, block-table, verify, sparse decode, kv_write, merge).
+    A capture that cannot be read or is invalid (what the command line reports as ``invalid``, exit
+    2) raises :class:`~refmla.capture.CaptureError`, a ValueError, with the line the command line prints."""
     tol = tol or Tolerance()
     opts = ReplayOptions(backends=list(backends) if backends else None, tol=tol, **options)
     opts.check()
     if isinstance(path_or_capture, Capture):
-        return replay_capture(path_or_capture, opts)
-    return replay_file(path_or_capture, opts)
+        report = replay_capture(path_or_capture, opts)
+    else:
+        report = replay_file(path_or_capture, opts)
+    if report.verdict == "invalid":  # bad input raises, with the line the command line prints
+        raise CaptureError.of_line(report.capture, first_line(report.error or "; ".join(report.metadata.errors)))
+    return report
 
 
 def unrun_backends(report: Any, asked: Sequence[str]) -> list[tuple[str, str]]:
