@@ -75,6 +75,12 @@ SENTENCES = {
         "the multi-token verify kernel computes this input wrongly"
     ),
     "verify_alone": "the verify path diverges ({bad}); no plain-decode path ran over the same KV to compare",
+    "verify_production_alone": (
+        "the production verify output diverges (observed) and no offline path ran over the same KV, neither a "
+        "verify kernel nor the plain decode, so it stands for the verify path; replayed with them (the default "
+        "backends), the class says which diverges: observed when an offline path agrees (production's own call), "
+        "verify or decode when one of them diverges too"
+    ),
     "verify_observed": (
         "the production verify output diverges while the plain decode over the same captured KV agrees ({agree}); "
         "no offline verify kernel ran here, so the verify kernel and the state at kernel time (KV not yet "
@@ -290,6 +296,8 @@ def diagnose_verify(
         if ok["plain decode"]:
             sentence = SENTENCES["verify"].format(bad=", ".join(v), agree=", ".join(ok["plain decode"]))
             return Diagnosis("verify", sentence, v)
+        if v == ["observed"] and not paths["verify"] and not paths["plain decode"]:
+            return Diagnosis("verify", SENTENCES["verify_production_alone"], v)
         return Diagnosis("verify", SENTENCES["verify_alone"].format(bad=", ".join(v)), v)
     if d:
         agree = ", ".join(ok["verify"]) or ("the production output" if statuses.get("observed") == "pass" else "none ran")

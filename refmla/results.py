@@ -101,6 +101,8 @@ class Explanation:
     def text(self) -> str:
         detail = ", ".join(f"{k}={v}" for k, v in self.detail.items())
         who = f" request {self.request}" if self.request is not None else ""
+        if self.extra.get("scope") == "all requests":  # a whole-output explanation: its request is only the worst
+            who = " all requests" + (f" (worst request {self.request})" if self.request is not None else "")
         line = f"explained by {self.hypothesis}({detail}){who}"
         same = [a for a in self.alternatives if a.request in (None, self.request)]
         if same:
