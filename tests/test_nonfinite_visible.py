@@ -94,3 +94,23 @@ def test_plot_draws_nonfinite_rows_as_the_worst(nan_capture):
     fig = plots._heatmap_figure(read_capture(nan_capture), report, errors)
     titles = [ax.get_title() for ax in fig.axes]
     assert any(f"{v.failing} of {2 * HEADS} rows fail ({HEADS} non-finite)" in t for t in titles)
+
+
+def test_verify_paths_table_prints_the_nonfinite_count(tmp_path):
+    """The verify-vs-decode table of a verify capture whose production output holds a NaN row."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from refmla.api import synth
+
+    path = tmp_path / "v.safetensors"
+    synth(path, "kimi-k2-tp8-mtp")
+    with safe_open(str(path), "pt") as f:
+        tensors, header = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    tensors["out"][0] = math.nan  # one query token's output, every head
+    save_file(tensors, str(path), metadata=header)
+    code, out, _ = run_cli("replay", str(path), "--backend", "reference")
+    table = out[out.index("verify vs plain decode"):]
+    row = next(ln for ln in table.splitlines() if ln.startswith("verify (production)"))
+    n = tensors["out"].shape[1] * tensors["out"].shape[2]
+    assert code == 1 and f"nan ({n} non-finite)" in row

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from refmla.blame import worst_blame
 from refmla.render.table import clip, fmt, table
 from refmla.nextsteps import text_lines
@@ -41,7 +43,7 @@ def render(report: ReplayReport) -> str:
             lines.append(f"  {name}: {b.explanation.text()}")
     lines += text_lines(report.next_steps or [])
     if report.verify_vs_decode:
-        lines += ["", "verify vs plain decode over the same KV", verify_paths_table(report.verify_vs_decode)]
+        lines += ["", "verify vs plain decode over the same KV", verify_paths_table(report.verify_vs_decode, report.backends)]
     return "\n".join(lines)
 
 
@@ -55,9 +57,12 @@ def render_or_say(report: ReplayReport) -> str:
                 f"{printable(type(e).__name__)}; see --json)")
 
 
-def verify_paths_table(rows: list[dict]) -> str:
-    """The verify capture's paths over the same KV (refmla.diagnosis.verify_table), one line each."""
+def verify_paths_table(rows: list[dict], backends: Optional[dict] = None) -> str:
+    """The verify capture's paths over the same KV (refmla.diagnosis.verify_table), one line each;
+    with the report's ``backends``, a misplaced NaN / Inf reads as such (BackendEntry.err_text)."""
+    backends = backends or {}
     body = [[r["path"], r["backend"], r["status"].upper() if r["status"] == "fail" else r["status"],
+             backends[r["backend"]].err_text() if r["backend"] in backends else
              fmt(r["max_abs_err"]) if r["max_abs_err"] is not None else "-",
              (r["reason"] or "")[:70] if r["status"] != "pass" else ""] for r in rows]  # fmt: skip
     return table(body, ["path", "backend", "status", "max_abs_err", "note"])
