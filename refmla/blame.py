@@ -3,8 +3,8 @@
 A backend fails on its ``out``, its ``lse`` or its split partials (``BackendEntry.failed_parts``).
 Its failing requests are the union over the failing parts, each part's own rows; its worst row is
 the worst of ``out`` when ``out`` failed, else the worst of the first failing part. Where a part
-failed on something no row shows (a cosine over the whole tensor, a misplaced NaN), its worst
-row stands for it. Used by the text table's worst column and by ``refmla disagg`` for the
+failed on something no row shows (a cosine over the whole tensor), its worst
+row stands for it; a row with a misplaced NaN / Inf is a failing row. Used by the text table's worst column and by ``refmla disagg`` for the
 request of each row.
 """
 
@@ -39,6 +39,8 @@ def _out_requests(entry: BackendEntry, request_of_row: Optional[Sequence[int]]) 
     if cmp is None or cmp.row_err is None or cmp.row_tol is None:
         return set()
     bad = ~(cmp.row_err <= cmp.row_tol).all(dim=1)  # [R], NaN counts as over
+    if cmp.row_nonfinite is not None:  # a misplaced NaN / Inf fails its row whatever its finite error
+        bad |= cmp.row_nonfinite.any(dim=1)
     rows = [int(r) for r in bad.nonzero().flatten()]
     if not rows and cmp.worst is not None and cmp.worst.request is not None:  # failed on no single row
         return {int(cmp.worst.request)}

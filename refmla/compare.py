@@ -75,21 +75,33 @@ class Comparison:
     cos_diff: float  # whole output
     worst_row_cos_diff: float
     worst: Worst  # request, head (and row/token, dim, actual, expected, err, allowed, ratio)
-    failed_rows: int = 0
+    failed_rows: int = 0  # compared (row, head) rows that fail: over their allowance or a NaN / Inf misplaced
     compared_rows: int = 0
-    nan_mismatch: int = 0
+    nan_mismatch: int = 0  # elements whose NaN / signed Inf placement differs from the reference
     reasons: list = field(default_factory=list)
+    nonfinite_rows: int = 0  # compared (row, head) rows with a misplaced NaN / Inf (counted in failed_rows)
+    # the error at the misplaced elements (NaN, or Inf when every one is an Inf against a number):
+    # what max_abs_err, taken where both sides are finite, cannot show
+    nonfinite_err: float = field(default=0.0, repr=False)
     row_err: Optional[torch.Tensor] = field(default=None, repr=False)  # [R, H] max abs err
     row_tol: Optional[torch.Tensor] = field(default=None, repr=False)  # [R, H] allowed
     # [R, H] the verdict per compared (row, head): over its allowance, NaN / signed Inf misplaced, or
     # its cosine difference over its ceiling (False for rows not compared); what the search reads
     row_failed: Optional[torch.Tensor] = field(default=None, repr=False)
+    row_nonfinite: Optional[torch.Tensor] = field(default=None, repr=False)  # [R, H] a NaN / Inf misplaced
 
     def to_json(self) -> dict:
-        skip = ("row_err", "row_tol", "row_failed", "name")
+        skip = ("row_err", "row_tol", "row_failed", "row_nonfinite", "name", "nonfinite_err")
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         d["worst"], d["reasons"] = self.worst.to_json(), list(self.reasons)
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+
+    def err_text(self) -> str:
+        """max_abs_err for people: ``nan (4096 non-finite)`` where a NaN / Inf is misplaced, so a
+        failure never reads as the noise level of the elements that are finite."""
+        if self.nan_mismatch:
+            return f"{'inf' if self.nonfinite_err == math.inf else 'nan'} ({self.nan_mismatch} non-finite)"
+        return "0" if self.max_abs_err == 0 else f"{self.max_abs_err:.3g}"
 
     def summary(self) -> str:
         w = self.worst
@@ -149,10 +161,12 @@ def compare(
 
     bad, nan_reason = _nan_inf_placement(a, e, mask, req)  # 1. NaN / Inf placement
     rows = _row_errors(a, e, control, tol, out_dtype)  # 2. error per (row, head) vs its allowance
-    failed_rows, row_reason = _rows_over_allowance(rows, mask, req)
-    whole_cos, row_cos, cos_reasons, cos_failed = _cosine(a, e, rows, mask, req, tol, failed_rows)  # 3. cosine
+    over_rows, row_reason = _rows_over_allowance(rows, mask, req)
+    whole_cos, row_cos, cos_reasons, cos_failed = _cosine(a, e, rows, mask, req, tol, over_rows)  # 3. cosine
     reasons = [r for r in (nan_reason, row_reason) if r] + cos_reasons
     nan_mismatch = int(bad.sum())
+    row_nonfinite = bad.any(-1)  # [R, H] a misplaced NaN / Inf: the row fails whatever its finite error
+    misplaced = (a[bad] - e[bad]).abs()  # NaN where either is NaN, Inf otherwise
     worst = _worst_row(a, e, rows, mask, req, bad if nan_mismatch else None)  # 4. the worst row
 
     sel = mask[:, None].expand(R, a.shape[1])
@@ -166,13 +180,16 @@ def compare(
         cos_diff=whole_cos,
         worst_row_cos_diff=float(row_cos.max()) if row_cos.numel() else 0.0,
         worst=worst,
-        failed_rows=failed_rows,
+        failed_rows=int((((rows.row_err > rows.row_tol) | row_nonfinite) & mask[:, None]).sum()),
         compared_rows=int(sel.sum()),
         nan_mismatch=nan_mismatch,
         reasons=reasons,
+        nonfinite_rows=int(row_nonfinite.sum()),
+        nonfinite_err=(math.nan if bool(misplaced.isnan().any()) else math.inf) if nan_mismatch else 0.0,
         row_err=rows.row_err,
         row_tol=rows.row_tol,
-        row_failed=((rows.row_err > rows.row_tol) | bad.any(-1) | cos_failed) & mask[:, None],
+        row_failed=((rows.row_err > rows.row_tol) | row_nonfinite | cos_failed) & mask[:, None],
+        row_nonfinite=row_nonfinite,
     )
 
 
@@ -206,8 +223,9 @@ def _nan_inf_placement(
     if not n:
         return bad, None
     r, h, d = (int(i) for i in torch.nonzero(bad)[0])
+    rows = f"{int(bad.any(-1).sum())} of {int(mask.sum()) * a.shape[1]} (request, head) rows"
     return bad, (
-        f"NaN/Inf placement differs at {n} elements, first request {int(req[r])} "
+        f"NaN/Inf placement differs at {n} elements ({rows}), first request {int(req[r])} "
         f"head {h} dim {d}: {a[r, h, d].item():.6g} vs expected {e[r, h, d].item():.6g}"
     )
 

@@ -75,6 +75,12 @@ SENTENCES = {
         "the multi-token verify kernel computes this input wrongly"
     ),
     "verify_alone": "the verify path diverges ({bad}); no plain-decode path ran over the same KV to compare",
+    "verify_production_alone": (
+        "the production verify output diverges (observed) and no offline path ran over the same KV, neither a "
+        "verify kernel nor the plain decode, so it stands for the verify path; replayed with them (the default "
+        "backends), the class says which diverges: observed when an offline path agrees (production's own call), "
+        "verify or decode when one of them diverges too"
+    ),
     "verify_observed": (
         "the production verify output diverges while the plain decode over the same captured KV agrees ({agree}); "
         "no offline verify kernel ran here, so the verify kernel and the state at kernel time (KV not yet "
@@ -107,8 +113,13 @@ class Diagnosis:
     name: Optional[str]
     text: str
     backends: list[str] = field(default_factory=list)
+    # the causes the sentence names and leaves open (refmla.nextsteps.CAUSES keys): what the report's
+    # next steps tell apart; empty where the sentence names the one cause
+    causes: tuple = ()
 
 
+# the causes the ``observed`` sentence names, in its order (refmla.nextsteps.CAUSES keys)
+OBSERVED_CAUSES = ("kv_state", "graph_replay", "capture_metadata", "kernel_build")
 NUMERICS = "numerics"  # the hypothesis family whose explanations make the diagnosis ``numerics``
 # the families whose explanations make the diagnosis ``kv_contract``: the bytes read another way (added)
 BYTES_CONTRACT = ("kv_fp8_encoding_mismatch", "kv_scale_format", "kv_page_stride")
@@ -197,7 +208,9 @@ def diagnose(
         masking = (explained or {}).get("observed")
         if masking is not None and masking[0] in MASKING and (decode_ok or extend == "pass"):
             return Diagnosis("observed", _masking_sentence(masking, decode_ok, extend == "pass", produced_by), ["observed"])
-        return Diagnosis(*_observed(decode_ok, extend == "pass", produced_by, unreplayed), ["observed"])
+        name, sentence = _observed(decode_ok, extend == "pass", produced_by, unreplayed)
+        state = name == "observed" and unreplayed is None  # the sentence that names the four causes
+        return Diagnosis(name, sentence, ["observed"], OBSERVED_CAUSES if state else ())
     errored = [n for n, s in statuses.items() if s == "error"]
     if errored:
         return _say("backend_error", errored, bad=", ".join(errored))
@@ -293,6 +306,8 @@ def diagnose_verify(
         if ok["plain decode"]:
             sentence = SENTENCES["verify"].format(bad=", ".join(v), agree=", ".join(ok["plain decode"]))
             return Diagnosis("verify", sentence, v)
+        if v == ["observed"] and not paths["verify"] and not paths["plain decode"]:
+            return Diagnosis("verify", SENTENCES["verify_production_alone"], v)
         return Diagnosis("verify", SENTENCES["verify_alone"].format(bad=", ".join(v)), v)
     if d:
         agree = ", ".join(ok["verify"]) or ("the production output" if statuses.get("observed") == "pass" else "none ran")
@@ -366,6 +381,6 @@ def diagnose_sparse(entries: Mapping[str, Any], produced_by: Optional[str] = Non
         if why and agree:
             base = Diagnosis("observed", SPARSE_UNREPLAYED.format(why=why, agree=", ".join(agree)), ["observed"])
         elif why:
-            base = Diagnosis(base.name, f"{base.text}; {why}", base.backends)
+            base = Diagnosis(base.name, f"{base.text}; {why}", base.backends, base.causes)
     said = "; ".join(f"{n}: {e.explanation.text()}" for n, e in entries.items() if e.explanation and e.status == "fail")
-    return Diagnosis(base.name, base.text + (f"; {said}" if said else ""), base.backends)
+    return Diagnosis(base.name, base.text + (f"; {said}" if said else ""), base.backends, base.causes)

@@ -28,8 +28,8 @@ from refmla.capture.kinds import file_mode
 from refmla.checks import check_capture
 from refmla.compare import judged_dtype
 from refmla.context import ReplayContext, ReplayOptions
-from refmla.diagnosis import (diagnose, diagnose_sparse, diagnose_upstream, diagnose_verify, unreplayed_path,
-                              verify_table)
+from refmla.diagnosis import (diagnose, diagnose_sparse, diagnose_upstream, diagnose_verify, is_decode_kernel,
+                              unreplayed_path, verify_table)
 from refmla.hypotheses import explain_failure
 from refmla.hypotheses.sparse import explain_sparse
 from refmla.indexer.chain import attach as attach_indexer
@@ -42,6 +42,7 @@ from refmla.indexer.backends import BACKENDS as INDEXER_BACKENDS
 from refmla.merge.chunked_judge import judge_chunked
 from refmla.merge.io import read_chunked, read_merge
 from refmla.merge.judge import judge_merge
+from refmla.nextsteps import after_observed
 from refmla.isolation import KernelCrashed, KernelError, enabled, run_isolated
 from refmla.kernel import InterfaceError
 from refmla.localize import localize
@@ -137,6 +138,7 @@ def replay_capture(cap: Capture, opts: ReplayOptions) -> ReplayReport:
     how = diagnose_verify if cap.is_verify else diagnose
     d = how(statuses, produced_by=cap.meta.backend, unreplayed=_unreplayed(cap, report.backends), explained=explained)
     report.diagnosis, report.diagnosis_text, report.diagnosis_backends = d.name, d.text, d.backends
+    report.next_steps = after_observed(d.causes, cap.path, cap.meta, _agreeing_kernels(statuses)) or None
     if cap.is_verify:
         report.verify_vs_decode = verify_table(report.backends)
     report.diagnosis_text += parts_sentence(report.backends)
@@ -146,7 +148,12 @@ def replay_capture(cap: Capture, opts: ReplayOptions) -> ReplayReport:
         report.verdict = "diverged"
         d = diagnose_upstream(upstream)
         report.diagnosis, report.diagnosis_text, report.diagnosis_backends = d.name, d.text, d.backends
+        report.next_steps = None
     return report
+
+
+def _agreeing_kernels(statuses: dict[str, str]) -> list[str]:
+    return [n for n, s in statuses.items() if s == "pass" and is_decode_kernel(n)]
 
 
 def _unreplayed(cap: Capture, backends: dict[str, BackendEntry]):
@@ -291,12 +298,15 @@ def replay_sparse(cap: SparseCapture, opts: ReplayOptions) -> ReplayReport:
         report.backends[name] = run_sparse_backend(name, cap, ref, ctrl, opts, controls)
     d = diagnose_sparse(report.backends, m.backend)
     report.diagnosis, report.diagnosis_text, report.diagnosis_backends = d.name, d.text, d.backends
+    kernels_ok = [n for n, b in report.backends.items() if b.status == "pass" and n not in ("reference", "observed")]
+    report.next_steps = after_observed(d.causes, cap.path, m, kernels_ok) or None
     statuses = [b.status for b in report.backends.values()]
     report.verdict = "diverged" if any(s in ("fail", "error") for s in statuses) else "agree"
     if findings:  # NaN in, NaN out is no agreement: the finding outranks every path's status
         report.verdict = "diverged"
         d = diagnose_upstream(findings)
         report.diagnosis, report.diagnosis_text, report.diagnosis_backends = d.name, d.text, d.backends
+        report.next_steps = None
     attach_indexer(cap, report, opts)  # the indexer capture beside it, if any, judges the indices (refmla.indexer.chain)
     return report
 

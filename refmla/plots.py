@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -108,8 +109,9 @@ def _plot_one(report: ReplayReport, out_dir: Path, stem: str) -> list[Path]:
     return written
 
 
-def _error_matrices(cap, report: ReplayReport) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """backend -> (abs error [R, H], allowed [R, H]) for observed and every failing backend."""
+def _error_matrices(cap, report: ReplayReport) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """backend -> (abs error [R, H], allowed [R, H], a NaN / Inf misplaced [R, H]) for observed and
+    every failing backend."""
     names = [n for n, b in report.backends.items() if n == "observed" and b.ran or b.status == "fail"]
     if not names:
         return {}
@@ -122,8 +124,40 @@ def _error_matrices(cap, report: ReplayReport) -> dict[str, tuple[torch.Tensor, 
             continue
         cmp = ctx.compare(name, res.out)
         if cmp.row_err is not None:
-            out[name] = (cmp.row_err, cmp.row_tol)
+            out[name] = (cmp.row_err, cmp.row_tol, cmp.row_nonfinite)
     return out
+
+
+@dataclass
+class HeatValues:
+    """One backend's heat map values: a row with a misplaced NaN / Inf is drawn as the worst of
+    both panels (its finite elements' error says nothing of it) and counted as failing."""
+
+    err: Any  # [R, H] numpy, abs error; non-finite rows at the top of the scale
+    ratio: Any  # [R, H] numpy, error / allowed; non-finite rows at the top of the scale
+    vmin: float
+    vmax: float
+    hi: float  # the ratio panel's top
+    failing: int  # rows over their allowance or non-finite
+    nonfinite: int
+
+    def title(self, name: str) -> str:
+        extra = f" ({self.nonfinite} non-finite)" if self.nonfinite else ""
+        return f"{name}: error / allowed, {self.failing} of {self.ratio.size} rows fail{extra}"
+
+
+def heat_values(err: torch.Tensor, allowed: torch.Tensor, nonfinite: Optional[torch.Tensor] = None) -> HeatValues:
+    err = err.double()
+    nonfinite = torch.zeros_like(err, dtype=torch.bool) if nonfinite is None else nonfinite.bool()
+    ratio = err / allowed.double().clamp(min=1e-300)
+    pos = err[(err > 0) & ~nonfinite]
+    vmin = float(pos.min()) if pos.numel() else 1e-12
+    vmax = max(float(err.max()) if err.numel() else vmin, vmin * 10)
+    hi = max(float(ratio.max()) if ratio.numel() else 0.0, 2.0)
+    err = torch.where(nonfinite, vmax, err.clamp(min=vmin))
+    ratio = torch.where(nonfinite, hi, ratio)
+    failing = int(((ratio > 1) | nonfinite).sum())
+    return HeatValues(err.numpy(), ratio.numpy(), vmin, vmax, hi, failing, int(nonfinite.sum()))
 
 
 def _heatmap_figure(cap, report: ReplayReport, errors: dict) -> Figure:
@@ -132,22 +166,16 @@ def _heatmap_figure(cap, report: ReplayReport, errors: dict) -> Figure:
     axes = fig.subplots(len(errors), 2, squeeze=False)
     bounds = [] if cap.is_decode else cap.attended().query_indptr.tolist()[1:-1]
     ylabel = "request" if cap.is_decode else "row (token); lines: requests"
-    for (name, (err, allowed)), (ax_e, ax_r) in zip(errors.items(), axes):
-        err = err.double().numpy()
-        pos = err[err > 0]
-        vmin = float(pos.min()) if pos.size else 1e-12
-        vmax = max(float(err.max()), vmin * 10)
-        im = ax_e.imshow(err.clip(min=vmin), aspect="auto", interpolation="nearest", cmap="viridis",
-                         norm=LogNorm(vmin=vmin, vmax=vmax))  # fmt: skip
-        fig.colorbar(im, ax=ax_e, label="max abs error")
+    for (name, (err, allowed, nonfinite)), (ax_e, ax_r) in zip(errors.items(), axes):
+        v = heat_values(err, allowed, nonfinite)
+        im = ax_e.imshow(v.err, aspect="auto", interpolation="nearest", cmap="viridis",
+                         norm=LogNorm(vmin=v.vmin, vmax=v.vmax))  # fmt: skip
+        fig.colorbar(im, ax=ax_e, label="max abs error (NaN / Inf: the top)")
         ax_e.set_title(f"{name}: max abs error per (row, head)")
-        ratio = (torch.as_tensor(err) / allowed.double().clamp(min=1e-300)).numpy()
-        hi = max(float(ratio.max()), 2.0)
-        im = ax_r.imshow(ratio, aspect="auto", interpolation="nearest", cmap="RdBu_r",
-                         norm=TwoSlopeNorm(vcenter=1.0, vmin=0.0, vmax=hi))  # fmt: skip
+        im = ax_r.imshow(v.ratio, aspect="auto", interpolation="nearest", cmap="RdBu_r",
+                         norm=TwoSlopeNorm(vcenter=1.0, vmin=0.0, vmax=v.hi))  # fmt: skip
         fig.colorbar(im, ax=ax_r, label="error / allowed (> 1 fails)")
-        bad = int((ratio > 1).sum())
-        ax_r.set_title(f"{name}: error / allowed, {bad} of {ratio.size} rows fail")
+        ax_r.set_title(v.title(name))
         for ax in (ax_e, ax_r):
             ax.set_xlabel("head")
             ax.set_ylabel(ylabel)

@@ -24,6 +24,8 @@ class Progress:
         isatty = getattr(self.stream, "isatty", None)
         self.live = total > 1 and bool(isatty and isatty())
         self._bar = None
+        self._pending: dict[int, str] = {}  # done out of order, not yet listed (step's index)
+        self._next = 0  # the first index not yet listed
         if self.live:
             try:
                 from tqdm import tqdm
@@ -32,8 +34,17 @@ class Progress:
             except ImportError:
                 self._bar = None
 
-    def step(self, label: str) -> None:
+    def step(self, label: str, index: Optional[int] = None) -> None:
+        """One item done. ``index`` (its place in the order given, 0-based): items finished out of
+        order (worker processes) are listed one line each in that order, each once every item
+        before it is done, so the lines of a redirected run do not depend on timing."""
         self.done += 1
+        if index is not None and not self.live and self.total > 1:
+            self._pending[index] = label
+            while self._next in self._pending:
+                self._next += 1
+                self.stream.write(f"[{self._next}/{self.total}] {printable(self._pending.pop(self._next - 1))}\n")
+            return
         label = printable(label)
         if self._bar is not None:
             self._bar.set_postfix_str(label[-50:], refresh=False)

@@ -48,6 +48,7 @@ class Measured:
     region_bytes: int
     registered: bool
     where: str  # the run: hardware, date, model, tokens x bytes per token
+    transfer_backend: str = "mori"  # whose registration was measured
 
 
 # The one table of what is measured (docs/contract.md section 8 prints the same rows). Between the
@@ -62,6 +63,13 @@ MEASURED = (
 )  # fmt: skip
 LARGEST_REGISTERED = max(m.region_bytes for m in MEASURED if m.registered)
 SMALLEST_FAILED = min(m.region_bytes for m in MEASURED if not m.registered)
+MEASURED_BACKENDS = frozenset(m.transfer_backend for m in MEASURED)  # {"mori"}
+
+
+def measured_for(transfer_backend: Optional[str]) -> bool:
+    """Whether the table holds figures for this transfer backend; a capture that does not record its
+    backend is judged by MORI's (the check is MORI's), any other backend by none."""
+    return transfer_backend is None or transfer_backend in MEASURED_BACKENDS
 
 
 def clamp_tokens(clamp: int, item_bytes: int, page_size: int) -> int:
@@ -156,7 +164,11 @@ class RegionCheck:
              "region_index": self.region_index, "bytes_per_token": self.bytes_per_token,
              "pool_class": self.pool_class, "band": self.band, "clamp_bytes": self.limit_bytes,
              "largest_registered_bytes": LARGEST_REGISTERED, "smallest_failed_bytes": SMALLEST_FAILED,
-             "buffers": [b.to_json() for b in self.buffers], "message": self.message}  # fmt: skip
+             "buffers": [b.to_json() for b in self.buffers], "message": self.message,
+             # added: limit_bytes is SGLang's clamp, not MORI's limit (known only as the measured
+             # bounds above, which are MORI's and apply to this check only when measured_applies)
+             "sglang_clamp_bytes": self.limit_bytes, "measured_transfer_backend": "mori",
+             "measured_applies": measured_for(self.transfer_backend)}  # fmt: skip
         return d
 
 
@@ -167,10 +179,14 @@ def mr_limit(meta: Any) -> tuple[int, str]:
     return DEFAULT_MR_LIMIT, "default"
 
 
-def band_of(region: int, item_bytes: int, page: int, tokens: Optional[int], clamp: int) -> tuple[str, int]:
-    """(band, SGLang's clamp of max_total_num_tokens) of one buffer (the module docstring's table)."""
+def band_of(region: int, item_bytes: int, page: int, tokens: Optional[int], clamp: int,
+            transfer_backend: Optional[str] = None) -> tuple[str, int]:  # fmt: skip
+    """(band, SGLang's clamp of max_total_num_tokens) of one buffer (the module docstring's table);
+    ``unmeasured`` for a transfer backend the table has no figures for."""
     cap = clamp_tokens(clamp, item_bytes, page)
     tokens = region * page // item_bytes if tokens is None else tokens
+    if not measured_for(transfer_backend):
+        return "unmeasured", cap
     if region >= SMALLEST_FAILED:
         return "fails", cap
     if region > LARGEST_REGISTERED:
@@ -178,12 +194,17 @@ def band_of(region: int, item_bytes: int, page: int, tokens: Optional[int], clam
     return ("under_clamp" if tokens <= cap else "registers"), cap
 
 
-def verdict_text(b: BufferBand, clamp: int, clamp_source: str) -> str:
-    """The one sentence of a buffer's band, with its numbers."""
+def verdict_text(b: BufferBand, clamp: int, clamp_source: str, transfer_backend: Optional[str] = None) -> str:
+    """The one sentence of a buffer's band, with its numbers: compared only with figures measured
+    for ``transfer_backend`` (none for a backend the table does not hold)."""
     src = "SGLANG_MORI_MAX_MR_BYTES" if clamp_source != "default" else "the default"
     clamp_txt = f"SGLang's clamp {size_text(clamp, b.region_bytes)} ({src})"
     to = f"SGLang clamps max_total_num_tokens to {b.clamp_tokens}"
     size = size_text(b.region_bytes, clamp)
+    if not measured_for(transfer_backend):
+        return (f"{size}: nothing is measured for {transfer_backend} (the region sizes measured to register or fail "
+                f"are MORI's), so it is unmeasured; under MORI, SGLang's clamp would take max_total_num_tokens to "
+                f"{b.clamp_tokens} ({clamp_txt})")  # fmt: skip
     if b.band == "fails":
         return (f"{size} is at or past the smallest region measured to fail MORI registration "
                 f"({SMALLEST_FAILED} bytes): over the MR limit, the KV of this buffer never arrives; {to} ({clamp_txt})")
@@ -201,7 +222,8 @@ def decide(buffers: list[BufferBand], clamp: int, clamp_source: str, what: str, 
     i = max(range(len(buffers)), key=lambda j: buffers[j].region_bytes)
     b = buffers[i]
     head = f"largest registered KV region: {what}, {b.bytes_per_token:g} bytes per token"
-    return RegionCheck(BAND_STATUS[b.band], f"{head}: {verdict_text(b, clamp, clamp_source)}", limit_bytes=clamp,
+    said = verdict_text(b, clamp, clamp_source, numbers.get("transfer_backend"))
+    return RegionCheck(BAND_STATUS[b.band], f"{head}: {said}", limit_bytes=clamp,
                        limit_source=clamp_source, region_bytes=b.region_bytes, fits_max_total_num_tokens=b.clamp_tokens,
                        bytes_per_token=b.bytes_per_token, band=b.band, buffers=buffers,
                        regions=sum(x.count for x in buffers), region_index=i if numbers.get("source") != "model" else None,
@@ -215,7 +237,7 @@ def _check_registered(meta: Any, base: dict) -> RegionCheck:
     clamp = base["limit_bytes"]
     bufs = []
     for j, (n, item) in enumerate(zip(lens, items)):
-        band, cap = band_of(n, item, page, meta.kv_pool_size, clamp)
+        band, cap = band_of(n, item, page, meta.kv_pool_size, clamp, base["transfer_backend"])
         bufs.append(BufferBand(f"buffer {j}", n, item, page, band, meta.kv_pool_size, cap))
     i = max(range(len(lens)), key=lambda j: lens[j])
     cls = f" of {meta.kv_pool_class}" if meta.kv_pool_class else ""
@@ -242,7 +264,7 @@ def check_region(meta: CaptureMeta) -> RegionCheck:
     page = meta.page_size
     region, item = rows * row_bytes * lpb, row_bytes * lpb * page
     tokens = meta.kv_pool_size if meta.kv_pool_size is not None else max(0, rows - page)
-    band, cap = band_of(region, item, page, tokens, limit)
+    band, cap = band_of(region, item, page, tokens, limit, meta.disagg_transfer_backend)
     buf = BufferBand("kv_buffer", region, item, page, band, tokens, cap)
     what = f"{rows} rows x {row_bytes} bytes x {lpb} layer(s)"
     return decide([buf], limit, source, what, rows=rows, row_bytes=row_bytes, layers_per_buffer=lpb, page_size=page,
@@ -267,16 +289,12 @@ def plan_regions(buffers: list[PlannedBuffer], tokens: int, clamp: Optional[int]
     bands = []
     for p in buffers:
         region = tokens * p.item_bytes // p.page_size
-        band, cap = band_of(region, p.item_bytes, p.page_size, tokens, limit)
-        band = band if transfer_backend == "mori" else "unmeasured"  # the table is MORI's
+        band, cap = band_of(region, p.item_bytes, p.page_size, tokens, limit, transfer_backend)
         bands.append(BufferBand(p.name, region, p.item_bytes, p.page_size, band, tokens, cap, p.count))
     i = max(range(len(bands)), key=lambda j: bands[j].region_bytes)
     label = f"{what + ' ' if what else ''}{bands[i].name} buffer ({bands[i].count} alike)"
-    check = decide(bands, limit, source, label, source="model", page_size=bands[i].page_size, max_total_num_tokens=tokens,
-                   transfer_backend=transfer_backend, row_bytes=bands[i].item_bytes)  # fmt: skip
-    if transfer_backend != "mori":
-        check.message += f" (the measured figures are MORI's; nothing is measured for {transfer_backend})"
-    return check
+    return decide(bands, limit, source, label, source="model", page_size=bands[i].page_size, max_total_num_tokens=tokens,
+                  transfer_backend=transfer_backend, row_bytes=bands[i].item_bytes)  # fmt: skip
 
 
 def compressed_bytes_per_token(row_bytes: int, compress_ratio: int) -> Optional[float]:

@@ -101,6 +101,8 @@ class Explanation:
     def text(self) -> str:
         detail = ", ".join(f"{k}={v}" for k, v in self.detail.items())
         who = f" request {self.request}" if self.request is not None else ""
+        if self.extra.get("scope") == "all requests":  # a whole-output explanation: its request is only the worst
+            who = " all requests" + (f" (worst request {self.request})" if self.request is not None else "")
         line = f"explained by {self.hypothesis}({detail}){who}"
         same = [a for a in self.alternatives if a.request in (None, self.request)]
         if same:
@@ -209,6 +211,21 @@ class BackendEntry:
     def ran(self) -> bool:
         return self.status in ("pass", "fail")
 
+    @property
+    def nonfinite(self) -> int:
+        """Elements of ``out`` whose NaN / Inf placement differs from the reference (0: none, or not compared)."""
+        return self.comparison.nan_mismatch if self.comparison is not None else 0
+
+    def err_text(self) -> str:
+        """The max_abs_err cell: ``nan (4096 non-finite)`` for misplaced NaN / Inf, ``-`` when not compared."""
+        if self.comparison is not None:
+            return self.comparison.err_text()
+        return "-" if self.max_abs_err is None else ("0" if self.max_abs_err == 0 else f"{self.max_abs_err:.3g}")
+
+    def badness(self) -> tuple:
+        """Orders failing backends worst last: a misplaced NaN / Inf above any finite error."""
+        return (self.nonfinite > 0, self.max_abs_err if self.max_abs_err is not None else 0.0)
+
     def to_json(self) -> dict:
         d: dict[str, Any] = {"status": self.status, "reason": self.reason, "max_abs_err": self.max_abs_err,
                              "cos_diff": self.cos_diff, "worst": self.worst.to_json() if self.worst is not None else None}  # fmt: skip
@@ -286,6 +303,8 @@ class ReplayReport:
     verify_vs_decode: Optional[list[dict]] = None  # verify captures: each path over the same KV (diagnosis.verify_table)
     kind: Optional[str] = None  # "dense" | "sparse_decode" (None: a file not read far enough to tell)
     kind_keys: dict[str, Any] = field(default_factory=dict)  # keys only this kind has (sparse: noise, lonely_rows, region)
+    # what tells the diagnosis's open causes apart (refmla.nextsteps.NextStep, each with to_json); None: nothing open
+    next_steps: Optional[list] = None
 
     @property
     def exit_code(self) -> int:
@@ -315,6 +334,8 @@ class ReplayReport:
             d["series"] = [f.to_json() for f in self.series]
         if self.verify_vs_decode is not None:
             d["verify_vs_decode"] = self.verify_vs_decode
+        if self.next_steps is not None:
+            d["next_steps"] = [s.to_json() for s in self.next_steps]
         return d
 
 

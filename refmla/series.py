@@ -1,8 +1,10 @@
 """Series checks: the captures of one layer and rank across decode steps.
 
-A *series* is the captures of one layer on one rank, ordered by ``meta.step`` (file order when
-a capture has no step). Between consecutive captures, each request (paired by rid, else by
-order) must
+A *series* is the captures of one layer on one rank, ordered by ``meta.step``. Only captures that
+carry all three of ``layer_id``, ``tp_rank`` and ``step`` chain into one (:func:`in_series`); the
+others (goldens, hand-made captures) get no series check, and the summaries say so once
+(:func:`no_series_note`). Between consecutive captures, each request (paired by rid, else by
+order; two captures with rids that share none pair nothing) must
 
     grow by exactly one token per decode step    seq_len[t+1] == seq_len[t] + (step[t+1] - step[t])
                                                   (an extend capture: + its new tokens)
@@ -52,10 +54,29 @@ def _header(path: str) -> Optional[dict]:
     return meta if isinstance(meta, dict) else None
 
 
+SERIES_KEYS = ("layer_id", "tp_rank", "step")
+
+
+def in_series(meta) -> bool:
+    """Whether a capture's meta (a dict, or a typed meta) carries the layer, rank and step a series
+    is made of: only such captures are chained and checked across steps."""
+    get = meta.get if isinstance(meta, dict) else (lambda k: getattr(meta, k, None))
+    return all(type(get(k)) is int for k in SERIES_KEYS)
+
+
+def no_series_note(unchained: int, total: int) -> Optional[str]:
+    """The one line saying which captures were not checked as a series, or None when all were."""
+    if not unchained:
+        return None
+    return (f"series   {unchained} of {total} capture(s) in no series, not checked across steps (a series is the "
+            f"dense captures of one layer and rank that carry layer_id, tp_rank and step)")  # fmt: skip
+
+
 def group_series(paths: Sequence[str]) -> dict[tuple, list[str]]:
     """(layer_id, tp_rank) -> paths in step order (file order where a capture lacks a step).
 
-    Unreadable files are left out (the replay reports them).
+    Unreadable files are left out (the replay reports them). ``refmla disagg``'s plan groups its
+    decode captures with it; the series checks take only the captures :func:`in_series` admits.
     """
     groups: dict[tuple, list[tuple]] = {}
     for order, p in enumerate(paths):
@@ -77,11 +98,11 @@ def group_series(paths: Sequence[str]) -> dict[tuple, list[str]]:
 def series_checks(paths: Sequence[str]) -> dict[str, list[Finding]]:
     """path -> series findings of that capture (against the previous capture of its series).
 
-    Every readable path gets an entry (an empty list when nothing was found). Holds at most two
-    captures in memory at a time.
+    Every readable path that carries a layer, rank and step gets an entry (an empty list when
+    nothing was found), the others none. Holds at most two captures in memory at a time.
     """
     found: dict[str, list[Finding]] = {}
-    for group in group_series(paths).values():
+    for group in group_series([p for p in paths if in_series(_header(p) or {})]).values():
         if len(group) == 1:  # nothing to compare it with: not even read
             found[group[0]] = []
             continue
@@ -110,7 +131,7 @@ def attach_series(reports: list, opts: Optional[ReplayOptions] = None) -> None:
     if opts is None or not opts.explain:
         return
     by_path = {r.capture: r for r in reports}
-    for group in group_series([r.capture for r in reports]).values():
+    for group in group_series([r.capture for r in reports if r.capture in found]).values():
         for before, path in zip(group, group[1:]):
             entry = by_path[path].backends.get("observed") if path in by_path else None
             if entry is None or entry.status != "fail" or entry.comparison is None:

@@ -52,3 +52,17 @@ def test_bad_arguments_raise_value_error_with_the_command_lines_line(tmp_path, c
         refmla.synth(tmp_path / "x.safetensors", "merge-cp-log2", layer=3)
     with pytest.raises(ValueError, match="--tokens"):
         refmla.regions(model="kimi-k2", tokens=0)
+
+
+@pytest.mark.parametrize("content", [None, b"junk"], ids=["missing", "unreadable"])
+def test_replay_of_a_bad_file_raises_value_error_with_the_command_lines_line(tmp_path, capsys, content):
+    """Bad input raises ValueError (a CaptureError) as documented, never an ``invalid`` report."""
+    path = tmp_path / "x.safetensors"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ValueError) as raised:
+        refmla.replay(path)
+    assert isinstance(raised.value, refmla.capture.CaptureError)
+    assert main(["replay", str(path), str(path)]) == 2  # several captures: the CLI's line per invalid capture
+    line = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("refmla: error:")][0]
+    assert line == f"refmla: error: {raised.value}"

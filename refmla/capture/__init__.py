@@ -27,7 +27,7 @@ from refmla.capture.format import (
     check_meta_numbers,
     parse_meta,
 )
-from refmla.capture.read import read_capture
+from refmla.capture.read import check_file, read_capture
 from refmla.capture.validation import CHECKS, validate
 from refmla.capture.write import compact_pool, write_capture
 
@@ -43,6 +43,7 @@ __all__ = [
     "Capture",
     "CaptureError",
     "CaptureMeta",
+    "check_file",
     "check_meta_numbers",
     "compact_pool",
     "parse_meta",

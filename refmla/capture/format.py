@@ -49,12 +49,21 @@ MODES = ("decode", "extend", "verify")  # verify: speculative target-verify / dr
 MASK_DTYPES = {torch.bool, torch.uint8, torch.int8}  # custom_mask as SGLang keeps it (bool) or its int8 buffer
 
 
-class CaptureError(Exception):
-    """Invalid or unusable input: names the file and the tensor or key."""
+class CaptureError(ValueError):
+    """Invalid or unusable input: names the file and the tensor or key. A ValueError, as the Python
+    API promises for bad input (refmla/api.py)."""
 
     def __init__(self, path: Any, key: str, message: str):
         self.path, self.key, self.message = str(path), key, message
         super().__init__(printable(f"{self.path}: {key}: {message}"))
+
+    @classmethod
+    def of_line(cls, path: Any, line: str) -> "CaptureError":
+        """The error whose message is ``line`` (the file named first, as the command line prints it)."""
+        e = cls.__new__(cls)
+        e.path, e.key, e.message = str(path), "", line
+        ValueError.__init__(e, printable(line if line.startswith(str(path)) else f"{path}: {line}"))
+        return e
 
 
 # --------------------------------------------------------------------------------------------

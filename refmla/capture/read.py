@@ -106,6 +106,13 @@ def _token_rows(path: Path, meta: CaptureMeta, t: dict) -> dict[str, torch.Tenso
     return {"kv_indptr": kv_indptr, "kv_indices": kv_indices}
 
 
+def check_file(path: Any) -> None:
+    """A regular file, found by stat alone: a FIFO or a device is never opened (it could block);
+    else CaptureError naming the file: ``no such file``, ``cannot stat (...)``, ``not a regular file``.
+    Every reader's first question, so that all say the same (replay, inspect, disagg)."""
+    _check_file(Path(path))
+
+
 def _check_file(path: Path) -> None:
     """A regular file, found by stat alone: a FIFO or a device is never opened (it could block)."""
     try:

@@ -12,7 +12,7 @@ from refmla.capture import CaptureError
 from refmla.cli.common import (EXIT_DIVERGED, EXIT_INVALID, EXIT_OK, UsageError, expand_captures, is_dir,
                                need_matplotlib, output_path, print_json, worst_exit)
 from refmla.diffkv import diff_kv_files
-from refmla.disagg.plan import read_header
+from refmla.disagg.plan import layout_mismatch, read_header
 from refmla.render.diffkv import render_diff
 from refmla.util import error_text
 
@@ -46,9 +46,10 @@ def run(args) -> int:
 
 def folder_pairs(prefill: list[str], decode: list[str]) -> list[tuple[list[str], str]]:
     """Each decode capture with the prefill captures of its layer and rank (the headers' meta)."""
+    headers = {p: read_header(p) for p in [*prefill, *decode]}  # a bad capture: CaptureError, one line naming it
+
     def key(path: str) -> tuple:
-        h = read_header(path)  # a bad capture: CaptureError, one line naming it
-        return h.layer, h.rank
+        return headers[path].layer, headers[path].rank
 
     by_key: dict[tuple, list[str]] = {}
     for p in prefill:
@@ -56,6 +57,9 @@ def folder_pairs(prefill: list[str], decode: list[str]) -> list[tuple[list[str],
     pairs = []
     for d in decode:
         mine = by_key.get(key(d))
+        odd = layout_mismatch([headers[p] for p in prefill], [headers[d]])
+        if not mine and odd:  # the layouts, not the layer, are what stops the comparison
+            raise CaptureError(d, "meta key 'mode'", odd.removeprefix("meta key 'mode': "))
         if not mine:
             raise UsageError(f"{d}: no prefill capture of its layer and rank {key(d)} among {len(prefill)} given")
         pairs.append((mine, d))

@@ -20,14 +20,21 @@ from refmla.golden.isolate import golden_meta
 from refmla.capture.kinds import file_mode
 from refmla.results import BackendEntry
 from refmla.util import error_text
+from refmla.golden.cases import SUITES
 
 
 def add_parser(sub) -> None:
     g = sub.add_parser("golden", help="golden files")
     gsub = g.add_subparsers(dest="golden_command", required=True)
-    gg = gsub.add_parser("generate", help="write the golden suite")
-    gg.add_argument("--out", required=True, type=output_path)
-    gg.add_argument("--suite", choices=("quick", "full"), default="quick")
+    gg = gsub.add_parser("generate", help="write the golden suite",
+                         description="Write the golden captures (the same bytes on every run), their manifest.json, "
+                                     "and the sparse decode goldens under OUT/sparse/ (docs/golden.md).")  # fmt: skip
+    gg.add_argument("--out", required=True, type=output_path, metavar="OUT",
+                    help="the folder to write into (created; a manifest.json there that is not a golden one is "
+                         "refused, never replaced); the repository's is golden/")  # fmt: skip
+    gg.add_argument("--suite", choices=("quick", "full"), default="quick",
+                    help=f"quick: the {len(SUITES['quick'])} cases checked in under golden/ (default); full: those "
+                         f"and {len(SUITES['full']) - len(SUITES['quick'])} more")  # fmt: skip
     gg.set_defaults(func=golden_generate)
     gc = gsub.add_parser("check", help="check backends against golden files (a folder's manifest, or files)")
     gc.add_argument("paths", nargs="+", metavar="DIR|FILE")

@@ -7,6 +7,7 @@ from refmla.cli.common import expand_captures, print_json, report_invalid, singl
 from refmla.capture.kinds import file_mode
 from refmla.inspection import KINDS, inspect_captures, inspect_exit_code, inspect_sparse
 from refmla.render.inspect import render_inspect
+from refmla.series import no_series_note
 from refmla.sparse.validation import is_sparse_file, read_sparse
 
 
@@ -34,4 +35,7 @@ def run(args) -> int:
         print_json(entries[0] if len(entries) == 1 else entries)
     else:
         print("\n\n".join(render_inspect(e) for e in entries))
+        note = no_series_note(sum(e.meta is not None and e.series is None for e in entries), len(entries))
+        if len(entries) > 1 and note:
+            print("\n" + note)
     return inspect_exit_code(entries)

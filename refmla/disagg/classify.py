@@ -10,7 +10,8 @@ Precedence, the cause before its symptoms:
                MR limit (refmla.region_check: MORI cannot register it, the KV never arrives)
     metadata   any other metadata or series warning (zero / NaN rows, rows changed between steps),
                or a decode capture that is invalid (nothing replayed)
-    compute    a compute path diverges over KV that arrived intact and metadata that is right
+    compute    a compute path diverges over KV that arrived intact and metadata that is right (with
+               only production's output diverging: production's own kernel call, PRODUCTION_CALL)
     none       all three answers are clean
 """
 
@@ -20,6 +21,15 @@ from refmla.diffkv.views import SECTION_TEXT
 from refmla.disagg.report import CLASSES, Row
 
 STRUCTURAL = ("repeated_slots", "req_to_token", "seq_len_step")
+
+# a ``compute`` row whose decode diagnosis is ``observed`` over KV that arrived intact: the compute that
+# failed is production's own kernel call, not the kernels' math on the captured inputs
+PRODUCTION_CALL = (
+    "production's decode call diverged at step {step} (observed) while the offline kernels agree on the captured "
+    "inputs and the KV arrived intact: the fault is in that call's compute, its kernel build or what it read at "
+    "call time (KV landing or overwritten around the call, graph replay, metadata changed after the call), not "
+    "in the transfer nor in the kernels' math; refmla replay {capture} lists the next steps that tell these apart"
+)
 
 
 def classify(row: Row) -> tuple[str, str]:
@@ -45,6 +55,8 @@ def classify(row: Row) -> tuple[str, str]:
     if row.decode.bad:
         d = row.decode
         expl = f"; {d.explanation}" if d.explanation else ""
+        if d.diagnosis == "observed" and row.transfer.status == "faithful":
+            return "compute", f"{where}: {PRODUCTION_CALL.format(step=d.step, capture=d.capture)}{expl}"
         return "compute", f"{where}: {d.diagnosis} at step {d.step}: {d.diagnosis_text}{expl}"
     unchecked = "" if row.transfer.status == "faithful" else f" (transfer not checked: {row.transfer.note})"
     return "none", f"{where}: clean{unchecked}"

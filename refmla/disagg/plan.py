@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from refmla.capture import CaptureError, parse_meta
+from refmla.capture import CaptureError, check_file, parse_meta
 from refmla.region_check import RegionCheck, check_region
 from refmla.series import _header, group_series
 from refmla.sparse.format import SparseMeta, is_sparse_meta, parse_sparse_meta
@@ -59,6 +59,7 @@ class DisaggPlan:
 
 def read_header(path: str) -> Header:
     """The capture's meta from its header (no tensor read); CaptureError when unreadable or invalid."""
+    check_file(path)  # a missing file says so, as replay's reader does
     raw = _header(path)
     if raw is None:
         raise CaptureError(path, "header", "not a readable refmla.capture/1 safetensors file")
@@ -102,7 +103,25 @@ def plan_disagg(prefill_paths: Sequence[str], decode_paths: Sequence[str]) -> Di
             paired = [r for r in new if plan.prefill_of[(r, layer, rank)]]
             if paired:
                 plan.jobs.append(DiffJob(path, sorted(needed, key=lambda p: _order(plan.prefill[p])), paired))
+    note = layout_mismatch(list(plan.prefill.values()), list(plan.decode.values()))
+    if note:
+        plan.notes.append(note)
     return plan
+
+
+def is_sparse(h: Header) -> bool:
+    return isinstance(h.meta, SparseMeta)
+
+
+def layout_mismatch(prefill: list[Header], decode: list[Header]) -> Optional[str]:
+    """The sentence when no prefill capture has the decode captures' KV layout (dense MLA against
+    DeepSeek V3.2 / V4 sparse, or the reverse): no transfer can be compared; None otherwise."""
+    if not prefill or not decode or {is_sparse(h) for h in prefill} & {is_sparse(h) for h in decode}:
+        return None
+    side = {True: "sparse (DeepSeek V3.2 / V4 layout)", False: "dense (MLA latent pool)"}
+    return (f"meta key 'mode': the prefill captures are {side[is_sparse(prefill[0])]} ({prefill[0].path}, ...) and "
+            f"the decode captures {side[is_sparse(decode[0])]} ({decode[0].path}, ...): the two sides' KV layouts "
+            f"differ, so no request's transfer can be compared (a dense pool and a sparse one)")  # fmt: skip
 
 
 def _holders(prefill: list[Header], rid: str, rank: Optional[int]) -> list[str]:

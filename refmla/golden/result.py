@@ -66,9 +66,10 @@ class GoldenResult:
         if w is None or w.dim is None or w.request is None:
             return ""
         got, want = ("stored", "recomputed") if self.backend == "reference" else (self.backend, "reference")
+        actual = "NaN/Inf" if w.actual is None and self.entry.nonfinite else _g(w.actual)  # JSON has no NaN
         return (
             f"  worst element: request {w.request} head {w.head} dim {w.dim}: "
-            f"{got} {_g(w.actual)} vs {want} {_g(w.expected)} "
+            f"{got} {actual} vs {want} {_g(w.expected)} "
             f"(row err {_g(w.err)}, allowed {_g(w.allowed)}, {_g(w.ratio)}x)"
         )
 

@@ -58,6 +58,8 @@ def _row(r: Row) -> list[str]:
     d = r.decode
     decode = d.verdict if d.verdict != "diverged" else f"DIVERGED step {d.step} ({d.diverged_steps}/{d.steps})"
     failing = [n for n, s in d.backends.items() if s == "fail"]
-    diagnosis = "-" if d.diagnosis is None else f"{d.diagnosis}: {', '.join(failing)}"
+    others = [n for n in failing if n != "observed"]
+    who = ", ".join(failing) if others else "production only" if failing else ""
+    diagnosis = "-" if d.diagnosis is None else f"{d.diagnosis}: {who}" if who else d.diagnosis
     return [r.rid, str(r.layer), str(r.rank), clip(transfer, 60), clip(metadata, 40), decode, clip(diagnosis, 40),
             r.fault if r.fault == "none" else r.fault.upper()]  # fmt: skip

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from refmla.blame import worst_blame
 from refmla.render.table import clip, fmt, table
+from refmla.nextsteps import text_lines
 from refmla.results import BackendEntry, ReplayReport, alternatives_text
+from refmla.series import no_series_note
 from refmla.util import printable
 
 MAX_WARNINGS = 8  # metadata warnings printed under one report
@@ -37,8 +41,9 @@ def render(report: ReplayReport) -> str:
     for name, b in report.backends.items():
         if b.status == "fail" and b.explanation is not None:
             lines.append(f"  {name}: {b.explanation.text()}")
+    lines += text_lines(report.next_steps or [])
     if report.verify_vs_decode:
-        lines += ["", "verify vs plain decode over the same KV", verify_paths_table(report.verify_vs_decode)]
+        lines += ["", "verify vs plain decode over the same KV", verify_paths_table(report.verify_vs_decode, report.backends)]
     return "\n".join(lines)
 
 
@@ -52,9 +57,12 @@ def render_or_say(report: ReplayReport) -> str:
                 f"{printable(type(e).__name__)}; see --json)")
 
 
-def verify_paths_table(rows: list[dict]) -> str:
-    """The verify capture's paths over the same KV (refmla.diagnosis.verify_table), one line each."""
+def verify_paths_table(rows: list[dict], backends: Optional[dict] = None) -> str:
+    """The verify capture's paths over the same KV (refmla.diagnosis.verify_table), one line each;
+    with the report's ``backends``, a misplaced NaN / Inf reads as such (BackendEntry.err_text)."""
+    backends = backends or {}
     body = [[r["path"], r["backend"], r["status"].upper() if r["status"] == "fail" else r["status"],
+             backends[r["backend"]].err_text() if r["backend"] in backends else
              fmt(r["max_abs_err"]) if r["max_abs_err"] is not None else "-",
              (r["reason"] or "")[:70] if r["status"] != "pass" else ""] for r in rows]  # fmt: skip
     return table(body, ["path", "backend", "status", "max_abs_err", "note"])
@@ -96,7 +104,7 @@ def backend_row(name: str, b: BackendEntry) -> list[str]:
     if b.splits is not None and b.splits.status in ("pass", "fail"):
         note += f" | splits {b.splits.status} ({b.splits.compared_splits} partials)"
     status = b.status.upper() if b.status == "fail" else b.status
-    return [name, status, fmt(b.max_abs_err), fmt(b.cos_diff), where, note]
+    return [name, status, b.err_text(), fmt(b.cos_diff), where, note]
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,6 +138,8 @@ def summary_table(reports: list[ReplayReport]) -> str:
     totals = (f"{len(reports)} captures: {count['agree']} agree, {count['diverged']} diverged, "
               f"{count['invalid']} invalid; {len(shown)} series finding(s)")  # fmt: skip
     lines = ["summary by layer, rank and step", table(rows, header) if rows else "(no readable capture)", "", totals]
+    note = no_series_note(sum(r.meta is not None and r.series is None for r in reports), len(reports))
+    lines += [note] if note else []
     lines += [printable(f"  series {p}: {m}") for p, m in shown[:MAX_SERIES_LINES]]
     if len(shown) > MAX_SERIES_LINES:
         lines.append(f"  ... {len(shown) - MAX_SERIES_LINES} more series finding(s) (see --json)")
@@ -143,7 +153,7 @@ def summary_table(reports: list[ReplayReport]) -> str:
 def summary_row(key: tuple, rs: list[ReplayReport]) -> list[str]:
     n = {v: sum(1 for r in rs if r.verdict == v) for v in VERDICTS}
     diag = sorted({str(r.diagnosis) for r in rs if r.diagnosis})
-    failing = [(b.max_abs_err, name) for r in rs for name, b in r.backends.items()
+    failing = [(b.badness(), name, b) for r in rs for name, b in r.backends.items()
                if b.status == "fail" and b.max_abs_err is not None]  # fmt: skip
     worst = max(failing, default=None, key=lambda t: t[0])
     series = sum(len(_warnings(r.series)) for r in rs)
@@ -151,6 +161,6 @@ def summary_row(key: tuple, rs: list[ReplayReport]) -> list[str]:
     return [
         *("-" if v is None else str(v) for v in key), str(len(rs)), str(n["agree"]),
         str(n["diverged"]) if not n["diverged"] else f"{n['diverged']} !", str(n["invalid"]),
-        ",".join(diag) or "-", f"{worst[1]} {worst[0]:.3g}" if worst else "-",
+        ",".join(diag) or "-", f"{worst[1]} {worst[2].err_text()}" if worst else "-",
         str(warn) if warn else "-", str(series) if series else "-",
     ]  # fmt: skip

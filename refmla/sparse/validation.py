@@ -282,6 +282,8 @@ def _sparse_meta(path: Path, header: dict) -> SparseMeta:
         return parse_sparse_meta(meta_json(header.get("meta", "null")), path)
     except (json.JSONDecodeError, TypeError, AttributeError):
         raise CaptureError(path, "header key 'meta'", "missing or not a JSON object") from None
+    except CaptureError:  # a ValueError naming its key already
+        raise
     except ValueError as e:  # a number JSON can hold but Python refuses to parse (an int of 4,400 digits)
         raise CaptureError(path, "header key 'meta'", f"a number out of range: {str(e).split(';')[0]}") from None
 
