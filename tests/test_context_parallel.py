@@ -1,0 +1,93 @@
+"""Decode context parallelism: a step's rank captures, written the way vLLM's DCP path lays the
+shards by tools/planting_dcp.py (a plain loop of its own, never refmla's reference), replayed as
+one call by refmla.cp: clean steps agree, each planted mistake is named with its rank and
+positions, and nothing else is named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import load_tool
+from refmla.capture import dcp
+from refmla.cp.judge import replay_step
+
+pd = load_tool("planting_dcp")
+SEQ = (600, 302, 77, 5)  # the last one shorter than a round of 4 x 16: ranks with empty shards
+CONFIGS = {"dcp2-i1": pd.DcpSpec(world=2, interleave=1, block=16, seq_lens=SEQ),
+           "dcp4-i16": pd.DcpSpec(world=4, interleave=16, block=64, seq_lens=SEQ)}  # fmt: skip
+
+
+def _replay(tmp_path, spec, plant, skip_rank=None):
+    step = pd.make_step(spec)
+    want = plant(step)
+    report = replay_step(pd.write(step, tmp_path / "step", skip_rank=skip_rank))
+    return step, want, report
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_clean_step_agrees(tmp_path, config):
+    _, _, report = _replay(tmp_path, CONFIGS[config], pd.clean)
+    assert report.verdict == "agree", report.text()
+    assert [r.status for r in report.ranks] == ["pass"] * CONFIGS[config].world
+    assert report.combine.status == "pass" and "whole-context reference: pass" in report.combine.note
+    assert report.exit_code == 0 and json.loads(json.dumps(report.to_json()))["verdict"] == "agree"
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("plant", sorted(pd.PLANTS))
+def test_each_planted_mistake_is_named_with_rank_and_positions(tmp_path, config, plant):
+    step, want, report = _replay(tmp_path, CONFIGS[config], pd.PLANTS[plant])
+    assert report.verdict == "diverged" and report.exit_code == 1
+    got = {(f.hypothesis, f.rank, f.request): f for f in report.findings}
+    assert set(got) == {(h, r, b) for h, r, b, _ in want}, report.text()  # named, and nothing else
+    for h, r, b, positions in want:
+        f = got[(h, r, b)]
+        if positions is not None:
+            assert f.positions == positions
+        else:  # a combine mistake: every request's positions, or the dropped rank's shard
+            spec = CONFIGS[config]
+            expect = ([[[0, L]] for L in spec.seq_lens] if h == "cp_combine_lse_base" else
+                      [pd.runs(p) for p in step["ranks"][r]["positions"]])  # fmt: skip
+            assert f.detail["positions_by_request"] == expect
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_a_rank_without_its_capture_is_a_missing_shard(tmp_path, config):
+    spec = CONFIGS[config]
+    step, _, report = _replay(tmp_path, spec, pd.clean, skip_rank=1)
+    assert report.verdict == "diverged"
+    assert [(f.hypothesis, f.rank) for f in report.findings] == [("cp_shard_missing", 1)]
+    assert report.findings[0].detail["positions_by_request"] == [pd.runs(p) for p in step["ranks"][1]["positions"]]
+    assert [r.status for r in report.ranks] == ["pass" if r != 1 else "absent" for r in range(spec.world)]
+    assert report.combine.status == "unjudged"
+
+
+def test_geometry_matches_vllm(monkeypatch):
+    """refmla's shard geometry is vLLM's: get_dcp_local_seq_lens per rank, and the positions a
+    rank holds are the plain loop's."""
+    utils = pytest.importorskip("vllm.v1.attention.backends.utils")
+    L = torch.tensor([0, 1, 5, 16, 17, 63, 64, 65, 300, 1030])
+    for W, I in ((2, 1), (4, 16), (8, 64), (2, 3)):
+        for r in range(W):
+            got = dcp.local_lens(L, W, r, I)
+            assert torch.equal(got, utils.get_dcp_local_seq_lens(L, W, r, I).long())
+            spec = pd.DcpSpec(world=W, interleave=I)
+            for n, total in zip(got.tolist(), L.tolist()):
+                assert dcp.positions(r, n, W, I).tolist() == pd.shard_positions(spec, r, total)
+                p = torch.tensor(pd.shard_positions(spec, r, total), dtype=torch.long)
+                assert torch.equal(dcp.local_row(p, W, I), torch.arange(n)) and bool((dcp.owner(p, W, I) == r).all())
+
+
+def test_unusable_steps_are_invalid_naming_file_and_key(tmp_path):
+    assert "not a folder" in replay_step(tmp_path / "nope").error
+    spec = CONFIGS["dcp2-i1"]
+    step = pd.make_step(spec)
+    pd.clean(step)
+    folder = pd.write(step, tmp_path / "twice")
+    (folder / "rank1.safetensors").rename(folder / "rank1-copy.safetensors")
+    pd.write(step, folder)
+    report = replay_step(folder)
+    assert report.verdict == "invalid" and report.exit_code == 2 and "'dcp_rank'" in report.error
