@@ -91,3 +91,53 @@ def test_unusable_steps_are_invalid_naming_file_and_key(tmp_path):
     pd.write(step, folder)
     report = replay_step(folder)
     assert report.verdict == "invalid" and report.exit_code == 2 and "'dcp_rank'" in report.error
+
+
+def test_cli_replay_cp_exit_codes_and_json(tmp_path):
+    """`refmla replay-cp`: 0 on a clean step, 1 naming the mistake, 2 with one line on a bad folder."""
+    import subprocess
+    import sys
+
+    spec = pd.DcpSpec(world=2, interleave=1, block=16, seq_lens=(77, 5))
+    runs = {}
+    for name, plant in (("clean", pd.clean), ("offset", pd.PLANTS["geometry_offset"])):
+        step = pd.make_step(spec)
+        plant(step)
+        folder = pd.write(step, tmp_path / name)
+        runs[name] = subprocess.run([sys.executable, "-m", "refmla", "replay-cp", str(folder), "--json"],
+                                    capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert runs["clean"].returncode == 0, runs["clean"].stderr[-2000:]
+    assert json.loads(runs["clean"].stdout)["verdict"] == "agree"
+    assert runs["offset"].returncode == 1
+    (f,) = json.loads(runs["offset"].stdout)["findings"]
+    assert (f["hypothesis"], f["rank"], f["request"]) == ("cp_shard_geometry", 1, 0)
+    bad = subprocess.run([sys.executable, "-m", "refmla", "replay-cp", str(tmp_path / "missing")],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "folder" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"dcp_interleave_size": None}, "'dcp_interleave_size'"),
+    ({"dcp_rank": 2}, "'dcp_rank'"),
+    ({"dcp_tot_seq_lens": [77]}, "'dcp_tot_seq_lens'"),
+    ({"dcp_world_size": None, "dcp_rank": None, "dcp_interleave_size": None}, "'dcp_world_size'"),
+])  # fmt: skip
+def test_bad_dcp_meta_is_refused_naming_the_key(tmp_path, change, key, monkeypatch):
+    """A rank capture whose DCP keys are incomplete or out of range is not written (nor read)."""
+    from refmla.capture import CaptureError, write_capture
+
+    spec = pd.DcpSpec(world=2, interleave=1, block=16, seq_lens=(77, 5))
+    step = pd.make_step(spec)
+    pd.clean(step)
+    captured = {}
+    import refmla.capture as capture_mod
+
+    def grab(path, tensors, meta):
+        captured.setdefault("first", (path, tensors, meta))
+
+    monkeypatch.setattr(capture_mod, "write_capture", grab)
+    pd.write(step, tmp_path / "s")
+    path, tensors, meta = captured["first"]
+    meta = {k: v for k, v in {**meta, **change}.items() if v is not None}
+    with pytest.raises(CaptureError, match=key):
+        write_capture(path, tensors, meta)

@@ -234,4 +234,26 @@ PLANTS = {"geometry_offset": geometry_offset, "geometry_interleave": geometry_in
           "rank_metadata": rank_metadata}  # fmt: skip
 
 
+def main() -> None:
+    """``python tools/planting_dcp.py OUT [--world W] [--interleave I] [--block P] [--fault NAME]``:
+    one step's rank captures in OUT; prints what the replay must name."""
+    import argparse
+    import json
+
+    a = argparse.ArgumentParser(description="one decode-context-parallel step's rank captures, laid out as vLLM does")
+    a.add_argument("out")
+    a.add_argument("--world", type=int, default=4)
+    a.add_argument("--interleave", type=int, default=1)
+    a.add_argument("--block", type=int, default=64)
+    a.add_argument("--fault", default="clean", choices=["clean", *PLANTS])
+    args = a.parse_args()
+    step = make_step(DcpSpec(world=args.world, interleave=args.interleave, block=args.block))
+    print(json.dumps((PLANTS.get(args.fault) or clean)(step)))
+    write(step, args.out)
+
+
+if __name__ == "__main__":
+    main()
+
+
 __all__ = ["DcpSpec", "PLANTS", "clean", "combine", "make_step", "run_ranks", "runs", "shard_positions", "write"]
