@@ -8,6 +8,7 @@ comparator, refmla.compare); a failure is explained by refmla.cp.hypotheses.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -59,13 +60,14 @@ def _judge_rank(step: CpStep, r: int, tol: Tolerance, report: CpReport, named: s
         return entry
     want, want_lse = shard_attention(step, r, torch.float64)
     ctl, ctl_lse = shard_attention(step, r, torch.float32)
-    c = compare(f"rank {r}", cap.out, want, ctl.to(cap.out.dtype), tol=tol)
+    held = _held(step, r)  # an empty shard's row is not judged: the combine masks it (lse -inf)
+    c = compare(f"rank {r}", cap.out, want, ctl.to(cap.out.dtype), tol=tol, row_mask=held)
     entry.comparison = c.to_json()
-    bad = c.row_failed.any(-1) if c.row_failed is not None else torch.ones(want.shape[0], dtype=torch.bool)
+    bad = c.row_failed.any(-1) if c.row_failed is not None else held.clone()
     if cap.lse is not None:
         lj = judge_lse(cap.lse, want_lse, ctl_lse, k=tol.k)
-        entry.lse_bad = int(lj.bad.sum())
-        bad = bad | lj.bad.any(-1)
+        entry.lse_bad = int((lj.bad & held[:, None]).sum())
+        bad = bad | (lj.bad.any(-1) & held)
     entry.status = "fail" if bool(bad.any()) or not c.passed else "pass"
     for b in torch.nonzero(bad).flatten().tolist():
         f = explain_rank(step, r, b, tol)
@@ -84,6 +86,8 @@ def _judge_combine(step: CpStep, tol: Tolerance, report: CpReport) -> CombineEnt
         return CombineEntry("unjudged", note="the combine needs every rank's out, lse and dcp_out")
     outs = torch.stack([caps[r].out for r in range(step.world)]).double()  # [W, B, H, Dv]
     lses = torch.stack([caps[r].lse for r in range(step.world)]).double()  # [W, B, H]
+    empty = ~torch.stack([_held(step, r) for r in range(step.world)])  # [W, B] as vLLM masks them:
+    outs, lses = outs.masked_fill(empty[..., None, None], 0.0), lses.masked_fill(empty[..., None], -math.inf)
     want, ctl = merged(outs, lses, "ln", torch.float64), merged(outs, lses, "ln", torch.float32)
     Hr = caps[0].dcp_out.shape[1]
     status, worst = "pass", None
@@ -107,6 +111,11 @@ def _judge_combine(step: CpStep, tol: Tolerance, report: CpReport) -> CombineEnt
         if not c.passed:
             entry.status = "fail"
     return entry
+
+
+def _held(step: CpStep, r: int) -> torch.Tensor:
+    """[B] bool: the requests of which rank r holds at least one position."""
+    return torch.tensor([rows.numel() > 0 for rows in step.shard[r]], dtype=torch.bool)
 
 
 def _whole_reference(step: CpStep) -> Optional[torch.Tensor]:
