@@ -141,3 +141,24 @@ def test_bad_dcp_meta_is_refused_naming_the_key(tmp_path, change, key, monkeypat
     meta = {k: v for k, v in {**meta, **change}.items() if v is not None}
     with pytest.raises(CaptureError, match=key):
         write_capture(path, tensors, meta)
+
+
+def test_a_hook_folder_of_several_steps_is_split_by_layer_and_step(tmp_path):
+    """The hook writes every layer and step of every rank into one folder: replay-cp judges each
+    (layer, step) as its own step; a mistake in one is named there only."""
+    from refmla.capture import read_capture, write_capture
+    from refmla.cp.judge import replay_folder
+
+    spec = pd.DcpSpec(world=2, interleave=1, block=16, seq_lens=(77, 5))
+    for step_no, plant in ((7, pd.clean), (8, pd.PLANTS["geometry_offset"])):
+        step = pd.make_step(spec)
+        plant(step)
+        pd.write(step, tmp_path / f"s{step_no}")
+        for f in (tmp_path / f"s{step_no}").iterdir():  # the same files, renamed and re-stamped with their step
+            cap = read_capture(f)
+            tensors = {k: v for k, v in cap.tensors().items() if k not in ("kv_indptr", "kv_indices", "orig_kv_indices")}
+            write_capture(tmp_path / "all" / f"{f.stem}-s{step_no}.safetensors", tensors, {**cap.meta.to_json(), "step": step_no})
+    reports = replay_folder(tmp_path / "all")
+    assert [r.folder.endswith(f"(layer 3, step {n})") for r, n in zip(reports, (7, 8))] == [True, True]
+    assert [r.verdict for r in reports] == ["agree", "diverged"]
+    assert [(f.hypothesis, f.rank) for f in reports[1].findings] == [("cp_shard_geometry", 1)]

@@ -17,7 +17,7 @@ from refmla.capture import CaptureError
 from refmla.compare import Tolerance, compare, judge_lse
 from refmla.cp.hypotheses import attend_rows, explain_combine, explain_rank, merged
 from refmla.cp.result import CombineEntry, CpReport, RankEntry
-from refmla.cp.step import CpStep, read_step
+from refmla.cp.step import CpStep, read_step, steps_in
 
 
 def replay_step(folder: Any, tol: Tolerance = Tolerance()) -> CpReport:
@@ -27,6 +27,22 @@ def replay_step(folder: Any, tol: Tolerance = Tolerance()) -> CpReport:
         return judge(step, tol)
     except CaptureError as e:
         return CpReport(str(folder), "invalid", error=str(e))
+
+
+def replay_folder(folder: Any, tol: Tolerance = Tolerance()) -> list[CpReport]:
+    """One report per step in ``folder`` (its captures grouped by layer and step, refmla.cp.step.steps_in);
+    one ``invalid`` report when the folder or a capture in it cannot be read."""
+    try:
+        groups = steps_in(folder)
+    except CaptureError as e:
+        return [CpReport(str(folder), "invalid", error=str(e))]
+    reports = []
+    for label, caps in groups:
+        try:
+            reports.append(judge(read_step(folder, caps, label), tol))
+        except CaptureError as e:
+            reports.append(CpReport(label, "invalid", error=str(e)))
+    return reports
 
 
 def shard_attention(step: CpStep, r: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,4 +141,4 @@ def _whole_reference(step: CpStep) -> Optional[torch.Tensor]:
     return torch.cat([attend_rows(cap.q[b], step.whole(b), sc, torch.float64)[0] for b in range(cap.q.shape[0])])
 
 
-__all__ = ["judge", "replay_step", "shard_attention"]
+__all__ = ["judge", "replay_folder", "replay_step", "shard_attention"]

@@ -64,11 +64,25 @@ def captures_in(folder: Any) -> list[Path]:
     return files
 
 
-def read_step(folder: Any) -> CpStep:
-    """The step in ``folder``; CaptureError (exit 2) names the file and key that make it unusable."""
-    caps: dict[int, Capture] = {}
+def steps_in(folder: Any) -> list[tuple[str, list]]:
+    """The folder's captures grouped into steps by (layer, step), as the hook writes every rank,
+    layer and step into one folder: [(label, [(path, Capture)])], in (layer, step) order. One
+    group is labelled with the folder alone."""
+    groups: dict[tuple, list] = {}
     for f in captures_in(folder):
         cap = read_capture(f)
+        key = (cap.meta.layer_id if cap.meta.layer_id is not None else -1, cap.meta.step if cap.meta.step is not None else -1)
+        groups.setdefault(key, []).append((f, cap))
+    if len(groups) == 1:
+        return [(str(folder), next(iter(groups.values())))]
+    return [(f"{folder} (layer {k[0]}, step {k[1]})", v) for k, v in sorted(groups.items())]
+
+
+def read_step(folder: Any, captures: Optional[list] = None, label: Optional[str] = None) -> CpStep:
+    """The step in ``folder`` (or the given [(path, Capture)] of one step); CaptureError (exit 2)
+    names the file and key that make it unusable."""
+    caps: dict[int, Capture] = {}
+    for f, cap in captures if captures is not None else [(f, read_capture(f)) for f in captures_in(folder)]:
         m = cap.meta
         if m.dcp_world_size is None:
             raise CaptureError(f, "meta key 'dcp_world_size'", "missing: not a context-parallel rank capture")
@@ -81,7 +95,7 @@ def read_step(folder: Any) -> CpStep:
     agreed = {key: _agree(caps, key, findings) for key in AGREED}
     total = _agreed_total(caps, agreed["dcp_world_size"], agreed["dcp_interleave_size"], findings)
     _check_q(caps, findings)
-    step = CpStep(str(folder), caps, agreed["dcp_world_size"], agreed["dcp_interleave_size"], total, findings)
+    step = CpStep(label or str(folder), caps, agreed["dcp_world_size"], agreed["dcp_interleave_size"], total, findings)
     for r in step.missing():
         n = dcp.local_lens(total, step.world, r, step.interleave)
         pos = [dcp.ranges(dcp.positions(r, int(k), step.world, step.interleave)) for k in n]
@@ -183,4 +197,4 @@ def _runs(r: list) -> str:
     return text + (f" and {len(r) - 4} more runs" if len(r) > 4 else "")
 
 
-__all__ = ["AGREED", "CpStep", "captures_in", "read_step"]
+__all__ = ["AGREED", "CpStep", "captures_in", "read_step", "steps_in"]
