@@ -162,3 +162,26 @@ def test_a_hook_folder_of_several_steps_is_split_by_layer_and_step(tmp_path):
     assert [r.folder.endswith(f"(layer 3, step {n})") for r, n in zip(reports, (7, 8))] == [True, True]
     assert [r.verdict for r in reports] == ["agree", "diverged"]
     assert [(f.hypothesis, f.rank) for f in reports[1].findings] == [("cp_shard_geometry", 1)]
+
+
+@pytest.mark.parametrize("change, key", [("rank_past_world", "'dcp_rank'"), ("other_heads", "'q'")])
+def test_ranks_that_cannot_be_one_step_are_invalid(tmp_path, change, key):
+    """A rank numbered past the agreed world, or a rank with other heads: exit 2 naming the file and key."""
+    from refmla.capture import read_capture, write_capture
+
+    spec = pd.DcpSpec(world=2, interleave=1, block=16, seq_lens=(77, 5))
+    step = pd.make_step(spec)
+    pd.clean(step)
+    folder = pd.write(step, tmp_path / "s")
+    cap = read_capture(folder / "rank1.safetensors")
+    t = {k: v for k, v in cap.tensors().items() if k not in ("kv_indptr", "kv_indices", "orig_kv_indices")}
+    meta = cap.meta.to_json()
+    if change == "rank_past_world":
+        meta.update(dcp_world_size=4, dcp_rank=3)
+        t["dcp_out"] = t["dcp_out"][:, :4]  # its share of the heads among 4
+    else:
+        t["q"], t["out"], t["lse"] = t["q"][:, :8], t["out"][:, :8], t["lse"][:, :8]
+        t["dcp_out"] = t["dcp_out"][:, :4]
+    write_capture(folder / "rank1.safetensors", t, meta)
+    report = replay_step(folder)
+    assert report.verdict == "invalid" and report.exit_code == 2 and key in report.error and "rank" in report.error

@@ -93,6 +93,7 @@ def read_step(folder: Any, captures: Optional[list] = None, label: Optional[str]
         caps[m.dcp_rank] = cap
     findings: list[CpFinding] = []
     agreed = {key: _agree(caps, key, findings) for key in AGREED}
+    _check_shapes(caps, agreed["dcp_world_size"])
     total = _agreed_total(caps, agreed["dcp_world_size"], agreed["dcp_interleave_size"], findings)
     _check_q(caps, findings)
     step = CpStep(label or str(folder), caps, agreed["dcp_world_size"], agreed["dcp_interleave_size"], total, findings)
@@ -118,6 +119,22 @@ def _agree(caps: dict, key: str, findings: list) -> Any:
             findings.append(CpFinding("cp_rank_metadata", r, None, [], f"rank {r}: meta {key} {v!r}, the other "
                                       f"ranks' {value!r}", {"key": key, "value": v, "others": value}))  # fmt: skip
     return list(value) if isinstance(value, tuple) else value
+
+
+def _check_shapes(caps: dict, W: int) -> None:
+    """What the ranks' tensors must share to add up to one call (the requests, the heads, the row
+    width, every rank below W); CaptureError names the first capture that does not."""
+    r0 = min(caps)
+    ref = caps[r0]
+    for r, c in sorted(caps.items()):
+        if r >= W:
+            raise CaptureError(c.path, "meta key 'dcp_rank'", f"{r} is not below the ranks' dcp_world_size {W}")
+        if c.q.shape != ref.q.shape or c.kv_buffer.shape[1:] != ref.kv_buffer.shape[1:]:
+            raise CaptureError(c.path, "tensor 'q'", f"shape {list(c.q.shape)} / pool rows {list(c.kv_buffer.shape[1:])} "
+                               f"differ from {ref.path}'s: not one step's ranks")  # fmt: skip
+        if (c.out is None) != (ref.out is None) or (c.dcp_out is not None and ref.dcp_out is not None
+                                                     and c.dcp_out.shape != ref.dcp_out.shape):  # fmt: skip
+            raise CaptureError(c.path, "tensor 'out'", f"present / shaped unlike {ref.path}'s")
 
 
 def _hashable(v: Any) -> Any:
