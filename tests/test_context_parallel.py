@@ -54,6 +54,18 @@ def test_each_planted_mistake_is_named_with_rank_and_positions(tmp_path, config,
             assert f.detail["positions_by_request"] == expect
 
 
+@pytest.mark.parametrize("plant", ["clean", "combine_lse_base", "local_length_masked"])
+def test_ranks_that_return_a_log2_lse(tmp_path, plant):
+    """Ranks whose kernel returns a log2 lse (meta lse_base log2, vLLM's lse_base_on_e False) and a
+    combine that reads it so agree; a combine that reads it as natural (vLLM #43919) is named."""
+    spec = pd.DcpSpec(world=4, interleave=1, block=64, seq_lens=SEQ, lse_base="log2")
+    step, want, report = _replay(tmp_path, spec, pd.PLANTS.get(plant, pd.clean))
+    assert {(f.hypothesis, f.rank, f.request) for f in report.findings} == {(h, r, b) for h, r, b, _ in want}
+    assert report.verdict == ("agree" if plant == "clean" else "diverged"), report.text()
+    if plant == "combine_lse_base":
+        assert {f.detail["merge"] for f in report.findings} == {"log2_as_ln"}
+
+
 @pytest.mark.parametrize("config", CONFIGS)
 def test_a_rank_without_its_capture_is_a_missing_shard(tmp_path, config):
     spec = CONFIGS[config]
@@ -68,6 +80,9 @@ def test_a_rank_without_its_capture_is_a_missing_shard(tmp_path, config):
 def test_geometry_matches_vllm(monkeypatch):
     """refmla's shard geometry is vLLM's: get_dcp_local_seq_lens per rank, and the positions a
     rank holds are the plain loop's."""
+    from refmla.backends.vllm_compat import vllm_triton_on_cpu
+
+    vllm_triton_on_cpu()  # vLLM imported the way that keeps its Triton kernels usable by later tests
     utils = pytest.importorskip("vllm.v1.attention.backends.utils")
     L = torch.tensor([0, 1, 5, 16, 17, 63, 64, 65, 300, 1030])
     for W, I in ((2, 1), (4, 16), (8, 64), (2, 3)):

@@ -81,7 +81,7 @@ def test_each_rank_is_captured_and_the_step_replays_as_one_call(tmp_path, interl
         cap = read_capture(folder / f.name)
         m = cap.meta
         assert (m.dcp_world_size, m.dcp_rank, m.dcp_interleave_size) == (SPEC.world, r, SPEC.interleave)
-        assert m.dcp_tot_seq_lens == list(SPEC.seq_lens)
+        assert m.dcp_tot_seq_lens == list(SPEC.seq_lens) and m.extra["lse_base"] == "ln"  # TRITON_MLA: natural
         assert cap.seq_lens.tolist() == step["ranks"][r]["seq"]
         assert torch.equal(cap.out.nan_to_num(), outs[r].nan_to_num())
     assert torch.isnan(outs[1][2]).all()  # vLLM's kernel: 0 / 0 over an empty shard (the combine masks it)

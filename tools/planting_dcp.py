@@ -8,7 +8,7 @@ own paged cache (block table, null block 0 full of NaN, NaN past each shard's en
 page); the rank's metadata holds its local lengths (``get_dcp_local_seq_lens``) and the whole
 ones (``dcp_tot_seq_lens``). Every rank attends the same gathered queries (DCP all-gathers the
 heads of its group: 8 x W heads for Kimi-K2's 64 over TP8) over its shard and returns out (bf16)
-and a natural-log lse (fp32); ``cp_lse_ag_out_rs`` merges the ranks' partials by lse in fp32 and
+and an lse (fp32, natural; log2 with ``lse_base`` "log2", as FlashInfer-style kernels return it); ``cp_lse_ag_out_rs`` merges the ranks' partials by lse in fp32 and
 reduce-scatters the heads: rank r keeps heads [8 r, 8 r + 8), recorded as ``dcp_out``.
 
 PLANTS: name -> function(step) planting the fault into the step (a dict of per-rank dicts)
@@ -37,6 +37,7 @@ class DcpSpec:
     kv_lora_rank: int = 512
     rope: int = 64
     seed: int = 0
+    lse_base: str = "ln"  # "log2": the ranks return log2 lse (vLLM's lse_base_on_e False), the combine reads it so
 
     @property
     def heads(self) -> int:  # the gathered heads every rank attends
@@ -103,13 +104,16 @@ def run_ranks(step: dict, reads: dict | None = None) -> None:
             outs.append(o)
             lses.append(l)
         rk["out"] = torch.stack(outs).to(torch.bfloat16)
-        rk["lse"] = torch.stack(lses).float()
+        lse = torch.stack(lses)
+        rk["lse"] = (lse / math.log(2.0) if spec.lse_base == "log2" else lse).float()
 
 
-def combine(step: dict, base: str = "e", leave_out: int | None = None) -> None:
-    """cp_lse_ag_out_rs: the ranks' partials merged by lse in fp32, heads reduce-scattered.
-    ``base`` "2": the natural lse merged with exp2 (a fault); ``leave_out``: a rank's partial dropped."""
+def combine(step: dict, wrong_base: bool = False, leave_out: int | None = None) -> None:
+    """cp_lse_ag_out_rs: the ranks' partials merged by lse in fp32 (exp of a natural lse, exp2 of
+    a log2 one), heads reduce-scattered. ``wrong_base``: the lse exponentiated in the other base
+    (a fault); ``leave_out``: a rank's partial dropped (a fault)."""
     spec = step["spec"]
+    base = "2" if (spec.lse_base == "log2") != wrong_base else "e"
     ranks = [r for r in range(spec.world) if r != leave_out]
     outs = torch.stack([step["ranks"][r]["out"].float() for r in ranks])  # [W, B, H, Dv]
     lses = torch.stack([step["ranks"][r]["lse"] for r in ranks])  # [W, B, H]
@@ -136,7 +140,7 @@ def write(step: dict, folder, skip_rank: int | None = None) -> Path:
                 "kv_lora_rank": spec.kv_lora_rank, "qk_rope_head_dim": spec.rope, "sm_scale": KIMI_SM_SCALE,
                 "logit_cap": 0.0, "page_size": spec.block, "null_block": NULL, "layer_id": 3, "step": 7,
                 "tp_rank": r, "dcp_world_size": spec.world, "dcp_rank": r, "dcp_interleave_size": spec.interleave,
-                "dcp_tot_seq_lens": rk["tot"]}  # fmt: skip
+                "dcp_tot_seq_lens": rk["tot"], "lse_base": spec.lse_base}  # fmt: skip
         write_capture(folder / f"rank{r}.safetensors", tensors, meta)
     return folder
 
@@ -201,9 +205,9 @@ def local_length_masked(step, r=0, b=1):
 
 
 def combine_lse_base(step):
-    """Every rank merges the natural lse with exp2."""
+    """Every rank merges the lse in the other base (a natural lse with exp2, a log2 one with exp)."""
     run_ranks(step)
-    combine(step, base="2")
+    combine(step, wrong_base=True)
     return [("cp_combine_lse_base", r, None, None) for r in range(step["spec"].world)]
 
 
@@ -246,8 +250,9 @@ def main() -> None:
     a.add_argument("--interleave", type=int, default=1)
     a.add_argument("--block", type=int, default=64)
     a.add_argument("--fault", default="clean", choices=["clean", *PLANTS])
+    a.add_argument("--lse-base", default="ln", choices=["ln", "log2"])
     args = a.parse_args()
-    step = make_step(DcpSpec(world=args.world, interleave=args.interleave, block=args.block))
+    step = make_step(DcpSpec(world=args.world, interleave=args.interleave, block=args.block, lse_base=args.lse_base))
     print(json.dumps((PLANTS.get(args.fault) or clean)(step)))
     write(step, args.out)
 

@@ -16,6 +16,7 @@ import torch
 from refmla.capture import CaptureError
 from refmla.compare import Tolerance, compare, judge_lse
 from refmla.cp.hypotheses import attend_rows, explain_combine, explain_rank, merged
+from refmla.merging import LN2
 from refmla.cp.result import CombineEntry, CpReport, RankEntry
 from refmla.cp.step import CpStep, read_step, steps_in
 
@@ -81,7 +82,7 @@ def _judge_rank(step: CpStep, r: int, tol: Tolerance, report: CpReport, named: s
     entry.comparison = c.to_json()
     bad = c.row_failed.any(-1) if c.row_failed is not None else held.clone()
     if cap.lse is not None:
-        lj = judge_lse(cap.lse, want_lse, ctl_lse, k=tol.k)
+        lj = judge_lse(lse_ln(cap), want_lse, ctl_lse, k=tol.k)
         entry.lse_bad = int((lj.bad & held[:, None]).sum())
         bad = bad | (lj.bad.any(-1) & held)
     entry.status = "fail" if bool(bad.any()) or not c.passed else "pass"
@@ -101,7 +102,7 @@ def _judge_combine(step: CpStep, tol: Tolerance, report: CpReport) -> CombineEnt
     if step.missing() or any(c.dcp_out is None or c.lse is None or c.out is None for c in caps.values()):
         return CombineEntry("unjudged", note="the combine needs every rank's out, lse and dcp_out")
     outs = torch.stack([caps[r].out for r in range(step.world)]).double()  # [W, B, H, Dv]
-    lses = torch.stack([caps[r].lse for r in range(step.world)]).double()  # [W, B, H]
+    lses = torch.stack([lse_ln(caps[r]) for r in range(step.world)])  # [W, B, H] natural
     empty = ~torch.stack([_held(step, r) for r in range(step.world)])  # [W, B] as vLLM masks them:
     outs, lses = outs.masked_fill(empty[..., None, None], 0.0), lses.masked_fill(empty[..., None], -math.inf)
     want, ctl = merged(outs, lses, "ln", torch.float64), merged(outs, lses, "ln", torch.float32)
@@ -127,6 +128,13 @@ def _judge_combine(step: CpStep, tol: Tolerance, report: CpReport) -> CombineEnt
         if not c.passed:
             entry.status = "fail"
     return entry
+
+
+def lse_ln(cap) -> torch.Tensor:
+    """The rank's lse in natural log, fp64, from the base its producer documents (meta ``lse_base``:
+    ``ln`` by default, ``log2`` for kernels that return it so, vLLM's ``lse_base_on_e`` False)."""
+    lse = cap.lse.double()
+    return lse * LN2 if cap.meta.extra.get("lse_base") == "log2" else lse
 
 
 def _held(step: CpStep, r: int) -> torch.Tensor:

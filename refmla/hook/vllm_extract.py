@@ -84,7 +84,8 @@ def dcp_meta(impl: Any, md: Any, qsl: Any) -> Optional[dict]:
     if I is None or not torch.is_tensor(tot):
         raise Skip("decode context parallelism without its interleave size or dcp_tot_seq_lens")
     return {"dcp_world_size": W, "dcp_rank": int(impl.dcp_rank), "dcp_interleave_size": I,
-            "dcp_tot_seq_lens": [int(v) for v in tot.to("cpu").tolist()]}  # fmt: skip
+            "dcp_tot_seq_lens": [int(v) for v in tot.to("cpu").tolist()],
+            "lse_base": "ln" if getattr(impl, "lse_base_on_e", True) else "log2"}  # fmt: skip  (what the combine reads)
 
 
 def _interleave(impl: Any, md: Any) -> Optional[int]:
