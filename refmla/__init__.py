@@ -47,6 +47,8 @@ copy of the layout (the README links here).
     localize/       where a failing backend goes wrong: requests, heads, positions, split stage
     kvwrite/        the KV cache writer's capture (mode kv_write): documented rows, bit for bit, writer mistakes
     merge/          the merge of attention pieces (mode merge): fp64 merge, merge mistakes, merge kernels
+    cp/             decode context parallelism: one step's rank captures as one call (whole-context
+                    reference, each rank on its shard, the combine as a merge, the CP mistakes)
     pipeline.py     the one replay: capture -> backends -> comparison -> ReplayReport
     series.py       one layer and rank across decode steps
     chain.py        a decode capture and its step's KV writer capture: the writer's or the contract's part

@@ -5,6 +5,7 @@ validates everything a replay relies on and raises :class:`CaptureError` naming 
 the tensor or key; ``write_capture`` compacts the pool to the rows actually referenced and
 writes atomically (temp file + rename).
 
+    dcp.py         decode context parallelism's shard geometry: which rank holds which position
     numbers.py     every numeric meta key of every capture kind: its type and range, one table
     format.py      what the file holds: TENSORS, the meta keys and their bounds, Capture
     validation.py  the structural checks, a list of small functions run in order

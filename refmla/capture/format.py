@@ -40,6 +40,8 @@ TENSORS = {
     "block_table": False, "query_start_loc": False,
     # FlashMLA's tile-scheduler plan as its decode read it (docs/contract.md section 1, "FlashMLA plan")
     "flashmla_tile_scheduler_metadata": False, "flashmla_num_splits": False,
+    # decode context parallelism: the combined output of this rank's heads (docs/context-parallel.md)
+    "dcp_out": False,
 }  # fmt: skip
 # without kv_indptr / kv_indices, a capture with a block_table has them built by the reader
 BUILT_FROM_BLOCK_TABLE = ("kv_indptr", "kv_indices")
@@ -110,6 +112,11 @@ class CaptureMeta:
     engine_backend: Optional[str] = None  # the engine's own backend name, e.g. vLLM's "TRITON_MLA"
     split_schedule: Optional[str] = None  # "sglang" (None: ceil to 32 tokens) | "uniform" (vLLM: ceil(L / n))
     null_block: Optional[int] = None  # block_table captures: the engine's null block id (vLLM: 0)
+    # decode context parallelism (docs/context-parallel.md): this rank's shard of every request
+    dcp_world_size: Optional[int] = None  # ranks the KV is sharded over (vLLM's dcp_world_size)
+    dcp_rank: Optional[int] = None  # this rank (0 <= dcp_rank < dcp_world_size)
+    dcp_interleave_size: Optional[int] = None  # positions per run dealt to a rank (cp_kv_cache_interleave_size)
+    dcp_tot_seq_lens: Optional[list] = None  # each request's whole length (seq_lens are the rank's)
     extra: dict = field(default_factory=dict)  # keys this version does not know, kept as given
 
     @property
@@ -145,6 +152,8 @@ META_KEYS = {
     "kv_pool_page_size": (int, False),
     "engine": (str, False), "engine_version": (str, False), "engine_backend": (str, False),
     "split_schedule": (str, False), "null_block": (int, False),
+    "dcp_world_size": (int, False), "dcp_rank": (int, False), "dcp_interleave_size": (int, False),
+    "dcp_tot_seq_lens": (list, False),
 }  # fmt: skip
 MAX_META_DEPTH = 32  # nesting of a meta value (lists / objects): production's are 1 deep; the JSON encoder recurses
 INT_RANGE = (-(2**63), 2**63)  # every int key fits int64: sizes multiply, and tensors / floats are made of them
@@ -317,6 +326,7 @@ class Capture:
     query_start_loc: Optional[torch.Tensor] = None  # [B + 1] vLLM: request b's query rows
     flashmla_tile_scheduler_metadata: Optional[torch.Tensor] = None  # [P, 8] int32 (refmla.flashmla_plan)
     flashmla_num_splits: Optional[torch.Tensor] = None  # [B + 1] int32, cumulative splits per request
+    dcp_out: Optional[torch.Tensor] = None  # [B, H / dcp_world_size, Dv] the combine's output, this rank's heads
     warnings: list = field(default_factory=list)
     _attended: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
 

@@ -33,6 +33,7 @@ META_NUMBERS: dict[str, tuple[type, float, float]] = {
     "v_scale": (float, 1e-9, 1e9), "max_kv_splits": (int, 1, MAX_KV_SPLITS), "layer_id": (int, 0, I64),
     "tp_rank": (int, 0, I64), "step": (int, 0, I64), "draft_token_num": (int, 1, I64), "topk": (int, 1, I64),
     "null_block": (int, 0, I64),
+    "dcp_world_size": (int, 1, MAX_HEADS), "dcp_rank": (int, 0, MAX_HEADS), "dcp_interleave_size": (int, 1, I64),
     # the production pool's geometry (refmla.region_check), any kind
     "kv_pool_rows": (int, 1, I64), "kv_pool_row_bytes": (int, 1, I64), "kv_pool_layers_per_buffer": (int, 1, I64),
     "kv_pool_layers": (int, 1, I64), "kv_pool_size": (int, 0, I64), "mori_max_mr_bytes": (int, 1, I64),

@@ -25,7 +25,7 @@ AITER_BUFFERS = {  # aiter's persistent work buffers: name -> trailing shape (No
 INDEX_TENSORS = ("kv_indptr", "kv_indices", "seq_lens", "num_kv_splits", "req_to_token", "orig_kv_indices",
                  "qo_indptr", "mask_indptr", *AITER_BUFFERS, "block_table", "query_start_loc",
                  "flashmla_tile_scheduler_metadata", "flashmla_num_splits")  # fmt: skip
-FLOAT_TENSORS = ("q", "kv_buffer", "out", "lse", "attn_logits", "attn_lse")
+FLOAT_TENSORS = ("q", "kv_buffer", "out", "lse", "attn_logits", "attn_lse", "dcp_out")
 KNOWN_BACKENDS = ("triton", "aiter", "unknown", "vllm_triton", "flashmla", "flashinfer_mla", "cutlass_mla", "fa3_mla",
                   "trtllm_mla")
 # q and the pool in what a kernel reads (docs/contract.md section 1): no fp64, no integers
@@ -241,6 +241,31 @@ def check_meta_lists(cap: Capture, warnings: list[str]) -> None:
         raise CaptureError(cap.path, "meta key 'rids'", f"has {len(rids)} entries for {B} requests")
 
 
+def check_dcp(cap: Capture, warnings: list[str]) -> None:
+    """Decode context parallelism's keys (docs/context-parallel.md): all three or none, the rank
+    below the world, one whole length per request, dcp_out this rank's share of the heads."""
+    m, B = cap.meta, cap.batch_size
+    keys = ("dcp_world_size", "dcp_rank", "dcp_interleave_size")
+    given = [k for k in keys if getattr(m, k) is not None]
+    if given and len(given) < 3:
+        missing = next(k for k in keys if getattr(m, k) is None)
+        raise CaptureError(cap.path, f"meta key '{missing}'", f"missing (the capture has {given[0]})")
+    if not given:
+        if cap.dcp_out is not None or m.dcp_tot_seq_lens is not None:
+            raise CaptureError(cap.path, "meta key 'dcp_world_size'", "missing (the capture has decode context parallelism's data)")
+        return
+    if m.dcp_rank >= m.dcp_world_size:
+        raise CaptureError(cap.path, "meta key 'dcp_rank'", f"{m.dcp_rank} is not below dcp_world_size {m.dcp_world_size}")
+    tot = m.dcp_tot_seq_lens
+    if tot is not None and (len(tot) != B or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in tot)):
+        raise CaptureError(cap.path, "meta key 'dcp_tot_seq_lens'", f"expected {B} non-negative integers (one per request)")
+    if cap.dcp_out is not None:
+        H, W = cap.q.shape[1], m.dcp_world_size
+        if H % W:
+            raise _err(cap, "dcp_out", f"q's {H} heads do not divide among dcp_world_size {W} ranks")
+        _shape(cap, "dcp_out", cap.dcp_out, (cap.q.shape[0], H // W, m.kv_lora_rank))
+
+
 def warn_q_values(cap: Capture, warnings: list[str]) -> None:
     """fp8 q (no q scale in the format) and NaN / Inf in q: replayed, with a warning."""
     if cap.q.dtype.itemsize == 1:
@@ -368,6 +393,7 @@ CHECKS: tuple[Check, ...] = (
     check_verify,
     check_custom_mask,
     check_block_table,
+    check_dcp,
     warn_q_values,
     warn_backend_name,
 )

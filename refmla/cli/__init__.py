@@ -5,6 +5,7 @@ One module per command group, each adding its parser, and what they share:
     common.py        exit codes, usage errors, capture paths, JSON on stdout
     replay_flags.py  the flags of every command that replays (replay, disagg) and their bounds
     replay.py    refmla replay
+    cp.py        refmla replay-cp (a context-parallel step's rank captures as one call)
     inspect.py   refmla inspect
     diffkv.py    refmla diff-kv
     disagg.py    refmla disagg
@@ -31,7 +32,7 @@ from refmla.backends.triton_interp import ensure_interpreter
 from refmla.capture import CaptureError
 from refmla.atomic import WriteError
 from refmla.kernel import InterfaceError
-from refmla.cli import diffkv, disagg, doctor, golden, inspect, regions, replay, sweep, synth
+from refmla.cli import cp, diffkv, disagg, doctor, golden, inspect, regions, replay, sweep, synth
 from refmla.cli.capture import add_capture_parser
 from refmla.cli.common import EXIT_INVALID, UsageError, describe_inputs, json_documents, print_json
 from refmla.signals import EXIT_SIGINT, EXIT_SIGTERM, Terminated, sigterm_raises
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"refmla {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     replay.add_parser(sub)
+    cp.add_parser(sub)
     inspect.add_parser(sub)
     diffkv.add_parser(sub)
     disagg.add_parser(sub)

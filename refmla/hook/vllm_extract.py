@@ -10,16 +10,23 @@ vLLM backend ran, its page size, the dtypes, and the scales the kernel got (forw
 ``layer._k_scale`` as both K and V scale; ``layer._v_scale`` is noted as ``vllm_v_scale``). The
 returned lse is stored only when fp32: TRITON_MLA returns it in q's dtype (bf16), rounded past
 what the format's lse means; meta ``lse_dtype`` says which it was.
+
+Under decode context parallelism (``dcp_world_size`` > 1) the call is one rank's: its kernel
+attends its shard of each request (the local lengths in ``decode.seq_lens``). The capture adds the
+geometry (meta ``dcp_world_size``, ``dcp_rank``, ``dcp_interleave_size``, ``dcp_tot_seq_lens``) and
+keeps every page of the shard, so ``refmla replay-cp`` rebuilds the whole context from the ranks'
+captures (docs/context-parallel.md).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from refmla import blocktable
+from refmla.capture import dcp
 from refmla.hook.call import Skip, VllmCall
 from refmla.hook.nvidia import flashmla_plan
 from refmla.hook.writer import HookState, capture_name
@@ -32,13 +39,13 @@ def after(state: HookState, call: VllmCall, impl: Any, inputs: tuple, result: An
     decode = getattr(md, "decode", None)
     if decode is None or cache is None or cache.dim() != 3:
         raise Skip("no decode metadata or a KV cache that is not [blocks, page, D]")
-    if int(getattr(impl, "dcp_world_size", 1) or 1) > 1:
-        raise Skip("decode context parallelism (dcp_world_size > 1)")
     table, seq, qsl = kernel_rows(impl, md, q.shape[0], call.engine_backend)
+    cp = dcp_meta(impl, md, qsl)  # decode context parallelism: this rank's shard of each request
     if int(seq.max() if seq.numel() else 0) < state.cfg.min_seq_len:
         return
     P = int(cache.shape[1])
-    pages = torch.unique(_used_pages(table, seq, P))  # [K] the pages the sequences read
+    shard = seq if cp is None else torch.maximum(seq.long(), _shard_lens(cp, seq))  # the rows the rank holds, too
+    pages = torch.unique(_used_pages(table, shard, P))  # [K] the pages the sequences read
     est = q.numel() * q.element_size() * 2 + pages.numel() * P * cache.shape[2] * cache.element_size() + 4096
     if not state.admit(est):
         return
@@ -47,6 +54,7 @@ def after(state: HookState, call: VllmCall, impl: Any, inputs: tuple, result: An
     if splits is not None:
         tensors["num_kv_splits"] = torch.full((q.shape[0],), splits, dtype=torch.int32)
     meta = capture_meta(call, impl, q, cache, splits)
+    meta.update(cp or {})
     if call.engine_backend == "FLASHMLA":  # the plan its decode read (refmla inspect checks it)
         fp8 = str(getattr(impl, "kv_cache_dtype", "auto")).startswith("fp8")  # vLLM's fp8 path: the tensor API's rows
         plan, plan_meta = flashmla_plan(getattr(decode, "scheduler_metadata", None), None, "block" if fp8 else "struct")
@@ -55,9 +63,50 @@ def after(state: HookState, call: VllmCall, impl: Any, inputs: tuple, result: An
             meta.update(plan_meta)
     if lse is not None:
         meta["lse_dtype"] = str(lse.dtype).replace("torch.", "")
-    name = capture_name(mode="decode", rank=call.rank, layer=call.layer_id, step=call.step, backend=call.backend,
+    backend = call.backend if cp is None else f"{call.backend}-dcp{cp['dcp_rank']}of{cp['dcp_world_size']}"
+    name = capture_name(mode="decode", rank=call.rank, layer=call.layer_id, step=call.step, backend=backend,
                         pid=os.getpid())  # fmt: skip
     state.write(name, tensors, meta)
+
+
+def dcp_meta(impl: Any, md: Any, qsl: Any) -> Optional[dict]:
+    """The meta of a rank's call under decode context parallelism (docs/context-parallel.md), None
+    without it: world size and rank (the impl's), the interleave (vLLM's parallel config's
+    ``cp_kv_cache_interleave_size``), each request's whole length (``decode.dcp_tot_seq_lens``).
+    What cannot be read is a Skip naming it: a rank's capture without its geometry is no use."""
+    W = int(getattr(impl, "dcp_world_size", 1) or 1)
+    if W <= 1:
+        return None
+    if qsl is not None:
+        raise Skip("multi-token decode under decode context parallelism is not captured")
+    I = _interleave(impl, md)
+    tot = getattr(md.decode, "dcp_tot_seq_lens", None)
+    if I is None or not torch.is_tensor(tot):
+        raise Skip("decode context parallelism without its interleave size or dcp_tot_seq_lens")
+    return {"dcp_world_size": W, "dcp_rank": int(impl.dcp_rank), "dcp_interleave_size": I,
+            "dcp_tot_seq_lens": [int(v) for v in tot.to("cpu").tolist()],
+            "lse_base": "ln" if getattr(impl, "lse_base_on_e", True) else "log2"}  # fmt: skip  (what the combine reads)
+
+
+def _interleave(impl: Any, md: Any) -> Optional[int]:
+    for holder in (md, getattr(md, "decode", None), impl):
+        v = getattr(holder, "cp_kv_cache_interleave_size", None)
+        if v is not None:
+            return int(v)
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+        v = getattr(getattr(config, "parallel_config", None), "cp_kv_cache_interleave_size", None)
+        return None if v is None else int(v)
+    except Exception:
+        return None
+
+
+def _shard_lens(cp: dict, seq: torch.Tensor) -> torch.Tensor:
+    """The rows the rank's shard holds of each request (the geometry's local lengths)."""
+    tot = torch.tensor(cp["dcp_tot_seq_lens"], dtype=torch.int64)
+    return dcp.local_lens(tot, cp["dcp_world_size"], cp["dcp_rank"], cp["dcp_interleave_size"]).to(seq.device)
 
 
 def _outputs(result: Any) -> tuple[torch.Tensor, Any]:
