@@ -4,8 +4,7 @@ decode goldens under DIR/sparse/ (refmla.golden.sparse)."""
 from __future__ import annotations
 
 from refmla.cli.common import EXIT_OK, output_path
-from refmla.golden import generate
-from refmla.golden import sparse as sparse_golden
+from refmla.golden.suite import generate_all
 
 
 def add_parser(sub) -> None:
@@ -18,7 +17,6 @@ def add_parser(sub) -> None:
 
 
 def golden_generate(args) -> int:
-    manifest = generate(args.out, suite=args.suite)
-    sparse = sparse_golden.generate(args.out / "sparse" if hasattr(args.out, "joinpath") else f"{args.out}/sparse")
+    manifest, sparse = generate_all(args.out, suite=args.suite)
     print(f"wrote {len(manifest['cases'])} golden cases to {args.out} and {len(sparse['cases'])} sparse ones to its sparse/")
     return EXIT_OK
