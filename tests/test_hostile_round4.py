@@ -179,3 +179,78 @@ def test_the_sweep_writes_its_shrunk_capture_beside_a_users_file(tmp_path, monke
     (f,) = rep.findings
     assert all(p.read_bytes() == USER for p in mine)
     assert f.capture and Path(f.capture).name.endswith(".2.safetensors") and written_by_refmla(f.capture), f
+
+
+# --- disagg --plot: drawn, or said why not, for every kind of capture disagg handles ------------------
+
+
+def plot_lines(err: str) -> list[str]:
+    return [ln for ln in error_lines(err) if "--plot" in ln]
+
+
+@pytest.fixture(scope="module")
+def disagg_pairs(tmp_path_factory):
+    """preset, fault -> the folder of a synthetic prefill / decode pair (refmla synth-disagg)."""
+    made = {}
+
+    def make(preset: str, fault: str = "none") -> Path:
+        if (preset, fault) not in made:
+            folder = tmp_path_factory.mktemp("pair") / f"{preset}-{fault}"
+            assert run_cli("synth-disagg", str(folder), "--preset", preset, "--fault", fault)[0] == 0
+            made[preset, fault] = folder
+        return made[preset, fault]
+
+    return make
+
+
+@pytest.mark.parametrize("preset", ["disagg-small", "disagg-v32"])  # dense decode side, sparse decode side
+def test_disagg_plot_of_a_clean_pair_says_there_is_nothing_to_draw(disagg_pairs, tmp_path, preset):
+    pytest.importorskip("matplotlib")
+    folder = disagg_pairs(preset)
+    plots = tmp_path / "plots"
+    code, out, err = run_cli("disagg", str(folder / "prefill"), str(folder / "decode"), "--backend", "reference",
+                             "--plot", str(plots))  # fmt: skip
+    assert code == 0, err
+    (line,) = plot_lines(err)
+    assert "nothing drawn: every row is clean" in line and str(plots) in line
+    assert not list(plots.rglob("*.png"))
+
+
+def test_disagg_plot_of_a_sparse_transfer_fault_draws_it(disagg_pairs, tmp_path):
+    pytest.importorskip("matplotlib")
+    folder = disagg_pairs("disagg-v4", "compressed_page_missing")
+    plots = tmp_path / "plots"
+    code, out, err = run_cli("disagg", str(folder / "prefill"), str(folder / "decode"), "--backend", "reference",
+                             "--plot", str(plots))  # fmt: skip
+    assert code == 1 and "TRANSFER" in out, err
+    assert plot_lines(err) == [] and [p.name for p in plots.rglob("*.png")] == ["diffkv.L2-R0-s0.png"], err
+
+
+def test_disagg_plot_says_which_faulty_rows_it_cannot_draw(disagg_pairs, tmp_path):
+    """A KV writer's capture on the prefill side (made by tests/test_disagg_writer.py's plain loop):
+    its row's fault is the writer's, which no plot draws: said in one line naming the row."""
+    pytest.importorskip("matplotlib")
+    from refmla.disagg.plan import read_header
+    from test_disagg_writer import writer_capture
+
+    folder = disagg_pairs("disagg-small")
+    first = read_header(str(sorted((folder / "prefill").glob("*.safetensors"))[0]))
+    writer = tmp_path / "writer.safetensors"
+    writer_capture(writer, first.rids, first.layer, forget_scale=True)
+    plots = tmp_path / "plots"
+    code, out, err = run_cli("disagg", str(folder / "prefill"), str(writer), "--decode", str(folder / "decode"),
+                             "--backend", "reference", "--plot", str(plots))  # fmt: skip
+    assert code == 1, err
+    (line,) = plot_lines(err)
+    assert "not drawn" in line and f"layer {first.layer}" in line and "row(s) with a fault" in line, line
+
+
+def test_a_refused_disagg_plot_costs_no_report(disagg_pairs, tmp_path):
+    pytest.importorskip("matplotlib")
+    folder = disagg_pairs("disagg-v4", "compressed_page_missing")
+    target = users(tmp_path / "plots")  # a file, not a folder
+    code, out, err = run_cli("disagg", str(folder / "prefill"), str(folder / "decode"), "--backend", "reference",
+                             "--plot", str(target))  # fmt: skip
+    assert code == 2 and "TRANSFER" in out and "verdict" in out
+    one_error(err, str(target))
+    assert target.read_bytes() == USER
