@@ -239,7 +239,7 @@ def explain(cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctrl: Spar
     for mk in candidates:
         if time.monotonic() > deadline:
             if notes is not None:
-                notes["search_skipped"] = _stopped(tried, candidates, deadline)
+                notes["search_skipped"] = _stopped(tried, candidates)
             return None
         tried.append(mk)
         try:
@@ -252,6 +252,11 @@ def explain(cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctrl: Spar
         c = judge_out(mk.name, cap, out, variant, noisy, tol)
         if c.passed:
             fits.append((mk, c))
+    if not fits and time.monotonic() > deadline:  # misplaced rows / entries not tried
+        if notes is not None:
+            notes["search_skipped"] = _stopped(tried, candidates + [Mistake("output_rows_permuted", {}),
+                                                                    Mistake("other_rows_read", {})])  # fmt: skip
+        return None
     if not fits:
         return misplaced(cap, out, ref, ctrl, tol)
     (best, c), rest = fits[0], fits[1:]
@@ -272,7 +277,7 @@ def _reproduces(cap: SparseCapture, mk: Mistake, decoded: Decoded, out: torch.Te
     return c.row_failed is not None and not bool(c.row_failed.any())
 
 
-def _stopped(tried: list, candidates: list, deadline: float) -> str:
+def _stopped(tried: list, candidates: list) -> str:
     names = ", ".join(dict.fromkeys(m.name for m in tried)) or "none"
     left = ", ".join(dict.fromkeys(m.name for m in candidates[len(tried):]))
     return (f"the hypothesis search stopped at its budget ({search_seconds():g} s; $REFMLA_SEARCH_SECONDS): "

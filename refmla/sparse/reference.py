@@ -38,7 +38,15 @@ class SparseOutput:
 
 
 def rows_of(cap: SparseCapture) -> SparseRows:
-    return sparse_rows(cap.indices, cap.topk_length, cap.extra_indices, cap.extra_topk_length)
+    """The rows ``cap`` reads (refmla.sparse.rows), built once per capture while its index tensors are
+    the same objects, unchanged (their version counters): the replay, control and search share them."""
+    parts = (cap.indices, cap.topk_length, cap.extra_indices, cap.extra_topk_length)
+    versions = tuple(t._version if t is not None else None for t in parts)
+    cached = cap.__dict__.get("_rows_of")  # (the tensors themselves, their versions, the rows)
+    if cached is None or cached[1] != versions or any(a is not b for a, b in zip(cached[0], parts)):
+        cached = (parts, versions, sparse_rows(*parts))
+        cap.__dict__["_rows_of"] = cached
+    return cached[2]
 
 
 @dataclass
