@@ -53,7 +53,10 @@ took = time.perf_counter() - t0
 hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]
 print(json.dumps({"verdict": r.verdict, "diagnosis": r.diagnosis, "seconds": round(took, 2), "vmhwm_kib": int(hwm),
                   "explained": [str(getattr(b.explanation, "hypothesis", None)) for b in r.backends.values()
-                                if b.status == "fail"]}))
+                                if b.status == "fail"],
+                  "localized": [{"requests": b.localization.requests, "heads": {str(k): v for k, v in b.localization.heads.items()}}
+                                for b in r.backends.values() if b.localization is not None],
+                  "search_skipped": [b.info.get("search_skipped") for b in r.backends.values() if b.info.get("search_skipped")]}))
 """
 
 DENSE_CHILD = """
