@@ -5,6 +5,10 @@ A write either puts the complete new file under its name or changes nothing:
 
 * the target must be absent or a regular file: a device (``/dev/full``), a FIFO, a directory or a
   symbolic link is refused, never replaced;
+* an existing target is replaced only when refmla can prove it wrote it (:func:`written_by_refmla`:
+  the marker every refmla file carries, a ``format`` beginning ``refmla.`` in a safetensors header
+  or a JSON object, ``Software: refmla`` in a PNG) or it is empty: a user's file under that name is
+  refused (:data:`NOT_OURS`), never replaced;
 * the bytes go to an anonymous ``O_TMPFILE`` inode in the target's folder where the filesystem has
   it (a writer killed mid-write leaves nothing: the kernel frees the inode), linked under a temp
   name through ``/proc/self/fd`` once complete and fsync'd, then renamed over the target (a link
@@ -18,15 +22,21 @@ A write either puts the complete new file under its name or changes nothing:
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import stat
+import struct
 from pathlib import Path
 from typing import Any, Sequence, Union
 
 from refmla.util import printable
 
 TMP_MARK = ".refmla-tmp."
+MARKER = "refmla"  # a safetensors header's / JSON object's "format" begins "refmla."; a PNG's Software text is "refmla"
+NOT_OURS = "exists and refmla did not write it (no refmla marker): not replaced; move it or choose another path"
+_HEADER_LIMIT = 1 << 26  # a safetensors header or a JSON document refmla writes is far below 64 MiB
+_PNG = b"\x89PNG\r\n\x1a\n"
 _TMP_RE = re.compile(r"^\..+" + re.escape(TMP_MARK) + r"(\d+)$")
 
 
@@ -60,6 +70,77 @@ def check_target(path: Path) -> None:
         kind = ("a directory" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode)
                 else "not a regular file")  # fmt: skip
         raise WriteError(path, f"{kind}; refusing to replace it")
+
+
+def _refmla_format(doc: Any, key: str = "format") -> bool:
+    return isinstance(doc, dict) and isinstance(doc.get(key), str) and doc[key].startswith(MARKER + ".")
+
+
+def _png_software(f) -> bool:
+    """A PNG whose text chunks (before its image data) hold ``Software`` = ``refmla...``."""
+    for _ in range(64):
+        head = f.read(8)
+        if len(head) < 8:
+            return False
+        size, kind = struct.unpack(">I4s", head)
+        if kind in (b"IDAT", b"IEND") or size > _HEADER_LIMIT:
+            return False
+        data = f.read(size)
+        f.read(4)  # crc
+        key, _, value = data.partition(b"\0")
+        if kind == b"tEXt" and key == b"Software" and value.startswith(MARKER.encode()):
+            return True
+    return False
+
+
+def written_by_refmla(path: Any) -> bool:
+    """Whether the file at ``path`` carries refmla's marker (the module docstring); reads its head only."""
+    try:
+        with open(path, "rb") as f:
+            first = f.read(8)
+            if first == _PNG:
+                return _png_software(f)
+            if first.lstrip()[:1] == b"{":  # a JSON document (a manifest)
+                doc = json.loads(first + f.read(_HEADER_LIMIT))
+                return _refmla_format(doc)
+            if len(first) == 8:  # safetensors: u64 little-endian header size, the JSON header
+                size = struct.unpack("<Q", first)[0]
+                if 2 <= size <= _HEADER_LIMIT:
+                    header = json.loads(f.read(size))
+                    return isinstance(header, dict) and _refmla_format(header.get("__metadata__"))
+    except (OSError, ValueError, RecursionError, UnicodeDecodeError):
+        return False
+    return False
+
+
+def check_replaceable(path: Path) -> None:
+    """check_target, and an existing non-empty file must be refmla's own (written_by_refmla): else WriteError."""
+    check_target(path)
+    try:
+        size = os.lstat(path).st_size
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise WriteError(path, _reason(e)) from None
+    if size and not written_by_refmla(path):
+        raise WriteError(path, NOT_OURS)
+
+
+def beside(path: Any, tries: int = 1000) -> Path:
+    """``path`` when refmla may write it (check_replaceable), else the first ``NAME.N.EXT`` beside it
+    (N = 2, 3, ...) that it may: a writer that must not stop (the sweep's shrunk captures) writes
+    there instead of over a user's file. WriteError when none of ``tries`` names is free."""
+    path = Path(path)
+    suffix = "".join(path.suffixes[-1:])
+    stem = path.name[: len(path.name) - len(suffix)] if suffix else path.name
+    for n in range(1, tries + 1):
+        candidate = path if n == 1 else path.with_name(f"{stem}.{n}{suffix}")
+        try:
+            check_replaceable(candidate)
+        except WriteError:
+            continue
+        return candidate
+    raise WriteError(path, f"it and {tries - 1} names beside it are taken by files refmla did not write")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -128,7 +209,7 @@ def write_bytes(path: Any, data: Data, *, make_parents: bool = False) -> Path:
             raise WriteError(path, f"{folder} is not a directory")
         if make_parents:
             folder.mkdir(parents=True, exist_ok=True)
-        check_target(path)
+        check_replaceable(path)
         sweep(folder)
         tmp = temp_name(path, os.getpid())
         if not _write_anonymous(folder, tmp, data):
@@ -138,7 +219,7 @@ def write_bytes(path: Any, data: Data, *, make_parents: bool = False) -> Path:
             finally:
                 os.close(fd)
         try:
-            check_target(path)  # again, just before the rename
+            check_replaceable(path)  # again, just before the rename
             os.replace(tmp, path)
         finally:
             if os.path.lexists(tmp):
@@ -205,4 +286,5 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["TMP_MARK", "WriteError", "check_target", "make_dir", "sweep", "temp_name", "write_bytes", "write_text"]
+__all__ = ["MARKER", "NOT_OURS", "TMP_MARK", "WriteError", "beside", "check_replaceable", "check_target", "make_dir", "sweep",
+           "temp_name", "write_bytes", "write_text", "written_by_refmla"]

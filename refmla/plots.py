@@ -32,7 +32,7 @@ except ImportError as e:  # the CLI turns this into one line and exit 2
 import torch
 
 from refmla import reference as ref
-from refmla.atomic import make_dir, write_bytes
+from refmla.atomic import MARKER, make_dir, write_bytes
 from refmla.backends import get_backend
 from refmla.capture import CaptureError, read_capture
 from refmla.compare import Tolerance
@@ -50,7 +50,7 @@ def _save(fig: Figure, path: Path) -> Path:
     """The PNG rendered in memory, then written atomically (refmla.atomic)."""
     FigureCanvasAgg(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, dpi=110, format="png")
+    fig.savefig(buf, dpi=110, format="png", metadata={"Software": MARKER})  # refmla.atomic: ours to replace
     return write_bytes(path, buf.getbuffer(), make_parents=True)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import signal
 from typing import Optional
 
 import torch
@@ -55,6 +56,20 @@ def run_cli(*argv: str, stdin: Optional[str] = None) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+def default_signals() -> None:
+    """``preexec_fn`` of a child a test signals: SIGINT / SIGTERM at their defaults and unblocked,
+    whatever the test runner inherited (a shell's background job starts with SIGINT ignored)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
+
+
+def ignored_sigint() -> None:
+    """``preexec_fn`` of a child started the way a shell starts a background job: SIGINT ignored."""
+    default_signals()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def error_lines(err: str) -> list[str]:
     return [ln for ln in err.splitlines() if ln.strip()]
 
@@ -66,4 +81,4 @@ def set_tensor(name: str, value: torch.Tensor):
     return mutate
 
 
-__all__ = ["SMALL", "error_lines", "reference_out", "run_cli", "set_tensor", "small_capture", "write_small"]
+__all__ = ["SMALL", "default_signals", "error_lines", "ignored_sigint", "reference_out", "run_cli", "set_tensor", "small_capture", "write_small"]

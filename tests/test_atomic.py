@@ -56,10 +56,10 @@ def test_mode_follows_the_umask(tmp_path, mask):
 
 
 def test_replacing_a_regular_file_keeps_no_temp(tmp_path):
-    p = tmp_path / "f.bin"
-    p.write_bytes(b"old")
+    p = tmp_path / "f.json"
+    p.write_bytes(b'{"format": "refmla.old/1"}')  # a file refmla wrote (its marker): replaced
     write_bytes(p, [b"ne", memoryview(b"w")])
-    assert p.read_bytes() == b"new" and sorted(x.name for x in tmp_path.iterdir()) == ["f.bin"]
+    assert p.read_bytes() == b"new" and sorted(x.name for x in tmp_path.iterdir()) == ["f.json"]
 
 
 def test_a_dead_writers_temp_file_is_swept_by_the_next_write(tmp_path):

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from helpers import MEASURE_ENV, ROOT, raw_write
-from hostile import error_lines, run_cli, small_capture, write_small
+from hostile import default_signals, error_lines, run_cli, small_capture, write_small
 from test_signals import session_members, wait_for
 from refmla.blocktable import MAX_POSITIONS
 from refmla.capture.numbers import META_NUMBERS
@@ -225,7 +225,7 @@ def test_the_sparse_search_in_row_blocks_names_the_same_mistakes(tmp_path, monke
     whole = {f: replay_file(str(p), ReplayOptions(backends=["reference", "observed"])) for f, p in paths.items()}
     monkeypatch.setattr(reference, "ROW_BLOCK_BYTES", 1)
     monkeypatch.setattr(misplaced, "ROW_BLOCK_BYTES", 1)
-    monkeypatch.setattr(hypotheses, "CACHED_KEYS_BYTES", 0)
+    monkeypatch.setattr(reference, "TABLE_BYTES", 0)  # no table of the whole call: block by block
     for fault, path in paths.items():
         got = replay_file(str(path), ReplayOptions(backends=["reference", "observed"])).backends["observed"].explanation
         want = whole[fault].backends["observed"].explanation
@@ -364,7 +364,8 @@ def test_a_signal_during_a_serial_replay_leaves_no_isolation_child(tmp_path, sig
     capture = write_small(tmp_path / "c.safetensors")
     env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1", REFMLA_ISOLATE="1")  # the suite turns it off
     argv = [sys.executable, "-c", SPINNING_KERNEL, "replay", "--backend", "triton", "--no-explain", str(capture)]
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=default_signals)  # not whatever the runner inherited
     try:
         assert wait_for(lambda: computing_child(proc.pid), 120), "no kernel child was forked"
         proc.send_signal(sig)  # to refmla alone, not to its child
@@ -389,7 +390,8 @@ def test_sigterm_during_golden_generate_leaves_the_manifest_as_it_was(tmp_path, 
         (out / "manifest.json").write_text(before)
     env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
     argv = [sys.executable, "-m", "refmla", "golden", "generate", "--suite", "full", "--out", str(out)]
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=default_signals)  # not whatever the runner inherited
     try:
         assert wait_for(lambda: any(out.glob("*.safetensors")), 120), "generate never started writing"
         proc.send_signal(signal.SIGTERM)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hostile import write_small
+from hostile import default_signals, ignored_sigint, write_small
 
 ROOT = Path(__file__).resolve().parents[1]
 EXIT_SECONDS = 30.0  # from the signal to the exit, on a loaded 2-core machine (measured ~2.5 s)
@@ -54,7 +54,8 @@ def test_a_signal_ends_a_parallel_replay_cleanly(tmp_path, sig, status):
     tmp.mkdir()
     env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1", TMPDIR=str(tmp))
     argv = [sys.executable, "-m", "refmla", "replay", "--jobs", "2", "--json", *[str(capture)] * 32]
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=default_signals)  # not whatever the runner inherited
     try:
         assert wait_for(lambda: len(session_members(proc.pid)) >= 3, 120), "the workers never started"
         time.sleep(2.0)  # the workers are replaying
@@ -73,3 +74,23 @@ def test_a_signal_ends_a_parallel_replay_cleanly(tmp_path, sig, status):
     if out.strip():  # whatever came out before the signal is not a complete-looking document
         with pytest.raises(ValueError):
             json.loads(out)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find the child processes")
+def test_a_replay_started_with_sigint_ignored_honours_it(tmp_path):
+    """Started as a shell starts a background job (SIGINT ignored), refmla keeps it ignored, as Unix
+    tools do: a SIGINT changes nothing, the run completes with its whole document; SIGTERM still ends it."""
+    capture = write_small(tmp_path / "c.safetensors")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    argv = [sys.executable, "-m", "refmla", "replay", "--jobs", "2", "--json", *[str(capture)] * 6]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=ignored_sigint)
+    try:
+        assert wait_for(lambda: len(session_members(proc.pid)) >= 3, 120), "the workers never started"
+        os.killpg(proc.pid, signal.SIGINT)  # the whole group, as a terminal's Ctrl-C would
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert [r["verdict"] for r in json.loads(out)] == ["agree"] * 6

@@ -8,13 +8,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from refmla.atomic import WriteError
 from refmla.capture import CaptureError
 from refmla.cli.common import (EXIT_DIVERGED, EXIT_INVALID, EXIT_OK, UsageError, expand_captures, is_dir,
                                need_matplotlib, output_path, print_json, worst_exit)
 from refmla.diffkv import diff_kv_files
 from refmla.disagg.plan import layout_mismatch, read_header
 from refmla.render.diffkv import render_diff
-from refmla.util import error_text
+from refmla.util import error_text, first_line
 
 
 def add_parser(sub) -> None:
@@ -77,11 +78,15 @@ def run_one(args):
             print_json({"ok": False, "error": why, "requests": [], "prefill": list(args.prefill),
                         "decode": args.decode})  # fmt: skip
         raise
+    refused = None
     if args.plot:
         from refmla.plots import plot_diff_kv  # matplotlib is optional: imported only when asked for
 
-        result.plots = [str(p) for p in plot_diff_kv(result, args.plot)]
-        for path in result.plots:
+        try:
+            result.plots = [str(p) for p in plot_diff_kv(result, args.plot)]
+        except (WriteError, OSError) as e:  # the target refused: said after the report, which it does not cost
+            refused = f"--plot {args.plot}: {first_line(e)}"
+        for path in result.plots or []:
             print(f"wrote {path}", file=sys.stderr)
     if args.json:
         print_json(result)
@@ -90,5 +95,8 @@ def run_one(args):
     code = EXIT_OK if result.ok else EXIT_DIVERGED
     if result.error is not None:
         print(f"refmla: error: {args.decode}: {result.error}", file=sys.stderr)
+        code = EXIT_INVALID
+    if refused is not None:
+        print(f"refmla: error: {refused}", file=sys.stderr)
         code = EXIT_INVALID
     return (code, result) if quiet else code

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import sys
 
+from refmla.atomic import WriteError, make_dir
 from refmla.backends import NAMES
-from refmla.cli.common import (UsageError, drawable, expand_captures, need_matplotlib, print_json, unrun_exit,
+from refmla.cli.common import (EXIT_INVALID, UsageError, drawable, expand_captures, need_matplotlib, print_json, unrun_exit,
                                worst_exit)
 from refmla.cli.replay_flags import add_replay_flags, replay_options
 from refmla.capture import CaptureError
 from refmla.disagg import run_disagg
 from refmla.disagg.plan import read_header
 from refmla.render.disagg import render_disagg
+from refmla.util import first_line
 
 
 def add_parser(sub) -> None:
@@ -55,23 +57,54 @@ def run(args) -> int:
     report = run_disagg(prefill, decode, opts, jobs=args.jobs)
     for path, error in report.invalid:  # each unusable capture: one line on stderr (exit 2)
         print(f"refmla: error: {error}", file=sys.stderr)
+    failed: list[str] = []
     if args.plot:
-        report.plots = _plots(report, args.plot)
+        report.plots, failed = _plots(report, args.plot)
     if args.json:
         print_json(report)
     else:
         print(render_disagg(report))
-    return worst_exit(report.exit_code, unrun_exit(report.replays, args.backend, args.allow_skip))
+    for line in failed:  # after the report: a plot that fails costs no report
+        print(f"refmla: error: {line}", file=sys.stderr)
+    return worst_exit(report.exit_code, EXIT_INVALID if failed else 0, unrun_exit(report.replays, args.backend, args.allow_skip))
 
 
-def _plots(report, out_dir) -> list[str]:
+def _plots(report, out_dir) -> tuple[list[str], list[str]]:
+    """Draw what --plot draws (each diverged dense replay, each mismatching transfer); every row with a
+    fault that gets no picture is said in one line, and a run with nothing to draw says so: the
+    plots asked for are drawn or refused, never dropped. Returns (written, failure lines)."""
     from pathlib import Path
 
     from refmla.plots import plot_diff_kv, plot_replay  # matplotlib is optional: imported only when asked for
 
-    written = [str(p) for p in plot_replay(drawable([r for r in report.replays if r.verdict == "diverged"]), out_dir)]
+    try:
+        make_dir(out_dir)
+    except WriteError as e:  # the folder refused: one line, nothing else tried
+        return [], [f"--plot {out_dir}: {first_line(e)}"]
+    failed: list[str] = []
+    diverged = [r for r in report.replays if r.verdict == "diverged"]
+    drawn = drawable(diverged)  # the kinds it cannot draw refused, one line each
+    said = {r.capture for r in diverged} - {r.capture for r in drawn}
+    written: list[str] = []
+    try:
+        written += [str(p) for p in plot_replay(drawn, out_dir, failures=failed)]
+        said |= {r.capture for r in drawn}
+    except (WriteError, OSError) as e:
+        failed.append(f"--plot {out_dir}: {first_line(e)}")
     for i, diff in enumerate(d for d in report.diffs if not d.ok):
-        written += [str(p) for p in plot_diff_kv(diff, Path(out_dir) / f"diff-kv-{i}")]
+        try:
+            written += [str(p) for p in plot_diff_kv(diff, Path(out_dir) / f"diff-kv-{i}")]
+            said.add(diff.decode)
+        except (WriteError, OSError) as e:
+            failed.append(f"--plot {out_dir}: {first_line(e)}")
     for path in written:
         print(f"wrote {path}", file=sys.stderr)
-    return written
+    unseen = [r for r in report.rows if r.fault != "none" and not said & set(r.decode_captures)]
+    if unseen:
+        where = ", ".join(r.where() for r in unseen[:3]) + (f" and {len(unseen) - 3} more" if len(unseen) > 3 else "")
+        print(f"refmla: --plot {out_dir}: not drawn: {len(unseen)} row(s) with a fault ({where}): the plots draw a "
+              "diverged dense replay or a mismatching transfer, and these rows have neither", file=sys.stderr)  # fmt: skip
+    elif not written and not failed and not said:
+        print(f"refmla: --plot {out_dir}: nothing drawn: every row is clean (the plots draw a diverged replay or "
+              "a mismatching transfer)", file=sys.stderr)  # fmt: skip
+    return written, failed

@@ -13,9 +13,9 @@ from pathlib import Path
 from refmla.backends import plugin_defaults
 from refmla.backends.named import Choices
 from refmla.cli.common import EXIT_DIVERGED, EXIT_OK, UsageError, is_dir, output_path, print_json
-from refmla.golden import (CHECK_BACKENDS, GoldenResult, backend_applies, check, check_isolated, generate,
-                           load_manifest, needs_isolation)
-from refmla.golden import sparse as sparse_golden
+from refmla.golden import (CHECK_BACKENDS, GoldenResult, backend_applies, check, check_isolated, load_manifest,
+                           needs_isolation)
+from refmla.golden.suite import generate_all
 from refmla.golden.isolate import golden_meta
 from refmla.capture.kinds import file_mode
 from refmla.results import BackendEntry
@@ -46,8 +46,7 @@ def add_parser(sub) -> None:
 
 
 def golden_generate(args) -> int:
-    manifest = generate(args.out, suite=args.suite)
-    sparse = sparse_golden.generate(args.out / "sparse" if hasattr(args.out, "joinpath") else f"{args.out}/sparse")
+    manifest, sparse = generate_all(args.out, suite=args.suite)
     print(f"wrote {len(manifest['cases'])} golden cases to {args.out} and {len(sparse['cases'])} sparse ones to its sparse/")
     return EXIT_OK
 

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from refmla import reference as ref
-from refmla.atomic import WriteError, check_target, make_dir, write_text
+from refmla.atomic import WriteError, check_replaceable, check_target, make_dir, write_text
 from refmla.attended import Attended, tree_visibility
 from refmla.capture import write_capture
 from refmla.compare import Tolerance
@@ -243,30 +243,66 @@ def generate(out_dir: PathLike, suite: str = "quick") -> dict[str, Any]:
     if suite not in SUITES:
         raise KeyError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
     out = make_dir(out_dir)
-    check_target(out / MANIFEST)
-    before = _refuse_foreign_manifest(out / MANIFEST)
-    try:  # the suite is being rewritten: incomplete until the new manifest lands, last
-        (out / MANIFEST).unlink(missing_ok=True)
-    except OSError as e:
-        raise WriteError(out / MANIFEST, e.strerror or type(e).__name__) from None
+    cases = list(SUITES[suite].values())
+
+    def write() -> list[tuple[Path, dict[str, Any]]]:
+        return [(out / MANIFEST, dense_manifest(suite, [write_case(case, out) for case in cases]))]
+
+    return write_with_manifests(case_paths(cases, out), {out / MANIFEST: DENSE_FORMAT}, write)[0][1]
+
+
+DENSE_FORMAT = "refmla.golden.manifest/1"
+
+
+def case_paths(cases: list[GoldenCase], out: Path) -> list[Path]:
+    return [out / f"{case.name}.safetensors" for case in cases]
+
+
+def dense_manifest(suite: str, entries: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"format": DENSE_FORMAT, "generator": GENERATOR, "suite": suite, "capture_format": "refmla.capture/1",
+            "cases": entries}  # fmt: skip
+
+
+Manifests = list[tuple[Path, dict[str, Any]]]
+
+
+def write_with_manifests(targets: list[Path], manifests: dict[Path, str], write: Callable[[], Manifests]) -> Manifests:
+    """One suite write: every target and manifest (path -> its format) checked before anything is
+    written (refmla.atomic: a file refmla did not write is refused, one WriteError line); the old
+    manifests removed first; ``write`` writes the cases and returns the manifests, written last in
+    its order. Interrupted or failed (SIGINT / SIGTERM included): every manifest as it was before."""
+    for path in targets:
+        check_replaceable(path)
+    before = {path: _refuse_foreign_manifest(path, fmt) for path, fmt in manifests.items()}
     try:
-        cases = [write_case(case, out) for case in SUITES[suite].values()]
-        manifest = {"format": "refmla.golden.manifest/1", "generator": GENERATOR, "suite": suite,
-                    "capture_format": "refmla.capture/1", "cases": cases}  # fmt: skip
-        write_text(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-    except BaseException:  # interrupted (SIGINT / SIGTERM) or failed: the manifest as it was before
         with signals_deferred():
-            if before is None:
-                (out / MANIFEST).unlink(missing_ok=True)
-            else:
-                write_text(out / MANIFEST, before)
+            for path in before:
+                _unlink(path)
+        docs = write()
+        for path, doc in docs:
+            write_text(path, json.dumps(doc, indent=1) + "\n")
+    except BaseException:  # interrupted (SIGINT / SIGTERM) or failed: the manifests as they were before
+        with signals_deferred():
+            for path, text in before.items():
+                if text is None:
+                    _unlink(path)
+                else:
+                    write_text(path, text)
         raise
-    return manifest
+    return docs
 
 
-def _refuse_foreign_manifest(path: Path) -> Optional[str]:
-    """A manifest.json that is not a golden manifest is a user's file: never replaced. Returns the
-    golden manifest's text (None: there is none)."""
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        raise WriteError(path, e.strerror or type(e).__name__) from None
+
+
+def _refuse_foreign_manifest(path: Path, fmt: str = DENSE_FORMAT) -> Optional[str]:
+    """A manifest.json that is not a manifest of ``fmt`` is a user's file: never replaced. Returns
+    the manifest's text (None: there is none)."""
+    check_target(path)
     try:
         text = path.read_text(errors="replace") if path.is_file() else None
     except OSError as e:
@@ -274,12 +310,11 @@ def _refuse_foreign_manifest(path: Path) -> Optional[str]:
     if text is None:
         return None
     try:
-        fmt = json.loads(text).get("format")
+        found = json.loads(text).get("format")
     except (ValueError, AttributeError, RecursionError):
-        fmt = None
-    if fmt != "refmla.golden.manifest/1":
-        raise WriteError(path, "exists and is not a golden manifest (refmla.golden.manifest/1): not replaced; "
-                         "choose another --out")  # fmt: skip
+        found = None
+    if found != fmt:
+        raise WriteError(path, f"exists and is not a golden manifest ({fmt}): not replaced; choose another --out")
     return text
 
 

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from refmla.atomic import write_text
+from refmla.atomic import make_dir
 from refmla.compare import Tolerance
+from refmla.golden.build import write_with_manifests
 from refmla.sparse.backends import BACKENDS, Unavailable, declared_arithmetic
 from refmla.sparse.faults import planted_output
 from refmla.sparse.format import SparseCapture, parse_sparse_meta
@@ -29,6 +30,7 @@ from refmla.sparse.reference import SparseOutput, judge_lse, judge_out, sparse_c
 from refmla.sparse.synth import build_case
 
 MANIFEST = "manifest.json"
+SPARSE_FORMAT = "refmla.golden.sparse/1"
 KERNELS = ("triton", "aiter_sparse", "tilelang")
 CHECK_BACKENDS = ("reference", *KERNELS)
 
@@ -65,12 +67,20 @@ def write_case(name: str, out_dir: Path) -> dict[str, Any]:
             "why": why}  # fmt: skip
 
 
+def case_paths(out: Path) -> list[Path]:
+    return [out / f"{name}.safetensors" for name in CASES]
+
+
+def write_cases(out: Path) -> dict[str, Any]:
+    """Every sparse case written to ``out``; returns their manifest (written by the caller, last)."""
+    return {"format": SPARSE_FORMAT, "cases": [write_case(n, out) for n in CASES]}
+
+
 def generate(out_dir: Any) -> dict[str, Any]:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    manifest = {"format": "refmla.golden.sparse/1", "cases": [write_case(n, out) for n in CASES]}
-    write_text(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-    return manifest
+    """The sparse goldens alone, written as one suite (refmla.golden.build.write_with_manifests)."""
+    out = make_dir(out_dir)
+    docs = write_with_manifests(case_paths(out), {out / MANIFEST: SPARSE_FORMAT}, lambda: [(out / MANIFEST, write_cases(out))])
+    return docs[0][1]
 
 
 def load_manifest(golden_dir: Any) -> dict[str, Any]:

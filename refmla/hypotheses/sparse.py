@@ -13,6 +13,7 @@ capture records no split schedule.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import torch
@@ -22,7 +23,7 @@ from refmla.hypotheses.drivers import residual
 from refmla.hypotheses.numerics import NAME, Trials, Variant, rows_fit, search_variants, variants_for
 from refmla.results import Explanation
 from refmla.sparse.format import SparseCapture
-from refmla.sparse.hypotheses import explain, too_large_to_search
+from refmla.sparse.hypotheses import explain, search_seconds, too_large_to_search
 from refmla.sparse.reference import SparseOutput, rows_of, sparse_control
 from refmla.util import error_text
 
@@ -87,7 +88,11 @@ def explain_sparse(cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctr
             errors[f"numerics.{'late' if late else 'early'}"] = error_text(e)
             return None
 
-    found = numeric(late=False) or explain(cap, out, ref, ctrl, tol, notes) or numeric(late=True)
+    said: dict[str, Any] = {} if notes is None else notes
+    t0, budget = time.monotonic(), search_seconds()  # one budget for the whole search
+    found = numeric(late=False) or explain(cap, out, ref, ctrl, tol, said, max(0.0, budget - (time.monotonic() - t0)))
+    if found is None and "search_skipped" not in said:  # the late variants only within the search's budget
+        found = numeric(late=True)
     if notes is not None and tried:
         notes["numerics_tried"] = tried
     if notes is not None and errors:

@@ -22,18 +22,20 @@ the others that fit are alternatives.
 from __future__ import annotations
 
 import math
+import os
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
 
-from refmla.compare import Tolerance
+from refmla.compare import Tolerance, compare
 from refmla.options import SEARCH_REQUEST_BYTES
 from refmla.results import Alternative, Explanation
 from refmla.sparse.format import SparseCapture
 from refmla.sparse.layouts import dequantize
 from refmla.sparse.misplaced import neighbour_slot, rows_permuted
-from refmla.sparse.reference import SparseOutput, gather_keys, judge_out, row_blocks, rows_of, sparse_attention
+from refmla.sparse.reference import SparseOutput, call_keys, judge_out, row_blocks, rows_of, sparse_attention
 from refmla.sparse.rows import SparseRows, raw_rows, sparse_rows
 
 
@@ -51,7 +53,16 @@ class Mistake:
 
 
 MAX_CACHED_TOKENS = 1 << 17  # pools up to this many tokens are decoded once per search
-CACHED_KEYS_BYTES = 256 << 20  # the base keys [R, Kt, D] fp64 kept for the whole search up to this size
+SEARCH_SECONDS = 30.0  # the search's wall-time budget (default; $REFMLA_SEARCH_SECONDS): past it, it stops and says what it tried
+
+
+def search_seconds() -> float:
+    """The search's budget in seconds: $REFMLA_SEARCH_SECONDS when set to a number >= 0, else SEARCH_SECONDS."""
+    try:
+        v = float(os.environ.get("REFMLA_SEARCH_SECONDS", SEARCH_SECONDS))
+    except ValueError:
+        return SEARCH_SECONDS
+    return v if v >= 0 and math.isfinite(v) else SEARCH_SECONDS
 
 
 def too_large_to_search(cap: SparseCapture, rows: SparseRows) -> Optional[str]:
@@ -69,7 +80,7 @@ def too_large_to_search(cap: SparseCapture, rows: SparseRows) -> Optional[str]:
 
 class Decoded:
     """Each cache decoded once for the whole search (small pools), else token by token; the rows
-    every candidate reads unless it says otherwise, and their keys when they are small."""
+    every candidate reads unless it says otherwise, and their keys (one table, refmla.sparse.reference.call_keys)."""
 
     def __init__(self, cap: SparseCapture):
         self.cap, self.full = cap, {}
@@ -78,17 +89,16 @@ class Decoded:
             if cache is not None and cache.shape[0] * page <= MAX_CACHED_TOKENS:
                 self.full[id(cache)] = dequantize(cache, layout, page, cap.meta.kv_fp8_dtype)
         self.base_rows = rows_of(cap)
-        R, W = self.base_rows.token.shape
-        small = R * W * cap.meta.layout.head_dim * 8 <= CACHED_KEYS_BYTES
-        self.base_keys = gather_keys(cap, self.base_rows, decode=self) if small else None  # [R, Kt, D]
+        self.base_keys = call_keys(cap, self.base_rows, decode=self)  # block -> [n, Kt, D]
 
     def __call__(self, cache, layout, page, fp8, tokens):
         full = self.full.get(id(cache))
         return full[tokens] if full is not None else dequantize(cache, layout, page, fp8, tokens)
 
 
-def _attend(cap: SparseCapture, mk: Mistake, decoded: Decoded) -> SparseOutput:
-    """The fp64 output with ``mk`` made, block of query rows by block (the reference's blocks)."""
+def _attend(cap: SparseCapture, mk: Mistake, decoded: Decoded, only: Optional[torch.Tensor] = None) -> SparseOutput:
+    """The fp64 output with ``mk`` made, block of query rows by block (the reference's blocks): of
+    every row, or of the query rows ``only`` [n] (out [n, H, Dv], lse [n, H])."""
     base = decoded.base_rows
     rows = mk.rows(cap) if mk.rows else base
     main_decode = mk.decode or decoded
@@ -96,25 +106,30 @@ def _attend(cap: SparseCapture, mk: Mistake, decoded: Decoded) -> SparseOutput:
     def decode(cache, layout, page, fp8, tokens):
         return (main_decode if cache is cap.k_cache or mk.all_caches else decoded)(cache, layout, page, fp8, tokens)
 
-    same = (decoded.base_keys is not None and mk.decode is None and rows.token.shape == base.token.shape
-            and torch.equal(rows.token, base.token) and torch.equal(rows.pool_id, base.pool_id)
-            and not bool((rows.valid & ~base.valid).any()))  # fmt: skip
+    same = (mk.decode is None and rows.token.shape == base.token.shape and torch.equal(rows.token, base.token)
+            and torch.equal(rows.pool_id, base.pool_id) and not bool((rows.valid & ~base.valid).any()))  # fmt: skip
     B, S, H, D = cap.q.shape
     Dv, q = cap.meta.head_dim_v, cap.q.reshape(B * S, H, D)
+    pick = torch.arange(B * S) if only is None else only  # [n] query rows computed
+    if only is not None:
+        rows, q = rows.part(only), q[only]
+    keys = (lambda sl: decoded.base_keys(pick[sl])) if same else call_keys(cap, rows, decode=decode)
     sink = cap.attn_sink
     if sink is not None:
         sink = None if mk.sink_terms == 0 else sink.double() + math.log(mk.sink_terms)
-    out = torch.zeros(B * S, H, Dv, dtype=torch.float64)  # [R, H, Dv]
-    lse = torch.full((B * S, H), float("inf"), dtype=torch.float64)  # [R, H]
+    n = len(pick)
+    out = torch.zeros(n, H, Dv, dtype=torch.float64)  # [n, H, Dv]
+    lse = torch.full((n, H), float("inf"), dtype=torch.float64)  # [n, H]
     for sl in row_blocks(rows, D):
-        part = rows.part(sl)
-        keys = decoded.base_keys[sl].clone() if same else gather_keys(cap, part, decode=decode)  # [n, W, D]
+        part, k = rows.part(sl), keys(sl)  # [m, W, D]
         if mk.tile is not None:
             tile, factor, pools = mk.tile
             width = cap.meta.layout.tile
-            hit = torch.isin(part.pool_id, torch.tensor(pools, dtype=torch.int8))[..., None]  # [n, W, 1]
-            keys = torch.where(hit & (torch.arange(keys.shape[-1]) // width == tile), keys * factor, keys)  # [n, W, D]
-        out[sl], lse[sl] = sparse_attention(q[sl], keys, part.valid, sink, cap.meta.softmax_scale * mk.scale, Dv)
+            hit = torch.isin(part.pool_id, torch.tensor(pools, dtype=torch.int8))[..., None]  # [m, W, 1]
+            k = torch.where(hit & (torch.arange(k.shape[-1]) // width == tile), k * factor, k)  # [m, W, D]
+        out[sl], lse[sl] = sparse_attention(q[sl], k, part.valid, sink, cap.meta.softmax_scale * mk.scale, Dv)
+    if only is not None:
+        return SparseOutput(out, lse)
     return SparseOutput(out.reshape(B, S, H, Dv), lse.reshape(B, S, H))
 
 
@@ -233,35 +248,75 @@ def _strided(stride: int):
 
 
 def explain(cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctrl: SparseOutput,
-            tol: Tolerance, notes: Optional[dict] = None) -> Optional[Explanation]:  # fmt: skip
+            tol: Tolerance, notes: Optional[dict] = None, seconds: Optional[float] = None) -> Optional[Explanation]:  # fmt: skip
     """The simplest mistake whose output ``out`` matches within the tolerance (the dense
     :class:`~refmla.results.Explanation`), with the others that do as its alternatives. Each candidate
     keeps the capture's own noise floor: its control is the candidate plus the control's error
-    against the reference, row by row. A call past the search's budget is not searched: None, and
-    ``notes["search_skipped"]`` says why (the dense search's ``info.search_skipped``)."""
+    against the reference, row by row. A candidate is first computed on the failing query rows
+    alone (a mistake that does not reproduce them is out, at the cost of those rows), and only a
+    survivor on the whole call. A call past the search's budget is not searched, and a search past
+    its ``seconds`` (search_seconds()) stops: None, and ``notes["search_skipped"]`` says why and what
+    was tried (the dense search's ``info.search_skipped``); the replay's localization stands."""
     too_large = too_large_to_search(cap, rows_of(cap))
     if too_large is not None:
         if notes is not None:
             notes["search_skipped"] = too_large
         return None
-    noise = torch.nan_to_num(ctrl.out - ref.out)
+    deadline = time.monotonic() + (search_seconds() if seconds is None else seconds)
+    B, S, H, Dv = ref.out.shape
+    flat = lambda t: t.reshape(B * S, H, Dv)  # noqa: E731
+    noise = torch.nan_to_num(flat(ctrl.out) - flat(ref.out))  # [R, H, Dv]
+    first = judge_out("observed", cap, out, ref, ctrl, tol)
+    failing = torch.nonzero(first.row_failed.any(dim=1)).flatten() if first.row_failed is not None else None
     decoded = Decoded(cap)
-    fits = []
-    for mk in mistakes(cap):
+    fits, tried, candidates = [], [], mistakes(cap)
+    for mk in candidates:
+        if time.monotonic() > deadline:
+            if notes is not None:
+                notes["search_skipped"] = _stopped(tried, candidates)
+            return None
+        tried.append(mk)
         try:
+            if failing is not None and 0 < len(failing) < B * S and not _reproduces(cap, mk, decoded, out, noise, failing, tol):
+                continue
             variant = _attend(cap, mk, decoded)
         except (IndexError, RuntimeError):
             continue
-        noisy = SparseOutput(variant.out + noise, variant.lse)
+        noisy = SparseOutput(variant.out + noise.reshape(variant.out.shape), variant.lse)
         c = judge_out(mk.name, cap, out, variant, noisy, tol)
         if c.passed:
             fits.append((mk, c))
+    if not fits and time.monotonic() > deadline:  # misplaced rows / entries not tried
+        if notes is not None:
+            notes["search_skipped"] = _stopped(tried, candidates + [Mistake("output_rows_permuted", {}),
+                                                                    Mistake("other_rows_read", {})])  # fmt: skip
+        return None
     if not fits:
         return misplaced(cap, out, ref, ctrl, tol)
     (best, c), rest = fits[0], fits[1:]
     extra = {"why": best.why, "sm_scale_used": cap.meta.softmax_scale * best.scale} if best.why else {}
     return Explanation(best.name, None, dict(best.detail), c.max_abs_err, residual_ratio=_ratio(c.worst), extra=extra,
                        alternatives=[Alternative(m.name, dict(m.detail), residual_ratio=_ratio(w.worst)) for m, w in rest])
+
+
+def _reproduces(cap: SparseCapture, mk: Mistake, decoded: Decoded, out: torch.Tensor, noise: torch.Tensor,
+                rows: torch.Tensor, tol: Tolerance) -> bool:  # fmt: skip
+    """Whether ``mk`` brings each failing query row of ``rows`` within the tolerance: the comparator's
+    per-row verdicts, which are the same on those rows alone as in the whole call."""
+    H, Dv = noise.shape[1], noise.shape[2]
+    variant = _attend(cap, mk, decoded, only=rows)
+    got = out.reshape(-1, H, Dv)[rows]
+    c = compare(mk.name, got, variant.out, variant.out + noise[rows], out_dtype=torch.bfloat16, tol=tol,
+                request_of_row=cap.request_of_row()[rows])  # fmt: skip
+    return c.row_failed is not None and not bool(c.row_failed.any())
+
+
+def _stopped(tried: list, candidates: list) -> str:
+    names = ", ".join(dict.fromkeys(m.name for m in tried)) or "none"
+    left = ", ".join(dict.fromkeys(m.name for m in candidates[len(tried):]))
+    return (f"the hypothesis search stopped at its budget ({search_seconds():g} s; $REFMLA_SEARCH_SECONDS): "
+            f"{len(tried)} of {len(candidates)} candidates tried ({names}), none fit; not tried: {left}; "
+            "the failing requests and heads are localized")  # fmt: skip
 
 
 def misplaced(cap: SparseCapture, out: torch.Tensor, ref: SparseOutput, ctrl: SparseOutput,
@@ -284,4 +339,4 @@ def _ratio(worst) -> float:
     return float(r) if r is not None else 0.0
 
 
-__all__ = ["Mistake", "explain", "mistakes", "too_large_to_search"]
+__all__ = ["SEARCH_SECONDS", "Mistake", "explain", "mistakes", "search_seconds", "too_large_to_search"]

@@ -40,36 +40,78 @@ class SparseOutput:
 
 
 def rows_of(cap: SparseCapture) -> SparseRows:
-    return sparse_rows(cap.indices, cap.topk_length, cap.extra_indices, cap.extra_topk_length)
+    """The rows ``cap`` reads (refmla.sparse.rows), built once per capture while its index tensors are
+    the same objects, unchanged (their version counters): the replay, control and search share them."""
+    parts = (cap.indices, cap.topk_length, cap.extra_indices, cap.extra_topk_length)
+    versions = tuple(t._version if t is not None else None for t in parts)
+    cached = cap.__dict__.get("_rows_of")  # (the tensors themselves, their versions, the rows)
+    if cached is None or cached[1] != versions or any(a is not b for a, b in zip(cached[0], parts)):
+        cached = (parts, versions, sparse_rows(*parts))
+        cap.__dict__["_rows_of"] = cached
+    return cached[2]
 
 
-def gather_keys(cap: SparseCapture, rows: SparseRows, decode=dequantize) -> torch.Tensor:
-    """[R, W, D] fp64: each valid entry's key from its own cache, decoded exactly (only the tokens read)."""
-    m = cap.meta
+@dataclass
+class Keys:
+    """The keys a set of query rows reads, each token decoded once: ``table`` [n, D] fp64 (one row
+    per distinct (cache, token) read, and a zero row for the entries that are not valid) and
+    ``slot`` [R, W], each entry's row of it. A block of rows' keys is one index_select."""
+
+    table: torch.Tensor  # [n, D] fp64
+    slot: torch.Tensor  # [R, W] int64
+
+    def block(self, sl) -> torch.Tensor:
+        """[n, W, D] the keys of rows ``sl`` (a slice or an index tensor), zero where not valid."""
+        s = self.slot[sl]
+        return self.table.index_select(0, s.reshape(-1)).view(*s.shape, self.table.shape[1])
+
+
+TABLE_BYTES = 256 << 20  # a whole call's decoded keys are kept once up to this size (else block by block)
+
+
+def key_table(cap: SparseCapture, rows: SparseRows, decode=None, limit: Optional[int] = None) -> Optional[Keys]:
+    """Every valid entry's key, each distinct (cache, token) decoded once by ``decode`` (default
+    :func:`dequantize`: exactly, only the tokens read); None when the table would pass ``limit`` bytes."""
+    m, decode = cap.meta, decode or dequantize
     pools = [(cap.k_cache, m.layout, m.page_size), (cap.extra_k_cache, m.extra_layout, m.extra_page_size)]
-    R, W = rows.token.shape
-    keys = torch.zeros(R, W, m.layout.head_dim, dtype=torch.float64)
+    key = torch.where(rows.valid, rows.token * 2 + rows.pool_id.long(), -1)  # [R, W] (cache, token) as one int
+    distinct, slot = torch.unique(key, return_inverse=True)  # sorted: -1 (not valid) first, its row stays 0
+    if limit is not None and distinct.numel() * m.layout.head_dim * 8 > limit:
+        return None
+    table = torch.zeros(distinct.numel(), m.layout.head_dim, dtype=torch.float64)
     for pid, (cache, layout, page) in enumerate(pools):
-        sel = (rows.pool_id == pid) & rows.valid  # [R, W] this pool's entries
-        if cache is None or not bool(sel.any()):
-            continue
-        need, inverse = torch.unique(rows.token[sel], return_inverse=True)
-        keys[sel] = decode(cache, layout, page, m.kv_fp8_dtype, need)[inverse]  # [n, D] each token once
-    return keys
+        sel = (distinct >= 0) & (distinct % 2 == pid)  # this pool's tokens
+        if cache is not None and bool(sel.any()):
+            table[sel] = decode(cache, layout, page, m.kv_fp8_dtype, distinct[sel] // 2).to(torch.float64)
+    return Keys(table, slot)
+
+
+def gather_keys(cap: SparseCapture, rows: SparseRows, decode=None) -> torch.Tensor:
+    """[R, W, D] fp64: each valid entry's key from its own cache, decoded exactly (only the tokens read), 0 elsewhere."""
+    return key_table(cap, rows, decode).block(slice(None))
+
+
+def call_keys(cap: SparseCapture, rows: SparseRows, decode=None):
+    """The keys of block ``sl`` of ``rows``: from one table of the whole call when it fits TABLE_BYTES
+    (each token decoded once for every block), else each block's own."""
+    table = key_table(cap, rows, decode, limit=TABLE_BYTES)
+    if table is not None:
+        return table.block
+    return lambda sl: gather_keys(cap, rows.part(sl), decode)
 
 
 def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: Optional[torch.Tensor],
                      scale: float, d_v: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """fp64 attention of q [R, H, D] over keys [R, Kt, D] where valid [R, Kt]; -> out [R, H, Dv], lse [R, H]."""
-    q, keys = q.to(torch.float64), torch.where(valid[..., None], keys.to(torch.float64), 0.0)
-    s = scale * torch.einsum("rhd,rkd->rhk", q, keys)  # [R, H, Kt]
+    q, keys = q.to(torch.float64), keys.to(torch.float64)  # keys: 0 where not valid (key_table)
+    s = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)  # [R, H, Kt]
     s = s.masked_fill(~valid[:, None, :], float("-inf"))
     m = s.amax(dim=-1, keepdim=True)  # [R, H, 1]
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m_safe)  # [R, H, Kt], 0 on invalid entries
     l = p.sum(dim=-1)  # [R, H]
     denom = l if sink is None else l + torch.exp(sink.to(torch.float64)[None, :] - m_safe[..., 0])
-    out = torch.einsum("rhk,rkd->rhd", p, keys[..., :d_v]) / denom.clamp_min(1e-300)[..., None]  # [R, H, Dv]
+    out = torch.bmm(p, keys[..., :d_v]) / denom.clamp_min(1e-300)[..., None]  # [R, H, Dv]
     lonely = l == 0  # [R, H]
     lse = torch.where(lonely, float("inf"), m_safe[..., 0] + torch.log(l.clamp_min(1e-300)))
     return out.masked_fill(lonely[..., None], 0.0), lse
@@ -104,10 +146,9 @@ def sparse_reference(cap: SparseCapture, rows: Optional[SparseRows] = None) -> S
     Dv, q = cap.meta.head_dim_v, cap.q.reshape(B * S, H, D)
     out = torch.zeros(B * S, H, Dv, dtype=torch.float64)  # [R, H, Dv]
     lse = torch.full((B * S, H), float("inf"), dtype=torch.float64)  # [R, H]
-    for sl in row_blocks(rows, D):
-        part = rows.part(sl)
-        keys = gather_keys(cap, part)  # [n, Kt, D]
-        out[sl], lse[sl] = sparse_attention(q[sl], keys, part.valid, cap.attn_sink, cap.meta.softmax_scale, Dv)
+    keys = call_keys(cap, rows)
+    for sl in row_blocks(rows, D):  # [n, Kt, D] keys a block, one bmm for q.k and one for p.v
+        out[sl], lse[sl] = sparse_attention(q[sl], keys(sl), rows.valid[sl], cap.attn_sink, cap.meta.softmax_scale, Dv)
     if cap.inv_rope_freqs is not None:
         out = inverse_rope(out, cap.inv_rope_freqs, cap.inv_rope_positions[: B * S])
     return SparseOutput(out.reshape(B, S, H, Dv), lse.reshape(B, S, H))
@@ -147,8 +188,9 @@ def sparse_control(cap: SparseCapture, rows: Optional[SparseRows] = None, rnd: R
     out = torch.zeros(n, H, Dv, dtype=torch.float32)  # [n, H, Dv]
     lse = torch.full((n, H), float("inf"), dtype=torch.float32)  # [n, H]
     q_all = cap.q.reshape(B * S, H, D)[sel].to(getattr(torch, arith.q_dtype)).to(torch.float32)
+    keys = call_keys(cap, part, decode=dequantize_bf16)
     for sl in row_blocks(part, D):
-        out[sl], lse[sl] = _control_block(cap, q_all[sl], part.part(sl), rnd, arith)
+        out[sl], lse[sl] = _control_block(cap, q_all[sl], part.part(sl), rnd, arith, keys(sl))
     out_dtype = getattr(torch, arith.out_dtype)
     out = store_as(out, out_dtype, rnd.store)  # the kernel's store
     if cap.inv_rope_freqs is not None:
@@ -159,12 +201,12 @@ def sparse_control(cap: SparseCapture, rows: Optional[SparseRows] = None, rnd: R
 
 
 def _control_block(cap: SparseCapture, q: torch.Tensor, rows: SparseRows, rnd: Rounding,
-                   arith: SparseArithmetic) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """One block of the control: q [n, H, D] fp32 (bf16 values) -> out [n, H, Dv], lse [n, H] fp32."""
-    keys = gather_keys(cap, rows, decode=dequantize_bf16).to(torch.float32)  # [n, Kt, D], bf16 values
-    keys = torch.where(rows.valid[..., None], keys, 0.0)
+                   arith: SparseArithmetic, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One block of the control: q [n, H, D] fp32 (bf16 values), its keys [n, Kt, D] (bf16 values,
+    0 where not valid) -> out [n, H, Dv], lse [n, H] fp32."""
+    keys = keys.to(torch.float32)
     if rnd.qk_accum is None:
-        s = torch.einsum("rhd,rkd->rhk", q, keys)
+        s = torch.bmm(q, keys.transpose(1, 2))
     else:  # q.k summed in a narrow dtype, QK_CHUNK dims at a time (the dense control's)
         s = dot_in(q, keys.transpose(-1, -2), rnd.qk_accum, QK_CHUNK)
     s = s * torch.tensor(cap.meta.softmax_scale, dtype=torch.float32)
@@ -193,7 +235,7 @@ def _pass(s: torch.Tensor, valid: torch.Tensor, values: torch.Tensor, p_dtype: t
     p = torch.exp(s - m)  # fp32, 0 on entries not read
     pr = p.to(p_dtype).float()
     if rnd.pv_accum is None:
-        acc = torch.einsum("rhk,rkd->rhd", pr, values)
+        acc = torch.bmm(pr, values)
     else:  # P.V summed in a narrow dtype, PV_BLOCK entries at a time
         acc = dot_in(pr, values, rnd.pv_accum, PV_BLOCK)
     return acc, p.sum(dim=-1), m[..., 0]
@@ -264,5 +306,5 @@ def judge_lse(lse: torch.Tensor, ref: SparseOutput, ctrl: SparseOutput, tol: Tol
     return check
 
 
-__all__ = ["SparseOutput", "dequantize_bf16", "gather_keys", "inverse_rope", "judge_lse", "judge_out", "rows_of", "sparse_attention",
+__all__ = ["Keys", "SparseOutput", "call_keys", "dequantize_bf16", "gather_keys", "key_table", "inverse_rope", "judge_lse", "judge_out", "rows_of", "sparse_attention",
            "sparse_control", "sparse_reference"]  # fmt: skip

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from refmla.backends.triton_interp import ensure_interpreter
+from refmla.atomic import beside
 from refmla.capture import write_capture
 from refmla.compare import Tolerance
 from refmla.options import ReplayOptions, bound_problem
@@ -352,6 +353,7 @@ class Sweeper:
         # replay reruns the kernel (its error is the verdict); else reference and observed only
         ev = shrunk.evidence or Evidence(None, None, shrunk.case)  # type: ignore[arg-type]
         try:
+            path = beside(path)  # a file there that refmla did not write is kept: the capture goes beside it
             if isinstance(shrunk.case, SparseSweepCase):
                 write_sparse_capture(path, ev, sweep_meta, name)
             else:
