@@ -15,7 +15,7 @@ import torch
 
 from helpers import load_tool
 from refmla.options import ReplayOptions
-from refmla.replay import replay_file
+from refmla.pipeline import replay_file
 from refmla.sparse import reference as sref
 from refmla.sparse import hypotheses as shyp
 from refmla.sparse.validation import read_sparse

@@ -47,7 +47,7 @@ import torch
 torch.set_num_threads(int(sys.argv[2]))
 t0 = time.perf_counter()
 from refmla.options import ReplayOptions
-from refmla.replay import replay_file
+from refmla.pipeline import replay_file
 r = replay_file(sys.argv[1], ReplayOptions(backends=["reference", "observed"]))
 took = time.perf_counter() - t0
 hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]
