@@ -11,7 +11,7 @@ Cases (DeepSeek-V3.2's 656-byte layout, page 64, no sink; built here):
     dense         the dense reference (refmla.reference.mla_decode_ref) on 128 requests x 2,048
                   positions x 16 heads: its seconds per attended entry x head are the yardstick
 
-Each sparse case runs ``refmla.replay.replay_file(FILE, backends reference + observed)`` (the whole
+Each sparse case runs ``refmla.pipeline.replay_file(FILE, backends reference + observed)`` (the whole
 replay: read, validate, reference, control, judge, diagnosis, the hypothesis search when it fails)
 in a fresh child process with ``--threads`` torch threads; the figures are its wall seconds and
 peak resident set (VmHWM). Production's output is computed here by a plain fp64 softmax over the
