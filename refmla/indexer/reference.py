@@ -60,7 +60,8 @@ class Scored:
     noise: float
 
 
-def blocks(cap: IndexerCapture, b: int, block: Optional[int] = None) -> Iterator[tuple[int, torch.Tensor, Optional[torch.Tensor]]]:
+def blocks(cap: IndexerCapture, b: int,
+           block: Optional[int] = None) -> Iterator[tuple[int, torch.Tensor, Optional[torch.Tensor]]]:  # fmt: skip
     """Request b's entries in blocks of about ``block`` (default BLOCK) keys, whole pages: (the
     block's first position, its keys k [n, D] as stored in fp64, exact: fp8 codes looked up in a
     table of their 256 values, once; their scales [n] fp64, None for bf16 keys)."""
@@ -94,8 +95,8 @@ def keys(cap: IndexerCapture, b: int) -> tuple[torch.Tensor, torch.Tensor]:
 def logits(cap: IndexerCapture, b: int, variant: Variant = TRUE, k: float = 2.0) -> Scored:
     """Request b's logits in fp64 and the noise of its control (module docstring), a block of keys
     at a time: one fp64 GEMM [n, D] x [D, H] each. fp8 q and keys make each fp64 dot product exact
-    (products of 8 significant bits within 2**+-36, summed within 2**+-43); q's scale multiplies
-    the exact dot once."""
+    (a product of two fp8 values is a multiple of 2**-20 below 2**18: a sum of up to 2**15 of them
+    fits fp64's 53 bits); q's scale multiplies the exact dot once."""
     q = cap.q_values()[b].double()  # [H, D] exact
     H, L = q.shape[0], int(cap.entries[b])
     qs = cap.q_scale[b].double() if cap.q_scale is not None and variant.q_scale else None  # [H]
@@ -111,7 +112,8 @@ def logits(cap: IndexerCapture, b: int, variant: Variant = TRUE, k: float = 2.0)
             if variant.relu:
                 dots.clamp_min_(0)
             r = dots @ w  # [n]
-            c = dots.float().bfloat16().float() @ wf  # [n] the control: each dot rounded to bf16, summed in fp32
+            c = dots.float().bfloat16().float() @ wf  # [n] the control: each dot rounded to bf16 (after the
+            # relu: a rounding keeps the sign), summed in fp32
             if ks is not None and variant.k_scale:
                 r.mul_(ks)
                 c.mul_(ks.float())
@@ -275,7 +277,7 @@ class Scores:
 
     def __getitem__(self, b: int) -> Scored:
         if b not in self._cache:
-            self._cache[b] = logits(self.cap, b, TRUE, self.k)
+            self._score(b)
         return self._cache[b]
 
     def fill(self, requests: Iterable[int]) -> "Scores":
