@@ -189,3 +189,71 @@ def test_slots_past_the_bound_and_slots_of_another_request_are_named_so(tmp_path
     assert whys.count("past_bound") == 3 and whys.count("not_this_request") == 1
     assert [e["position"] for e in v0["extra"] if e["why"] == "past_bound"] == [640, 641, 642]
     assert next(e for e in v0["extra"] if e["why"] == "not_this_request")["value"] == other
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_reference_in_blocks_is_the_whole_requests_bits_on_any_number_of_workers(tmp_path, bf16, monkeypatch):
+    from refmla.indexer import reference
+
+    lens = [5000, 700, 64]  # 5000: several blocks and a last page of 8 entries; 64: one page exactly
+    tensors, meta = kit.call(lens, ratio=1, seed=4, bf16=bf16, kind="positions")
+    kit.raw_write(tmp_path / "b.safetensors", tensors, meta)
+    cap = read_indexer(tmp_path / "b.safetensors")
+    for b, L in enumerate(lens):  # the keys as stored, decoded here by torch's own fp8 conversion
+        pages = tensors["page_table"][b]
+        raw = tensors["k_cache"]
+        if bf16:
+            want_k = kit._rows(raw.double(), pages, L)
+        else:
+            vals = raw[:, : kit.PS * kit.D].contiguous().view(torch.float8_e4m3fn).reshape(-1, kit.PS, kit.D)
+            want_k = kit._rows(vals.double(), pages, L)
+        assert torch.equal(reference.keys(cap, b)[0], want_k)
+    whole = [reference.logits(cap, b) for b in range(len(lens))]
+    monkeypatch.setattr(reference, "BLOCK", 64)  # a page a block
+    paged = [reference.logits(cap, b) for b in range(len(lens))]
+    monkeypatch.setattr(reference, "BLOCK", 1 << 20)  # a request a block
+    one = [reference.logits(cap, b) for b in range(len(lens))]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # two workers side by side
+        filled = reference.Scores(cap).fill(range(len(lens)))
+    finally:
+        torch.set_num_threads(threads)
+    for b in range(len(lens)):
+        for other in (paged[b], one[b], filled[b]):
+            assert torch.equal(other.logits, whole[b].logits) and other.noise == whole[b].noise
+
+
+def test_an_fp8_q_scale_multiplies_the_exact_dot_once(tmp_path):
+    from fractions import Fraction
+
+    from refmla.indexer.reference import logits
+
+    tensors, meta = kit.call([900], ratio=1, seed=5, kind="positions")
+    H = tensors["q"].shape[1]
+    g = torch.Generator().manual_seed(5)
+
+    def codes(*shape):  # every e4m3 code but NaN, of either sign: subnormals to 448
+        sign = (torch.rand(shape, generator=g) < 0.5).to(torch.uint8) << 7
+        return torch.randint(0, 127, shape, generator=g, dtype=torch.uint8) | sign
+
+    raw = tensors["k_cache"]  # keys and q of every magnitude: a dot's products span 2**-18 .. 2**17.6
+    raw[:, : kit.PS * kit.D] = codes(raw.shape[0], kit.PS * kit.D)
+    tensors["q"] = codes(*tensors["q"].shape).view(torch.float8_e4m3fn)
+    qs = (1 + torch.rand(1, H, generator=g)).float()  # not powers of two: q * scale has 28 significant bits
+    h = 3
+    tensors["q_scale"] = qs
+    tensors["weights"] = torch.zeros(1, H)
+    tensors["weights"][0, h] = 1.0  # one head: the logit is that head's relu(scale * dot) times the key's scale
+    kit.raw_write(tmp_path / "q.safetensors", tensors, meta)
+    got = logits(read_indexer(tmp_path / "q.safetensors"), 0).logits
+    pages = tensors["page_table"][0]
+    vals = raw[:, : kit.PS * kit.D].contiguous().view(torch.float8_e4m3fn).reshape(-1, kit.PS, kit.D)
+    k = kit._rows(vals.float(), pages, 900)
+    ks = kit._rows(raw[:, kit.PS * kit.D :].contiguous().view(torch.float32).reshape(-1, kit.PS, 1), pages, 900)[:, 0]
+    q = [Fraction(x) for x in tensors["q"][0, h].float().tolist()]
+    scale = Fraction(float(qs[0, h]))
+    for n in range(0, 900, 7):  # the exact dot in rationals, times the scale, rounded once; the key scale is 2**e
+        dot = sum(a * Fraction(x) for a, x in zip(q, k[n].tolist()))
+        want = max(0.0, float(dot * scale)) * float(ks[n])
+        assert float(got[n]) == want, n

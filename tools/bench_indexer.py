@@ -9,7 +9,9 @@ The call: ``--requests`` requests of ``--context`` tokens each, ``--heads`` inde
 then 64 fp32 scales) on shuffled pages, fp8 q with its scale folded into the weights, and the
 produced indices (slots) from this file's own fp32 loop (not the reference measured). Then
 ``refmla replay FILE --backend reference --json`` runs in a child with 2 torch threads; its wall
-time and peak resident set (VmHWM, /proc) are the figures; the budgets are 30 s and 2 GiB.
+time and peak resident set (VmHWM, /proc: the capture's pages as they are read, memory-mapped,
+included) are the figures, with the machine's 1-minute load average (the larger of before and
+after); the budgets are 30 s and 2 GiB.
 
 The leg: each preset of refmla.indexer.synth with fault ``none`` must agree (a false alarm
 otherwise) and with each fault must be explained by the hypothesis of the fault's name.
@@ -135,14 +137,16 @@ def main(argv=None) -> int:
         print(f"built {a.requests} x {a.heads} heads x {a.dim} over {a.context} tokens, top-{a.topk}: "
               f"{path.stat().st_size / 2**20:.0f} MiB in {time.perf_counter() - t0:.0f} s")  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        load = os.getloadavg()[0]
         out = subprocess.run([sys.executable, "-c", CHILD, str(path)], capture_output=True, text=True, env=env)
+        load = max(load, os.getloadavg()[0])  # the machine's own load: a shared machine's time is an upper bound
         if out.returncode:
             print(out.stderr[-2000:])
             return 2
         res = json.loads(out.stdout.strip().splitlines()[-1])
     peak = res["vmhwm_kib"] * 1024
     print(f"judged: verdict {res['verdict']} (observed {res['observed']}), {res['seconds']} s (budget {BUDGET_S:.0f}), "
-          f"peak {peak / 2**30:.2f} GiB (budget 2 GiB), 2 torch threads")  # fmt: skip
+          f"peak {peak / 2**30:.2f} GiB (budget 2 GiB), 2 torch threads, load average {load:.1f}")  # fmt: skip
     return rc | int(res["verdict"] != "agree" or res["seconds"] > BUDGET_S or peak > BUDGET_BYTES)
 
 

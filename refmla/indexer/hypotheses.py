@@ -27,6 +27,7 @@ import torch
 from refmla.indexer.format import COMPRESS_RATIOS, IndexerCapture
 from refmla.indexer.reference import RequestVerdict, Scores, SetJudgement, Variant, judge_request, logits, positions
 from refmla.results import Explanation
+from refmla.util import single_thread
 
 LIMIT = 8  # failing requests the search looks at
 Proposal = tuple[str, dict]  # (hypothesis, detail) for one request
@@ -109,7 +110,12 @@ FAMILIES: tuple[Callable[..., Iterator[Proposal]], ...] = (_unwritten, _stale, _
 def explain(cap: IndexerCapture, values: torch.Tensor, judgement: SetJudgement, scores: Scores,
             notes: Optional[dict] = None) -> Optional[Explanation]:  # fmt: skip
     """The explanation of the failing requests of ``judgement`` (module docstring), or None."""
-    failing = judgement.failing[:LIMIT]
+    with single_thread():  # many small ops (a set judged per proposal): no thread barrier each
+        return _explain(cap, values, judgement.failing[:LIMIT], scores, notes)
+
+
+def _explain(cap: IndexerCapture, values: torch.Tensor, failing: list, scores: Scores,
+             notes: Optional[dict]) -> Optional[Explanation]:  # fmt: skip
     best: Optional[Explanation] = None
     for family in FAMILIES:
         found: dict[str, tuple[dict, list[int]]] = {}

@@ -17,18 +17,26 @@ left out scores more than 2 noise above an entry chosen (each side within its no
 best): a near-tie is decided by score, never by position. A wrong set names the entries missing
 (left out, clearly in the top-k) and those that should not be there (chosen, clearly below it, or
 past the bound, duplicated, not this request's), with their scores and ranks.
+
+The work: a request's keys BLOCK at a time (fp8 to fp64 once, by a table of the 256 codes; one
+fp64 GEMM [n, D] x [D, H]; the relu, both weighted sums and the scales on [n, H]), so memory is
+bounded by the block, not the context; requests side by side on torch.get_num_threads()
+single-threaded workers (Scores.fill). A request's bits depend on neither the block nor the workers.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
+from refmla.blocked import run_units
 from refmla.indexer.format import FP8, IndexerCapture
+from refmla.util import single_thread
 
 SHOWN = 16  # entries named per request and list
+BLOCK = 2048  # keys a block of the reference: converted to fp64 once, one GEMM (memory bounded by the block)
 
 
 @dataclass(frozen=True)
@@ -52,40 +60,70 @@ class Scored:
     noise: float
 
 
-def keys(cap: IndexerCapture, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(k [L, D] as stored, in fp64, exact; scales [L] fp64) of request b's entries."""
+def blocks(cap: IndexerCapture, b: int,
+           block: Optional[int] = None) -> Iterator[tuple[int, torch.Tensor, Optional[torch.Tensor]]]:  # fmt: skip
+    """Request b's entries in blocks of about ``block`` (default BLOCK) keys, whole pages: (the
+    block's first position, its keys k [n, D] as stored in fp64, exact: fp8 codes looked up in a
+    table of their 256 values, once; their scales [n] fp64, None for bf16 keys)."""
     m, (_, _, D) = cap.meta, cap.q.shape
     L, ps = int(cap.entries[b]), m.page_size
-    pages = cap.page_table[b, : (L + ps - 1) // ps].long()  # [n] rows of k_cache
-    rows = cap.k_cache[pages]
-    if m.k_layout == "bf16":  # [n, ps, D], no scale
-        return rows.reshape(-1, D)[:L].double(), torch.ones(L, dtype=torch.float64)
-    vals = rows[:, : ps * D].contiguous().view(FP8[m.fp8_dtype]).reshape(-1, D)[:L].double()  # [L, D]
-    scales = rows[:, ps * D : ps * (D + 4)].contiguous().view(torch.float32).reshape(-1)[:L]  # [L]
-    return vals, scales.double()
+    per = max(1, (block or BLOCK) // ps)  # pages a block
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8[m.fp8_dtype]).double()  # [256] each fp8 code's value, exact
+    pages = cap.page_table[b, : (L + ps - 1) // ps].long()  # [n_pages] rows of k_cache
+    for j in range(0, pages.numel(), per):
+        rows = cap.k_cache[pages[j : j + per]]  # [p, W] uint8 | [p, ps, D]
+        n = min(L - j * ps, rows.shape[0] * ps)  # the block's entries (the last page: those before L)
+        if m.k_layout == "bf16":
+            yield j * ps, rows.double().view(-1, D)[:n], None
+            continue
+        vals = codes.index_select(0, rows[:, : ps * D].int().view(-1)).view(-1, D)  # [p * ps, D] fp64
+        scales = rows[:, ps * D : ps * (D + 4)].contiguous().view(torch.float32).view(-1)  # [p * ps]
+        yield j * ps, vals[:n], scales[:n].double()
+
+
+def keys(cap: IndexerCapture, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k [L, D] as stored, in fp64, exact; scales [L] fp64) of request b's entries (blocks, joined)."""
+    parts = list(blocks(cap, b))
+    D, L = cap.q.shape[2], int(cap.entries[b])
+    if not parts:
+        return torch.empty(0, D, dtype=torch.float64), torch.ones(0, dtype=torch.float64)
+    kv = torch.cat([k for _, k, _ in parts])
+    ks = torch.cat([s for _, _, s in parts]) if parts[0][2] is not None else torch.ones(L, dtype=torch.float64)
+    return kv, ks
 
 
 def logits(cap: IndexerCapture, b: int, variant: Variant = TRUE, k: float = 2.0) -> Scored:
-    """Request b's logits in fp64 and the noise of its control (module docstring). fp8 q and keys
-    make each fp64 dot product exact (products of 8 significant bits within 2**+-36)."""
-    kv, ks = keys(cap, b)  # [L, D], [L] fp64
-    q = cap.q_values()[b].double()  # [H, D]
-    H = q.shape[0]
-    qs = cap.q_scale[b].double() if cap.q_scale is not None and variant.q_scale else torch.ones(H, dtype=torch.float64)
+    """Request b's logits in fp64 and the noise of its control (module docstring), a block of keys
+    at a time: one fp64 GEMM [n, D] x [D, H] each. fp8 q and keys make each fp64 dot product exact
+    (a product of two fp8 values is a multiple of 2**-20 below 2**18: a sum of up to 2**15 of them
+    fits fp64's 53 bits); q's scale multiplies the exact dot once."""
+    q = cap.q_values()[b].double()  # [H, D] exact
+    H, L = q.shape[0], int(cap.entries[b])
+    qs = cap.q_scale[b].double() if cap.q_scale is not None and variant.q_scale else None  # [H]
     w = cap.weights[b].double() if variant.weights else torch.ones(H, dtype=torch.float64)  # [H]
-    ks = ks if variant.k_scale else torch.ones_like(ks)
-    dots = kv @ (q * qs[:, None]).T  # [L, H]
-    d16 = dots.to(torch.float32).to(torch.bfloat16)  # [L, H] the control's dots: rounded to bf16
-    if variant.relu:
-        dots.clamp_min_(0)
-        d16.clamp_min_(0)
-    ref = (dots @ w) * ks  # [L]
-    ctl = (d16.float() @ w.float()) * ks.float()  # [L] fp32 sum over heads, times the scale
-    if not ref.numel():
+    qt, wf = q.T.contiguous(), w.float()  # [D, H], [H] fp32
+    ref = torch.empty(L, dtype=torch.float64)  # [L]
+    errs = []  # per block: max |control - reference|
+    with single_thread():  # many block-sized ops: no thread barrier each (Scores.fill runs requests side by side)
+        for at, kv, ks in blocks(cap, b):
+            dots = kv @ qt  # [n, H] fp64
+            if qs is not None:
+                dots.mul_(qs)
+            if variant.relu:
+                dots.clamp_min_(0)
+            r = dots @ w  # [n]
+            c = dots.float().bfloat16().float() @ wf  # [n] the control: each dot rounded to bf16 (after the
+            # relu: a rounding keeps the sign), summed in fp32
+            if ks is not None and variant.k_scale:
+                r.mul_(ks)
+                c.mul_(ks.float())
+            ref[at : at + r.numel()] = r
+            errs.append((c.double() - r).abs().max())
+    if not L:
         return Scored(ref, 0.0)
     big = float(ref.abs().max())
     ulp = torch.finfo(torch.bfloat16).eps * 2.0 ** torch.tensor(big).log2().floor().item() if big > 0 else 0.0
-    return Scored(ref, k * float((ctl.double() - ref).abs().max()) + ulp)
+    return Scored(ref, k * float(torch.stack(errs).max()) + ulp)
 
 
 @dataclass
@@ -239,15 +277,27 @@ class Scores:
 
     def __getitem__(self, b: int) -> Scored:
         if b not in self._cache:
-            self._cache[b] = logits(self.cap, b, TRUE, self.k)
+            self._score(b)
         return self._cache[b]
+
+    def fill(self, requests: Iterable[int]) -> "Scores":
+        """The logits of ``requests`` not yet kept, longest first, on torch.get_num_threads()
+        single-threaded workers (refmla.blocked.run_units): a request's bits do not depend on it."""
+        todo = sorted({b for b in requests if b not in self._cache}, key=lambda b: -int(self.cap.entries[b]))
+        run_units(self._score, todo)
+        return self
+
+    def _score(self, b: int) -> None:
+        self._cache[b] = logits(self.cap, b, TRUE, self.k)
 
 
 def judge_sets(cap: IndexerCapture, indices: torch.Tensor, scores: Scores) -> SetJudgement:
     """Every request's row of ``indices`` [B, K] judged (judge_request)."""
-    verdicts = [judge_request(cap, b, indices[b], scores[b]) for b in range(indices.shape[0])]
+    scores.fill(range(indices.shape[0]))
+    with single_thread():  # a few small ops a request: no thread barrier each
+        verdicts = [judge_request(cap, b, indices[b], scores[b]) for b in range(indices.shape[0])]
     return SetJudgement(len(verdicts), [v for v in verdicts if not v.ok], max((v.noise for v in verdicts), default=0.0))
 
 
-__all__ = ["TRUE", "Entry", "RequestVerdict", "Scored", "Scores", "SetJudgement", "Variant", "judge_request",
-           "judge_sets", "keys", "logits", "positions"]  # fmt: skip
+__all__ = ["BLOCK", "TRUE", "Entry", "RequestVerdict", "Scored", "Scores", "SetJudgement", "Variant", "judge_request",
+           "blocks", "judge_sets", "keys", "logits", "positions"]  # fmt: skip
