@@ -40,8 +40,8 @@ def example(monkeypatch):
     return decode
 
 
-def sweep(spec: str, out, layout: str, cases: int):
-    cfg = SweepConfig(backends=[spec], budget=120, max_cases=cases, layouts=(layout,), space=["heads=4", "batch=1,2,3"],
+def sweep(spec: str, out, layout: str, cases: int, space: tuple = ()):
+    cfg = SweepConfig(backends=[spec], budget=120, max_cases=cases, layouts=(layout,), space=["heads=4", "batch=1,2,3", *space],
                       checks=("reference",), repeat=2, max_shrink=3, out=str(out))  # fmt: skip
     return run_sweep(cfg).backends[spec]
 
@@ -145,7 +145,7 @@ def test_lse_base_found_and_named(tmp_path, monkeypatch):
 def test_page_offset_found_and_named(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     spec = planted("page_offset", tmp_path)
-    b = sweep(spec, tmp_path / "sweep", "block_table", 2)
+    b = sweep(spec, tmp_path / "sweep", "block_table", 2, ("page=16,64",))  # a real block table: the walk starts at its edges
     found = [f for f in b.findings if f.check == "reference" and f.capture]
     assert found and found[0].replay_verdict == "diverged"
     assert found[0].shrunk["page_size"] > 1  # a real block table, pages of many rows

@@ -51,6 +51,8 @@ def check_signature(fn: Any, name: str) -> None:
 class PluginBackend(Backend):
     """The backend of one kernel callable, under ``name`` (what --backend said, or its entry point's name)."""
 
+    modes = ("decode",)  # refmla.kernel's interface is decode's: a verify layout is not read, not skipped
+
     def __init__(self, name: str, fn: Callable, where: str):
         check_signature(fn, name)
         self.name, self.fn, self.where = name, fn, where
