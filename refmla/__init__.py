@@ -49,7 +49,9 @@ copy of the layout (the README links here).
     merge/          the merge of attention pieces (mode merge): fp64 merge, merge mistakes, merge kernels
     cp/             decode context parallelism: one step's rank captures as one call (whole-context
                     reference, each rank on its shard, the combine as a merge, the CP mistakes)
-    pipeline.py     the one replay: capture -> backends -> comparison -> ReplayReport
+    kinds/          what differs between capture kinds (dense, block-table, sparse) behind one interface:
+                    reference, control per declared arithmetic, backends, rows, localization, hypotheses
+    pipeline.py     the one replay: capture -> backends -> comparison -> ReplayReport, for every kind
     series.py       one layer and rank across decode steps
     chain.py        a decode capture and its step's KV writer capture: the writer's or the contract's part
     batch.py        many captures, serial or in worker processes, with the same result

@@ -185,6 +185,24 @@ def hook_violations(package: Path = PACKAGE) -> list[str]:
     return bad
 
 
+KIND_WORDS = ("sparse", "dense", "paged", "blocktable", "block_table")  # a capture kind named in a function's name
+KIND_MODULES = ("refmla.sparse", "refmla.hypotheses", "refmla.localize")  # reached through refmla.kinds only
+
+
+def kind_specific(package: Path = PACKAGE) -> list[str]:
+    """What in pipeline.py belongs to one capture kind: a function or class named after a kind, an
+    import of a kind's own modules (its reference, hypothesis families, localization): the one
+    replay gets them from the capture's kind (refmla.kinds)."""
+    path = package / "pipeline.py"
+    found = [f"pipeline.py defines {n.name}: specific to one capture kind" for n in ast.walk(ast.parse(path.read_text()))
+             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+             and any(w in n.name.lower() for w in KIND_WORDS)]  # fmt: skip
+    found += [f"refmla.pipeline imports {m}: a kind's own module (go through refmla.kinds)"
+              for m in sorted(imported(path, "refmla.pipeline", set(modules(package))))
+              if any(m == k or m.startswith(k + ".") for k in KIND_MODULES)]  # fmt: skip
+    return found
+
+
 def unlisted_modules(package: Path = PACKAGE) -> list[str]:
     """Modules and sub-packages a package's docstring does not name (as ``name.py``, ``name/`` or a
     line that starts with the name)."""
@@ -238,6 +256,10 @@ def test_imports_follow_the_layout_order():
 
 def test_the_hook_imports_only_what_the_layout_allows():
     assert hook_violations() == []
+
+
+def test_the_replay_has_one_path_for_every_capture_kind():
+    assert kind_specific() == []
 
 
 def test_every_module_is_listed_in_its_package_docstring():
@@ -318,3 +340,11 @@ def test_sparse_has_no_pipeline_of_its_own():
     reading, judging, diagnosing, replaying, rendering and the goldens are the one pipeline (issue 28)."""
     own = {p.stem for p in (PACKAGE / "sparse").glob("*.py")}
     assert not own & {"io", "judge", "diagnosis", "replay", "render", "golden"}, sorted(own)
+
+
+def test_a_kind_specific_function_in_the_replay_is_caught(copy):
+    _append(copy / "pipeline.py", "\n\ndef replay_sparse(cap, opts):\n    from refmla.sparse.reference import sparse_reference  # noqa\n")
+    found = kind_specific(copy)
+    assert any("defines replay_sparse" in v for v in found), found
+    assert any("imports refmla.sparse.reference" in v for v in found), found
+    assert kind_specific() == []  # the real tree has none

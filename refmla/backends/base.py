@@ -65,6 +65,9 @@ class Backend:
     unpoisoned: str = ""
     # the capture modes run() reads (a decode-only kernel: ("decode",)); () when it says at run time
     modes: tuple[str, ...] = ()
+    # True when run() only reads the capture (a sparse capture's ``observed``): run in this process,
+    # never in a child (refmla.isolation)
+    in_process: bool = False
 
     def availability(self) -> tuple[bool, str]:
         """(usable here, reason if not / version string if yes). Must never raise."""

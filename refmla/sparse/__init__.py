@@ -18,7 +18,7 @@ Modules, imports going down this list:
     faults.py      production's output with a planted fault: its own plain loop, never the reference
     make.py        `refmla synth OUT --preset deepseek-v4-flash-tp8 [--fault NAME]`
     backends.py    the kernel adapters by name: triton (SGLang's), aiter_sparse, tilelang, flashmla_sparse (and
-                   observed), each with the arithmetic it is judged at
+                   observed), each with the arithmetic it is judged at, each a Backend (SparseBackend)
     misplaced.py   rows written to another request's row, one entry read at the neighbouring slot
     hypotheses.py  the sparse-only mistakes (sink, topk_length, -1 as slot 0, the compressed cache,
                    window edges, per-tile UE8M0 scales on either cache, rope bytes) and the shared ones

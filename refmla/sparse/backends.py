@@ -12,8 +12,11 @@
                third_party.flashmla that imports (NVIDIA SM90 / SM100); its lse [B, H, S] transposed
 
 :func:`availability` says whether a path can run here without running it (``refmla doctor``).
+:class:`SparseBackend` is each path as a :class:`refmla.backends.base.Backend` (``availability()``,
+``run()``), what the one replay (refmla.pipeline) runs; it calls the path's function in
+:data:`BACKENDS`, where a function of your own may take a kernel's place.
 
-Each returns out [B, S, H, Dv] and lse [B, S, H] (or None) as the kernel returned them, or raises
+Each function returns out [B, S, H, Dv] and lse [B, S, H] (or None) as the kernel returned them, or raises
 :class:`Unavailable` with the reason (reported as skipped). A kernel that raises is a finding.
 """
 
@@ -26,7 +29,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from refmla.backends.base import BackendUnavailable
+from refmla.backends import ALL_NAMES
+from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 from refmla.backends.calling import first_module_with
 from refmla.sparse.arithmetic import DECLARED, SGLANG_TRITON_SPARSE, SparseArithmetic, producer_sparse_arithmetic
 from refmla.sparse.format import SparseCapture
@@ -136,14 +140,20 @@ def run_triton(cap: SparseCapture) -> PathOutput:
                       {"autotune_configs_interpreted": configs} if configs else {})
 
 
-def run_aiter_sparse(cap: SparseCapture) -> PathOutput:
+def _need_aiter() -> str:
+    module = "aiter.ops.triton.attention.pa_decode_sparse"
     try:
-        importlib.import_module("aiter.ops.triton.attention.pa_decode_sparse")
+        importlib.import_module(module)
     except Exception as e:
         raise Unavailable(f"aiter is not installed (ROCm only; ships in SGLang's ROCm image): "
-                          f"aiter.ops.triton.attention.pa_decode_sparse: {type(e).__name__}") from None  # fmt: skip
+                          f"{module}: {type(e).__name__}") from None  # fmt: skip
     if not (torch.cuda.is_available() and getattr(torch.version, "hip", None)):
         raise Unavailable("aiter_sparse is aiter's gfx950 gluon kernel: needs a ROCm GPU")
+    return module
+
+
+def run_aiter_sparse(cap: SparseCapture) -> PathOutput:
+    _need_aiter()
     from sglang.srt.layers.attention.hip_flash_mla import aiter_sparse_decode_fwd
 
     kw = kernel_kwargs(cap, "cuda")
@@ -153,13 +163,18 @@ def run_aiter_sparse(cap: SparseCapture) -> PathOutput:
     return PathOutput(out.cpu(), None if lse is None else lse.cpu(), "aiter pa_decode_sparse via sglang aiter_sparse_decode_fwd")
 
 
-def run_tilelang(cap: SparseCapture) -> PathOutput:
+def _need_tilelang() -> str:
     try:
         importlib.import_module("tilelang")
     except Exception:
         raise Unavailable("tilelang is not installed") from None
     if not torch.cuda.is_available():
         raise Unavailable("tilelang kernels need a GPU")
+    return "tilelang"
+
+
+def run_tilelang(cap: SparseCapture) -> PathOutput:
+    _need_tilelang()
     from sglang.kernels.ops.attention.dsv4.tilelang_fp8_attention import dpsk_v4_fp8_attention_fwd
 
     out, lse = dpsk_v4_fp8_attention_fwd(**kernel_kwargs(cap, "cuda"))
@@ -193,14 +208,12 @@ def run_flashmla_sparse(cap: SparseCapture) -> PathOutput:
 
 def availability(name: str) -> tuple[bool, str]:
     """(usable here, the module or why not) of a sparse kernel path, without running it."""
-    try:
+    try:  # the reason is the one running it would give
         if name == "triton":
             return True, _triton_module()[1]
         if name == "flashmla_sparse":
             return True, flashmla_module()[1]
-        module = {"aiter_sparse": "aiter.ops.triton.attention.pa_decode_sparse", "tilelang": "tilelang"}[name]
-        importlib.import_module(module)
-        return (True, module) if torch.cuda.is_available() else (False, f"{module} imports, but there is no GPU")
+        return True, {"aiter_sparse": _need_aiter, "tilelang": _need_tilelang}[name]()
     except Unavailable as e:
         return False, str(e)
     except Exception as e:
@@ -223,5 +236,29 @@ def declared_arithmetic(name: str, cap: SparseCapture) -> SparseArithmetic:
 
 DEFAULT_BACKENDS = ("reference", "observed", "triton", "aiter_sparse", "tilelang", "flashmla_sparse")
 KERNELS = DEFAULT_BACKENDS[2:]  # the kernel paths: run in a child process (refmla.isolation)
+SPARSE_ONLY = [n for n in KERNELS if n not in ALL_NAMES]  # aiter_sparse, tilelang, flashmla_sparse: sparse captures only
+_OWN = dict(BACKENDS)  # refmla's own function of each path (what availability() speaks for)
 
-__all__ = ["BACKENDS", "DEFAULT_BACKENDS", "FLASHMLA_MODULES", "KERNELS", "availability", "declared_arithmetic", "flashmla_module", "PathOutput", "Unavailable", "kernel_kwargs"]
+
+class SparseBackend(Backend):
+    """One path of a sparse capture as a Backend: ``run`` calls its function in :data:`BACKENDS`
+    (out [B, S, H, Dv], lse [B, S, H]); ``availability`` says whether refmla's own can run here (a
+    function put in its place is taken as available: it says itself, by raising Unavailable)."""
+
+    def __init__(self, name: str):
+        if name not in BACKENDS:
+            raise KeyError(f"unknown sparse path {name!r}; choose from {', '.join(BACKENDS)}")
+        self.name = name
+        self.in_process = name not in KERNELS  # observed only reads the capture: no child process
+
+    def availability(self) -> tuple[bool, str]:
+        fn = BACKENDS[self.name]
+        if fn is not _OWN[self.name]:
+            return True, f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+        return availability(self.name) if self.name in KERNELS else (True, "")
+
+    def run(self, cap: SparseCapture, opts=None) -> BackendResult:
+        got = BACKENDS[self.name](cap)
+        return BackendResult(got.out, got.lse, info={"version": got.note, **got.info})
+
+__all__ = ["BACKENDS", "DEFAULT_BACKENDS", "FLASHMLA_MODULES", "KERNELS", "SPARSE_ONLY", "SparseBackend", "availability", "declared_arithmetic", "flashmla_module", "PathOutput", "Unavailable", "kernel_kwargs"]
