@@ -395,7 +395,8 @@ def capture_control(
     rounding points (a numerics variant); ``sc`` / ``q``: a hypothesis's candidate scales or q."""
     arith = producer_arithmetic(cap) if arith is None else arith
     q, sc, declared = declared_inputs(cap, arith, sc or cap.scales(), cap.q if q is None else q)
-    rnd = replace(rounding, q_round=arith.q_round, dequant=arith.dequant, p_block=arith.p_block) if rounding else declared
+    rnd = declared if rounding is None else replace(rounding, q_round=arith.q_round, dequant=arith.dequant,
+                                                    p_block=arith.p_block)  # fmt: skip
     splits = num_kv_splits if num_kv_splits is not None else cap.num_kv_splits
     splits = splits if cap.is_decode and arith.split_block is not None else None
     return control_output(q, cap.kv_buffer, cap.attended(), sc, out_dtype, splits, rnd, arith.split_block or MIN_BLOCK_KV)
