@@ -25,6 +25,12 @@ from what it declares, never from what the capture's producer did:
                                       kernel's ``k_extend`` / ``v_extend``: met by q as stored,
                                       P rounded to q's dtype (SGLang's extend; an unsplit kernel only)
     lse_base        "ln" | "log2"     the base of the lse the kernel returns (compared in ln)
+    p_block         None              P rounded (to the pool / value dtype) relative to the row's final
+                                      maximum, as one softmax pass over the row computes it
+                    n                 an online softmax over blocks of n positions from each split's
+                                      start (Triton's BLOCK_N): block i's P is rounded relative to the
+                                      running maximum of blocks 0..i, then rescaled to the final one
+                                      (SGLang's Triton decode: 32; 16 on HIP for a 576-wide head)
 
 The capture's producer has one too (:func:`producer_arithmetic`): it describes only ``observed``
 and is the control of a backend that declares none.
@@ -38,7 +44,7 @@ from typing import Optional
 
 import torch
 
-from refmla.schedule import SPLIT_BLOCKS
+from refmla.schedule import SGLANG_BLOCK_N, SPLIT_BLOCKS
 
 FP8_E4M3 = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0  # the largest finite e4m3fn value
@@ -64,6 +70,7 @@ class Arithmetic:
     q_round: str = "latent_to_pool"
     dequant: str = "upcast"
     lse_base: str = "ln"
+    p_block: Optional[int] = None  # positions per online-softmax block (None: one pass over the row)
 
     def __post_init__(self):
         for name, allowed in (("split_schedule", SCHEDULES), ("q_round", Q_ROUNDS), ("dequant", DEQUANTS),
@@ -72,6 +79,9 @@ class Arithmetic:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.dequant == "new_to_q_dtype" and self.split_schedule != "none":
             raise ValueError("dequant new_to_q_dtype (an extend kernel's new tokens) is for an unsplit kernel")
+        if self.p_block is not None and (isinstance(self.p_block, bool) or not isinstance(self.p_block, int)
+                                         or self.p_block < 1):  # fmt: skip
+            raise ValueError(f"p_block must be a positive int or None, got {self.p_block!r}")
 
     @property
     def split_block(self) -> Optional[int]:
@@ -79,10 +89,16 @@ class Arithmetic:
         return SPLIT_BLOCKS.get(self.split_schedule)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """The fields; ``p_block`` only where a kernel declares one (one softmax pass says nothing new)."""
+        d = asdict(self)
+        if self.p_block is None:
+            del d["p_block"]
+        return d
 
 
-SGLANG_TRITON = Arithmetic()
+# SGLang's Triton decode (refmla.backends.triton): 32-token splits, its stage 1 an online softmax over
+# BLOCK_N = 32 positions (on CUDA and in the interpreter; the backend declares the block it ran)
+SGLANG_TRITON = Arithmetic(p_block=SGLANG_BLOCK_N)
 VLLM_TRITON = Arithmetic(split_schedule="uniform", q_round="keep", dequant="to_q_dtype")
 UNSPLIT = Arithmetic(split_schedule="none")
 # PyTorch's flex_attention (refmla.backends.flex): one pass in q's dtype, an fp8 pool dequantized into it
@@ -106,7 +122,8 @@ def producer_arithmetic(cap) -> Arithmetic:
     vLLM's TRITON_MLA for a vLLM capture, SGLang's extend kernel for an extend or verify capture of
     SGLang's Triton backend (it runs extend_attention_fwd), else the capture's ``split_schedule``
     (SGLang's by default) with q quantized whole where the hook saw it go in as e4m3; the lse base
-    of meta ``lse_base``."""
+    of meta ``lse_base``; a decode capture of SGLang's Triton backend with its stage-1 online softmax
+    (``p_block`` SGLANG_BLOCK_N: the hook does not record a HIP launch's 16)."""
     m = cap.meta
     base = lse_base_of(m.extra.get("lse_base", "ln")) or "ln"  # an unknown spelling is refused when read
     vllm = m.backend == "vllm_triton" or m.engine_backend == "TRITON_MLA"
@@ -114,7 +131,8 @@ def producer_arithmetic(cap) -> Arithmetic:
         return dataclasses.replace(SGLANG_EXTEND, lse_base=base)
     e4m3_q = m.extra.get("kernel_q_dtype") == "float8_e4m3fn" and cap.kv_buffer.dtype.itemsize == 1
     q_round = "whole_e4m3" if e4m3_q else ("keep" if vllm else "latent_to_pool")
-    return Arithmetic(m.split_schedule or "sglang", q_round, "to_q_dtype" if vllm else "upcast", base)
+    p_block = SGLANG_BLOCK_N if m.backend == "triton" and cap.is_decode and not vllm else None
+    return Arithmetic(m.split_schedule or "sglang", q_round, "to_q_dtype" if vllm else "upcast", base, p_block)
 
 
 __all__ = ["Arithmetic", "DEQUANTS", "FLEX_ATTENTION", "FP8_E4M3", "FP8_E4M3_MAX", "quantize_q", "LSE_BASES",

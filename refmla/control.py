@@ -61,6 +61,8 @@ class Rounding:
     q_round: str = "latent_to_pool"  # refmla.arithmetic.Q_ROUNDS: "keep" leaves q's latent part as stored
     dequant: str = "upcast"  # refmla.arithmetic.DEQUANTS: "to_q_dtype" rounds fp8 * scale to q's dtype (vLLM);
     # "new_to_q_dtype" does so for the call's new tokens only (the spans' fresh_from, an extend kernel's k_extend)
+    p_block: Optional[int] = None  # refmla.arithmetic: P rounded relative to the running maximum of blocks of
+    # this many positions (an online softmax's BLOCK_N), None: relative to the row's final maximum
 
     @property
     def standard_merge(self) -> bool:
@@ -127,14 +129,33 @@ def _attend32(q: torch.Tensor, kv: torch.Tensor, sc: Scales, rnd: Rounding, fres
     m = s.max(dim=-1, keepdim=True).values  # [H, 1]
     p = torch.exp(s - m)  # [H, L] fp32
     l = p.sum(dim=-1, keepdim=True)  # [H, 1] fp32, from the unrounded probabilities
-    pr = p.to(rnd.p_dtype or p_dtype).to(f32)  # P rounded to the value dtype
+    pr = rounded_p(s, m, rnd.p_dtype or p_dtype, rnd.p_block)  # P rounded to the value dtype
     if fresh is not None:  # P.V of the prefix (times v_scale) plus that of the new tokens (P in q's dtype)
-        new, pq = fresh[..., None, :], p.to(rnd.p_dtype or q.dtype).to(f32)
+        new, pq = fresh[..., None, :], rounded_p(s, m, rnd.p_dtype or q.dtype, rnd.p_block)
         acc = dot_in(pr.masked_fill(new, 0.0), v32, rnd.pv_accum, PV_BLOCK) * vs
         acc = acc + dot_in(pq.masked_fill(~new, 0.0), vq, rnd.pv_accum, PV_BLOCK)
         return acc / l, (m + torch.log(l))[..., 0], l[..., 0]
     acc = dot_in(pr, v32, rnd.pv_accum, PV_BLOCK)  # [H, Dv]
     return acc / l * vs, (m + torch.log(l))[..., 0], l[..., 0]
+
+
+def rounded_p(s: torch.Tensor, m: torch.Tensor, dtype: torch.dtype, block: Optional[int] = None) -> torch.Tensor:
+    """P [.., H, L] rounded to ``dtype``, as fp32 relative to the row maximum m [.., H, 1].
+
+    One pass: exp(s - m) rounded. An online softmax over ``block`` positions at a time (Triton's
+    BLOCK_N) rounds block i's P relative to the running maximum r_i of blocks 0..i, and its
+    accumulator is rescaled to the final maximum later: round(exp(s - r_i)) * exp(r_i - m). With a
+    narrow P (fp8: 3 mantissa bits) that is a different rounding of every block before the one
+    holding the maximum."""
+    f32 = torch.float32
+    if block is None or s.shape[-1] <= block:  # one block: its running maximum is the row's
+        return torch.exp(s - m).to(dtype).to(f32)
+    L = s.shape[-1]
+    nb = -(-L // block)
+    pad = torch.full((*s.shape[:-1], nb * block - L), -math.inf, dtype=s.dtype, device=s.device)
+    bmax = torch.cat([s, pad], -1).unflatten(-1, (nb, block)).amax(-1)  # [.., H, nb] each block's maximum
+    run = torch.cummax(bmax, dim=-1).values.repeat_interleave(block, dim=-1)[..., :L]  # [.., H, L] r_i
+    return torch.exp(s - run).to(dtype).to(f32) * torch.exp(run - m)
 
 
 def _dequant_to(dtype: torch.dtype, kv: torch.Tensor, sc: Scales) -> tuple[torch.Tensor, torch.Tensor]:
@@ -361,7 +382,7 @@ def declared_inputs(cap: Capture, arith: Arithmetic, sc: Scales, q: torch.Tensor
     if arith.q_round == "whole_e4m3" and cap.kv_buffer.dtype.itemsize == 1:
         q8, q_scale = quantize_q(q)
         q, sc = q8.float(), sc.but(sm_scale=sc.sm_scale * q_scale)
-    return q, sc, Rounding(q_round=arith.q_round, dequant=arith.dequant)
+    return q, sc, Rounding(q_round=arith.q_round, dequant=arith.dequant, p_block=arith.p_block)
 
 
 def capture_control(
@@ -374,7 +395,8 @@ def capture_control(
     rounding points (a numerics variant); ``sc`` / ``q``: a hypothesis's candidate scales or q."""
     arith = producer_arithmetic(cap) if arith is None else arith
     q, sc, declared = declared_inputs(cap, arith, sc or cap.scales(), cap.q if q is None else q)
-    rnd = replace(rounding, q_round=arith.q_round, dequant=arith.dequant) if rounding else declared
+    rnd = declared if rounding is None else replace(rounding, q_round=arith.q_round, dequant=arith.dequant,
+                                                    p_block=arith.p_block)  # fmt: skip
     splits = num_kv_splits if num_kv_splits is not None else cap.num_kv_splits
     splits = splits if cap.is_decode and arith.split_block is not None else None
     return control_output(q, cap.kv_buffer, cap.attended(), sc, out_dtype, splits, rnd, arith.split_block or MIN_BLOCK_KV)

@@ -27,6 +27,16 @@ H200_SM_COUNT = 132
 # a capture's meta ``split_schedule`` -> the split granularity of its kernel: SGLang rounds a
 # split's length up to 32 tokens; vLLM's TRITON_MLA splits uniformly, ceil(L / n) (granularity 1)
 SPLIT_BLOCKS = {"sglang": MIN_BLOCK_KV, "uniform": 1}
+# SGLang's grouped Triton decode, stage 1: positions per online-softmax step (BLOCK_N in
+# _decode_grouped_att_m_fwd): 32, 16 on HIP for a head of 576 or more, the gfx950 MLA tuning's own
+SGLANG_BLOCK_N = 32
+
+
+def sglang_block_n(is_hip: bool, head_dim: int, tuned_block: Optional[int] = None) -> int:
+    """The stage-1 BLOCK_N SGLang's grouped decode kernel launches with (``tuned_block``: gfx950's)."""
+    if tuned_block:
+        return int(tuned_block)
+    return 16 if is_hip and head_dim >= 576 else SGLANG_BLOCK_N
 # vLLM's TRITON_MLA (v1/attention/backends/mla/triton_mla.py, 0.33.0): one batch-wide split count
 VLLM_MIN_WORK_PER_SPLIT = 512
 VLLM_SPLIT_OCCUPANCY = 2

@@ -54,6 +54,8 @@ def test_a_clean_vllm_capture_agrees_by_default_and_through_each_kernel(tmp_path
         entry = report.backends[name]  # vllm_triton: in the default list for a vLLM capture
         assert entry.status == "pass", (name, entry.reason)
         want = {"split_schedule": schedule, "q_round": q_round, "dequant": dequant, "lse_base": "ln"}
+        if name == "triton":  # its stage-1 online softmax, the BLOCK_N it launched with
+            want["p_block"] = entry.info["block_n"]
         assert entry.info["arithmetic"] == want, name
     assert report.backends["vllm_triton"].splits.status == "pass"  # its partials on its own uniform schedule
     assert report.backends["triton"].splits.status == "pass"  # SGLang's on its 32-token one

@@ -29,7 +29,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -43,7 +43,8 @@ from refmla.backends.calling import (KernelNotFound, KernelSignatureError, find_
 from refmla.capture import Capture
 from refmla.options import ReplayOptions
 from refmla.scales import Scales
-from refmla.schedule import MIN_BLOCK_KV, default_num_kv_splits, mla_max_kv_splits, nonempty_splits_batch
+from refmla.schedule import (MIN_BLOCK_KV, default_num_kv_splits, mla_max_kv_splits, nonempty_splits_batch,
+                             sglang_block_n)
 
 # --------------------------------------------------------------------------------------------
 # Finding the kernel
@@ -161,6 +162,7 @@ class SplitPlan:
     filled: torch.Tensor  # [B] non-empty splits per request
     forced: int  # gfx950 tuning: one batch-wide split count that replaced num_kv_splits, or 0
     tune_note: str  # what SGLang's gfx950 MLA tuning does here
+    block_n: int = MIN_BLOCK_KV  # stage 1's online-softmax step (BLOCK_N), as the kernel picks it here
 
     @property
     def nonempty_max(self) -> int:
@@ -280,7 +282,10 @@ def _split_plan(mod, q, kv_buffer, kv_indptr, splits, max_kv_splits: Optional[in
     tuned, forced, tune_note = _mla_tune_plan(mod, q, kv_buffer, production)
     do_trim = bool(trim) and not tuned
     used = max(1, min(int(filled.max()) if B else 1, production)) if do_trim else production
-    return SplitPlan(production=production, used=used, filled=filled, forced=forced, tune_note=tune_note)
+    block_n = sglang_block_n(bool(getattr(mod, "_is_hip", False)), kv_buffer.shape[-1],
+                             getattr(mod, "_MLA_BLOCK_N", None) if tuned else None)  # fmt: skip
+    return SplitPlan(production=production, used=used, filled=filled, forced=forced, tune_note=tune_note,
+                     block_n=block_n)  # fmt: skip
 
 
 def _buffers(q: torch.Tensor, S: int, Dv: int, out_dtype: torch.dtype, fill: float = float("nan")) -> tuple[torch.Tensor, ...]:
@@ -312,6 +317,7 @@ def _split_info(plan: SplitPlan) -> dict[str, Any]:
         "nonempty_splits_max": plan.nonempty_max,
         "trimmed": plan.used < plan.production,
         "mla_tune": plan.tune_note,
+        "block_n": plan.block_n,
     }
 
 
@@ -381,7 +387,8 @@ class TritonBackend(Backend):
             splits = torch.full_like(splits.cpu(), info["forced_kv_splits"])
         return BackendResult(
             out=out.cpu(), attn_logits=logits.cpu(), attn_lse=lse.cpu(),
-            num_kv_splits=splits.to(torch.int32).cpu(), info=info, arithmetic=SGLANG_TRITON,  # its own 32-token splits
+            num_kv_splits=splits.to(torch.int32).cpu(), info=info,
+            arithmetic=replace(SGLANG_TRITON, p_block=info["block_n"]),  # its own 32-token splits and BLOCK_N
             defines_empty_rows=False,  # stage 2 divides 0 by 0 for a request with no tokens: NaN
         )  # fmt: skip
 
@@ -434,17 +441,6 @@ def _num_kv_splits(cap: Capture, opts: ReplayOptions) -> tuple[torch.Tensor, int
     return splits, max_kv, f"computed as SGLang's get_num_kv_splits (cu_count={cu_count}, max_kv_splits={max_kv})"
 
 
-__all__ = [
-    "KernelNotFound",
-    "KernelSignatureError",
-    "TritonBackend",
-    "TritonLaunch",
-    "DOCUMENTED_ORDER",
-    "build_kernel_kwargs",
-    "call_kernel",
-    "device_for",
-    "interpreter_ready",
-    "locate_decode_kernel",
-    "run_triton_decode",
-    "unsupported_shape",
-]
+__all__ = ["KernelNotFound", "KernelSignatureError", "TritonBackend", "TritonLaunch", "DOCUMENTED_ORDER",
+           "build_kernel_kwargs", "call_kernel", "device_for", "interpreter_ready", "locate_decode_kernel",
+           "run_triton_decode", "unsupported_shape"]  # fmt: skip

@@ -76,7 +76,8 @@ class Search:
         self.ref = ctx.ref_out  # [R, H, Dv] fp64
         self.ctrl = ctx.control(self.dtype)  # [R, H, Dv]
         p = ctx.producer  # candidates' controls round as the producer declares (q whole_e4m3: as the pool)
-        self.rounding = Rounding(q_round="latent_to_pool" if p.q_round == "whole_e4m3" else p.q_round, dequant=p.dequant)
+        q_round = "latent_to_pool" if p.q_round == "whole_e4m3" else p.q_round
+        self.rounding = Rounding(q_round=q_round, dequant=p.dequant, p_block=p.p_block)
         self.tol = ctx.opts.tol
         self.req_of_row = cap.request_of_row()  # [R]
         R, H = self.o64.shape[0], self.o64.shape[1]
