@@ -247,13 +247,22 @@ def _check_registered(meta: Any, base: dict) -> RegionCheck:
     return decide(bufs, clamp, base["limit_source"], what, **numbers)
 
 
+def transfer_backend_of(meta: CaptureMeta) -> Optional[str]:
+    """The transfer backend a capture's pool was registered with: the recorded one on a
+    disaggregated node; None (judged by MORI's figures) where the server ran without disaggregation
+    (SGLang names a default backend, mooncake, even then: nothing was registered with it)."""
+    mode = getattr(meta, "disagg_mode", None)
+    return meta.disagg_transfer_backend if mode not in (None, "null") else None
+
+
 def check_region(meta: CaptureMeta) -> RegionCheck:
     """The region-size check of one capture's meta (see the module docstring)."""
     limit, source = mr_limit(meta)
+    transfer = transfer_backend_of(meta)
     rows, row_bytes, lpb = meta.kv_pool_rows, meta.kv_pool_row_bytes, meta.kv_pool_layers_per_buffer
     base: dict[str, Any] = dict(limit_bytes=limit, limit_source=source, page_size=meta.page_size,
                                 max_total_num_tokens=meta.kv_pool_size,
-                                transfer_backend=meta.disagg_transfer_backend)  # fmt: skip
+                                transfer_backend=transfer)  # fmt: skip
     if meta.kv_pool_region_bytes:
         return _check_registered(meta, base)
     if rows is None or row_bytes is None:
@@ -264,11 +273,11 @@ def check_region(meta: CaptureMeta) -> RegionCheck:
     page = meta.page_size
     region, item = rows * row_bytes * lpb, row_bytes * lpb * page
     tokens = meta.kv_pool_size if meta.kv_pool_size is not None else max(0, rows - page)
-    band, cap = band_of(region, item, page, tokens, limit, meta.disagg_transfer_backend)
+    band, cap = band_of(region, item, page, tokens, limit, transfer)
     buf = BufferBand("kv_buffer", region, item, page, band, tokens, cap)
     what = f"{rows} rows x {row_bytes} bytes x {lpb} layer(s)"
     return decide([buf], limit, source, what, rows=rows, row_bytes=row_bytes, layers_per_buffer=lpb, page_size=page,
-                  max_total_num_tokens=meta.kv_pool_size, transfer_backend=meta.disagg_transfer_backend)  # fmt: skip
+                  max_total_num_tokens=meta.kv_pool_size, transfer_backend=transfer)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -344,12 +344,12 @@ def test_fp8_pool_zeroed_range_is_explained(tmp_path):
 
 
 def test_a_failing_search_does_not_crash_replay(tmp_path, capsys, monkeypatch):
-    import refmla.pipeline
+    import refmla.kinds.dense
 
     def broken(*a, **k):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(refmla.pipeline, "explain_failure", broken)
+    monkeypatch.setattr(refmla.kinds.dense, "explain_failure", broken)  # the dense kind's search
     path, _ = planted_case(tmp_path, KIMI, "seq_len_off_by")
     code, report = replay_json(capsys, path)
     obs = report["backends"]["observed"]

@@ -41,12 +41,16 @@ def test_mori_keeps_its_figures(capsys):
 
 
 def test_a_capture_of_a_mooncake_server_is_not_judged_by_mori_figures():
-    """A capture's meta names its transfer backend: a 6 GB region on mooncake is unmeasured, not a
-    MORI registration failure; with no backend recorded MORI's figures apply (the check is MORI's)."""
+    """A disaggregated node's capture names its transfer backend: a 6 GB region on mooncake is
+    unmeasured, not a MORI registration failure; with no backend recorded, or on a server without
+    disaggregation (SGLang's server args name mooncake by default even then: nothing registered),
+    MORI's figures apply (the check is MORI's)."""
     rows = 23_448_064 // 4  # a 6 GB region of 256-byte rows
     geometry = {"kv_pool_rows": rows, "kv_pool_row_bytes": 1024, "kv_pool_layers_per_buffer": 1, "kv_pool_size": rows - 64}
     base = {**make_meta(preset("kimi-k2-tp8")), **geometry}
-    mooncake = check_region(parse_meta({**base, "disagg_transfer_backend": "mooncake"}))
+    mooncake = check_region(parse_meta({**base, "disagg_mode": "decode", "disagg_transfer_backend": "mooncake"}))
     assert mooncake.band == "unmeasured" and not [f for f in FIGURES if f in mooncake.message]
-    assert check_region(parse_meta({**base, "disagg_transfer_backend": "mori"})).band == "fails"
+    assert check_region(parse_meta({**base, "disagg_mode": "decode", "disagg_transfer_backend": "mori"})).band == "fails"
     assert check_region(parse_meta(base)).band == "fails"
+    for mode in ({}, {"disagg_mode": "null"}):  # no disaggregation: the default name registered nothing
+        assert check_region(parse_meta({**base, **mode, "disagg_transfer_backend": "mooncake"})).band == "fails"
