@@ -155,24 +155,9 @@ def _patch_dsv4_entrypoint(module) -> None:
 
 def _patch_dsa_aiter(module) -> None:
     """Wrap the DSA backend's aiter decode path (V3.2 on ROCm; refmla.hook.dsa_call)."""
-    inst = _SLOT.current
-    cls = getattr(module, DSA_CLASS, None)
-    original = cls.__dict__.get(DSA_METHOD) if cls is not None else None
-    if inst is None:
-        return
-    if original is None:
-        inst.state.once(f"nodsa:{module.__name__}", logging.WARNING,
-                        "%s has no %s.%s in this SGLang: DSA aiter decode not captured", module.__name__, DSA_CLASS, DSA_METHOD)  # fmt: skip
-        return
-    if getattr(original, MARK, None) is not None:
-        return
     from refmla.hook.dsa_call import wrap_forward_aiter
 
-    wrapper = wrap_forward_aiter(original, current_state)
-    setattr(wrapper, MARK, original)
-    setattr(cls, DSA_METHOD, wrapper)
-    inst.patched.append((cls, DSA_METHOD, original))
-    inst.state.log.info("wrapped %s.%s.%s (dsa)", module.__name__, DSA_CLASS, DSA_METHOD)
+    _wrap_class_method(module, DSA_CLASS, DSA_METHOD, wrap_forward_aiter, "dsa", "DSA aiter decode")
 
 
 INDEXER_MODULE, INDEXER_CLASS, INDEXER_METHOD = "sglang.srt.layers.attention.dsa.dsa_indexer", "Indexer", "_get_topk_paged"
@@ -180,21 +165,30 @@ INDEXER_MODULE, INDEXER_CLASS, INDEXER_METHOD = "sglang.srt.layers.attention.dsa
 
 def _patch_indexer(module) -> None:
     """Wrap the V3.2 indexer's decode top-k (refmla.hook.indexer_call)."""
-    inst = _SLOT.current
-    cls = getattr(module, INDEXER_CLASS, None)
-    original = cls.__dict__.get(INDEXER_METHOD) if cls is not None else None
-    if inst is None or original is None or getattr(original, MARK, None) is not None:
-        if inst is not None and original is None:
-            inst.state.once(f"noindexer:{module.__name__}", logging.WARNING, "%s has no %s.%s in this SGLang: the "
-                            "indexer not captured", module.__name__, INDEXER_CLASS, INDEXER_METHOD)  # fmt: skip
-        return
     from refmla.hook.indexer_call import wrap_get_topk_paged
 
-    wrapper = wrap_get_topk_paged(original, current_state)
+    _wrap_class_method(module, INDEXER_CLASS, INDEXER_METHOD, wrap_get_topk_paged, "indexer", "the indexer")
+
+
+def _wrap_class_method(module, cls_name: str, method: str, wrap: Callable, label: str, what: str) -> None:
+    """``cls_name.method`` of ``module`` wrapped by ``wrap(original, current_state)`` (once; uninstall
+    restores it); a release without it is said once and left alone."""
+    inst = _SLOT.current
+    cls = getattr(module, cls_name, None)
+    original = cls.__dict__.get(method) if cls is not None else None
+    if inst is None:
+        return
+    if original is None:
+        inst.state.once(f"no{label}:{module.__name__}", logging.WARNING, "%s has no %s.%s in this SGLang: %s not "
+                        "captured", module.__name__, cls_name, method, what)  # fmt: skip
+        return
+    if getattr(original, MARK, None) is not None:
+        return
+    wrapper = wrap(original, current_state)
     setattr(wrapper, MARK, original)
-    setattr(cls, INDEXER_METHOD, wrapper)
-    inst.patched.append((cls, INDEXER_METHOD, original))
-    inst.state.log.info("wrapped %s.%s.%s (indexer)", module.__name__, INDEXER_CLASS, INDEXER_METHOD)
+    setattr(cls, method, wrapper)
+    inst.patched.append((cls, method, original))
+    inst.state.log.info("wrapped %s.%s.%s (%s)", module.__name__, cls_name, method, label)
 
 
 def call_patcher(slot: InstallSlot, kind: str, entries) -> Callable[[Any], None]:
