@@ -28,7 +28,7 @@ import re
 import stat
 import struct
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from refmla.util import printable
 
@@ -58,18 +58,21 @@ def temp_name(path: Path, pid: int) -> Path:
     return path.with_name(f".{path.name}{TMP_MARK}{pid}")
 
 
-def check_target(path: Path) -> None:
-    """Raise WriteError unless ``path`` is absent or a regular file (lstat: a link is refused too)."""
+def check_target(path: Path) -> Optional[os.stat_result]:
+    """Raise WriteError unless ``path`` is absent or a regular file (lstat: a link is refused too);
+    returns its lstat (None: absent)."""
     try:
-        mode = os.lstat(path).st_mode
+        st = os.lstat(path)
     except FileNotFoundError:
-        return
+        return None
     except OSError as e:
         raise WriteError(path, _reason(e)) from None
+    mode = st.st_mode
     if not stat.S_ISREG(mode):
         kind = ("a directory" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode)
                 else "not a regular file")  # fmt: skip
         raise WriteError(path, f"{kind}; refusing to replace it")
+    return st
 
 
 def _refmla_format(doc: Any, key: str = "format") -> bool:
@@ -115,14 +118,8 @@ def written_by_refmla(path: Any) -> bool:
 
 def check_replaceable(path: Path) -> None:
     """check_target, and an existing non-empty file must be refmla's own (written_by_refmla): else WriteError."""
-    check_target(path)
-    try:
-        size = os.lstat(path).st_size
-    except FileNotFoundError:
-        return
-    except OSError as e:
-        raise WriteError(path, _reason(e)) from None
-    if size and not written_by_refmla(path):
+    st = check_target(path)
+    if st is not None and st.st_size and not written_by_refmla(path):
         raise WriteError(path, NOT_OURS)
 
 
