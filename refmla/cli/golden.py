@@ -3,8 +3,8 @@ decode goldens under DIR/sparse/ (refmla.golden.sparse).
 
 `refmla golden check DIR|FILE... [--backend NAME]... [--json]`: every golden file (a folder's
 manifest, or the files named) against each backend (default: the golden backends and the installed
-packages' kernels; ``--backend module:function`` names a kernel outside refmla); exit 0 all pass,
-1 one fails or errs."""
+packages' kernels; ``--backend module:function`` names a kernel outside refmla); an indexer golden
+(DIR/indexer/, refmla.golden.indexer) against the indexer backends; exit 0 all pass, 1 one fails or errs."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from refmla.backends.named import Choices
 from refmla.cli.common import EXIT_DIVERGED, EXIT_OK, UsageError, is_dir, output_path, print_json
 from refmla.golden import (CHECK_BACKENDS, GoldenResult, backend_applies, check, check_isolated, load_manifest,
                            needs_isolation)
+from refmla.golden import indexer as indexer_golden
 from refmla.golden.suite import generate_all
 from refmla.golden.isolate import golden_meta
 from refmla.capture.kinds import file_mode
@@ -38,7 +39,8 @@ def add_parser(sub) -> None:
     gg.set_defaults(func=golden_generate)
     gc = gsub.add_parser("check", help="check backends against golden files (a folder's manifest, or files)")
     gc.add_argument("paths", nargs="+", metavar="DIR|FILE")
-    gc.add_argument("--backend", action="append", choices=Choices(CHECK_BACKENDS), metavar="NAME",
+    gc.add_argument("--backend", action="append", choices=Choices(dict.fromkeys((*CHECK_BACKENDS, *indexer_golden.KERNELS))),
+                    metavar="NAME",
                     help=f"backend to check (repeatable; default {' '.join(CHECK_BACKENDS)} and the installed "
                          "packages' kernels); or your kernel as module:function (docs/own-kernel.md)")  # fmt: skip
     gc.add_argument("--json", action="store_true", help="the results as JSON on stdout")
@@ -46,8 +48,9 @@ def add_parser(sub) -> None:
 
 
 def golden_generate(args) -> int:
-    manifest, sparse = generate_all(args.out, suite=args.suite)
-    print(f"wrote {len(manifest['cases'])} golden cases to {args.out} and {len(sparse['cases'])} sparse ones to its sparse/")
+    manifest, sparse, indexer = generate_all(args.out, suite=args.suite)
+    print(f"wrote {len(manifest['cases'])} golden cases to {args.out}, {len(sparse['cases'])} sparse ones to its sparse/ "
+          f"and {len(indexer['cases'])} indexer ones to its indexer/")
     return EXIT_OK
 
 
@@ -76,6 +79,8 @@ def golden_files(paths) -> list[Path]:
 def check_one(path: Path, backend: str) -> GoldenResult:
     """:func:`refmla.golden.check`; a case whose pool sits past 4 GiB in a child process (or skipped
     without the memory), as the kernel-regression suite runs it."""
+    if file_mode(path) == "indexer":  # an indexer golden: its own check (refmla.golden.indexer)
+        return indexer_golden.check(path, backend)
     isolate, no_room = needs_isolation(path)
     if no_room:
         return GoldenResult(golden_meta(path).get("case", path.stem), backend, BackendEntry("skipped", reason=no_room))
@@ -87,8 +92,12 @@ def golden_check(args) -> int:
     results = []
     for path in golden_files(args.paths):
         mode = file_mode(path) or "decode"
+        if mode == "indexer":  # the indexer backends (and reference) asked for, or all of them
+            asked = [b for b in backends if b in indexer_golden.CHECK_BACKENDS] if args.backend else None
+            results += [check_one(path, b) for b in (asked if asked is not None else indexer_golden.CHECK_BACKENDS)]
+            continue
         for b in backends:
-            if backend_applies(b, mode):
+            if backend_applies(b, mode) and b not in indexer_golden.KERNELS:
                 results.append(check_one(path, b))
     if args.json:
         print_json([r.to_json() for r in results])
