@@ -65,7 +65,8 @@ def test_an_empty_file_or_one_refmla_wrote_is_replaced(tmp_path):
 # --- golden generate ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("where", ["sparse/manifest.json", "sparse/dsv32-dsa-h16.safetensors", "h64-logit-cap30.safetensors"])
+@pytest.mark.parametrize("where", ["sparse/manifest.json", "sparse/dsv32-dsa-h16.safetensors", "h64-logit-cap30.safetensors",
+                                   "indexer/manifest.json", "indexer/indexer-v4-c4-h64.safetensors"])
 def test_golden_generate_keeps_a_users_file(tmp_path, where):
     out = tmp_path / "golden"
     mine = users(out / where)
