@@ -11,6 +11,7 @@ disaggregated deployment with the existing modules -- it re-implements none of t
                                           refmla.diagnosis per request
 
     writer.py    the first link: the prefill KV writer captures (kv_write) judged, one answer per row
+    indexers.py  the indexer captures of either side: judged by the sparse decode beside them, or alone
     plan.py      headers only: decode series, each request's first decode capture, its prefill captures
     run.py       the stages in order, timed
     task.py      what a worker does per decode capture: replay it, then diff it (one read from disk)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from refmla.blame import blames_request
-from refmla.diagnosis import diagnose
+from refmla.diagnosis import Diagnosis, diagnose
 from refmla.diffkv import RequestDiff
 from refmla.disagg.report import DecodeCell, MetadataCell, TransferCell
 from refmla.region_check import STATUSES, RegionCheck
@@ -83,10 +83,24 @@ def request_statuses(report: ReplayReport, b: int) -> dict[str, str]:
 
 
 def _status_for(entry: BackendEntry, b: int) -> str:
-    """Decode: row b is request b; the failing part's own rows decide (refmla.blame)."""
+    """Decode: row b is request b; the failing part's own rows decide (refmla.blame); an index set's
+    entry (the indexer beside a sparse decode): the requests whose set is wrong."""
     if entry.status != "fail":
         return entry.status
+    sets = entry.info.get("index_sets")
+    if sets is not None:
+        return "fail" if b in sets.get("failing_requests", []) else "pass"
     return "fail" if blames_request(entry, b) else "pass"
+
+
+def _indexer_diagnosis(report: ReplayReport, b: int) -> Diagnosis:
+    """``upstream_indexer`` for request b: its own verdict of the index set the decode read."""
+    entry = report.backends["indexer"]
+    mine = [v for v in entry.info["index_sets"].get("failing", []) if v.get("request") == b]
+    said = f"{mine[0]['n_missing']} entries missing, {mine[0]['n_extra']} that should not be there" if mine else "its set is wrong"
+    decode = "the decode agrees over the entries it was handed" if report.backends.get("observed") is None or \
+        report.backends["observed"].status == "pass" else "the decode diverges too"
+    return Diagnosis("upstream_indexer", f"the indexer chose the wrong entries for this request ({said}; {decode})", ["indexer"])
 
 
 def _explanation(report: ReplayReport, b: int, failing: list[str]) -> Optional[str]:
@@ -118,7 +132,7 @@ def decode_cell(rid: str, reports: list[ReplayReport]) -> DecodeCell:
             cell.diverged_steps += 1
             if cell.verdict != "diverged":
                 produced_by = rep.meta.backend if rep.meta else None
-                d = diagnose(statuses, produced_by=produced_by)
+                d = _indexer_diagnosis(rep, b) if statuses.get("indexer") == "fail" else diagnose(statuses, produced_by=produced_by)
                 cell.diagnosis, cell.diagnosis_text = d.name, d.text
                 cell.verdict, cell.backends, cell.capture = "diverged", statuses, rep.capture
                 cell.step = rep.meta.step if rep.meta else None

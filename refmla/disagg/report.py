@@ -146,6 +146,7 @@ class DisaggReport:
     diffs: list[Any] = field(default_factory=list)  # DiffResult per (decode capture, new rids)
     plots: Optional[list[str]] = None
     seconds: dict[str, float] = field(default_factory=dict)  # stage -> wall seconds
+    indexers: list[Any] = field(default_factory=list)  # ReplayReport per indexer capture judged alone (refmla.disagg.indexers)
 
     @property
     def classes(self) -> dict[str, int]:
@@ -157,6 +158,7 @@ class DisaggReport:
         if self.invalid:
             return 2
         bad = any(r.fault != "none" for r in self.rows) or any(c.is_finding for _, _, c in self.regions)
+        bad = bad or any(r.verdict == "diverged" for r in self.indexers)
         return 1 if bad else 0
 
     def to_json(self) -> dict:
@@ -166,7 +168,7 @@ class DisaggReport:
              "invalid": [{"capture": p, "error": e} for p, e in self.invalid], "notes": list(self.notes),
              "prefill": list(self.prefill), "decode": list(self.decode),
              "replays": [r.to_json() for r in self.replays], "diffs": [x.to_json() for x in self.diffs],
-             "seconds": dict(self.seconds)}  # fmt: skip
+             "seconds": dict(self.seconds), "indexers": [r.to_json() for r in self.indexers]}  # fmt: skip
         if self.plots is not None:
             d["plots"] = list(self.plots)
         return d

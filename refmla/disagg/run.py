@@ -2,6 +2,8 @@
 
     writers   the prefill node's KV writer captures (mode kv_write) among the prefill paths, judged
               (refmla.disagg.writer): the first link, written -> transferred -> read
+    indexers  the indexer captures (mode indexer) of either side: judged by the sparse decode replay
+              beside them, or alone (refmla.disagg.indexers); never read as KV captures
     plan      headers only: decode series by (layer, rank), each request's first decode capture
               and the prefill captures holding its rid (refmla.disagg.plan)
     replay    every decode capture through every backend (refmla.batch.replay_many, ``jobs``
@@ -24,6 +26,7 @@ from refmla.context import ReplayOptions
 from refmla.diffkv import DiffResult
 from refmla.disagg.cells import decode_cell, metadata_cell, request_index, transfer_cell
 from refmla.disagg.classify import classify, overall
+from refmla.disagg.indexers import Indexers, judge_indexers, split_indexers
 from refmla.disagg.plan import DisaggPlan, plan_disagg
 from refmla.disagg.task import DecodeDone, decode_task
 from refmla.disagg.writer import judge_writers, split_writers, writer_cell
@@ -39,8 +42,11 @@ def run_disagg(prefill_paths: Sequence[str], decode_paths: Sequence[str], opts: 
     opts.check()
     t0 = time.perf_counter()
     writers, prefill_caps = split_writers([str(p) for p in prefill_paths])
-    plan = plan_disagg(prefill_caps, [str(p) for p in decode_paths])
+    found_p, prefill_caps = split_indexers(prefill_caps)
+    found_d, decode_caps = split_indexers([str(p) for p in decode_paths])
+    plan = plan_disagg(prefill_caps, decode_caps)
     plan.writers = judge_writers(writers, opts)
+    indexers = judge_indexers(found_p + found_d, list(plan.decode.values()), opts)
     decode = [p for p in decode_paths if p in plan.decode]
     t1 = time.perf_counter()
     by_decode = {j.decode: j for j in plan.jobs}
@@ -54,6 +60,7 @@ def run_disagg(prefill_paths: Sequence[str], decode_paths: Sequence[str], opts: 
         if d.error is not None and d.error not in plan.invalid:
             plan.invalid.append(d.error)
     report = _assemble(plan, [d.report for d in done], series, [d.diff for d in done if d.diff], entries)
+    _with_indexers(report, indexers)
     report.prefill, report.decode = list(prefill_paths), list(decode_paths)
     seconds = {"plan": t1 - t0, "replay_and_diff_kv": t2 - t1, "series": t3 - t2, "total": time.perf_counter() - t0}
     report.seconds = {k: round(v, 3) for k, v in seconds.items()}
@@ -76,6 +83,22 @@ def _assemble(plan: DisaggPlan, replays: list[ReplayReport], series: dict, diffs
     fault, sentence = overall(rows, [c.message for _, _, c in regions if c.is_finding])
     return DisaggReport(rows, fault, sentence, [], [], regions=regions, invalid=invalid, notes=plan.notes,
                         replays=replays, diffs=diffs)  # fmt: skip
+
+
+def _with_indexers(report: DisaggReport, found: Indexers) -> None:
+    """The indexer captures judged alone: their reports and notes; an invalid one exits 2, a wrong
+    set is a compute fault of the run (the indexer's), never a silent pass."""
+    report.indexers = found.alone
+    report.notes += found.notes()
+    report.invalid += [(r.capture, r.error or "; ".join(r.metadata.errors)) for r in found.alone if r.verdict == "invalid"]
+    bad = found.diverged()
+    if not bad:
+        return
+    said = f"the indexer chose the wrong entries in {len(bad)} capture(s) judged alone, first {bad[0].capture}: {bad[0].diagnosis_text}"
+    if report.fault == "none":
+        report.fault, report.sentence = "compute", f"fault in the compute: {said}"
+    else:
+        report.sentence += f"; also {said}"
 
 
 def _row(plan, rid, layer, rank, reps, series, entries, region_of) -> Row:
