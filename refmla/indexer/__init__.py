@@ -9,7 +9,9 @@ Modules, imports going down this list:
                    judge of a produced index set (entries missing / not belonging, scores, ranks)
     hypotheses.py  which indexer mistake explains a wrong set (stale, unwritten, future, off by, scale,
                    relu, weights, compress ratio, length)
-    backends.py    the engines' indexer code that runs here, by name (SGLang's torch path)
+    adapters.py    the GPU indexer kernels (DeepGEMM paged / ragged, SGLang's tilelang, aiter) by their real
+                   signatures, their logits topped per row
+    backends.py    the engines' indexer code that runs here, by name (SGLang's and vLLM's torch paths, the adapters)
     judge.py       production's indices and each engine's code judged -> ReplayReport
     chain.py       a sparse decode capture's indices judged by the indexer capture beside it
     synth.py       synthetic indexer captures with planted faults, by their own plain loop

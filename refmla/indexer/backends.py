@@ -9,6 +9,9 @@
                           returns it (positions, -1 past the valid count; torch.topk here: the CUDA op
                           does not run on a CPU)
 
+and the GPU kernels' adapters (refmla.indexer.adapters: ``deepgemm_paged``, ``deepgemm_ragged``,
+``tilelang_indexer``, ``aiter_indexer``; unavailable, with the reason, without their package or a GPU).
+
 Each takes the capture's inputs as SGLang's indexer hands them over (q fp8 [B, 1, H, D], the
 cache viewed [P, page_size, 1, D + 4], the indexer's seq lens, the page table) and returns the
 indices [B, K] in the capture's numbering (positions, or slots of production's pages). A backend
@@ -21,11 +24,9 @@ from typing import Callable
 
 import torch
 
+from refmla.indexer.adapters import ADAPTERS, Unavailable
+from refmla.indexer.adapters import availability as adapter_availability
 from refmla.indexer.format import IndexerCapture
-
-
-class Unavailable(RuntimeError):
-    """The engine's code cannot run here, or not on this capture; the message says why."""
 
 
 def _sglang():
@@ -96,13 +97,19 @@ def vllm_indexer_torch(cap: IndexerCapture) -> torch.Tensor:
 
 
 KERNELS = {"sglang_indexer_torch": ("sglang", "sglang.srt.layers.attention.dsv4.indexer.fp8_paged_mqa_logits_torch"),
-           "vllm_indexer_torch": ("vllm", "vllm.v1.attention.ops.rocm_aiter_mla_sparse.fp8_paged_mqa_logits_torch")}
+           "vllm_indexer_torch": ("vllm", "vllm.v1.attention.ops.rocm_aiter_mla_sparse.fp8_paged_mqa_logits_torch"),
+           "deepgemm_paged": ("deep_gemm", "deep_gemm.fp8_paged_mqa_logits"),
+           "deepgemm_ragged": ("deep_gemm", "deep_gemm.fp8_mqa_logits"),
+           "tilelang_indexer": ("sglang", "sglang.kernels.ops.attention.dsa.tilelang_kernel.tilelang_fp8_paged_mqa_logits"),
+           "aiter_indexer": ("aiter", "aiter.ops.triton.pa_mqa_logits.deepgemm_fp8_paged_mqa_logits")}  # fmt: skip
 
 
 def availability(name: str) -> tuple[bool, str]:
     """(installed, what) of an engine's indexer code, without importing the engine (that takes seconds)."""
     from importlib import metadata
 
+    if name in ADAPTERS:
+        return adapter_availability(name)
     engine = KERNELS[name][0]
     try:
         return True, f"{engine} {metadata.version(engine)} installed (runs on CPU; fp8 captures, pages of 64, D 128)"
@@ -111,6 +118,7 @@ def availability(name: str) -> tuple[bool, str]:
 
 
 BACKENDS: dict[str, Callable[[IndexerCapture], torch.Tensor]] = {"sglang_indexer_torch": sglang_indexer_torch,
-                                                                 "vllm_indexer_torch": vllm_indexer_torch}
+                                                                 "vllm_indexer_torch": vllm_indexer_torch, **ADAPTERS}
+FP8_ONLY = tuple(BACKENDS)  # every one takes fp8 q and keys (a bf16 capture: skipped with the reason)
 
-__all__ = ["BACKENDS", "KERNELS", "Unavailable", "availability", "sglang_indexer_torch", "vllm_indexer_torch"]
+__all__ = ["BACKENDS", "FP8_ONLY", "KERNELS", "Unavailable", "availability", "sglang_indexer_torch", "vllm_indexer_torch"]

@@ -69,6 +69,13 @@ def synth_indexer(out: Any, preset_name: str, fault: str = "none", seed: int = 0
         raise ValueError(f"fault compress_ratio_wrong needs a compressed preset (indexer-v4-c4), not {preset_name!r}")
     if fault == "indexer_scale_not_applied" and not p.fp8:
         raise ValueError(f"fault indexer_scale_not_applied needs an fp8 preset, not {preset_name!r} (its keys have no scale)")
+    tensors, meta = indexer_call(p, fault, seed, preset_name)
+    write_indexer(out, tensors, meta)
+    return {"fault": fault}
+
+
+def indexer_call(p: Preset, fault: str = "none", seed: int = 0, model: str = "synth") -> tuple[dict, dict]:
+    """(tensors, meta) of one indexer call of ``p`` with ``fault`` planted (the module docstring's loop)."""
     g = torch.Generator().manual_seed(seed)
     B, H, D, K, ps = len(p.seq_lens), p.heads, p.dim, p.topk, p.page_size
     seq = torch.tensor(p.seq_lens)
@@ -90,7 +97,6 @@ def synth_indexer(out: Any, preset_name: str, fault: str = "none", seed: int = 0
         q, wt, kv, ks = q8.float(), w * qs, k8.float(), kscale
     else:  # bf16 q and keys, no scale
         q, wt, kv, ks = qf.to(torch.bfloat16), w, keys.to(torch.bfloat16), torch.ones(P * ps)
-    planted: dict = {"fault": fault}
     rows_of = lambda b: torch.cat([torch.arange(r * ps, (r + 1) * ps) for r in table[b, : npages[b]].tolist()])  # noqa: E731
     prod, prev = torch.full((B, K), -1, dtype=torch.int64), torch.full((B, K), -1, dtype=torch.int64)
     for b in range(B):
@@ -127,10 +133,9 @@ def synth_indexer(out: Any, preset_name: str, fault: str = "none", seed: int = 0
     if fault == "topk_stale":
         tensors["prev_indices"] = prev.int()
     meta = {"mode": "indexer", "page_size": ps, "topk": K, "compress_ratio": p.ratio, "indices_kind": p.indices_kind,
-            "k_layout": "fp8" if p.fp8 else "bf16", "engine": "synth", "model": preset_name, "layer_id": 3, "tp_rank": 0,
+            "k_layout": "fp8" if p.fp8 else "bf16", "engine": "synth", "model": model, "layer_id": 3, "tp_rank": 0,
             "step": 7, "rids": [f"r{b}" for b in range(B)]}  # fmt: skip
-    write_indexer(out, tensors, meta)
-    return planted
+    return tensors, meta
 
 
 def _scores(args) -> torch.Tensor:
@@ -146,4 +151,4 @@ def _pages(k8: torch.Tensor, scale: torch.Tensor, ps: int, D: int) -> torch.Tens
     return torch.cat([vals, scales], dim=1)
 
 
-__all__ = ["FAULTS", "PRESETS", "Preset", "synth_indexer"]
+__all__ = ["FAULTS", "PRESETS", "Preset", "indexer_call", "synth_indexer"]
