@@ -7,6 +7,8 @@
                     capture), the NVIDIA block-table kernels (CUDA; unavailable elsewhere, with the
                     reason), and the token-slot kernels, which read the table's token rows
     sparse          triton aiter_sparse tilelang flashmla_sparse
+    indexer         the indexer backends (refmla.indexer.backends: SGLang's and vLLM's torch paths,
+                    the DeepGEMM / tilelang / aiter adapters)
 
 A name means that kernel of the layout it runs on: ``triton`` is SGLang's Triton decode kernel
 on the dense layouts and its DeepSeek-V4 Triton sparse kernel on ``sparse``; ``reference`` is
@@ -22,16 +24,20 @@ from typing import Optional, Sequence
 
 from refmla.backends import ALL_NAMES, PAGED, get_backend, plugin_defaults
 from refmla.sparse.backends import BACKENDS as SPARSE_BACKENDS
+from refmla.indexer.backends import BACKENDS as INDEXER_BACKENDS
+from refmla.indexer.backends import availability as indexer_availability
 from refmla.sparse.backends import availability as sparse_availability
 
 SPARSE_NAMES = tuple(n for n in SPARSE_BACKENDS if n != "observed")  # what the sparse layout runs by name
 SPARSE_ONLY = tuple(n for n in SPARSE_NAMES if n not in ALL_NAMES)  # aiter_sparse, tilelang, flashmla_sparse
-NAMES = tuple(ALL_NAMES) + SPARSE_ONLY  # every name ``refmla sweep --backend`` takes
+INDEXER_NAMES = ("reference", *INDEXER_BACKENDS)  # what the indexer layout runs by name
+NAMES = tuple(ALL_NAMES) + SPARSE_ONLY + tuple(INDEXER_BACKENDS)  # every name ``refmla sweep --backend`` takes
 LAYOUT_BACKENDS: dict[str, tuple[str, ...]] = {
     "decode": ("triton", "aiter", "extend"),
     "verify": ("triton", "aiter", "extend"),
     "block_table": ("vllm_triton", "triton", "aiter", *PAGED),
     "sparse": ("triton", "aiter_sparse", "tilelang", "flashmla_sparse"),
+    "indexer": tuple(INDEXER_BACKENDS),
 }
 
 
@@ -39,7 +45,7 @@ def layout_backends() -> dict[str, tuple[str, ...]]:
     """LAYOUT_BACKENDS with the installed packages' kernels (entry points of ``refmla.backends``,
     refmla.backends.plugin_defaults) added to every dense layout."""
     mine = plugin_defaults()
-    return {la: names + (mine if la != "sparse" else ()) for la, names in LAYOUT_BACKENDS.items()}
+    return {la: names + (mine if la not in ("sparse", "indexer") else ()) for la, names in LAYOUT_BACKENDS.items()}
 
 
 def default_backends(layouts: Sequence[str]) -> list[str]:
@@ -54,6 +60,12 @@ MODE = {"decode": "decode", "verify": "verify", "block_table": "decode"}  # a de
 def not_read(name: str, layout: str) -> Optional[str]:
     """Why ``name`` reads no capture of ``layout`` (a dense kernel on ``sparse``, a sparse one on a
     dense layout, a decode-only kernel on ``verify``: its ``Backend.modes``), or None when it does."""
+    if layout == "indexer":
+        if name not in INDEXER_NAMES:
+            return f"not an indexer backend: it reads no indexer capture (indexer backends: {', '.join(INDEXER_NAMES[1:])})"
+        return None
+    if name in INDEXER_BACKENDS:
+        return "an indexer backend (DeepSeek's lightning indexer): it reads the indexer layout only"
     if layout == "sparse":
         if name not in SPARSE_NAMES:
             return f"a dense kernel: it reads no sparse capture (sparse kernels: {', '.join(SPARSE_NAMES[1:])})"
@@ -73,8 +85,10 @@ def availability(name: str, layout: str) -> tuple[bool, str]:
         return False, why
     if layout == "sparse":
         return (True, "fp64 sparse reference") if name == "reference" else sparse_availability(name)
+    if layout == "indexer":
+        return (True, "fp64 indexer reference") if name == "reference" else indexer_availability(name)
     return get_backend(name).availability()
 
 
-__all__ = ["LAYOUT_BACKENDS", "NAMES", "SPARSE_NAMES", "SPARSE_ONLY", "availability", "default_backends",
+__all__ = ["INDEXER_NAMES", "LAYOUT_BACKENDS", "NAMES", "SPARSE_NAMES", "SPARSE_ONLY", "availability", "default_backends",
            "layout_backends", "not_read"]

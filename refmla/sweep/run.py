@@ -7,7 +7,7 @@ write its capture, replay it, and name the axis value that triggers it.
 
 A backend sweeps the walked layouts it reads (refmla.sweep.kernels; without ``--backend`` each
 layout's own default kernels); a dense case's capture is refmla.capture/1, a sparse case's the
-sparse capture, and ``refmla replay`` reads either.
+sparse capture, an indexer case's an indexer capture, and ``refmla replay`` reads each.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from refmla.sweep.kernels import availability, not_read
 from refmla.sweep.report import BackendSweep, CaseResult, CheckOutcome, Finding, SweepReport, trigger
 from refmla.sweep.shrink import shrink
 from refmla.sweep.space import LAYOUTS, NOT_YET, Walk, restrict
+from refmla.sweep.indexer import IndexerSweepCase, write_indexer_capture
 from refmla.sweep.sparse import SparseSweepCase, any_case, any_checks, write_sparse_capture
 from refmla.util import error_text
 
@@ -356,6 +357,8 @@ class Sweeper:
             path = beside(path)  # a file there that refmla did not write is kept: the capture goes beside it
             if isinstance(shrunk.case, SparseSweepCase):
                 write_sparse_capture(path, ev, sweep_meta, name)
+            elif isinstance(shrunk.case, IndexerSweepCase):
+                write_indexer_capture(path, ev, sweep_meta, name)
             else:
                 write_dense_capture(path, ev, sweep_meta, name)
         except Exception as e:

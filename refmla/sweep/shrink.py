@@ -5,7 +5,8 @@ smallest reproduction the tries allow.
 Greedy: the first smaller candidate that still fails is kept and the candidates start over from
 it; shrinking ends when no candidate fails, after ``max_tries`` runs, or at the deadline. A
 block-table case keeps its one split count for the batch; a sparse case shrinks its requests,
-their contexts and its heads (refmla.sweep.sparse.sparse_candidates).
+their contexts and its heads (refmla.sweep.sparse.sparse_candidates), an indexer case its requests,
+their entries and its index heads (refmla.sweep.indexer.indexer_candidates).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from refmla.options import ReplayOptions
 from refmla.sweep.checks import Evidence
 from refmla.sweep.report import CheckOutcome
 from refmla.sweep.space import HEADS
+from refmla.sweep.indexer import IndexerSweepCase, indexer_candidates
 from refmla.sweep.sparse import AnyCase, SparseSweepCase, any_checks, sparse_candidates
 
 
@@ -31,6 +33,9 @@ def candidates(case: AnyCase) -> Iterator[tuple[str, AnyCase]]:
     """Smaller cases than ``case``, the biggest cuts first: (what changed, the case)."""
     if isinstance(case, SparseSweepCase):
         yield from sparse_candidates(case)
+        return
+    if isinstance(case, IndexerSweepCase):
+        yield from indexer_candidates(case)
         return
     B = len(case.seq_lens)
     if B > 1:

@@ -60,6 +60,16 @@ TOPK_LENGTHS = ("given", "none")  # topk_length passed (entries past it are stal
 RATIO = {"v4-c4": 4, "v4-c128": 128, "v4-swa": 0, "v32": 0}  # tokens per compressed token (0: no compressed scope)
 WINDOW = 128  # DeepSeek-V4's sliding window: its main index width
 
+# indexer (refmla.indexer): V3.2 (every token an entry) or V4 C4 (one a 4 tokens); index heads of 128;
+# the top-k width; request 0's entries relative to the 64-entry pages and the width; fp8 or bf16
+# keys; indices as positions or SGLang's page-translated slots
+RATIOS = (1, 4)
+INDEX_HEADS = (64, 32, 8)
+INDEX_LENGTHS = ("0", "1", "63", "64", "65", "topk-1", "topk", "topk+1", "4097")
+INDEX_BATCHES = (1, 2, 3, 8)
+KEYS = ("fp8", "bf16")
+INDICES = ("slots", "positions")
+
 LAYOUTS: dict[str, dict[str, tuple]] = {
     "decode": {"heads": HEADS, "page": PAGES, "length": LENGTHS, "batch": BATCHES, "splits": SPLITS,
                "kv": KV_DTYPES, "cap": CAPS},
@@ -69,6 +79,8 @@ LAYOUTS: dict[str, dict[str, tuple]] = {
                     "splits": TABLE_SPLITS, "kv": KV_DTYPES, "table": TABLES, "null": NULLS},
     "sparse": {"cache": CACHES, "heads": HEADS, "topk": TOPKS, "length": SPARSE_LENGTHS, "batch": BATCHES,
                "page": SPARSE_PAGES, "sink": SINKS, "topk_length": TOPK_LENGTHS},
+    "indexer": {"ratio": RATIOS, "heads": INDEX_HEADS, "topk": TOPKS, "length": INDEX_LENGTHS, "batch": INDEX_BATCHES,
+                "keys": KEYS, "indices": INDICES},
 }  # fmt: skip
 # past the interpreter's bounds (refmla.sweep.bounds): production's contexts (8k-128k, powers of two
 # and one past them) and batches, on the axes where the bounds reach them
@@ -129,9 +141,17 @@ def sparse_units(heads: int, valid: list[int]) -> int:
     return -(-int(heads) // 16) * sum(max(1, -(-v // 128)) for v in valid)
 
 
+def index_entries(value: str, topk: int) -> int:
+    """Request 0's entries an indexer length value names: a number, or ``topk`` +- 1."""
+    return max(0, topk + int(value[4:] or 0)) if value.startswith("topk") else int(value)
+
+
 def feasible(p: Mapping[str, Any], layout: str = "decode", bounds: Bounds = CPU) -> bool:
     """Whether a (partial) point of ``layout`` fits ``bounds`` (default the CPU's), axes it lacks at their cheapest."""
     heads, batch, qlen = p.get("heads", 4), p.get("batch", 1), p.get("qlen", 1)
+    if layout == "indexer":  # request 0's entries within the sparse context bound (the others are short)
+        topks = [p["topk"]] if "topk" in p else TOPKS
+        return min(index_entries(str(p.get("length", "0")), int(t)) for t in topks) <= bounds.sparse_context
     if layout == "sparse":
         caches = [p["cache"]] if "cache" in p else CACHES
         topks = [p["topk"]] if "topk" in p else TOPKS
@@ -150,7 +170,7 @@ def axes_of(layout: str, bounds: Bounds = CPU) -> dict[str, tuple]:
     """The axes of ``layout`` under ``bounds``: the long lengths (contexts) and large batches up to
     the bounds join their axes; a named length or batch past them leaves."""
     axes = dict(LAYOUTS[layout])
-    long = LONG_SPARSE if layout == "sparse" else LONG_LENGTHS
+    long = LONG_SPARSE if layout in ("sparse", "indexer") else LONG_LENGTHS
     axes["length"] = tuple(v for v in axes["length"] + (long if bounds.long else ())
                            if not v.isdigit() or int(v) <= bounds.length)  # fmt: skip
     axes["batch"] = tuple(v for v in axes["batch"] + LONG_BATCHES if v <= bounds.batch)
@@ -289,7 +309,7 @@ class Walk:
     def _largest(self) -> dict:
         """The longest length, then the largest batch, then the most heads that fit with it."""
         page = max(self.axes.get("page", (1,)))
-        named = (lambda v: int(v) if str(v).isdigit() else 0) if self.layout == "sparse" else (  # noqa: E731
+        named = (lambda v: int(v) if str(v).isdigit() else 0) if self.layout in ("sparse", "indexer") else (  # noqa: E731
             lambda v: length_of(str(v), page, 1))
         lengths = sorted(self.axes["length"], key=named)
         point: dict = {}
@@ -327,4 +347,4 @@ def interleave(walks: Sequence[Walk]) -> Iterator[tuple[str, dict]]:
 
 
 __all__ = ["EDGES", "HEADS", "LAYOUTS", "LONG_LENGTHS", "NOT_YET", "Walk", "axes_of", "edge_unit", "feasible", "interleave",
-           "length_of", "restrict", "sparse_context", "sparse_units", "sparse_valid"]
+           "index_entries", "length_of", "restrict", "sparse_context", "sparse_units", "sparse_valid"]

@@ -17,7 +17,7 @@ shape: the batch, heads and widths axes reach its paths). A point a kernel canno
 with the reason (:func:`refuses`: SGLang's Triton kernel reads the V4 layout only).
 
 Also the dispatch every later module uses: :func:`any_case` / :func:`any_checks` pick the dense
-(refmla.sweep.cases, refmla.sweep.checks) or the sparse kind of a layout.
+(refmla.sweep.cases, refmla.sweep.checks), the indexer (refmla.sweep.indexer) or the sparse kind of a layout.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from refmla.sparse.synth import build_case
 from refmla.sparse.validation import write_sparse
 from refmla.sweep.cases import case_of, case_seed
 from refmla.sweep.checks import CHECKS, CaseChecks, Evidence, Timing, repeat_check, run_checks
+from refmla.sweep.indexer import IndexerChecks, IndexerSweepCase, indexer_case
 from refmla.sweep.report import CheckOutcome
 from refmla.sweep.bounds import CPU, Bounds
 from refmla.sweep.space import HEADS, RATIO, sparse_context, sparse_units, sparse_valid
@@ -226,18 +227,22 @@ def write_sparse_capture(path: Any, ev: Evidence, sweep_meta: dict, backend: str
     write_sparse(path, {**t, **out}, {**meta, **sweep_meta})
 
 
-AnyCase = Union[GoldenCase, SparseSweepCase]
+AnyCase = Union[GoldenCase, SparseSweepCase, IndexerSweepCase]
 
 
 def any_case(layout: str, point: Mapping[str, Any], seed: int, index: int, bounds: Bounds = CPU) -> AnyCase:
     """The case of a point of any layout, within ``bounds``."""
     if layout == "sparse":
         return sparse_case(point, seed, index, bounds)
+    if layout == "indexer":
+        return indexer_case(point, seed, index, bounds)
     return case_of(layout, point, seed, index, bounds)
 
 
-def any_checks(case: AnyCase, opts: ReplayOptions, repeat: int = 3) -> Union[CaseChecks, SparseChecks]:
+def any_checks(case: AnyCase, opts: ReplayOptions, repeat: int = 3) -> Union[CaseChecks, SparseChecks, IndexerChecks]:
     """The checks of a case of any layout."""
+    if isinstance(case, IndexerSweepCase):
+        return IndexerChecks(case, opts, repeat)
     return SparseChecks(case, opts, repeat) if isinstance(case, SparseSweepCase) else CaseChecks(case, opts, repeat)
 
 
