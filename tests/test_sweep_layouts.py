@@ -154,10 +154,11 @@ def test_each_backend_sweeps_the_layouts_it_reads():
     cfg = SweepConfig(backends=default_backends(list(LAYOUTS)), per_layout=LAYOUT_BACKENDS, budget=1)
     rep = Sweeper(cfg).report
     extend = rep.backends["extend"]
-    assert set(extend.skipped_layouts) == {"block_table", "sparse"}
+    assert set(extend.skipped_layouts) == {"block_table", "sparse", "indexer"}
+    assert "reads no indexer capture" in extend.skipped_layouts["indexer"]
     assert "default kernels" in extend.skipped_layouts["block_table"] and "dense" in extend.skipped_layouts["sparse"]
     if rep.backends["vllm_triton"].available:
-        assert set(rep.backends["vllm_triton"].skipped_layouts) == {"decode", "verify", "sparse"}
+        assert set(rep.backends["vllm_triton"].skipped_layouts) == {"decode", "verify", "sparse", "indexer"}
     for name in ("aiter_sparse", "tilelang", "flashmla_sparse"):
         b = rep.backends[name]  # unavailable on a CPU (with the reason), never on a dense layout
         assert not b.available or set(b.skipped_layouts) >= {"decode", "verify", "block_table"}

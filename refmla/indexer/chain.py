@@ -75,13 +75,15 @@ def decode_values(cap: Any, icap: Any) -> torch.Tensor:
     if idx is None:
         raise ValueError("the decode read no compressed cache, the indexer scores one" if extra else "no indices")
     B, S, K = idx.shape
-    if S != 1 or B != icap.q.shape[0]:
-        raise ValueError(f"the decode has {B} requests x {S} tokens, the indexer {icap.q.shape[0]} requests x 1")
+    if S != icap.next_n or B * S != icap.q.shape[0]:
+        raise ValueError(f"the decode has {B} requests x {S} tokens, the indexer {icap.q.shape[0] // icap.next_n} "
+                         f"requests x {icap.next_n}")  # fmt: skip
     if ps != icap.meta.page_size:
         raise ValueError(f"the decode's cache has pages of {ps}, the indexer's of {icap.meta.page_size}")
-    v = idx[:, 0].long().clone()
+    v = idx.reshape(B * S, K).long().clone()  # one row a query token (MTP: request-major, as the indexer's)
+    B = B * S
     if lens is not None:
-        v[torch.arange(K)[None, :] >= lens.long()[:, None]] = -1
+        v[torch.arange(K)[None, :] >= lens.long().repeat_interleave(S)[:, None]] = -1
     if pages is not None:
         v = torch.where(v >= 0, pages.long()[v.clamp(min=0) // ps] * ps + v % ps, v)
     if icap.meta.indices_kind == "positions":
@@ -107,7 +109,7 @@ def attach(cap: Any, report: ReplayReport, opts: Any) -> None:
         return
     report.kind_keys["indexer_capture"] = str(path)
     try:
-        icap = read_indexer(path)
+        icap = read_indexer(path).flat()  # an MTP capture: one row a query token
         values = decode_values(cap, icap)
     except (CaptureError, ValueError) as e:
         report.backends["indexer"] = BackendEntry("skipped", reason=f"{path.name}: {e}")

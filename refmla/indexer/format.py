@@ -5,6 +5,11 @@ index query and per-head weights against the indexer's key cache as stored, the 
 Tensors (B requests, one query token each; H index heads, D index head dim; K the top-k width):
 
     q             [B, H, D]   fp8 e4m3 (float8_e4m3fn; e4m3fnuz bits as uint8) or bf16 / fp16 / fp32
+                  [B, N, H, D] MTP / speculative decode: N query tokens per request (next_n > 1);
+                               then weights, q_scale, indices and prev_indices have one row per
+                               token, B * N rows, request-major (b * N + t), as SGLang and vLLM
+                               flatten them, and token t of request b scores the entries before
+                               (seq_lens[b] - N + 1 + t) // compress_ratio (its own causal bound)
     q_scale       [B, H] fp32 optional: q's per-(request, head) scale, when not folded into weights
     weights       [B, H] float the per-head weights as the logits kernel got them (SGLang and vLLM
                                fold q's scale, the softmax scale and H**-0.5 in)
@@ -93,6 +98,23 @@ class IndexerCapture(KindCapture):
     q_scale: Optional[torch.Tensor] = None  # [B, H]
     k_cache_pages: Optional[torch.Tensor] = None  # [P]
     prev_indices: Optional[torch.Tensor] = None  # [B, K]
+    next_n: int = 1  # query tokens per request of a flat() capture's rows (an MTP capture's N)
+
+    def flat(self) -> "IndexerCapture":
+        """One row per query token: q [B * N, H, D], each row its request's pages and its own causal
+        bound seq_lens[b] - N + 1 + t (``next_n`` N); the capture itself when q is [B, H, D]."""
+        if self.q.dim() != 4:
+            return self
+        B, N, H, D = self.q.shape
+        seq = (self.seq_lens.long()[:, None] - N + 1 + torch.arange(N)[None, :]).reshape(-1).to(self.seq_lens.dtype)
+        return IndexerCapture(path=self.path, meta=self.meta, q=self.q.reshape(B * N, H, D), weights=self.weights,
+                              k_cache=self.k_cache, page_table=self.page_table.repeat_interleave(N, 0), seq_lens=seq,
+                              indices=self.indices, q_scale=self.q_scale, k_cache_pages=self.k_cache_pages,
+                              prev_indices=self.prev_indices, warnings=list(self.warnings), next_n=N)  # fmt: skip
+
+    def row_label(self, r: int) -> str:
+        """"request 3" for a row, "request 1 token 2" for a row of an MTP capture's flat() view."""
+        return f"request {r}" if self.next_n == 1 else f"request {r // self.next_n} token {r % self.next_n}"
 
     def validate(self) -> None:
         problem = first_problem(self)
@@ -111,8 +133,24 @@ class IndexerCapture(KindCapture):
 
 
 def first_problem(cap: IndexerCapture) -> Optional[tuple[str, str]]:
-    """(tensor, reason) of the first inconsistency, or None."""
+    """(tensor, reason) of the first inconsistency, or None (an MTP capture: its shape, then its flat() rows)."""
     m, q = cap.meta, cap.q
+    if q.dim() == 4:
+        B, N = q.shape[:2]
+        if N < 1 or not q.dtype in Q_DTYPES:
+            return "tensor 'q'", f"shape {list(q.shape)} {q.dtype}, expected [B, N, H, D] fp8 / bf16 / fp16 / fp32"
+        s = cap.seq_lens
+        if s.dim() != 1 or s.dtype not in INTS or s.shape[0] != B:
+            return "tensor 'seq_lens'", f"shape {list(s.shape)} {s.dtype}, expected [{B}] int32 / int64 (one length a request)"
+        if bool((s < N - 1).any()):
+            return "tensor 'seq_lens'", f"a length below N - 1 = {N - 1}: some query token would have a negative bound"
+        if cap.page_table.dim() != 2 or cap.page_table.shape[0] != B:
+            return "tensor 'page_table'", f"shape {list(cap.page_table.shape)}, expected [{B}, M] (one row a request)"
+        for name in ("weights", "q_scale", "indices", "prev_indices"):
+            t = getattr(cap, name)
+            if t is not None and (t.dim() != 2 or t.shape[0] != B * N):
+                return f"tensor '{name}'", f"shape {list(t.shape)}, expected {B * N} rows (one a query token: B {B} x N {N})"
+        return first_problem(cap.flat())
     if q.dim() != 3 or q.dtype not in Q_DTYPES or q.shape[2] < 1:
         return "tensor 'q'", f"shape {list(q.shape)} {q.dtype}, expected [B, H, D] fp8 / bf16 / fp16 / fp32"
     B, H, D = q.shape
@@ -167,15 +205,17 @@ def first_problem(cap: IndexerCapture) -> Optional[tuple[str, str]]:
 
 def describe(cap: IndexerCapture) -> dict:
     """What `refmla inspect` says of an indexer capture: shapes, widths, the produced indices' counts."""
+    N = cap.q.shape[1] if cap.q.dim() == 4 else 1
+    cap = cap.flat()
     B, H, D = cap.q.shape
     n = cap.entries
     valid = (cap.indices != -1).sum(1)
     want = torch.clamp(n, max=cap.meta.topk)
-    return {"requests": B, "index_heads": H, "index_head_dim": D, "topk": cap.meta.topk,
+    return {"requests": B // N, "index_heads": H, "index_head_dim": D, "topk": cap.meta.topk,
             "compress_ratio": cap.meta.compress_ratio, "k_layout": cap.meta.k_layout, "q_dtype": str(cap.q.dtype).split(".")[-1],
             "indices_kind": cap.meta.indices_kind, "max_entries": int(n.max()) if B else 0,
             "requests_with_wrong_count": int((valid != want).sum()),
-            "previous_step": cap.prev_indices is not None}  # fmt: skip
+            "previous_step": cap.prev_indices is not None, "query_tokens": N}  # fmt: skip
 
 
 __all__ = ["COMPRESS_RATIOS", "FP8", "INDICES_KINDS", "K_LAYOUTS", "MODE", "TENSORS", "IndexerCapture", "IndexerMeta",

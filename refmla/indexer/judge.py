@@ -51,7 +51,9 @@ def _kernel(name: str, cap: IndexerCapture, scores: Scores) -> BackendEntry:
 
 
 def judge_indexer(cap: IndexerCapture, opts: Any = None) -> ReplayReport:
-    """The report of a readable indexer capture; ``opts`` a ReplayOptions (tol.k, explain, backends)."""
+    """The report of a readable indexer capture; ``opts`` a ReplayOptions (tol.k, explain, backends).
+    An MTP capture (q [B, N, H, D]) is judged row by row (IndexerCapture.flat: each token its bound)."""
+    cap = cap.flat()
     tol = getattr(opts, "tol", None) or Tolerance()
     explain_failures = getattr(opts, "explain", True)
     asked: Optional[list] = getattr(opts, "backends", None)
@@ -67,7 +69,7 @@ def judge_indexer(cap: IndexerCapture, opts: Any = None) -> ReplayReport:
                           metadata=MetadataReport(ok=True, warnings=[f.message for f in findings], findings=findings),
                           backends=entries, tolerance=tol, diagnosis_backends=[])  # fmt: skip
     report.kind_keys = {"noise": observed.info["index_sets"]["max_noise"], "topk": cap.meta.topk,
-                        "compress_ratio": cap.meta.compress_ratio}  # fmt: skip
+                        "compress_ratio": cap.meta.compress_ratio, "query_tokens": cap.next_n}  # fmt: skip
     bad = [n for n, e in entries.items() if e.status in ("fail", "error")]
     if not bad:
         report.diagnosis_text = f"the indexer's top-{cap.meta.topk} agrees with the fp64 reference's within its noise"

@@ -153,16 +153,18 @@ class RequestVerdict:
     extra: list[Entry] = field(default_factory=list)
     n_missing: int = 0
     n_extra: int = 0
+    label: str = ""  # how the text names the row ("request 3", an MTP row "request 1 token 2")
 
     def text(self) -> str:
+        who = self.label or f"request {self.request}"
         if self.ok:
-            return f"request {self.request}: right"
+            return f"{who}: right"
         said = [f"{self.chosen} entries where {self.expected} belong"] if self.chosen != self.expected else []
         for what, lst, n in (("missing", self.missing, self.n_missing), ("should not be there", self.extra, self.n_extra)):
             if n:
                 shown = ", ".join(_entry(e) for e in lst[:4])
                 said.append(f"{n} {what} ({shown}{', ...' if n > 4 else ''})")
-        return f"request {self.request}: " + "; ".join(said)
+        return f"{who}: " + "; ".join(said)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -296,6 +298,8 @@ def judge_sets(cap: IndexerCapture, indices: torch.Tensor, scores: Scores) -> Se
     scores.fill(range(indices.shape[0]))
     with single_thread():  # a few small ops a request: no thread barrier each
         verdicts = [judge_request(cap, b, indices[b], scores[b]) for b in range(indices.shape[0])]
+    for v in verdicts:
+        v.label = cap.row_label(v.request) if cap.next_n > 1 else ""
     return SetJudgement(len(verdicts), [v for v in verdicts if not v.ok], max((v.noise for v in verdicts), default=0.0))
 
 
