@@ -42,6 +42,8 @@ call that passes the filters. The rest are torch-free, as they run at interprete
     sparse_call.py    (torch) DeepSeek-V4 sparse decode: the entrypoint's keyword arguments as a sparse capture
     dsa_call.py       (torch) DeepSeek-V3.2 DSA's aiter decode on ROCm (_forward_aiter) as a dense decode capture
     indexer_call.py   (torch) DeepSeek-V3.2's indexer decode top-k (Indexer._get_topk_paged) as an indexer capture (dsa)
+    c4_indexer_call.py  (torch) DeepSeek-V4's C4 indexer (C4IndexerBackendMixin.forward_c4_indexer and its
+                      prepare steps) as an indexer capture, compress ratio 4 (dsv4)
     kvwrite_call.py   (torch) the MLA KV cache writers (SGLang's pool, aiter's fused write, vLLM's
                       concat_and_cache_mla): rows before and after the write (REFMLA_CAPTURE_BACKENDS=kvwrite)
     v4write_call.py   (torch) DeepSeek-V4's packed pool writers (a pack stored, or bf16 quantized into

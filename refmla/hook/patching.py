@@ -43,6 +43,7 @@ def _targets(cfg: HookConfig) -> dict[str, Callable[[Any], None]]:
     targets: dict[str, Callable[[Any], None]] = {}
     if "dsv4" in cfg.backends:
         targets[DSV4_MODULE] = _patch_dsv4_entrypoint
+        targets[C4_INDEXER_MODULE] = _patch_c4_indexer
     if "dsa" in cfg.backends:
         targets[DSA_MODULE] = _patch_dsa_aiter
         targets[INDEXER_MODULE] = _patch_indexer
@@ -168,6 +169,20 @@ def _patch_indexer(module) -> None:
     from refmla.hook.indexer_call import wrap_get_topk_paged
 
     _wrap_class_method(module, INDEXER_CLASS, INDEXER_METHOD, wrap_get_topk_paged, "indexer", "the indexer")
+
+
+C4_INDEXER_MODULE, C4_INDEXER_CLASS = "sglang.srt.layers.attention.dsv4.indexer", "C4IndexerBackendMixin"
+
+
+def _patch_c4_indexer(module) -> None:
+    """Wrap V4's C4 indexer: its two prepare steps (what they return is kept for the call) and
+    forward_c4_indexer (refmla.hook.c4_indexer_call)."""
+    from refmla.hook.c4_indexer_call import wrap_forward_c4_indexer, wrap_prepare
+
+    for method in ("_forward_prepare_normal", "_forward_prepare_multi_stream"):
+        _wrap_class_method(module, C4_INDEXER_CLASS, method, wrap_prepare, "c4 indexer prepare", "the C4 indexer's query")
+    _wrap_class_method(module, C4_INDEXER_CLASS, "forward_c4_indexer", wrap_forward_c4_indexer, "c4 indexer",
+                       "the C4 indexer")  # fmt: skip
 
 
 def _wrap_class_method(module, cls_name: str, method: str, wrap: Callable, label: str, what: str) -> None:
