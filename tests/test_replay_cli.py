@@ -91,8 +91,11 @@ def test_doctor_lists_every_backend(capsys):
     merges = {r["backend"]: r for r in rows if r["kind"] == "merge"}  # the state merges (issue 32)
     assert list(merges) == ["vllm_triton_merge", "sglang_triton_merge"]
     assert merges["sglang_triton_merge"]["usable"], merges["sglang_triton_merge"]["detail"]  # SGLang installed here
-    indexers = [r["backend"] for r in rows if r["kind"] == "indexer"]  # the engines' indexer code
-    assert indexers == ["sglang_indexer_torch", "vllm_indexer_torch"]
+    indexers = {r["backend"]: r for r in rows if r["kind"] == "indexer"}  # the engines' indexer code, the GPU adapters
+    assert list(indexers) == ["sglang_indexer_torch", "vllm_indexer_torch", "deepgemm_paged", "deepgemm_ragged",
+                              "tilelang_indexer", "aiter_indexer"]
+    for name in ("deepgemm_paged", "tilelang_indexer", "aiter_indexer"):  # absent here: unavailable, with why
+        assert indexers[name]["usable"] or "not installed" in indexers[name]["detail"] or "GPU" in indexers[name]["detail"]
     assert all(isinstance(r["usable"], bool) and r["detail"] for r in rows)
 
 
