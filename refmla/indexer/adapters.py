@@ -83,8 +83,8 @@ def topk_rows(cap: IndexerCapture, logits: torch.Tensor) -> torch.Tensor:
 
 
 def deepgemm_paged(cap: IndexerCapture) -> torch.Tensor:
+    dg = _module("deep_gemm")  # the package first: its absence is the reason a replay gives, as doctor does
     q, kv, w, lens, table = _fp8_inputs(cap, "DeepGEMM's fp8_paged_mqa_logits")
-    dg = _module("deep_gemm")
     lens2 = lens.unsqueeze(1).contiguous()  # [B, next_n = 1]
     meta = dg.get_paged_mqa_logits_metadata(lens2, cap.meta.page_size, dg.get_num_sms())
     logits = dg.fp8_paged_mqa_logits(q, kv, w, lens2, table, meta, table.shape[1] * cap.meta.page_size, clean_logits=False)
@@ -92,8 +92,8 @@ def deepgemm_paged(cap: IndexerCapture) -> torch.Tensor:
 
 
 def deepgemm_ragged(cap: IndexerCapture) -> torch.Tensor:
-    q, kv, w, lens, table = _fp8_inputs(cap, "DeepGEMM's fp8_mqa_logits")
     dg = _module("deep_gemm")
+    q, kv, w, lens, table = _fp8_inputs(cap, "DeepGEMM's fp8_mqa_logits")
     ps, D = cap.meta.page_size, cap.q.shape[2]
     keys, scales, starts = [], [], []
     at = 0
@@ -117,17 +117,17 @@ def tilelang_indexer(cap: IndexerCapture) -> torch.Tensor:
     if cap.meta.page_size != 64 or cap.q.shape[2] != 128:
         raise Unavailable(f"SGLang's tilelang indexer takes pages of 64 and D 128 (this capture: {cap.meta.page_size}, "
                           f"{cap.q.shape[2]})")  # fmt: skip
-    q, kv, w, lens, table = _fp8_inputs(cap, "SGLang's tilelang indexer")
     _module("tilelang")
     tk = _module("sglang.kernels.ops.attention.dsa.tilelang_kernel")
+    q, kv, w, lens, table = _fp8_inputs(cap, "SGLang's tilelang indexer")
     logits = tk.tilelang_fp8_paged_mqa_logits(q, kv, w, lens, table, None, table.shape[1] * cap.meta.page_size,
                                               clean_logits=False)  # fmt: skip
     return topk_rows(cap, logits)
 
 
 def aiter_indexer(cap: IndexerCapture) -> torch.Tensor:
-    q, kv, w, lens, table = _fp8_inputs(cap, "aiter's deepgemm_fp8_paged_mqa_logits")
     pa = _module("aiter.ops.triton.pa_mqa_logits")
+    q, kv, w, lens, table = _fp8_inputs(cap, "aiter's deepgemm_fp8_paged_mqa_logits")
     width = table.shape[1] * cap.meta.page_size
     logits = torch.empty(q.shape[0], width, dtype=torch.float32, device=q.device)
     pa.deepgemm_fp8_paged_mqa_logits(q, kv, w, logits, lens, table, width, Preshuffle=False, KVBlockSize=cap.meta.page_size)
