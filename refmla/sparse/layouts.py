@@ -16,7 +16,7 @@ Two layouts, as FlashMLA (``tests/quant.py``, ``flash_mla_interface.py``) and SG
          value = fp8 * 2^(e - 127);  D = 512, Dv = 512 (the rope section is part of the value)
 
 Token ``t`` of a cache is ``page * page_size + offset`` (the kernels' flat token index). fp8 is
-OCP e4m3fn on gfx950 / CUDA and e4m3fnuz on gfx942 (meta ``kv_fp8_dtype``).
+OCP e4m3fn on gfx950 / CUDA and e4m3fnuz on gfx942 (meta ``kv_fp8_dtype``; e5m2 is read too).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from typing import Optional
 
 import torch
 
-FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e4m3fnuz": torch.float8_e4m3fnuz}
-FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e4m3fnuz": 240.0}
+FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e4m3fnuz": torch.float8_e4m3fnuz,
+              "float8_e5m2": torch.float8_e5m2}  # fmt: skip
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e4m3fnuz": 240.0, "float8_e5m2": 57344.0}
 
 
 @dataclass(frozen=True)
