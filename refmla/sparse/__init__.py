@@ -15,6 +15,7 @@ Modules, imports going down this list:
                    rounding points, and both judged with the one comparator
     presets.py     DeepSeek-V4-Flash TP8 (C4, C128, window; the model's per-layer ratios) and V3.2 TP8 shapes
     synth.py       synthetic calls with hostile data (shuffled pages, stale tails, NaN garbage, clamped lengths)
+    byte_faults.py the planted keys of a cache read another way (fp8 encoding, page stride, V3.2's fp32 scales)
     faults.py      production's output with a planted fault: its own plain loop, never the reference
     make.py        `refmla synth OUT --preset deepseek-v4-flash-tp8 [--fault NAME]`
     backends.py    the kernel adapters by name: triton (SGLang's), aiter_sparse, tilelang, flashmla_sparse (and
