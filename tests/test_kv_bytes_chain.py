@@ -252,3 +252,49 @@ def test_a_v4_decode_read_as_e4m3fnuz_is_the_readers_when_its_writer_stored_e4m3
     assert decode.diagnosis_text.startswith("kv_fp8_encoding_mismatch (the reader's)"), decode.diagnosis_text
     (f,) = [f for f in decode.metadata.findings if f.check == "kv_writer_link"]
     assert f.numbers["slots"] == sorted(newest)
+
+
+@pytest.mark.parametrize("read", ["float8_e5m2", "float8_e4m3fn"])
+def test_an_e5m2_sparse_cache_is_read_and_its_e4m3_reading_named(tmp_path, read):
+    """A V4 window cache whose meta says e5m2: this file's kernel reads the nope bytes by torch's
+    view as ``read`` (the tile exponents and rope as stored), a plain softmax with the sink."""
+    import math
+
+    import test_kv_bytes_sparse as tks
+
+    from refmla.sparse.presets import sparse_preset
+    from refmla.sparse.synth import build_case
+    from refmla.sparse.validation import write_sparse
+
+    case = build_case(dataclasses.replace(sparse_preset(tks.SWA), seq_lens=(40, 130), page_size=64))
+    p, pool = case.preset, case.main
+    flat, W, P = pool.pages.reshape(-1), int(pool.pages.shape[1]), pool.page_size
+    data = pool.pages[:, : P * 576].reshape(-1, 576)  # [tokens, 576] data rows: 448 fp8, 128 rope bytes
+    nope = data[:, :448].contiguous().view(torch.float8_e4m3fn).float().to(torch.float8_e5m2)  # torch's own cast
+    data[:, :448] = nope.view(torch.uint8)
+    pool.pages[:, : P * 576] = data.reshape(pool.pages.shape[0], -1)  # the cache as an e5m2 writer stores it
+
+    def token(t: int) -> torch.Tensor:
+        base, s = (t // P) * W, t % P
+        data = flat[base + s * 576 : base + s * 576 + 576]
+        e = flat[base + P * 576 + s * 8 :][:7].double()
+        nope = data[:448].contiguous().view(getattr(torch, read)).double() * torch.exp2(e - 127).repeat_interleave(64)
+        return torch.cat([nope, data[448:].contiguous().view(torch.bfloat16).double()])
+
+    B, _, H, _ = case.q.shape
+    out, lse = torch.zeros(B, 1, H, p.head_dim_v, dtype=torch.float64), torch.zeros(B, 1, H, dtype=torch.float64)
+    for b in range(B):
+        k = torch.stack([token(int(i)) for i in case.indices[b, 0, : int(case.topk_length[b])] if int(i) >= 0])
+        w = case.q[b, 0].double() @ k.T * p.softmax_scale  # [H, n]
+        lse[b, 0] = torch.logsumexp(w, -1)
+        out[b, 0] = torch.softmax(w, -1) @ k / (1 + torch.exp(case.sink.double() - lse[b, 0]))[:, None]
+    assert bool(torch.isfinite(out).all()) and not math.isnan(float(lse.sum()))
+    path = tmp_path / "e5m2.safetensors"
+    write_sparse(path, {**case.tensors(), "out": out.to(torch.bfloat16), "lse": lse.float()},
+                 {**case.meta(), "kv_fp8_dtype": "float8_e5m2"})  # fmt: skip
+    r = replay_file(str(path), ReplayOptions(backends=["reference", "observed"]))
+    if read == "float8_e5m2":
+        assert r.verdict == "agree", r.diagnosis_text
+        return
+    e = r.backends["observed"].explanation
+    assert e is not None and e.detail == {"written": "float8_e5m2", "read": "float8_e4m3fn"}, r.diagnosis_text
