@@ -68,7 +68,7 @@ copy of the layout (the README links here).
     hook/           the capture hooks for a live SGLang or vLLM server (imports only refmla, util.py,
                     schedule.py, blocktable.py, capture/, kvwrite/,
                     merge/, sparse/ and indexer/)
-    api.py          the Python API: replay(), synth(), regions() (what the command line calls)
+    api.py          the Python API: replay(), synth(), regions(), replay_folder() (what the command line calls)
     cli/            the thin command line, one module per command (the top)
     __main__.py     ``python -m refmla``: the command line
 
@@ -80,7 +80,7 @@ table and compacts its pages with the same functions the reader checks them with
 
 __version__ = "0.1.0"
 CAPTURE_FORMAT = "refmla.capture/1"
-API = ("replay", "synth", "regions")  # refmla.replay(...) etc.: plain functions of refmla/api.py, loaded on first use
+API = ("replay", "synth", "regions", "replay_folder")  # refmla.replay(...) etc.: plain functions of refmla/api.py, loaded on first use
 
 
 def __getattr__(name: str):

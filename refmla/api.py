@@ -2,6 +2,9 @@
 
     refmla.replay(path_or_capture, backends=None, tol=None, **options) -> ReplayReport
                     (backends: names, or {"mine": kernel} of refmla.kernel's interface)
+    refmla.replay_folder(folder_or_paths, backends=None, tol=None, jobs=1, **options) -> [ReplayReport]
+                    (every capture of a folder, then linked across: a decode and its step's KV
+                    writer, a writer and another layer's, rows written through a stale slot mapping)
     refmla.synth(out, preset_name="kimi-k2-tp8", fault="none", seed=None, layer=None) -> dict (what was planted)
                     (every kind: dense, verify, sparse, kv_write, merge, chunked_prefill presets)
     refmla.regions(capture=None, model=None, config=None, tokens=None, ...) -> RegionCheck
@@ -77,6 +80,39 @@ def replay(path_or_capture: Union[str, Path, Capture],
     if report.verdict == "invalid":  # bad input raises, with the line the command line prints
         raise CaptureError.of_line(report.capture, first_line(report.error or "; ".join(report.metadata.errors)))
     return report
+
+
+def replay_folder(folder_or_paths: Union[str, Path, Sequence[Union[str, Path]]],
+                  backends: Optional[Sequence[str]] = None, tol: Optional[Tolerance] = None, jobs: int = 1,
+                  **options: Any) -> list[ReplayReport]:  # fmt: skip
+    """Every capture of a folder (its ``*.safetensors``, recursively, sorted), or of the paths given,
+    replayed as ``refmla replay DIR`` does: the series checks across steps and the links across
+    captures (refmla.chain.link: the writer's or the contract's part of a decode's divergence,
+    another layer's buffer, stale rows). A capture that cannot be read is a report with verdict
+    ``invalid`` here (the others are still replayed), as on the command line. A folder holding no
+    capture raises ValueError."""
+    from refmla.batch import replay_many
+    from refmla.chain import link
+    from refmla.series import attach_series
+
+    given = [folder_or_paths] if isinstance(folder_or_paths, (str, Path)) else list(folder_or_paths)
+    paths: list[str] = []
+    for p in map(Path, given):
+        if p.is_dir():
+            found = sorted(str(f) for f in p.rglob("*.safetensors") if not f.is_dir())
+            if not found:
+                raise ValueError(f"{p}: directory holds no *.safetensors captures")
+            paths += found
+        else:
+            paths.append(str(p))
+    opts = ReplayOptions(backends=list(backends) if backends else None, tol=tol or Tolerance(), **options)
+    opts.check()
+    reports = replay_many(paths, opts, jobs=jobs)
+    if len(reports) > 1:
+        with contextlib.suppress(Exception):  # an aid across captures: never the cost of the reports
+            attach_series(reports, opts)
+        link(reports)
+    return reports
 
 
 @contextlib.contextmanager

@@ -94,7 +94,8 @@ def test_hypotheses_in_contract_order():
                           "other_table_row_read", "pages_read_off",
                           "other_request_read", "other_rows_read", "kv_range_missing", "null_block_read", "pages_as_tokens",
                           "split_missing", "kv_range_repeated", "work_item_misrouted", "partials_misaddressed",
-                          "kv_fp8_encoding_mismatch", "kv_scale_misapplied", "kv_scale_format", "wrong_sm_scale", "heads_folded", "head_misaligned",
+                          "kv_fp8_encoding_mismatch", "kv_scale_misapplied", "kv_scale_format", "kv_page_stride", "wrong_sm_scale",
+                          "heads_folded", "head_misaligned",
                           "output_rows_permuted", "rope_mishandled", "logit_cap_mismatch", "padded_row_leak")  # fmt: skip
 
 

@@ -69,3 +69,28 @@ def test_an_fp32_scale_read_as_another_format_is_named(tmp_path, read, decode, s
     assert e.detail["read"] == read and e.detail["stored"] == "fp32"
     assert e.detail["value_read"] == pytest.approx(decode(scale), rel=1e-6)
     assert r.diagnosis == "kv_contract" and r.diagnosis_text.startswith("kv_scale_format")
+
+
+@pytest.mark.parametrize("fp8,block,stride", [(False, 16, 8), (True, 64, 16)])
+def test_pages_read_at_another_page_stride_are_named(tmp_path, fp8, block, stride):
+    """The kernel finds page p's token s at row p * stride + s (a bf16 cache strided as fp8, a
+    64-token block strided as 16). The capture's NaN rows (past each end, the null block) are first
+    overwritten with finite stale rows by this file, as a reused pool holds them."""
+    spec = dataclasses.replace(SPEC, fp8=fp8, block=block, seq_lens=(70, 33, 141) if block == 16 else (70, 33, 141, 200))
+    t, _, _ = pv.capture(spec)
+    kv = t["kv_buffer"]
+    g = torch.Generator().manual_seed(3)
+    nan = torch.isnan(kv.float()).any(-1).flatten()
+    stale = (torch.randn(int(nan.sum()), *kv.shape[1:], generator=g) * (8 if fp8 else 1)).to(kv.dtype)
+    bits = kv.view(torch.uint8) if fp8 else kv
+    bits[nan] = stale.view(torch.uint8) if fp8 else stale
+    table = t["block_table"].long()
+    rows = {b: table[b][torch.arange(L) // block] * stride + torch.arange(L) % block for b, L in enumerate(spec.seq_lens)}
+    out, lse = pv.attention(t, spec, rows=rows)
+    t["out"], t["lse"] = out.to(torch.bfloat16), lse.float()
+    r = replay(tmp_path, t, spec)
+    e = r.backends["observed"].explanation
+    assert e is not None and e.hypothesis == "kv_page_stride", r.diagnosis_text
+    row = 576 * kv.dtype.itemsize
+    assert e.detail == {"stride": stride * row, "page_stride": block * row, "cache": "kv"} and e.complete
+    assert r.diagnosis == "kv_contract" and r.diagnosis_text.startswith("kv_page_stride")

@@ -12,7 +12,7 @@ from refmla.cli.common import (EXIT_INVALID, drawable, expand_captures, need_mat
 from refmla.cli.replay_flags import add_replay_flags, replay_options
 from refmla.render.replay import render_or_say, summary_table
 from refmla.pipeline import SPARSE_ONLY, worst_status
-from refmla.chain import link_layers, link_writers
+from refmla.chain import link
 from refmla.series import attach_series
 from refmla.util import error_text, first_line
 from refmla.merge.backends import BACKENDS as MERGE_BACKENDS
@@ -44,8 +44,7 @@ def run(args) -> int:
             attach_series(reports, opts)  # findings against the previous step, and stale_metadata
         except Exception as e:  # an aid across captures: never the cost of the reports themselves
             print(f"refmla: warning: series checks skipped: {error_text(e)}", file=sys.stderr)
-        link_writers(reports)  # a decode and its step's KV writer: the writer's or the contract's part (never raises)
-        link_layers(reports)  # a writer call whose rows went to another layer's buffer (never raises)
+        link(reports)  # writer <-> reader: the writer's or the contract's part, another layer, stale rows (never raises)
     failed = _plots(drawable(reports), args.plot) if args.plot else []
     if args.json:
         print_json(reports[0] if len(reports) == 1 and single_file(args.captures) else reports)

@@ -167,7 +167,7 @@ def sglang_pool_call(pool: Any, method: str, layer: Any, loc_info: Any, a: torch
                      latent, rope, layer_id, scale=None, scale_applied="caller", meta=meta)  # fmt: skip
 
 
-FP8_OF_VLLM = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+FP8_OF_VLLM = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def vllm_concat_call(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype: str, scale, layer_id: int = -1) -> WriteCall:
@@ -176,7 +176,7 @@ def vllm_concat_call(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype: str, sc
     try:  # ROCm MI300 stores e4m3fnuz: vLLM's platform says which
         from vllm.platforms import current_platform
 
-        if kv_cache_dtype.startswith("fp8"):
+        if kv_cache_dtype.startswith("fp8") and kv_cache_dtype != "fp8_e5m2":  # e5m2 is e5m2 on every platform
             dtype = current_platform.fp8_dtype()
     except Exception:
         pass
@@ -193,7 +193,7 @@ def aiter_fused_call(q_nope, q_pe, k_nope, k_pe, kv_cache, slot_mapping, positio
                      layer_id: int = -1) -> WriteCall:  # fmt: skip
     """The WriteCall of aiter's fused_qk_rope_cat_and_cache_mla: its stored rope part is the rotated
     k_pe it returns (third output), so that is what the capture records."""
-    fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+    fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2)
     scale = float(k_scale.reshape(-1)[0]) if fp8 and k_scale is not None else None
     return WriteCall("aiter.fused_qk_rope_cat_and_cache_mla", "sglang", kv_cache.reshape(-1, kv_cache.shape[-1]),
                      slot_mapping.reshape(-1), _flat(k_nope), None, layer_id, scale=scale,

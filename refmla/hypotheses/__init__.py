@@ -41,6 +41,8 @@ report the first, in the table's order, that brings the backend's error back to 
                                                       one in the other's place
     kv_scale_format     {"scale", "stored", "read",   the fp32 dequant scale read as bf16 / UE8M0 (kv_bytes.py)
                          "how", "value_read"}
+    kv_page_stride      {"stride", "page_stride",     block_table captures: the pages read at another
+                         "cache"}                     page stride (bytes; kv_bytes.py)
     wrong_sm_scale      {"ratio": r}                  used r * sm_scale
     heads_folded        {"fold": f, "how"}            a folded launch (H / f heads per pseudo-row) unfolded
                                                       wrongly: mixed / transposed / zero / duplicated
@@ -146,6 +148,7 @@ SEARCHES: dict[str, SearchFn] = {
     kv_bytes.ENCODING: kv_bytes.search_encoding,  # the bytes read in another fp8 encoding (K and V x 2 or / 2)
     kv_scale.NAME: kv_scale.search,
     kv_bytes.FORMAT: kv_bytes.search_format,  # the fp32 scale read as bf16 / UE8M0
+    kv_bytes.STRIDE: kv_bytes.search_page_stride,  # a block table's pages read at another page stride
     sm_scale.NAME: sm_scale.search,
     heads_folded.NAME: heads_folded.search,  # a fold's patterns named before a bare head mapping
     head_misaligned.NAME: head_misaligned.search,

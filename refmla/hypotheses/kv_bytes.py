@@ -12,6 +12,12 @@ re-run on the captured bytes decoded the other way, judged by the comparator lik
                                                    down or up to a power of two, or its first byte as
                                                    an exponent: vLLM #49435)
 
+    kv_page_stride {"stride", "page_stride",       a block table's pages read at another page stride:
+                    "cache"}                       page p's token s read at row p * stride_rows + s
+                                                   (strides in bytes; half / double the block, another
+                                                   block size), on a capture holding the pool
+                                                   uncompacted (its pages at their own ids)
+
 Tried before kv_scale_misapplied (encoding) and after it (scale format): halving K and V is no
 simpler mistake of the scales, and a scale read as a nearby power of two is not one applied twice.
 """
@@ -26,7 +32,7 @@ import torch
 
 from refmla import reference as ref
 from refmla.control import capture_control
-from refmla.hypotheses.drivers import global_hypothesis, rescore
+from refmla.hypotheses.drivers import global_hypothesis, per_request, rescore
 from refmla.hypotheses.scalars import full_under, worst_out
 from refmla.hypotheses.search import SCREEN, Candidate, Search
 from refmla.results import Explanation
@@ -35,6 +41,8 @@ from refmla.util import dtype_name
 
 ENCODING = "kv_fp8_encoding_mismatch"
 FORMAT = "kv_scale_format"
+STRIDE = "kv_page_stride"
+BLOCK_SIZES = (16, 32, 64, 128, 256)  # the block sizes engines and kernels assume (vLLM 16, FlashMLA 64, ...)
 FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2)
 
 
@@ -93,4 +101,40 @@ def search_format(s: Search) -> Optional[Explanation]:
     return global_hypothesis(s, FORMAT, candidates())
 
 
-__all__ = ["ENCODING", "FORMAT", "read_as", "search_encoding", "search_format"]
+def page_strides(page: int) -> list[int]:
+    """Strides in rows a kernel may assume for a page of ``page`` rows: half or double it (an element
+    size taken for another's: fp8 <-> bf16), a quarter or four times, another common block size."""
+    out = [page // 2, page * 2, page // 4, page * 4, *BLOCK_SIZES]
+    return [w for w in dict.fromkeys(out) if w >= 1 and w != page]
+
+
+def search_page_stride(s: Search) -> Optional[Explanation]:
+    cap = s.cap
+    if cap.block_table is None or cap.orig_kv_indices is not None or cap.meta.page_size < 2:
+        return None  # a compacted pool keeps only the table's pages: another stride reads rows it lacks
+    return per_request(s, STRIDE, find_page_stride)
+
+
+def find_page_stride(s: Search, b: int) -> Iterator[Candidate]:
+    cap, P = s.cap, s.cap.meta.page_size
+    r, N = s.req(b), cap.kv_buffer.shape[0]
+    row_bytes = cap.kv_buffer.shape[-1] * cap.kv_buffer.dtype.itemsize
+    pos = torch.arange(r.L)
+    page = cap.block_table[b].long()[pos // P]  # [L] the page of each position
+    cands = []
+    for w in page_strides(P):
+        rows = page * w + pos % P  # [L] the rows read at stride w
+        if not r.L or int(rows.max()) >= N or torch.equal(rows, r.pool_rows):
+            continue
+        exp, ctl = s.attend_rows(b, rows, r.vis)
+        if not bool(torch.isfinite(exp).all()):  # a NaN row read explains any NaN output: no evidence
+            continue
+        score = rescore(s, b, exp)
+        if score < SCREEN:
+            cands.append(Candidate({"stride": w * row_bytes, "page_stride": P * row_bytes, "cache": "kv"}, exp, ctl,
+                                   score, extra={"stride_rows": w, "page_size": P}))  # fmt: skip
+    yield from sorted(cands, key=lambda c: c.score)
+
+
+__all__ = ["ENCODING", "FORMAT", "STRIDE", "page_strides", "read_as", "search_encoding", "search_format",
+           "search_page_stride"]  # fmt: skip

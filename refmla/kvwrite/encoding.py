@@ -9,7 +9,10 @@ the rows bit for bit, never within a tolerance:
                               its exponent from amax / 448 or amax / 240 as well)
     kv_cast_overflow          the rows are torch's own cast of the scaled row, x.to(fp8) without
                               saturation: past the range torch's e4m3fnuz cast gives NaN (torch 2.13:
-                              from 248 up) where e4m3fn's saturates; the scale is too small
+                              from 248 up) where e4m3fn's saturates; the scale is too small. A V4
+                              page (quantizing writer): its tiles scaled for the other e4m3's range
+                              (amax / 448 into an e4m3fnuz pool: up to 448 where 240 is the most), the
+                              cast saturating (SGLang's store clamps to 448, then casts) or torch's
     kv_scale_format           fp8: divided by the recorded fp32 scale read as bf16 or UE8M0
                               (refmla.scales.read_as: ``read``, ``how``, ``value_read``)
     kv_scale_other_value      fp8: the rows are the inputs divided by another scale (``ratio`` times
@@ -31,6 +34,7 @@ from refmla.kvwrite import packed
 from refmla.kvwrite.format import KvWriteCapture
 from refmla.kvwrite.reference import Variant, fp8_max, is_fp8, same_bytes, scaled_input, written_rows
 from refmla.results import Explanation
+from refmla.sparse.layouts import FP8_DTYPES
 from refmla.scales import read_as
 
 ENCODINGS = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2")
@@ -116,6 +120,39 @@ def cast_overflow(cap: KvWriteCapture, mm) -> Optional[Explanation]:
                       "cast": f"torch {torch.__version__} x.to({dtype})", **_where(cap, mm.tokens)})  # fmt: skip
 
 
+def packed_cast_overflow(cap: KvWriteCapture, mm) -> Optional[Explanation]:
+    """A V4 latent writer's tiles scaled for the other e4m3's range and cast into the pool's: values
+    past the pool's range stored saturated or, by torch's own cast, as NaN (module docstring)."""
+    m = cap.meta
+    if not m.packed or m.packed_input != "latent" or not mm.tokens or mm.others:
+        return None
+    lay, pool = packed.layout_of(m.kv_layout), FP8_DTYPES[m.kv_dtype]
+    for other in PACKED_ENCODINGS:
+        if other == m.kv_dtype or packed.fp8_max(other) <= packed.fp8_max(m.kv_dtype):
+            continue  # a smaller range never overflows the pool's
+        e = packed.exponents(cap.latent, lay, other, m.amax_floor)  # [T, tiles]
+        inv = ((254 - e.long()).to(torch.int32) << 23).contiguous().view(torch.float32)  # 2^(127 - e)
+        x = cap.latent.to(torch.float32).reshape(cap.tokens, lay.num_tiles, lay.tile) * inv[..., None]
+        big = torch.tensor(packed.fp8_max(other), dtype=torch.float32)
+        x = torch.fmax(torch.fmin(x, big), -big).reshape(cap.tokens, -1)  # [T, d_nope] the writer's clamp
+        over = x.abs() > packed.fp8_max(m.kv_dtype)
+        if not bool(over[mm.tokens].any()):
+            continue
+        lim = packed.fp8_max(m.kv_dtype)
+        for how, stored in (("saturated", x.clamp(-lim, lim).to(pool)), ("torch", x.to(pool))):
+            rows = packed.assemble(cap, stored.contiguous().view(torch.uint8), packed.rope_bytes(cap.rope), e)
+            if not reproduces(cap, mm.tokens, rows):
+                continue
+            nan = int(torch.isnan(stored[mm.tokens].float()).sum())
+            cast = (f"clamped to +-{lim:g}, then cast" if how == "saturated" else
+                    f"torch {torch.__version__} x.to({m.kv_dtype}), no saturation")  # fmt: skip
+            return _explained("kv_cast_overflow", {"kv_dtype": m.kv_dtype, "range_of": other,
+                              "elements": int(over[mm.tokens].sum()), "stored_nan": nan,
+                              "smallest_overflowing": round(float(x[mm.tokens].abs()[over[mm.tokens]].min()), 4),
+                              "cast": cast, **_where(cap, mm.tokens)})  # fmt: skip
+    return None
+
+
 def scale_other_value(cap: KvWriteCapture, mm) -> Optional[Explanation]:
     """The differing rows divided by ``ratio`` times the recorded scale (estimated from the bytes)."""
     if cap.meta.packed or not is_fp8(cap.meta.kv_dtype) or not mm.tokens or mm.others:
@@ -149,5 +186,5 @@ def _ratios(cap: KvWriteCapture, tokens: list[int]) -> list[float]:
     return [r for r in dict.fromkeys(out + list(RATIOS)) if r != 1.0]
 
 
-__all__ = ["ENCODINGS", "as_encoding", "cast_overflow", "encoding_mismatch", "reproduces", "rows_as",
+__all__ = ["ENCODINGS", "as_encoding", "cast_overflow", "packed_cast_overflow", "encoding_mismatch", "reproduces", "rows_as",
            "scale_other_value"]  # fmt: skip

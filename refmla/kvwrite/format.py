@@ -37,8 +37,10 @@ TENSORS = {"latent": True, "rope": False, "slots": True, "scale": False, "pool_s
            "rows_before": True, "rows_after": True, "tile_scales": False}  # fmt: skip
 # the pool dtypes a writer stores (a packed layout's: the fp8 of its nope part, meta kv_layout)
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-             "float8_e4m3fn": torch.float8_e4m3fn, "float8_e4m3fnuz": torch.float8_e4m3fnuz}  # fmt: skip
-FP8 = ("float8_e4m3fn", "float8_e4m3fnuz")
+             "float8_e4m3fn": torch.float8_e4m3fn, "float8_e4m3fnuz": torch.float8_e4m3fnuz,
+             "float8_e5m2": torch.float8_e5m2}  # fmt: skip
+FP8 = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2")
+PACKED_FP8 = ("float8_e4m3fn", "float8_e4m3fnuz")  # a packed page's nope part (refmla.sparse.layouts' e4m3)
 # who divides by the scale: the writer itself (vLLM's concat_and_cache_mla, aiter's fused rope +
 # quantize + cache write), or its caller before the call (SGLang's MLA pool: the backend divides k by
 # layer.k_scale, the pool only casts) -- then the capture's inputs are already divided
@@ -129,8 +131,8 @@ def _parse_packed(meta: KvWriteMeta, raw: dict, path: Any) -> None:
     if raw["kv_layout"] not in PACKED_LAYOUTS:
         raise bad("kv_layout", f"expected one of {', '.join(PACKED_LAYOUTS)}, got {raw['kv_layout']!r}")
     lay = packed.layout_of(raw["kv_layout"])
-    if meta.kv_dtype not in FP8:
-        raise bad("kv_dtype", f"a {raw['kv_layout']} page stores fp8 ({', '.join(FP8)}), got {meta.kv_dtype!r}")
+    if meta.kv_dtype not in PACKED_FP8:
+        raise bad("kv_dtype", f"a {raw['kv_layout']} page stores fp8 ({', '.join(PACKED_FP8)}), got {meta.kv_dtype!r}")
     if raw.get("packed_input") not in PACKED_INPUTS:
         raise bad("packed_input", f"expected one of {', '.join(PACKED_INPUTS)}, got {raw.get('packed_input')!r}")
     for key, want in (("kv_lora_rank", lay.d_nope), ("qk_rope_head_dim", lay.d_rope)):
@@ -245,5 +247,5 @@ def describe(cap: KvWriteCapture) -> dict:
             **(packed.describe_packed(cap) if cap.meta.packed else {})}  # fmt: skip
 
 
-__all__ = ["FP8", "KV_DTYPES", "MODE", "PADDING_SLOT", "SCALE_APPLIED", "TENSORS", "KvWriteCapture", "KvWriteMeta", "describe",
+__all__ = ["FP8", "KV_DTYPES", "PACKED_FP8", "MODE", "PADDING_SLOT", "SCALE_APPLIED", "TENSORS", "KvWriteCapture", "KvWriteMeta", "describe",
            "parse_kv_write_meta", "validate"]  # fmt: skip

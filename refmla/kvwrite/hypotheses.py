@@ -9,6 +9,10 @@ bit for bit, never within a tolerance), tried in this order:
     kv_tokens_not_written    some tokens' rows (every token's: the call wrote elsewhere) left as they were
     kv_rope_stale            the latent part written, the rope part left as it was
     kv_rope_offset           the rope part stored at another column than after the latent
+    kv_written_to_stale_rows two or more tokens' rows stored at kept rows none of the call's slots
+                             name (another slot mapping: a stale one, shifted), their own slots as they
+                             were (``written_to``: the rows; refmla.chain also finds them in a decode
+                             capture of the step)
     kv_row_to_other_slot     a token's row stored at another kept slot (its neighbour, ...)
     kv_neighbour_overwritten a row the call did not write changed (next to the slots it wrote)
 
@@ -141,6 +145,30 @@ def _other_slot(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:
                                                "also_overwritten": rest})  # fmt: skip
 
 
+def _stale_rows(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:
+    if len(mm.tokens) < 2 or not mm.others:
+        return None
+    w = mm.width or cap.rows_after.shape[1]
+    if not bool(_kept(cap, mm, (0, w)).all()):  # each token's own slot holds what it held
+        return None
+    own = set(cap.slots.tolist())
+    landed = []
+    for t in mm.tokens:
+        hit = same_bytes(cap.rows_after[:, :w], mm.rows[t, :w][None].expand(cap.rows_after.shape[0], w))  # [N]
+        at = [int(cap.pool_slots[p]) for p in hit.nonzero().flatten().tolist() if int(cap.pool_slots[p]) not in own]
+        if not at:
+            return None
+        landed.append(at[0])
+    changed = {int(cap.pool_slots[p]) for p in mm.others}
+    if not set(landed) <= changed:
+        return None
+    detail = {"tokens": mm.tokens, "slots": mm.slots(cap), "written_to": landed, "every_token": len(mm.tokens) == cap.tokens}
+    shift = {w_ - s for w_, s in zip(landed, detail["slots"])}
+    if len(shift) == 1:
+        detail["slot_offset"] = shift.pop()
+    return _explained("kv_written_to_stale_rows", detail)
+
+
 def _neighbours(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:
     if mm.tokens or not mm.others:
         return None
@@ -151,10 +179,10 @@ def _neighbours(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:
 
 
 HYPOTHESES = (encoding.encoding_mismatch, encoding.cast_overflow, _scale, encoding.scale_other_value, _not_written,
-              _rope_stale, _rope_offset, _other_slot, _neighbours)  # fmt: skip
+              _rope_stale, _rope_offset, _stale_rows, _other_slot, _neighbours)  # fmt: skip
 # the mechanisms every layout shares (refmla.kvwrite.packed_hypotheses reuses them)
 row_to_other_slot, neighbour_overwritten, explained = _other_slot, _neighbours, _explained
-tokens_not_written, rope_stale = _not_written, _rope_stale
+tokens_not_written, rope_stale, stale_rows = _not_written, _rope_stale, _stale_rows
 
 
 def explain(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:
@@ -167,4 +195,4 @@ def explain(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:
 
 
 __all__ = ["HYPOTHESES", "Mismatch", "explain", "explained", "neighbour_overwritten", "parts", "rope_stale",
-           "row_to_other_slot", "tokens_not_written"]  # fmt: skip
+           "row_to_other_slot", "stale_rows", "tokens_not_written"]  # fmt: skip

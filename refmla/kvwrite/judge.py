@@ -78,6 +78,10 @@ def bytes_headline(cap: KvWriteCapture, e) -> str:
     if e.hypothesis == "kv_scale_format":
         return (f"kv_scale_format: the KV writer {cap.meta.writer} divided by its fp32 scale {d['scale']:g} read as "
                 f"{d['read']} ({d['how']}: {d['value_read']:g})")  # fmt: skip
+    if "range_of" in d:  # a V4 page's tiles scaled for another e4m3's range
+        return (f"kv_cast_overflow: the KV writer {cap.meta.writer} scaled its tiles for {d['range_of']}'s range "
+                f"(+-{fp8_max(d['range_of']):g}) and cast them into its {d['kv_dtype']} pool (+-{fp8_max(d['kv_dtype']):g}): "
+                f"{d['elements']} element(s) past the range, {d['stored_nan']} stored as NaN ({d['cast']})")  # fmt: skip
     return (f"kv_cast_overflow: the scale {d['scale']:g} is too small for {d['kv_dtype']}: {d['elements']} element(s) "
             f"past its range, and the writer's cast ({d['cast']}) stored {d['stored_nan']} of them as NaN where a "
             f"saturating writer stores +-{fp8_max(d['kv_dtype']):g}")  # fmt: skip

@@ -26,9 +26,9 @@ import torch
 
 from refmla.kvwrite import packed
 from refmla.kvwrite.format import KvWriteCapture
-from refmla.kvwrite.encoding import encoding_mismatch
+from refmla.kvwrite.encoding import encoding_mismatch, packed_cast_overflow
 from refmla.kvwrite.hypotheses import (Mismatch, explained, neighbour_overwritten, rope_stale, row_to_other_slot,
-                                       tokens_not_written)
+                                       stale_rows, tokens_not_written)
 from refmla.results import Explanation
 
 
@@ -150,8 +150,8 @@ def _nope_kept(stream: torch.Tensor, nope: torch.Tensor, o: int, width: int) -> 
     return torch.equal(stream[: nope.shape[0]][keep], nope[keep])
 
 
-HYPOTHESES = (encoding_mismatch, _scale_not_applied, _exponent_off, tokens_not_written, rope_stale, _rope_offset,
-              row_to_other_slot, neighbour_overwritten)  # fmt: skip
+HYPOTHESES = (encoding_mismatch, packed_cast_overflow, _scale_not_applied, _exponent_off, tokens_not_written, rope_stale, _rope_offset,
+              stale_rows, row_to_other_slot, neighbour_overwritten)  # fmt: skip
 
 
 def explain_packed(cap: KvWriteCapture, mm: Mismatch) -> Optional[Explanation]:

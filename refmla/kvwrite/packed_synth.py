@@ -8,7 +8,8 @@ Faults: none, ue8m0_exponent (one tile's exponent one too big; a quantizing writ
 tile at it, a pack writer stores the given fp8 with the wrong byte), scale_missing (a quantizing
 writer stores the latent without the tile scales), rope_offset (one token's rope bytes at byte 0
 of its row), neighbour_slot (one token stored at its slot + 1), neighbour_overwritten (the slot
-after one written slot zeroed).
+after one written slot zeroed), cast_overflow (an e4m3fnuz quantizing preset: every tile scaled for
+e4m3fn's range, amax / 448, clamped to +-448 and cast by torch into e4m3fnuz: NaN from 248 up).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 from refmla.kvwrite.io import write_kv_write
 from refmla.util import check_choice
 
-FAULTS = ("none", "ue8m0_exponent", "scale_missing", "rope_offset", "neighbour_slot", "neighbour_overwritten")
+FAULTS = ("none", "ue8m0_exponent", "scale_missing", "rope_offset", "neighbour_slot", "neighbour_overwritten",
+          "cast_overflow")  # fmt: skip
 NOPE, ROPE, TILE, DATA, SCALE_ROW = 448, 64, 64, 576, 8  # the v4 token: 448 fp8 + 64 bf16; 7 exponents + pad
 
 
@@ -50,10 +52,11 @@ PRESETS = {
 }  # fmt: skip
 
 
-def _quantize_tile(vals: torch.Tensor, spec: PackedSpec, shift: int = 0,
-                   divide: bool = True) -> tuple[torch.Tensor, int]:  # fmt: skip
-    """One tile of 64 fp32 values -> (its fp8 bytes, its exponent byte), by hand."""
-    big = torch.finfo(getattr(torch, spec.kv_dtype)).max
+def _quantize_tile(vals: torch.Tensor, spec: PackedSpec, shift: int = 0, divide: bool = True,
+                   range_of: str = "") -> tuple[torch.Tensor, int]:  # fmt: skip
+    """One tile of 64 fp32 values -> (its fp8 bytes, its exponent byte), by hand (``range_of``: the
+    fp8 whose largest value the scale and the clamp use, torch's cast into the pool's after)."""
+    big = torch.finfo(getattr(torch, range_of or spec.kv_dtype)).max
     floor = float(torch.tensor(spec.amax_floor, dtype=torch.float32))
     amax = max(float(vals.abs().max()), floor)
     s = float(torch.tensor(amax, dtype=torch.float32) / torch.tensor(big, dtype=torch.float32))
@@ -65,10 +68,11 @@ def _quantize_tile(vals: torch.Tensor, spec: PackedSpec, shift: int = 0,
 
 
 def _token(latent: torch.Tensor, rope: torch.Tensor, spec: PackedSpec, shift_tile: int = -1,
-           divide: bool = True) -> tuple[torch.Tensor, torch.Tensor, list[int]]:  # fmt: skip
+           divide: bool = True, range_of: str = "") -> tuple[torch.Tensor, torch.Tensor, list[int]]:  # fmt: skip
     nope, exps = [], []
     for j in range(NOPE // TILE):
-        q, e = _quantize_tile(latent[j * TILE : (j + 1) * TILE].float(), spec, 1 if j == shift_tile else 0, divide)
+        q, e = _quantize_tile(latent[j * TILE : (j + 1) * TILE].float(), spec, 1 if j == shift_tile else 0, divide,
+                              range_of)  # fmt: skip
         nope.append(q)
         exps.append(e)
     return torch.cat(nope), rope.view(torch.uint8), exps
@@ -89,6 +93,8 @@ def synth_packed(out: Any, preset: str, fault: str = "none", seed: int = 0) -> d
     spec = PRESETS[preset]
     if fault == "scale_missing" and spec.packed_input == "pack":
         raise ValueError("fault 'scale_missing' needs a quantizing preset (a pack writer stores scales it is given)")
+    if fault == "cast_overflow" and (spec.packed_input == "pack" or spec.kv_dtype != "float8_e4m3fnuz"):
+        raise ValueError("fault 'cast_overflow' needs an e4m3fnuz quantizing preset (kv-write-v4-fnuz)")
     g = torch.Generator().manual_seed(seed)
     latent, rope = _inputs(spec, g)
     ps, rows = spec.page_size, spec.page_size * spec.pages
@@ -102,7 +108,8 @@ def synth_packed(out: Any, preset: str, fault: str = "none", seed: int = 0) -> d
         bad = fault != "none" and t == victim
         if spec.packed_input == "latent":
             nope, rb, exps = _token(latent[t], rope[t], spec, tile if bad and fault == "ue8m0_exponent" else -1,
-                                    divide=not (bad and fault == "scale_missing"))  # fmt: skip
+                                    divide=not (bad and fault == "scale_missing"),
+                                    range_of="float8_e4m3fn" if fault == "cast_overflow" else "")  # fmt: skip
         else:
             nope, rb, exps = packs[t][0], packs[t][1], list(packs[t][2])
             exps[tile] += 1 if bad and fault == "ue8m0_exponent" else 0
@@ -139,9 +146,10 @@ def synth_packed(out: Any, preset: str, fault: str = "none", seed: int = 0) -> d
     if spec.packed_input == "latent":
         meta["amax_floor"] = spec.amax_floor
     write_kv_write(out, tensors, meta)
-    planted = fault != "none"
+    planted = fault not in ("none", "cast_overflow")  # cast_overflow: every token
     return {"fault": fault, "token": victim if planted else None, "slot": int(slots[victim]) if planted else None,
-            "tile": tile if fault == "ue8m0_exponent" else None}  # fmt: skip
+            "tile": tile if fault == "ue8m0_exponent" else None,
+            **({"range_of": "float8_e4m3fn"} if fault == "cast_overflow" else {})}  # fmt: skip
 
 
 __all__ = ["FAULTS", "PRESETS", "PackedSpec", "synth_packed"]

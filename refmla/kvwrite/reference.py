@@ -2,7 +2,7 @@
 
     row = cat(latent, rope)                          [T, D], as the writer got them
     bf16 / fp16 / fp32 pool:  row cast to the pool's dtype (round to nearest even)
-    fp8 pool (e4m3fn, e4m3fnuz):  fp32(row) / fp32(scale), saturated to the format's largest
+    fp8 pool (e4m3fn, e4m3fnuz, e5m2):  fp32(row) / fp32(scale), saturated to the format's largest
                               finite value, rounded to nearest even (vLLM's ``scaled_convert``,
                               aiter's quantize, SGLang's cast: ``x.to(fp8)``, its caller divided)
 

@@ -15,10 +15,13 @@ Modules, imports going down this list:
                    rounding points, and both judged with the one comparator
     presets.py     DeepSeek-V4-Flash TP8 (C4, C128, window; the model's per-layer ratios) and V3.2 TP8 shapes
     synth.py       synthetic calls with hostile data (shuffled pages, stale tails, NaN garbage, clamped lengths)
+    byte_faults.py the planted keys of a cache read another way (fp8 encoding, page stride, V3.2's fp32 scales)
     faults.py      production's output with a planted fault: its own plain loop, never the reference
     make.py        `refmla synth OUT --preset deepseek-v4-flash-tp8 [--fault NAME]`
     backends.py    the kernel adapters by name: triton (SGLang's), aiter_sparse, tilelang, flashmla_sparse (and
                    observed), each with the arithmetic it is judged at, each a Backend (SparseBackend)
+    readings.py    a cache's bytes read another way: fp8 encoding, V3.2's fp32 tile scales as bf16 / UE8M0,
+                   page stride (the kv_bytes candidates)
     misplaced.py   rows written to another request's row, one entry read at the neighbouring slot
     hypotheses.py  the sparse-only mistakes (sink, topk_length, -1 as slot 0, the compressed cache,
                    window edges, per-tile UE8M0 scales on either cache, rope bytes) and the shared ones

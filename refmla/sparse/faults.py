@@ -17,6 +17,9 @@ Each fault says what the broken kernel reads; the loop then computes softmax att
     wrong_sm_scale        the softmax scale 1/sqrt(576) instead of the given one
     output_rows_permuted  requests 1 and 2 write each other's output rows
     other_rows_read       one main-cache entry of request 2 read at the next slot (:func:`neighbour_entry`)
+    kv_fp8_encoding_mismatch / kv_page_stride / kv_scale_format   the cache's bytes read another way
+                          (refmla.sparse.byte_faults: V4 read e4m3fnuz, V4 pages at the unpadded stride,
+                          V3.2's fp32 tile scales read as UE8M0)
 
 ``EXPECT`` says which hypothesis (and detail) a replay must name for each.
 """
@@ -28,6 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
+from refmla.sparse.byte_faults import BYTE_FAULTS, byte_keys
 from refmla.sparse.layouts import LAYOUTS
 from refmla.sparse.synth import Pool, SparseCase
 
@@ -57,6 +61,9 @@ def _entries(case: SparseCase, fault: Optional[str], b: int) -> list[torch.Tenso
         moved = neighbour_entry(case) if fault == "other_rows_read" and pid == 0 else None
         if moved is not None and moved[0] == b:
             picked = [moved[3] if k == moved[1] else t for k, t in zip(_listed(row, n), picked)]
+        if fault in BYTE_FAULTS and (pid == 0 or fault == "kv_fp8_encoding_mismatch"):  # an encoding: both caches
+            out.append(byte_keys(pool, picked, fault))
+            continue
         scaled = fault == "scale_exponent_off" and pid == 0 or fault == "scale_exponent_off_extra" and pid == 1
         out.append(_keys(pool, picked, "scale_exponent_off" if scaled or fault == "scale_exponent_off_both" else
                          (fault if pid == 0 else None)))  # fmt: skip
@@ -144,6 +151,9 @@ FAULTS: dict[str, str] = {
     "wrong_sm_scale": "the softmax scale 1/sqrt(576) instead of the given one",
     "output_rows_permuted": "requests 1 and 2 write each other's output rows",
     "other_rows_read": "one main-cache entry of request 2 read at the next slot",
+    "kv_fp8_encoding_mismatch": "V4: the caches' e4m3fn bytes read as e4m3fnuz (MI300X's encoding)",
+    "kv_page_stride": "V4: the main cache's pages read at the unpadded stride (page_size * 584 bytes)",
+    "kv_scale_format": "V3.2 with fp32 tile scales (deepseek-v3.2-tp8-sglang): each read as UE8M0, rounded down",
 }
 # fault -> (the hypothesis a replay names, its detail; None: whatever the data decides, checked by the test)
 EXPECT: dict[str, tuple[str, Optional[dict]]] = {
@@ -156,6 +166,10 @@ EXPECT: dict[str, tuple[str, Optional[dict]]] = {
     "scale_exponent_off_extra": ("scale_exponent_off", {"tile": FAULT_TILE, "factor": 2.0, "cache": "extra"}),
     "scale_exponent_off_both": ("scale_exponent_off", {"tile": FAULT_TILE, "factor": 2.0, "cache": "both"}),
     "wrong_sm_scale": ("wrong_sm_scale", None),
+    "kv_fp8_encoding_mismatch": ("kv_fp8_encoding_mismatch", {"written": "float8_e4m3fn", "read": "float8_e4m3fnuz"}),
+    "kv_page_stride": ("kv_page_stride", None),  # the strides: the preset's page size
+    "kv_scale_format": ("kv_scale_format", {"stored": "fp32", "read": "ue8m0", "cache": "main",
+                                            "how": "its exponent (rounded down to a power of two)"}),
 }
 APPLIES: dict[str, Callable[[SparseCase], bool]] = {
     "sink_omitted": lambda c: c.sink is not None,
@@ -168,6 +182,9 @@ APPLIES: dict[str, Callable[[SparseCase], bool]] = {
     "output_rows_permuted": lambda c: c.q.shape[0] >= 3,
     # V3.2: one entry of ~300 moves the output within noise and only the lse fails; the search reads the output
     "other_rows_read": lambda c: c.extra is not None and neighbour_entry(c) is not None,
+    "kv_fp8_encoding_mismatch": lambda c: c.preset.kv_layout == "v4",
+    "kv_page_stride": lambda c: c.preset.kv_layout == "v4",
+    "kv_scale_format": lambda c: c.preset.kv_layout == "v32" and c.preset.scales == "amax",
 }
 
 

@@ -16,7 +16,7 @@ Two layouts, as FlashMLA (``tests/quant.py``, ``flash_mla_interface.py``) and SG
          value = fp8 * 2^(e - 127);  D = 512, Dv = 512 (the rope section is part of the value)
 
 Token ``t`` of a cache is ``page * page_size + offset`` (the kernels' flat token index). fp8 is
-OCP e4m3fn on gfx950 / CUDA and e4m3fnuz on gfx942 (meta ``kv_fp8_dtype``).
+OCP e4m3fn on gfx950 / CUDA and e4m3fnuz on gfx942 (meta ``kv_fp8_dtype``; e5m2 is read too).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from typing import Optional
 
 import torch
 
-FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e4m3fnuz": torch.float8_e4m3fnuz}
-FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e4m3fnuz": 240.0}
+FP8_DTYPES = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e4m3fnuz": torch.float8_e4m3fnuz,
+              "float8_e5m2": torch.float8_e5m2}  # fmt: skip
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e4m3fnuz": 240.0, "float8_e5m2": 57344.0}
 
 
 @dataclass(frozen=True)
@@ -161,16 +162,23 @@ def quantize(k: torch.Tensor, layout: PackedLayout, page_size: int, fp8: str = "
     return quantize_with_values(k, layout, page_size, fp8)[0]
 
 
-def quantize_with_values(k: torch.Tensor, layout: PackedLayout, page_size: int,
-                         fp8: str = "float8_e4m3fn") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def quantize_with_values(k: torch.Tensor, layout: PackedLayout, page_size: int, fp8: str = "float8_e4m3fn",
+                         amax_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(pages, the values they hold in fp64 [N, D]), the values from the quantizer's own fp8 numbers
-    and scales (not decoded back from the bytes): what synth plants with."""
+    and scales (not decoded back from the bytes): what synth plants with. ``amax_scales`` (fp32
+    layouts): each tile's scale amax / fp8_max in fp32 (SGLang's V3.2 store), not a power of two."""
     N, D = k.shape
     assert D == layout.head_dim and N % page_size == 0, (k.shape, layout.name, page_size)
     x = k.to(torch.float64)
     tiles = x[:, : layout.d_nope].reshape(N, layout.num_tiles, layout.tile)
-    scale = ue8m0_scale(tiles.abs().amax(dim=-1), FP8_MAX[fp8])  # [N, tiles]
-    q8 = (tiles / scale[..., None]).to(torch.float32).to(FP8_DTYPES[fp8]).reshape(N, -1).view(torch.uint8)
+    if amax_scales and layout.scale_kind == "fp32":
+        s32 = tiles.to(torch.float32).abs().amax(dim=-1) / FP8_MAX[fp8]  # [N, tiles] fp32
+        q = (tiles.to(torch.float32) * (1.0 / s32)[..., None]).clamp(-FP8_MAX[fp8], FP8_MAX[fp8])
+        scale = s32.double()
+    else:
+        scale = ue8m0_scale(tiles.abs().amax(dim=-1), FP8_MAX[fp8])  # [N, tiles]
+        q = (tiles / scale[..., None]).to(torch.float32)
+    q8 = q.to(FP8_DTYPES[fp8]).reshape(N, -1).view(torch.uint8)
     rope = x[:, layout.d_nope :].to(torch.bfloat16).view(torch.uint8).reshape(N, -1)
     if layout.scale_kind == "ue8m0":
         sb = torch.zeros(N, layout.scale_bytes, dtype=torch.uint8)

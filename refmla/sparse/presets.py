@@ -14,7 +14,9 @@ model, its ratio, extra-cache geometry and ``layer_id`` read from the list.
 
 DeepSeek-V3.2 (HF config): 128 heads, kv_lora_rank 512 +
 rope 64 = 576, index_topk 2048, DSA page 64, softmax scale 192 ** -0.5 x mscale^2 (yarn factor
-40, mscale_all_dim 1: mscale = 0.1 ln 40 + 1), no sink, one cache.
+40, mscale_all_dim 1: mscale = 0.1 ln 40 + 1), no sink, one cache. Its fp32 tile scales are powers
+of two (FlashMLA's quantizer); ``deepseek-v3.2-tp8-sglang`` stores amax / 448 as SGLang's V3.2 NSA fp8
+store does (``dsa_quant_k_cache``), shorter contexts.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class SparsePreset:
     seed: int = 0
     compress_ratios: tuple = ()  # the model's per-layer ratios (config.compress_ratios); () for V3.2
     layer_id: Optional[int] = None  # the layer of the model this case is (None: a layer of this kind, unnamed)
+    scales: str = "ue8m0"  # V3.2's fp32 tile scales: "ue8m0" (powers of two, FlashMLA's) | "amax" (amax / 448, SGLang's)
 
     @property
     def layer_role(self) -> str:
@@ -91,7 +94,8 @@ PRESETS: dict[str, SparsePreset] = {
                      compress_ratio=0, sink=False, seq_lens=(1, 300, 2048, 2600)),  # fmt: skip
     )
 }
-
+PRESETS["deepseek-v3.2-tp8-sglang"] = replace(PRESETS["deepseek-v3.2-tp8"], name="deepseek-v3.2-tp8-sglang",
+                                              scales="amax", seq_lens=(1, 300, 700))  # SGLang's V3.2 NSA fp8 store
 
 def sparse_preset(name: str) -> SparsePreset:
     if name not in PRESETS:

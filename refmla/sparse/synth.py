@@ -66,7 +66,8 @@ class SparseCase:
         return m
 
 
-def _paged_pool(counts: list[int], layout: str, page_size: int, g: torch.Generator) -> tuple[Pool, list]:
+def _paged_pool(counts: list[int], layout: str, page_size: int, g: torch.Generator,
+                amax_scales: bool = False) -> tuple[Pool, list]:  # fmt: skip
     """A pool holding counts[b] tokens per request in shuffled pages (two spare pages, all garbage
     where unwritten); returns it and each request's token index per position."""
     L = LAYOUTS[layout]
@@ -75,7 +76,7 @@ def _paged_pool(counts: list[int], layout: str, page_size: int, g: torch.Generat
     order = torch.randperm(P, generator=g)
     k = torch.randn(P * page_size, L.head_dim, generator=g, dtype=torch.float64)
     k[:, : L.d_nope] *= torch.linspace(0.5, 2.0, L.d_nope, dtype=torch.float64)  # tiles of different amax
-    pages, values = quantize_with_values(k, L, page_size)
+    pages, values = quantize_with_values(k, L, page_size, amax_scales=amax_scales)
     written = torch.zeros(P * page_size, dtype=torch.bool)
     tokens, next_page = [], 0
     for n, npg in zip(counts, per_req):
@@ -124,7 +125,7 @@ def _others(tokens: list, b: int) -> torch.Tensor:
 def build_case(p: SparsePreset) -> SparseCase:
     g = torch.Generator().manual_seed(p.seed)
     B, L = len(p.seq_lens), LAYOUTS[p.kv_layout]
-    main, main_tok = _paged_pool(list(p.seq_lens), p.kv_layout, p.page_size, g)
+    main, main_tok = _paged_pool(list(p.seq_lens), p.kv_layout, p.page_size, g, amax_scales=p.scales == "amax")
     rows, lens = [], []
     for b, n in enumerate(p.seq_lens):
         if p.window is not None:  # V4: the window, positions in order

@@ -15,6 +15,7 @@
     zoo.py      faults taken from real bugs in real MLA kernels (pages, empty splits, 32-bit
                 offsets, fp8 scales, rope), each with the hypothesis that must name it
     launch_faults.py  faults of a kernel's launch plan: heads folded and unfolded wrongly
+    kv_bytes_faults.py  the bytes between writer and kernel: fp8 encoding, scale format, page stride
 
 The pool is paged: each request's pages are shuffled across the pool, every row no request
 attends (unused pages and the tail of each last page) is NaN, so a kernel that reads past its
@@ -29,7 +30,7 @@ from typing import Any
 
 from refmla.capture import write_capture
 from refmla.schedule import MIN_BLOCK_KV
-from refmla.synthetic import benign, blocktable_faults, launch_faults, verify_faults, zoo  # noqa: F401  (register the benign variants, the verify
+from refmla.synthetic import benign, blocktable_faults, kv_bytes_faults, launch_faults, verify_faults, zoo  # noqa: F401  (register the benign variants, the verify
 #                                                    faults and the zoo's faults)
 from refmla.synthetic import rounding as _rounding  # noqa: F401  (registers the numerics faults)
 from refmla.synthetic.faults import EXPECT, FAULT_MODES, FAULTS, MAY_AGREE, VERIFY_PRESET, faulty_output, spec_for
