@@ -1,0 +1,274 @@
+"""diff-kv of KV that came back from a host tier or a prefix cache: rows paired by the token ids they
+hold (kv_token_ids), not by rid.
+
+The data is laid out the way SGLang's HiCache moves it, by this file's own code (never refmla's):
+a writer request computes its prompt's latent rows into the device pool (pages of 16, handed out
+shuffled); the radix cache backs them up to the host pool (``MLATokenToKVPoolHost``, layout
+``page_first``: [host rows, layers, 1, D]) and the device pages are evicted and reused; a later
+request with another rid whose prompt starts with the same tokens gets the prefix as a host hit,
+``init_load_back`` copies the host rows into freshly allocated device pages
+(``load_to_device_per_layer``), and it computes and decodes the rest. Its capture's ``kv_origin`` is
+SGLang's tier split of the cached prefix (``cached_tokens_device`` / ``_host`` / ``_storage``).
+The fault: one page loaded from the host rows of another layer (a layer_first / page_first mix-up
+of the host layout), or not loaded at all (zeros: a missing sync before the kernel read it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import pytest
+import torch
+
+from refmla.capture import read_capture, write_capture
+from refmla.cli import main
+from refmla.diffkv import diff_kv_files
+
+DV, DR = 32, 8
+D = DV + DR
+P = 16  # SGLang's page size here
+LAYERS = 2
+CAPTURED_LAYER = 1
+COMPUTED, DEVICE_HIT, HOST, STORAGE = 0, 1, 2, 3  # docs/contract.md: kv_origin codes
+
+
+def latent(tokens: list[int], layer: int) -> torch.Tensor:
+    """The latent KV rows [L, D] of a token sequence: row j depends on tokens 0..j (a running hash)."""
+    rows, h = [], 1469598103934665603
+    for t in tokens:
+        h = (h * 1099511628211 + t + 7) % (1 << 61)
+        g = torch.Generator().manual_seed(h ^ (layer * 0x9E3779B9))
+        rows.append(torch.randn(D, generator=g))
+    return torch.stack(rows).to(torch.bfloat16)
+
+
+@dataclass
+class Device:
+    """The device KV pool of every layer, and its page allocator (shuffled free pages)."""
+
+    pages: int = 64
+    seed: int = 0
+    pool: torch.Tensor = field(init=False)  # [layers, pages * P, 1, D]
+    free: list = field(init=False)
+
+    def __post_init__(self):
+        self.pool = torch.full((LAYERS, self.pages * P, 1, D), math.nan).to(torch.bfloat16)
+        g = torch.Generator().manual_seed(self.seed)
+        self.free = [int(p) for p in torch.randperm(self.pages - 1, generator=g) + 1]  # page 0 is SGLang's padding page
+
+    def alloc(self, n_tokens: int) -> torch.Tensor:
+        """Slots for n tokens, whole pages [n_tokens]."""
+        k = -(-n_tokens // P)
+        pages, self.free = self.free[:k], self.free[k:]
+        return (torch.tensor(pages)[:, None] * P + torch.arange(P)).flatten()[:n_tokens]
+
+    def evict(self, slots: torch.Tensor) -> None:
+        """The pages go back to the allocator, their rows overwritten by whoever gets them next."""
+        self.pool[:, slots] = torch.randn(LAYERS, slots.numel(), 1, D).to(torch.bfloat16)
+        self.free += sorted({int(s) // P for s in slots})
+
+
+@dataclass
+class Host:
+    """MLATokenToKVPoolHost, layout page_first: [host rows, layers, 1, D]."""
+
+    rows: int = 512
+    buf: torch.Tensor = field(init=False)
+    used: int = 0
+
+    def __post_init__(self):
+        self.buf = torch.zeros(self.rows, LAYERS, 1, D, dtype=torch.bfloat16)
+
+    def backup(self, dev: Device, slots: torch.Tensor) -> torch.Tensor:
+        """write_backup: device rows of every layer -> host rows; the host indices [n]."""
+        idx = torch.arange(self.used, self.used + slots.numel())
+        self.used += slots.numel()
+        self.buf[idx] = dev.pool[:, slots].transpose(0, 1)
+        return idx
+
+
+@dataclass
+class Request:
+    rid: str
+    tokens: list  # prompt + generated
+    slots: torch.Tensor  # device slot per position
+    origin: list  # kv_origin per position
+
+
+def prefill(dev: Device, rid: str, prompt: list) -> tuple[Request, dict]:
+    """A request computed from scratch: every row computed, the extend capture's tensors."""
+    slots = dev.alloc(len(prompt))
+    for layer in range(LAYERS):
+        dev.pool[layer, slots, 0] = latent(prompt, layer)
+    return Request(rid, list(prompt), slots, [COMPUTED] * len(prompt)), {"new": [len(prompt)]}
+
+
+def reload_prefix(dev: Device, host: Host, host_idx: torch.Tensor, k: int, fault: Optional[str],
+                  bad_page: int, tier: int = HOST) -> torch.Tensor:  # fmt: skip
+    """init_load_back: k host rows -> new device pages, layer by layer (load_to_device_per_layer)."""
+    slots = dev.alloc(k)
+    for layer in range(LAYERS):
+        src = host.buf[host_idx[:k], layer]  # [k, 1, D]
+        if fault == "wrong_layer" and layer == CAPTURED_LAYER:  # page `bad_page` read from the other layer's rows
+            lo, hi = bad_page * P, (bad_page + 1) * P
+            src = src.clone()
+            src[lo:hi] = host.buf[host_idx[lo:hi], 1 - layer]
+        if fault == "not_landed" and layer == CAPTURED_LAYER:
+            src = src.clone()
+            src[bad_page * P : (bad_page + 1) * P] = 0
+        dev.pool[layer, slots] = src
+    return slots
+
+
+def extend_after_hit(dev: Device, rid: str, prompt: list, prefix_slots: torch.Tensor, origin: list) -> Request:
+    """The rest of a prompt computed after a prefix hit: rows [k, L) at new slots."""
+    k = prefix_slots.numel()
+    new = dev.alloc(len(prompt) - k)
+    for layer in range(LAYERS):
+        dev.pool[layer, new, 0] = latent(prompt, layer)[k:]
+    return Request(rid, list(prompt), torch.cat([prefix_slots, new]), origin + [COMPUTED] * (len(prompt) - k))
+
+
+def decode_steps(dev: Device, r: Request, n: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        r.tokens.append(int(torch.randint(5, 30000, (1,), generator=g)))
+        slot = dev.alloc(1) if r.slots.numel() % P == 0 else r.slots[-1:] + 1
+        for layer in range(LAYERS):
+            dev.pool[layer, slot, 0] = latent(r.tokens, layer)[-1:]
+        r.slots = torch.cat([r.slots, slot])
+        r.origin.append(COMPUTED)
+
+
+def capture(path, dev: Device, reqs: list[Request], new: Optional[list] = None, tokens: bool = True) -> str:
+    """One call's capture of the captured layer (extend when ``new`` lists each request's new tokens)."""
+    lens = torch.tensor([len(r.tokens) for r in reqs])
+    t = {"kv_buffer": dev.pool[CAPTURED_LAYER].clone(), "kv_indptr": torch.cat([torch.zeros(1), lens.cumsum(0)]).int(),
+         "kv_indices": torch.cat([r.slots for r in reqs]).int(), "seq_lens": lens.int()}  # fmt: skip
+    if tokens:
+        t["kv_token_ids"] = torch.tensor([x for r in reqs for x in r.tokens], dtype=torch.int64)
+        t["kv_origin"] = torch.tensor([x for r in reqs for x in r.origin], dtype=torch.int8)
+    rows = sum(new) if new else len(reqs)
+    t["q"] = torch.randn(rows, 1, D).to(torch.bfloat16)
+    if new:
+        t["qo_indptr"] = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    meta = {"mode": "extend" if new else "decode", "backend": "unknown", "kv_lora_rank": DV, "qk_rope_head_dim": DR,
+            "sm_scale": 0.1, "logit_cap": 0.0, "page_size": P, "layer_id": CAPTURED_LAYER, "tp_rank": 0,
+            "rids": [r.rid for r in reqs]}  # fmt: skip
+    write_capture(path, t, meta)
+    return str(path)
+
+
+def hicache_world(tmp_path, fault: Optional[str] = None, bad_page: int = 2, tokens: bool = True,
+                  storage_from: Optional[int] = None) -> dict:  # fmt: skip
+    """Writer req-A (96 tokens) captured at its extend; backed up to host, evicted; req-B (another rid) hits
+    64 of A's tokens on the host tier (``storage_from``: positions from there came from the L3 store
+    first), computes 40 more, decodes 5, captured at its extend and its decode beside an unrelated req-C."""
+    dev, host = Device(), Host()
+    g = torch.Generator().manual_seed(11)
+    prompt_a = torch.randint(5, 30000, (96,), generator=g).tolist()
+    a, _ = prefill(dev, "req-A", prompt_a)
+    cap_a = capture(tmp_path / "A-extend.safetensors", dev, [a], new=[96], tokens=tokens)
+    host_idx = host.backup(dev, a.slots)
+    dev.evict(a.slots)  # the device copy is gone: B's prefix can only come from the host
+    k = 64
+    prompt_b = prompt_a[:k] + torch.randint(5, 30000, (40,), generator=g).tolist()
+    origin = [HOST] * k if storage_from is None else [HOST] * storage_from + [STORAGE] * (k - storage_from)
+    prefix = reload_prefix(dev, host, host_idx, k, fault, bad_page)
+    b = extend_after_hit(dev, "req-B", prompt_b, prefix, origin)
+    c, _ = prefill(dev, "req-C", torch.randint(5, 30000, (50,), generator=g).tolist())
+    cap_b = capture(tmp_path / "B-extend.safetensors", dev, [b], new=[40], tokens=tokens)
+    cap_c = capture(tmp_path / "C-extend.safetensors", dev, [c], new=[50], tokens=tokens)
+    decode_steps(dev, b, 5, seed=1)
+    decode_steps(dev, c, 5, seed=2)
+    cap_d = capture(tmp_path / "decode.safetensors", dev, [c, b], tokens=tokens)
+    return {"A": cap_a, "B": cap_b, "C": cap_c, "decode": cap_d}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_clean_host_reload_agrees_against_the_capture_that_wrote_it(tmp_path):
+    w = hicache_world(tmp_path)
+    res = diff_kv_files([w["A"], w["B"], w["C"]], w["decode"])
+    assert res.pairing == "tokens" and res.ok, res.to_json()
+    b = res.request("req-B")
+    assert b.faithful and b.positions_compared == 104  # 64 reloaded + 40 computed; 5 decoded: no counterpart
+    by = {w_.rid: w_.ranges for w_ in b.reuse.written_by}
+    assert by == {"req-A": [(0, 64)], "req-B": [(64, 104)]}  # the prefix against the writer, not B's own reader
+    assert b.reuse.unmatched == [(104, 109)]
+    assert b.reuse.origins == {"host": 64, "computed": 40} and b.reuse.tier is None
+    assert res.request("req-C").faithful
+
+
+def test_a_host_reload_with_one_page_from_another_layer_is_found_naming_the_page(tmp_path):
+    w = hicache_world(tmp_path, fault="wrong_layer", bad_page=2)
+    res = diff_kv_files([w["A"], w["B"], w["C"]], w["decode"])
+    assert not res.ok
+    b = res.request("req-B")
+    assert b.status == "mismatch" and b.mismatched_pages == [2] and b.mismatched_positions == P
+    assert b.first_mismatch == 2 * P
+    assert b.reuse.tier == "host" and b.reuse.mismatch_origins == {"host": P}
+    assert b.reuse.mismatch_pages == {"host": [2]}
+    assert "host tier" in b.summary and "req-A" in b.summary and "page 2" in b.summary
+    assert res.request("req-C").faithful  # 0 false alarms beside it
+    # the reader's own extend capture read the same reloaded rows: it alone would have agreed
+    alone = diff_kv_files([w["B"]], w["decode"])
+    assert alone.request("req-B").faithful
+
+
+def test_a_page_not_landed_from_the_l3_store_names_the_store(tmp_path):
+    w = hicache_world(tmp_path, fault="not_landed", bad_page=3, storage_from=48)
+    res = diff_kv_files([w["A"], w["C"]], w["decode"])
+    b = res.request("req-B")
+    assert b.mismatched_pages == [3] and b.reuse.tier == "storage"
+    assert b.mismatches.decode_zero_rows == P
+    assert b.reuse.unmatched == [(64, 109)]  # B's own rows: no capture given holds them, said, not dropped
+
+
+def test_captures_without_token_ids_keep_rid_pairing(tmp_path):
+    w = hicache_world(tmp_path, fault="wrong_layer", tokens=False)
+    cap = read_capture(w["decode"])
+    assert cap.kv_token_ids is None and cap.kv_origin is None
+    res = diff_kv_files([w["A"], w["B"], w["C"]], w["decode"])
+    assert res.pairing == "rid"
+    assert res.request("req-B").faithful  # paired with its own extend capture: the reload is invisible this way
+    assert res.request("req-A").status == "prefill_only"
+
+
+def test_cli_json_names_the_tier_and_the_page_and_exits_1(tmp_path, capsys):
+    w = hicache_world(tmp_path, fault="wrong_layer", bad_page=1)
+    code = main(["diff-kv", w["A"], w["C"], w["decode"], "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 1 and out["pairing"] == "tokens"
+    b = next(e for e in out["requests"] if e["request"] == "req-B")
+    assert b["mismatched_pages"] == [1] and b["reuse"]["tier"] == "host"
+    assert b["reuse"]["written_by"][0] == {"capture": 0, "rid": "req-A", "positions": [[0, 64]]}
+    assert b["reuse"]["unmatched_positions"] == [[64, 109]]
+    code = main(["diff-kv", w["A"], w["C"], w["decode"]])
+    text = capsys.readouterr().out
+    assert code == 1 and "host tier" in text and "req-A" in text
+
+
+@pytest.mark.parametrize("name,bad,why", [
+    ("kv_token_ids", lambda t: t["kv_token_ids"][:-1], "expected"),
+    ("kv_origin", lambda t: torch.full_like(t["kv_origin"], 9), "code 9"),
+    ("kv_origin", lambda t: t["kv_origin"].float(), "dtype"),
+])  # fmt: skip
+def test_bad_row_tensors_are_one_clear_error(tmp_path, capsys, name, bad, why):
+    w = hicache_world(tmp_path)
+    from safetensors.torch import load_file, save_file
+    import safetensors
+
+    with safetensors.safe_open(w["decode"], "pt") as f:
+        meta = f.metadata()
+    t = load_file(w["decode"])
+    t[name] = bad(t)
+    save_file(t, tmp_path / "bad.safetensors", metadata=meta)
+    code = main(["diff-kv", w["A"], str(tmp_path / "bad.safetensors")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "bad.safetensors" in err and name in err and why in err
