@@ -272,3 +272,23 @@ def test_bad_row_tensors_are_one_clear_error(tmp_path, capsys, name, bad, why):
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "bad.safetensors" in err and name in err and why in err
+
+
+@pytest.mark.parametrize("preset", ["hicache-reload", "hicache-l3-reload"])
+@pytest.mark.parametrize("fault", ["none", "reload_corrupt_page", "reload_not_landed"])
+def test_synth_reload_presets_are_found_by_diff_kv_as_planted(tmp_path, capsys, preset, fault):
+    code = main(["synth-disagg", str(tmp_path), "--preset", preset, "--fault", fault])
+    planted = json.loads(capsys.readouterr().out.split("planted ", 1)[1].rstrip().rstrip(")"))
+    assert code == 0
+    code = main(["diff-kv", str(tmp_path / "prefill"), str(tmp_path / "decode"), "--json"])
+    (res,) = json.loads(capsys.readouterr().out)
+    reader = next(e for e in res["requests"] if e["request"] == "reader-1")
+    assert reader["reuse"]["written_by"][0]["rid"] == "writer-0"
+    other = next(e for e in res["requests"] if e["request"] == "other-2")
+    assert other["status"] == "match"
+    exp = planted["expect"]
+    if exp is None:
+        assert code == 0 and res["ok"] and reader["status"] == "match"
+        return
+    assert code == 1 and reader["mismatched_pages"] == exp["pages"]
+    assert reader["mismatch_ranges"] == [exp["positions"]] and reader["reuse"]["tier"] == exp["tier"]
