@@ -292,3 +292,69 @@ def test_synth_reload_presets_are_found_by_diff_kv_as_planted(tmp_path, capsys, 
         return
     assert code == 1 and reader["mismatched_pages"] == exp["pages"]
     assert reader["mismatch_ranges"] == [exp["positions"]] and reader["reuse"]["tier"] == exp["tier"]
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM: block tables. Prefix caching hands a request the very blocks another request filled (full
+# blocks only, by block hash: the same block ids in both tables); the CPU offload connector loads
+# blocks stored on the host by their hash into blocks freshly taken from the free queue.
+# ---------------------------------------------------------------------------------------------
+
+BS = 16  # vLLM's block size (TRITON_MLA)
+
+
+def vllm_capture(path, kv_cache: torch.Tensor, tables: list, reqs: list, origin: list, tokens: bool = True) -> str:
+    """A vLLM decode capture as the hook writes it: the kernel's block table, no kv_indices."""
+    lens = [len(t) for t in reqs]
+    M = max(len(t) for t in tables)
+    table = torch.zeros(len(tables), M, dtype=torch.int32)  # padding: vLLM's null block 0
+    for b, row in enumerate(tables):
+        table[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    t = {"kv_buffer": kv_cache.flatten(0, 1).unsqueeze(1), "block_table": table, "seq_lens": torch.tensor(lens, dtype=torch.int32),
+         "q": torch.randn(len(reqs), 1, D).to(torch.bfloat16)}  # fmt: skip
+    if tokens:
+        t["kv_token_ids"] = torch.tensor([x for r in reqs for x in r], dtype=torch.int64)
+        t["kv_origin"] = torch.tensor([x for o in origin for x in o], dtype=torch.int8)
+    meta = {"mode": "decode", "backend": "vllm_triton", "kv_lora_rank": DV, "qk_rope_head_dim": DR, "sm_scale": 0.1,
+            "logit_cap": 0.0, "page_size": BS, "null_block": 0, "engine": "vllm", "layer_id": CAPTURED_LAYER,
+            "rids": [f"vreq-{b}" for b in range(len(reqs))] if len(reqs) > 1 else ["cmpl-A"]}  # fmt: skip
+    write_capture(path, t, meta)
+    return str(path)
+
+
+@pytest.mark.parametrize("fault", [None, "stale_block"])
+def test_vllm_offloaded_blocks_loaded_into_new_blocks_are_paired_by_tokens(tmp_path, fault):
+    g = torch.Generator().manual_seed(5)
+    kv = torch.full((40, BS, D), math.nan).to(torch.bfloat16)  # vLLM's MLA kv_cache [num_blocks, block_size, D]
+    free = (torch.randperm(39, generator=g) + 1).tolist()  # the free block queue (block 0: the null block)
+    prompt = torch.randint(5, 30000, (80,), generator=g).tolist()
+    a_blocks = [free.pop() for _ in range(5)]
+    for i, blk in enumerate(a_blocks):
+        kv[blk] = latent(prompt, CAPTURED_LAYER)[i * BS : (i + 1) * BS]
+    cap_a = vllm_capture(tmp_path / "A.safetensors", kv.clone(), [a_blocks], [prompt], [[COMPUTED] * 80])
+    cpu = {i: kv[blk].clone() for i, blk in enumerate(a_blocks)}  # the offload connector's CPU copies, by block
+    for blk in a_blocks:  # A finished; its blocks are freed and reused
+        kv[blk] = torch.randn(BS, D).to(torch.bfloat16)
+    mine = torch.randint(5, 30000, (21,), generator=g).tolist()
+    b_tokens = prompt[:64] + mine  # 4 full blocks hit in the CPU tier
+    b_blocks = [free.pop() for _ in range(6)]
+    for i in range(4):
+        kv[b_blocks[i]] = cpu[i] if not (fault == "stale_block" and i == 1) else cpu[3]
+    full = latent(b_tokens, CAPTURED_LAYER)
+    for i in (4, 5):
+        kv[b_blocks[i], : min(BS, len(b_tokens) - i * BS)] = full[i * BS : (i + 1) * BS]
+    other = torch.randint(5, 30000, (30,), generator=g).tolist()
+    o_blocks = [free.pop() for _ in range(2)]
+    for i, blk in enumerate(o_blocks):
+        kv[blk, : min(BS, 30 - i * BS)] = latent(other, CAPTURED_LAYER)[i * BS : (i + 1) * BS]
+    cap_d = vllm_capture(tmp_path / "decode.safetensors", kv.clone(), [o_blocks, b_blocks], [other, b_tokens],
+                         [[COMPUTED] * 30, [HOST] * 64 + [COMPUTED] * 21])  # fmt: skip
+    res = diff_kv_files([cap_a], cap_d)
+    b = res.request("vreq-1")
+    assert res.pairing == "tokens" and b.positions_compared == 64 and b.reuse.unmatched == [(64, 85)]
+    assert res.request("vreq-0").status == "decode_only"  # no capture holds its tokens: said, not dropped
+    if fault is None:
+        assert b.faithful
+    else:
+        assert b.mismatched_pages == [1] and b.reuse.tier == "host" and b.reuse.written_by[0].rid == "cmpl-A"
+        assert "page 1" in b.summary and b.sources[0].text(b.rid).endswith("page 3")
