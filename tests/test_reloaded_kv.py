@@ -358,3 +358,20 @@ def test_vllm_offloaded_blocks_loaded_into_new_blocks_are_paired_by_tokens(tmp_p
     else:
         assert b.mismatched_pages == [1] and b.reuse.tier == "host" and b.reuse.written_by[0].rid == "cmpl-A"
         assert "page 1" in b.summary and b.sources[0].text(b.rid).endswith("page 3")
+
+
+@pytest.mark.parametrize("fault", ["none", "reload_corrupt_page"])
+def test_disagg_pairs_a_reloaded_prefix_by_tokens_and_names_the_tier(tmp_path, capsys, fault):
+    assert main(["synth-disagg", str(tmp_path), "--preset", "hicache-reload", "--fault", fault]) == 0
+    capsys.readouterr()
+    code = main(["disagg", str(tmp_path / "prefill"), "--decode", str(tmp_path / "decode"), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    row = next(r for r in out["rows"] if r["rid"] == "reader-1")
+    assert row["transfer"]["reuse"]["written_by"][0]["rid"] == "writer-0"  # paired although no prefill capture holds its rid
+    other = next(r for r in out["rows"] if r["rid"] == "other-2")
+    assert other["fault"] == "none"
+    if fault == "none":
+        assert code == 0 and row["fault"] == "none" and row["transfer"]["status"] == "faithful"
+    else:
+        assert code == 1 and row["fault"] == "transfer" and row["transfer"]["mismatched_pages"] == [3]
+        assert "reloaded from the host tier" in row["sentence"] and "writer-0" in row["sentence"]

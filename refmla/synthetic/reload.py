@@ -43,6 +43,7 @@ class ReloadSpec:
     name: str = "hicache-reload"
     kv_lora_rank: int = 512  # Kimi-K2 / DeepSeek-V3 rows: 512 latent + 64 rope, bf16
     qk_rope_head_dim: int = 64
+    num_heads: int = 16  # DeepSeek-V3 / Kimi-K2 query heads per rank at TP8
     page_size: int = 64  # SGLang's page with HiCache on MLA
     prompt: int = 640  # the writer's prompt
     hit: int = 448  # tokens of it the reader gets back (whole pages)
@@ -85,12 +86,12 @@ def _capture(path: Path, spec: ReloadSpec, pool: _Pool, reqs: list[dict], new: O
          "kv_indices": torch.cat([r["slots"] for r in reqs]).int(), "seq_lens": lens.int(),
          "kv_token_ids": torch.tensor([x for r in reqs for x in r["tokens"]], dtype=torch.int64),
          "kv_origin": torch.tensor([x for r in reqs for x in r["origin"]], dtype=torch.int8),
-         "q": torch.randn(sum(new) if new else len(reqs), 1, D, generator=g).to(torch.bfloat16)}  # fmt: skip
+         "q": torch.randn(sum(new) if new else len(reqs), spec.num_heads, D, generator=g).to(torch.bfloat16)}  # fmt: skip
     if new:
         t["qo_indptr"] = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
     meta = {"mode": "extend" if new else "decode", "backend": "unknown", "kv_lora_rank": spec.kv_lora_rank,
             "qk_rope_head_dim": spec.qk_rope_head_dim, "sm_scale": (spec.kv_lora_rank + spec.qk_rope_head_dim) ** -0.5,
-            "logit_cap": 0.0, "page_size": spec.page_size, "layer_id": 0, "tp_rank": 0, "rids": [r["rid"] for r in reqs]}  # fmt: skip
+            "logit_cap": 0.0, "page_size": spec.page_size, "layer_id": 0, "tp_rank": 0, "step": 0, "rids": [r["rid"] for r in reqs]}  # fmt: skip
     write_capture(path, t, meta)
     return str(path)
 
