@@ -375,3 +375,83 @@ def test_disagg_pairs_a_reloaded_prefix_by_tokens_and_names_the_tier(tmp_path, c
     else:
         assert code == 1 and row["fault"] == "transfer" and row["transfer"]["mismatched_pages"] == [3]
         assert "reloaded from the host tier" in row["sentence"] and "writer-0" in row["sentence"]
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V4: the window ring and the compressed (C4) cache of a reused prefix. A clean V4 pair
+# from synth-disagg (its KV map laid out as SGLang's V4 pool pages it); this file's own code gives
+# both sides token ids, renames the decode side's requests (their prefix came back under other
+# rids, from the host tier) and corrupts one window page or one compressed page of one request.
+# ---------------------------------------------------------------------------------------------
+
+
+def _rewrite(path, edit) -> None:
+    import safetensors
+    from safetensors.torch import load_file, save_file
+
+    with safetensors.safe_open(path, "pt") as f:
+        md = dict(f.metadata())
+    t = load_file(path)
+    meta = json.loads(md["meta"])
+    edit(t, meta)
+    md["meta"] = json.dumps(meta)
+    save_file(t, path, metadata=md)
+
+
+@pytest.fixture(scope="module")
+def v4_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("v4reload")
+    assert main(["synth-disagg", str(root), "--preset", "disagg-v4", "--fault", "none"]) == 0
+    return root
+
+
+@pytest.mark.parametrize("fault", [None, "window", "compressed"])
+def test_v4_window_ring_and_compressed_cache_of_a_reloaded_prefix_against_their_writer(v4_pair, tmp_path, fault):
+    import shutil
+
+    pre, dec = tmp_path / "writer.safetensors", tmp_path / "reader.safetensors"
+    shutil.copy(v4_pair / "prefill" / "L2-R0-c0.safetensors", pre)
+    shutil.copy(v4_pair / "decode" / "L2-R0-s0.safetensors", dec)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(5, 30000, (n,), generator=g) for n in (600, 130, 1100, 45)]
+
+    def tokens(extra: int, origin: int):
+        def edit(t, meta):
+            ptr = t["slot_indptr"].long()
+            t["kv_token_ids"] = torch.cat([torch.cat([p, torch.randint(5, 30000, (int(ptr[b + 1] - ptr[b]) - p.numel(),), generator=g)])
+                                           for b, p in enumerate(prompts)])  # fmt: skip
+            t["kv_origin"] = torch.cat([torch.tensor([origin] * p.numel() + [COMPUTED] * (int(ptr[b + 1] - ptr[b]) - p.numel()))
+                                        for b, p in enumerate(prompts)]).to(torch.int8)  # fmt: skip
+            if extra:
+                meta["rids"] = [f"reader-{b}" for b in range(len(prompts))]
+                b, name, page_size, ptr_name, slots_name = ((2, "k_cache", 256, "slot_indptr", "slots") if fault == "window" else
+                                                            (2, "extra_k_cache", 64, "extra_slot_indptr", "extra_slots"))  # fmt: skip
+                if fault is not None:
+                    s = t[slots_name][int(t[ptr_name][b]) : int(t[ptr_name][b + 1])].long()
+                    held = torch.nonzero(s >= 0).flatten()
+                    p = int(held[held % page_size == 0][0])  # the first whole page the cache holds
+                    t[name][int(s[p]) // page_size] ^= 0x5A  # the page's bytes as they came back from the host
+                    edit.position = p
+
+        return edit
+
+    edit_d = tokens(1, HOST)
+    _rewrite(pre, tokens(0, COMPUTED))
+    _rewrite(dec, edit_d)
+    res = diff_kv_files([str(pre)], str(dec))
+    assert res.pairing == "tokens"
+    for b in range(4):
+        for cache in ("window", "compressed"):
+            e = res.request(f"reader-{b}", cache=cache)
+            if b == 3 and cache == "compressed":
+                continue
+            assert e.reuse.written_by[0].rid == f"disagg-v4-r{b}"  # the writer, under its own rid
+            if fault is None or b != 2 or cache != fault:
+                assert e.faithful, (b, cache, e.summary)
+    if fault is None:
+        assert res.ok
+        return
+    e = res.request("reader-2", cache=fault)
+    P = 256 if fault == "window" else 64
+    assert not res.ok and e.first_mismatch == edit_d.position and e.mismatched_pages == [edit_d.position // P]
+    assert e.reuse.tier == "host" and "host tier" in e.summary and "disagg-v4-r2" in e.summary

@@ -15,6 +15,8 @@ Torch only, no refmla import but the capture format: the hook, the checks and th
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from refmla.capture.format import Capture, CaptureError
@@ -41,24 +43,28 @@ TIER_TEXT = {"computed": "rows this request computed", "prefix_cache": "a device
              "unknown": "rows of unknown origin"}  # fmt: skip
 
 
+def row_tensor_problem(name: str, t: torch.Tensor, n: int, like: str = "kv_indices") -> Optional[str]:
+    """What is wrong with row tensor ``name`` of a capture holding ``n`` positions, or None."""
+    if t.dtype not in _DTYPES[name]:
+        allowed = ", ".join(sorted(str(d).replace("torch.", "") for d in _DTYPES[name]))
+        return f"dtype {str(t.dtype).replace('torch.', '')} not allowed here ({allowed})"
+    if t.dim() != 1 or t.shape[0] != n:
+        return f"shape {list(t.shape)}, expected [{n}] (like {like})"
+    if t.numel() and int(t.min()) < -1:
+        return f"holds {int(t.min())}; -1 is the only negative (unknown)"
+    if name == "kv_origin" and t.numel() and int(t.max()) > max(ORIGINS):
+        known = ", ".join(f"{c} {nm}" for c, (nm, _) in ORIGINS.items())
+        return f"holds code {int(t.max())}; known codes are -1..{max(ORIGINS)} ({known})"
+    return None
+
+
 def check_row_tokens(cap: Capture, warnings: list[str]) -> None:
     """kv_token_ids / kv_origin, when present: integer, one entry per kv_indices entry, origin codes known."""
-    n = cap.kv_indices.shape[0]
     for name in ROW_TENSORS:
         t = getattr(cap, name)
-        if t is None:
-            continue
-        if t.dtype not in _DTYPES[name]:
-            raise CaptureError(cap.path, f"tensor '{name}'", f"dtype {str(t.dtype).replace('torch.', '')} not allowed "
-                               f"here ({', '.join(sorted(str(d).replace('torch.', '') for d in _DTYPES[name]))})")  # fmt: skip
-        if t.dim() != 1 or t.shape[0] != n:
-            raise CaptureError(cap.path, f"tensor '{name}'", f"shape {list(t.shape)}, expected [{n}] (like kv_indices)")
-        if t.numel() and int(t.min()) < -1:
-            raise CaptureError(cap.path, f"tensor '{name}'", f"holds {int(t.min())}; -1 is the only negative (unknown)")
-    o = cap.kv_origin
-    if o is not None and o.numel() and int(o.max()) > max(ORIGINS):
-        raise CaptureError(cap.path, "tensor 'kv_origin'", f"holds code {int(o.max())}; known codes are -1..{max(ORIGINS)} "
-                           f"({', '.join(f'{c} {n}' for c, (n, _) in ORIGINS.items())})")  # fmt: skip
+        problem = row_tensor_problem(name, t, cap.kv_indices.shape[0]) if t is not None else None
+        if problem:
+            raise CaptureError(cap.path, f"tensor '{name}'", problem)
 
 
 def tokens_of(cap: Capture, b: int) -> torch.Tensor:
@@ -76,4 +82,4 @@ def origins_of(cap: Capture, b: int) -> torch.Tensor:
 
 
 __all__ = ["ORIGINS", "ORIGIN_CODES", "ROW_TENSORS", "UNKNOWN", "check_row_tokens", "origin_name", "origins_of",
-           "TIER_TEXT", "tokens_of"]  # fmt: skip
+           "row_tensor_problem", "TIER_TEXT", "tokens_of"]  # fmt: skip
