@@ -56,7 +56,7 @@ def _targets(cfg: HookConfig) -> dict[str, Callable[[Any], None]]:
     for backend in sorted(cfg.backends - {"dsv4", "dsa", "kvwrite", "merge"}):
         for module, cls_name in BACKEND_CLASSES[backend]:
             targets[module] = _make_backend_patcher(backend, cls_name)
-    if cfg.backends & set(BACKEND_CLASSES):  # the token ids of the rows the backends' captures hold
+    if cfg.backends & {*BACKEND_CLASSES, "dsv4"}:  # the token ids of the rows the backends' captures hold
         targets[FORWARD_BATCH[0]] = _chain(targets.get(FORWARD_BATCH[0]), _patch_forward_batch)
     for backend, (modules, probes) in kernel_probes.KERNEL_PROBES.items():
         if backend in cfg.backends:
