@@ -5,9 +5,10 @@ The attention call sees only ``forward_batch.rids``; the token ids of a request'
 its prefix-cache split live on ``batch.reqs`` (``origin_input_ids`` + ``output_ids``, and
 ``cached_tokens_device`` / ``cached_tokens_host`` / ``cached_tokens_storage``, SGLang's per-tier split of
 the cached prefix, with ``storage_hit_start`` where the L3 span starts). The wrapper of ``init_new``
-keeps, per rid, references to those lists and the split (no copy, O(batch) per forward), in a bounded
-table; :func:`rows_of` turns an entry into the capture's ``kv_token_ids`` / ``kv_origin`` rows
-(docs/contract.md, "row tokens") when a call is captured.
+keeps, per rid, a weak reference to the request (a dict lookup per request and forward; nothing of the
+server kept alive), in a bounded table; when a call is captured :func:`rows_of` reads the request's
+lists and split then and turns them into the capture's ``kv_token_ids`` / ``kv_origin`` rows
+(docs/contract.md, "row tokens").
 
 Positions of a request in SGLang's order: its cached prefix first, device hit then host (HiCache L2)
 then the L3 store's span, then the tokens it computed. The wrapper never raises into ``init_new`` and
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -42,26 +44,46 @@ class RequestRows:
 
 
 class RequestTable:
-    """rid -> RequestRows, the newest MAX_REQUESTS, safe across threads."""
+    """rid -> a weak reference to its ``Req`` (read when a call is captured), the newest MAX_REQUESTS.
+
+    A weak reference keeps nothing of the server alive (a finished request's objects go when the
+    scheduler drops them); a request already in the table is skipped, so a forward costs a dict lookup
+    per request. An object that cannot be weakly referenced is kept as a :class:`RequestRows` snapshot."""
 
     def __init__(self, limit: int = MAX_REQUESTS):
-        self._rows: "OrderedDict[str, RequestRows]" = OrderedDict()
+        self._refs: "OrderedDict[str, Any]" = OrderedDict()
         self._lock, self.limit = threading.Lock(), limit
 
-    def put(self, rid: str, rows: RequestRows) -> None:
+    def put(self, rid: str, req: Any) -> None:
+        try:
+            ref: Any = weakref.ref(req)
+        except TypeError:
+            ref = _snapshot(req)
         with self._lock:
-            self._rows[rid] = rows
-            self._rows.move_to_end(rid)
-            while len(self._rows) > self.limit:
-                self._rows.popitem(last=False)
+            self._refs[rid] = ref
+            while len(self._refs) > self.limit:
+                self._refs.popitem(last=False)
+
+    def known(self, rid: str, req: Any) -> bool:
+        """``req`` is the one remembered under ``rid``."""
+        ref = self._refs.get(rid)
+        return isinstance(ref, weakref.ref) and ref() is req
 
     def get(self, rid: str) -> Optional[RequestRows]:
+        """What the request under ``rid`` holds now (None: not seen, or gone)."""
         with self._lock:
-            return self._rows.get(rid)
+            ref = self._refs.get(rid)
+        if isinstance(ref, RequestRows) or ref is None:
+            return ref
+        req = ref()
+        try:
+            return _snapshot(req) if req is not None else None
+        except Exception:  # a request object that cannot be read now: its rows are unknown
+            return None
 
     def clear(self) -> None:
         with self._lock:
-            self._rows.clear()
+            self._refs.clear()
 
 
 TABLE = RequestTable()
@@ -72,18 +94,23 @@ def _count(req: Any, name: str) -> int:
     return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
 
 
+def _snapshot(req: Any) -> RequestRows:
+    """A request's token lists (references) and cache split, read now."""
+    start = getattr(req, "storage_hit_start", None)
+    return RequestRows(getattr(req, "origin_input_ids", None) or (), getattr(req, "output_ids", None),
+                       _count(req, "cached_tokens_device"), _count(req, "cached_tokens_host"),
+                       _count(req, "cached_tokens_storage"), start if isinstance(start, int) and start >= 0 else None)  # fmt: skip
+
+
 def record(batch: Any, table: RequestTable = TABLE) -> int:
-    """Remember every request of ``batch.reqs`` (reads attributes only); how many were recorded."""
+    """Remember every request of ``batch.reqs`` not remembered yet (reads attributes only); how many."""
     n = 0
     for req in list(getattr(batch, "reqs", None) or ()):
-        rid, prompt = getattr(req, "rid", None), getattr(req, "origin_input_ids", None)
-        if rid is None or prompt is None:
+        rid = getattr(req, "rid", None)
+        rid = rid if isinstance(rid, str) else str(rid) if rid is not None else None
+        if rid is None or table.known(rid, req) or getattr(req, "origin_input_ids", None) is None:
             continue
-        start = getattr(req, "storage_hit_start", None)
-        table.put(str(rid), RequestRows(prompt, getattr(req, "output_ids", None),
-                                        _count(req, "cached_tokens_device"), _count(req, "cached_tokens_host"),
-                                        _count(req, "cached_tokens_storage"),
-                                        start if isinstance(start, int) and start >= 0 else None))  # fmt: skip
+        table.put(rid, req)
         n += 1
     return n
 
@@ -113,8 +140,9 @@ def wrap_init_new(original: Any, state_of: Callable[[], Any]) -> classmethod:
         state = state_of()
         if state is not None and state.active:
             try:
-                if not record(batch) and getattr(batch, "reqs", None) is None:
+                if getattr(batch, "reqs", None) is None:
                     state.once("noreqs", logging.INFO, "ForwardBatch.init_new got no reqs: captures carry no token ids (said once)")
+                record(batch)
             except Exception as e:  # never into the server; the capture just lacks the tensors
                 state.once("reqs-failed", logging.WARNING, "reading the batch's requests failed (%s: %s): captures carry "
                            "no token ids (said once)", type(e).__name__, e)  # fmt: skip
