@@ -455,3 +455,15 @@ def test_v4_window_ring_and_compressed_cache_of_a_reloaded_prefix_against_their_
     P = 256 if fault == "window" else 64
     assert not res.ok and e.first_mismatch == edit_d.position and e.mismatched_pages == [edit_d.position // P]
     assert e.reuse.tier == "host" and "host tier" in e.summary and "disagg-v4-r2" in e.summary
+
+
+def test_sparse_row_tokens_without_the_kv_map_or_of_the_wrong_length_are_one_clear_error(v4_pair, tmp_path, capsys):
+    import shutil
+
+    bad = tmp_path / "bad.safetensors"
+    shutil.copy(v4_pair / "decode" / "L2-R0-s0.safetensors", bad)
+    _rewrite(bad, lambda t, meta: t.update(kv_token_ids=torch.zeros(t["slots"].numel() - 1, dtype=torch.int64)))
+    code = main(["diff-kv", str(v4_pair / "prefill" / "L2-R0-c0.safetensors"), str(bad)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "bad.safetensors" in err and "kv_token_ids" in err
+    assert "like slots" in err

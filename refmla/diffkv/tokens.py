@@ -50,21 +50,25 @@ def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
 
 def pair_by_tokens(prefill: list[Capture], decode: Capture) -> Pairing:
     """Each decode request with every prefill request it shares a token prefix with (module docstring)."""
-    held = [[tokens_of(c, b) for b in range(c.batch_size)] for c in prefill]
+    by_first: dict[int, list[tuple[int, int, torch.Tensor]]] = {}  # first token id -> the prefill requests starting with it
+    for ci, c in enumerate(prefill):
+        for b in range(c.batch_size):
+            tp = tokens_of(c, b)
+            if tp.numel() and int(tp[0]) >= 0:
+                by_first.setdefault(int(tp[0]), []).append((ci, b, tp))
     used: set[tuple[int, int]] = set()
     reqs: list[PairedRequest] = []
     for d in range(decode.batch_size):
         td, rid = tokens_of(decode, d), decode.rid(d)
         r = TokenPaired(rid if rid is not None else d, rid, d)
-        for ci, c in enumerate(prefill):
-            for b, tp in enumerate(held[ci]):
-                m = _common_prefix(td, tp)
-                if m == 0:
-                    continue
-                s = Source.of(ci, c, b)
-                r.sources.append(Source(ci, b, m, (min(s.new[0], m), min(s.new[1], m))))
-                r.source_rids.append(c.rid(b))
-                used.add((ci, b))
+        for ci, b, tp in by_first.get(int(td[0]), []) if td.numel() else []:
+            m = _common_prefix(td, tp)
+            if m == 0:
+                continue
+            s = Source.of(ci, prefill[ci], b)
+            r.sources.append(Source(ci, b, m, (min(s.new[0], m), min(s.new[1], m))))
+            r.source_rids.append(prefill[ci].rid(b))
+            used.add((ci, b))
         reqs.append(r)
     for ci, c in enumerate(prefill):
         for b in range(c.batch_size):
