@@ -322,6 +322,8 @@ def _prefill_self_check(r: PairedRequest, prefill: list[Capture]) -> PrefillDisa
 def _unpaired(r: PairedRequest) -> RequestDiff:
     if r.decode_b is None:
         return RequestDiff(r.label, r.rid, "prefill_only", note="only in the prefill capture(s)")
+    if isinstance(r, TokenPaired):
+        return RequestDiff(r.label, r.rid, "decode_only", note="no prefill capture holds its tokens (paired by tokens)")
     return RequestDiff(r.label, r.rid, "decode_only", note="only in the decode capture")
 
 
