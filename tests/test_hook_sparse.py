@@ -10,6 +10,8 @@ and the call's keyword arguments are built as ``_forward_attention`` builds them
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -225,6 +227,13 @@ def test_the_hook_records_the_kv_map_diff_kv_reads(tmp_path, v4_pair, monkeypatc
     monkeypatch.setattr(mod, patching.DSV4_ENTRY, lambda backend, **k: (out, lse))  # production's result
     monkeypatch.setattr(sparse_call, "disagg_meta", lambda: {"disagg_mode": node, "disagg_transfer_backend": "mori"})
     patching.install(HookConfig(out_dir=str(tmp_path), backends=frozenset({"dsv4"})))
+    from refmla.hook.requests import record
+
+    lens = src.seq_lens.tolist()  # what ForwardBatch.init_new saw of each request (refmla.hook.requests)
+    prompts = [list(range(100 + b, 100 + b + L - 1)) for b, L in enumerate(lens)]
+    record(SimpleNamespace(reqs=[SimpleNamespace(rid=rid, origin_input_ids=p, output_ids=[7], cached_tokens_device=0,
+                                                 cached_tokens_host=32 if b == 2 else 0, cached_tokens_storage=0)
+                                 for b, (rid, p) in enumerate(zip(src.meta.rids, prompts))]))  # fmt: skip
     try:
         fb, pool = sglang_state(src, [3, 0, 4, 1])
         fb.forward_mode = Mode(decode=node == "decode")
@@ -245,5 +254,9 @@ def test_the_hook_records_the_kv_map_diff_kv_reads(tmp_path, v4_pair, monkeypatc
         mine = physical(getattr(got, pre + "slots").long(), getattr(got, pre + "k_cache_pages").long(), page)
         assert torch.equal(mine, getattr(src, pre + "slots").long())  # the synth's captured numbering is physical
     assert got.k_cache.shape[0] < src.k_cache.shape[0]  # compacted: only the pages the map and indices name
+    assert got.kv_token_ids.tolist() == sum((p + [7] for p in prompts), [])  # each position's token, like slots
+    o = got.kv_origin.tolist()
+    at = int(got.slot_indptr[2])
+    assert o[at : at + 32] == [2] * 32 and o.count(2) == 32 and o.count(0) == len(o) - 32  # request 2's host hit
     result = diff_kv_files([str(next((v4_pair / "prefill").glob("*.safetensors")))], str(path))
     assert result.ok and result.physical_slots and result.positions_compared == 1319

@@ -8,6 +8,7 @@ writes atomically (temp file + rename).
     dcp.py         decode context parallelism's shard geometry: which rank holds which position
     numbers.py     every numeric meta key of every capture kind: its type and range, one table
     format.py      what the file holds: TENSORS, the meta keys and their bounds, Capture
+    rows.py        what each attended row holds (token ids) and where it came from (prefix cache, host tier, L3)
     validation.py  the structural checks, a list of small functions run in order
     read.py        read_capture: header, lazily mapped tensors, validation
     write.py       compact_pool and write_capture (atomic, header sorted)

@@ -42,6 +42,8 @@ TENSORS = {
     "flashmla_tile_scheduler_metadata": False, "flashmla_num_splits": False,
     # decode context parallelism: the combined output of this rank's heads (docs/context-parallel.md)
     "dcp_out": False,
+    # what each attended row holds and where it came from, like kv_indices (refmla.capture.rows)
+    "kv_token_ids": False, "kv_origin": False,
 }  # fmt: skip
 # without kv_indptr / kv_indices, a capture with a block_table has them built by the reader
 BUILT_FROM_BLOCK_TABLE = ("kv_indptr", "kv_indices")
@@ -327,6 +329,8 @@ class Capture:
     flashmla_tile_scheduler_metadata: Optional[torch.Tensor] = None  # [P, 8] int32 (refmla.flashmla_plan)
     flashmla_num_splits: Optional[torch.Tensor] = None  # [B + 1] int32, cumulative splits per request
     dcp_out: Optional[torch.Tensor] = None  # [B, H / dcp_world_size, Dv] the combine's output, this rank's heads
+    kv_token_ids: Optional[torch.Tensor] = None  # like kv_indices: the token id of each position's row (refmla.capture.rows)
+    kv_origin: Optional[torch.Tensor] = None  # like kv_indices: how each row got into the pool (refmla.capture.rows.ORIGINS)
     warnings: list = field(default_factory=list)
     _attended: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
 

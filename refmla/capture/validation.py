@@ -16,6 +16,7 @@ from refmla import blocktable
 from refmla.capture.format import (
     FLOAT_DTYPES, INDEX_DTYPES, MASK_DTYPES, MAX_HEADS, MAX_KV_SPLITS, Capture, CaptureError,
 )  # fmt: skip
+from refmla.capture.rows import check_row_tokens
 from refmla.util import dtype_name, request_label
 
 AITER_BUFFERS = {  # aiter's persistent work buffers: name -> trailing shape (None: 1-D)
@@ -394,6 +395,7 @@ CHECKS: tuple[Check, ...] = (
     check_custom_mask,
     check_block_table,
     check_dcp,
+    check_row_tokens,
     warn_q_values,
     warn_backend_name,
 )

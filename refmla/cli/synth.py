@@ -25,6 +25,7 @@ from refmla.synthetic import FAULTS, PRESETS
 from refmla.synthetic.disagg import DISAGG_PRESETS, disagg_preset, synth_disagg
 from refmla.synthetic.disagg_faults import DISAGG_FAULTS
 from refmla.synthetic.disagg_sparse import SPARSE_DISAGG_FAULTS, SPARSE_DISAGG_PRESETS, sparse_disagg_preset, synth_sparse_disagg
+from refmla.synthetic.reload import RELOAD_FAULTS, RELOAD_PRESETS, reload_preset, synth_reload
 
 
 def _kinds(*kinds: tuple[str, dict, tuple]) -> str:
@@ -52,10 +53,12 @@ def add_parser(sub) -> None:
                         formatter_class=argparse.RawDescriptionHelpFormatter,
                         epilog=f"faults (dense presets {', '.join(DISAGG_PRESETS)}): {', '.join(DISAGG_FAULTS)}\n\n"
                         f"faults (sparse presets {', '.join(SPARSE_DISAGG_PRESETS)}: DeepSeek-V4 window + compressed "
-                        f"caches, V3.2): {', '.join(SPARSE_DISAGG_FAULTS)}")  # fmt: skip
+                        f"caches, V3.2): {', '.join(SPARSE_DISAGG_FAULTS)}\n\n"
+                        f"faults (KV reloaded from a host tier, presets {', '.join(RELOAD_PRESETS)}; diff-kv "
+                        f"OUT/prefill OUT/decode): {', '.join(RELOAD_FAULTS)}")  # fmt: skip
     sd.add_argument("out", type=output_path)
-    sd.add_argument("--preset", default="disagg", choices=[*DISAGG_PRESETS, *SPARSE_DISAGG_PRESETS])
-    sd.add_argument("--fault", default="none", choices=list(dict.fromkeys([*DISAGG_FAULTS, *SPARSE_DISAGG_FAULTS])))
+    sd.add_argument("--preset", default="disagg", choices=[*DISAGG_PRESETS, *SPARSE_DISAGG_PRESETS, *RELOAD_PRESETS])
+    sd.add_argument("--fault", default="none", choices=list(dict.fromkeys([*DISAGG_FAULTS, *SPARSE_DISAGG_FAULTS, *RELOAD_FAULTS])))
     sd.add_argument("--seed", type=int, default=None)
     sd.set_defaults(func=synth_disagg_cmd)
 
@@ -75,6 +78,8 @@ def synth(args) -> int:
 def synth_disagg_cmd(args) -> int:
     if args.preset in SPARSE_DISAGG_PRESETS:
         return _synth_sparse_disagg(args)
+    if args.preset in RELOAD_PRESETS:
+        return _synth_reload(args)
     if args.fault not in DISAGG_FAULTS:
         raise UsageError(f"fault {args.fault!r} is a sparse preset's ({', '.join(SPARSE_DISAGG_PRESETS)}); "
                          f"preset {args.preset} takes {', '.join(DISAGG_FAULTS)}")  # fmt: skip
@@ -87,6 +92,16 @@ def synth_disagg_cmd(args) -> int:
     print(f"wrote {args.out}/prefill and {args.out}/decode (preset {spec.name}, planted {json.dumps(planted)})")
     return EXIT_OK
 
+
+
+def _synth_reload(args) -> int:
+    """A prefix reloaded from a host tier under another rid (refmla.synthetic.reload): diff-kv pairs it by tokens."""
+    if args.fault not in RELOAD_FAULTS:
+        raise UsageError(f"fault {args.fault!r} is not a reload fault; preset {args.preset} takes {', '.join(RELOAD_FAULTS)}")
+    spec = reload_preset(args.preset, **({"seed": args.seed} if args.seed is not None else {}))
+    planted = synth_reload(args.out, spec, args.fault)
+    print(f"wrote {args.out}/prefill and {args.out}/decode (preset {spec.name}, planted {json.dumps(planted)})")
+    return EXIT_OK
 
 
 def _synth_sparse_disagg(args) -> int:

@@ -9,6 +9,9 @@ on either side, so the two captures can be compared position by position, bit fo
                  the owner of position j: the prefill capture whose new tokens include j (chunked
                  prefill: each chunk's extend capture covers the whole sequence after its write),
                  else the last capture that covers j
+    tokens.py    with ``kv_token_ids`` on every capture: pair by the token ids the rows hold, not by rid (a
+                 prefix reused from a prefix cache, a host tier or an L3 store is compared with the capture
+                 that wrote it); per request who wrote its rows and the tier its mismatched rows came from
     diff.py      every position both sides hold (the decode side may hold more), compared; per
                  request: positions compared, mismatched, first mismatch, mismatched pages
                  (decode page_size), max abs difference, row norms of both sides

@@ -22,6 +22,7 @@ from refmla.capture import Capture, CaptureError
 from refmla.diffkv.pairing import PairedRequest, Pairing, pair_requests
 from refmla.diffkv.provenance import RowIndex, sources_of
 from refmla.diffkv.runs import MAX_RANGES, ranges, transfer_runs
+from refmla.diffkv.tokens import TokenPaired, pair_by_tokens, reuse_of, tokens_known
 from refmla.diffkv.result import DiffResult, MismatchDetail, Mismatches, PrefillDisagreement, RequestDiff
 from refmla.diffkv.views import SECTION_BITS, SECTION_TEXT
 from refmla.pool import row_stats, rows_differ, value_stats
@@ -38,7 +39,7 @@ def diff_kv(prefill: list[Capture], decode: Capture) -> DiffResult:
     """
     with single_thread():
         notes = _check_rows(prefill, decode)
-        pairing = pair_requests(prefill, decode)
+        pairing = pair_by_tokens(prefill, decode) if tokens_known(prefill, decode) else pair_requests(prefill, decode)
         plan = _plan(pairing, prefill, decode)
         cmp = _compare(plan, prefill, decode)
         phys = decode.orig_kv_indices is not None and all(c.orig_kv_indices is not None for c in prefill)
@@ -216,6 +217,8 @@ def _request_diff(p: _Planned, cmp: _Compared, prefill: list[Capture], decode: C
                   f"{e.positions_prefill}")  # fmt: skip
     if len(r.sources) > 1:
         e.prefill_disagreements = _prefill_self_check(r, prefill)
+    if isinstance(r, TokenPaired):  # rows paired by the tokens they hold (refmla.diffkv.tokens)
+        e.reuse = reuse_of(r, n, p.held, pos, decode, P)
     if not k:
         return e
     e.mismatches = _mismatches(r, pos, cmp.stats_of(p.off, k), prefill, decode)
@@ -223,7 +226,11 @@ def _request_diff(p: _Planned, cmp: _Compared, prefill: list[Capture], decode: C
         e.transfer_runs = transfer_runs(r, n, m, prefill, decode, P, p.held)
     d_rows = decode.kv_indices[r.decode_at(decode, 0) + pos].long()
     e.sources = sources_of(index.get(), decode, d_rows, pos, r.rid)
+    if isinstance(r, TokenPaired):  # a reader of the same rows (the request's own later capture) is no source
+        e.sources = [src for src in e.sources if not (src.same_request and src.shift == 0)]
     e.summary = _summary(e)
+    reused = e.reuse.text(r.label, k) if e.reuse is not None else ""
+    e.summary = f"{reused}: {e.summary}" if reused else e.summary
     return e
 
 
@@ -315,6 +322,8 @@ def _prefill_self_check(r: PairedRequest, prefill: list[Capture]) -> PrefillDisa
 def _unpaired(r: PairedRequest) -> RequestDiff:
     if r.decode_b is None:
         return RequestDiff(r.label, r.rid, "prefill_only", note="only in the prefill capture(s)")
+    if isinstance(r, TokenPaired):
+        return RequestDiff(r.label, r.rid, "decode_only", note="no prefill capture holds its tokens (paired by tokens)")
     return RequestDiff(r.label, r.rid, "decode_only", note="only in the decode capture")
 
 

@@ -9,7 +9,7 @@ first_mismatch, mismatched_pages}``; every other key is an extra that is only ev
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from refmla.util import present
 
@@ -144,6 +144,7 @@ class RequestDiff:
     transfer_runs: Optional[TransferRuns] = None  # with physical slots on both sides
     sources: Optional[list] = None  # refmla.diffkv.provenance.Source: where mismatched rows' bytes are in the prefill
     cache: Optional[str] = None  # a sparse pair: the cache compared ("window" | "main" | "compressed", refmla.diffkv.views)
+    reuse: Optional[Any] = None  # paired by tokens: refmla.diffkv.tokens.Reuse (who wrote the rows, their origin)
 
     @property
     def paired(self) -> bool:
@@ -178,6 +179,8 @@ class RequestDiff:
                  prefill_captures=list(self.prefill_captures))  # fmt: skip
         if self.note is not None:
             d["note"] = self.note
+        if self.reuse is not None:
+            d["reuse"] = self.reuse.to_json()
         if self.prefill_disagreements is not None:
             d["prefill_disagreements"] = self.prefill_disagreements.to_json()
         if self.mismatches is not None:
@@ -198,7 +201,7 @@ class DiffResult:
     requests: list[RequestDiff]  # paired ones in decode order, then the unpaired
     prefill: list[str]  # paths
     decode: str
-    pairing: str  # "rid" | "order"
+    pairing: str  # "rid" | "order" | "tokens" (kv_token_ids on every capture: refmla.diffkv.tokens)
     page_size: int  # the decode side's
     compared: str  # "bytes" (same dtype on both sides) | "values"
     physical_slots: bool  # orig_kv_indices on both sides: transfer runs reported

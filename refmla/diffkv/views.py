@@ -69,6 +69,7 @@ class CacheRows:
         self.seq_lens = self.kv_indptr[1:] - self.kv_indptr[:-1]  # [B] positions each request's list covers
         self.orig_kv_indices = None if pages is None else physical(self.kv_indices, pages.long(), self.page)
         self.meta = _Meta(self.page, m.rids)
+        self.kv_token_ids, self.kv_origin = _row_tokens(cap, self.kv_indptr, self.ratio if extra else 1)
 
     @property
     def label(self) -> str:
@@ -97,6 +98,29 @@ class CacheRows:
         for bit, (lo, hi) in zip((1, 2, 4), sections(self.layout).values()):
             mask |= (a[:, lo:hi] != b[:, lo:hi]).any(1).long() * bit
         return mask
+
+
+def _row_tokens(cap: SparseCapture, ptr: torch.Tensor, ratio: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The cache's token id and origin per position (refmla.capture.rows), from the capture's per-token ones:
+    a compressed entry i (``ratio`` > 1) stands for tokens [i * ratio, (i + 1) * ratio): its id is a hash of
+    theirs (-1 if one is unknown), so two requests' entries agree as far as whole groups of tokens do; its
+    origin is its last token's."""
+    if cap.kv_token_ids is None or cap.slot_indptr is None:
+        return None, None
+    if ratio <= 1:
+        return cap.kv_token_ids.long(), None if cap.kv_origin is None else cap.kv_origin.long()
+    tok_ptr, ids, org = cap.slot_indptr.long(), [], []
+    for b in range(ptr.numel() - 1):
+        n = int(ptr[b + 1] - ptr[b])
+        t = cap.kv_token_ids[int(tok_ptr[b]) : int(tok_ptr[b]) + n * ratio].long().reshape(n, ratio)  # [n, ratio]
+        h = torch.zeros(n, dtype=torch.int64)
+        for j in range(ratio):  # polynomial hash mod 2^31 - 1 (token ids below 2^31)
+            h = (h * 1000003 + t[:, j] + 1) % 2147483647
+        ids.append(torch.where((t < 0).any(1), -1, h))
+        o = cap.kv_origin[int(tok_ptr[b]) : int(tok_ptr[b]) + n * ratio].long().reshape(n, ratio)[:, -1] if cap.kv_origin is not None else None
+        org.append(o if o is not None else torch.full((n,), -1, dtype=torch.int64))
+    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)  # noqa: E731
+    return cat(ids), cat(org) if cap.kv_origin is not None else None
 
 
 SECTION_BITS = {"nope": 1, "rope": 2, "scales": 4}

@@ -43,6 +43,8 @@ def _transfer_cell(entry: Optional[RequestDiff], why: str = "") -> TransferCell:
     cell = TransferCell("faithful" if entry.faithful else "mismatch", entry.positions_compared,
                         entry.mismatched_positions, entry.first_mismatch, entry.first_page,
                         list(entry.mismatched_pages)[:64], summary=entry.summary, note=entry.note)  # fmt: skip
+    if entry.reuse is not None:
+        cell.reuse = entry.reuse.to_json()
     if entry.mismatches is not None:
         cell.decode_zero_rows, cell.sections = entry.mismatches.decode_zero_rows, entry.mismatches.sections
     run = entry.first_run

@@ -17,6 +17,7 @@ Precedence, the cause before its symptoms:
 
 from __future__ import annotations
 
+from refmla.capture.rows import TIER_TEXT
 from refmla.diffkv.views import SECTION_TEXT
 from refmla.disagg.report import CLASSES, Row
 
@@ -71,6 +72,15 @@ def transfer_text(row: Row) -> str:
         text = (f"the transfer is not faithful: {t.cache_label} page {t.first_page} of {row.rid}: "
                 f"{t.mismatched_positions} of {t.positions_compared} positions of that cache differ, "
                 f"first position {t.first_mismatch} (page {t.first_page}{tokens})")  # fmt: skip
+    elif t.reuse is not None and t.reuse.get("tier") is not None:  # paired by tokens: rows another request wrote
+        tier, pages = t.reuse["tier"], t.reuse["mismatch_pages_by_origin"][t.reuse["tier"]]
+        whom = sorted({w["rid"] for w in t.reuse["written_by"] if w["rid"] not in (None, row.rid)})
+        text = (f"the KV reloaded from {TIER_TEXT[tier]} is not faithful: {t.mismatched_positions} of "
+                f"{t.positions_compared} positions differ from the rows {', '.join(whom) or 'its writer'} wrote, "
+                f"page(s) {', '.join(str(p) for p in pages[:8])}, first position {t.first_mismatch}")  # fmt: skip
+        if t.decode_zero_rows:
+            text += f", {t.decode_zero_rows} all-zero rows (not landed)"
+        return text + ("; " + "; ".join(t.sources[:2]) if t.sources else "")
     else:
         text = (f"the transfer is not faithful: {t.mismatched_positions} of {t.positions_compared} positions differ, "
                 f"first position {t.first_mismatch} (page {t.first_page})")  # fmt: skip

@@ -5,7 +5,10 @@ A decode *series* is the decode captures of one (layer_id, tp_rank), in step ord
 KV is diffed against the prefill side (the transfer landed before that step; later changes of
 its rows are the series check's ``kv_rows_changed``). The prefill captures of a request are
 those of the same layer and rank whose ``rids`` hold its rid -- several for chunked prefill --,
-else those of the same layer on any rank (MLA's latent KV is the same on every TP rank).
+else those of the same layer on any rank (MLA's latent KV is the same on every TP rank). A request no
+prefill capture holds by rid, in a decode capture that records its rows' token ids, gets every prefill
+capture of its layer that records them too: diff-kv pairs its rows by tokens (refmla.diffkv.tokens), so a
+prefix that came back from a prefix cache or a host tier is compared with the capture that wrote it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from refmla.capture import CaptureError, check_file, parse_meta
+from refmla.capture.read import safetensors_open
 from refmla.region_check import RegionCheck, check_region
 from refmla.series import _header, group_series
 from refmla.sparse.format import SparseMeta, is_sparse_meta, parse_sparse_meta
@@ -29,6 +33,7 @@ class Header:
     step: Optional[int]
     rids: Optional[list[str]]
     meta: object  # CaptureMeta, or SparseMeta (a sparse decode capture)
+    tokens: bool = False  # the capture records its rows' token ids (kv_token_ids): diff-kv pairs them by tokens
 
     def region(self) -> RegionCheck:
         """The MR region-size check of the capture's pool geometry (refmla.region_check)."""
@@ -64,7 +69,16 @@ def read_header(path: str) -> Header:
     if raw is None:
         raise CaptureError(path, "header", "not a readable refmla.capture/1 safetensors file")
     meta = parse_sparse_meta(raw, path) if is_sparse_meta(raw) else parse_meta(raw, path)
-    return Header(path, meta.layer_id, meta.tp_rank, meta.step, meta.rids, meta)
+    return Header(path, meta.layer_id, meta.tp_rank, meta.step, meta.rids, meta, "kv_token_ids" in tensor_names(path))
+
+
+def tensor_names(path: str) -> set:
+    """The tensors a capture holds, from its header (none read); empty when unreadable."""
+    try:
+        with safetensors_open(path) as f:
+            return set(f.keys())
+    except Exception:
+        return set()
 
 
 def _headers(paths: Sequence[str], invalid: list) -> dict[str, Header]:
@@ -98,6 +112,8 @@ def plan_disagg(prefill_paths: Sequence[str], decode_paths: Sequence[str]) -> Di
             for rid in new:
                 plan.first_capture[(rid, layer, rank)] = path
                 holders = _holders(by_layer.get(layer, []), rid, rank)
+                if not holders and h.tokens:  # its rows may be another rid's (a prefix cache, a host tier): by tokens
+                    holders = _holders(by_layer.get(layer, []), None, rank)
                 plan.prefill_of[(rid, layer, rank)] = holders
                 needed += [p for p in holders if p not in needed]
             paired = [r for r in new if plan.prefill_of[(r, layer, rank)]]
@@ -124,9 +140,10 @@ def layout_mismatch(prefill: list[Header], decode: list[Header]) -> Optional[str
             f"differ, so no request's transfer can be compared (a dense pool and a sparse one)")  # fmt: skip
 
 
-def _holders(prefill: list[Header], rid: str, rank: Optional[int]) -> list[str]:
-    """Prefill captures of the layer holding ``rid``: same rank first, else any rank (the lowest)."""
-    holding = [h for h in prefill if h.rids is not None and rid in h.rids]
+def _holders(prefill: list[Header], rid: Optional[str], rank: Optional[int]) -> list[str]:
+    """Prefill captures of the layer holding ``rid`` (None: every one that records its rows' token ids,
+    paired by tokens): same rank first, else any rank (the lowest)."""
+    holding = [h for h in prefill if (h.tokens if rid is None else h.rids is not None and rid in h.rids)]
     same = [h for h in holding if h.rank == rank]
     if not same and holding:
         lowest = min((h.rank for h in holding), key=lambda r: (r is None, r))

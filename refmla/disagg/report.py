@@ -36,6 +36,7 @@ class TransferCell:
     ratio: Optional[int] = None  # the compressed cache's tokens per position
     caches: Optional[dict] = None  # a sparse pair: cache name -> {label, status, positions_compared, ...}
     sections: Optional[dict] = None  # packed tokens: mismatched ones whose nope / rope / scales bytes differ
+    reuse: Optional[dict] = None  # paired by tokens: diff-kv's ``reuse`` (who wrote the rows, the tier they came back from)
 
     @property
     def bad(self) -> bool:
@@ -47,6 +48,8 @@ class TransferCell:
              "first_page": self.first_page, "mismatched_pages": list(self.mismatched_pages), "run": self.run,
              "decode_zero_rows": self.decode_zero_rows, "source_rid": self.source_rid, "summary": self.summary,
              "note": self.note, "offset": self.offset, "sources": list(self.sources)}  # fmt: skip
+        if self.reuse is not None:
+            d["reuse"] = dict(self.reuse)
         if self.caches is not None:
             d.update(cache=self.cache, cache_label=self.cache_label, ratio=self.ratio, sections=self.sections,
                      caches={k: dict(v) for k, v in self.caches.items()})

@@ -26,6 +26,7 @@ call that passes the filters. The rest are torch-free, as they run at interprete
     postimport.py     the sys.meta_path finder/loader: patch a module the moment it is imported
     runtime.py        probes: graph capture, torch.compile, TP rank, versions
     call.py           Skip, Call, Indices, CallContext: what the stages hand on
+    requests.py       the scheduler's requests as ForwardBatch.init_new gets them: token ids and cache tiers per rid
     filters.py        before the kernel: the cheap filters (layer, rank, EVERY, mode, MIN_SEQ_LEN)
     kernel_probes.py  notes from inside SGLang's kernel module (gfx950 forced splits, Lean)
     tensors.py        (torch) pool rows gathered, slots renumbered, unwritten splits blanked

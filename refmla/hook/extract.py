@@ -29,7 +29,7 @@ from refmla.hook import nvidia
 from refmla.hook.aiter_meta import aiter_buffers
 from refmla.hook.call import Call, CallContext, Skip
 from refmla.hook.modes import READERS
-from refmla.hook.tensors import blank_empty_splits, gather_rows, referenced_rows, remap_req_to_token
+from refmla.hook.tensors import blank_empty_splits, gather_rows, referenced_rows, remap_req_to_token, row_tokens
 from refmla.hook.writer import HookState, capture_name
 
 
@@ -49,6 +49,7 @@ def after(state: HookState, call: Call, backend_obj: Any, result: Any) -> None:
     if not state.admit(estimate_bytes(ctx, rows)):
         return
     tensors = host_tensors(ctx, rows)
+    tensors.update(row_tokens(getattr(call.forward_batch, "rids", None), ctx.seq_lens))  # what each row holds, when known
     meta = meta_providers.assemble(ctx, reader.meta)
     buffers, why_not = aiter_buffers(ctx)  # aiter's persistent work buffers, when small
     tensors.update(buffers)

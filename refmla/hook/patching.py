@@ -28,7 +28,9 @@ from refmla.hook.call import Skip
 from refmla.hook.config import HookConfig, id_text
 from refmla.hook.filters import before
 from refmla.hook.postimport import Installation, InstallSlot
-from refmla.hook.sglang_paths import BACKEND_CLASSES, CHUNKED_PREFILL, DECODE_ONLY, KV_WRITERS, MARK, MERGES, METHODS
+from refmla.hook.requests import TABLE, wrap_init_new
+from refmla.hook.sglang_paths import (BACKEND_CLASSES, CHUNKED_PREFILL, DECODE_ONLY, FORWARD_BATCH, KV_WRITERS, MARK, MERGES,
+                                      METHODS)  # fmt: skip
 from refmla.hook.writer import HookState
 
 _SLOT = InstallSlot()  # the hook's one installation in this process (refmla.hook.postimport)
@@ -55,6 +57,8 @@ def _targets(cfg: HookConfig) -> dict[str, Callable[[Any], None]]:
     for backend in sorted(cfg.backends - {"dsv4", "dsa", "kvwrite", "merge"}):
         for module, cls_name in BACKEND_CLASSES[backend]:
             targets[module] = _make_backend_patcher(backend, cls_name)
+    if cfg.backends & {*BACKEND_CLASSES, "dsv4"}:  # the token ids of the rows the backends' captures hold
+        targets[FORWARD_BATCH[0]] = _chain(targets.get(FORWARD_BATCH[0]), _patch_forward_batch)
     for backend, (modules, probes) in kernel_probes.KERNEL_PROBES.items():
         if backend in cfg.backends:
             for module in modules:  # a backend's own module may be probed too: run both patchers
@@ -91,6 +95,7 @@ def install(cfg: HookConfig) -> HookState:
 def uninstall() -> None:
     """Restore every patched method and kernel-module attribute and drop the import hook."""
     _SLOT.uninstall()
+    TABLE.clear()
 
 
 def patched_methods() -> list[str]:
@@ -159,6 +164,11 @@ def _patch_dsa_aiter(module) -> None:
     from refmla.hook.dsa_call import wrap_forward_aiter
 
     _wrap_class_method(module, DSA_CLASS, DSA_METHOD, wrap_forward_aiter, "dsa", "DSA aiter decode")
+
+
+def _patch_forward_batch(module) -> None:
+    """Wrap ForwardBatch.init_new: the batch's requests' token ids and cache tiers (refmla.hook.requests)."""
+    _wrap_class_method(module, FORWARD_BATCH[1], FORWARD_BATCH[2], wrap_init_new, "requests", "token ids of captured rows")
 
 
 INDEXER_MODULE, INDEXER_CLASS, INDEXER_METHOD = "sglang.srt.layers.attention.dsa.dsa_indexer", "Indexer", "_get_topk_paged"

@@ -87,6 +87,9 @@ CHUNKED_PREFILL: dict[str, tuple[tuple[Optional[str], str, str], ...]] = {
     "sglang.srt.models.deepseek_common.attention_forward_methods.forward_mha": (
         ("DeepseekMHAForwardMixin", "forward_normal_chunked_kv_core", "sglang"),),
 }  # fmt: skip
+# where the scheduler's requests meet the forward pass: ForwardBatch.init_new(batch, ...) reads batch.reqs
+# (refmla.hook.requests records their token ids and prefix-cache tiers for the captured rows)
+FORWARD_BATCH = ("sglang.srt.model_executor.forward_batch_info", "ForwardBatch", "init_new")
 MARK = "__refmla_hook__"  # set on every function the hook puts into SGLang; holds the original
 
 

@@ -32,6 +32,7 @@ from refmla.hook.geometry import disagg_meta, pool_counts, registered_regions
 from refmla.hook.filters import after_call_filters
 from refmla.hook.runtime import versions
 from refmla.hook.sparse_kv import kv_map, last_rows
+from refmla.hook.tensors import row_tokens
 from refmla.hook.writer import HookState, capture_name
 from refmla.sparse.validation import write_sparse
 from refmla.sparse.layouts import LAYOUTS
@@ -174,6 +175,8 @@ def capture_call(state: HookState, kw: dict, result: Any, backend: str) -> None:
     meta.update(ratio)
     if kvm is not None and "rids" in kvm:
         meta["rids"] = kvm["rids"]
+        if "seq_lens" in tensors:  # each position's token id and origin, like slots (refmla.hook.requests)
+            tensors.update(row_tokens(kvm["rids"], tensors["seq_lens"]))
     meta.update(backend=backend, layer_id=max(layer_id, 0), tp_rank=rank, step=step,
                 sglang_version=versions().get("sglang_version"), capture_tool="refmla.hook.sparse_call")  # fmt: skip
     name = capture_name(mode="sparse", rank=rank, layer=max(layer_id, 0), step=step, backend=backend, pid=os.getpid())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from refmla.hook.requests import TABLE, RequestTable, rows_of
 from refmla.hook.sglang_paths import DECODE_KERNEL_MODULES, loaded_module
 from refmla.schedule import nonempty_splits_batch
 
@@ -45,3 +46,19 @@ def blank_empty_splits(attn_logits: torch.Tensor, attn_lse: torch.Tensor, seq_le
     empty = filled[:, None] <= torch.arange(S)[None, :]  # [B, S]
     attn_logits[empty[:, None, :, None].expand_as(attn_logits)] = float("nan")
     attn_lse[empty[:, None, :].expand_as(attn_lse)] = float("nan")
+
+
+def row_tokens(rids, seq_lens: torch.Tensor, table: RequestTable = TABLE) -> dict[str, torch.Tensor]:
+    """``kv_token_ids`` / ``kv_origin`` (refmla.capture.rows) of requests ``rids`` holding ``seq_lens``
+    positions each, from what ForwardBatch.init_new saw (refmla.hook.requests); {} when no request is known."""
+    if rids is None or len(rids) < seq_lens.numel():
+        return {}
+    known = [table.get(str(rid)) for rid in list(rids)[: seq_lens.numel()]]
+    if all(k is None for k in known):
+        return {}
+    tokens, origin = [], []
+    for rows, L in zip(known, seq_lens.tolist()):
+        t, o = rows_of(rows, int(L))
+        tokens += t
+        origin += o
+    return {"kv_token_ids": torch.tensor(tokens, dtype=torch.int64), "kv_origin": torch.tensor(origin, dtype=torch.int8)}

@@ -15,12 +15,13 @@ def render_diff(result: DiffResult) -> str:
     sparse = result.caches is not None  # a sparse pair: one row per request and cache
     rows = [_row(e)[:1] + [_cache(result, e)] + _row(e)[1:] if sparse else _row(e) for e in result.requests]
     body = table(rows, HEADER[:1] + ["cache"] + HEADER[1:] if sparse else HEADER)
-    return "\n".join([*_head(result), "", body, *_runs(result), *_sources(result), "", *_verdict(result)])
+    return "\n".join([*_head(result), "", body, *_runs(result), *_sources(result), *_reuse(result), "", *_verdict(result)])
 
 
 def _head(result: DiffResult) -> list[str]:
     pre = result.prefill
-    chunks = f" (+{len(pre) - 1} chunk capture(s): {', '.join(pre[1:])})" if len(pre) > 1 else ""
+    kind = "capture(s)" if result.pairing == "tokens" else "chunk capture(s)"
+    chunks = f" (+{len(pre) - 1} {kind}: {', '.join(pre[1:])})" if len(pre) > 1 else ""
     lines = [
         f"prefill  {pre[0]}{chunks}",
         f"decode   {result.decode}",
@@ -40,7 +41,8 @@ def _row(e: RequestDiff) -> list[str]:
     note = e.summary or e.note or ("" if e.status == "match" else e.status)
     dis = e.prefill_disagreements
     if dis is not None and dis.positions:
-        note += f" | prefill chunks disagree at {dis.positions} positions (first {dis.first})"
+        who = "captures holding these tokens" if e.reuse is not None else "prefill chunks"
+        note += f" | {who} disagree at {dis.positions} positions (first {dis.first})"
     mm = e.mismatches
     return [
         str(e.request),
@@ -81,6 +83,25 @@ def _sources(result: DiffResult) -> list[str]:
     said = [f"  {e.request}{' ' + _cache(result, e) if e.cache else ''}: {src.text(e.rid)}" for e in result.requests
             for src in (e.sources or [])]  # fmt: skip
     return ["", "mismatched rows found in the prefill:", *said[:MAX_RUN_LINES]] if said else []
+
+
+def _reuse(result: DiffResult) -> list[str]:
+    """Paired by tokens: whose rows each request was compared with, and its positions with no counterpart."""
+    lines = []
+    for e in result.requests:
+        if e.reuse is None:
+            continue
+        parts = [f"{_spans(w.ranges)} against {w.rid if w.rid is not None else 'a request'} (capture {w.capture})"
+                 for w in e.reuse.written_by]  # fmt: skip
+        if e.reuse.unmatched:
+            parts.append(f"{_spans(e.reuse.unmatched)} no counterpart (not compared)")
+        origins = ", ".join(f"{n} {k}" for k, n in e.reuse.origins.items())
+        lines.append(f"  {e.request}: " + "; ".join(parts) + (f" | compared rows by origin: {origins}" if origins else ""))
+    return ["", "rows compared by the tokens they hold:", *lines[:MAX_RUN_LINES]] if lines else []
+
+
+def _spans(runs: list) -> str:
+    return "positions " + ", ".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in runs[:4]) + (" ..." if len(runs) > 4 else "")
 
 
 def _verdict(result: DiffResult) -> list[str]:

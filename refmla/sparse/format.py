@@ -20,6 +20,9 @@ meta ``mode`` is ``sparse_decode``. Tensors (B requests, S query tokens each, H 
     golden_out         [B, S, H, Dv] fp64   golden files only (refmla.sparse.golden): the stored reference
     golden_lse         [B, S, H] fp64
 
+Row tokens (optional, with the KV map): ``kv_token_ids`` / ``kv_origin`` [N] like ``slots``, each position's
+token id and origin (refmla.capture.rows); diff-kv then pairs both caches by tokens (refmla.diffkv.tokens).
+
 The KV map (optional, issue 28: what diff-kv and disagg compare position by position; the top-k
 ``indices`` name only what one call read):
 
@@ -54,6 +57,7 @@ TENSORS = {
     "inv_rope_freqs": False, "inv_rope_positions": False, "golden_out": False, "golden_lse": False,
     "seq_lens": False, "slot_indptr": False, "slots": False, "extra_slot_indptr": False, "extra_slots": False,
     "k_cache_pages": False, "extra_k_cache_pages": False,
+    "kv_token_ids": False, "kv_origin": False,  # like slots: each position's token id and origin (refmla.capture.rows)
 }  # fmt: skip
 KV_MAP = {"": ("slot_indptr", "slots", "k_cache_pages"), "extra_": ("extra_slot_indptr", "extra_slots", "extra_k_cache_pages")}
 DISAGG_MODES = ("prefill", "decode", "null")
@@ -238,6 +242,8 @@ class SparseCapture:
     extra_slots: Optional[torch.Tensor] = None  # [N2] compressed-cache tokens per entry, -1 not held
     k_cache_pages: Optional[torch.Tensor] = None  # [P] production page of each captured page
     extra_k_cache_pages: Optional[torch.Tensor] = None  # [P2]
+    kv_token_ids: Optional[torch.Tensor] = None  # [N] like slots: the token id of each position (refmla.capture.rows)
+    kv_origin: Optional[torch.Tensor] = None  # [N] like slots: how each position's rows got into the caches
     warnings: list = field(default_factory=list)
 
     @property

@@ -22,6 +22,7 @@ from refmla.capture import CaptureError
 from refmla.capture.numbers import meta_json
 from refmla.capture.read import open_capture, safetensors_open
 from refmla.capture.write import sorted_header
+from refmla.capture.rows import ROW_TENSORS, row_tensor_problem
 from refmla.sparse.format import KV_MAP, TENSORS, SparseCapture, SparseMeta, is_sparse_meta, parse_sparse_meta
 from refmla.sparse.layouts import PackedLayout
 from refmla.results import Finding
@@ -172,7 +173,8 @@ def _kv_map(cap: SparseCapture) -> list[tuple[str, str]]:
     """The KV map (refmla.sparse.format): the lengths, each cache's token per position, its page map."""
     present = [n for n in ("seq_lens", *KV_MAP[""], *KV_MAP["extra_"]) if getattr(cap, n) is not None]
     if not present:
-        return []
+        rows = [n for n in ROW_TENSORS if getattr(cap, n) is not None]
+        return [(rows[0], "present without the KV map (seq_lens, slot_indptr, slots)")] if rows else []
     B, L = cap.q.shape[0], cap.seq_lens
     if L is None:
         return [("seq_lens", f"missing: {present[0]} is part of the KV map, which needs the requests' lengths")]
@@ -182,6 +184,10 @@ def _kv_map(cap: SparseCapture) -> list[tuple[str, str]]:
         return [("slots", "missing: seq_lens comes with slot_indptr and slots (the main cache's token per position)")]
     ratio = cap.meta.compress_ratio
     out = _cache_map(cap, "", cap.k_cache, cap.meta.page_size, L)
+    for name in ROW_TENSORS:  # each position's token id and origin, like slots (refmla.capture.rows)
+        t = getattr(cap, name)
+        problem = row_tensor_problem(name, t, cap.slots.numel(), "slots") if t is not None and cap.slots is not None else None
+        out += [(name, problem)] if problem else []
     if cap.extra_k_cache is None:
         out += [(n, "present without extra_k_cache") for n in KV_MAP["extra_"] if getattr(cap, n) is not None]
     elif cap.extra_slots is not None or cap.extra_slot_indptr is not None:

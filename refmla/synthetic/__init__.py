@@ -8,6 +8,8 @@
     disagg_faults.py  its faults (transfer, metadata, compute) and what `refmla disagg` must name
     disagg_sparse.py  the same over sparse pools (DeepSeek-V4: window + compressed caches; V3.2): the
                 KV map on both sides, transfer faults in either cache, what `refmla disagg` must name
+    reload.py   a prefix reloaded from a host tier (or an L3 store) under another rid, a page of it corrupted
+                or not landed: what diff-kv pairs by the tokens the rows hold
     verify_faults.py  the speculative-verify faults (draft KV, causal alignment, masks, qlen padding)
     benign.py   correct kernels that round their own way (expect=None): they must pass
     blocktable_faults.py  the block-table kernels' faults (vLLM, FlashMLA, FlashInfer), planted
