@@ -122,15 +122,18 @@ def cuda_in_play() -> bool:
         return False
 
 
-def run_isolated(fn: Callable[..., Any], *args: Any, wall_s: float | None = None) -> Any:
+def run_isolated(fn: Callable[..., Any], *args: Any, wall_s: float | None = None, retry: bool = True) -> Any:
     """``fn(*args)`` in a child process; its return value, or its exception re-raised here:
     BackendUnavailable and refmla.kernel.InterfaceError as themselves, anything else as KernelError,
-    a death as KernelCrashed (a forked child still running after ``wall_s`` seconds too)."""
+    a death as KernelCrashed (a forked child still running after ``wall_s`` seconds too: run once
+    more unless ``retry`` is False, when ``wall_s`` is a deadline rather than a hang's limit)."""
     if not hasattr(os, "fork") or cuda_in_play():
         return _spawned(fn, args)
     try:
         return _forked(fn, args, wall_s)
-    except KernelTimeout:  # once more in a fresh child: a lock the fork inherited is the fork's
+    except KernelTimeout:
+        if not retry:
+            raise  # once more in a fresh child: a lock the fork inherited is the fork's
         return _forked(fn, args, wall_s)  # doing, not the kernel's; a kernel that hangs again is the finding
 
 

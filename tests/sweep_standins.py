@@ -133,3 +133,27 @@ class RaisesAt8Heads(Backend):
         if cap.q.shape[1] == 8:
             raise RuntimeError("illegal memory access (planted at 8 heads)")
         return backends.get_backend("reference").run(cap, opts)
+
+
+class SleepsAt8Heads(Backend):
+    """The fp64 reference, 0.2 s slower a run, except that at 8 heads it runs for 100 s where
+    ``REFMLA_TEST_LONG_AT_8=1`` (a case that cannot finish in what is left of a short budget)."""
+
+    name = "sleeps_at_8_heads"
+
+    def availability(self) -> tuple[bool, str]:
+        return True, "the reference; 0.2 s a run, 100 s at 8 heads (REFMLA_TEST_LONG_AT_8=1)"
+
+    def run(self, cap, opts) -> BackendResult:
+        import os
+        import time
+
+        long = cap.q.shape[1] == 8 and os.environ.get("REFMLA_TEST_LONG_AT_8") == "1"
+        time.sleep(100.0 if long else 0.2)
+        return backends.get_backend("reference").run(cap, opts)
+
+
+def install_sleeper() -> None:
+    """``sleeps_at_8_heads`` a backend name in this process (setup ``sweep_standins:install_sleeper``)."""
+    backends._CACHE[SleepsAt8Heads.name] = SleepsAt8Heads()
+    backends._WHERE[SleepsAt8Heads.name] = f"sweep_standins:{SleepsAt8Heads.__name__}"

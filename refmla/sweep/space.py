@@ -241,6 +241,12 @@ class Walk:
                         out.add(((a, va), (b, vb)))
         return out
 
+    def covered(self, points: Sequence[Mapping[str, Any]]) -> int:
+        """The planned value pairs (of ``pairs_total``) that ``points`` hold: the walk's coverage
+        counted over the points that ran (a point the budget did not start covers nothing)."""
+        held = {pair for p in points for pair in itertools.permutations(p.items(), 2)}
+        return len(self._pairs() & held)
+
     def _new_pairs(self, point: dict, axis: str, value: Any, todo: set) -> int:
         return sum((((a, v), (axis, value)) in todo) + (((axis, value), (a, v)) in todo) for a, v in point.items())
 
