@@ -45,7 +45,7 @@ from refmla.results import PART_NAMES
 from refmla.splits import result_parts
 from refmla.sweep import budget
 from refmla.sweep.budget import NOT_RUN, CutOff
-from refmla.sweep.cases import capture_of, split_alternatives, with_splits
+from refmla.sweep.cases import capture_of, moved_pool, split_alternatives, with_splits
 from refmla.sweep.report import CheckOutcome
 from refmla.util import error_text
 
@@ -79,6 +79,7 @@ class CaseChecks:
         self.timing = Timing()
         self.cap = capture_of(case)
         self._ctx: Optional[ReplayContext] = None
+        self._moved = None  # the capture with its pool past int32 offsets, built once (a pool_base_row case)
 
     @property
     def ctx(self) -> ReplayContext:
@@ -95,6 +96,9 @@ class CaseChecks:
         """One run of ``backend`` on ``case`` (this case, or it at other split counts)."""
         b = get_backend(backend)
         cap = self.cap if case is self.case else capture_of(case)
+        if case.pool_base_row:  # the pool past int32 element offsets (the reference keeps it compact)
+            cap = self._moved if case is self.case and self._moved is not None else moved_pool(cap, case.pool_base_row)
+            self._moved = cap if case is self.case else self._moved
         opts = replace(self.opts, buffer_fill=fill)
         t0 = budget.now()
         try:
