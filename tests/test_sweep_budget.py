@@ -14,6 +14,7 @@ import pytest
 import refmla.backends as backends
 from refmla.backends.base import Backend
 from refmla.sweep import SweepConfig, run_sweep
+from refmla.sweep.cases import case_of
 
 SPACE = ["heads=8,4", "batch=1,2", "length=1,page+1", "page=16"]
 
@@ -202,3 +203,22 @@ def test_jobs_keep_the_budget_and_give_the_serial_results(tmp_path, monkeypatch)
         want = {k: (o.status, o.detail) for k, o in by_index[i].outcomes["sleeps_at_8_heads"].items()}
         got = {k: (o.status, o.detail) for k, o in c.outcomes["sleeps_at_8_heads"].items()}
         assert got == want and c.params == by_index[i].params, (i, got, want)
+
+
+def test_the_cost_model_and_the_work_it_is_fitted_on():
+    """seconds = overhead + rate x work, least squares; one size seen: through the origin; none: no
+    prediction. Work counts heads in 16-head tiles and a fixed cost per split of each query row, so
+    a batch of 64 short requests at 4 heads (64 programs) outweighs one 128-token request at 16."""
+    from refmla.sweep.budget import ROW_TOKENS, CostModel, work
+    from refmla.sweep.cases import with_splits
+
+    m = CostModel()
+    assert m.predict("k", "decode", 10) is None and m.case_seconds(["k"], "decode", 10) == 0
+    m.add("k", "decode", 100, 3.0)
+    assert m.predict("k", "decode", 200) == pytest.approx(6.0)  # one size: the rate through the origin
+    m.add("k", "decode", 300, 7.0)
+    assert m.predict("k", "decode", 200) == pytest.approx(5.0) and m.predict("k", "sparse", 200) is None
+    one = case_of("decode", {"heads": 16, "page": 1, "length": "128", "batch": 1, "splits": "1", "kv": "bfloat16", "cap": 0.0}, 0, 0)
+    many = case_of("decode", {"heads": 4, "page": 1, "length": "1", "batch": 64, "splits": "1", "kv": "bfloat16", "cap": 0.0}, 0, 0)
+    assert work(one) == 16 * (128 + ROW_TOKENS) and work(many) > 16 * 64 * ROW_TOKENS > work(one)
+    assert work(with_splits(one, (4,))) == 16 * (128 + 4 * ROW_TOKENS)

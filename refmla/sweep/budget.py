@@ -2,7 +2,8 @@
 
     now()        the clock every budget decision reads (time.monotonic; one clock for every
                  process of a machine, so a ``--jobs`` worker reads the walk's deadline as set)
-    work(case)   the elements a case attends: query rows x heads x (tokens each row attends + 1)
+    work(case)   the elements a case attends: query rows x 16-head tiles x (tokens each row attends
+                 + ROW_TOKENS a split)
     CostModel    seconds = overhead + rate x work, per (backend, layout), fitted to the cases this
                  run has timed; it predicts a case's cost before it starts
     CutOff       raised where a case meets its deadline: the kernel's child is killed there, and
@@ -27,6 +28,7 @@ from refmla.sweep.space import sparse_valid
 
 OVERRUN = 0.05  # a started case is cut off at budget x (1 + OVERRUN) of the walk's start
 UNSTARTED_IN_A_ROW = 64  # points in a row predicted past the budget after which the walk ends
+ROW_TOKENS = 256  # a program's fixed cost (one query row's split, a 16-head tile), counted as tokens attended
 
 
 def now() -> float:
@@ -63,14 +65,17 @@ def call(fn: Callable[..., Any], args: tuple, wall_s: Optional[float], deadline:
 
 
 def work(case: Any) -> int:
-    """The elements a case attends, query rows x heads x (tokens each row attends + 1): a dense
-    case's requests (verify: ``draft_token_num`` rows each), a sparse case's valid entries of both
-    caches (refmla.sweep.space.sparse_valid)."""
-    heads = int(case.num_heads)
+    """What a case attends, in elements: its heads in tiles of 16 (the heads one program of SGLang's
+    and vLLM's kernels takes) x, per query row, the tokens it attends plus ROW_TOKENS per split (a
+    program's fixed cost, which the Triton interpreter makes large): a dense case's requests (verify:
+    ``draft_token_num`` rows each), a sparse case's valid entries of both caches
+    (refmla.sweep.space.sparse_valid), one split a row."""
+    heads = -(-int(case.num_heads) // 16) * 16
     if hasattr(case, "cache"):  # a sparse case: one query row per request
-        return heads * sum(sparse_valid(int(n), case.cache, int(case.topk)) + 1 for n in case.seq_lens)
+        return heads * sum(sparse_valid(int(n), case.cache, int(case.topk)) + ROW_TOKENS for n in case.seq_lens)
     rows = max(1, int(getattr(case, "draft_token_num", 0) or 0))
-    return heads * rows * sum(int(n) + 1 for n in case.seq_lens)
+    splits = getattr(case, "splits", None) or (1,) * len(case.seq_lens)
+    return heads * rows * sum(int(n) + ROW_TOKENS * int(s) for n, s in zip(case.seq_lens, splits))
 
 
 @dataclass

@@ -134,6 +134,7 @@ class Sweeper:
         self.costs = CostModel()  # seconds per attended element, per (backend, layout), as timed in this run
         self.t0 = budget.now()
         self.unstarted = 0  # points in a row predicted past the budget
+
     def backend_sweep(self, name: str) -> BackendSweep:
         """A backend's availability on each walked layout: available on one at least, the others
         in ``skipped_layouts`` with the reason (a sparse-only kernel on a dense layout, a layout's
