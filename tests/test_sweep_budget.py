@@ -222,3 +222,23 @@ def test_the_cost_model_and_the_work_it_is_fitted_on():
     many = case_of("decode", {"heads": 4, "page": 1, "length": "1", "batch": 64, "splits": "1", "kv": "bfloat16", "cap": 0.0}, 0, 0)
     assert work(one) == 16 * (128 + ROW_TOKENS) and work(many) > 16 * 64 * ROW_TOKENS > work(one)
     assert work(with_splits(one, (4,))) == 16 * (128 + 4 * ROW_TOKENS)
+
+
+SLOW_SETUP: list = []  # the fake clock a test's setup moves
+
+
+def slow_setup() -> None:
+    """A sweep's ``setup`` that takes 150 s of the fake clock (imports, a backend's start-up)."""
+    SLOW_SETUP[0].t += 150.0
+
+
+def test_the_budget_counts_from_the_sweeps_start(tmp_path, monkeypatch):
+    """Set-up time (a setup function, the backends' imports and availability) is in the budget:
+    after 150 s of it, a 200 s sweep walks what fits in the 50 s left."""
+    clock = _priced(monkeypatch)
+    monkeypatch.setattr(sys.modules[__name__], "SLOW_SETUP", [clock])
+    start = clock.t
+    rep = run_sweep(SweepConfig(backends=["priced"], budget=200, out=str(tmp_path), layouts=["decode"], repeat=2,
+                                checks=["reference", "repeat"], max_shrink=0, setup=f"{__name__}:slow_setup",
+                                space=["heads=4", "batch=1", "length=1", "page=1", "splits=1", "kv=bfloat16", "cap=0"]))  # fmt: skip
+    assert rep.cases and clock.t - start <= 200 + 2 * (2 + 1e-3 * 8), (clock.t - start, len(rep.cases))

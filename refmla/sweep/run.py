@@ -119,6 +119,7 @@ def evaluate(layout: str, point: dict, index: int, cfg: SweepConfig, backends: S
 
 class Sweeper:
     def __init__(self, cfg: SweepConfig):
+        self.t0 = budget.now()  # the budget counts from here: the backends' imports and availability are in it
         cfg.check()
         run_setup(cfg.setup)
         cfg = self.cfg = replace(cfg, bounds=cfg.walk_bounds())  # once: every worker walks the same bounds
@@ -132,7 +133,6 @@ class Sweeper:
         self.counters = {w.layout: 0 for w in self.walks}
         self.skips: dict[tuple[str, str], int] = {}
         self.costs = CostModel()  # seconds per attended element, per (backend, layout), as timed in this run
-        self.t0 = budget.now()
         self.unstarted = 0  # points in a row predicted past the budget
 
     def backend_sweep(self, name: str) -> BackendSweep:
@@ -224,7 +224,7 @@ class Sweeper:
         predicted cost passes what is left; a started case is cut off at budget x (1 + OVERRUN)
         (its unfinished checks ``not run``); once a check has failed, the walk leaves
         SHRINK_SHARE of the budget to shrinking (refmla.sweep.run.findings)."""
-        t0 = self.t0 = budget.now()
+        t0, started = self.t0, budget.now()  # the budget's start (the sweep's), the walk's
         deadline = t0 + self.cfg.budget * (1 + OVERRUN)
 
         def done() -> bool:
@@ -245,7 +245,7 @@ class Sweeper:
                     self._walk_parallel(done, progress, t0, deadline)
         finally:
             progress.close()
-        self.report.walk_seconds = budget.now() - t0
+        self.report.walk_seconds = budget.now() - started
         self.report.cases.sort(key=lambda c: (self.cfg.layouts.index(c.layout), c.index))
         ran = {w.layout: [c.point for c in self.report.cases if c.layout == w.layout and
                           any(o.status != NOT_RUN for oc in c.outcomes.values() for o in oc.values())]
