@@ -122,15 +122,18 @@ def cuda_in_play() -> bool:
         return False
 
 
-def run_isolated(fn: Callable[..., Any], *args: Any, wall_s: float | None = None) -> Any:
+def run_isolated(fn: Callable[..., Any], *args: Any, wall_s: float | None = None, retry: bool = True) -> Any:
     """``fn(*args)`` in a child process; its return value, or its exception re-raised here:
     BackendUnavailable and refmla.kernel.InterfaceError as themselves, anything else as KernelError,
-    a death as KernelCrashed (a forked child still running after ``wall_s`` seconds too)."""
-    if not hasattr(os, "fork") or cuda_in_play():
-        return _spawned(fn, args)
+    a death as KernelCrashed (a forked child still running after ``wall_s`` seconds too: run once
+    more unless ``retry`` is False, when ``wall_s`` is a deadline rather than a hang's limit)."""
+    if not hasattr(os, "fork") or cuda_in_play():  # a spawned child inherits no lock: only a deadline bounds it
+        return _spawned(fn, args, None if retry else wall_s)
     try:
         return _forked(fn, args, wall_s)
-    except KernelTimeout:  # once more in a fresh child: a lock the fork inherited is the fork's
+    except KernelTimeout:
+        if not retry:
+            raise  # once more in a fresh child: a lock the fork inherited is the fork's
         return _forked(fn, args, wall_s)  # doing, not the kernel's; a kernel that hangs again is the finding
 
 
@@ -283,7 +286,9 @@ def _spawn_main(conn) -> None:
     conn.close()
 
 
-def _spawned(fn: Callable[..., Any], args: tuple) -> Any:
+def _spawned(fn: Callable[..., Any], args: tuple, wall_s: float | None = None) -> Any:
+    """``fn(*args)`` in a spawned child; one with no reply after ``wall_s`` seconds (a deadline) is
+    killed: KernelTimeout."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_spawn_main, args=(child,), daemon=True)
@@ -291,6 +296,8 @@ def _spawned(fn: Callable[..., Any], args: tuple) -> Any:
     child.close()
     try:
         parent.send_bytes(pickle.dumps((fn, args)))
+        if wall_s is not None and not parent.poll(wall_s):  # (the handler below kills the child)
+            raise KernelTimeout(WALL_TEXT.format(s=wall_s))
         data = parent.recv_bytes()
     except (EOFError, OSError, BrokenPipeError):
         data = None

@@ -4,6 +4,11 @@
 (``op_tests/test_mla.py::torch_mla_extend``), loaded at run time from the aiter checkout
 ``$REFMLA_AITER_REPO`` names by tools/aiter_peer.py (nothing of aiter is copied into refmla).
 
+``flashmla_peer_ref``: a correct sparse kernel not written here -- FlashMLA's own torch reference
+(``tests/ref.py::ref_sparse_attn_decode``), loaded at run time from the FlashMLA checkout
+``$REFMLA_FLASHMLA_REPO`` names by tools/flashmla_peer.py; the sparse layout's cases reach it with
+their caches dequantized by refmla (as FlashMLA's tests dequantize theirs before calling it).
+
 ``aiter_torch_ref``: refmla's own rewrite of aiter's reference (:func:`refmla.synthetic.benign.fp32_einsum`:
 rows gathered as stored, an fp32 einsum per request, softmax, an fp32 einsum with V, one rounding),
 the stand-in tools/bench_diagnosis.py counts false alarms with. It is written here: a second
@@ -133,3 +138,55 @@ class RaisesAt8Heads(Backend):
         if cap.q.shape[1] == 8:
             raise RuntimeError("illegal memory access (planted at 8 heads)")
         return backends.get_backend("reference").run(cap, opts)
+
+
+class SleepsAt8Heads(Backend):
+    """The fp64 reference, 0.2 s slower a run, except that at 8 heads it runs for 100 s where
+    ``REFMLA_TEST_LONG_AT_8=1`` (a case that cannot finish in what is left of a short budget)."""
+
+    name = "sleeps_at_8_heads"
+
+    def availability(self) -> tuple[bool, str]:
+        return True, "the reference; 0.2 s a run, 100 s at 8 heads (REFMLA_TEST_LONG_AT_8=1)"
+
+    def run(self, cap, opts) -> BackendResult:
+        import os
+        import time
+
+        long = cap.q.shape[1] == 8 and os.environ.get("REFMLA_TEST_LONG_AT_8") == "1"
+        time.sleep(100.0 if long else 0.2)
+        return backends.get_backend("reference").run(cap, opts)
+
+
+def install_sleeper() -> None:
+    """``sleeps_at_8_heads`` a backend name in this process (setup ``sweep_standins:install_sleeper``)."""
+    backends._CACHE[SleepsAt8Heads.name] = SleepsAt8Heads()
+    backends._WHERE[SleepsAt8Heads.name] = f"sweep_standins:{SleepsAt8Heads.__name__}"
+
+
+FLASHMLA_PEER = "flashmla_peer_ref"
+
+
+def flashmla_peer_path(cap):
+    """A sparse path (refmla.sparse.backends.BACKENDS): FlashMLA's tests/ref.py from ``$REFMLA_FLASHMLA_REPO``."""
+    from helpers import load_tool
+
+    from refmla.sparse.backends import PathOutput, Unavailable
+
+    tool = load_tool("flashmla_peer")
+    repo = os.environ.get(tool.ENV)
+    if not repo:
+        raise Unavailable(f"no FlashMLA checkout: set {tool.ENV} to one")
+    try:
+        peer = tool.load_flashmla_peer(repo)
+    except tool.FlashMLAPeerError as e:
+        raise Unavailable(str(e)) from None
+    out, lse = peer.decode(cap)
+    return PathOutput(out, lse, f"FlashMLA {peer.path}::{tool.ENTRY} {peer.commit}".strip())
+
+
+def install_flashmla_peer() -> None:
+    """``flashmla_peer_ref`` a sparse path in this process (setup ``sweep_standins:install_flashmla_peer``)."""
+    from refmla.sparse.backends import BACKENDS
+
+    BACKENDS[FLASHMLA_PEER] = flashmla_peer_path

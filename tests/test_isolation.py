@@ -97,6 +97,18 @@ def test_the_spawned_child_used_when_cuda_is_in_play(monkeypatch):
         isolation.run_isolated(_raise)
 
 
+def test_a_spawned_child_past_its_deadline_is_killed(monkeypatch):
+    """On a GPU (spawned children) a run given a deadline (``retry=False``: the sweep's budget) is
+    killed there: KernelTimeout, in about the deadline, not the 60 s the child would take."""
+    import time
+
+    monkeypatch.setattr(isolation, "cuda_in_play", lambda: True)
+    t0 = time.monotonic()
+    with pytest.raises(isolation.KernelTimeout, match="still running after 3 s"):
+        isolation.run_isolated(time.sleep, 60, wall_s=3, retry=False)
+    assert time.monotonic() - t0 < 30
+
+
 def _deadlock_after_fork():
     """A lock held by another thread of this process at the fork: the child waits on it forever."""
     import threading

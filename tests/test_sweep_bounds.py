@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import planted_edges
 import refmla.backends as backends
@@ -109,4 +110,50 @@ def test_an_off_by_one_on_a_schedule_boundary_is_found_within_the_default_budget
     assert f.check == "reference" and str(first.point["length"]).startswith("edge"), (f.detail, first.point)
     monkeypatch.setitem(backends._CACHE, "triton", TritonBackend())  # SGLang's own kernel passes the same case
     outcomes, _ = CaseChecks(case_of("decode", first.point, 0, first.index), cfg.options()).run("triton", ("reference",))
+    assert outcomes["reference"].status == "pass", outcomes["reference"].detail
+
+
+@pytest.mark.parametrize("profile", ["gpu", "production"])
+@pytest.mark.parametrize("layout", ["decode", "verify", "block_table"])
+def test_the_gpu_plan_reaches_int32_offsets_early(profile, layout):
+    """Planning only (no kernel runs): among the first two cases of a GPU or production plan, one
+    whose pool the kernel gets at rows past 2**31 / 576 (every element offset of the pool past
+    int32); none on the CPU's bounds or on a device whose memory cannot hold such a pool."""
+    from refmla.sweep.space import pool_span
+
+    bounds = bounds_for(profile, free_bytes=H100)
+    points, cases = _plan(layout, bounds, n=2)
+    moved = [c for c in cases if c.pool_base_row * 576 >= 2**31]
+    assert moved, [(p.get("pool"), c.pool_base_row) for p, c in zip(points, cases)]
+    for c in moved:  # the rows it spans fit the bounds, and the row the kernel reads last is past int32 too
+        rows = c.pool_base_row + pool_span(max(c.seq_lens), len(c.seq_lens), c.page_size)
+        assert rows <= bounds.pool_rows and c.pool_base_row % c.page_size == 0
+    for small in (CPU, bounds_for("gpu", free_bytes=2 * 2**30)):  # 2 GiB free: a quarter holds no such pool
+        assert "pool" not in restrict(layout, (), small)
+        assert not any(c.pool_base_row for c in _plan(layout, small, n=40)[1])
+
+
+@pytest.mark.parametrize("layout", ["decode", "block_table"])
+def test_a_moved_pool_is_the_same_pool_to_the_kernel(layout):
+    """What a ``past-int32`` case hands the kernel (refmla.sweep.cases.moved_pool), checked on a
+    small base: every request's rows read through its indices (and, for a block table, through its
+    table's pages) are the compact pool's, the rows before the base all NaN; the reference backend
+    on it passes the reference check, as the compact case does."""
+    from dataclasses import replace
+
+    from refmla.blocktable import token_rows
+    from refmla.sweep.cases import capture_of, moved_pool
+
+    point = {"heads": 4, "page": 16, "length": "page+1", "batch": 3, "splits": "2", "kv": "bfloat16", "cap": 0.0,
+             "table": "shuffled", "null": "nan"}  # fmt: skip
+    case = replace(case_of(layout, point, 0, 0), pool_base_row=256 * 3)
+    cap = capture_of(case)
+    moved = moved_pool(cap, case.pool_base_row)
+    assert moved.kv_buffer.shape[0] == cap.kv_buffer.shape[0] + 768 and bool(moved.kv_buffer[:768].isnan().all())
+    assert torch.equal(moved.kv_buffer[moved.kv_indices.long()].view(torch.int16),
+                       cap.kv_buffer[cap.kv_indices.long()].view(torch.int16))  # fmt: skip
+    if layout == "block_table":
+        _, rows = token_rows(moved.block_table, moved.seq_lens, case.page_size)
+        assert torch.equal(rows.long(), moved.kv_indices.long())
+    outcomes, _ = CaseChecks(case, SweepConfig(backends=["reference"]).options()).run("reference", ("reference",))
     assert outcomes["reference"].status == "pass", outcomes["reference"].detail

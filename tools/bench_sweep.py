@@ -4,6 +4,8 @@
     python tools/bench_sweep.py --plant heads32 --budget 300              # the kernel with a planted fault
     python tools/bench_sweep.py --backend flex --backend aiter_peer_ref   # correct kernels not written here
                                                      # (aiter_peer_ref: REFMLA_AITER_REPO=/path/to/aiter)
+    python tools/bench_sweep.py --backend flashmla_peer_ref --layout sparse   # FlashMLA's tests/ref.py
+                                                     # (REFMLA_FLASHMLA_REPO=/path/to/FlashMLA)
     python tools/bench_sweep.py --backend vllm_triton --layout block_table  # vLLM's TRITON_MLA over block tables
     python tools/bench_sweep.py --backend triton --layout sparse          # SGLang's DeepSeek-V4 sparse kernel
     python tools/bench_sweep.py --plant tail_block --budget 300           # a fault in a new layout's kernel
@@ -14,7 +16,9 @@ of tests/planted_sweep.py's faults edited into it at run time (each expected und
 for a plant of tests/planted_layouts.py, the layout's kernel with it (split_floor: vLLM's
 TRITON_MLA, ``--layout block_table``; tail_block: SGLang's Triton sparse kernel, ``--layout sparse``);
 ``aiter_peer_ref`` is aiter's own torch reference loaded from the checkout ``$REFMLA_AITER_REPO``
-names, ``aiter_torch_ref`` refmla's rewrite of it (tests/sweep_standins.py).
+names, ``aiter_torch_ref`` refmla's rewrite of it (tests/sweep_standins.py); ``flashmla_peer_ref``
+FlashMLA's own sparse decode reference, tests/ref.py of the checkout ``$REFMLA_FLASHMLA_REPO`` names
+(tools/flashmla_peer.py).
 Per backend: cases, cases per minute (of the walk's wall time, which the backends of one run share,
 and of the backend's own kernel + reference time), seconds in the kernel's runs (child processes included) and
 in the fp64 reference, the control and the comparisons, and every finding with its shrunk case.
@@ -41,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # plante
 from refmla.render.sweep import render_sweep  # noqa: E402
 from refmla.sweep import SweepConfig, run_sweep  # noqa: E402
 
-STANDINS = {"aiter_torch_ref": "sweep_standins:install", "aiter_peer_ref": "sweep_standins:install"}
+STANDINS = {"aiter_torch_ref": "sweep_standins:install", "aiter_peer_ref": "sweep_standins:install",
+            "flashmla_peer_ref": "sweep_standins:install_flashmla_peer"}  # fmt: skip
 
 
 def main() -> int:
@@ -67,9 +72,10 @@ def main() -> int:
         layout = planted_layouts.LAYOUT[a.plant]
         setup, layouts = f"planted_layouts:install:{a.plant}", a.layout or [layout]
         backends = a.backend or ["vllm_triton" if layout == "block_table" else "triton"]
-    for b in backends:
-        if b in STANDINS:
-            setup = STANDINS[b]
+    named = [STANDINS[b] for b in backends if b in STANDINS]
+    if len(set(named)) > 1:
+        p.error("name the aiter stand-ins and flashmla_peer_ref in separate runs (one setup a run)")
+    setup = named[0] if named else setup
     cfg = SweepConfig(backends=backends, budget=a.budget, seed=a.seed, out=a.out, jobs=a.jobs,
                       layouts=layouts, space=a.space, max_shrink=a.max_shrink, setup=setup, sizes=a.sizes)  # fmt: skip
     t0 = time.monotonic()
@@ -86,7 +92,9 @@ def main() -> int:
     for layout, (covered, total) in rep.pairs.items():
         walked = sum(c.layout == layout for c in rep.cases)
         print(f"{layout}: {walked} cases, {covered} of {total} value pairs of the planned space "
-              f"({100 * covered / total:.0f}%) under {rep.bounds.get('profile')} bounds")
+              f"({100 * covered / total:.0f}%) under {rep.bounds.get('profile')} bounds; "
+              f"{rep.not_started.get(layout, 0)} points not started (predicted past the budget)")
+    print(f"cut off at the deadline: {rep.cut_off} case(s)")
     if a.json:
         Path(a.json).write_text(json.dumps(rep.to_json(), indent=1) + "\n")
     return rep.exit_code

@@ -4,7 +4,7 @@ each finding with its shrunk case, its capture, the replay command and the trigg
 from __future__ import annotations
 
 from refmla.render.table import clip, table
-from refmla.sweep.report import STATUSES, SweepReport
+from refmla.sweep.report import NOT_RUN, STATUSES, SweepReport
 
 
 # the shrunk case's parameters a finding shows (dense: GoldenCase / TableCase; sparse: SparseSweepCase)
@@ -20,6 +20,10 @@ def render_sweep(rep: SweepReport) -> str:
              if cpm is not None else f"refmla sweep: no case ran (budget {rep.budget:g} s)"]  # fmt: skip
     if rep.bounds:
         lines.append("bounds walked: " + ", ".join(f"{k} {v}" for k, v in rep.bounds.items()))
+    if rep.not_started or rep.cut_off:
+        unstarted = sum(rep.not_started.values())
+        lines.append(f"budget: {unstarted} point(s) not started (predicted past what was left), {rep.cut_off} case(s) "
+                     f"cut off at its deadline (their unfinished checks: {NOT_RUN}, neither a pass nor a finding)")
     if rep.not_walked:
         lines.append(f"layouts not walked yet: {', '.join(rep.not_walked)}")
     for name, b in rep.backends.items():
@@ -33,9 +37,10 @@ def render_sweep(rep: SweepReport) -> str:
         verdict = "FAIL" if not b.passed else "DID NOT RUN on " + ", ".join(b.not_run) if unrun else "PASS"
         lines.append(f"{name}: {b.cases} cases, kernel {b.kernel_seconds:.1f} s, reference {b.reference_seconds:.1f} s "
                      f"({share} of the time) -- {verdict}")  # fmt: skip
-        rows = [[check] + [str(per.get(s, 0)) for s in STATUSES] for check, per in b.counts.items()]
+        shown = [s for s in STATUSES if s != NOT_RUN or any(NOT_RUN in per for per in b.counts.values())]
+        rows = [[check] + [str(per.get(s, 0)) for s in shown] for check, per in b.counts.items()]
         if rows:
-            lines.append(table(rows, ["check", *STATUSES]))
+            lines.append(table(rows, ["check", *shown]))
         for layout, why in b.skipped_layouts.items():
             said = "did not run" if layout in b.not_run else "not taken"
             lines.append(f"  {layout}: {said} ({clip(why, 100)})")

@@ -253,7 +253,7 @@ class SparseBackend(Backend):
 
     def availability(self) -> tuple[bool, str]:
         fn = BACKENDS[self.name]
-        if fn is not _OWN[self.name]:
+        if fn is not _OWN.get(self.name):
             return True, f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
         return availability(self.name) if self.name in KERNELS else (True, "")
 

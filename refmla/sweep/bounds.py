@@ -10,6 +10,9 @@ and ``gpu`` on a GPU; ``--sizes`` picks a profile and ``--max-*`` flags override
     batch         the largest batch the batch axes name
     sparse_units  16-head tiles x each query row's 128-entry blocks of a sparse case
     sparse_context  request 0's context of a sparse case
+    pool_rows     the most pool rows one dense case may span: past INT32_BASE_ROW (2**31 elements
+                  of 576, and 4096 rows more) the ``pool`` axis gains ``past-int32`` (a case whose
+                  pool is moved to rows past int32 element offsets); 0 on the CPU
 
 The report states the bounds it walked under (``SweepReport.bounds``).
 """
@@ -20,6 +23,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 PROFILES_ORDER = ("cpu", "gpu", "production")
+ROW_ALIGN = 256  # the largest page of the dense layouts: a moved pool starts on a page of every size
+INT32_BASE_ROW = -(-(2**31 // 576 + 4096) // ROW_ALIGN) * ROW_ALIGN  # a moved pool's first row: its element offsets pass 2**31
 KV_ROW_BYTES = 576 * 2  # one bf16 token row of the pool (kv_lora_rank 512 + rope 64)
 MEMORY_SHARE = 0.25  # of the device's free memory one case's pool may take (the buffers, the reference's copies)
 
@@ -33,6 +38,7 @@ class Bounds:
     batch: int
     sparse_units: int
     sparse_context: int
+    pool_rows: int = 0  # the most rows one dense case's pool may span (past INT32_BASE_ROW: the int32-offset class)
     largest_first: bool = False  # the walk takes its longest lengths and largest batches first
 
     @property
@@ -45,17 +51,19 @@ class Bounds:
 
 
 CPU = Bounds("cpu", rows=256, tile_tokens=8192, length=4097, batch=64, sparse_units=64, sparse_context=16384)
-PRODUCTION = Bounds("production", rows=256 * 128, tile_tokens=8 * 2**21, length=131073,
-                    batch=256, sparse_units=8 * 256 * 17, sparse_context=131072 * 4, largest_first=True)  # fmt: skip
+PRODUCTION = Bounds("production", rows=256 * 128, tile_tokens=8 * 2**21, length=131073, batch=256,
+                    sparse_units=8 * 256 * 17, sparse_context=131072 * 4, pool_rows=2 * INT32_BASE_ROW,
+                    largest_first=True)  # fmt: skip
 
 
 def device_bounds(free_bytes: Optional[int]) -> Bounds:
-    """The ``gpu`` profile: production's, with request 0's context cut to what a quarter of the
-    device's free memory holds (a pool of bf16 rows; None: production's)."""
+    """The ``gpu`` profile: production's, with request 0's context and a case's pool rows cut to
+    what a quarter of the device's free memory holds (a pool of bf16 rows; None: production's)."""
     if free_bytes is None:
         return replace(PRODUCTION, profile="gpu")
-    longest = max(CPU.length, min(PRODUCTION.length, int(free_bytes * MEMORY_SHARE) // KV_ROW_BYTES))
-    return replace(PRODUCTION, profile="gpu", length=longest)
+    rows = int(free_bytes * MEMORY_SHARE) // KV_ROW_BYTES
+    longest = max(CPU.length, min(PRODUCTION.length, rows))
+    return replace(PRODUCTION, profile="gpu", length=longest, pool_rows=min(PRODUCTION.pool_rows, rows))
 
 
 def free_device_memory() -> Optional[int]:
@@ -77,7 +85,7 @@ def where_it_runs() -> str:
     return "cpu" if interpreter_active() or not gpu_present() else "gpu"
 
 
-OVERRIDES = ("rows", "tile_tokens", "length", "batch", "sparse_units", "sparse_context")
+OVERRIDES = ("rows", "tile_tokens", "length", "batch", "sparse_units", "sparse_context", "pool_rows")
 
 
 def bounds_for(sizes: Optional[str] = None, free_bytes: Optional[int] = None, **overrides: Optional[int]) -> Bounds:
@@ -102,5 +110,5 @@ def bounds_for(sizes: Optional[str] = None, free_bytes: Optional[int] = None, **
     return replace(b, profile=b.profile + (" + overrides" if given else ""), **given) if given else b
 
 
-__all__ = ["CPU", "OVERRIDES", "PRODUCTION", "PROFILES_ORDER", "Bounds", "bounds_for", "device_bounds",
+__all__ = ["CPU", "INT32_BASE_ROW", "OVERRIDES", "ROW_ALIGN", "PRODUCTION", "PROFILES_ORDER", "Bounds", "bounds_for", "device_bounds",
            "free_device_memory", "where_it_runs"]

@@ -22,9 +22,10 @@ import torch
 from refmla.capture.format import Capture, parse_meta
 from refmla.compare import Tolerance
 from refmla.golden.build import BUILDERS
+from refmla.golden.check import materialize_pool
 from refmla.golden.cases import NO_MSCALE_SCALE, GoldenCase
 from refmla.schedule import MIN_BLOCK_KV, vllm_num_kv_splits
-from refmla.sweep.bounds import CPU, Bounds
+from refmla.sweep.bounds import CPU, INT32_BASE_ROW, Bounds
 from refmla.sweep.space import edge_unit, length_of
 from refmla.sweep.tables import TableCase, table_inputs, table_meta
 from refmla.synthetic import DEEPSEEK_V3_SCALE, KIMI_K2_SCALE
@@ -88,7 +89,14 @@ def case_of(layout: str, point: Mapping[str, Any], seed: int, index: int, bounds
         sm_scale=rng.choice(SM_SCALES), logit_cap=cap, k_scale=FP8_SCALES[0] if fp8 else 1.0,
         v_scale=FP8_SCALES[1] if fp8 else 1.0, q_scale_exp=3 if cap else -1, free_pages=2, seed=cs,
         draft_token_num=qlen if layout == "verify" else 0, topk=2 if layout == "verify" and qlen >= 3 else 1,
+        pool_base_row=base_row(point),
     )  # fmt: skip
+
+
+def base_row(point: Mapping[str, Any]) -> int:
+    """The first row of the case's pool in the kernel's pool: INT32_BASE_ROW where the point's
+    ``pool`` is ``past-int32`` (every element offset past 2**31), else 0 (as built)."""
+    return INT32_BASE_ROW if point.get("pool") == "past-int32" else 0
 
 
 def _table_case(point: Mapping[str, Any], cs: int, rng: random.Random, index: int, bounds: Bounds = CPU) -> TableCase:
@@ -108,7 +116,7 @@ def _table_case(point: Mapping[str, Any], cs: int, rng: random.Random, index: in
         name=f"sweep-block_table-{index}", why=f"refmla sweep block_table point {index}", seq_lens=tuple(lens),
         num_heads=H, page_size=P, num_kv_splits=(S,) * B, max_kv_splits=S, dtype="bfloat16", kv_dtype=kv,
         sm_scale=rng.choice(SM_SCALES), k_scale=scale, v_scale=scale, free_pages=2, seed=cs,
-        table=str(point["table"]), null=str(point["null"]),
+        table=str(point["table"]), null=str(point["null"]), pool_base_row=base_row(point),
     )  # fmt: skip
 
 
@@ -143,9 +151,19 @@ def capture_meta(case: GoldenCase, extra: Optional[dict] = None) -> dict[str, An
     return {**meta, **(extra or {})}
 
 
+def moved_pool(cap: Capture, base: int) -> Capture:
+    """The capture as the kernel gets a ``past-int32`` case: its pool at rows ``base``.. of a NaN
+    pool (refmla.golden.check.materialize_pool; int64 indices), its block table's pages moved with
+    it (``base`` is a multiple of every page). The reference keeps the compact pool."""
+    moved = materialize_pool(cap, base)
+    if cap.block_table is not None:
+        moved = replace(moved, block_table=cap.block_table + base // cap.meta.page_size)
+    return moved
+
+
 def with_splits(case: GoldenCase, splits: tuple[int, ...]) -> GoldenCase:
     """The same case with other per-request split counts (within its max_kv_splits)."""
     return replace(case, num_kv_splits=splits, max_kv_splits=max(case.max_kv_splits or 1, *splits))
 
 
-__all__ = ["MAX_KV_SPLITS", "capture_meta", "capture_of", "case_of", "case_seed", "split_alternatives", "with_splits"]
+__all__ = ["MAX_KV_SPLITS", "base_row", "capture_meta", "capture_of", "moved_pool", "case_of", "case_seed", "split_alternatives", "with_splits"]

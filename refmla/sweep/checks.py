@@ -25,7 +25,6 @@ refmla.sweep.sparse checks the sparse one with the same four names.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence
 
@@ -38,13 +37,15 @@ from refmla.compare import Comparison, compare, judged_dtype
 from refmla.context import ReplayContext
 from refmla.control import capture_control
 from refmla.golden.cases import GoldenCase
-from refmla.isolation import enabled, run_isolated
+from refmla.isolation import enabled
 from refmla.kernel import InterfaceError
 from refmla.options import ReplayOptions
 from refmla.repeat import compare_runs, run_tensors
 from refmla.results import PART_NAMES
 from refmla.splits import result_parts
-from refmla.sweep.cases import capture_of, split_alternatives, with_splits
+from refmla.sweep import budget
+from refmla.sweep.budget import NOT_RUN, CutOff
+from refmla.sweep.cases import capture_of, moved_pool, split_alternatives, with_splits
 from refmla.sweep.report import CheckOutcome
 from refmla.util import error_text
 
@@ -72,36 +73,43 @@ class Timing:
 class CaseChecks:
     """One case, its reference computed once, checked against any number of backends."""
 
-    def __init__(self, case: GoldenCase, opts: ReplayOptions, repeat: int = 3):
+    def __init__(self, case: GoldenCase, opts: ReplayOptions, repeat: int = 3, deadline: Optional[float] = None):
         self.case, self.opts, self.repeat = case, opts, repeat
+        self.deadline = deadline  # a budget.now() time: past it, what is left is not run (refmla.sweep.budget)
         self.timing = Timing()
         self.cap = capture_of(case)
         self._ctx: Optional[ReplayContext] = None
+        self._moved = None  # the capture with its pool past int32 offsets, built once (a pool_base_row case)
 
     @property
     def ctx(self) -> ReplayContext:
         """The fp64 reference (and the control, on first use): computed once a kernel has run."""
         if self._ctx is None:
-            t0 = time.perf_counter()
+            if self.deadline is not None and budget.now() >= self.deadline:
+                raise CutOff()
+            t0 = budget.now()
             self._ctx = ReplayContext(self.cap, self.opts)
-            self.timing.reference += time.perf_counter() - t0
+            self.timing.reference += budget.now() - t0
         return self._ctx
 
     def kernel(self, backend: str, case: GoldenCase, fill: float) -> BackendResult:
         """One run of ``backend`` on ``case`` (this case, or it at other split counts)."""
         b = get_backend(backend)
         cap = self.cap if case is self.case else capture_of(case)
+        if case.pool_base_row:  # the pool past int32 element offsets (the reference keeps it compact)
+            cap = self._moved if case is self.case and self._moved is not None else moved_pool(cap, case.pool_base_row)
+            self._moved = cap if case is self.case else self._moved
         opts = replace(self.opts, buffer_fill=fill)
-        t0 = time.perf_counter()
+        t0 = budget.now()
         try:
-            return run_isolated(b.run, cap, opts, wall_s=opts.kernel_seconds) if enabled(opts.isolate) else b.run(cap, opts)
+            return budget.call(b.run, (cap, opts), opts.kernel_seconds, self.deadline, enabled(opts.isolate))
         finally:
-            self.timing.kernel += time.perf_counter() - t0
+            self.timing.kernel += budget.now() - t0
 
     def judge(self, name: str, res: BackendResult, case: GoldenCase) -> Comparison:
         """``res`` against the reference, with the control of ``case``'s split schedule at the
         arithmetic the kernel declares (as the replay judges it)."""
-        t0 = time.perf_counter()
+        t0 = budget.now()
         mask = None if res.defines_empty_rows else ~self.ctx.empty_rows()
         dtype = judged_dtype(res.out.dtype)
         arith = res.arithmetic or self.ctx.producer
@@ -117,7 +125,7 @@ class CaseChecks:
         else:
             cmp = compare(name, res.out, self.ctx.ref_out, ctl.to(dtype), out_dtype=dtype, tol=self.opts.tol,
                           row_mask=mask, request_of_row=self.cap.request_of_row())  # fmt: skip
-        self.timing.reference += time.perf_counter() - t0
+        self.timing.reference += budget.now() - t0
         return cmp
 
     def run(self, backend: str, only: Sequence[str] = CHECKS) -> tuple[dict[str, CheckOutcome], dict[str, Evidence]]:
@@ -136,9 +144,9 @@ class CaseChecks:
         arith = res.arithmetic or self.ctx.producer
         splits = res.num_kv_splits if res.num_kv_splits is not None else self.cap.num_kv_splits
         mask = None if res.defines_empty_rows else ~self.ctx.empty_rows()
-        t0 = time.perf_counter()
+        t0 = budget.now()
         split, lse = result_parts(self.ctx, res, arith, splits, mask)
-        self.timing.reference += time.perf_counter() - t0
+        self.timing.reference += budget.now() - t0
         return {name: c for name, c in (("lse", lse), ("attn_logits", split)) if c is not None}
 
     def _reference(self, backend: str, first: BackendResult):
@@ -238,9 +246,12 @@ def run_checks(checker: Any, backend: str, only: Sequence[str], first_run: Calla
     """The first run of ``backend``, then each check of ``only`` in CHECKS order
     (``checker._<check>(backend, first)``): (outcomes, the failing runs' evidence). A kernel that
     crashes or raises is its finding (the first check carries it, the others could not run); one
-    that is unavailable is skipped."""
+    that is unavailable is skipped; a case cut off at the budget's deadline (refmla.sweep.budget)
+    leaves each check it had not finished ``not run``."""
     try:
         first = first_run()
+    except CutOff as e:
+        return {c: CheckOutcome(c, NOT_RUN, str(e)) for c in only}, {}
     except BackendUnavailable as e:
         return {c: CheckOutcome(c, "skipped", str(e)) for c in only}, {}
     except InterfaceError:  # not a kernel of refmla.kernel's interface: the sweep's usage error (exit 2)
@@ -250,9 +261,16 @@ def run_checks(checker: Any, backend: str, only: Sequence[str], first_run: Calla
         return {c: CheckOutcome(c, "n/a" if i else "error", text) for i, c in enumerate(only)}, {}
     outcomes: dict[str, CheckOutcome] = {}
     evidence: dict[str, Any] = {}
+    cut: Optional[str] = None
     for check in [c for c in CHECKS if c in only]:
+        if cut is not None:
+            outcomes[check] = CheckOutcome(check, NOT_RUN, cut)
+            continue
         try:
             outcome, ev = getattr(checker, f"_{check}")(backend, first)
+        except CutOff as e:
+            cut = str(e)
+            outcome, ev = CheckOutcome(check, NOT_RUN, cut), None
         except BackendUnavailable as e:
             outcome, ev = CheckOutcome(check, "skipped", str(e)), None
         except InterfaceError:

@@ -33,7 +33,9 @@ from refmla.indexer.io import write_indexer
 from refmla.indexer.reference import Scores, judge_sets
 from refmla.indexer.synth import Preset, indexer_call
 from refmla.options import ReplayOptions
+from refmla.sweep import budget
 from refmla.sweep.bounds import CPU, Bounds
+from refmla.sweep.budget import CutOff
 from refmla.sweep.cases import case_seed
 from refmla.sweep.checks import CHECKS, Evidence, Timing, repeat_check, run_checks
 from refmla.sweep.report import CheckOutcome
@@ -110,13 +112,16 @@ def reference_topk(cap: IndexerCapture, scores: Scores) -> torch.Tensor:
 class IndexerChecks:
     """One indexer case, its reference computed once, checked against any number of backends."""
 
-    def __init__(self, case: IndexerSweepCase, opts: ReplayOptions, repeat: int = 3):
+    def __init__(self, case: IndexerSweepCase, opts: ReplayOptions, repeat: int = 3, deadline: Optional[float] = None):
         self.case, self.opts, self.repeat = case, opts, repeat
+        self.deadline = deadline  # a budget.now() time: past it, no kernel starts (refmla.sweep.budget)
         self.timing = Timing()
         self.cap = case.capture()
         self.scores = Scores(self.cap, opts.tol.k)
 
     def kernel(self, backend: str) -> IndexerRun:
+        if self.deadline is not None and budget.now() >= self.deadline:
+            raise CutOff()
         t0 = time.perf_counter()
         try:
             if backend == "reference":

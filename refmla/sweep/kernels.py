@@ -15,7 +15,8 @@ on the dense layouts and its DeepSeek-V4 Triton sparse kernel on ``sparse``; ``r
 the fp64 truth of either. ``aiter_sparse``, ``tilelang`` and ``flashmla_sparse`` read sparse
 captures only; every other name reads dense ones only. Named with ``--backend``, a backend
 sweeps every walked layout it reads. An installed package's kernels (entry points of
-``refmla.backends``) join every dense layout's defaults (:func:`layout_backends`).
+``refmla.backends``) join every dense layout's defaults (:func:`layout_backends`); a function
+put in refmla.sparse.backends.BACKENDS under a name of its own sweeps the sparse layout by that name.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from refmla.backends import ALL_NAMES, PAGED, get_backend, plugin_defaults
 from refmla.sparse.backends import BACKENDS as SPARSE_BACKENDS
 from refmla.indexer.backends import BACKENDS as INDEXER_BACKENDS
 from refmla.indexer.backends import availability as indexer_availability
+from refmla.sparse.backends import KERNELS as SPARSE_KERNELS
+from refmla.sparse.backends import SparseBackend
 from refmla.sparse.backends import availability as sparse_availability
 
 SPARSE_NAMES = tuple(n for n in SPARSE_BACKENDS if n != "observed")  # what the sparse layout runs by name
@@ -57,6 +60,12 @@ def default_backends(layouts: Sequence[str]) -> list[str]:
 MODE = {"decode": "decode", "verify": "verify", "block_table": "decode"}  # a dense layout's capture mode
 
 
+def sparse_only(name: str) -> bool:
+    """A path of refmla.sparse.backends.BACKENDS that is no dense backend: the sparse-only kernels
+    and a function put there under a name of its own (a sweep's ``setup`` registers one so)."""
+    return name in SPARSE_ONLY or (name in SPARSE_BACKENDS and name not in ALL_NAMES and name != "observed")
+
+
 def not_read(name: str, layout: str) -> Optional[str]:
     """Why ``name`` reads no capture of ``layout`` (a dense kernel on ``sparse``, a sparse one on a
     dense layout, a decode-only kernel on ``verify``: its ``Backend.modes``), or None when it does."""
@@ -67,10 +76,10 @@ def not_read(name: str, layout: str) -> Optional[str]:
     if name in INDEXER_BACKENDS:
         return "an indexer backend (DeepSeek's lightning indexer): it reads the indexer layout only"
     if layout == "sparse":
-        if name not in SPARSE_NAMES:
+        if name not in SPARSE_NAMES and not sparse_only(name):
             return f"a dense kernel: it reads no sparse capture (sparse kernels: {', '.join(SPARSE_NAMES[1:])})"
         return None
-    if name in SPARSE_ONLY:
+    if sparse_only(name):
         return "a sparse decode kernel (DeepSeek V3.2 / V4): it reads the sparse layout only"
     modes = getattr(get_backend(name), "modes", ())
     if modes and MODE[layout] not in modes:
@@ -84,11 +93,13 @@ def availability(name: str, layout: str) -> tuple[bool, str]:
     if why:
         return False, why
     if layout == "sparse":
-        return (True, "fp64 sparse reference") if name == "reference" else sparse_availability(name)
+        if name == "reference":
+            return True, "fp64 sparse reference"
+        return sparse_availability(name) if name in SPARSE_KERNELS else SparseBackend(name).availability()
     if layout == "indexer":
         return (True, "fp64 indexer reference") if name == "reference" else indexer_availability(name)
     return get_backend(name).availability()
 
 
 __all__ = ["INDEXER_NAMES", "LAYOUT_BACKENDS", "NAMES", "SPARSE_NAMES", "SPARSE_ONLY", "availability", "default_backends",
-           "layout_backends", "not_read"]
+           "layout_backends", "not_read", "sparse_only"]

@@ -15,7 +15,8 @@ from typing import Any, Optional, Sequence
 
 from refmla.util import json_safe
 
-STATUSES = ("pass", "fail", "error", "n/a", "skipped")  # error: the kernel crashed or raised (a finding)
+NOT_RUN = "not run"  # a check of a case cut off at the budget's deadline (refmla.sweep.budget): neither a pass nor a finding
+STATUSES = ("pass", "fail", "error", "n/a", "skipped", NOT_RUN)  # error: the kernel crashed or raised (a finding)
 
 
 @dataclass
@@ -181,7 +182,8 @@ class BackendSweep:
     reference_seconds: float = 0.0
 
     def count(self, outcomes: dict[str, CheckOutcome]) -> None:
-        self.cases += 1
+        """One case's outcomes counted (a case none of whose checks ran, cut off by the budget, is not a case run)."""
+        self.cases += any(o.status != NOT_RUN for o in outcomes.values())
         for check, o in outcomes.items():
             per = self.counts.setdefault(check, {})
             per[o.status] = per.get(o.status, 0) + 1
@@ -222,6 +224,12 @@ class SweepReport:
     asked: bool = False  # the backends were named (--backend): one that does not run is not a pass
     allow_skip: bool = False  # --allow-skip: a named backend that did not run is accepted
     bounds: dict = field(default_factory=dict)  # the size bounds the walk kept to (refmla.sweep.space.Bounds)
+    not_started: dict[str, int] = field(default_factory=dict)  # layout -> points whose predicted cost passed what was left
+
+    @property
+    def cut_off(self) -> int:
+        """Cases cut off at the budget's deadline (some check ``not run``)."""
+        return sum(any(o.status == NOT_RUN for oc in c.outcomes.values() for o in oc.values()) for c in self.cases)
 
     @property
     def findings(self) -> list[Finding]:
@@ -255,10 +263,11 @@ class SweepReport:
             "walk_seconds": round(self.walk_seconds, 3), "shrink_seconds": round(self.shrink_seconds, 3),
             "cases_per_minute": None if cpm is None or math.isnan(cpm) else round(cpm, 2),
             "out_dir": self.out_dir, "exit_code": self.exit_code, "bounds": self.bounds,
+            "not_started": self.not_started, "cut_off": self.cut_off,
             "not_run": [{"backend": n, "layout": la, "why": why} for n, la, why in self.not_run],
             "backends": {n: b.to_json() for n, b in self.backends.items()},
             "findings": [f.to_json() for f in self.findings], "cases": [c.to_json() for c in self.cases],
         })  # fmt: skip
 
 
-__all__ = ["STATUSES", "BackendSweep", "CaseResult", "CheckOutcome", "Finding", "SweepReport", "Trigger", "trigger"]
+__all__ = ["NOT_RUN", "STATUSES", "BackendSweep", "CaseResult", "CheckOutcome", "Finding", "SweepReport", "Trigger", "trigger"]

@@ -12,39 +12,33 @@ sparse capture, an indexer case's an indexer capture, and ``refmla replay`` read
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import multiprocessing as mp
 import os
 import shlex
-import time
-import warnings
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-import numpy as np
-import torch
-
-from refmla.backends.triton_interp import ensure_interpreter
 from refmla.atomic import beside
 from refmla.capture import write_capture
 from refmla.compare import Tolerance
 from refmla.options import ReplayOptions, bound_problem
 from refmla.progress import Progress
 from refmla.pipeline import replay_file
-from refmla.signals import ignore_sigint
+from refmla.sweep import budget
 from refmla.sweep.bounds import Bounds, bounds_for
+from refmla.sweep.budget import OVERRUN, UNSTARTED_IN_A_ROW, CostModel, work
 from refmla.sweep.cases import capture_meta, capture_of
 from refmla.sweep.checks import CHECKS, Evidence
 from refmla.sweep.kernels import availability, not_read
-from refmla.sweep.report import BackendSweep, CaseResult, CheckOutcome, Finding, SweepReport, trigger
+from refmla.sweep.report import NOT_RUN, BackendSweep, CaseResult, CheckOutcome, Finding, SweepReport, trigger
 from refmla.sweep.shrink import shrink
 from refmla.sweep.space import LAYOUTS, NOT_YET, Walk, restrict
 from refmla.sweep.indexer import IndexerSweepCase, write_indexer_capture
 from refmla.sweep.sparse import SparseSweepCase, any_case, any_checks, write_sparse_capture
+from refmla.sweep.workers import died, quiet_interpreter, run_setup, visible_gpus, worker_init
 from refmla.util import error_text
 
 SHRINK_SHARE = 0.15  # of the budget the walk leaves to shrinking once a check has failed
@@ -105,28 +99,18 @@ class SweepConfig:
                              kernel_seconds=max(KERNEL_S_FLOOR, self.budget / 5))  # past it: tried again, then an error
 
 
-@contextlib.contextmanager
-def quiet_interpreter():
-    """The Triton interpreter's numpy warnings kept out of the output: it evaluates masked-off lanes
-    too (-inf - -inf, x / 0) and the kernels discard those results."""
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"(triton|numpy)(\.|$)")
-        yield
-
-
-def run_setup(setup: Optional[str]) -> None:
-    """``module:function`` or ``module:function:argument``: called before any case, in every process."""
-    if setup:
-        module, func, *arg = setup.split(":", 2)
-        getattr(importlib.import_module(module), func)(*arg)
-
-
-def evaluate(layout: str, point: dict, index: int, cfg: SweepConfig, backends: Sequence[str]) -> CaseResult:
-    """One case through every check of every backend in ``backends``."""
+def evaluate(layout: str, point: dict, index: int, cfg: SweepConfig, backends: Sequence[str],
+             deadline: Optional[float] = None) -> CaseResult:
+    """One case through every check of every backend in ``backends``; past ``deadline`` (a
+    refmla.sweep.budget.now() time) what is left is ``not run`` (a backend not started too)."""
     case = any_case(layout, point, cfg.seed, index, cfg.walk_bounds())
     res = CaseResult(index, layout, point, case.params())
-    checks = any_checks(case, cfg.options(), cfg.repeat)
+    checks = any_checks(case, cfg.options(), cfg.repeat, deadline)
     for b in backends:  # the reference is computed once, in the first backend's time
+        cut = next((o.detail for oc in res.outcomes.values() for o in oc.values() if o.status == NOT_RUN), None)
+        if cut is not None:
+            res.outcomes[b] = {c: CheckOutcome(c, NOT_RUN, cut) for c in cfg.checks}
+            continue
         k0, r0 = checks.timing.kernel, checks.timing.reference
         res.outcomes[b], _ = checks.run(b, cfg.checks)
         res.kernel_seconds[b] = checks.timing.kernel - k0
@@ -134,44 +118,9 @@ def evaluate(layout: str, point: dict, index: int, cfg: SweepConfig, backends: S
     return res
 
 
-def visible_gpus() -> tuple[str, list[str]]:
-    """(the variable that picks a process's GPUs, the GPUs it names) where more than one is
-    visible; ("", []) otherwise. The variable already set is narrowed (on ROCm
-    ``HIP_VISIBLE_DEVICES`` first), else ``HIP_VISIBLE_DEVICES`` on ROCm, ``CUDA_VISIBLE_DEVICES``
-    on CUDA; its entries keep their own spelling (indices or UUIDs). Creates no CUDA context."""
-    names = ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES") if torch.version.hip else ("CUDA_VISIBLE_DEVICES",)
-    var = next((n for n in names if os.environ.get(n) is not None), names[0])
-    if os.environ.get(var) is not None:
-        gpus = [g.strip() for g in os.environ[var].split(",") if g.strip()]
-    else:
-        try:
-            gpus = [str(i) for i in range(torch.cuda.device_count())]  # NVML / amdsmi where possible
-        except Exception:
-            gpus = []
-    return (var, gpus) if len(gpus) > 1 else ("", [])
-
-
-def _worker_init(threads: int, setup: Optional[str], gpu: Optional[tuple[str, str]] = None) -> None:
-    """A worker's start: ``gpu`` (variable, GPU) set before anything creates a CUDA context, its
-    thread share, then ``setup``."""
-    if gpu is not None:
-        os.environ[gpu[0]] = gpu[1]
-    ignore_sigint()
-    ensure_interpreter()
-    quiet_interpreter().__enter__()  # for the worker's life
-    torch.set_num_threads(max(1, threads))
-    run_setup(setup)
-
-
-def _died(layout: str, point: dict, index: int, backends: Sequence[str]) -> CaseResult:
-    why = "the worker process died running this case"
-    res = CaseResult(index, layout, point, {})
-    res.outcomes = {b: {c: CheckOutcome(c, "n/a" if i else "error", why) for i, c in enumerate(CHECKS)} for b in backends}
-    return res
-
-
 class Sweeper:
     def __init__(self, cfg: SweepConfig):
+        self.t0 = budget.now()  # the budget counts from here: the backends' imports and availability are in it
         cfg.check()
         run_setup(cfg.setup)
         cfg = self.cfg = replace(cfg, bounds=cfg.walk_bounds())  # once: every worker walks the same bounds
@@ -184,6 +133,8 @@ class Sweeper:
         self.walks = [Walk(layout, restrict(layout, cfg.space, cfg.bounds), cfg.seed, cfg.bounds) for layout in cfg.layouts]
         self.counters = {w.layout: 0 for w in self.walks}
         self.skips: dict[tuple[str, str], int] = {}
+        self.costs = CostModel()  # seconds per attended element, per (backend, layout), as timed in this run
+        self.unstarted = 0  # points in a row predicted past the budget
 
     def backend_sweep(self, name: str) -> BackendSweep:
         """A backend's availability on each walked layout: available on one at least, the others
@@ -222,8 +173,40 @@ class Sweeper:
                 self.counters[layout] += 1
                 yield layout, point, index
 
+    def limit(self) -> float:
+        """Seconds into the walk past which no case starts (less SHRINK_SHARE once a check has failed)."""
+        return self.cfg.budget * (1 - SHRINK_SHARE if self.failing() else 1)
+
+    def elements(self, layout: str, point: dict, index: int) -> int:
+        return work(any_case(layout, point, self.cfg.seed, index, self.cfg.bounds))
+
+    def next_point(self, points, done):
+        """The next (layout, point, index) whose predicted cost (refmla.sweep.budget.CostModel)
+        fits what is left of the walk: the others are counted in ``not_started``; None when the
+        walk is done, or after UNSTARTED_IN_A_ROW points in a row that did not fit."""
+        while not done():
+            nxt = next(points, None)
+            if nxt is None:
+                return None
+            layout, point, index = nxt
+            left = self.t0 + self.limit() - budget.now()
+            if self.costs.case_seconds(self.active(layout), layout, self.elements(layout, point, index)) <= left:
+                self.unstarted = 0
+                return nxt
+            self.report.not_started[layout] = self.report.not_started.get(layout, 0) + 1
+            self.unstarted += 1
+            if self.unstarted >= UNSTARTED_IN_A_ROW:
+                return None
+        return None
+
     def record(self, res: CaseResult) -> None:
         self.report.cases.append(res)
+        elements = None
+        for name, outcomes in res.outcomes.items():
+            if outcomes and not any(o.status == NOT_RUN for o in outcomes.values()):  # a whole run: timed
+                elements = elements if elements is not None else self.elements(res.layout, res.point, res.index)
+                seconds = res.kernel_seconds.get(name, 0.0) + res.reference_seconds.get(name, 0.0)
+                self.costs.add(name, res.layout, elements, seconds)
         for name, outcomes in res.outcomes.items():
             b = self.report.backends[name]
             b.count(outcomes)
@@ -238,32 +221,37 @@ class Sweeper:
                 self.skips[key] = 0
 
     def walk(self) -> None:
-        """The cases within the budget: none starts past it (the last may finish); once a check has
-        failed, the walk leaves SHRINK_SHARE of the budget to shrinking (refmla.sweep.run.findings)."""
-        t0 = self.t0 = time.monotonic()
+        """The cases within the budget (refmla.sweep.budget): none starts past it, nor one whose
+        predicted cost passes what is left; a started case is cut off at budget x (1 + OVERRUN)
+        (its unfinished checks ``not run``); once a check has failed, the walk leaves
+        SHRINK_SHARE of the budget to shrinking (refmla.sweep.run.findings)."""
+        t0, started = self.t0, budget.now()  # the budget's start (the sweep's), the walk's
+        deadline = t0 + self.cfg.budget * (1 + OVERRUN)
 
         def done() -> bool:
             if self.cfg.max_cases is not None and len(self.report.cases) >= self.cfg.max_cases:
                 return True
-            limit = self.cfg.budget * (1 - SHRINK_SHARE if self.failing() else 1)
-            return time.monotonic() - t0 >= limit
+            return budget.now() - t0 >= self.limit()
 
         progress = Progress(self.cfg.max_cases or 2, unit="case")
         try:
             with quiet_interpreter():
                 if self.cfg.jobs <= 1:
-                    for layout, point, index in self.points():
-                        if done():
-                            break
-                        self.record(evaluate(layout, point, index, self.cfg, self.active(layout)))
+                    points = self.points()
+                    while (nxt := self.next_point(points, done)) is not None:
+                        layout, point, index = nxt
+                        self.record(evaluate(layout, point, index, self.cfg, self.active(layout), deadline))
                         self._tick(progress, t0)
                 else:
-                    self._walk_parallel(done, progress, t0)
+                    self._walk_parallel(done, progress, t0, deadline)
         finally:
             progress.close()
-        self.report.walk_seconds = time.monotonic() - t0
+        self.report.walk_seconds = budget.now() - started
         self.report.cases.sort(key=lambda c: (self.cfg.layouts.index(c.layout), c.index))
-        self.report.pairs = {w.layout: [w.pairs_covered, w.pairs_total] for w in self.walks if w.pairs_total}
+        ran = {w.layout: [c.point for c in self.report.cases if c.layout == w.layout and
+                          any(o.status != NOT_RUN for oc in c.outcomes.values() for o in oc.values())]
+               for w in self.walks}  # fmt: skip
+        self.report.pairs = {w.layout: [w.covered(ran[w.layout]), w.pairs_total] for w in self.walks if w.pairs_total}
 
     def failing(self) -> bool:
         return any(o.failed for r in self.report.cases for oc in r.outcomes.values() for o in oc.values())
@@ -271,13 +259,13 @@ class Sweeper:
     def _tick(self, progress: Progress, t0: float) -> None:
         """One case done: the total is the cases the budget holds at the pace so far (``max_cases``
         where it is smaller), never fewer than the cases done."""
-        n, elapsed = len(self.report.cases), time.monotonic() - t0
+        n, elapsed = len(self.report.cases), budget.now() - t0
         estimate = int(n * self.cfg.budget / elapsed) if elapsed > 0 else n
         progress.retotal(max(n, min(estimate, self.cfg.max_cases or estimate)))
         fails = len({(b, c) for r in self.report.cases for b, oc in r.outcomes.items() for c, o in oc.items() if o.failed})
         progress.step(f"{n} cases, {fails} failing checks, {elapsed:.0f} of {self.cfg.budget:g} s")
 
-    def _walk_parallel(self, done, progress: Progress, t0: float) -> None:
+    def _walk_parallel(self, done, progress: Progress, t0: float, deadline: float) -> None:
         """``jobs`` workers, each a one-process pool of its own: worker i holds GPU i mod the
         visible ones where several are (refmla.sweep.run.visible_gpus), one case at a time; a
         worker that dies costs its case (an ``error`` finding) and is started again."""
@@ -288,7 +276,7 @@ class Sweeper:
         def start(slot: int) -> ProcessPoolExecutor:
             gpu = (var, gpus[slot % len(gpus)]) if gpus else None
             init = (threads, self.cfg.setup, gpu)
-            return ProcessPoolExecutor(1, mp_context=ctx, initializer=_worker_init, initargs=init)
+            return ProcessPoolExecutor(1, mp_context=ctx, initializer=worker_init, initargs=init)
 
         pools = [start(slot) for slot in range(self.cfg.jobs)]
         pending: dict = {}  # future -> (layout, point, index, backends, slot)
@@ -297,12 +285,12 @@ class Sweeper:
             while True:
                 busy = {v[-1] for v in pending.values()}
                 for slot in (s for s in range(self.cfg.jobs) if s not in busy):
-                    nxt = None if done() else next(points, None)
+                    nxt = self.next_point(points, done)
                     if nxt is None:
                         break
                     layout, point, index = nxt
                     backends = self.active(layout)
-                    fut = pools[slot].submit(evaluate, layout, point, index, self.cfg, backends)
+                    fut = pools[slot].submit(evaluate, layout, point, index, self.cfg, backends, deadline)
                     pending[fut] = (layout, point, index, backends, slot)
                 if not pending:
                     break
@@ -312,7 +300,7 @@ class Sweeper:
                     try:
                         self.record(fut.result())
                     except BrokenProcessPool:
-                        self.record(_died(layout, point, index, backends))
+                        self.record(died(layout, point, index, backends))
                         pools[slot].shutdown(wait=False, cancel_futures=True)
                         pools[slot] = start(slot)
                     self._tick(progress, t0)
@@ -321,14 +309,14 @@ class Sweeper:
                 pool.shutdown(wait=False, cancel_futures=True)
 
     def findings(self) -> None:
-        t0 = time.monotonic()
+        t0 = budget.now()
         out = Path(self.cfg.out)
         for name, b in self.report.backends.items():
             for check in self.cfg.checks:
                 failing = [c for c in self.report.cases if name in c.outcomes and c.outcomes[name][check].failed]
                 if failing:
                     b.findings.append(self.finding(name, check, failing, out))
-        self.report.shrink_seconds = time.monotonic() - t0
+        self.report.shrink_seconds = budget.now() - t0
 
     def finding(self, name: str, check: str, failing: list[CaseResult], out: Path) -> Finding:
         first = failing[0]
@@ -338,7 +326,7 @@ class Sweeper:
         try:
             with quiet_interpreter():  # the budget's end: shrinking stops there (the capture is still written)
                 shrunk = shrink(case, name, check, self.cfg.options(), self.cfg.repeat, max_tries=self.cfg.max_shrink,
-                                deadline=getattr(self, "t0", time.monotonic()) + self.cfg.budget)  # fmt: skip
+                                deadline=self.t0 + self.cfg.budget)  # fmt: skip
         except Exception as e:  # shrinking is an aid: the finding stands without it
             f.shrunk_detail = f"not shrunk: {error_text(e)}"
             return f

@@ -11,12 +11,12 @@ their entries and its index heads (refmla.sweep.indexer.indexer_candidates).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
 from refmla.golden.cases import GoldenCase
 from refmla.options import ReplayOptions
+from refmla.sweep import budget
 from refmla.sweep.checks import Evidence
 from refmla.sweep.report import CheckOutcome
 from refmla.sweep.space import HEADS
@@ -86,10 +86,10 @@ def shrink(case: AnyCase, backend: str, check: str, opts: ReplayOptions, repeat:
     status = first[0].status  # a smaller case must fail as this one does (fail, or error)
     best = Shrunk(case, first[0], first[1], tries=1)
     progress = True
-    while progress and best.tries < max_tries and (deadline is None or time.monotonic() < deadline):
+    while progress and best.tries < max_tries and (deadline is None or budget.now() < deadline):
         progress = False
         for step, smaller in candidates(best.case):
-            if best.tries >= max_tries or (deadline is not None and time.monotonic() >= deadline):
+            if best.tries >= max_tries or (deadline is not None and budget.now() >= deadline):
                 break
             best.tries += 1
             got = fails(smaller, backend, check, opts, repeat, status)

@@ -25,7 +25,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
-from refmla.sweep.bounds import CPU, Bounds
+from refmla.sweep.bounds import CPU, INT32_BASE_ROW, Bounds
 
 HEADS = (128, 64, 32, 16, 8, 4)  # heads per rank: DeepSeek-V3 128 / Kimi-K2 64 at TP 1..16
 PAGES = (1, 16, 64, 256)
@@ -87,6 +87,9 @@ LAYOUTS: dict[str, dict[str, tuple]] = {
 LONG_LENGTHS = ("8192", "8193", "32768", "32769", "65536", "131072", "131073")
 LONG_SPARSE = ("8192", "65536", "131072")  # request 0's sparse context
 LONG_BATCHES = (128, 256)
+# a dense case's pool: as built (compact), or moved to rows past INT32_BASE_ROW of a NaN pool, where
+# every element offset (row x 576) passes 2**31: the int32-offset class (bounds with pool_rows only)
+POOLS = ("compact", "past-int32")
 NOT_YET: tuple = ()  # layouts the sweep does not walk yet (the report's not_walked): none since all four are
 
 MAX_ROWS = CPU.rows  # query rows x heads of one case: the interpreter's stage 2 runs one program per (row, head)
@@ -157,7 +160,15 @@ def feasible(p: Mapping[str, Any], layout: str = "decode", bounds: Bounds = CPU)
         topks = [p["topk"]] if "topk" in p else TOPKS
         return any(_sparse_fits(heads, batch, str(p.get("length", "0")), c, t, bounds) for c in caches for t in topks)
     length = length_of(str(p.get("length", "0")), int(p.get("page", 1)), 1, edge_unit(p, layout))
+    if p.get("pool") == "past-int32" and INT32_BASE_ROW + pool_span(length, batch, int(p.get("page", 1))) > bounds.pool_rows:
+        return False
     return batch * qlen * heads <= bounds.rows and length * -(-heads // 16) <= bounds.tile_tokens and length <= bounds.length
+
+
+def pool_span(length: int, batch: int, page: int) -> int:
+    """Rows a dense case's pool may take, at most: request 0's length (up to 8 x it, its multiple)
+    and the others' short ones, each with its pages, a page of padding and the free pages."""
+    return 8 * length + batch * (3 * max(page, 64)) + 4 * page
 
 
 def _sparse_fits(heads: int, batch: int, length: str, cache: str, topk: int, bounds: Bounds = CPU) -> bool:
@@ -174,6 +185,8 @@ def axes_of(layout: str, bounds: Bounds = CPU) -> dict[str, tuple]:
     axes["length"] = tuple(v for v in axes["length"] + (long if bounds.long else ())
                            if not v.isdigit() or int(v) <= bounds.length)  # fmt: skip
     axes["batch"] = tuple(v for v in axes["batch"] + LONG_BATCHES if v <= bounds.batch)
+    if layout != "sparse" and bounds.pool_rows > INT32_BASE_ROW:
+        axes["pool"] = POOLS
     return axes
 
 
@@ -232,7 +245,8 @@ def _has(axis: str, text: str, axes: Mapping[str, tuple]) -> bool:
 @dataclass
 class Walk:
     """The points of one layout: first its largest point (``bounds.largest_first``: the longest
-    length, then the largest batch and heads that fit), then a point on each schedule boundary
+    length, then the largest batch and heads that fit), its pool moved past int32 element
+    offsets (``pool`` = ``past-int32``, where the bounds hold it), then a point on each schedule boundary
     (``edge``, ``edge+1``, ``edge-1``, each with another split count of several splits), then
     pairwise coverage (which pairs every boundary with every split count and page), then random:
     ``next(iter(walk))``."""
@@ -260,6 +274,12 @@ class Walk:
                     if feasible({a: va, b: vb}, self.layout, self.bounds):
                         out.add(((a, va), (b, vb)))
         return out
+
+    def covered(self, points: Sequence[Mapping[str, Any]]) -> int:
+        """The planned value pairs (of ``pairs_total``) that ``points`` hold: the walk's coverage
+        counted over the points that ran (a point the budget did not start covers nothing)."""
+        held = {pair for p in points for pair in itertools.permutations(p.items(), 2)}
+        return len(self._pairs() & held)
 
     def _new_pairs(self, point: dict, axis: str, value: Any, todo: set) -> int:
         return sum((((a, v), (axis, value)) in todo) + (((axis, value), (a, v)) in todo) for a, v in point.items())
@@ -293,11 +313,14 @@ class Walk:
         return {n: vals[-1] for n, vals in self.axes.items()}
 
     def first_points(self) -> list[dict]:
-        """The fixed axis values of the walk's first points: the largest (on a GPU's bounds), then
-        one per schedule boundary, each with the next split count of several splits."""
+        """The fixed axis values of the walk's first points: the largest (on a GPU's bounds), the
+        pool past int32 offsets (where the bounds hold it), then one per schedule boundary, each
+        with the next split count of several splits."""
         firsts = []
         if self.bounds.largest_first and "length" in self.axes:
             firsts.append(self._largest())
+        if "past-int32" in self.axes.get("pool", ()):
+            firsts.append({"pool": "past-int32"})
         edges = [v for v in EDGES if v in self.axes.get("length", ())]
         several = [v for v in self.axes.get("splits", ()) if str(v).isdigit() and int(v) > 1] or list(self.axes.get("splits", ()))
         for i, edge in enumerate(edges):
@@ -346,5 +369,5 @@ def interleave(walks: Sequence[Walk]) -> Iterator[tuple[str, dict]]:
             yield layout, next(it)
 
 
-__all__ = ["EDGES", "HEADS", "LAYOUTS", "LONG_LENGTHS", "NOT_YET", "Walk", "axes_of", "edge_unit", "feasible", "interleave",
-           "index_entries", "length_of", "restrict", "sparse_context", "sparse_units", "sparse_valid"]
+__all__ = ["EDGES", "HEADS", "LAYOUTS", "LONG_LENGTHS", "NOT_YET", "POOLS", "pool_span", "Walk", "axes_of", "edge_unit",
+           "feasible", "interleave", "index_entries", "length_of", "restrict", "sparse_context", "sparse_units", "sparse_valid"]

@@ -23,14 +23,13 @@ Also the dispatch every later module uses: :func:`any_case` / :func:`any_checks`
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
 from refmla.golden.cases import GoldenCase
-from refmla.isolation import enabled, run_isolated
+from refmla.isolation import enabled
 from refmla.options import ReplayOptions
 from refmla.sparse.arithmetic import SGLANG_TRITON_SPARSE
 from refmla.sparse.backends import BACKENDS, KERNELS, PathOutput, declared_arithmetic
@@ -39,6 +38,8 @@ from refmla.sparse.presets import PRESETS, SparsePreset
 from refmla.sparse.reference import judge_lse, judge_out, rows_of, sparse_control, sparse_reference
 from refmla.sparse.synth import build_case
 from refmla.sparse.validation import write_sparse
+from refmla.sweep import budget
+from refmla.sweep.budget import CutOff
 from refmla.sweep.cases import case_of, case_seed
 from refmla.sweep.checks import CHECKS, CaseChecks, Evidence, Timing, repeat_check, run_checks
 from refmla.sweep.indexer import IndexerChecks, IndexerSweepCase, indexer_case
@@ -121,8 +122,9 @@ def refuses(backend: str, case: SparseSweepCase) -> Optional[str]:
 class SparseChecks:
     """One sparse case, its reference and control computed once, checked against any number of backends."""
 
-    def __init__(self, case: SparseSweepCase, opts: ReplayOptions, repeat: int = 3):
+    def __init__(self, case: SparseSweepCase, opts: ReplayOptions, repeat: int = 3, deadline: Optional[float] = None):
         self.case, self.opts, self.repeat = case, opts, repeat
+        self.deadline = deadline  # a budget.now() time: past it, what is left is not run (refmla.sweep.budget)
         self.timing = Timing()
         self.cap = case.capture()
         self._truth: Optional[tuple] = None
@@ -132,27 +134,28 @@ class SparseChecks:
     def truth(self) -> tuple:
         """(reference, control) of the case: computed once a kernel has run."""
         if self._truth is None:
-            t0 = time.perf_counter()
+            if self.deadline is not None and budget.now() >= self.deadline:
+                raise CutOff()
+            t0 = budget.now()
             rows = rows_of(self.cap)
             self._truth = (sparse_reference(self.cap, rows), sparse_control(self.cap, rows))
-            self.timing.reference += time.perf_counter() - t0
+            self.timing.reference += budget.now() - t0
         return self._truth
 
     def kernel(self, backend: str) -> PathOutput:
         run = BACKENDS[backend]
-        t0 = time.perf_counter()
+        t0 = budget.now()
         try:
-            if backend in KERNELS and enabled(self.opts.isolate):
-                return run_isolated(run, self.cap, wall_s=self.opts.kernel_seconds)
-            return run(self.cap)
+            isolated = backend in KERNELS and enabled(self.opts.isolate)
+            return budget.call(run, (self.cap,), self.opts.kernel_seconds, self.deadline, isolated)
         finally:
-            self.timing.kernel += time.perf_counter() - t0
+            self.timing.kernel += budget.now() - t0
 
     def judge(self, name: str, got: PathOutput) -> tuple[bool, str, dict]:
         """(passed, what it says, its numbers) of one run's out and lse against the reference, at the
         path's own declared arithmetic (refmla.sparse.arithmetic)."""
         ref, ctrl = self.truth
-        t0 = time.perf_counter()
+        t0 = budget.now()
         arith = declared_arithmetic(name, self.cap)
         if arith != SGLANG_TRITON_SPARSE:  # the truth's control is that one's
             if arith not in self._controls:
@@ -160,7 +163,7 @@ class SparseChecks:
             ctrl = self._controls[arith]
         cmp = judge_out(name, self.cap, got.out, ref, ctrl, self.opts.tol, arith)
         lse = judge_lse(got.lse, ref, ctrl, self.opts.tol) if got.lse is not None else None
-        self.timing.reference += time.perf_counter() - t0
+        self.timing.reference += budget.now() - t0
         lse_bad = lse is not None and lse.status != "pass"
         reasons = list(cmp.reasons) + ([lse.reason or "lse fails"] if lse_bad else [])  # type: ignore[union-attr]
         data = {"comparison": cmp.to_json(), **({"lse": lse.to_json()} if lse is not None else {})}
@@ -239,11 +242,13 @@ def any_case(layout: str, point: Mapping[str, Any], seed: int, index: int, bound
     return case_of(layout, point, seed, index, bounds)
 
 
-def any_checks(case: AnyCase, opts: ReplayOptions, repeat: int = 3) -> Union[CaseChecks, SparseChecks, IndexerChecks]:
-    """The checks of a case of any layout."""
+def any_checks(case: AnyCase, opts: ReplayOptions, repeat: int = 3,
+               deadline: Optional[float] = None) -> Union[CaseChecks, SparseChecks, IndexerChecks]:
+    """The checks of a case of any layout (``deadline``: refmla.sweep.budget's, None: none)."""
     if isinstance(case, IndexerSweepCase):
-        return IndexerChecks(case, opts, repeat)
-    return SparseChecks(case, opts, repeat) if isinstance(case, SparseSweepCase) else CaseChecks(case, opts, repeat)
+        return IndexerChecks(case, opts, repeat, deadline)
+    kind = SparseChecks if isinstance(case, SparseSweepCase) else CaseChecks
+    return kind(case, opts, repeat, deadline)
 
 
 __all__ = ["AnyCase", "SparseChecks", "SparseSweepCase", "any_case", "any_checks", "refuses", "sparse_candidates",
