@@ -69,7 +69,9 @@ def work(case: Any) -> int:
     and vLLM's kernels takes) x, per query row, the tokens it attends plus ROW_TOKENS per split (a
     program's fixed cost, which the Triton interpreter makes large): a dense case's requests (verify:
     ``draft_token_num`` rows each), a sparse case's valid entries of both caches
-    (refmla.sweep.space.sparse_valid), one split a row."""
+    (refmla.sweep.space.sparse_valid), one split a row; an indexer case's entries x index heads."""
+    if hasattr(case, "entries"):  # an indexer case: every index head scores every entry of its request
+        return int(case.heads) * sum(int(n) + ROW_TOKENS for n in case.entries)
     heads = -(-int(case.num_heads) // 16) * 16
     if hasattr(case, "cache"):  # a sparse case: one query row per request
         return heads * sum(sparse_valid(int(n), case.cache, int(case.topk)) + ROW_TOKENS for n in case.seq_lens)
