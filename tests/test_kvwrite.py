@@ -327,3 +327,16 @@ def test_inspect_describes_a_writer_capture_and_names_a_bad_one(tmp_path, capsys
     _raw_capture(bad, t, m)
     assert refmla_main(["inspect", str(bad)]) == 2
     assert "tensor 'slots'" in capsys.readouterr().err
+
+
+def test_a_writer_handed_one_tensor_as_rows_before_and_after_writes_a_capture(tmp_path):
+    """safetensors refuses tensors that share memory; a writer that hands the same tensor as the rows
+    before and after the call (it wrote nothing) still gets its capture, each tensor its own copy."""
+    from refmla.kvwrite.io import read_kv_write, write_kv_write
+
+    t, m = _good()
+    t["rows_after"] = t["rows_before"]
+    path = write_kv_write(tmp_path / "w.safetensors", t, m)
+    cap = read_kv_write(path)
+    assert torch.equal(cap.rows_before.float(), cap.rows_after.float())
+    assert cap.rows_before.shape == t["rows_before"].shape

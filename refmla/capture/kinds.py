@@ -18,7 +18,7 @@ from refmla import CAPTURE_FORMAT
 from refmla.atomic import write_bytes
 from refmla.capture.format import CaptureError
 from refmla.capture.read import open_capture
-from refmla.capture.write import sorted_header
+from refmla.capture.write import sorted_header, unshared
 
 
 @dataclass
@@ -144,7 +144,7 @@ class Kind:
         t = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items() if v is not None}
         self.build(path=str(path), meta=parsed, **t)
         header = {"format": CAPTURE_FORMAT, "meta": json.dumps(parsed.to_json(), sort_keys=True)}
-        write_bytes(path, sorted_header(save(t, metadata=header)), make_parents=True)
+        write_bytes(path, sorted_header(save(unshared(t), metadata=header)), make_parents=True)
         return path
 
 

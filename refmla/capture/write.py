@@ -127,7 +127,21 @@ def _write_atomic(path: Path, tensors: dict[str, torch.Tensor], header: dict[str
     """The safetensors bytes, header metadata sorted, written by :func:`refmla.atomic.write_bytes`."""
     from safetensors.torch import save
 
-    write_bytes(path, sorted_header(save(tensors, metadata=header)), make_parents=True)
+    write_bytes(path, sorted_header(save(unshared(tensors), metadata=header)), make_parents=True)
+
+
+def unshared(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors with any that shares memory with one before it copied: safetensors refuses shared
+    tensors, and a writer may hand the same tensor twice (rows before and after a call that wrote
+    nothing)."""
+    seen: set = set()
+    out = {}
+    for k, v in tensors.items():
+        key = (v.untyped_storage().data_ptr(), v.device.type) if v.numel() else None
+        out[k] = v.clone() if key in seen else v
+        if key is not None:
+            seen.add(key)
+    return out
 
 
 def sorted_header(data: bytes) -> list:
@@ -143,4 +157,4 @@ def sorted_header(data: bytes) -> list:
     return [data[:8], text + b" " * (n - len(text)), memoryview(data)[8 + n :]]
 
 
-__all__ = ["compact_block_table", "compact_pool", "write_capture"]
+__all__ = ["unshared", "compact_block_table", "compact_pool", "write_capture"]
