@@ -29,6 +29,7 @@ from refmla.sparse.validation import is_sparse_file, read_sparse
 from refmla.poolplan import KV_DTYPES, MODELS, buffers, geometry_from_config, model_geometry
 from refmla.region_check import PoolMeta, RegionCheck, check_region, plan_regions
 from refmla.pipeline import replay_capture, replay_file
+from refmla.cp.replay import group_steps, replay_step_files
 from refmla.results import ReplayReport
 from refmla.kvwrite.synth import PRESETS as KV_WRITE_PRESETS
 from refmla.indexer.synth import PRESETS as INDEXER_PRESETS
@@ -56,7 +57,9 @@ def replay(path_or_capture: Union[str, Path, Capture],
            tol: Optional[Tolerance] = None, **options: Any) -> ReplayReport:  # fmt: skip
     """One capture (a path, or a Capture already read) through ``backends`` (None: every backend
     usable here), judged with ``tol``; ``options``: the other ReplayOptions fields (device,
-    cu_count, explain, ...). Every kind (dense, block-table, verify, sparse decode, kv_write, merge).
+    cu_count, explain, ...). Every kind (dense, block-table, verify, sparse decode, kv_write, merge);
+    a folder of one decode-context-parallel step's rank captures is that step judged as one call
+    (kind ``context_parallel``, docs/context-parallel.md).
 
     ``backends`` names backends (refmla's own, ``"module:function"``, an installed package's
     kernel), or maps names to kernels of refmla.kernel's interface, ``{"mine": decode}`` (docs/own-kernel.md),
@@ -72,11 +75,32 @@ def replay(path_or_capture: Union[str, Path, Capture],
     opts.check()
     if isinstance(path_or_capture, Capture):
         report = replay_capture(path_or_capture, opts)
+    elif _is_dir(path_or_capture):
+        report = _replay_step(Path(path_or_capture), opts)
     else:
         report = replay_file(path_or_capture, opts)
     if report.verdict == "invalid":  # bad input raises, with the line the command line prints
         raise CaptureError.of_line(report.capture, first_line(report.error or "; ".join(report.metadata.errors)))
     return report
+
+
+def _is_dir(path: Any) -> bool:
+    try:
+        return Path(path).is_dir()
+    except (OSError, ValueError):  # a name too long, a NUL: not a folder (replay_file says why)
+        return False
+
+
+def _replay_step(folder: Path, opts: ReplayOptions) -> ReplayReport:
+    """A folder of one context-parallel step's rank captures, judged as one call (refmla.cp.replay);
+    a folder holding anything else, or several steps, is a ValueError naming it."""
+    files = sorted(str(f) for f in folder.rglob("*.safetensors") if f.is_file())
+    units, steps = group_steps(files, [str(folder)] * len(files))
+    if len(units) != 1 or units[0] not in steps:
+        raise ValueError(f"{folder}: a folder replays here only when it holds the DCP rank captures of one step "
+                         f"({len(steps)} step(s) and {len(units) - len(steps)} other capture(s) found); "
+                         "give the capture files, or use the command line for many")  # fmt: skip
+    return replay_step_files(units[0], steps[units[0]], opts)
 
 
 @contextlib.contextmanager
