@@ -42,6 +42,8 @@ TENSORS = {
     "flashmla_tile_scheduler_metadata": False, "flashmla_num_splits": False,
     # decode context parallelism: the combined output of this rank's heads (docs/context-parallel.md)
     "dcp_out": False,
+    # ... and the combine's inputs as it was handed them (the rank's out and lse, their own dtypes)
+    "dcp_in_out": False, "dcp_in_lse": False,
 }  # fmt: skip
 # without kv_indptr / kv_indices, a capture with a block_table has them built by the reader
 BUILT_FROM_BLOCK_TABLE = ("kv_indptr", "kv_indices")
@@ -327,6 +329,8 @@ class Capture:
     flashmla_tile_scheduler_metadata: Optional[torch.Tensor] = None  # [P, 8] int32 (refmla.flashmla_plan)
     flashmla_num_splits: Optional[torch.Tensor] = None  # [B + 1] int32, cumulative splits per request
     dcp_out: Optional[torch.Tensor] = None  # [B, H / dcp_world_size, Dv] the combine's output, this rank's heads
+    dcp_in_out: Optional[torch.Tensor] = None  # [B, H, Dv] the partial out the combine was handed
+    dcp_in_lse: Optional[torch.Tensor] = None  # [B, H] the lse the combine was handed (any float dtype, base lse_base)
     warnings: list = field(default_factory=list)
     _attended: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
 

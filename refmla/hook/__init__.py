@@ -52,6 +52,8 @@ call that passes the filters. The rest are torch-free, as they run at interprete
                       wrapper for each writer / merge the patcher installs (REFMLA_CAPTURE_BACKENDS=merge)
     vllm_paths.py     where vLLM keeps its MLA Impl classes (forward_mqa), and their capture names
     vllm_patch.py     vLLM: the ``vllm.general_plugins`` entry point, install, the forward_mqa wrapper
+    dcp_combine.py    (torch) vLLM's DCP combine (the layer's dcp_manager.combine): a rank's capture held
+                      until it runs, then written with its inputs and output
     vllm_extract.py   (torch) vLLM: the kernel's block table, split count, pool pages -> a capture
     sitecustomize/    the start-up file that ``capture run`` puts first on PYTHONPATH
 
