@@ -35,6 +35,8 @@ call that passes the filters. The rest are torch-free, as they run at interprete
     geometry.py       the production pool's geometry (rows, bytes per row, layers per buffer) for the meta
     meta.py           (torch) the meta providers and their assembly
     modes.py          (torch) one reader per capture mode (decode, extend): indices, kernel state
+    sglang_dcp.py     (torch) SGLang's Triton decode under decode context parallelism: the rank's
+                      gathered q, pre-merge partial and combine (from the kernel probes) as a rank capture
     extract.py        (torch) after the kernel: guards, reader, pool, budget, host copy, write
     patching.py       install / uninstall; the forward_decode / forward_extend wrapper; the DeepSeek-V4
                       sparse entrypoint's wrapper (REFMLA_CAPTURE_BACKENDS=dsv4)
