@@ -3,7 +3,8 @@
     refmla.replay(path_or_capture, backends=None, tol=None, **options) -> ReplayReport
                     (backends: names, or {"mine": kernel} of refmla.kernel's interface)
     refmla.synth(out, preset_name="kimi-k2-tp8", fault="none", seed=None, layer=None) -> dict (what was planted)
-                    (every kind: dense, verify, sparse, kv_write, merge, chunked_prefill presets)
+                    (every kind: dense, verify, sparse, kv_write, merge, chunked_prefill presets;
+                    kimi-k2-tp8-dcp2 / -dcp4: a folder of one DCP step's rank captures)
     refmla.regions(capture=None, model=None, config=None, tokens=None, ...) -> RegionCheck
     refmla.api.unrun_backends(report, asked) -> [(backend, reason)]: backends asked for that did not run
 
@@ -43,10 +44,13 @@ from refmla.sparse.faults import FAULTS as SPARSE_FAULTS
 from refmla.sparse.make import synth_sparse
 from refmla.sparse.presets import PRESETS as SPARSE_PRESETS
 from refmla.synthetic import FAULTS, PRESETS, synth_capture
+from refmla.synthetic.dcp import PRESETS as DCP_PRESETS
+from refmla.synthetic.dcp import synth_dcp
 from refmla.synthetic import preset as dense_preset
 from refmla.util import first_line
 
 KIND_SYNTHS = {**{p: synth_kv_write for p in KV_WRITE_PRESETS}, **{p: synth_merge for p in MERGE_PRESETS},
+               **{p: synth_dcp for p in DCP_PRESETS},
                **{p: synth_chunked for p in CHUNKED_PRESETS}, **{p: synth_indexer for p in INDEXER_PRESETS}}  # fmt: skip  # each checks its own faults
 ALL_PRESETS = [*PRESETS, *SPARSE_PRESETS, *KIND_SYNTHS]
 TRANSFER_BACKENDS = ("mori", "mooncake", "nixl", "ascend", "fake")

@@ -262,3 +262,21 @@ def test_the_one_replay_says_an_unusable_step_in_one_line(tmp_path):
     assert run.returncode == 2 and "Traceback" not in run.stderr
     (line,) = [ln for ln in run.stderr.splitlines() if ln.startswith("refmla: error")]
     assert "'dcp_rank'" in line and "rank1" in line
+
+
+@pytest.mark.parametrize("preset", ["kimi-k2-tp8-dcp2", "kimi-k2-tp8-dcp4"])
+def test_synth_presets_write_a_step_clean_and_with_each_fault(tmp_path, preset):
+    """`refmla synth OUT --preset kimi-k2-tp8-dcpN [--fault F]`: a folder of rank captures that
+    `refmla replay` judges as one step: agree when clean, each planted class named on its rank and
+    request, nothing else."""
+    import refmla
+    from refmla.synthetic.dcp import FAULTS
+
+    for fault in FAULTS:
+        planted = refmla.synth(tmp_path / fault, preset, fault)
+        report = refmla.replay(tmp_path / fault)
+        cp = report.kind_keys["context_parallel"]
+        got = {(f["hypothesis"], f["rank"], f["request"] if f["hypothesis"] not in ("cp_combine_lse_base", "cp_shard_missing") else None)
+               for f in cp["findings"]}  # fmt: skip
+        assert got == {tuple(e) for e in planted["expect"]}, (fault, report.diagnosis_text)
+        assert report.verdict == ("agree" if fault == "none" else "diverged"), (fault, report.diagnosis_text)

@@ -15,6 +15,7 @@
     zoo.py      faults taken from real bugs in real MLA kernels (pages, empty splits, 32-bit
                 offsets, fp8 scales, rope), each with the hypothesis that must name it
     launch_faults.py  faults of a kernel's launch plan: heads folded and unfolded wrongly
+    dcp.py      a decode-context-parallel step: one rank capture per DCP rank, clean or with a CP mistake
 
 The pool is paged: each request's pages are shuffled across the pool, every row no request
 attends (unused pages and the tail of each last page) is NaN, so a kernel that reads past its
