@@ -31,11 +31,12 @@ from refmla.capture import dcp
 from refmla.hook import dcp_combine
 from refmla.hook.call import Skip, VllmCall
 from refmla.hook.nvidia import flashmla_plan
-from refmla.hook.vllm_patch import installed_patches
 from refmla.hook.writer import HookState, capture_name
 
 
-def after(state: HookState, call: VllmCall, impl: Any, inputs: tuple, result: Any) -> None:
+def after(state: HookState, call: VllmCall, impl: Any, inputs: tuple, result: Any, installed: Optional[list] = None) -> None:
+    """``installed``: the installation's (owner, name, original) list, where a DCP combine's wrapper
+    is recorded for uninstall (refmla.hook.dcp_combine)."""
     q, cache, md = inputs
     out, lse = _outputs(result)
     q = torch.cat(q, dim=-1) if isinstance(q, tuple) else q  # [B, H, D]
@@ -69,7 +70,7 @@ def after(state: HookState, call: VllmCall, impl: Any, inputs: tuple, result: An
     backend = call.backend if cp is None else f"{call.backend}-dcp{cp['dcp_rank']}of{cp['dcp_world_size']}"
     name = capture_name(mode="decode", rank=call.rank, layer=call.layer_id, step=call.step, backend=backend,
                         pid=os.getpid())  # fmt: skip
-    if cp is not None and dcp_combine.hold(state, call.layer, name, tensors, meta, installed_patches()):
+    if cp is not None and dcp_combine.hold(state, call.layer, name, tensors, meta, installed):
         return  # written when the layer's DCP combine has run, with its inputs and output (refmla.hook.dcp_combine)
     state.write(name, tensors, meta)
 

@@ -145,7 +145,7 @@ def _wrapper(original: Callable, backend: str, engine_backend: str) -> Callable:
         try:
             from refmla.hook.vllm_extract import after
 
-            after(state, call, self, (q, kv_c_and_k_pe_cache, attn_metadata), result)
+            after(state, call, self, (q, kv_c_and_k_pe_cache, attn_metadata), result, installed_patches())
         except Skip as s:
             state.skip(str(s))
         except Exception as e:
