@@ -40,7 +40,11 @@ def hold(state: HookState, layer: Any, name: str, tensors: dict, meta: dict, ins
     if getattr(combine, MARK, None) is None:
         wrapper = _wrapper(manager, combine)
         setattr(wrapper, MARK, combine)
-        manager.combine = wrapper
+        try:
+            manager.combine = wrapper
+        except (AttributeError, TypeError):  # a manager that takes no attribute: the capture without its combine
+            state.once("dcp_combine_unwrapped", logging.INFO, "the DCP manager's combine cannot be wrapped: not recorded")
+            return False
         installed.append((manager, "combine", combine))
     meta["dcp_combine"] = _combine_name(combine)
     for k in ("out", "lse"):  # the combine corrects its out in place: the held copy must be the capture's own
