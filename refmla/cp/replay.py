@@ -88,7 +88,16 @@ def step_report(label: str, files: Sequence[str], tol: Tolerance = Tolerance()) 
     """The step of ``files`` judged as one call, as a ReplayReport; never raises for bad input."""
     try:
         caps = [(Path(f), read_capture(f)) for f in files]
-        step = read_step(label, caps, label)
+    except CaptureError as e:
+        return invalid(label, str(e))
+    return captures_report(label, caps, tol)
+
+
+def captures_report(label: str, caps: Sequence[tuple], tol: Tolerance = Tolerance()) -> ReplayReport:
+    """step_report of captures already read ([(path, Capture)]: the golden check hands a backend's
+    outputs in them); never raises for bad input."""
+    try:
+        step = read_step(label, list(caps), label)
         cp = judge(step, tol)
     except CaptureError as e:
         return invalid(label, str(e))
@@ -153,4 +162,4 @@ def replay_step_files(label: str, files: Sequence[str], opts: Any = None) -> Rep
         return invalid(label, f"{label}: replay: {error_text(e)}")
 
 
-__all__ = ["KIND", "as_replay_report", "dcp_key", "group_steps", "replay_step_files", "step_report"]
+__all__ = ["KIND", "as_replay_report", "captures_report", "dcp_key", "group_steps", "replay_step_files", "step_report"]

@@ -12,6 +12,8 @@ Layout (imports run down this list, never up):
     isolate.py      check_isolated (a child process) and needs_isolation
     __main__.py     ``python -m refmla.golden check FILE --backend NAME``, what check_isolated runs
     sparse.py       the sparse decode goldens (golden/sparse/: DeepSeek-V4-Flash C4 / C128, V3.2 DSA) and their check
+    dcp.py          the context-parallel goldens (golden/dcp/<case>/: one DCP-2 step's rank captures) and their
+                    check (each rank's kernel, the combine, judged as `refmla replay FOLDER` judges a step)
     suite.py        `golden generate`: both written as one suite (targets checked first, manifests last, restored if cut)
 
 docs/golden.md says what a golden file holds, why the bytes are deterministic and how to run the

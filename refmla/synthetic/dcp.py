@@ -45,9 +45,20 @@ def synth_dcp(out: Any, preset: str, fault: str = "none", seed: int = 0) -> dict
     "expect": [[hypothesis, rank, request]]} (request None for a combine-wide mistake)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown DCP preset {preset!r}; choose from {', '.join(PRESETS)}")
+    ranks, info = step_captures(PRESETS[preset], fault, seed)
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    for r, (tensors, meta) in enumerate(ranks):
+        if tensors is not None:
+            write_capture(folder / f"rank{r}.safetensors", tensors, meta)
+    return info
+
+
+def step_captures(p: DcpPreset, fault: str = "none", seed: int = 0) -> tuple[list, dict]:
+    """The step's rank captures as [(tensors, meta)] by rank ((None, None) for a rank the fault
+    leaves out) and synth_dcp's answer; seeded, the same tensors on every run."""
     if fault not in FAULTS:
         raise ValueError(f"unknown fault {fault!r} for a DCP preset; choose from {', '.join(FAULTS)}")
-    p = PRESETS[preset]
     W, I = p.world, p.interleave
     g = torch.Generator().manual_seed(seed)
     whole = [torch.randn(L, D, generator=g, dtype=torch.float64).to(torch.bfloat16) for L in p.seq_lens]
@@ -90,11 +101,11 @@ def synth_dcp(out: Any, preset: str, fault: str = "none", seed: int = 0) -> dict
                 o[b], lse[b] = attend(q[b].double(), rows.double(), sc)
         outs.append(o.to(torch.bfloat16))
         lses.append(lse.float())
-    merged = _combine(outs, lses, wrong_base=fault == "combine_lse_base", leave_out=1 if fault == "combine_missing" else None)
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
+    merged = combine(outs, lses, wrong_base=fault == "combine_lse_base", leave_out=1 if fault == "combine_missing" else None)
+    ranks: list = []
     for r in range(W):
         if fault == "shard_missing" and r == 1:
+            ranks.append((None, None))
             continue
         kv, table = _paged_shard(whole, own[r], p.block, g)
         tensors = {"q": q, "kv_buffer": kv, "block_table": table, "seq_lens": torch.tensor(seq[r], dtype=torch.int32),
@@ -104,12 +115,14 @@ def synth_dcp(out: Any, preset: str, fault: str = "none", seed: int = 0) -> dict
                 "page_size": p.block, "null_block": 0, "layer_id": 3, "step": 7, "tp_rank": r, "dcp_world_size": W,
                 "dcp_rank": r, "dcp_interleave_size": I, "dcp_tot_seq_lens": tots[r], "lse_base": "ln",
                 "dcp_combine": "cp_lse_ag_out_rs"}  # fmt: skip
-        write_capture(folder / f"rank{r}.safetensors", tensors, meta)
-    return {"fault": fault, "dcp_world_size": W, "dcp_interleave_size": I, "expect": expect}
+        ranks.append((tensors, meta))
+    return ranks, {"fault": fault, "dcp_world_size": W, "dcp_interleave_size": I, "expect": expect}
 
 
-def _combine(outs: list, lses: list, wrong_base: bool, leave_out: Optional[int]) -> torch.Tensor:
-    """cp_lse_ag_out_rs: each rank's partial weighted by its lse in fp32, held in bf16, summed in bf16."""
+def combine(outs: list, lses: list, wrong_base: bool = False, leave_out: Optional[int] = None) -> torch.Tensor:
+    """cp_lse_ag_out_rs: each rank's partial weighted by its lse in fp32, held in the output dtype,
+    summed in it. outs [W] x [B, H, Dv], lses [W] x [B, H] natural; a rank's term with weight 0 (no
+    position of the request on it, lse -inf) is 0, whatever its out row holds."""
     keep = [r for r in range(len(outs)) if r != leave_out]
     lse = torch.stack([lses[r] for r in keep])  # [W, B, H]
     top = lse.amax(0)
@@ -119,8 +132,9 @@ def _combine(outs: list, lses: list, wrong_base: bool, leave_out: Optional[int])
     w = w / w.sum(0)
     acc = None
     for i, r in enumerate(keep):
-        term = (w[i][..., None] * outs[r].float()).to(torch.bfloat16)
-        acc = term if acc is None else (acc.float() + term.float()).to(torch.bfloat16)
+        dt = outs[r].dtype
+        term = torch.where(w[i][..., None] == 0, 0.0, w[i][..., None] * outs[r].float()).to(dt)
+        acc = term if acc is None else (acc.float() + term.float()).to(dt)
     return acc
 
 
@@ -141,4 +155,4 @@ def _paged_shard(whole: list, own: list, P: int, g: torch.Generator) -> tuple[to
     return kv, table
 
 
-__all__ = ["FAULTS", "PRESETS", "synth_dcp"]
+__all__ = ["FAULTS", "PRESETS", "DcpPreset", "combine", "step_captures", "synth_dcp"]
