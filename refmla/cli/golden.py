@@ -1,10 +1,11 @@
 """`refmla golden generate --out DIR [--suite quick|full]`: write the golden suite, the sparse
-decode goldens under DIR/sparse/ (refmla.golden.sparse), the context-parallel ones under DIR/dcp/ (refmla.golden.dcp).
+decode goldens under DIR/sparse/ (refmla.golden.sparse), the context-parallel ones under DIR/dcp/
+(refmla.golden.dcp).
 
 `refmla golden check DIR|FILE... [--backend NAME]... [--json]`: every golden file (a folder's
-manifest and its dcp/ cases, or the files and DCP case folders named) against each backend (default: the golden backends and the installed
-packages' kernels; ``--backend module:function`` names a kernel outside refmla); exit 0 all pass,
-1 one fails or errs."""
+manifest and its dcp/ cases, or the files and DCP case folders named) against each backend
+(default: the golden backends and the installed packages' kernels; ``--backend module:function``
+names a kernel outside refmla); exit 0 all pass, 1 one fails or errs."""
 
 from __future__ import annotations
 
@@ -49,8 +50,8 @@ def add_parser(sub) -> None:
 
 def golden_generate(args) -> int:
     manifest, sparse, cp = generate_all(args.out, suite=args.suite)
-    print(f"wrote {len(manifest['cases'])} golden cases to {args.out}, {len(sparse['cases'])} sparse ones to its sparse/ "
-          f"and {len(cp['cases'])} context-parallel ones to its dcp/")
+    print(f"wrote {len(manifest['cases'])} golden cases to {args.out}, {len(sparse['cases'])} sparse ones to its "
+          f"sparse/ and {len(cp['cases'])} context-parallel ones to its dcp/")
     return EXIT_OK
 
 

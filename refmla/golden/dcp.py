@@ -94,7 +94,8 @@ def write_cases(out: Path) -> dict[str, Any]:
 def generate(out_dir: Any) -> dict[str, Any]:
     """The DCP goldens alone, written as one suite (refmla.golden.build.write_with_manifests)."""
     out = make_dir(out_dir)
-    docs = write_with_manifests(case_paths(out), {out / MANIFEST: DCP_FORMAT}, lambda: [(out / MANIFEST, write_cases(out))])
+    manifest = out / MANIFEST
+    docs = write_with_manifests(case_paths(out), {manifest: DCP_FORMAT}, lambda: [(manifest, write_cases(out))])
     return docs[0][1]
 
 
@@ -161,7 +162,8 @@ def self_check(folder: Path, caps: list, tol: Tolerance) -> BackendEntry:
     whole context) round to the stored fp32 ones (one fp32 ulp)."""
     one_ulp, f32 = dataclasses.replace(tol, k=0.0, ulps=1.0), torch.float32
     report = captures_report(str(folder), caps, tol)
-    reasons = [] if report.verdict == "agree" else [f"the stored step replays {report.verdict}: {report.diagnosis_text or report.error}"]
+    said = report.diagnosis_text or report.error
+    reasons = [] if report.verdict == "agree" else [f"the stored step replays {report.verdict}: {said}"]
     if report.verdict == "invalid":
         return BackendEntry("error", reason=reasons[0])
     step = read_step(folder, caps, str(folder))
@@ -172,13 +174,14 @@ def self_check(folder: Path, caps: list, tol: Tolerance) -> BackendEntry:
         want, want_lse = shard_attention(step, r, torch.float64)
         c = compare(f"rank {r}", cap.out, want, out_dtype=f32, tol=one_ulp)
         w = compare(f"combine on rank {r}", cap.dcp_out, whole[:, r * Hr : (r + 1) * Hr], out_dtype=f32, tol=one_ulp)
-        reasons += [f"rank {r} out: {x}" for x in c.reasons] + [f"combine on rank {r} (dcp_out): {x}" for x in w.reasons]
+        reasons += [f"rank {r} out: {x}" for x in c.reasons]
+        reasons += [f"combine on rank {r} (dcp_out): {x}" for x in w.reasons]
         reasons += lse_reasons(f"rank {r} lse", cap.lse, want_lse)
         compared += [c, w]
     worst = next((c for c in compared if not c.passed), compared[0])  # the first failing comparison
     return BackendEntry("fail" if reasons else "pass", reason="; ".join(reasons) or None, comparison=worst,
                         max_abs_err=worst.max_abs_err, cos_diff=worst.cos_diff, worst=worst.worst,
-                        info={"what": "fp64 references recomputed here vs the stored ones, and the stored step replayed"})  # fmt: skip
+                        info={"what": "fp64 references recomputed here vs the stored ones; the stored step replayed"})  # fmt: skip
 
 
 def run_rank(name: str, cap, opts: ReplayOptions) -> tuple[Optional[Any], Optional[BackendEntry]]:
@@ -232,7 +235,8 @@ def backend_check(folder: Path, caps: list, name: str, tol: Tolerance, device: O
             return entry
         lse = rank_lse(res, cap)
         if lse is None:
-            return BackendEntry("skipped", reason="returns no lse (nor split lses): a DCP combine cannot weigh its partial")
+            why = "returns no lse (nor split lses): a DCP combine cannot weigh its partial"
+            return BackendEntry("skipped", reason=why)
         results.append((res.out.detach().cpu(), lse))
     merged = combine([o for o, _ in results], [l for _, l in results])  # vLLM's cp_lse_ag_out_rs
     Hr = merged.shape[1] // len(results)
@@ -249,7 +253,8 @@ def step_entry(report) -> BackendEntry:
         return BackendEntry("error", reason=report.error)
     rows = {n: b for n, b in report.backends.items() if n != "reference"}
     failing = [(n, b) for n, b in rows.items() if b.status == "fail"]
-    info = {"context_parallel": report.kind_keys.get("context_parallel"), "rows": {n: b.status for n, b in rows.items()}}
+    info = {"context_parallel": report.kind_keys.get("context_parallel"),
+            "rows": {n: b.status for n, b in rows.items()}}  # fmt: skip
     if report.verdict == "agree":
         errs = [b.max_abs_err for b in rows.values() if b.max_abs_err is not None]
         return BackendEntry("pass", max_abs_err=max(errs, default=0.0), info=info)

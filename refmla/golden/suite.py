@@ -35,7 +35,8 @@ def generate_all(out_dir: Any, suite: str = "quick") -> tuple[dict[str, Any], di
                 (out / MANIFEST, dense_manifest(suite, entries))]  # fmt: skip
 
     targets = case_paths(cases, out) + sparse.case_paths(low) + dcp.case_paths(cp)
-    manifests = {low / sparse.MANIFEST: sparse.SPARSE_FORMAT, cp / dcp.MANIFEST: dcp.DCP_FORMAT, out / MANIFEST: DENSE_FORMAT}
+    manifests = {low / sparse.MANIFEST: sparse.SPARSE_FORMAT, cp / dcp.MANIFEST: dcp.DCP_FORMAT,
+                 out / MANIFEST: DENSE_FORMAT}  # fmt: skip
     docs = write_with_manifests(targets, manifests, write)
     return docs[2][1], docs[0][1], docs[1][1]
 

@@ -19,7 +19,8 @@ BACKENDS = [b for b in ("reference", "triton", "aiter", "extend") if dcp.applies
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
 
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=() if b == "reference" else pytest.mark.slow) for b in BACKENDS])
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=() if b == "reference" else pytest.mark.slow)
+                                     for b in BACKENDS])  # fmt: skip
 @pytest.mark.parametrize("case", CASES)
 def test_dcp_golden(case, backend):
     result = dcp.check(DCP_DIR / case, backend)
