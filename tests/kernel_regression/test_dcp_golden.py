@@ -9,20 +9,35 @@ from pathlib import Path
 
 import pytest
 
+from refmla import golden
+from refmla.backends import named, plugin_defaults
 from refmla.golden import dcp
 
 DCP_DIR = Path(__file__).resolve().parents[2] / "golden" / "dcp"
 CASES = [c["folder"] for c in dcp.load_manifest(DCP_DIR)["cases"]]
-BACKENDS = [b for b in ("reference", "triton", "aiter", "extend") if dcp.applies(b)]
 
 # the interpreter evaluates masked-off lanes too (-inf - -inf); the kernel masks the results
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
 
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=() if b == "reference" else pytest.mark.slow)
-                                     for b in BACKENDS])  # fmt: skip
-@pytest.mark.parametrize("case", CASES)
-def test_dcp_golden(case, backend):
+def pytest_generate_tests(metafunc) -> None:
+    """The backends ``--backend`` names (as tests/kernel_regression/test_golden.py takes them), else
+    the golden backends and the installed packages' kernels; each x every DCP case."""
+    if "dcp_backend" not in metafunc.fixturenames:
+        return
+    try:
+        chosen = metafunc.config.getoption("--backend")
+    except ValueError:  # not registered: pytest started above tests/kernel_regression
+        chosen = None
+    asked = [b for b in chosen if b in golden.CHECK_BACKENDS or named.known(b)] if chosen else \
+        [*golden.CHECK_BACKENDS, *plugin_defaults()]  # fmt: skip
+    params = [pytest.param(case, b, marks=() if b == "reference" else pytest.mark.slow, id=f"{case}-{b}")
+              for case in CASES for b in dict.fromkeys(asked) if dcp.applies(b)]  # fmt: skip
+    metafunc.parametrize(("case", "dcp_backend"), params)
+
+
+def test_dcp_golden(case, dcp_backend):
+    backend = dcp_backend
     result = dcp.check(DCP_DIR / case, backend)
     if result.status == "skipped":
         pytest.skip(f"{backend}: {result.reason}")
