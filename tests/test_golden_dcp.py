@@ -111,6 +111,7 @@ def test_a_wrong_lse_on_one_rank_fails_the_golden(kernels):
     assert r.status == "fail"
     ranks = {e["rank"]: e for e in r.entry.info["context_parallel"]["ranks"]}
     assert ranks[1]["lse_bad"] > 0 and ranks[0]["lse_bad"] == 0
+    assert f"rank 1: {ranks[1]['lse_bad']} (request, head) lse values off" in r.reason
 
 
 def test_a_stored_combine_that_diverges_fails_the_self_check(tmp_path):

@@ -181,7 +181,7 @@ def self_check(folder: Path, caps: list, tol: Tolerance) -> BackendEntry:
     worst = next((c for c in compared if not c.passed), compared[0])  # the first failing comparison
     return BackendEntry("fail" if reasons else "pass", reason="; ".join(reasons) or None, comparison=worst,
                         max_abs_err=worst.max_abs_err, cos_diff=worst.cos_diff, worst=worst.worst,
-                        info={"what": "fp64 references recomputed here vs the stored ones; the stored step replayed"})  # fmt: skip
+                        info={"what": "fp64 references recomputed here vs the stored ones"})  # fmt: skip
 
 
 def run_rank(name: str, cap, opts: ReplayOptions) -> tuple[Optional[Any], Optional[BackendEntry]]:
@@ -260,10 +260,10 @@ def step_entry(report) -> BackendEntry:
         return BackendEntry("pass", max_abs_err=max(errs, default=0.0), info=info)
     reasons = []
     for n, b in failing:
-        c = (b.info or {}).get("comparison") or {}
-        reasons += [f"{n}: {x}" for x in c.get("reasons") or []] or [f"{n}: {b.reason or 'fail'}"]
-        if c.get("reasons") == [] and (b.info or {}).get("lse_bad"):
-            reasons.append(f"{n}: {b.info['lse_bad']} (request, head) lse values off")
+        c, bad = (b.info or {}).get("comparison") or {}, (b.info or {}).get("lse_bad")
+        said = [f"{n}: {x}" for x in c.get("reasons") or []]
+        said += [f"{n}: {bad} (request, head) lse values off"] if bad else []
+        reasons += said or [f"{n}: {b.reason or 'fail'}"]
     reasons.append(report.diagnosis_text)
     first = failing[0][1] if failing else None
     c = ((first.info or {}).get("comparison") or {}) if first else {}
