@@ -6,7 +6,8 @@
                     (every capture of a folder, then linked across: a decode and its step's KV
                     writer, a writer and another layer's, rows written through a stale slot mapping)
     refmla.synth(out, preset_name="kimi-k2-tp8", fault="none", seed=None, layer=None) -> dict (what was planted)
-                    (every kind: dense, verify, sparse, kv_write, merge, chunked_prefill presets)
+                    (every kind: dense, verify, sparse, kv_write, merge, chunked_prefill presets;
+                    kimi-k2-tp8-dcp2 / -dcp4: a folder of one DCP step's rank captures)
     refmla.regions(capture=None, model=None, config=None, tokens=None, ...) -> RegionCheck
     refmla.api.unrun_backends(report, asked) -> [(backend, reason)]: backends asked for that did not run
 
@@ -32,6 +33,7 @@ from refmla.sparse.validation import is_sparse_file, read_sparse
 from refmla.poolplan import KV_DTYPES, MODELS, buffers, geometry_from_config, model_geometry
 from refmla.region_check import PoolMeta, RegionCheck, check_region, plan_regions
 from refmla.pipeline import replay_capture, replay_file
+from refmla.cp.replay import group_steps, replay_step_files
 from refmla.results import ReplayReport
 from refmla.kvwrite.synth import PRESETS as KV_WRITE_PRESETS
 from refmla.indexer.synth import PRESETS as INDEXER_PRESETS
@@ -45,10 +47,13 @@ from refmla.sparse.faults import FAULTS as SPARSE_FAULTS
 from refmla.sparse.make import synth_sparse
 from refmla.sparse.presets import PRESETS as SPARSE_PRESETS
 from refmla.synthetic import FAULTS, PRESETS, synth_capture
+from refmla.synthetic.dcp import PRESETS as DCP_PRESETS
+from refmla.synthetic.dcp import synth_dcp
 from refmla.synthetic import preset as dense_preset
 from refmla.util import first_line
 
 KIND_SYNTHS = {**{p: synth_kv_write for p in KV_WRITE_PRESETS}, **{p: synth_merge for p in MERGE_PRESETS},
+               **{p: synth_dcp for p in DCP_PRESETS},
                **{p: synth_chunked for p in CHUNKED_PRESETS}, **{p: synth_indexer for p in INDEXER_PRESETS}}  # fmt: skip  # each checks its own faults
 ALL_PRESETS = [*PRESETS, *SPARSE_PRESETS, *KIND_SYNTHS]
 TRANSFER_BACKENDS = ("mori", "mooncake", "nixl", "ascend", "fake")
@@ -59,7 +64,9 @@ def replay(path_or_capture: Union[str, Path, Capture],
            tol: Optional[Tolerance] = None, **options: Any) -> ReplayReport:  # fmt: skip
     """One capture (a path, or a Capture already read) through ``backends`` (None: every backend
     usable here), judged with ``tol``; ``options``: the other ReplayOptions fields (device,
-    cu_count, explain, ...). Every kind (dense, block-table, verify, sparse decode, kv_write, merge).
+    cu_count, explain, ...). Every kind (dense, block-table, verify, sparse decode, kv_write, merge);
+    a folder of one decode-context-parallel step's rank captures is that step judged as one call
+    (kind ``context_parallel``, docs/context-parallel.md).
 
     ``backends`` names backends (refmla's own, ``"module:function"``, an installed package's
     kernel), or maps names to kernels of refmla.kernel's interface, ``{"mine": decode}`` (docs/own-kernel.md),
@@ -75,6 +82,8 @@ def replay(path_or_capture: Union[str, Path, Capture],
     opts.check()
     if isinstance(path_or_capture, Capture):
         report = replay_capture(path_or_capture, opts)
+    elif _is_dir(path_or_capture):
+        report = _replay_step(Path(path_or_capture), opts)
     else:
         report = replay_file(path_or_capture, opts)
     if report.verdict == "invalid":  # bad input raises, with the line the command line prints
@@ -90,29 +99,53 @@ def replay_folder(folder_or_paths: Union[str, Path, Sequence[Union[str, Path]]],
     captures (refmla.chain.link: the writer's or the contract's part of a decode's divergence,
     another layer's buffer, stale rows). A capture that cannot be read is a report with verdict
     ``invalid`` here (the others are still replayed), as on the command line. A folder holding no
-    capture raises ValueError."""
-    from refmla.batch import replay_many
+    capture raises ValueError. The DCP rank captures of one step are one report, as on the command
+    line."""
+    from refmla.batch import WithSteps, replay_many
     from refmla.chain import link
+    from refmla.cp.replay import KIND as CP_KIND
     from refmla.series import attach_series
 
     given = [folder_or_paths] if isinstance(folder_or_paths, (str, Path)) else list(folder_or_paths)
     paths: list[str] = []
+    origins: list[str] = []
     for p in map(Path, given):
         if p.is_dir():
             found = sorted(str(f) for f in p.rglob("*.safetensors") if not f.is_dir())
             if not found:
                 raise ValueError(f"{p}: directory holds no *.safetensors captures")
-            paths += found
         else:
-            paths.append(str(p))
+            found = [str(p)]
+        paths, origins = paths + found, origins + [str(p)] * len(found)
+    units, steps = group_steps(paths, origins)  # the DCP ranks of one step: one report (refmla.cp.replay)
     opts = ReplayOptions(backends=list(backends) if backends else None, tol=tol or Tolerance(), **options)
     opts.check()
-    reports = replay_many(paths, opts, jobs=jobs)
-    if len(reports) > 1:
+    reports = replay_many(units, opts, jobs=jobs, task=WithSteps(steps) if steps else None)
+    per_capture = [r for r in reports if r.kind != CP_KIND]  # a step of ranks has no series of its own
+    if len(per_capture) > 1:
         with contextlib.suppress(Exception):  # an aid across captures: never the cost of the reports
-            attach_series(reports, opts)
-        link(reports)
+            attach_series(per_capture, opts)
+        link(per_capture)
     return reports
+
+
+def _is_dir(path: Any) -> bool:
+    try:
+        return Path(path).is_dir()
+    except (OSError, ValueError):  # a name too long, a NUL: not a folder (replay_file says why)
+        return False
+
+
+def _replay_step(folder: Path, opts: ReplayOptions) -> ReplayReport:
+    """A folder of one context-parallel step's rank captures, judged as one call (refmla.cp.replay);
+    a folder holding anything else, or several steps, is a ValueError naming it."""
+    files = sorted(str(f) for f in folder.rglob("*.safetensors") if f.is_file())
+    units, steps = group_steps(files, [str(folder)] * len(files))
+    if len(units) != 1 or units[0] not in steps:
+        raise ValueError(f"{folder}: a folder replays here only when it holds the DCP rank captures of one step "
+                         f"({len(steps)} step(s) and {len(units) - len(steps)} other capture(s) found); "
+                         "give the capture files, or use the command line for many")  # fmt: skip
+    return replay_step_files(units[0], steps[units[0]], opts)
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ import torch
 
 from refmla.backends.triton_interp import ensure_interpreter
 from refmla.capture import CaptureError
+from refmla.cp.replay import replay_step_files
 from refmla.options import ReplayOptions, bound_problem
 from refmla.kernel import InterfaceError
 from refmla.progress import Progress
@@ -39,6 +40,19 @@ def replay_one(path: str, opts: ReplayOptions) -> ReplayReport:
 
 
 Task = Callable[[str, ReplayOptions], Any]  # replay_one, or a picklable task that replays and does more
+
+
+class WithSteps:
+    """The task of a replay that holds context-parallel steps: a label in ``steps`` (label -> its
+    ranks' files, refmla.cp.replay.group_steps) is that step judged as one call, any other path
+    :func:`replay_one`. Picklable (a worker gets it whole)."""
+
+    def __init__(self, steps: dict) -> None:
+        self.steps = dict(steps)
+
+    def __call__(self, path: str, opts: ReplayOptions) -> Any:
+        files = self.steps.get(path)
+        return replay_one(path, opts) if files is None else replay_step_files(path, files, opts)
 
 
 def _isolated(task: Task, path: str, opts: ReplayOptions) -> Any:

@@ -200,3 +200,83 @@ def test_ranks_that_cannot_be_one_step_are_invalid(tmp_path, change, key):
     write_capture(folder / "rank1.safetensors", t, meta)
     report = replay_step(folder)
     assert report.verdict == "invalid" and report.exit_code == 2 and key in report.error and "rank" in report.error
+
+
+def test_the_one_replay_judges_a_folder_of_ranks_as_one_step(tmp_path):
+    """`refmla replay FOLDER` (and --jobs, and the API) judge the DCP ranks of a step as one call,
+    beside the other captures given: a clean step agrees, a planted one names rank and positions,
+    a lone rank file is the decode capture it is; `replay-cp` stays."""
+    import subprocess
+    import sys
+
+    import refmla
+    from refmla.synthetic import synth_capture, preset
+
+    spec = pd.DcpSpec(world=2, interleave=1, block=16, seq_lens=(77, 5))
+    want = {}
+    for name, plant in (("clean", pd.clean), ("offset", pd.PLANTS["geometry_offset"])):
+        step = pd.make_step(spec)
+        want[name] = plant(step)
+        pd.write(step, tmp_path / name)
+    synth_capture(tmp_path / "plain.safetensors", preset("kimi-k2-tp8"), "none")
+    args = [str(tmp_path / "clean"), str(tmp_path / "offset"), str(tmp_path / "plain.safetensors")]
+    for jobs in ("1", "2"):
+        run = subprocess.run([sys.executable, "-m", "refmla", "replay", *args, "--json", "--jobs", jobs, "--backend", "reference"],
+                             capture_output=True, text=True, timeout=900)  # fmt: skip
+        assert run.returncode == 1, run.stderr[-2000:]
+        docs = json.loads(run.stdout)
+        assert [d["capture"] for d in docs] == args
+        assert [d["verdict"] for d in docs] == ["agree", "diverged", "agree"]
+        assert [d.get("kind") for d in docs[:2]] == ["context_parallel"] * 2
+        assert docs[0]["backends"]["rank 0"]["status"] == "pass" and docs[0]["backends"]["combine"]["status"] == "pass"
+        (f,) = docs[1]["context_parallel"]["findings"]
+        h, r, b, pos = want["offset"][0]
+        assert (f["hypothesis"], f["rank"], f["request"], f["positions"]) == (h, r, b, pos)
+        assert docs[1]["diagnosis"] == "context_parallel" and docs[1]["backends"]["rank 1"]["status"] == "fail"
+        assert docs[1]["backends"]["rank 1"]["explanation"]["hypothesis"] == "cp_shard_geometry"
+    lone = subprocess.run([sys.executable, "-m", "refmla", "replay", str(tmp_path / "clean" / "rank1.safetensors"),
+                           "--json", "--backend", "reference"], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert lone.returncode == 0 and json.loads(lone.stdout).get("kind") == "dense", lone.stderr[-2000:]
+    alias = subprocess.run([sys.executable, "-m", "refmla", "replay-cp", str(tmp_path / "offset")],
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert alias.returncode == 1 and "cp_shard_geometry" in alias.stdout
+    assert refmla.replay(tmp_path / "clean").verdict == "agree"
+    assert refmla.replay(tmp_path / "offset").kind_keys["context_parallel"]["findings"][0]["rank"] == 1
+    with pytest.raises(ValueError, match="one step"):
+        refmla.replay(tmp_path)
+
+
+def test_the_one_replay_says_an_unusable_step_in_one_line(tmp_path):
+    """Two captures of one rank in a step's folder: `refmla replay` exits 2 with one line naming
+    the file and the key, no traceback."""
+    import subprocess
+    import sys
+
+    spec = pd.DcpSpec(world=2, interleave=1, block=16, seq_lens=(77, 5))
+    step = pd.make_step(spec)
+    pd.clean(step)
+    folder = pd.write(step, tmp_path / "twice")
+    (folder / "rank1.safetensors").rename(folder / "rank1-copy.safetensors")
+    pd.write(step, folder)
+    run = subprocess.run([sys.executable, "-m", "refmla", "replay", str(folder)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    (line,) = [ln for ln in run.stderr.splitlines() if ln.startswith("refmla: error")]
+    assert "'dcp_rank'" in line and "rank1" in line
+
+
+@pytest.mark.parametrize("preset", ["kimi-k2-tp8-dcp2", "kimi-k2-tp8-dcp4"])
+def test_synth_presets_write_a_step_clean_and_with_each_fault(tmp_path, preset):
+    """`refmla synth OUT --preset kimi-k2-tp8-dcpN [--fault F]`: a folder of rank captures that
+    `refmla replay` judges as one step: agree when clean, each planted class named on its rank and
+    request, nothing else."""
+    import refmla
+    from refmla.synthetic.dcp import FAULTS
+
+    for fault in FAULTS:
+        planted = refmla.synth(tmp_path / fault, preset, fault)
+        report = refmla.replay(tmp_path / fault)
+        cp = report.kind_keys["context_parallel"]
+        got = {(f["hypothesis"], f["rank"], f["request"] if f["hypothesis"] not in ("cp_combine_lse_base", "cp_shard_missing") else None)
+               for f in cp["findings"]}  # fmt: skip
+        assert got == {tuple(e) for e in planted["expect"]}, (fault, report.diagnosis_text)
+        assert report.verdict == ("agree" if fault == "none" else "diverged"), (fault, report.diagnosis_text)

@@ -66,7 +66,9 @@ def test_an_empty_file_or_one_refmla_wrote_is_replaced(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["sparse/manifest.json", "sparse/dsv32-dsa-h16.safetensors", "h64-logit-cap30.safetensors",
-                                   "indexer/manifest.json", "indexer/indexer-v4-c4-h64.safetensors"])
+                                   "indexer/manifest.json", "indexer/indexer-v4-c4-h64.safetensors",
+                                   "dcp/manifest.json",
+                                   "dcp/kimi-k2-tp8-dcp2-len37-16-1-5/rank1.safetensors"])  # fmt: skip
 def test_golden_generate_keeps_a_users_file(tmp_path, where):
     out = tmp_path / "golden"
     mine = users(out / where)

@@ -8,8 +8,10 @@ own paged cache (block table, null block 0 full of NaN, NaN past each shard's en
 page); the rank's metadata holds its local lengths (``get_dcp_local_seq_lens``) and the whole
 ones (``dcp_tot_seq_lens``). Every rank attends the same gathered queries (DCP all-gathers the
 heads of its group: 8 x W heads for Kimi-K2's 64 over TP8) over its shard and returns out (bf16)
-and an lse (fp32, natural; log2 with ``lse_base`` "log2", as FlashInfer-style kernels return it); ``cp_lse_ag_out_rs`` merges the ranks' partials by lse in fp32 and
-reduce-scatters the heads: rank r keeps heads [8 r, 8 r + 8), recorded as ``dcp_out``.
+and an lse (fp32, natural; log2 with ``lse_base`` "log2", as FlashInfer-style kernels return it);
+``cp_lse_ag_out_rs`` weighs each rank's partial by its lse in fp32, stores it in bf16, and the
+reduce-scatter sums the ranks' terms in bf16 and scatters the heads: rank r keeps heads [8 r, 8 r + 8),
+recorded as ``dcp_out`` (meta ``dcp_combine`` names the combine; ``combine="fp32"``: one fp32 merge).
 
 PLANTS: name -> function(step) planting the fault into the step (a dict of per-rank dicts)
 before it is written, returning what the answer must say (hypothesis, rank, request, positions).
@@ -38,6 +40,7 @@ class DcpSpec:
     rope: int = 64
     seed: int = 0
     lse_base: str = "ln"  # "log2": the ranks return log2 lse (vLLM's lse_base_on_e False), the combine reads it so
+    combine: str = "cp_lse_ag_out_rs"  # vLLM's: each rank's weighted partial in bf16, summed in bf16; "fp32": one merge
 
     @property
     def heads(self) -> int:  # the gathered heads every rank attends
@@ -119,7 +122,13 @@ def combine(step: dict, wrong_base: bool = False, leave_out: int | None = None) 
     lses = torch.stack([step["ranks"][r]["lse"] for r in ranks])  # [W, B, H]
     m = lses.amax(0)
     w = torch.exp2(lses - m) if base == "2" else torch.exp(lses - m)
-    merged = (w[..., None] * outs).sum(0) / w.sum(0)[..., None]  # [B, H, Dv]
+    if spec.combine == "cp_lse_ag_out_rs":  # each rank's term w_r / sum(w) * out_r stored in bf16, summed in bf16
+        terms = ((w / w.sum(0))[..., None] * outs).to(torch.bfloat16)
+        merged = terms[0]
+        for t in terms[1:]:
+            merged = (merged.float() + t.float()).to(torch.bfloat16)
+    else:  # one fp32 merge, rounded once
+        merged = (w[..., None] * outs).sum(0) / w.sum(0)[..., None]  # [B, H, Dv]
     for r in range(spec.world):
         step["ranks"][r]["dcp_out"] = merged[:, r * spec.tp_heads : (r + 1) * spec.tp_heads].to(torch.bfloat16)
 
@@ -140,7 +149,7 @@ def write(step: dict, folder, skip_rank: int | None = None) -> Path:
                 "kv_lora_rank": spec.kv_lora_rank, "qk_rope_head_dim": spec.rope, "sm_scale": KIMI_SM_SCALE,
                 "logit_cap": 0.0, "page_size": spec.block, "null_block": NULL, "layer_id": 3, "step": 7,
                 "tp_rank": r, "dcp_world_size": spec.world, "dcp_rank": r, "dcp_interleave_size": spec.interleave,
-                "dcp_tot_seq_lens": rk["tot"], "lse_base": spec.lse_base}  # fmt: skip
+                "dcp_tot_seq_lens": rk["tot"], "lse_base": spec.lse_base, "dcp_combine": spec.combine}  # fmt: skip
         write_capture(folder / f"rank{r}.safetensors", tensors, meta)
     return folder
 

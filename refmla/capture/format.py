@@ -44,6 +44,8 @@ TENSORS = {
     "dcp_out": False,
     # what each attended row holds and where it came from, like kv_indices (refmla.capture.rows)
     "kv_token_ids": False, "kv_origin": False,
+    # ... and the combine's inputs as it was handed them (the rank's out and lse, their own dtypes)
+    "dcp_in_out": False, "dcp_in_lse": False,
 }  # fmt: skip
 # without kv_indptr / kv_indices, a capture with a block_table has them built by the reader
 BUILT_FROM_BLOCK_TABLE = ("kv_indptr", "kv_indices")
@@ -331,6 +333,8 @@ class Capture:
     dcp_out: Optional[torch.Tensor] = None  # [B, H / dcp_world_size, Dv] the combine's output, this rank's heads
     kv_token_ids: Optional[torch.Tensor] = None  # like kv_indices: the token id of each position's row (refmla.capture.rows)
     kv_origin: Optional[torch.Tensor] = None  # like kv_indices: how each row got into the pool (refmla.capture.rows.ORIGINS)
+    dcp_in_out: Optional[torch.Tensor] = None  # [B, H, Dv] the partial out the combine was handed
+    dcp_in_lse: Optional[torch.Tensor] = None  # [B, H] the lse the combine was handed (any float dtype, base lse_base)
     warnings: list = field(default_factory=list)
     _attended: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
 

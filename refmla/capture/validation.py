@@ -26,7 +26,7 @@ AITER_BUFFERS = {  # aiter's persistent work buffers: name -> trailing shape (No
 INDEX_TENSORS = ("kv_indptr", "kv_indices", "seq_lens", "num_kv_splits", "req_to_token", "orig_kv_indices",
                  "qo_indptr", "mask_indptr", *AITER_BUFFERS, "block_table", "query_start_loc",
                  "flashmla_tile_scheduler_metadata", "flashmla_num_splits")  # fmt: skip
-FLOAT_TENSORS = ("q", "kv_buffer", "out", "lse", "attn_logits", "attn_lse", "dcp_out")
+FLOAT_TENSORS = ("q", "kv_buffer", "out", "lse", "attn_logits", "attn_lse", "dcp_out", "dcp_in_out", "dcp_in_lse")
 KNOWN_BACKENDS = ("triton", "aiter", "unknown", "vllm_triton", "flashmla", "flashinfer_mla", "cutlass_mla", "fa3_mla",
                   "trtllm_mla")
 # q and the pool in what a kernel reads (docs/contract.md section 1): no fp64, no integers
@@ -252,7 +252,7 @@ def check_dcp(cap: Capture, warnings: list[str]) -> None:
         missing = next(k for k in keys if getattr(m, k) is None)
         raise CaptureError(cap.path, f"meta key '{missing}'", f"missing (the capture has {given[0]})")
     if not given:
-        if cap.dcp_out is not None or m.dcp_tot_seq_lens is not None:
+        if any(t is not None for t in (cap.dcp_out, cap.dcp_in_out, cap.dcp_in_lse)) or m.dcp_tot_seq_lens is not None:
             raise CaptureError(cap.path, "meta key 'dcp_world_size'", "missing (the capture has decode context parallelism's data)")
         return
     if m.dcp_rank >= m.dcp_world_size:
@@ -265,6 +265,10 @@ def check_dcp(cap: Capture, warnings: list[str]) -> None:
         if H % W:
             raise _err(cap, "dcp_out", f"q's {H} heads do not divide among dcp_world_size {W} ranks")
         _shape(cap, "dcp_out", cap.dcp_out, (cap.q.shape[0], H // W, m.kv_lora_rank))
+    if cap.dcp_in_out is not None:
+        _shape(cap, "dcp_in_out", cap.dcp_in_out, (cap.q.shape[0], cap.q.shape[1], m.kv_lora_rank))
+    if cap.dcp_in_lse is not None:
+        _shape(cap, "dcp_in_lse", cap.dcp_in_lse, (cap.q.shape[0], cap.q.shape[1]))
 
 
 def warn_q_values(cap: Capture, warnings: list[str]) -> None:

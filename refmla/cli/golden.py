@@ -1,10 +1,12 @@
 """`refmla golden generate --out DIR [--suite quick|full]`: write the golden suite, the sparse
-decode goldens under DIR/sparse/ (refmla.golden.sparse).
+decode goldens under DIR/sparse/ (refmla.golden.sparse), the context-parallel ones under DIR/dcp/
+(refmla.golden.dcp).
 
 `refmla golden check DIR|FILE... [--backend NAME]... [--json]`: every golden file (a folder's
-manifest, or the files named) against each backend (default: the golden backends and the installed
-packages' kernels; ``--backend module:function`` names a kernel outside refmla); an indexer golden
-(DIR/indexer/, refmla.golden.indexer) against the indexer backends; exit 0 all pass, 1 one fails or errs."""
+manifest, its indexer/ and dcp/ cases, or the files and DCP case folders named) against each backend
+(default: the golden backends and the installed packages' kernels; ``--backend module:function``
+names a kernel outside refmla); an indexer golden (DIR/indexer/, refmla.golden.indexer) against the
+indexer backends; exit 0 all pass, 1 one fails or errs."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from refmla.backends.named import Choices
 from refmla.cli.common import EXIT_DIVERGED, EXIT_OK, UsageError, is_dir, output_path, print_json
 from refmla.golden import (CHECK_BACKENDS, GoldenResult, backend_applies, check, check_isolated, load_manifest,
                            needs_isolation)
+from refmla.golden import dcp
 from refmla.golden import indexer as indexer_golden
 from refmla.golden.suite import generate_all
 from refmla.golden.isolate import golden_meta
@@ -29,7 +32,8 @@ def add_parser(sub) -> None:
     gsub = g.add_subparsers(dest="golden_command", required=True)
     gg = gsub.add_parser("generate", help="write the golden suite",
                          description="Write the golden captures (the same bytes on every run), their manifest.json, "
-                                     "and the sparse decode goldens under OUT/sparse/ (docs/golden.md).")  # fmt: skip
+                                     "the sparse decode goldens under OUT/sparse/ and the context-parallel ones under "
+                                     "OUT/dcp/ (docs/golden.md).")  # fmt: skip
     gg.add_argument("--out", required=True, type=output_path, metavar="OUT",
                     help="the folder to write into (created; a manifest.json there that is not a golden one is "
                          "refused, never replaced); the repository's is golden/")  # fmt: skip
@@ -48,21 +52,29 @@ def add_parser(sub) -> None:
 
 
 def golden_generate(args) -> int:
-    manifest, sparse, indexer = generate_all(args.out, suite=args.suite)
-    print(f"wrote {len(manifest['cases'])} golden cases to {args.out}, {len(sparse['cases'])} sparse ones to its sparse/ "
-          f"and {len(indexer['cases'])} indexer ones to its indexer/")
+    manifest, sparse, indexer, cp = generate_all(args.out, suite=args.suite)
+    print(f"wrote {len(manifest['cases'])} golden cases to {args.out}, {len(sparse['cases'])} sparse ones to its "
+          f"sparse/, {len(indexer['cases'])} indexer ones to its indexer/ and {len(cp['cases'])} context-parallel "
+          "ones to its dcp/")
     return EXIT_OK
 
 
 def golden_files(paths) -> list[Path]:
-    """Each folder's golden files in its manifest's order, each file as given."""
+    """Each folder's golden files in its manifest's order, then its DCP case folders; each file and
+    DCP case folder as given."""
     files: list[Path] = []
     for p in paths:
         if is_dir(p):
+            if dcp.is_case(p):
+                files.append(Path(p))
+                continue
+            steps = dcp.case_folders(p)
             try:
-                files += [Path(p) / c["file"] for c in load_manifest(p)["cases"]]
-            except (FileNotFoundError, ValueError, KeyError) as e:
+                files += [] if steps and dcp.load_manifest(p).get("format") == dcp.DCP_FORMAT else \
+                    [Path(p) / c["file"] for c in load_manifest(p)["cases"]]  # fmt: skip
+            except (FileNotFoundError, ValueError, KeyError, AttributeError) as e:
                 raise UsageError(f"{p}: not a golden folder ({e})") from None
+            files += steps
         elif Path(p).is_file():
             try:
                 meta = golden_meta(p)
@@ -91,6 +103,9 @@ def golden_check(args) -> int:
     backends = list(dict.fromkeys(args.backend or [*CHECK_BACKENDS, *plugin_defaults()]))
     results = []
     for path in golden_files(args.paths):
+        if path.is_dir():  # a DCP step: its ranks' captures judged as one call
+            results += [dcp.check(path, b) for b in backends if dcp.applies(b)]
+            continue
         mode = file_mode(path) or "decode"
         if mode == "indexer":  # the indexer backends (and reference) asked for, or all of them
             asked = [b for b in backends if b in indexer_golden.CHECK_BACKENDS] if args.backend else None

@@ -6,7 +6,9 @@ import sys
 
 from refmla.atomic import WriteError
 from refmla.backends import ALL_NAMES
-from refmla.batch import replay_many
+from refmla.batch import WithSteps, replay_many
+from refmla.cp.replay import KIND as CP_KIND
+from refmla.cp.replay import group_steps
 from refmla.cli.common import (EXIT_INVALID, drawable, expand_captures, need_matplotlib, print_json, report_invalid,
                                single_file, unrun_exit, worst_exit)
 from refmla.cli.replay_flags import add_replay_flags, replay_options
@@ -30,21 +32,26 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    paths = expand_captures(args.captures)  # every kind: dense, block-table, verify, sparse decode
+    paths, origins = [], []  # every kind: dense, block-table, verify, sparse decode; and the argument each came from
+    for given in args.captures:
+        found = expand_captures([given])
+        paths, origins = paths + found, origins + [given] * len(found)
+    units, steps = group_steps(paths, origins)  # the DCP ranks of one step: one unit (refmla.cp.replay)
     asked = args.backend
     opts = replay_options(args)
     if args.plot:
         need_matplotlib()
-    reports = replay_many(paths, opts, jobs=args.jobs)
+    reports = replay_many(units, opts, jobs=args.jobs, task=WithSteps(steps) if steps else None)
     for r in reports:  # each unusable capture: one line on stderr (exit 2); the others are still reported
         if r.verdict == "invalid":
             report_invalid(r.capture, r.error, r.metadata.errors)
-    if len(reports) > 1:
+    per_capture = [r for r in reports if r.kind != CP_KIND]  # a step of ranks has no series of its own
+    if len(per_capture) > 1:
         try:
-            attach_series(reports, opts)  # findings against the previous step, and stale_metadata
+            attach_series(per_capture, opts)  # findings against the previous step, and stale_metadata
         except Exception as e:  # an aid across captures: never the cost of the reports themselves
             print(f"refmla: warning: series checks skipped: {error_text(e)}", file=sys.stderr)
-        link(reports)  # writer <-> reader: the writer's or the contract's part, another layer, stale rows (never raises)
+        link(per_capture)  # writer <-> reader: the writer's or the contract's part, another layer, stale rows (never raises)
     failed = _plots(drawable(reports), args.plot) if args.plot else []
     if args.json:
         print_json(reports[0] if len(reports) == 1 and single_file(args.captures) else reports)

@@ -22,6 +22,8 @@ from refmla.merge.synth import FAULTS as MERGE_FAULTS
 from refmla.merge.synth import PRESETS as MERGE_PRESETS
 from refmla.sparse.presets import PRESETS as SPARSE_PRESETS
 from refmla.synthetic import FAULTS, PRESETS
+from refmla.synthetic.dcp import FAULTS as DCP_FAULTS
+from refmla.synthetic.dcp import PRESETS as DCP_PRESETS
 from refmla.synthetic.disagg import DISAGG_PRESETS, disagg_preset, synth_disagg
 from refmla.synthetic.disagg_faults import DISAGG_FAULTS
 from refmla.synthetic.disagg_sparse import SPARSE_DISAGG_FAULTS, SPARSE_DISAGG_PRESETS, sparse_disagg_preset, synth_sparse_disagg
@@ -38,7 +40,8 @@ def add_parser(sub) -> None:
     kinds = _kinds(("dense / verify", PRESETS, FAULTS), ("sparse decode", SPARSE_PRESETS, SPARSE_FAULTS),
                    ("KV writer", KV_WRITE_PRESETS, KV_WRITE_FAULTS),
                    ("packed KV writer", PACKED_PRESETS, PACKED_FAULTS), ("merge", MERGE_PRESETS, MERGE_FAULTS),
-                   ("chunked-prefill", CHUNKED_PRESETS, CHUNKED_FAULTS), ("indexer", INDEXER_PRESETS, INDEXER_FAULTS))  # fmt: skip
+                   ("chunked-prefill", CHUNKED_PRESETS, CHUNKED_FAULTS), ("indexer", INDEXER_PRESETS, INDEXER_FAULTS),
+                   ("decode-context-parallel step (OUT is a folder of rank captures)", DCP_PRESETS, DCP_FAULTS))  # fmt: skip
     s = sub.add_parser("synth", help="write a synthetic capture", formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=f"{kinds}\n\n(every preset also takes --fault none)")  # fmt: skip
     s.add_argument("out", type=output_path)

@@ -10,4 +10,6 @@ Modules, imports going down this list:
     hypotheses.py  which context-parallel mistake reproduces a rank's output or the combine's
     judge.py       the fp64 reference over the whole context; each rank on its shard; the combine
                    as a merge -> CpReport
+    replay.py      a step inside `refmla replay`: the given captures grouped into steps, a step's
+                   judgment as the one ReplayReport (kind context_parallel)
 """

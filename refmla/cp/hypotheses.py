@@ -17,6 +17,7 @@ import torch
 
 from refmla.capture import dcp
 from refmla.compare import Tolerance, compare
+from refmla.control import attend_control
 from refmla.cp.result import CpFinding
 from refmla.merging import merge_partials
 from refmla.reference import attend
@@ -25,8 +26,13 @@ INTERLEAVES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the interleave sizes a geome
 
 
 def attend_rows(q: torch.Tensor, kv: torch.Tensor, sc, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's attention over rows kv [L, D] in ``dtype``: out [1, H, Dv], lse [1, H]."""
-    o, lse = attend(q.to(dtype), kv.to(dtype), sc)
+    """One request's attention over rows kv [L, D] (q, kv as stored): out [1, H, Dv], lse [1, H].
+    fp64: the reference; a narrower ``dtype``: the control, the same math at the decode kernel's
+    rounding points (refmla.control: P rounded to the value dtype before P.V, sums in fp32)."""
+    if dtype == torch.float64 or kv.shape[0] == 0:
+        o, lse = attend(q.to(dtype), kv.to(dtype), sc)
+    else:
+        o, lse = attend_control(q, kv, sc, torch.float32)
     return o[None], lse[None]
 
 

@@ -99,13 +99,16 @@ def _judge_combine(step: CpStep, tol: Tolerance, report: CpReport) -> CombineEnt
     """Each rank's dcp_out (its heads of the combine) against the fp64 merge of the ranks' recorded
     partials; and the whole combine against the whole-context reference when every rank passed."""
     caps = step.ranks
-    if step.missing() or any(c.dcp_out is None or c.lse is None or c.out is None for c in caps.values()):
+    if step.missing() or any(c.dcp_out is None or _in_lse(c) is None or _in_out(c) is None for c in caps.values()):
         return CombineEntry("unjudged", note="the combine needs every rank's out, lse and dcp_out")
-    outs = torch.stack([caps[r].out for r in range(step.world)]).double()  # [W, B, H, Dv]
-    lses = torch.stack([lse_ln(caps[r]) for r in range(step.world)])  # [W, B, H] natural
+    outs = torch.stack([_in_out(caps[r]) for r in range(step.world)]).double()  # [W, B, H, Dv]
+    lses = torch.stack([lse_ln(caps[r], _in_lse(caps[r])) for r in range(step.world)])  # [W, B, H] natural
     empty = ~torch.stack([_held(step, r) for r in range(step.world)])  # [W, B] as vLLM masks them:
     outs, lses = outs.masked_fill(empty[..., None, None], 0.0), lses.masked_fill(empty[..., None], -math.inf)
     want, ctl = merged(outs, lses, "ln", torch.float64), merged(outs, lses, "ln", torch.float32)
+    terms = EACH_RANK_TERMS.get(step.any.meta.extra.get("dcp_combine"))
+    if terms is not None:  # the combine's own rounding points: each rank's term, then their sum
+        ctl = merged_each_rank_rounded(outs, lses, step.any.dcp_out.dtype if terms == "out" else torch.float32)
     Hr = caps[0].dcp_out.shape[1]
     status, worst = "pass", None
     for r in range(step.world):
@@ -120,7 +123,7 @@ def _judge_combine(step: CpStep, tol: Tolerance, report: CpReport) -> CombineEnt
             if f is not None and not any(g.hypothesis == f.hypothesis and g.rank == f.rank for g in report.findings):
                 report.findings.append(f)
     entry = CombineEntry(status, worst)
-    if status == "pass" and all(e.status == "pass" for e in report.ranks):
+    if status == "pass" and all(e.status == "pass" for e in report.ranks) and not step.short:
         whole = _whole_reference(step)
         got = torch.cat([caps[r].dcp_out for r in range(step.world)], dim=1)
         c = compare("combine vs whole context", got, whole, ctl.to(got.dtype), tol=tol)
@@ -130,10 +133,42 @@ def _judge_combine(step: CpStep, tol: Tolerance, report: CpReport) -> CombineEnt
     return entry
 
 
-def lse_ln(cap) -> torch.Tensor:
-    """The rank's lse in natural log, fp64, from the base its producer documents (meta ``lse_base``:
-    ``ln`` by default, ``log2`` for kernels that return it so, vLLM's ``lse_base_on_e`` False)."""
-    lse = cap.lse.double()
+# the combines that scale each rank's partial and sum the terms across ranks (meta dcp_combine), and
+# the dtype each term and the sum are held in: vLLM's in the output dtype, SGLang's MHA-style in fp32
+EACH_RANK_TERMS = {"cp_lse_ag_out_rs": "out", "cp_lse_ag_out_ar": "out", "cp_lse_ag_out_rs_mha": "fp32"}
+
+
+def merged_each_rank_rounded(outs: torch.Tensor, lses: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The combine at its rounding points (vLLM's ``cp_lse_ag_out_rs``, SGLang's
+    ``cp_lse_ag_out_rs_mha``): each rank's partial scaled by exp(lse - the fp32 logsumexp) and held
+    in ``dtype``, then the ranks' terms summed (the reduce-scatter / all-reduce) in ``dtype``, rank by
+    rank. outs [W, B, H, Dv], lses [W, B, H] natural."""
+    lse = lses.float()
+    top = lse.amax(0)
+    m = torch.where(torch.isinf(top), 0.0, top)
+    total = torch.log(torch.exp(lse - m).sum(0)) + m  # [B, H]
+    factor = torch.exp((lse - total).nan_to_num(nan=-math.inf))  # [W, B, H]; 0 for an empty shard
+    terms = torch.where(factor[..., None] == 0, 0.0, outs.float() * factor[..., None]).to(dtype)
+    acc = terms[0]
+    for t in terms[1:]:
+        acc = (acc.float() + t.float()).to(dtype)
+    return acc.float()
+
+
+def _in_out(cap) -> Optional[torch.Tensor]:
+    """The partial out the combine was handed (``dcp_in_out`` where recorded, else the rank's ``out``)."""
+    return cap.dcp_in_out if cap.dcp_in_out is not None else cap.out
+
+
+def _in_lse(cap) -> Optional[torch.Tensor]:
+    return cap.dcp_in_lse if cap.dcp_in_lse is not None else cap.lse
+
+
+def lse_ln(cap, lse: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The rank's lse (or ``lse``, another of its lses) in natural log, fp64, from the base its
+    producer documents (meta ``lse_base``: ``ln`` by default, ``log2`` for kernels that return it
+    so, vLLM's ``lse_base_on_e`` False)."""
+    lse = (cap.lse if lse is None else lse).double()
     return lse * LN2 if cap.meta.extra.get("lse_base") == "log2" else lse
 
 

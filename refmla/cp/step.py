@@ -4,7 +4,8 @@ agree on, each rank's shard rows, the whole (unsharded) context they add up to.
 The geometry is refmla.capture.dcp's: position p of a request is on rank (p // I) % W at local row
 (p // (W I)) I + p % I. A rank's shard of request b is its local rows 0..n-1, n =
 local_lens(dcp_tot_seq_lens[b]); the rows come from its block table (every page the table names
-is kept in the capture), or, without one, from kv_indices when the kernel read exactly n rows.
+is kept in the capture), or, without one, from kv_indices (the rows the kernel read: a kernel
+handed fewer than n leaves the rest of the shard out, and that request's whole context unknown).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class CpStep:
     total: torch.Tensor  # [B] int64 each request's whole length (the agreed dcp_tot_seq_lens)
     findings: list = field(default_factory=list)  # cp_rank_metadata / cp_shard_missing / cp_local_length
     shard: dict = field(default_factory=dict)  # rank -> [per request: pool rows [n_b] int64]
+    short: set = field(default_factory=set)  # (rank, request) whose shard rows are not all in the capture
 
     @property
     def any(self) -> Capture:
@@ -44,7 +46,7 @@ class CpStep:
     def whole(self, b: int) -> Optional[torch.Tensor]:
         """Request b's whole context [L, D] in the pool's dtype, position by position, or None
         when a rank holding part of it is missing."""
-        if self.missing():
+        if self.missing() or any(rb[1] == b for rb in self.short):
             return None
         L, first = int(self.total[b]), self.any.kv_buffer
         kv = first.new_empty((L, first.shape[-1]))
@@ -201,8 +203,10 @@ def _shard_rows(step: CpStep, r: int, cap: Capture) -> list[torch.Tensor]:
             rows.append(cap.block_table[b].long()[j // P] * P + j % P)
             if want and int(rows[-1].max()) >= cap.kv_buffer.shape[0]:
                 raise CaptureError(cap.path, "tensor 'block_table'", f"request {b}: the shard's rows pass the pool's end")
-        elif k == want:
+        elif k <= want:  # a kernel handed fewer rows: those it read (the rest of the shard is not in the capture)
             rows.append(cap.kv_indices[int(cap.kv_indptr[b]):int(cap.kv_indptr[b + 1])].long())
+            if k < want:
+                step.short.add((r, b))
         else:
             raise CaptureError(cap.path, "tensor 'block_table'", f"request {b}: missing; without it the shard's "
                                f"{want} rows are not in the capture (its kernel read {k})")  # fmt: skip

@@ -13,7 +13,9 @@ Layout (imports run down this list, never up):
     __main__.py     ``python -m refmla.golden check FILE --backend NAME``, what check_isolated runs
     sparse.py       the sparse decode goldens (golden/sparse/: DeepSeek-V4-Flash C4 / C128, V3.2 DSA) and their check
     indexer.py      the indexer goldens (golden/indexer/: V3.2 fp8, V3.2 bf16, V4 C4) and their check
-    suite.py        `golden generate`: all three written as one suite (targets checked first, manifests last, restored if cut)
+    dcp.py          the context-parallel goldens (golden/dcp/<case>/: one DCP-2 step's rank captures) and their
+                    check (each rank's kernel, the combine, judged as `refmla replay FOLDER` judges a step)
+    suite.py      `golden generate`: all four written as one suite (targets checked first, manifests last, restored if cut)
 
 docs/golden.md says what a golden file holds, why the bytes are deterministic and how to run the
 kernel-regression suite (tests/kernel_regression).

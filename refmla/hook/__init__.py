@@ -36,6 +36,8 @@ call that passes the filters. The rest are torch-free, as they run at interprete
     geometry.py       the production pool's geometry (rows, bytes per row, layers per buffer) for the meta
     meta.py           (torch) the meta providers and their assembly
     modes.py          (torch) one reader per capture mode (decode, extend): indices, kernel state
+    sglang_dcp.py     (torch) SGLang's Triton decode under decode context parallelism: the rank's
+                      gathered q, pre-merge partial and combine (from the kernel probes) as a rank capture
     extract.py        (torch) after the kernel: guards, reader, pool, budget, host copy, write
     patching.py       install / uninstall; the forward_decode / forward_extend wrapper; the DeepSeek-V4
                       sparse entrypoint's wrapper (REFMLA_CAPTURE_BACKENDS=dsv4)
@@ -55,6 +57,8 @@ call that passes the filters. The rest are torch-free, as they run at interprete
                       wrapper for each writer / merge the patcher installs (REFMLA_CAPTURE_BACKENDS=merge)
     vllm_paths.py     where vLLM keeps its MLA Impl classes (forward_mqa), and their capture names
     vllm_patch.py     vLLM: the ``vllm.general_plugins`` entry point, install, the forward_mqa wrapper
+    dcp_combine.py    (torch) vLLM's DCP combine (the layer's dcp_manager.combine): a rank's capture held
+                      until it runs, then written with its inputs and output
     vllm_extract.py   (torch) vLLM: the kernel's block table, split count, pool pages -> a capture
     sitecustomize/    the start-up file that ``capture run`` puts first on PYTHONPATH
 

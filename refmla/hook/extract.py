@@ -25,7 +25,7 @@ import torch
 
 from refmla import blocktable
 from refmla.hook import meta as meta_providers
-from refmla.hook import nvidia
+from refmla.hook import nvidia, sglang_dcp
 from refmla.hook.aiter_meta import aiter_buffers
 from refmla.hook.call import Call, CallContext, Skip
 from refmla.hook.modes import READERS
@@ -36,13 +36,16 @@ from refmla.hook.writer import HookState, capture_name
 def after(state: HookState, call: Call, backend_obj: Any, result: Any) -> None:
     """Capture one call whose kernel has run (``result`` is its output); see the module docstring."""
     ctx = open_call(call, backend_obj, result)
+    cp = sglang_dcp.rank_call(ctx)  # decode context parallelism: the rank's partial, not the merged output
     reader = READERS[call.mode]
     ctx.idx = reader.indices(ctx)  # host, small
     ctx.seq_lens = (ctx.idx.kv_indptr[1:] - ctx.idx.kv_indptr[:-1]).to(torch.int32)  # [B] what the kernel attended
     if ctx.batch_size and int(ctx.seq_lens.max()) < state.cfg.min_seq_len:
         return  # below the threshold once measured exactly (the pre-check used the batch's lens)
     read_pool(ctx)
-    reader.kernel(ctx, state.cfg.partials)
+    if cp is not None:
+        ctx.req_to_token = None  # its slots are the group's, not this rank's pool rows
+    reader.kernel(ctx, state.cfg.partials and cp is None)
     rows = referenced_rows(ctx.idx.kv_indices, ctx.req_to_token, ctx.seq_lens, ctx.k_buf.shape[0])
     if ctx.block_table is not None:  # whole pages, the table renumbered (docs/contract.md, block tables)
         rows = page_rows(ctx)
@@ -60,21 +63,25 @@ def after(state: HookState, call: Call, backend_obj: Any, result: Any) -> None:
         if plan and plan["flashmla_num_splits"].shape[0] == ctx.batch_size + 1:
             tensors.update(plan)
             meta.update(plan_meta)
+    backend = call.backend
+    if cp is not None:
+        tensors.update(cp["tensors"])
+        meta.update(cp["meta"])
+        backend = f"{backend}-dcp{meta['dcp_rank']}of{meta['dcp_world_size']}"
     name = capture_name(mode=call.mode, rank=call.rank, layer=call.layer_id, step=call.step,
-                        backend=call.backend, pid=os.getpid())  # fmt: skip
+                        backend=backend, pid=os.getpid())  # fmt: skip
     state.write(name, tensors, meta)
 
 
 def _check_absorbed_mla(call: Call, backend_obj: Any, result: Any, D: int, Dv: int, kv_lora_rank: int) -> None:
-    """Skip what ``refmla.capture/1`` cannot describe: MHA, sliding window, DCP, sinks, no output."""
+    """Skip what ``refmla.capture/1`` cannot describe: MHA, sliding window, DCP off the Triton decode, sinks, no output."""
     layer = call.layer
     if Dv != kv_lora_rank or D <= Dv or int(getattr(layer, "tp_k_head_num", 1)) != 1:
         raise Skip(f"not an absorbed-MLA call (qk_head_dim={D}, v_head_dim={Dv}, kv_lora_rank={kv_lora_rank})")
     sw = getattr(layer, "sliding_window_size", None)
     if sw is not None and sw > -1:
         raise Skip("sliding-window layer")
-    if int(getattr(backend_obj, "dcp_size", 1) or 1) > 1 or int(getattr(backend_obj, "dcp_world_size", 1) or 1) > 1:
-        raise Skip("decode context parallelism (dcp_size > 1)")
+    sglang_dcp.check_dcp_call(call, backend_obj)  # DCP: the Triton decode's rank calls only
     if call.sinks is not None or (getattr(layer, "xai_temperature_len", -1) or -1) > 0:
         raise Skip("attention sinks / xai temperature are not in refmla.capture/1")
     if call.llama_4_scaling is not None:

@@ -21,7 +21,7 @@ import inspect
 import threading
 from typing import Any, Callable, Optional
 
-from refmla.hook.sglang_paths import AITER_PROBED_MODULES, DECODE_KERNEL_MODULES, MARK
+from refmla.hook.sglang_paths import AITER_PROBED_MODULES, DCP_COMBINE_MODULES, DECODE_KERNEL_MODULES, MARK
 
 _TLS = threading.local()  # per-thread notes from the kernel probes of the current call
 
@@ -173,10 +173,47 @@ def _gate_probe(fn: Callable) -> Callable:
     return _use_persistent_mla_decode
 
 
+# -- decode context parallelism: SGLang's Triton decode gathers q and combines inside forward_decode --
+
+
+def _grouped_probe(fn: Callable) -> Callable:
+    """``decode_attention_fwd_grouped`` (the MLA decode): the q it got, by reference (under DCP the
+    heads the group gathered, which forward_decode's own q is not)."""
+
+    def decode_attention_fwd_grouped(*args, **kwargs):
+        notes = _open_notes()
+        if notes is not None:
+            notes["kernel_q"] = args[0] if args else kwargs.get("q")
+        return fn(*args, **kwargs)
+
+    return decode_attention_fwd_grouped
+
+
+def _dcp_combine_probe(fn: Callable) -> Callable:
+    """``cp_lse_ag_out_rs_mha`` as SGLang's Triton decode calls it under DCP: its inputs copied
+    before it runs (it scales the partial out in place), its output, the group's size and rank."""
+
+    def cp_lse_ag_out_rs_mha(cp_attn_out, cp_attn_lse, cp_group, *args, **kwargs):
+        notes = _open_notes()
+        if notes is not None:
+            try:
+                notes["dcp_in_out"], notes["dcp_in_lse"] = cp_attn_out.clone(), cp_attn_lse.clone()
+                notes["dcp_group"] = (int(cp_group.world_size), int(cp_group.rank_in_group))
+            except Exception:
+                notes["dcp_in_out"] = None  # a probe never raises into the server
+        result = fn(cp_attn_out, cp_attn_lse, cp_group, *args, **kwargs)
+        if notes is not None:
+            notes["dcp_out"] = result[0] if isinstance(result, tuple) else result
+        return result
+
+    return cp_lse_ag_out_rs_mha
+
+
 # backend -> (kernel modules, {attribute: probe factory}); each module gets the attributes it has
 KERNEL_PROBES: dict[str, tuple[tuple[str, ...], dict[str, Callable[[Callable], Callable]]]] = {
-    "triton": (DECODE_KERNEL_MODULES, {"_mla_launch_plan": _launch_plan_probe,
-                                       "_decode_lean_attention_fwd": _lean_probe}),  # fmt: skip
+    "triton": (DECODE_KERNEL_MODULES + DCP_COMBINE_MODULES, {
+        "_mla_launch_plan": _launch_plan_probe, "_decode_lean_attention_fwd": _lean_probe,
+        "decode_attention_fwd_grouped": _grouped_probe, "cp_lse_ag_out_rs_mha": _dcp_combine_probe}),
     "aiter": (AITER_PROBED_MODULES, {
         "mla_decode_fwd": _mla_decode_probe, "mla_gluon_decode": _gluon_probe,
         "get_mla_metadata_v1": _metadata_probe("get_mla_metadata_v1"),

@@ -49,6 +49,7 @@ DECODE_KERNEL_MODULES = (
     "sglang.kernels.ops.attention.decode_attention",
     "sglang.srt.layers.attention.triton_ops.decode_attention",
 )
+DCP_COMBINE_MODULES = ("sglang.srt.layers.attention.triton_backend",)  # cp_lse_ag_out_rs_mha, called in forward_decode under DCP
 CAPTURE_MODE_PROBES = (
     ("sglang.srt.model_executor.runner_utils.capture_mode", "get_is_capture_mode"),
     ("sglang.srt.model_executor.cuda_graph_runner", "get_is_capture_mode"),

@@ -14,8 +14,9 @@ what the format's lse means; meta ``lse_dtype`` says which it was.
 Under decode context parallelism (``dcp_world_size`` > 1) the call is one rank's: its kernel
 attends its shard of each request (the local lengths in ``decode.seq_lens``). The capture adds the
 geometry (meta ``dcp_world_size``, ``dcp_rank``, ``dcp_interleave_size``, ``dcp_tot_seq_lens``) and
-keeps every page of the shard, so ``refmla replay-cp`` rebuilds the whole context from the ranks'
-captures (docs/context-parallel.md).
+keeps every page of the shard, so ``refmla replay`` rebuilds the whole context from the ranks'
+captures (docs/context-parallel.md). Where the layer has vLLM's DCP manager, the capture is held
+until its combine has run and written with the combine's inputs and output (refmla.hook.dcp_combine).
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ import torch
 
 from refmla import blocktable
 from refmla.capture import dcp
+from refmla.hook import dcp_combine
 from refmla.hook.call import Skip, VllmCall
 from refmla.hook.nvidia import flashmla_plan
 from refmla.hook.writer import HookState, capture_name
 
 
-def after(state: HookState, call: VllmCall, impl: Any, inputs: tuple, result: Any) -> None:
+def after(state: HookState, call: VllmCall, impl: Any, inputs: tuple, result: Any, installed: Optional[list] = None) -> None:
+    """``installed``: the installation's (owner, name, original) list, where a DCP combine's wrapper
+    is recorded for uninstall (refmla.hook.dcp_combine)."""
     q, cache, md = inputs
     out, lse = _outputs(result)
     q = torch.cat(q, dim=-1) if isinstance(q, tuple) else q  # [B, H, D]
@@ -66,6 +70,8 @@ def after(state: HookState, call: VllmCall, impl: Any, inputs: tuple, result: An
     backend = call.backend if cp is None else f"{call.backend}-dcp{cp['dcp_rank']}of{cp['dcp_world_size']}"
     name = capture_name(mode="decode", rank=call.rank, layer=call.layer_id, step=call.step, backend=backend,
                         pid=os.getpid())  # fmt: skip
+    if cp is not None and dcp_combine.hold(state, call.layer, name, tensors, meta, installed):
+        return  # written when the layer's DCP combine has run, with its inputs and output (refmla.hook.dcp_combine)
     state.write(name, tensors, meta)
 
 

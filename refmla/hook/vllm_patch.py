@@ -58,7 +58,18 @@ def install(cfg: HookConfig) -> HookState:
 
 
 def uninstall() -> None:
+    import sys
+
+    held = sys.modules.get("refmla.hook.dcp_combine")  # loaded only once a DCP call was captured
+    if held is not None:
+        held.flush()  # a rank's capture still waiting for its combine: written as it is
     _SLOT.uninstall()
+
+
+def installed_patches() -> Optional[list]:
+    """The current installation's (owner, name, original) list (restored on uninstall), or None."""
+    inst = _SLOT.current
+    return inst.patched if inst is not None else None
 
 
 def current_state() -> Optional[HookState]:
@@ -134,7 +145,7 @@ def _wrapper(original: Callable, backend: str, engine_backend: str) -> Callable:
         try:
             from refmla.hook.vllm_extract import after
 
-            after(state, call, self, (q, kv_c_and_k_pe_cache, attn_metadata), result)
+            after(state, call, self, (q, kv_c_and_k_pe_cache, attn_metadata), result, installed_patches())
         except Skip as s:
             state.skip(str(s))
         except Exception as e:
@@ -146,4 +157,4 @@ def _wrapper(original: Callable, backend: str, engine_backend: str) -> Callable:
     return forward_mqa
 
 
-__all__ = ["current_state", "install", "layer_index", "plugin", "uninstall"]
+__all__ = ["current_state", "install", "installed_patches", "layer_index", "plugin", "uninstall"]

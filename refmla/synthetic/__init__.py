@@ -18,6 +18,7 @@
                 offsets, fp8 scales, rope), each with the hypothesis that must name it
     launch_faults.py  faults of a kernel's launch plan: heads folded and unfolded wrongly
     kv_bytes_faults.py  the bytes between writer and kernel: fp8 encoding, scale format, page stride
+    dcp.py      a decode-context-parallel step: one rank capture per DCP rank, clean or with a CP mistake
 
 The pool is paged: each request's pages are shuffled across the pool, every row no request
 attends (unused pages and the tail of each last page) is NaN, so a kernel that reads past its
