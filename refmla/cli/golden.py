@@ -3,14 +3,17 @@ decode goldens under DIR/sparse/ (refmla.golden.sparse).
 
 `refmla golden check DIR|FILE... [--backend NAME]... [--json]`: every golden file (a folder's
 manifest, or the files named) against each backend (default: the golden backends and the installed
-packages' kernels; ``--backend module:function`` names a kernel outside refmla); exit 0 all pass,
-1 one fails or errs."""
+packages' kernels; ``--backend module:function`` names a kernel outside refmla; a sparse top-k
+kernel, layout ``sparse_topk``, is checked on a folder's sparse/ goldens); exit 0 all pass, 1 one
+fails or errs."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
-from refmla.backends import plugin_defaults
+from refmla.backends import is_sparse_kernel, plugin_defaults
+from refmla.golden import sparse as sparse_golden
 from refmla.backends.named import Choices
 from refmla.cli.common import EXIT_DIVERGED, EXIT_OK, UsageError, is_dir, output_path, print_json
 from refmla.golden import (CHECK_BACKENDS, GoldenResult, backend_applies, check, check_isolated, load_manifest,
@@ -82,6 +85,24 @@ def check_one(path: Path, backend: str) -> GoldenResult:
     return check_isolated(path, backend) if isolate else check(path, backend)
 
 
+def sparse_files(paths) -> list[tuple[Path, str]]:
+    """(file, why) of each folder's sparse/ goldens (refmla.golden.sparse), in its manifest's order."""
+    found = []
+    for p in paths:
+        folder = Path(p) / "sparse"
+        if is_dir(p) and (folder / sparse_golden.MANIFEST).is_file():
+            found += [(folder / c["file"], c.get("why", "")) for c in sparse_golden.load_manifest(folder)["cases"]]
+    return found
+
+
+def check_sparse(path: Path, backend: str, why: str) -> GoldenResult:
+    """A sparse top-k kernel outside refmla on one sparse golden, as a GoldenResult."""
+    t0 = time.perf_counter()
+    r = sparse_golden.check(path, backend)
+    entry = r.entry or BackendEntry({"FAIL": "fail"}.get(r.status, r.status), reason=r.reason or None)
+    return GoldenResult(path.stem, backend, entry, why, f"refmla replay {path} --backend {backend}", time.perf_counter() - t0)
+
+
 def golden_check(args) -> int:
     backends = list(dict.fromkeys(args.backend or [*CHECK_BACKENDS, *plugin_defaults()]))
     results = []
@@ -90,6 +111,9 @@ def golden_check(args) -> int:
         for b in backends:
             if backend_applies(b, mode):
                 results.append(check_one(path, b))
+    sparse = [b for b in backends if is_sparse_kernel(b)]  # refmla's own sparse kernels: tests/kernel_regression
+    for path, why in sparse_files(args.paths) if sparse else ():
+        results += [check_sparse(path, b, why) for b in sparse]
     if args.json:
         print_json([r.to_json() for r in results])
     else:

@@ -19,6 +19,8 @@ Modules, imports going down this list:
     make.py        `refmla synth OUT --preset deepseek-v4-flash-tp8 [--fault NAME]`
     backends.py    the kernel adapters by name: triton (SGLang's), aiter_sparse, tilelang, flashmla_sparse (and
                    observed), each with the arithmetic it is judged at, each a Backend (SparseBackend)
+    kernel.py      a sparse top-k kernel outside refmla (refmla.kernel, layout sparse_topk) as a path: its
+                   inputs (the caches as stored and decoded, the top-k indices), its outputs checked
     misplaced.py   rows written to another request's row, one entry read at the neighbouring slot
     hypotheses.py  the sparse-only mistakes (sink, topk_length, -1 as slot 0, the compressed cache,
                    window edges, per-tile UE8M0 scales on either cache, rope bytes) and the shared ones

@@ -13,14 +13,16 @@ on the dense layouts and its DeepSeek-V4 Triton sparse kernel on ``sparse``; ``r
 the fp64 truth of either. ``aiter_sparse``, ``tilelang`` and ``flashmla_sparse`` read sparse
 captures only; every other name reads dense ones only. Named with ``--backend``, a backend
 sweeps every walked layout it reads. An installed package's kernels (entry points of
-``refmla.backends``) join every dense layout's defaults (:func:`layout_backends`).
+``refmla.backends``) join the defaults of the layouts they declare (:func:`layout_backends`): a
+sparse top-k kernel (refmla.kernel layout ``sparse_topk``) the sparse layout, the others every
+dense one.
 """
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from refmla.backends import ALL_NAMES, PAGED, get_backend, plugin_defaults
+from refmla.backends import ALL_NAMES, PAGED, get_backend, is_sparse_kernel, plugin_defaults
 from refmla.sparse.backends import BACKENDS as SPARSE_BACKENDS
 from refmla.sparse.backends import availability as sparse_availability
 
@@ -37,9 +39,10 @@ LAYOUT_BACKENDS: dict[str, tuple[str, ...]] = {
 
 def layout_backends() -> dict[str, tuple[str, ...]]:
     """LAYOUT_BACKENDS with the installed packages' kernels (entry points of ``refmla.backends``,
-    refmla.backends.plugin_defaults) added to every dense layout."""
-    mine = plugin_defaults()
-    return {la: names + (mine if la != "sparse" else ()) for la, names in LAYOUT_BACKENDS.items()}
+    refmla.backends.plugin_defaults) added: the sparse top-k ones to ``sparse``, the others to every
+    dense layout."""
+    dense, sparse = plugin_defaults(sparse=False), plugin_defaults(sparse=True)
+    return {la: names + (sparse if la == "sparse" else dense) for la, names in LAYOUT_BACKENDS.items()}
 
 
 def default_backends(layouts: Sequence[str]) -> list[str]:
@@ -54,11 +57,12 @@ MODE = {"decode": "decode", "verify": "verify", "block_table": "decode"}  # a de
 def not_read(name: str, layout: str) -> Optional[str]:
     """Why ``name`` reads no capture of ``layout`` (a dense kernel on ``sparse``, a sparse one on a
     dense layout, a decode-only kernel on ``verify``: its ``Backend.modes``), or None when it does."""
+    mine = is_sparse_kernel(name)  # a sparse top-k kernel outside refmla
     if layout == "sparse":
-        if name not in SPARSE_NAMES:
+        if name not in SPARSE_NAMES and not mine:
             return f"a dense kernel: it reads no sparse capture (sparse kernels: {', '.join(SPARSE_NAMES[1:])})"
         return None
-    if name in SPARSE_ONLY:
+    if name in SPARSE_ONLY or mine:
         return "a sparse decode kernel (DeepSeek V3.2 / V4): it reads the sparse layout only"
     modes = getattr(get_backend(name), "modes", ())
     if modes and MODE[layout] not in modes:
@@ -72,6 +76,8 @@ def availability(name: str, layout: str) -> tuple[bool, str]:
     if why:
         return False, why
     if layout == "sparse":
+        if is_sparse_kernel(name):
+            return get_backend(name).availability()
         return (True, "fp64 sparse reference") if name == "reference" else sparse_availability(name)
     return get_backend(name).availability()
 

@@ -22,6 +22,7 @@ Also the dispatch every later module uses: :func:`any_case` / :func:`any_checks`
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from dataclasses import asdict, dataclass, replace
@@ -35,6 +36,7 @@ from refmla.options import ReplayOptions
 from refmla.sparse.arithmetic import SGLANG_TRITON_SPARSE
 from refmla.sparse.backends import BACKENDS, KERNELS, PathOutput, declared_arithmetic
 from refmla.sparse.format import KERNEL_BACKENDS, SparseCapture, parse_sparse_meta
+from refmla.sparse.kernel import arithmetic_of, sparse_path
 from refmla.sparse.presets import PRESETS, SparsePreset
 from refmla.sparse.reference import judge_lse, judge_out, rows_of, sparse_control, sparse_reference
 from refmla.sparse.synth import build_case
@@ -138,10 +140,11 @@ class SparseChecks:
         return self._truth
 
     def kernel(self, backend: str) -> PathOutput:
-        run = BACKENDS[backend]
+        mine = backend not in BACKENDS  # a sparse top-k kernel outside refmla (refmla.sparse.kernel)
+        run = functools.partial(sparse_path, backend) if mine else BACKENDS[backend]
         t0 = time.perf_counter()
         try:
-            if backend in KERNELS and enabled(self.opts.isolate):
+            if (mine or backend in KERNELS) and enabled(self.opts.isolate):
                 return run_isolated(run, self.cap, wall_s=self.opts.kernel_seconds)
             return run(self.cap)
         finally:
@@ -152,7 +155,7 @@ class SparseChecks:
         path's own declared arithmetic (refmla.sparse.arithmetic)."""
         ref, ctrl = self.truth
         t0 = time.perf_counter()
-        arith = declared_arithmetic(name, self.cap)
+        arith = arithmetic_of(name) if name not in BACKENDS else declared_arithmetic(name, self.cap)
         if arith != SGLANG_TRITON_SPARSE:  # the truth's control is that one's
             if arith not in self._controls:
                 self._controls[arith] = sparse_control(self.cap, rows_of(self.cap), arith=arith)
