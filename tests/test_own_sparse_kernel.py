@@ -105,7 +105,7 @@ def test_entry_point_goldens_and_doctor(tmp_path):
     doctor = cli("doctor", "--json", path=(eps,))
     assert doctor.returncode == 0, doctor.stderr
     row = next(r for r in json.loads(doctor.stdout) if r["backend"] == "my_kernel_sparse")
-    assert row["usable"] and row["kernel"] == SPARSE_SPEC
+    assert row["usable"] and row["kernel"] == SPARSE_SPEC and row["kind"] == "sparse_decode"
     check = cli("golden", "check", str(GOLDEN), "--backend", "my_kernel_sparse", "--json", path=(eps,))
     assert check.returncode == 0, check.stderr
     got = json.loads(check.stdout)
