@@ -168,21 +168,21 @@ def inputs_for(cap: Capture, opts: ReplayOptions, layout: str) -> tuple[KernelIn
     return inputs, note
 
 
-def _said(t: Any) -> str:
+def said(t: Any) -> str:
     """"bfloat16 [2, 16, 512]" for a tensor, its type's name for anything else."""
     if isinstance(t, torch.Tensor):
         return f"{dtype_name(t.dtype)} {list(t.shape)}"
     return "None" if t is None else type(t).__name__
 
 
-def _expect(name: str, what: str, got: Any, shape: list, dtypes: Optional[tuple] = None, want: str = "") -> None:
+def expect(name: str, what: str, got: Any, shape: list, dtypes: Optional[tuple] = None, want: str = "") -> None:
     """InterfaceError unless ``got`` is a tensor of ``shape`` (None: any size there) and one of ``dtypes``."""
     ok = isinstance(got, torch.Tensor) and got.dim() == len(shape)
     ok = ok and all(s is None or got.shape[i] == s for i, s in enumerate(shape))
     ok = ok and (dtypes is None or got.dtype in dtypes)
     if not ok:
         shown = "[" + ", ".join("S" if s is None else str(s) for s in shape) + "]"
-        raise InterfaceError(f"backend {name} returned {what} {_said(got)}; expected {want or 'a tensor'} {shown} "
+        raise InterfaceError(f"backend {name} returned {what} {said(got)}; expected {want or 'a tensor'} {shown} "
                              f"(refmla.kernel.KernelOutputs, {GUIDE})")  # fmt: skip
 
 
@@ -195,22 +195,22 @@ def outputs_of(got: Any, inputs: KernelInputs, spec: KernelSpec, name: str) -> B
     if isinstance(got, torch.Tensor):
         got = KernelOutputs(out=got)
     if not isinstance(got, KernelOutputs):
-        raise InterfaceError(f"backend {name} returned {_said(got)}; expected a refmla.kernel.KernelOutputs or the "
+        raise InterfaceError(f"backend {name} returned {said(got)}; expected a refmla.kernel.KernelOutputs or the "
                              f"out tensor {dtype_name(inputs.out.dtype)} {list(inputs.out.shape)} ({GUIDE})")  # fmt: skip
     R, H, Dv = inputs.out.shape
     B = inputs.seq_lens.shape[0]
-    _expect(name, "out", got.out, [R, H, Dv], (inputs.out.dtype,), dtype_name(inputs.out.dtype))
+    expect(name, "out", got.out, [R, H, Dv], (inputs.out.dtype,), dtype_name(inputs.out.dtype))
     if got.lse is not None:
-        _expect(name, "lse", got.lse, [R, H], FLOATS, "a floating")
+        expect(name, "lse", got.lse, [R, H], FLOATS, "a floating")
     if (got.attn_logits is None) != (got.attn_lse is None):
-        raise InterfaceError(f"backend {name} returned attn_logits {_said(got.attn_logits)} and attn_lse "
-                             f"{_said(got.attn_lse)}; expected both or neither ({GUIDE})")  # fmt: skip
+        raise InterfaceError(f"backend {name} returned attn_logits {said(got.attn_logits)} and attn_lse "
+                             f"{said(got.attn_lse)}; expected both or neither ({GUIDE})")  # fmt: skip
     if got.attn_logits is not None:
-        _expect(name, "attn_logits", got.attn_logits, [R, H, None, Dv], FLOATS, "a floating")
-        _expect(name, "attn_lse", got.attn_lse, [R, H, got.attn_logits.shape[2]], FLOATS, "a floating")
+        expect(name, "attn_logits", got.attn_logits, [R, H, None, Dv], FLOATS, "a floating")
+        expect(name, "attn_lse", got.attn_lse, [R, H, got.attn_logits.shape[2]], FLOATS, "a floating")
     splits = got.num_kv_splits
     if splits is not None:
-        _expect(name, "num_kv_splits", splits, [B], INTS, "an int32 / int64")
+        expect(name, "num_kv_splits", splits, [B], INTS, "an int32 / int64")
     elif spec.arithmetic.split_schedule != "none":
         splits = inputs.num_kv_splits
     cpu = lambda t: None if t is None else t.detach().cpu()  # noqa: E731
@@ -221,4 +221,4 @@ def outputs_of(got: Any, inputs: KernelInputs, spec: KernelSpec, name: str) -> B
     )  # fmt: skip
 
 
-__all__ = ["GUIDE", "PluginBackend", "check_signature", "inputs_for", "outputs_of"]
+__all__ = ["GUIDE", "PluginBackend", "check_signature", "expect", "inputs_for", "outputs_of", "said"]

@@ -20,7 +20,7 @@ import torch
 
 from refmla.backends import get_backend, is_sparse_kernel
 from refmla.backends.base import Backend, BackendResult
-from refmla.backends.plugin import GUIDE, PluginBackend, _expect, _said, device_of, interpreter_fixes
+from refmla.backends.plugin import GUIDE, PluginBackend, expect, said, device_of, interpreter_fixes
 from refmla.kernel import InterfaceError, KernelOutputs, SparseKernelInputs
 from refmla.options import ReplayOptions
 from refmla.sparse.arithmetic import SGLANG_TRITON_SPARSE, SparseArithmetic
@@ -76,11 +76,11 @@ def sparse_outputs(got: Any, cap: SparseCapture, plugin: PluginBackend) -> PathO
     if isinstance(got, torch.Tensor):
         got = KernelOutputs(out=got)
     if not isinstance(got, KernelOutputs):
-        raise InterfaceError(f"backend {name} returned {_said(got)}; expected a refmla.kernel.KernelOutputs or the "
+        raise InterfaceError(f"backend {name} returned {said(got)}; expected a refmla.kernel.KernelOutputs or the "
                              f"out tensor bfloat16 {[B, S, H, Dv]} ({GUIDE})")  # fmt: skip
-    _expect(name, "out", got.out, [B, S, H, Dv], (torch.bfloat16,), "bfloat16")
+    expect(name, "out", got.out, [B, S, H, Dv], (torch.bfloat16,), "bfloat16")
     if got.lse is not None:
-        _expect(name, "lse", got.lse, [B, S, H], (torch.float32, torch.float64), "an fp32")
+        expect(name, "lse", got.lse, [B, S, H], (torch.float32, torch.float64), "an fp32")
     out = got.out.detach().cpu()
     if cap.inv_rope_freqs is not None and not plugin.spec.applies_inv_rope:  # as SGLang's model does after the kernel
         o = inverse_rope(out.reshape(B * S, H, Dv).float(), cap.inv_rope_freqs, cap.inv_rope_positions[: B * S])

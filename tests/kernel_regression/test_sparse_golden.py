@@ -1,9 +1,9 @@
 """Every sparse golden (golden/sparse/: DeepSeek-V4-Flash C4 / C128, V3.2 DSA) x every sparse backend:
 ``reference`` reproduces the stored fp64 reference to one fp32 ulp; SGLang's Triton sparse kernel
 (interpreted on CPU), aiter's sparse kernel and tilelang (skipped with the reason where absent) stay
-within k x the control's error of it. ``--backend`` picks among them and names a sparse top-k kernel
-outside refmla (refmla.kernel layout ``sparse_topk``; installed packages' ones join the defaults),
-judged through the one replay's path (refmla.golden.sparse.kernel_entry)."""
+within k x the control's error of it. A sparse top-k kernel outside refmla (refmla.kernel layout
+``sparse_topk``) named with ``--backend``, or installed, joins them, judged through the one
+replay's path (refmla.golden.sparse.kernel_entry)."""
 
 from __future__ import annotations
 
@@ -25,11 +25,8 @@ def pytest_generate_tests(metafunc) -> None:
         chosen = metafunc.config.getoption("--backend")
     except ValueError:  # the suite's options not registered (pytest started above tests/)
         chosen = None
-    if chosen:
-        backends = [b for b in dict.fromkeys(chosen) if b in golden.CHECK_BACKENDS or is_sparse_kernel(b)]
-    else:
-        backends = [*golden.CHECK_BACKENDS, *plugin_defaults(sparse=True)]
-    metafunc.parametrize("sparse_backend", backends)
+    mine = [b for b in dict.fromkeys(chosen) if is_sparse_kernel(b)] if chosen else list(plugin_defaults(sparse=True))
+    metafunc.parametrize("sparse_backend", [*golden.CHECK_BACKENDS, *mine])
 
 
 @pytest.mark.parametrize("name", CASES)
