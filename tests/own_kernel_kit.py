@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "my_kernel"
 SOURCE = EXAMPLE / "my_kernel" / "decode.py"
 SPEC = "my_kernel.decode:decode"
+SPARSE_SOURCE = EXAMPLE / "my_kernel" / "sparse.py"
+SPARSE_SPEC = "my_kernel.sparse:sparse_decode"
 GOLDEN = ROOT / "golden"
 
 # name -> (the line as written, the line with the bug)
@@ -24,31 +26,42 @@ BUGS = {
     "split_boundary": ("        if s * per < L:  # the split holds positions",
                        "        if s * per < L - 1:  # the split holds positions"),
     # an lse base: the final lse stored in log2 units (the softmax runs in base 2)
-    "lse_base": ("    tl.store(LSE + b * stride_eb + heads, (m + tl.log2(l)) * LN2, mask=hmask)",
-                 "    tl.store(LSE + b * stride_eb + heads, m + tl.log2(l), mask=hmask)"),
+    "lse_base": ("    tl.store(LSE + r * stride_eb + heads, (m + tl.log2(l)) * LN2, mask=hmask)",
+                 "    tl.store(LSE + r * stride_eb + heads, m + tl.log2(l), mask=hmask)"),
     # a page offset: each position's page read from the next block-table entry
+    # a causal mask among the drafts forgotten (verify): every query row sees all its request's positions
+    "causal": ("    return req.to(torch.int32), (inp.seq_lens.long()[req] - n[req] + i + 1).to(torch.int32)  # causal",
+               "    return req.to(torch.int32), inp.seq_lens[req].to(torch.int32)  # causal"),
     "page_offset": ("            entry = pos // P  # the block-table entry of each position",
                     "            entry = pos // P + 1  # the block-table entry of each position"),
+}  # fmt: skip
+SPARSE_BUGS = {
+    # topk_length not read: the stale entries past it (another request's tokens) attended too
+    "topk_length": ("        read &= torch.arange(listed.shape[0], device=listed.device) < lengths[b]  # entries past topk_length are stale",
+                    "        pass  # entries past topk_length are stale"),
 }  # fmt: skip
 
 
 def planted(bug: str, folder: Path) -> str:
-    """A copy of the example's decode.py with ``bug`` planted, in ``folder``: its ``file.py:decode`` name."""
-    text = SOURCE.read_text()
-    clean, buggy = BUGS[bug]
-    assert text.count(clean) == 1, f"{bug}: the line to change is not in {SOURCE} exactly once"
-    path = folder / f"decode_{bug}.py"
+    """A copy of the example's decode.py (sparse.py for a SPARSE_BUGS name) with ``bug`` planted, in
+    ``folder``: its ``file.py:function`` name."""
+    source, (clean, buggy), fn = (SPARSE_SOURCE, SPARSE_BUGS[bug], "sparse_decode") if bug in SPARSE_BUGS else (
+        SOURCE, BUGS[bug], "decode")  # fmt: skip
+    text = source.read_text()
+    assert text.count(clean) == 1, f"{bug}: the line to change is not in {source} exactly once"
+    path = folder / f"{source.stem}_{bug}.py"
     path.write_text(text.replace(clean, buggy))
-    return f"{path}:decode"
+    return f"{path}:{fn}"
 
 
-def entry_point_dir(folder: Path, name: str = "my_kernel", value: str = SPEC) -> Path:
-    """A folder holding a hand-made ``my_kernel-0.1.0.dist-info`` with ``name = value`` in the group
-    ``refmla.backends``: on sys.path, importlib.metadata finds it as an installed package's."""
+def entry_point_dir(folder: Path, name: str = "my_kernel", value: str = SPEC, more: dict = {}) -> Path:  # noqa: B006
+    """A folder holding a hand-made ``my_kernel-0.1.0.dist-info`` with ``name = value`` (and ``more``)
+    in the group ``refmla.backends``: on sys.path, importlib.metadata finds it as an installed package's."""
     info = folder / "my_kernel-0.1.0.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-kernel\nVersion: 0.1.0\n")
-    (info / "entry_points.txt").write_text(f"[refmla.backends]\n{name} = {value}\n")
+    lines = "".join(f"{n} = {v}\n" for n, v in {name: value, **more}.items())
+    (info / "entry_points.txt").write_text(f"[refmla.backends]\n{lines}")
     return folder
 
 

@@ -156,6 +156,37 @@ def test_page_offset_found_and_named(tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
+# qlen > 1: the example declares a causal verify (modes decode + verify), not a tree
+# --------------------------------------------------------------------------------------------
+
+VERIFY = GOLDEN / "kimi-h8-verify-q3.safetensors"  # 3 drafts a request, a chain (causal)
+TREE = GOLDEN / "dsv3-h16-verify-q4-tree.safetensors"
+
+
+def test_clean_example_passes_the_causal_verify_goldens_and_skips_the_tree(example):
+    for path in (VERIFY, GOLDEN / "kimi-h8-verify-q2-page16.safetensors"):
+        e = api.replay(path, backends={"mine": example}, explain=False).backends["mine"]
+        assert e.status == "pass", (path.name, e.reason)
+        assert e.lse is not None and e.lse.status == "pass"
+    e = api.replay(TREE, backends={"mine": example}, explain=False).backends["mine"]
+    assert e.status == "skipped" and "tree_mask=False" in e.reason
+    decode_only = declare(layout="block_table")(lambda inp: example(inp))  # what it does not declare is not run
+    e = api.replay(VERIFY, backends={"d": decode_only}, explain=False).backends["d"]
+    assert e.status == "skipped" and "declares modes decode; the capture is verify mode" in e.reason
+
+
+def test_causal_bug_found_by_the_verify_sweep_and_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec = planted("causal", tmp_path)
+    b = sweep(spec, tmp_path / "sweep", "verify", 2, ("qlen=2",))  # a chain of two drafts
+    found = [f for f in b.findings if f.check == "reference" and f.capture]
+    assert found and found[0].replay_verdict == "diverged" and found[0].shrunk["mode"] == "verify"
+    e = api.replay(VERIFY, [spec]).backends[spec]
+    assert e.status == "fail" and e.explanation is not None
+    assert (e.explanation.hypothesis, e.explanation.detail) == ("causal_alignment", {"alignment": "none"}), e.explanation.text()
+
+
+# --------------------------------------------------------------------------------------------
 # the interface: what is not a kernel of it is a usage error; what a kernel does is its verdict
 # --------------------------------------------------------------------------------------------
 

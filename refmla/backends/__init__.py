@@ -57,6 +57,7 @@ Modules:
 from __future__ import annotations
 
 import importlib
+from typing import Optional
 
 from refmla.backends.base import Backend, BackendResult, BackendUnavailable
 from refmla.capture import Capture
@@ -123,11 +124,23 @@ def is_backend(name: str) -> bool:
     return name in _WHERE or named.known(name)
 
 
-def plugin_defaults() -> tuple[str, ...]:
-    """The installed packages' kernels (entry points of ``refmla.backends``): in every default set."""
+def plugin_defaults(sparse: Optional[bool] = None) -> tuple[str, ...]:
+    """The installed packages' kernels (entry points of ``refmla.backends``): in every default set.
+    ``sparse`` True: only the sparse top-k kernels (layout ``sparse_topk``), False: only the others."""
     from refmla.backends import named
 
-    return tuple(n for n in named.entry_point_names() if n not in _WHERE)
+    names = tuple(n for n in named.entry_point_names() if n not in _WHERE)
+    return names if sparse is None else tuple(n for n in names if is_sparse_kernel(n) == sparse)
+
+
+def is_sparse_kernel(name: str) -> bool:
+    """Whether ``name`` is a kernel outside refmla that declares the sparse top-k layout (an entry
+    point that cannot be loaded is not: it stays with the dense ones, unavailable with its reason)."""
+    from refmla.backends import named
+
+    if name in _WHERE or not named.known(name):
+        return False
+    return bool(getattr(get_backend(name), "sparse", False))
 
 
 def _outside(name: str) -> Backend:
@@ -150,4 +163,4 @@ def _outside(name: str) -> Backend:
 
 
 __all__ = ["ALL_NAMES", "NAMES", "OPT_IN", "PAGED", "VERIFY_ONLY", "Backend", "BackendResult", "BackendUnavailable", "get_backend", "is_backend",
-           "plugin_defaults"]
+           "is_sparse_kernel", "plugin_defaults"]

@@ -51,20 +51,40 @@ def check_signature(fn: Any, name: str) -> None:
 class PluginBackend(Backend):
     """The backend of one kernel callable, under ``name`` (what --backend said, or its entry point's name)."""
 
-    modes = ("decode",)  # refmla.kernel's interface is decode's: a verify layout is not read, not skipped
+    modes = ("decode",)  # the capture modes it reads: its KernelSpec's (a layout it does not read is not read, not skipped)
 
     def __init__(self, name: str, fn: Callable, where: str):
         check_signature(fn, name)
         self.name, self.fn, self.where = name, fn, where
         self.spec: KernelSpec = spec_of(fn)
         self.fills_buffers = self.spec.writes_buffers
+        self.modes = ("sparse_decode",) if self.sparse else tuple(self.spec.modes)
+
+    @property
+    def sparse(self) -> bool:
+        """A sparse top-k kernel (refmla.sparse.kernel runs it on sparse captures)."""
+        return self.spec.layout == "sparse_topk"
 
     def availability(self) -> tuple[bool, str]:
-        return True, f"{self.where} ({self.spec.layout}, {self.spec.arithmetic.split_schedule} splits)"
+        if self.sparse:
+            return True, f"{self.where} (sparse_topk)"
+        verify = "" if self.spec.modes == ("decode",) else f", {' + '.join(self.spec.modes)}"
+        return True, f"{self.where} ({self.spec.layout}, {self.spec.arithmetic.split_schedule} splits{verify})"
+
+    def refuses(self, cap: Capture) -> Optional[str]:
+        """Why this kernel reads no such capture (the mode, a tree mask it does not declare), or None."""
+        if self.sparse:
+            return "a sparse top-k kernel (layout sparse_topk): it reads sparse decode captures only"
+        if cap.meta.mode not in self.spec.modes:
+            return f"the kernel declares modes {', '.join(self.spec.modes)}; the capture is {cap.meta.mode} mode"
+        if cap.is_verify and cap.custom_mask is not None and not self.spec.tree_mask:
+            return "a tree verify (custom_mask): the kernel declares a causal verify only (tree_mask=False)"
+        return None
 
     def run(self, cap: Capture, opts: ReplayOptions) -> BackendResult:
-        if cap.meta.mode != "decode":
-            raise BackendUnavailable(f"a decode kernel (refmla.kernel); the capture is {cap.meta.mode} mode")
+        why = self.refuses(cap)
+        if why:
+            raise BackendUnavailable(why)
         inputs, note = inputs_for(cap, opts, self.spec.layout)
         fixes = interpreter_fixes()
         t0 = time.perf_counter()
@@ -109,9 +129,10 @@ def splits_of(cap: Capture, opts: ReplayOptions) -> tuple[torch.Tensor, int]:
 
 
 def inputs_for(cap: Capture, opts: ReplayOptions, layout: str) -> tuple[KernelInputs, str]:
-    """The KernelInputs of a decode capture in ``layout``, and where its index tensors came from."""
+    """The KernelInputs of a decode or verify capture in ``layout``, and where its index tensors came from."""
     dev, m = device_of(opts), cap.meta
-    B, H, _ = cap.q.shape
+    R, H, _ = cap.q.shape
+    B = cap.batch_size
     Dv = int(m.kv_lora_rank)
     splits, S = splits_of(cap, opts)
     S = max(S, int(splits.max()) if B else 1, 1)
@@ -119,7 +140,7 @@ def inputs_for(cap: Capture, opts: ReplayOptions, layout: str) -> tuple[KernelIn
     table = indptr = indices = None
     page_size = 1
     if layout == "block_table":
-        if cap.block_table is not None:
+        if cap.block_table is not None and cap.is_decode:
             table, page_size, note = cap.block_table, int(m.page_size), "the capture's block_table"
         else:
             table, note = blocktable.from_token_rows(cap.kv_indptr, cap.kv_indices), "a page-size-1 table of the capture's token slots"
@@ -128,34 +149,40 @@ def inputs_for(cap: Capture, opts: ReplayOptions, layout: str) -> tuple[KernelIn
         indptr, indices = cap.kv_indptr.to(dev, torch.int32).contiguous(), cap.kv_indices.to(dev, torch.int64).contiguous()
         note = "the capture's token rows of its block_table" if cap.block_table is not None else "the capture's token slots"
     out_dtype = cap.out_dtype
+    verify = cap.is_verify
+    i32 = lambda t: None if t is None else t.to(dev, torch.int32).contiguous()  # noqa: E731
+    tree = cap.mask_args() if verify else {"custom_mask": None, "mask_indptr": None}
     inputs = KernelInputs(
         layout=layout, q=cap.q.to(dev).contiguous(), kv_buffer=cap.kv_buffer.to(dev).contiguous(),
         seq_lens=cap.seq_lens.to(dev, torch.int32), kv_indptr=indptr, kv_indices=indices, block_table=table,
         page_size=page_size, num_kv_splits=splits.to(dev), max_kv_splits=S, kv_lora_rank=Dv,
         sm_scale=float(m.sm_scale), logit_cap=float(m.logit_cap), k_scale=float(m.k_scale), v_scale=float(m.v_scale),
-        out=torch.full((B, H, Dv), fill, dtype=out_dtype, device=dev),
-        lse=torch.full((B, H), fill, dtype=torch.float32, device=dev),
-        attn_logits=torch.full((B, H, S, Dv), fill, dtype=torch.float32, device=dev),
-        attn_lse=torch.full((B, H, S), fill, dtype=torch.float32, device=dev),
+        out=torch.full((R, H, Dv), fill, dtype=out_dtype, device=dev),
+        lse=torch.full((R, H), fill, dtype=torch.float32, device=dev),
+        attn_logits=torch.full((R, H, S, Dv), fill, dtype=torch.float32, device=dev),
+        attn_lse=torch.full((R, H, S), fill, dtype=torch.float32, device=dev),
+        mode=cap.meta.mode, qo_indptr=i32(cap.qo_indptr) if verify else None,
+        custom_mask=None if tree["custom_mask"] is None else tree["custom_mask"].to(dev),
+        mask_indptr=i32(tree["mask_indptr"]),
     )  # fmt: skip
     return inputs, note
 
 
-def _said(t: Any) -> str:
+def said(t: Any) -> str:
     """"bfloat16 [2, 16, 512]" for a tensor, its type's name for anything else."""
     if isinstance(t, torch.Tensor):
         return f"{dtype_name(t.dtype)} {list(t.shape)}"
     return "None" if t is None else type(t).__name__
 
 
-def _expect(name: str, what: str, got: Any, shape: list, dtypes: Optional[tuple] = None, want: str = "") -> None:
+def expect(name: str, what: str, got: Any, shape: list, dtypes: Optional[tuple] = None, want: str = "") -> None:
     """InterfaceError unless ``got`` is a tensor of ``shape`` (None: any size there) and one of ``dtypes``."""
     ok = isinstance(got, torch.Tensor) and got.dim() == len(shape)
     ok = ok and all(s is None or got.shape[i] == s for i, s in enumerate(shape))
     ok = ok and (dtypes is None or got.dtype in dtypes)
     if not ok:
         shown = "[" + ", ".join("S" if s is None else str(s) for s in shape) + "]"
-        raise InterfaceError(f"backend {name} returned {what} {_said(got)}; expected {want or 'a tensor'} {shown} "
+        raise InterfaceError(f"backend {name} returned {what} {said(got)}; expected {want or 'a tensor'} {shown} "
                              f"(refmla.kernel.KernelOutputs, {GUIDE})")  # fmt: skip
 
 
@@ -168,21 +195,22 @@ def outputs_of(got: Any, inputs: KernelInputs, spec: KernelSpec, name: str) -> B
     if isinstance(got, torch.Tensor):
         got = KernelOutputs(out=got)
     if not isinstance(got, KernelOutputs):
-        raise InterfaceError(f"backend {name} returned {_said(got)}; expected a refmla.kernel.KernelOutputs or the "
+        raise InterfaceError(f"backend {name} returned {said(got)}; expected a refmla.kernel.KernelOutputs or the "
                              f"out tensor {dtype_name(inputs.out.dtype)} {list(inputs.out.shape)} ({GUIDE})")  # fmt: skip
-    B, H, Dv = inputs.out.shape
-    _expect(name, "out", got.out, [B, H, Dv], (inputs.out.dtype,), dtype_name(inputs.out.dtype))
+    R, H, Dv = inputs.out.shape
+    B = inputs.seq_lens.shape[0]
+    expect(name, "out", got.out, [R, H, Dv], (inputs.out.dtype,), dtype_name(inputs.out.dtype))
     if got.lse is not None:
-        _expect(name, "lse", got.lse, [B, H], FLOATS, "a floating")
+        expect(name, "lse", got.lse, [R, H], FLOATS, "a floating")
     if (got.attn_logits is None) != (got.attn_lse is None):
-        raise InterfaceError(f"backend {name} returned attn_logits {_said(got.attn_logits)} and attn_lse "
-                             f"{_said(got.attn_lse)}; expected both or neither ({GUIDE})")  # fmt: skip
+        raise InterfaceError(f"backend {name} returned attn_logits {said(got.attn_logits)} and attn_lse "
+                             f"{said(got.attn_lse)}; expected both or neither ({GUIDE})")  # fmt: skip
     if got.attn_logits is not None:
-        _expect(name, "attn_logits", got.attn_logits, [B, H, None, Dv], FLOATS, "a floating")
-        _expect(name, "attn_lse", got.attn_lse, [B, H, got.attn_logits.shape[2]], FLOATS, "a floating")
+        expect(name, "attn_logits", got.attn_logits, [R, H, None, Dv], FLOATS, "a floating")
+        expect(name, "attn_lse", got.attn_lse, [R, H, got.attn_logits.shape[2]], FLOATS, "a floating")
     splits = got.num_kv_splits
     if splits is not None:
-        _expect(name, "num_kv_splits", splits, [B], INTS, "an int32 / int64")
+        expect(name, "num_kv_splits", splits, [B], INTS, "an int32 / int64")
     elif spec.arithmetic.split_schedule != "none":
         splits = inputs.num_kv_splits
     cpu = lambda t: None if t is None else t.detach().cpu()  # noqa: E731
@@ -193,4 +221,4 @@ def outputs_of(got: Any, inputs: KernelInputs, spec: KernelSpec, name: str) -> B
     )  # fmt: skip
 
 
-__all__ = ["GUIDE", "PluginBackend", "check_signature", "inputs_for", "outputs_of"]
+__all__ = ["GUIDE", "PluginBackend", "check_signature", "expect", "inputs_for", "outputs_of", "said"]

@@ -9,7 +9,7 @@ import platform
 
 import torch
 
-from refmla.backends import ALL_NAMES, get_backend, plugin_defaults
+from refmla.backends import ALL_NAMES, get_backend, is_sparse_kernel, plugin_defaults
 from refmla.backends.named import entry_point_of
 from refmla.backends.engines import KERNELS, package_versions
 from refmla.cli.common import EXIT_OK, print_json
@@ -42,7 +42,8 @@ def doctor(args) -> int:
     for name in plugin_defaults():  # the installed packages' kernels (entry points of refmla.backends)
         ok, why = get_backend(name).availability()
         dist, value = entry_point_of(name)
-        rows.append({"backend": name, "usable": ok, "detail": why, "engine": dist, "kernel": value, "kind": "dense",
+        kind = "sparse_decode" if is_sparse_kernel(name) else "dense"  # a sparse top-k kernel (layout sparse_topk)
+        rows.append({"backend": name, "usable": ok, "detail": why, "engine": dist, "kernel": value, "kind": kind,
                      "entry_point": True})  # fmt: skip
     for name in SPARSE_KERNELS:  # the sparse decode kernels (DeepSeek V3.2 / V4 captures)
         ok, why = sparse_availability(name)

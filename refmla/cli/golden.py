@@ -5,14 +5,17 @@ decode goldens under DIR/sparse/ (refmla.golden.sparse), the context-parallel on
 `refmla golden check DIR|FILE... [--backend NAME]... [--json]`: every golden file (a folder's
 manifest, its indexer/ and dcp/ cases, or the files and DCP case folders named) against each backend
 (default: the golden backends and the installed packages' kernels; ``--backend module:function``
-names a kernel outside refmla); an indexer golden (DIR/indexer/, refmla.golden.indexer) against the
+names a kernel outside refmla; a sparse top-k kernel, layout ``sparse_topk``, is checked on a
+folder's sparse/ goldens); an indexer golden (DIR/indexer/, refmla.golden.indexer) against the
 indexer backends; exit 0 all pass, 1 one fails or errs."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
-from refmla.backends import plugin_defaults
+from refmla.backends import is_sparse_kernel, plugin_defaults
+from refmla.golden import sparse as sparse_golden
 from refmla.backends.named import Choices
 from refmla.cli.common import EXIT_DIVERGED, EXIT_OK, UsageError, is_dir, output_path, print_json
 from refmla.golden import (CHECK_BACKENDS, GoldenResult, backend_applies, check, check_isolated, load_manifest,
@@ -60,8 +63,8 @@ def golden_generate(args) -> int:
 
 
 def golden_files(paths) -> list[Path]:
-    """Each folder's golden files in its manifest's order, then its DCP case folders; each file and
-    DCP case folder as given."""
+    """Each folder's golden files in its manifest's order, then its indexer/ goldens and its DCP case
+    folders; each file and DCP case folder as given. The sparse goldens are :func:`sparse_files`'."""
     files: list[Path] = []
     for p in paths:
         if is_dir(p):
@@ -70,10 +73,16 @@ def golden_files(paths) -> list[Path]:
                 continue
             steps = dcp.case_folders(p)
             try:
-                files += [] if steps and dcp.load_manifest(p).get("format") == dcp.DCP_FORMAT else \
-                    [Path(p) / c["file"] for c in load_manifest(p)["cases"]]  # fmt: skip
+                fmt = load_manifest(p).get("format")
+                if fmt == sparse_golden.SPARSE_FORMAT or (steps and fmt == dcp.DCP_FORMAT):
+                    pass  # a sparse/ folder (sparse_files) or a dcp/ one (its steps, below)
+                else:
+                    files += [Path(p) / c["file"] for c in load_manifest(p)["cases"]]
             except (FileNotFoundError, ValueError, KeyError, AttributeError) as e:
                 raise UsageError(f"{p}: not a golden folder ({e})") from None
+            idx = Path(p) / "indexer"
+            if (idx / indexer_golden.MANIFEST).is_file():
+                files += [idx / c["file"] for c in indexer_golden.load_manifest(idx)["cases"]]
             files += steps
         elif Path(p).is_file():
             try:
@@ -99,6 +108,31 @@ def check_one(path: Path, backend: str) -> GoldenResult:
     return check_isolated(path, backend) if isolate else check(path, backend)
 
 
+def sparse_files(paths) -> list[tuple[Path, str]]:
+    """(file, why) of the sparse goldens (refmla.golden.sparse) of each folder given: its sparse/, or
+    the folder itself when it is one; a sparse golden file given by name."""
+    found = []
+    for p in paths:
+        if not is_dir(p):
+            if Path(p).is_file() and file_mode(Path(p)) == "sparse":
+                found.append((Path(p), ""))
+            continue
+        for folder in (Path(p), Path(p) / "sparse"):
+            m = folder / sparse_golden.MANIFEST
+            if m.is_file() and sparse_golden.load_manifest(folder).get("format") == sparse_golden.SPARSE_FORMAT:
+                found += [(folder / c["file"], c.get("why", "")) for c in sparse_golden.load_manifest(folder)["cases"]]
+    return found
+
+
+def check_sparse(path: Path, backend: str, why: str) -> GoldenResult:
+    """A sparse kernel (refmla's, or a sparse top-k kernel outside refmla) on one sparse golden, as a
+    GoldenResult."""
+    t0 = time.perf_counter()
+    r = sparse_golden.check(path, backend)
+    entry = r.entry or BackendEntry({"FAIL": "fail"}.get(r.status, r.status), reason=r.reason or None)
+    return GoldenResult(path.stem, backend, entry, why, f"refmla replay {path} --backend {backend}", time.perf_counter() - t0)
+
+
 def golden_check(args) -> int:
     backends = list(dict.fromkeys(args.backend or [*CHECK_BACKENDS, *plugin_defaults()]))
     results = []
@@ -107,6 +141,8 @@ def golden_check(args) -> int:
             results += [dcp.check(path, b) for b in backends if dcp.applies(b)]
             continue
         mode = file_mode(path) or "decode"
+        if mode == "sparse":  # a sparse golden named alone: sparse_files (below)
+            continue
         if mode == "indexer":  # the indexer backends (and reference) asked for, or all of them
             asked = [b for b in backends if b in indexer_golden.CHECK_BACKENDS] if args.backend else None
             results += [check_one(path, b) for b in (asked if asked is not None else indexer_golden.CHECK_BACKENDS)]
@@ -114,6 +150,11 @@ def golden_check(args) -> int:
         for b in backends:
             if backend_applies(b, mode) and b not in indexer_golden.KERNELS:
                 results.append(check_one(path, b))
+    mine = [b for b in backends if is_sparse_kernel(b)]  # sparse top-k kernels outside refmla
+    sparse = mine + ([b for b in backends if b in sparse_golden.CHECK_BACKENDS] if args.backend
+                     else list(sparse_golden.CHECK_BACKENDS))  # fmt: skip
+    for path, why in sparse_files(args.paths) if sparse else ():
+        results += [check_sparse(path, b, why) for b in sparse]
     if args.json:
         print_json([r.to_json() for r in results])
     else:

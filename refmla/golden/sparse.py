@@ -1,7 +1,9 @@
 """The sparse golden cases (``golden/sparse/``): DeepSeek-V4-Flash (C4, C128) and V3.2 DSA sparse
 decode calls with their fp64 reference stored (``golden_out`` / ``golden_lse``), and the check the
 kernel-regression suite runs on each (``tests/kernel_regression/test_sparse_golden.py``): the
-reference reproduces the stored one to one fp32 ulp; a kernel stays within k x the control's error.
+reference reproduces the stored one to one fp32 ulp; a kernel stays within k x the control's error
+(a sparse top-k kernel outside refmla, refmla.kernel layout ``sparse_topk``, through the one
+replay's path: refmla.pipeline.run_backend with refmla.kinds.SparseKind, against the stored reference).
 The same bytes on every run and every x86 machine (seeded synth, sorted header): the fp64 reference
 is stored rounded to fp32 (``golden_out`` / ``golden_lse`` keep their fp64 dtype), because an fp64
 reduction's last ulp differs between CPUs (BLAS kernels sum in different orders, ~1e-16) while its
@@ -14,13 +16,17 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from refmla.atomic import make_dir
 from refmla.compare import Tolerance
 from refmla.golden.build import write_with_manifests
+from refmla.kinds import SparseKind
+from refmla.options import ReplayOptions
+from refmla.pipeline import run_backend
+from refmla.results import BackendEntry
 from refmla.sparse.backends import BACKENDS, Unavailable, declared_arithmetic
 from refmla.sparse.faults import planted_output
 from refmla.sparse.format import SparseCapture, parse_sparse_meta
@@ -47,6 +53,7 @@ CASES: dict[str, tuple[str, dict, str]] = {
 class SparseGoldenResult:
     status: str  # "pass" | "FAIL" | "skipped"
     reason: str = ""
+    entry: Optional[BackendEntry] = None  # the replay's entry (a kernel outside refmla)
 
     @property
     def passed(self) -> bool:
@@ -97,6 +104,10 @@ def check(path: Any, backend: str, tol: Tolerance = Tolerance()) -> SparseGolden
         same_lse = torch.allclose(ref.lse, stored.lse, rtol=float(torch.finfo(torch.float32).eps), atol=0.0)
         return SparseGoldenResult("pass" if off == 0 and same_lse else "FAIL",
                                   "" if off == 0 and same_lse else f"{off} elements off the stored reference by > 1 fp32 ulp")  # fmt: skip
+    if backend not in BACKENDS:  # a sparse top-k kernel outside refmla: the one replay's path
+        e = kernel_entry(cap, stored, backend, tol)
+        status = {"pass": "pass", "skipped": "skipped"}.get(e.status, "FAIL")
+        return SparseGoldenResult(status, "" if status == "pass" else (e.reason or e.status), e)
     try:
         got = BACKENDS[backend](cap)
     except Unavailable as e:
@@ -110,4 +121,12 @@ def check(path: Any, backend: str, tol: Tolerance = Tolerance()) -> SparseGolden
     return SparseGoldenResult("FAIL", "; ".join(c.reasons + ([lse.reason] if lse and lse.reason else [])))
 
 
-__all__ = ["CASES", "CHECK_BACKENDS", "SparseGoldenResult", "check", "generate", "load_manifest"]
+def kernel_entry(cap: SparseCapture, stored: SparseOutput, backend: str, tol: Tolerance) -> BackendEntry:
+    """replay's entry for a sparse kernel outside refmla, judged against the golden's stored reference
+    (its control, localization and explanation as replay computes them)."""
+    kind = SparseKind(cap, ReplayOptions(backends=[backend], tol=tol))
+    kind.ref = stored
+    return run_backend(backend, kind)
+
+
+__all__ = ["CASES", "CHECK_BACKENDS", "SparseGoldenResult", "check", "generate", "kernel_entry", "load_manifest"]

@@ -97,7 +97,7 @@ def backend_names(opts: ReplayOptions, mode: str = "verify", engine: tuple = ())
     verify-only per-query decode paths only for a verify capture) plus ``engine``: the producing
     engine's own kernel (:func:`engine_default`)."""
     default = [n for n in NAMES[2:] if mode == "verify" or n not in VERIFY_ONLY] + list(engine)
-    default += list(plugin_defaults())  # the installed packages' kernels (entry points)
+    default += list(plugin_defaults(sparse=False))  # the installed packages' kernels (entry points; sparse ones: SparseKind's)
     chosen = default if opts.backends is None else [n for n in opts.backends if n not in NAMES[:2] and n not in SPARSE_ONLY]
     for n in chosen:
         if n not in MERGE_BACKENDS and n not in INDEXER_BACKENDS and not is_backend(n):  # merge / indexer captures' own

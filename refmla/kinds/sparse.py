@@ -19,7 +19,9 @@ from refmla.options import ReplayOptions
 from refmla.results import BackendEntry, MetadataReport, NoiseFloor, ReplayReport, Shape
 from refmla.sparse.arithmetic import SGLANG_TRITON_SPARSE, SparseArithmetic
 from refmla.sparse.backends import KERNELS, SparseBackend, declared_arithmetic
+from refmla.backends import is_sparse_kernel, plugin_defaults
 from refmla.sparse.format import SPARSE_MODE, SparseCapture
+from refmla.sparse.kernel import SparsePluginBackend
 from refmla.sparse.reference import SparseOutput, judge_lse, judge_out, rows_of, sparse_control, sparse_reference
 from refmla.sparse.validation import nonfinite_inputs
 from refmla.util import dtype_name, error_text
@@ -61,12 +63,16 @@ class SparseKind(Kind):
 
     def backend_names(self) -> list[str]:
         """reference and observed always (observed is judged whatever the filter); then the sparse
-        kernels named (a dense-only name is for the dense captures), or all of them."""
-        chosen = KERNELS if self.opts.backends is None else [n for n in self.opts.backends if n in KERNELS]
+        kernels named (a dense-only name is for the dense captures), or all of them and the installed
+        packages' sparse top-k kernels (refmla.kernel layout sparse_topk)."""
+        if self.opts.backends is None:
+            chosen = [*KERNELS, *plugin_defaults(sparse=True)]
+        else:
+            chosen = [n for n in self.opts.backends if n in KERNELS or is_sparse_kernel(n)]
         return ["reference", "observed", *dict.fromkeys(chosen)]
 
     def backend(self, name: str) -> Backend:
-        return SparseBackend(name)
+        return SparseBackend(name) if name in KERNELS or name == "observed" else SparsePluginBackend(name)
 
     def judge(self, name: str, res: BackendResult) -> Judged:
         arith = res.arithmetic or declared_arithmetic(name, self.cap)  # each path at its own declaration

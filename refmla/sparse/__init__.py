@@ -22,6 +22,8 @@ Modules, imports going down this list:
                    observed), each with the arithmetic it is judged at, each a Backend (SparseBackend)
     readings.py    a cache's bytes read another way: fp8 encoding, V3.2's fp32 tile scales as bf16 / UE8M0,
                    page stride (the kv_bytes candidates)
+    kernel.py      a sparse top-k kernel outside refmla (refmla.kernel, layout sparse_topk) as a path: its
+                   inputs (the caches as stored and decoded, the top-k indices), its outputs checked
     misplaced.py   rows written to another request's row, one entry read at the neighbouring slot
     hypotheses.py  the sparse-only mistakes (sink, topk_length, -1 as slot 0, the compressed cache,
                    window edges, per-tile UE8M0 scales on either cache, rope bytes) and the shared ones

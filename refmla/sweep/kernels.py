@@ -15,15 +15,17 @@ on the dense layouts and its DeepSeek-V4 Triton sparse kernel on ``sparse``; ``r
 the fp64 truth of either. ``aiter_sparse``, ``tilelang`` and ``flashmla_sparse`` read sparse
 captures only; every other name reads dense ones only. Named with ``--backend``, a backend
 sweeps every walked layout it reads. An installed package's kernels (entry points of
-``refmla.backends``) join every dense layout's defaults (:func:`layout_backends`); a function
-put in refmla.sparse.backends.BACKENDS under a name of its own sweeps the sparse layout by that name.
+``refmla.backends``) join the defaults of the layouts they declare (:func:`layout_backends`): a
+sparse top-k kernel (refmla.kernel layout ``sparse_topk``) the sparse layout, the others every
+dense one; a function put in refmla.sparse.backends.BACKENDS under a name of its own sweeps the
+sparse layout by that name.
 """
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from refmla.backends import ALL_NAMES, PAGED, get_backend, plugin_defaults
+from refmla.backends import ALL_NAMES, PAGED, get_backend, is_sparse_kernel, plugin_defaults
 from refmla.sparse.backends import BACKENDS as SPARSE_BACKENDS
 from refmla.indexer.backends import BACKENDS as INDEXER_BACKENDS
 from refmla.indexer.backends import availability as indexer_availability
@@ -46,9 +48,11 @@ LAYOUT_BACKENDS: dict[str, tuple[str, ...]] = {
 
 def layout_backends() -> dict[str, tuple[str, ...]]:
     """LAYOUT_BACKENDS with the installed packages' kernels (entry points of ``refmla.backends``,
-    refmla.backends.plugin_defaults) added to every dense layout."""
-    mine = plugin_defaults()
-    return {la: names + (mine if la not in ("sparse", "indexer") else ()) for la, names in LAYOUT_BACKENDS.items()}
+    refmla.backends.plugin_defaults) added: the sparse top-k ones to ``sparse``, the others to every
+    dense layout."""
+    dense, sparse = plugin_defaults(sparse=False), plugin_defaults(sparse=True)
+    return {la: names + (sparse if la == "sparse" else () if la == "indexer" else dense)
+            for la, names in LAYOUT_BACKENDS.items()}  # fmt: skip
 
 
 def default_backends(layouts: Sequence[str]) -> list[str]:
@@ -75,11 +79,12 @@ def not_read(name: str, layout: str) -> Optional[str]:
         return None
     if name in INDEXER_BACKENDS:
         return "an indexer backend (DeepSeek's lightning indexer): it reads the indexer layout only"
+    mine = is_sparse_kernel(name)  # a sparse top-k kernel outside refmla
     if layout == "sparse":
-        if name not in SPARSE_NAMES and not sparse_only(name):
+        if name not in SPARSE_NAMES and not sparse_only(name) and not mine:
             return f"a dense kernel: it reads no sparse capture (sparse kernels: {', '.join(SPARSE_NAMES[1:])})"
         return None
-    if sparse_only(name):
+    if sparse_only(name) or mine:
         return "a sparse decode kernel (DeepSeek V3.2 / V4): it reads the sparse layout only"
     modes = getattr(get_backend(name), "modes", ())
     if modes and MODE[layout] not in modes:
@@ -95,6 +100,8 @@ def availability(name: str, layout: str) -> tuple[bool, str]:
     if layout == "sparse":
         if name == "reference":
             return True, "fp64 sparse reference"
+        if is_sparse_kernel(name):
+            return get_backend(name).availability()
         return sparse_availability(name) if name in SPARSE_KERNELS else SparseBackend(name).availability()
     if layout == "indexer":
         return (True, "fp64 indexer reference") if name == "reference" else indexer_availability(name)

@@ -22,6 +22,7 @@ Also the dispatch every later module uses: :func:`any_case` / :func:`any_checks`
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
@@ -34,6 +35,7 @@ from refmla.options import ReplayOptions
 from refmla.sparse.arithmetic import SGLANG_TRITON_SPARSE
 from refmla.sparse.backends import BACKENDS, KERNELS, PathOutput, declared_arithmetic
 from refmla.sparse.format import KERNEL_BACKENDS, SparseCapture, parse_sparse_meta
+from refmla.sparse.kernel import arithmetic_of, sparse_path
 from refmla.sparse.presets import PRESETS, SparsePreset
 from refmla.sparse.reference import judge_lse, judge_out, rows_of, sparse_control, sparse_reference
 from refmla.sparse.synth import build_case
@@ -143,10 +145,11 @@ class SparseChecks:
         return self._truth
 
     def kernel(self, backend: str) -> PathOutput:
-        run = BACKENDS[backend]
+        mine = backend not in BACKENDS  # a sparse top-k kernel outside refmla (refmla.sparse.kernel)
+        run = functools.partial(sparse_path, backend) if mine else BACKENDS[backend]
         t0 = budget.now()
         try:
-            isolated = backend in KERNELS and enabled(self.opts.isolate)
+            isolated = (mine or backend in KERNELS) and enabled(self.opts.isolate)
             return budget.call(run, (self.cap,), self.opts.kernel_seconds, self.deadline, isolated)
         finally:
             self.timing.kernel += budget.now() - t0
@@ -156,7 +159,7 @@ class SparseChecks:
         path's own declared arithmetic (refmla.sparse.arithmetic)."""
         ref, ctrl = self.truth
         t0 = budget.now()
-        arith = declared_arithmetic(name, self.cap)
+        arith = arithmetic_of(name) if name not in BACKENDS else declared_arithmetic(name, self.cap)
         if arith != SGLANG_TRITON_SPARSE:  # the truth's control is that one's
             if arith not in self._controls:
                 self._controls[arith] = sparse_control(self.cap, rows_of(self.cap), arith=arith)

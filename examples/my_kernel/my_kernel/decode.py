@@ -1,11 +1,14 @@
 """A split-KV MLA decode in Triton over a vLLM-style block table, as one starts a new kernel.
 
-    stage 1  grid (B, head blocks, S): split s of request b attends positions
-             [s * per, min((s + 1) * per, L_b)), per = ceil(ceil(L_b / n_b) / 32) * 32 (SGLang's
-             schedule); position j is pool row block_table[b, j // P] * P + j % P; the split's
-             normalized partial -> attn_logits [B, H, S, Dv] and its lse (ln) -> attn_lse [B, H, S]
-    stage 2  grid (B, head blocks): the non-empty splits merged -> out [B, H, Dv] (times v_scale)
-             and lse [B, H] (ln)
+    rows     query row r belongs to request b = row_req[r] and sees its first L = row_len[r]
+             positions: decode, one row a request, L = seq_lens[b]; verify (qlen > 1, causal),
+             query i of request b's n sees L = seq_lens[b] - n + i + 1
+    stage 1  grid (R, head blocks, S): split s of row r attends positions
+             [s * per, min((s + 1) * per, L)), per = ceil(ceil(L / n_b) / 32) * 32 (SGLang's
+             schedule, n_b = num_kv_splits[b]); position j is pool row block_table[b, j // P] * P + j % P;
+             the split's normalized partial -> attn_logits [R, H, S, Dv] and its lse (ln) -> attn_lse [R, H, S]
+    stage 2  grid (R, head blocks): the non-empty splits merged -> out [R, H, Dv] (times v_scale)
+             and lse [R, H] (ln)
 
 Everything is computed in fp32 (q . k and p . v with IEEE fp32 dots, the softmax in base 2);
 an fp8 pool is upcast, k_scale applied to the logits and v_scale to the output.
@@ -33,12 +36,12 @@ def _split_len(L, n):
 
 
 @triton.jit
-def _stage1(Q, KV, BT, SEQ, SPLITS, PART, PLSE, stride_qb, stride_qh, stride_kv, stride_bt, stride_pb, stride_ph,
+def _stage1(Q, KV, BT, ROW_REQ, ROW_LEN, SPLITS, PART, PLSE, stride_qb, stride_qh, stride_kv, stride_bt, stride_pb, stride_ph,
             stride_ps, stride_lb, stride_lh, sm_scale, k_scale, logit_cap, H, M, P: tl.constexpr,
             DV: tl.constexpr, DR: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
             BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CAP: tl.constexpr):  # fmt: skip
-    b, hb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    L = tl.load(SEQ + b)
+    r, hb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, L = tl.load(ROW_REQ + r), tl.load(ROW_LEN + r)  # its request, the positions it sees
     per = _split_len(L, tl.load(SPLITS + b))
     start = s * per
     end = tl.minimum(start + per, L)
@@ -46,7 +49,7 @@ def _stage1(Q, KV, BT, SEQ, SPLITS, PART, PLSE, stride_qb, stride_qh, stride_kv,
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < H
         dv, dr = tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_DR)
-        q_row = Q + b * stride_qb + heads[:, None] * stride_qh
+        q_row = Q + r * stride_qb + heads[:, None] * stride_qh
         q_lat = tl.load(q_row + dv[None, :], mask=hmask[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
         q_pe = tl.load(q_row + DV + dr[None, :], mask=hmask[:, None] & (dr[None, :] < DR), other=0.0).to(tl.float32)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -73,17 +76,17 @@ def _stage1(Q, KV, BT, SEQ, SPLITS, PART, PLSE, stride_qb, stride_qh, stride_kv,
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p, k_lat, input_precision="ieee")  # V = the latent part
             m = m_new
-        part = PART + b * stride_pb + heads[:, None] * stride_ph + s * stride_ps + dv[None, :]
+        part = PART + r * stride_pb + heads[:, None] * stride_ph + s * stride_ps + dv[None, :]
         tl.store(part, acc / l[:, None], mask=hmask[:, None] & (dv[None, :] < DV))
-        tl.store(PLSE + b * stride_lb + heads * stride_lh + s, (m + tl.log2(l)) * LN2, mask=hmask)
+        tl.store(PLSE + r * stride_lb + heads * stride_lh + s, (m + tl.log2(l)) * LN2, mask=hmask)
 
 
 @triton.jit
-def _stage2(PART, PLSE, SEQ, SPLITS, OUT, LSE, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob,
+def _stage2(PART, PLSE, ROW_REQ, ROW_LEN, SPLITS, OUT, LSE, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob,
             stride_oh, stride_eb, v_scale, H, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
             BLOCK_H: tl.constexpr):  # fmt: skip
-    b, hb = tl.program_id(0), tl.program_id(1)
-    L = tl.load(SEQ + b)
+    r, hb = tl.program_id(0), tl.program_id(1)
+    b, L = tl.load(ROW_REQ + r), tl.load(ROW_LEN + r)
     n = tl.load(SPLITS + b)
     per = _split_len(L, n)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -95,8 +98,8 @@ def _stage2(PART, PLSE, SEQ, SPLITS, OUT, LSE, stride_pb, stride_ph, stride_ps, 
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     for s in range(0, n):
         if s * per < L:  # the split holds positions
-            lse = tl.load(PLSE + b * stride_lb + heads * stride_lh + s, mask=hmask, other=0.0) * LOG2E
-            part = tl.load(PART + b * stride_pb + heads[:, None] * stride_ph + s * stride_ps + dv[None, :],
+            lse = tl.load(PLSE + r * stride_lb + heads * stride_lh + s, mask=hmask, other=0.0) * LOG2E
+            part = tl.load(PART + r * stride_pb + heads[:, None] * stride_ph + s * stride_ps + dv[None, :],
                            mask=dmask, other=0.0)  # fmt: skip
             m_new = tl.maximum(m, lse)
             alpha = tl.exp2(m - m_new)
@@ -105,31 +108,46 @@ def _stage2(PART, PLSE, SEQ, SPLITS, OUT, LSE, stride_pb, stride_ph, stride_ps, 
             l = l * alpha + w
             m = m_new
     out = acc / l[:, None] * v_scale
-    tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + dv[None, :], out.to(OUT.dtype.element_ty), mask=dmask)
-    tl.store(LSE + b * stride_eb + heads, (m + tl.log2(l)) * LN2, mask=hmask)
+    tl.store(OUT + r * stride_ob + heads[:, None] * stride_oh + dv[None, :], out.to(OUT.dtype.element_ty), mask=dmask)
+    tl.store(LSE + r * stride_eb + heads, (m + tl.log2(l)) * LN2, mask=hmask)
 
 
-@declare(layout="block_table", arithmetic=Arithmetic(split_schedule="sglang", q_round="keep", dequant="upcast"))
+def rows_of(inp: KernelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row_req [R], row_len [R]) int32: each query row's request and the positions it sees."""
+    B = inp.seq_lens.shape[0]
+    if inp.mode == "decode":
+        return torch.arange(B, dtype=torch.int32, device=inp.device), inp.seq_lens
+    qo = inp.qo_indptr.long()
+    n = qo[1:] - qo[:-1]  # [B] query tokens per request
+    req = torch.repeat_interleave(torch.arange(B, device=inp.device), n)  # [R]
+    i = torch.arange(req.shape[0], device=inp.device) - qo[req]  # the row's place among its request's queries
+    return req.to(torch.int32), (inp.seq_lens.long()[req] - n[req] + i + 1).to(torch.int32)  # causal
+
+
+# decode and a causal verify (qlen > 1); a tree verify (custom_mask) is not implemented: refmla skips it
+@declare(layout="block_table", arithmetic=Arithmetic(split_schedule="sglang", q_round="keep", dequant="upcast"),
+         modes=("decode", "verify"))  # fmt: skip
 def decode(inp: KernelInputs) -> KernelOutputs:
     """refmla.kernel's interface: the decode of ``inp`` into its buffers (out, lse, split partials)."""
-    B, H, D = inp.q.shape
+    R, H, D = inp.q.shape
     Dv, P = inp.kv_lora_rank, inp.page_size
-    if B == 0:
+    if R == 0:
         return KernelOutputs(inp.out, inp.lse, inp.attn_logits, inp.attn_lse)
     kv = inp.kv_buffer.reshape(inp.kv_buffer.shape[0], D)  # [N, D]
     table = inp.block_table  # [B, M]
     part, plse = inp.attn_logits, inp.attn_lse  # [B, H, S, Dv], [B, H, S]
     S = int(inp.num_kv_splits.max())
+    row_req, row_len = rows_of(inp)
     BLOCK_DV, BLOCK_DR = triton.next_power_of_2(Dv), max(16, triton.next_power_of_2(max(D - Dv, 1)))
     heads = triton.cdiv(H, BLOCK_H)
-    _stage1[(B, heads, S)](
-        inp.q, kv, table, inp.seq_lens, inp.num_kv_splits, part, plse, inp.q.stride(0), inp.q.stride(1), kv.stride(0),
+    _stage1[(R, heads, S)](
+        inp.q, kv, table, row_req, row_len, inp.num_kv_splits, part, plse, inp.q.stride(0), inp.q.stride(1), kv.stride(0),
         table.stride(0), part.stride(0), part.stride(1), part.stride(2), plse.stride(0), plse.stride(1),
         inp.sm_scale, inp.k_scale, inp.logit_cap or 1.0, H, table.shape[1], P=P, DV=Dv, DR=D - Dv,
         BLOCK_DV=BLOCK_DV, BLOCK_DR=BLOCK_DR, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, CAP=inp.logit_cap > 0,
     )  # fmt: skip
-    _stage2[(B, heads)](
-        part, plse, inp.seq_lens, inp.num_kv_splits, inp.out, inp.lse, part.stride(0), part.stride(1),
+    _stage2[(R, heads)](
+        part, plse, row_req, row_len, inp.num_kv_splits, inp.out, inp.lse, part.stride(0), part.stride(1),
         part.stride(2), plse.stride(0), plse.stride(1), inp.out.stride(0), inp.out.stride(1), inp.lse.stride(0),
         inp.v_scale, H, DV=Dv, BLOCK_DV=BLOCK_DV, BLOCK_H=BLOCK_H,
     )  # fmt: skip
