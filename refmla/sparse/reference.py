@@ -286,14 +286,15 @@ def judge_out(name: str, cap: SparseCapture, out: torch.Tensor, ref: SparseOutpu
 
 
 def judge_lse(lse: torch.Tensor, ref: SparseOutput, ctrl: SparseOutput, tol: Tolerance) -> LseCheck:
-    """A path's lse [B, S, H] by the one lse rule (refmla.compare.judge_lse): within k times the
-    control's lse error plus 4 fp32 ulps, +inf only on the reference's lonely rows (the dense LseCheck)."""
+    """A path's lse [B, S, H] by the one lse rule (refmla.compare.judge_lse, docs/contract.md section
+    5): within k times the control's lse error plus 1e-5 * (1 + |lse|), as the dense lse is judged;
+    +inf only on the reference's lonely rows (the dense LseCheck). (A floor of 4 fp32 ulps failed a
+    correct fp32 kernel whose q . k summed in another order than the control's: 6.8e-7 off at |lse| ~ 1.)"""
     B, S, H = ref.lse.shape
     got, want, ctl = lse.double().reshape(B * S, H), ref.lse.reshape(B * S, H), ctrl.lse.reshape(B * S, H)
     if got.numel() == 0:
         return LseCheck("pass", compared_rows=0)
-    floor = 4 * torch.finfo(torch.float32).eps * want.abs().nan_to_num(0.0).clamp_min(1.0)
-    judged = lse_rule(got, want, ctl, tol.k, floor=floor)
+    judged = lse_rule(got, want, ctl, tol.k)
     bad = judged.bad
     r, h = judged.worst()
     req = torch.arange(B).repeat_interleave(S)
@@ -302,7 +303,7 @@ def judge_lse(lse: torch.Tensor, ref: SparseOutput, ctrl: SparseOutput, tol: Tol
                      worst=Worst.of(row=r, request=int(req[r]), head=h, actual=float(got[r, h]), expected=float(want[r, h])))  # fmt: skip
     if bool(bad.any()):
         check.failed_requests = sorted({int(req[i]) for i in torch.nonzero(bad.any(dim=1)).flatten()})
-        check.reason = f"lse: {int(bad.sum())} (row, head)s exceed k*control + 4 ulp (row {r} head {h}: {float(got[r, h]):.6g} vs {float(want[r, h]):.6g})"
+        check.reason = f"lse: {int(bad.sum())} (row, head)s exceed k*control + 1e-5 (1 + |lse|) (row {r} head {h}: {float(got[r, h]):.6g} vs {float(want[r, h]):.6g})"
     return check
 
 
