@@ -136,10 +136,10 @@ def attend_table(q: torch.Tensor, keys: Keys, rows: SparseRows, sink: Optional[t
     spans = Spans(keys.slot[rows.valid], torch.cumsum(lens, 0) - lens, lens)  # row r: its entries' table rows
     out, lse = attend_spans(q, table.to(torch.float64)[:, None], spans, Scales(d_v, scale))  # [R, H, Dv], [R, H]
     lonely = (lens == 0)[:, None]  # [R, 1]
-    if sink is not None:  # out * l / (l + exp(sink - m)) = out / (1 + exp(sink - lse))
+    if sink is not None:  # out * l / (l + exp(sink - m)) = out / (1 + exp(sink - lse)), in place
         w = 1.0 + torch.exp(sink.to(torch.float64)[None, :] - torch.where(lonely, 0.0, lse))  # [R, H]
-        out = out / w[..., None]
-    return out.masked_fill(lonely[..., None], 0.0), lse.masked_fill(lonely, float("inf"))
+        out.div_(w[..., None])
+    return out.masked_fill_(lonely[..., None], 0.0), lse.masked_fill_(lonely, float("inf"))
 
 
 def table_rows(rows: SparseRows, D: int) -> list[slice]:
