@@ -27,7 +27,8 @@ from refmla.util import dtype_name, error_text
 
 def noise(ctrl: torch.Tensor, ref: torch.Tensor, rows: int = 4096) -> float:
     """The control's largest distance from the reference (NaN read as 0), ``rows`` request rows at a time."""
-    c, r = ctrl.reshape(-1, *ctrl.shape[2:]), ref.reshape(-1, *ref.shape[2:])
+    n = ref.shape[0] * ref.shape[1]  # B * S query rows (0 heads: rows of nothing)
+    c, r = ctrl.reshape(n, *ctrl.shape[2:]), ref.reshape(n, *ref.shape[2:])
     return max([float((c[i : i + rows] - r[i : i + rows]).nan_to_num_().abs_().max()) for i in range(0, c.shape[0], rows)
                 if c[i : i + rows].numel()] or [0.0])  # fmt: skip
 
