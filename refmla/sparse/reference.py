@@ -10,9 +10,13 @@ rows, H heads, Kt = K + K2 entries of both caches, D head dim, Dv value width).
     lonely row (no valid entry): out = 0, lse = +inf   (FlashMLA's convention; SGLang's Triton kernel too)
     inv_rope (when captured): out[..., -d_rope:] rotated by conj(freqs_cis[position]), pairs interleaved
 
-Memory: the reference and the control work in blocks of query rows (:func:`row_blocks`): a block's
-gathered keys [rows, Kt, D] are at most ROW_BLOCK_BYTES in fp64 (one row at least), besides the
-outputs [R, H, Dv] and the row indices [R, Kt]; a row's result does not depend on its block.
+Work and memory: each attended (cache, token) is decoded once into one table of the call (at most
+TABLE_BYTES, else a table per block of rows, :func:`table_rows`), and the reference runs every row
+over its entries' table rows with the dense reference's blocked work (refmla.blocked.attend_spans:
+cache-sized blocks, short rows batched, a compiled loop on every thread), so its cost follows the
+attended entries x heads; the control works in blocks of query rows (:func:`row_blocks`, its fp32
+keys at most CONTROL_BLOCK_BYTES a block) on every thread. Besides the outputs [R, H, Dv] and the row
+indices [R, Kt]; a row's result does not depend on its block.
 """
 
 from __future__ import annotations
