@@ -134,6 +134,9 @@ def cos_diff(x: torch.Tensor, y: torch.Tensor, dim=None) -> torch.Tensor:
     return torch.where(den > 0, 1 - num / den.clamp(min=1e-300), torch.zeros_like(den))
 
 
+COMPARE_BLOCK = 1 << 21  # elements of [rows, H, Dv] judged at once (each fp64 copy 16 MiB): memory follows a block
+
+
 def compare(
     name: str,
     actual: torch.Tensor,
@@ -150,34 +153,31 @@ def compare(
     control: the low-precision control's output (same shape), or None (ulps term only).
     out_dtype: whose ulp to allow (default judged_dtype(actual.dtype)). row_mask [R]: rows to compare.
     request_of_row [R]: the request each row belongs to, for the report (default: the row).
+    Works in blocks of rows (COMPARE_BLOCK elements): a row's verdict is its own, the whole
+    output's cosine the sums of its blocks; what it holds besides the inputs is [R, H] per row.
     """
     out_dtype = out_dtype or judged_dtype(actual.dtype)
-    a = actual.detach().to("cpu", torch.float64)
-    e = expected.detach().to("cpu", torch.float64)
-    if a.shape != e.shape:
-        return _shape_failure(name, a, e)
-    R = a.shape[0]
+    if actual.shape != expected.shape:
+        return _shape_failure(name, actual, expected)
+    R = actual.shape[0]
     mask = torch.ones(R, dtype=torch.bool) if row_mask is None else row_mask.to("cpu", torch.bool)
     req = torch.arange(R) if request_of_row is None else request_of_row.to("cpu")
-
-    bad, nan_reason = _nan_inf_placement(a, e, mask, req)  # 1. NaN / Inf placement
-    rows = _row_errors(a, e, control, tol, out_dtype)  # 2. error per (row, head) vs its allowance
+    rows = _RowErrors.judged(actual, expected, control, tol, out_dtype, mask)  # 1. NaN / Inf, 2. error per (row, head)
+    nan_reason = _nan_inf_reason(rows, mask, req)
     over_rows, row_reason = _rows_over_allowance(rows, mask, req)
-    whole_cos, row_cos, cos_reasons, cos_failed = _cosine(a, e, rows, mask, req, tol, over_rows)  # 3. cosine
+    whole_cos, row_cos, cos_reasons, cos_failed = _cosine(rows, mask, req, tol, over_rows)  # 3. cosine
     reasons = [r for r in (nan_reason, row_reason) if r] + cos_reasons
-    nan_mismatch = int(bad.sum())
-    row_nonfinite = bad.any(-1)  # [R, H] a misplaced NaN / Inf: the row fails whatever its finite error
-    misplaced = (a[bad] - e[bad]).abs()  # NaN where either is NaN, Inf otherwise
-    worst = _worst_row(a, e, rows, mask, req, bad if nan_mismatch else None)  # 4. the worst row
+    nan_mismatch = rows.nan_mismatch
+    row_nonfinite = rows.bad_rows  # [R, H] a misplaced NaN / Inf: the row fails whatever its finite error
+    worst = _worst_row(actual, expected, rows, mask, req, nan_mismatch > 0)  # 4. the worst row
 
-    sel = mask[:, None].expand(R, a.shape[1])
-    ulp_err = torch.where(rows.finite, rows.err / ulp(out_dtype, e), torch.zeros_like(rows.err))
+    sel = mask[:, None].expand(R, rows.row_err.shape[1]) if rows.row_err.dim() == 2 else mask
     return Comparison(
         name=name,
         passed=not reasons,
         max_abs_err=float(rows.row_err[sel].max()) if sel.any() else 0.0,
         max_rel_err=float((rows.row_err / rows.row_mag.clamp(min=1e-300))[sel].max()) if sel.any() else 0.0,
-        max_ulp_err=float(ulp_err[mask].max()) if sel.any() else 0.0,
+        max_ulp_err=float(rows.row_ulp[mask].max()) if sel.any() else 0.0,
         cos_diff=whole_cos,
         worst_row_cos_diff=float(row_cos.max()) if row_cos.numel() else 0.0,
         worst=worst,
@@ -186,7 +186,7 @@ def compare(
         nan_mismatch=nan_mismatch,
         reasons=reasons,
         nonfinite_rows=int(row_nonfinite.sum()),
-        nonfinite_err=(math.nan if bool(misplaced.isnan().any()) else math.inf) if nan_mismatch else 0.0,
+        nonfinite_err=(math.nan if rows.misplaced_nan else math.inf) if nan_mismatch else 0.0,
         row_err=rows.row_err,
         row_tol=rows.row_tol,
         row_failed=((rows.row_err > rows.row_tol) | row_nonfinite | cos_failed) & mask[:, None],
@@ -196,14 +196,71 @@ def compare(
 
 @dataclass
 class _RowErrors:
-    """Errors of one output against the reference, per element and per (row, head)."""
+    """Errors of one output against the reference, per (row, head), and the sums the whole output's
+    verdicts need; built block of rows by block (:meth:`judged`)."""
 
-    finite: torch.Tensor  # [R, H, Dv] both actual and expected finite
-    err: torch.Tensor  # [R, H, Dv] abs error, 0 where not both finite
-    row_err: torch.Tensor  # [R, H] max abs error
+    row_err: torch.Tensor  # [R, H] max abs error (where both are finite)
     row_mag: torch.Tensor  # [R, H] the reference's largest finite magnitude
     row_tol: torch.Tensor  # [R, H] allowed: k * control's max abs error + ulps * ulp(row_mag)
     ctrl_cos: torch.Tensor  # [R, H] the control's own cosine difference
+    row_ulp: torch.Tensor  # [R, H] the largest error in ulps of the output dtype at each element's magnitude
+    row_dim: torch.Tensor  # [R, H] int64: the dim of the row's largest error
+    row_cos: torch.Tensor  # [R, H] cosine difference of the compared rows' finite elements
+    bad_rows: torch.Tensor  # [R, H] a NaN / signed Inf misplaced (compared rows only)
+    num: float = 0.0  # whole output: 2 * sum(x * y) over compared finite elements
+    den: float = 0.0  # sum(x * x + y * y)
+    nan_mismatch: int = 0  # elements whose NaN / Inf placement differs
+    first_bad: Optional[tuple] = None  # (row, head, dim, actual, expected) of the first such element
+    misplaced_nan: bool = False  # a NaN among them (else every one is an Inf against a number)
+
+    @classmethod
+    def judged(cls, actual, expected, control, tol: Tolerance, out_dtype: torch.dtype, mask: torch.Tensor) -> "_RowErrors":
+        R = actual.shape[0]
+        per_row = max(1, actual[:1].numel())
+        step = max(1, COMPARE_BLOCK // per_row)
+        parts = [cls._block(actual[i : i + step], expected[i : i + step],
+                            None if control is None else control[i : i + step], tol, out_dtype, mask[i : i + step], i)
+                 for i in range(0, R, step)] or [cls._block(actual, expected, control, tol, out_dtype, mask, 0)]  # fmt: skip
+        cat = lambda k: torch.cat([getattr(p, k) for p in parts])  # noqa: E731
+        firsts = [p.first_bad for p in parts if p.first_bad is not None]
+        return cls(row_err=cat("row_err"), row_mag=cat("row_mag"), row_tol=cat("row_tol"), ctrl_cos=cat("ctrl_cos"),
+                   row_ulp=cat("row_ulp"), row_dim=cat("row_dim"), row_cos=cat("row_cos"), bad_rows=cat("bad_rows"),
+                   num=sum(p.num for p in parts), den=sum(p.den for p in parts),
+                   nan_mismatch=sum(p.nan_mismatch for p in parts), first_bad=firsts[0] if firsts else None,
+                   misplaced_nan=any(p.misplaced_nan for p in parts))  # fmt: skip
+
+    @classmethod
+    def _block(cls, actual, expected, control, tol: Tolerance, out_dtype: torch.dtype, mask: torch.Tensor,
+               row0: int) -> "_RowErrors":  # fmt: skip
+        """One block of rows (``row0`` its first), in fp64."""
+        a = actual.detach().to("cpu", torch.float64)
+        e = expected.detach().to("cpu", torch.float64)
+        keep = mask.reshape(-1, *([1] * (a.dim() - 1)))  # [r, 1, 1]
+        bad = _misplaced(a, e) & keep  # [r, H, Dv]
+        finite = torch.isfinite(a) & torch.isfinite(e)
+        err = torch.where(finite, (a - e).abs(), torch.zeros_like(a))  # [r, H, Dv]
+        row_err, row_dim = err.max(dim=-1) if err.shape[-1] else (err.amax(dim=-1), err.sum(-1).long())  # [r, H]
+        row_mag = torch.where(finite, e.abs(), torch.zeros_like(e)).amax(dim=-1)  # [r, H]
+        if control is not None:
+            c = control.detach().to("cpu", torch.float64)
+            ctrl_err = torch.where(finite & torch.isfinite(c), (c - e).abs(), torch.zeros_like(c)).amax(-1)
+            ctrl_cos = cos_diff(torch.where(finite, c, 0), torch.where(finite, e, 0), dim=-1)  # [r, H]
+        else:
+            ctrl_err = torch.zeros_like(row_err)
+            ctrl_cos = torch.zeros_like(row_err)
+        row_tol = tol.k * ctrl_err + tol.ulps * ulp(out_dtype, row_mag)  # [r, H]
+        row_ulp = torch.where(finite, err / ulp(out_dtype, e), torch.zeros_like(err)).amax(-1)  # [r, H]
+        am, em = torch.where(finite & keep, a, 0), torch.where(finite & keep, e, 0)
+        row_cos = torch.where(mask.reshape(-1, *([1] * (row_err.dim() - 1))), cos_diff(am, em, dim=-1),
+                              torch.zeros_like(row_err))  # fmt: skip
+        n = int(bad.sum())
+        first = None
+        if n:
+            idx = tuple(int(i) for i in torch.nonzero(bad)[0])
+            first = (row0 + idx[0], *idx[1:], a[idx].item(), e[idx].item())
+        return cls(row_err=row_err, row_mag=row_mag, row_tol=row_tol, ctrl_cos=ctrl_cos, row_ulp=row_ulp, row_dim=row_dim,
+                   row_cos=row_cos, bad_rows=bad.any(-1), num=float(2 * (am * em).sum()), den=float((am * am + em * em).sum()),
+                   nan_mismatch=n, first_bad=first, misplaced_nan=bool((a[bad] - e[bad]).isnan().any()) if n else False)  # fmt: skip
 
 
 def same_nonfinite(a: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
@@ -212,42 +269,24 @@ def same_nonfinite(a: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     return (torch.isnan(a) & torch.isnan(e)) | (torch.isinf(a) & (a == e))
 
 
-def _nan_inf_placement(
-    a: torch.Tensor, e: torch.Tensor, mask: torch.Tensor, req: torch.Tensor
-) -> tuple[torch.Tensor, Optional[str]]:
-    """Elements of compared rows where NaN / signed Inf differ [R, H, Dv], and the reason, if any."""
+def _misplaced(a: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """Elements where NaN / signed Inf differ."""
     same_nan = torch.isnan(a) == torch.isnan(e)
     same_inf = torch.isinf(a) == torch.isinf(e)
     same_inf &= ~torch.isinf(a) | (torch.sign(a) == torch.sign(e))
-    bad = ~(same_nan & same_inf) & mask[:, None, None]
-    n = int(bad.sum())
+    return ~(same_nan & same_inf)
+
+
+def _nan_inf_reason(rows: _RowErrors, mask: torch.Tensor, req: torch.Tensor) -> Optional[str]:
+    """The reason naming the misplaced NaN / Inf, if any."""
+    n = rows.nan_mismatch
     if not n:
-        return bad, None
-    r, h, d = (int(i) for i in torch.nonzero(bad)[0])
-    rows = f"{int(bad.any(-1).sum())} of {int(mask.sum()) * a.shape[1]} (request, head) rows"
-    return bad, (
-        f"NaN/Inf placement differs at {n} elements ({rows}), first request {int(req[r])} "
-        f"head {h} dim {d}: {a[r, h, d].item():.6g} vs expected {e[r, h, d].item():.6g}"
-    )
-
-
-def _row_errors(
-    a: torch.Tensor, e: torch.Tensor, control: Optional[torch.Tensor], tol: Tolerance, out_dtype: torch.dtype
-) -> _RowErrors:
-    """Abs error per (row, head) and its allowance from the control's error on the same row."""
-    finite = torch.isfinite(a) & torch.isfinite(e)
-    err = torch.where(finite, (a - e).abs(), torch.zeros_like(a))  # [R, H, Dv]
-    row_err = err.amax(dim=-1)  # [R, H]
-    row_mag = torch.where(finite, e.abs(), torch.zeros_like(e)).amax(dim=-1)  # [R, H]
-    if control is not None:
-        c = control.detach().to("cpu", torch.float64)
-        ctrl_err = torch.where(finite & torch.isfinite(c), (c - e).abs(), torch.zeros_like(c)).amax(-1)
-        ctrl_cos = cos_diff(torch.where(finite, c, 0), torch.where(finite, e, 0), dim=-1)  # [R, H]
-    else:
-        ctrl_err = torch.zeros_like(row_err)
-        ctrl_cos = torch.zeros_like(row_err)
-    row_tol = tol.k * ctrl_err + tol.ulps * ulp(out_dtype, row_mag)  # [R, H]
-    return _RowErrors(finite=finite, err=err, row_err=row_err, row_mag=row_mag, row_tol=row_tol, ctrl_cos=ctrl_cos)
+        return None
+    r, h, d, a, e = rows.first_bad
+    H = rows.bad_rows.shape[1] if rows.bad_rows.dim() > 1 else 1
+    where = f"{int(rows.bad_rows.sum())} of {int(mask.sum()) * H} (request, head) rows"
+    return (f"NaN/Inf placement differs at {n} elements ({where}), first request {int(req[r])} "
+            f"head {h} dim {d}: {a:.6g} vs expected {e:.6g}")  # fmt: skip
 
 
 def _rows_over_allowance(rows: _RowErrors, mask: torch.Tensor, req: torch.Tensor) -> tuple[int, Optional[str]]:
@@ -265,16 +304,13 @@ def _rows_over_allowance(rows: _RowErrors, mask: torch.Tensor, req: torch.Tensor
 
 
 def _cosine(
-    a: torch.Tensor, e: torch.Tensor, rows: _RowErrors, mask: torch.Tensor, req: torch.Tensor, tol: Tolerance,
-    failed_rows: int,
+    rows: _RowErrors, mask: torch.Tensor, req: torch.Tensor, tol: Tolerance, failed_rows: int,
 ) -> tuple[float, torch.Tensor, list[str], torch.Tensor]:
     """(cosine difference of the whole output, per row [R, H], reasons, rows over their ceiling
     [R, H]). A row's cosine is reported only when no row already failed on its error."""
-    H = a.shape[1]
-    am = torch.where(rows.finite & mask[:, None, None], a, 0)
-    em = torch.where(rows.finite & mask[:, None, None], e, 0)
-    whole_cos = float(cos_diff(am, em))
-    row_cos = torch.where(mask[:, None], cos_diff(am, em, dim=-1), torch.zeros_like(rows.row_err))  # [R, H]
+    H = rows.row_err.shape[1]
+    whole_cos = 1 - rows.num / max(rows.den, 1e-300) if rows.den > 0 else 0.0
+    row_cos = rows.row_cos  # [R, H]
     # cosine difference grows with the square of the error: k times the control's error is k**2 its cos
     ctrl_cos = rows.ctrl_cos
     row_cos_tol = torch.clamp(tol.k**2 * ctrl_cos, min=tol.cos)
@@ -291,21 +327,20 @@ def _cosine(
 
 
 def _worst_row(
-    a: torch.Tensor, e: torch.Tensor, rows: _RowErrors, mask: torch.Tensor, req: torch.Tensor,
-    bad: Optional[torch.Tensor],
+    a: torch.Tensor, e: torch.Tensor, rows: _RowErrors, mask: torch.Tensor, req: torch.Tensor, misplaced: bool,
 ) -> Worst:
-    """The worst (row, head): the first misplaced NaN / Inf (``bad``), else the highest error
-    relative to its allowance; with its worst element."""
+    """The worst (row, head): the first misplaced NaN / Inf, else the highest error relative to its
+    allowance; with its worst element (read from ``a`` / ``e`` as given)."""
     R, H = a.shape[0], a.shape[1]
     ratio = torch.where(mask[:, None], rows.row_err / rows.row_tol, torch.full_like(rows.row_err, -1.0))
-    if bad is not None:
-        r, h = (int(i) for i in torch.nonzero(bad)[0][:2])
+    if misplaced:
+        r, h = rows.first_bad[:2]
     else:
         r, h = divmod(int(ratio.argmax()), H) if ratio.numel() else (0, 0)
     if not R or not H:  # no query row or no head: an empty output, nothing to point at
         return Worst.of(request=None, head=None if not H else h, row=r, dim=0)
-    d = int(rows.err[r, h].argmax()) if rows.err.numel() else 0
-    return Worst.of(request=int(req[r]), head=h, row=r, dim=d, actual=_num(a[r, h, d]), expected=_num(e[r, h, d]),
+    d = int(rows.row_dim[r, h]) if a.shape[-1] else 0
+    return Worst.of(request=int(req[r]), head=h, row=r, dim=d, actual=_num(a[r, h, d].double()), expected=_num(e[r, h, d].double()),
                     err=_num(rows.row_err[r, h]), allowed=_num(rows.row_tol[r, h]), ratio=_num(ratio[r, h]))  # fmt: skip
 
 

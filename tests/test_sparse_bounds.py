@@ -1,5 +1,6 @@
 """The sparse reference and its hypothesis search do work that follows the attended entries x heads:
-rows in blocks (one bmm pair a block, never a Python step per query token or per head), each
+every row over one table of the call's keys by the dense reference's blocked work (refmla.blocked:
+never a Python step per query token or per head; past the table's budget, blocks of rows), each
 attended token decoded once a call, and a search that computes a candidate on the failing rows
 before the whole call and stops at its budget with what it tried. No timings here: the work's
 structure is asserted (call counts, rows per call); tools/bench_sparse.py measures the seconds.
@@ -23,20 +24,20 @@ from refmla.sparse.validation import read_sparse
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Calls to the sparse attention (rows per call) and to the token decoder (tokens per call)."""
+    """Calls to the sparse attention over a key table (rows per call) and to the token decoder
+    (tokens per call)."""
     calls = {"attention": [], "decode": []}
-    real_attention, real_decode = sref.sparse_attention, sref.dequantize
+    real_attention, real_decode = sref.attend_table, sref.dequantize
 
-    def attention(q, keys, *a, **k):
+    def attention(q, *a, **k):
         calls["attention"].append(q.shape[0])
-        return real_attention(q, keys, *a, **k)
+        return real_attention(q, *a, **k)
 
     def decode(cache, layout, page, fp8="float8_e4m3fn", tokens=None):
         calls["decode"].append(None if tokens is None else len(tokens))
         return real_decode(cache, layout, page, fp8, tokens)
 
-    monkeypatch.setattr(sref, "sparse_attention", attention)
-    monkeypatch.setattr(shyp, "sparse_attention", attention)
+    monkeypatch.setattr(sref, "attend_table", attention)
     monkeypatch.setattr(sref, "dequantize", decode)
     return calls
 
@@ -52,12 +53,21 @@ def test_the_reference_batches_rows_and_decodes_each_token_once(tmp_path, counte
     cap = read_sparse(build(tmp_path, "c", requests, topk, heads))
     rows = sref.rows_of(cap)
     ref = sref.sparse_reference(cap, rows)
-    blocks = sref.row_blocks(rows, cap.q.shape[-1])
-    assert counted["attention"] == [b.stop - b.start for b in blocks]  # one call a block of rows, all heads at once
-    assert len(blocks) <= -(-requests * topk * 576 * 8 // sref.ROW_BLOCK_BYTES) + 1
+    assert counted["attention"] == [requests]  # one blocked attention of every row, all heads at once
     distinct = torch.unique(cap.indices[cap.indices >= 0]).numel()
     assert counted["decode"] == [distinct]  # each attended token decoded once for the whole call
     assert ref.out.shape == (requests, 1, heads, 512) and bool(torch.isfinite(ref.out).all())
+
+
+def test_the_reference_past_its_table_budget_works_in_row_blocks_with_the_same_result(tmp_path, counted, monkeypatch):
+    cap = read_sparse(build(tmp_path, "c", 40, 64, 16, (3, 1)))
+    whole = sref.sparse_reference(cap)
+    monkeypatch.setattr(sref, "TABLE_BYTES", 64 * 576 * 8 * 7)  # no table of the whole call: 7 rows a table
+    cap = read_sparse(cap.path)
+    counted["attention"].clear()
+    blocked = sref.sparse_reference(cap)
+    assert counted["attention"] == [7] * 5 + [5]
+    assert torch.equal(blocked.out, whole.out) and torch.equal(blocked.lse, whole.lse)  # a row's bits: its own
 
 
 def test_the_search_computes_each_candidate_on_the_failing_rows_first(tmp_path, counted):

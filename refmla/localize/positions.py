@@ -90,7 +90,7 @@ def locate(seg: Segment) -> Optional[Span]:
     base = seg.ratio()
     if base <= 1:
         return None
-    tried = {(blk, z): seg.ratio(blk, z) for blk in blocks(seg) for z in (False, True)}
+    tried = block_ratios(seg)
     (best, zero), r = min(tried.items(), key=lambda kv: kv[1])
     (a, e), r = _grow(seg, best, zero, r)
     how = "reading them as zeros restores the output" if zero else "their removal restores the output"
@@ -107,6 +107,31 @@ def locate(seg: Segment) -> Optional[Span]:
             return seg.span(x, y, "their removal restores the output (not the whole page's)")
     share = 1 - tried[(best, zero)] / base
     return seg.span(*best, "carries the error", share=share) if share > 0.05 else None
+
+
+def block_ratios(seg: Segment) -> dict[tuple[tuple[int, int], bool], float]:
+    """(block, zeroed) -> the row's ratio with that block removed (or read as zeros), every block's
+    from one pass over the segment (:func:`_screen`: per-block sums of exp(logit) and exp(logit) v,
+    merged, so that the whole costs about one attention, not two a block); the blocks that hold a
+    head's largest logit (where the merge of the rest may lose its digits) and the best
+    BISECT_CONFIRM recomputed whole (:meth:`Segment.ratio`). Every block whole past SCREEN_BUDGET."""
+    blks = blocks(seg)
+    if 2 * (len(blks) + 1) * seg.q.shape[0] * seg.sc.kv_lora_rank > SCREEN_BUDGET:
+        return {(b, z): seg.ratio(b, z) for b in blks for z in (False, True)}
+    starts, ends = torch.tensor([a for a, _ in blks]), torch.tensor([e for _, e in blks])
+    screened = torch.stack([_screen(seg, starts, ends, z) for z in (False, True)], 1)  # [nb, 2]
+    tried = {(b, z): float(screened[i, int(z)]) for i, b in enumerate(blks) for z in (False, True)}
+    top = seg.q @ seg.kv.T  # [H, L]: each head's largest logit (the scale and cap keep its place)
+    peaks = set(torch.bucketize(top.argmax(-1), ends, right=True).tolist())  # [H] -> blocks
+    order = torch.argsort(screened.flatten().nan_to_num(float("inf")))[:BISECT_CONFIRM].tolist()
+    exact = {(blks[i], bool(z)) for i, z in {(i, z) for i in peaks for z in (0, 1)} | {divmod(k, 2) for k in order}}
+    for key in exact:
+        tried[key] = seg.ratio(*key)
+    while True:  # the best is a whole recomputation, never a screened value
+        key = min(tried, key=tried.__getitem__)
+        if key in exact:
+            return tried
+        tried[key], _ = seg.ratio(*key), exact.add(key)
 
 
 def _bisect(seg: Segment) -> Optional[tuple[tuple[int, int], bool]]:

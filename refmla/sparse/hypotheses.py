@@ -39,7 +39,7 @@ from refmla.sparse.format import SparseCapture
 from refmla.sparse.layouts import dequantize
 from refmla.sparse.misplaced import neighbour_slot, rows_permuted
 from refmla.sparse.readings import as_fp8, scale_readings, scales_read_as, strided
-from refmla.sparse.reference import SparseOutput, call_keys, judge_out, row_blocks, rows_of, sparse_attention
+from refmla.sparse.reference import SparseOutput, attend_rows, call_table, judge_out, rows_of
 from refmla.sparse.rows import SparseRows, raw_rows, sparse_rows
 
 
@@ -85,7 +85,8 @@ def too_large_to_search(cap: SparseCapture, rows: SparseRows) -> Optional[str]:
 
 class Decoded:
     """Each cache decoded once for the whole search (small pools), else token by token; the rows
-    every candidate reads unless it says otherwise, and their keys (one table, refmla.sparse.reference.call_keys)."""
+    every candidate reads unless it says otherwise, and their keys (the call's one table,
+    refmla.sparse.reference.call_table: the reference's)."""
 
     def __init__(self, cap: SparseCapture):
         self.cap, self.full = cap, {}
@@ -94,7 +95,7 @@ class Decoded:
             if cache is not None and cache.shape[0] * page <= MAX_CACHED_TOKENS:
                 self.full[id(cache)] = dequantize(cache, layout, page, cap.meta.kv_fp8_dtype)
         self.base_rows = rows_of(cap)
-        self.base_keys = call_keys(cap, self.base_rows, decode=self)  # block -> [n, Kt, D]
+        self.base_keys = call_table(cap, self.base_rows)  # Keys of every row, or None (too large: by blocks)
 
     def __call__(self, cache, layout, page, fp8, tokens):
         full = self.full.get(id(cache))
@@ -102,8 +103,8 @@ class Decoded:
 
 
 def _attend(cap: SparseCapture, mk: Mistake, decoded: Decoded, only: Optional[torch.Tensor] = None) -> SparseOutput:
-    """The fp64 output with ``mk`` made, block of query rows by block (the reference's blocks): of
-    every row, or of the query rows ``only`` [n] (out [n, H, Dv], lse [n, H])."""
+    """The fp64 output with ``mk`` made (the reference's blocked work, refmla.sparse.reference.attend_rows):
+    of every row, or of the query rows ``only`` [n] (out [n, H, Dv], lse [n, H])."""
     base = decoded.base_rows
     rows = mk.rows(cap) if mk.rows else base
     main_decode = mk.decode or decoded
@@ -114,27 +115,30 @@ def _attend(cap: SparseCapture, mk: Mistake, decoded: Decoded, only: Optional[to
     same = (mk.decode is None and rows.token.shape == base.token.shape and torch.equal(rows.token, base.token)
             and torch.equal(rows.pool_id, base.pool_id) and not bool((rows.valid & ~base.valid).any()))  # fmt: skip
     B, S, H, D = cap.q.shape
-    Dv, q = cap.meta.head_dim_v, cap.q.reshape(B * S, H, D)
+    q = cap.q.reshape(B * S, H, D)
     pick = torch.arange(B * S) if only is None else only  # [n] query rows computed
     if only is not None:
         rows, q = rows.part(only), q[only]
-    keys = (lambda sl: decoded.base_keys(pick[sl])) if same else call_keys(cap, rows, decode=decode)
+    keys = None
+    if same and decoded.base_keys is not None:  # the reference's table (its zero row stands for what is not read)
+        keys = decoded.base_keys.rows(pick)
     sink = cap.attn_sink
     if sink is not None:
         sink = None if mk.sink_terms == 0 else sink.double() + math.log(mk.sink_terms)
-    n = len(pick)
-    out = torch.zeros(n, H, Dv, dtype=torch.float64)  # [n, H, Dv]
-    lse = torch.full((n, H), float("inf"), dtype=torch.float64)  # [n, H]
-    for sl in row_blocks(rows, D):
-        part, k = rows.part(sl), keys(sl)  # [m, W, D]
-        if mk.tile is not None:
-            tile, factor, pools = mk.tile
-            width = cap.meta.layout.tile
-            hit = torch.isin(part.pool_id, torch.tensor(pools, dtype=torch.int8))[..., None]  # [m, W, 1]
-            k = torch.where(hit & (torch.arange(k.shape[-1]) // width == tile), k * factor, k)  # [m, W, D]
-        out[sl], lse[sl] = sparse_attention(q[sl], k, part.valid, sink, cap.meta.softmax_scale * mk.scale, Dv)
+    edit = None
+    if mk.tile is not None:
+        tile, factor, pools = mk.tile
+        width = cap.meta.layout.tile
+
+        def edit(table, pool):  # that tile of those caches' keys times factor
+            hit = torch.isin(pool, torch.tensor(pools, dtype=torch.int8))[:, None]  # [n, 1]
+            return torch.where(hit & (torch.arange(table.shape[-1]) // width == tile), table * factor, table)
+
+    out, lse = attend_rows(cap, q, rows, sink, cap.meta.softmax_scale * mk.scale, keys,
+                           None if same else decode, edit)  # fmt: skip
     if only is not None:
         return SparseOutput(out, lse)
+    Dv = cap.meta.head_dim_v
     return SparseOutput(out.reshape(B, S, H, Dv), lse.reshape(B, S, H))
 
 

@@ -10,9 +10,13 @@ rows, H heads, Kt = K + K2 entries of both caches, D head dim, Dv value width).
     lonely row (no valid entry): out = 0, lse = +inf   (FlashMLA's convention; SGLang's Triton kernel too)
     inv_rope (when captured): out[..., -d_rope:] rotated by conj(freqs_cis[position]), pairs interleaved
 
-Memory: the reference and the control work in blocks of query rows (:func:`row_blocks`): a block's
-gathered keys [rows, Kt, D] are at most ROW_BLOCK_BYTES in fp64 (one row at least), besides the
-outputs [R, H, Dv] and the row indices [R, Kt]; a row's result does not depend on its block.
+Work and memory: each attended (cache, token) is decoded once into one table of the call (at most
+TABLE_BYTES, else a table per block of rows, :func:`table_rows`), and the reference runs every row
+over its entries' table rows with the dense reference's blocked work (refmla.blocked.attend_spans:
+cache-sized blocks, short rows batched, a compiled loop on every thread), so its cost follows the
+attended entries x heads; the control works in blocks of query rows (:func:`row_blocks`, its fp32
+keys at most CONTROL_BLOCK_BYTES a block) on every thread. Besides the outputs [R, H, Dv] and the row
+indices [R, Kt]; a row's result does not depend on its block.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ from typing import Optional
 
 import torch
 
+from refmla.blocked import Spans, attend_spans, run_units
 from refmla.compare import Comparison, Tolerance, Worst, compare
 from refmla.compare import judge_lse as lse_rule
 from refmla.control import PV_BLOCK, QK_CHUNK, STANDARD, Rounding, dot_in
 from refmla.results import LseCheck
+from refmla.scales import Scales
 from refmla.stores import store_as
 from refmla.sparse.arithmetic import SGLANG_TRITON_SPARSE, SparseArithmetic
 from refmla.sparse.format import SparseCapture
@@ -59,31 +65,39 @@ class Keys:
 
     table: torch.Tensor  # [n, D] fp64
     slot: torch.Tensor  # [R, W] int64
+    pool: Optional[torch.Tensor] = None  # [n] int8: each table row's cache (0 main, 1 extra)
 
     def block(self, sl) -> torch.Tensor:
         """[n, W, D] the keys of rows ``sl`` (a slice or an index tensor), zero where not valid."""
         s = self.slot[sl]
         return self.table.index_select(0, s.reshape(-1)).view(*s.shape, self.table.shape[1])
 
+    def rows(self, sl) -> "Keys":
+        """The same table, for the query rows ``sl`` only."""
+        return Keys(self.table, self.slot[sl], self.pool)
+
 
 TABLE_BYTES = 256 << 20  # a whole call's decoded keys are kept once up to this size (else block by block)
 
 
-def key_table(cap: SparseCapture, rows: SparseRows, decode=None, limit: Optional[int] = None) -> Optional[Keys]:
+def key_table(cap: SparseCapture, rows: SparseRows, decode=None, limit: Optional[int] = None,
+              dtype: torch.dtype = torch.float64) -> Optional[Keys]:  # fmt: skip
     """Every valid entry's key, each distinct (cache, token) decoded once by ``decode`` (default
-    :func:`dequantize`: exactly, only the tokens read); None when the table would pass ``limit`` bytes."""
+    :func:`dequantize`: exactly, only the tokens read), held in ``dtype``; None when the table would
+    pass ``limit`` bytes."""
     m, decode = cap.meta, decode or dequantize
     pools = [(cap.k_cache, m.layout, m.page_size), (cap.extra_k_cache, m.extra_layout, m.extra_page_size)]
     key = torch.where(rows.valid, rows.token * 2 + rows.pool_id.long(), -1)  # [R, W] (cache, token) as one int
     distinct, slot = torch.unique(key, return_inverse=True)  # sorted: -1 (not valid) first, its row stays 0
-    if limit is not None and distinct.numel() * m.layout.head_dim * 8 > limit:
+    if limit is not None and distinct.numel() * m.layout.head_dim * dtype.itemsize > limit:
         return None
-    table = torch.zeros(distinct.numel(), m.layout.head_dim, dtype=torch.float64)
+    table = torch.zeros(distinct.numel(), m.layout.head_dim, dtype=dtype)
+    pool = (distinct % 2).to(torch.int8)  # [n] (the -1 row: 1, a zero row either way)
     for pid, (cache, layout, page) in enumerate(pools):
-        sel = (distinct >= 0) & (distinct % 2 == pid)  # this pool's tokens
+        sel = (distinct >= 0) & (pool == pid)  # this pool's tokens
         if cache is not None and bool(sel.any()):
-            table[sel] = decode(cache, layout, page, m.kv_fp8_dtype, distinct[sel] // 2).to(torch.float64)
-    return Keys(table, slot)
+            table[sel] = decode(cache, layout, page, m.kv_fp8_dtype, distinct[sel] // 2).to(dtype)
+    return Keys(table, slot, pool)
 
 
 def gather_keys(cap: SparseCapture, rows: SparseRows, decode=None) -> torch.Tensor:
@@ -91,13 +105,71 @@ def gather_keys(cap: SparseCapture, rows: SparseRows, decode=None) -> torch.Tens
     return key_table(cap, rows, decode).block(slice(None))
 
 
-def call_keys(cap: SparseCapture, rows: SparseRows, decode=None):
+def call_keys(cap: SparseCapture, rows: SparseRows, decode=None, dtype: torch.dtype = torch.float64):
     """The keys of block ``sl`` of ``rows``: from one table of the whole call when it fits TABLE_BYTES
     (each token decoded once for every block), else each block's own."""
-    table = key_table(cap, rows, decode, limit=TABLE_BYTES)
+    table = key_table(cap, rows, decode, limit=TABLE_BYTES, dtype=dtype)
     if table is not None:
         return table.block
-    return lambda sl: gather_keys(cap, rows.part(sl), decode)
+    return lambda sl: key_table(cap, rows.part(sl), decode, dtype=dtype).block(slice(None))
+
+
+def call_table(cap: SparseCapture, rows: SparseRows, exact: bool = True) -> Optional[Keys]:
+    """The whole call's key table for ``rows``: exact (fp64, :func:`dequantize`) or as the kernels
+    hold the keys (bf16 values in fp32, :func:`dequantize_bf16`); None past TABLE_BYTES. Kept on the
+    capture for the last ``rows`` of each kind (the reference, the control, its variants and the
+    search read the same table: each token decoded once a replay, two tables at most held)."""
+    kept = cap.__dict__.setdefault("_call_tables", {})  # exact -> (rows, keys)
+    hit = kept.get(exact)
+    if hit is None or hit[0] is not rows:
+        dtype = torch.float64 if exact else torch.float32
+        hit = (rows, key_table(cap, rows, None if exact else dequantize_bf16, limit=TABLE_BYTES, dtype=dtype))
+        kept[exact] = hit
+    return hit[1]
+
+
+def attend_table(q: torch.Tensor, keys: Keys, rows: SparseRows, sink: Optional[torch.Tensor], scale: float,
+                 d_v: int, edit=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """fp64 attention of q [R, H, D] over each row's valid entries' keys in ``keys`` (rows' own
+    table): the dense reference's blocked work (refmla.blocked.attend_spans: cache-sized blocks of
+    entries merged online, short rows batched, a compiled loop on every thread), so the cost follows
+    attended entries x heads. ``edit(table, pool)`` -> the table a mistake reads. -> out [R, H, Dv],
+    lse [R, H] (:func:`sparse_attention`'s conventions: the sink in the denominator, lonely 0 / +inf)."""
+    table = keys.table if edit is None else edit(keys.table, keys.pool)
+    lens = rows.valid.sum(dim=1)  # [R] valid entries (in list order: slot[valid] is row-major)
+    spans = Spans(keys.slot[rows.valid], torch.cumsum(lens, 0) - lens, lens)  # row r: its entries' table rows
+    out, lse = attend_spans(q, table.to(torch.float64)[:, None], spans, Scales(d_v, scale))  # [R, H, Dv], [R, H]
+    lonely = (lens == 0)[:, None]  # [R, 1]
+    if sink is not None:  # out * l / (l + exp(sink - m)) = out / (1 + exp(sink - lse)), in place
+        w = 1.0 + torch.exp(sink.to(torch.float64)[None, :] - torch.where(lonely, 0.0, lse))  # [R, H]
+        out.div_(w[..., None])
+    return out.masked_fill_(lonely[..., None], 0.0), lse.masked_fill_(lonely, float("inf"))
+
+
+def table_rows(rows: SparseRows, D: int) -> list[slice]:
+    """Blocks of query rows whose keys' table [<= rows x W, D] fp64 stays within TABLE_BYTES (when
+    the whole call's does not)."""
+    R, W = rows.token.shape
+    n = max(1, TABLE_BYTES // max(1, W * D * 8))
+    return [slice(i, min(R, i + n)) for i in range(0, R, n)]
+
+
+def attend_rows(cap: SparseCapture, q: torch.Tensor, rows: SparseRows, sink: Optional[torch.Tensor], scale: float,
+                keys: Optional[Keys] = None, decode=None, edit=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`attend_table` over ``keys`` (the rows' table), or over one table of the whole call when
+    it fits TABLE_BYTES, else a table per block of rows (:func:`table_rows`). -> out [R, H, Dv], lse [R, H]."""
+    Dv = cap.meta.head_dim_v
+    if keys is None:
+        keys = call_table(cap, rows) if decode is None else key_table(cap, rows, decode, limit=TABLE_BYTES)
+    if keys is not None:
+        return attend_table(q, keys, rows, sink, scale, Dv, edit)
+    R, H = q.shape[:2]
+    out = torch.zeros(R, H, Dv, dtype=torch.float64)  # [R, H, Dv]
+    lse = torch.full((R, H), float("inf"), dtype=torch.float64)  # [R, H]
+    for sl in table_rows(rows, q.shape[-1]):
+        part = rows.part(sl)
+        out[sl], lse[sl] = attend_table(q[sl], key_table(cap, part, decode), part, sink, scale, Dv, edit)
+    return out, lse
 
 
 def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: Optional[torch.Tensor],
@@ -130,12 +202,14 @@ def inverse_rope(out: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor
 
 
 ROW_BLOCK_BYTES = 64 << 20  # the fp64 keys one block of query rows gathers, at most (one row at least)
+CONTROL_BLOCK_BYTES = 8 << 20  # the control's fp32 keys a block, at most (one row at least): cache-sized
 
 
-def row_blocks(rows: SparseRows, D: int) -> list[slice]:
-    """Blocks of query rows whose gathered keys [n, Kt, D] fp64 stay within ROW_BLOCK_BYTES."""
+def row_blocks(rows: SparseRows, D: int, budget: Optional[int] = None, itemsize: int = 8) -> list[slice]:
+    """Blocks of query rows whose gathered keys [n, Kt, D] (``itemsize`` bytes each) stay within
+    ``budget`` bytes (ROW_BLOCK_BYTES by default)."""
     R, W = rows.token.shape
-    n = max(1, ROW_BLOCK_BYTES // max(1, W * D * 8))
+    n = max(1, (ROW_BLOCK_BYTES if budget is None else budget) // max(1, W * D * itemsize))
     return [slice(i, min(R, i + n)) for i in range(0, R, n)]
 
 
@@ -143,12 +217,8 @@ def sparse_reference(cap: SparseCapture, rows: Optional[SparseRows] = None) -> S
     """The fp64 truth of one sparse decode capture, block of query rows by block."""
     rows = rows if rows is not None else rows_of(cap)
     B, S, H, D = cap.q.shape
-    Dv, q = cap.meta.head_dim_v, cap.q.reshape(B * S, H, D)
-    out = torch.zeros(B * S, H, Dv, dtype=torch.float64)  # [R, H, Dv]
-    lse = torch.full((B * S, H), float("inf"), dtype=torch.float64)  # [R, H]
-    keys = call_keys(cap, rows)
-    for sl in row_blocks(rows, D):  # [n, Kt, D] keys a block, one bmm for q.k and one for p.v
-        out[sl], lse[sl] = sparse_attention(q[sl], keys(sl), rows.valid[sl], cap.attn_sink, cap.meta.softmax_scale, Dv)
+    Dv = cap.meta.head_dim_v
+    out, lse = attend_rows(cap, cap.q.reshape(B * S, H, D), rows, cap.attn_sink, cap.meta.softmax_scale)
     if cap.inv_rope_freqs is not None:
         out = inverse_rope(out, cap.inv_rope_freqs, cap.inv_rope_positions[: B * S])
     return SparseOutput(out.reshape(B, S, H, Dv), lse.reshape(B, S, H))
@@ -188,9 +258,13 @@ def sparse_control(cap: SparseCapture, rows: Optional[SparseRows] = None, rnd: R
     out = torch.zeros(n, H, Dv, dtype=torch.float32)  # [n, H, Dv]
     lse = torch.full((n, H), float("inf"), dtype=torch.float32)  # [n, H]
     q_all = cap.q.reshape(B * S, H, D)[sel].to(getattr(torch, arith.q_dtype)).to(torch.float32)
-    keys = call_keys(cap, part, decode=dequantize_bf16)
-    for sl in row_blocks(part, D):
+    whole = call_table(cap, rows, exact=False)  # bf16 values: exact in fp32
+    keys = whole.rows(sel).block if whole is not None else call_keys(cap, part, dequantize_bf16, torch.float32)
+
+    def block(sl: slice) -> None:  # one block of rows, single-threaded (refmla.blocked.run_units' workers)
         out[sl], lse[sl] = _control_block(cap, q_all[sl], part.part(sl), rnd, arith, keys(sl))
+
+    run_units(block, row_blocks(part, D, CONTROL_BLOCK_BYTES, 4))  # cache-sized blocks, on every thread
     out_dtype = getattr(torch, arith.out_dtype)
     out = store_as(out, out_dtype, rnd.store)  # the kernel's store
     if cap.inv_rope_freqs is not None:
@@ -307,5 +381,5 @@ def judge_lse(lse: torch.Tensor, ref: SparseOutput, ctrl: SparseOutput, tol: Tol
     return check
 
 
-__all__ = ["Keys", "SparseOutput", "call_keys", "dequantize_bf16", "gather_keys", "key_table", "inverse_rope", "judge_lse", "judge_out", "rows_of", "sparse_attention",
+__all__ = ["Keys", "SparseOutput", "attend_rows", "attend_table", "call_keys", "call_table", "dequantize_bf16", "gather_keys", "key_table", "inverse_rope", "judge_lse", "judge_out", "rows_of", "sparse_attention",
            "sparse_control", "sparse_reference"]  # fmt: skip
