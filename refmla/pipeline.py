@@ -40,7 +40,7 @@ from refmla.options import ReplayOptions
 from refmla.repeat import compare_runs
 from refmla.results import BackendEntry, MetadataReport, ReplayReport
 from refmla.splits import compare_lse, compare_splits  # noqa: F401  (imported from here by callers)
-from refmla.util import error_text, steady_heap
+from refmla.util import error_text
 
 
 # capture kinds with tensors of their own, by meta mode: (reader, judge) -> a ReplayReport
@@ -71,7 +71,6 @@ def invalid_report(path: str, e: Exception) -> ReplayReport:
 
 def replay_capture(cap: Any, opts: ReplayOptions) -> ReplayReport:
     """One capture (dense, block-table or sparse) through its backends into the one ReplayReport."""
-    steady_heap()  # freed blocks go back to the system: memory follows a block (refmla.util)
     kind = kind_of(cap, opts)
     report = kind.report()
     if not report.metadata.ok:

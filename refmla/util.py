@@ -131,8 +131,9 @@ def steady_heap() -> None:
     glibc raises that threshold with every large block freed (up to 32 MiB); the blocked work's
     buffers then come from the heap, whose freed holes stay resident and grow block after block
     (the comparator's 16 MiB blocks over a 20,000-row output held +1.2 GiB; with the threshold
-    fixed, +0.13 GiB). Once per process, on glibc only; never from a hook (the server's heap is
-    its own): the replay calls it (refmla.pipeline)."""
+    fixed, +0.13 GiB). Once per process, on glibc only; only in the `refmla` command's own process
+    (refmla.cli.main without argv): never from a hook (the server's heap is its own) or the Python
+    API (the caller's process), whose allocation speed it would change (each block a fresh mapping)."""
     global _heap_steady
     if _heap_steady:
         return

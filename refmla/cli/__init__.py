@@ -38,7 +38,7 @@ from refmla.cli.common import EXIT_INVALID, UsageError, describe_inputs, json_do
 from refmla.signals import EXIT_SIGINT, EXIT_SIGTERM, Terminated, sigterm_raises
 
 EXIT_EPIPE = 141  # stdout closed early (a pipe to head): 128 + SIGPIPE, nothing on stderr
-from refmla.util import PrintableStream, error_text, first_line, printable
+from refmla.util import PrintableStream, error_text, first_line, printable, steady_heap
 
 
 class ParseFailed(SystemExit):
@@ -80,6 +80,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line; everything it writes goes through refmla.util.printable (no raw file bytes)."""
     out, err = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = PrintableStream(out), PrintableStream(err)
+    if argv is None:  # the `refmla` process itself: its freed blocks go back to the system (refmla.util);
+        steady_heap()  # a caller's process (the Python API, main(argv) in-process) keeps its allocator as it is
     wants_json, printed = "--json" in (sys.argv[1:] if argv is None else list(argv)), json_documents()
     try:
         with sigterm_raises():
