@@ -50,6 +50,8 @@ torch.set_num_threads(int(sys.argv[2]))
 t0, c0 = time.perf_counter(), time.process_time()
 from refmla.options import ReplayOptions
 from refmla.pipeline import replay_file
+from refmla.util import steady_heap
+steady_heap()  # as the refmla command's process does (refmla.cli.main)
 r = replay_file(sys.argv[1], ReplayOptions(backends=["reference", "observed"]))
 took, cpu = time.perf_counter() - t0, time.process_time() - c0
 hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]
