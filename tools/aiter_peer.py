@@ -15,14 +15,15 @@ that the file binds only through an aiter import, or not at all, is refused with
 
 from __future__ import annotations
 
-import ast
-import builtins
-import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/peer_source.py
+from peer_source import commit, load_function  # noqa: E402
 
 ENV = "REFMLA_AITER_REPO"  # where the benchmark and the tests look for the checkout when not told
 FILE = Path("op_tests") / "test_mla.py"
@@ -55,78 +56,5 @@ def load_aiter_peer(repo: str | Path) -> AiterPeer:
     path = Path(repo) / FILE
     if not path.is_file():
         raise AiterPeerError(f"{path}: no such file (--aiter-repo / {ENV} must name an aiter checkout)")
-    try:
-        tree = ast.parse(path.read_text(), filename=str(path))
-    except (SyntaxError, UnicodeDecodeError) as e:
-        raise AiterPeerError(f"{path}: cannot be parsed ({e})") from None
-    defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
-    if ENTRY not in defs:
-        raise AiterPeerError(f"{path}: no module-level function {ENTRY}")
-    imports = _imports(tree)
-    needed, bound, todo = set(), {}, [ENTRY]
-    while todo:  # the functions ENTRY reaches through the module's globals
-        name = todo.pop()
-        if name in needed:
-            continue
-        needed.add(name)
-        for g in sorted(_free_names(defs[name])):
-            if g in defs:
-                todo.append(g)
-            elif g in imports:
-                bound[g] = imports[g]
-            elif not hasattr(builtins, g):
-                raise AiterPeerError(f"{path}: {name} uses {g}, which the file does not bind at module level")
-    for g, node in sorted(bound.items()):
-        root = ((node.module or "") if isinstance(node, ast.ImportFrom) else _only(node, g).names[0].name).split(".")[0]
-        if root == "aiter" or (isinstance(node, ast.ImportFrom) and node.level):
-            where = root or "a relative import"
-            raise AiterPeerError(f"{path}: the reference needs {g}, which comes from {where} (not loadable here)")
-    keep = [defs[n] for n in needed]
-    body = [_only(node, g) for g, node in sorted(bound.items())] + [n for n in tree.body if any(n is k for k in keep)]
-    namespace: dict = {"__name__": "aiter_op_tests_test_mla", "__file__": str(path)}
-    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), namespace)  # noqa: S102 (their checkout)
-    functions = tuple(n.name for n in body if isinstance(n, ast.FunctionDef))
-    return AiterPeer(namespace[ENTRY], path, functions, _commit(Path(repo)))
-
-
-def _imports(tree: ast.Module) -> dict[str, ast.stmt]:
-    """Module-level names bound by import statements -> the statement."""
-    out = {}
-    for node in tree.body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            for a in node.names:
-                out[a.asname or a.name.split(".")[0]] = node
-    return out
-
-
-def _only(node: ast.stmt, name: str) -> ast.stmt:
-    """The import statement cut to the one alias that binds ``name``."""
-    alias = next(a for a in node.names if (a.asname or a.name.split(".")[0]) == name)
-    new = ast.ImportFrom(node.module, [alias], node.level) if isinstance(node, ast.ImportFrom) else ast.Import([alias])
-    return ast.fix_missing_locations(ast.copy_location(new, node))
-
-
-def _free_names(fn: ast.FunctionDef) -> set[str]:
-    """Names a function reads that it does not bind itself (its globals, builtins included)."""
-    a = fn.args
-    local = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg)))}
-    loads = set()
-    for node in ast.walk(fn):
-        if isinstance(node, ast.Name):
-            (loads if isinstance(node.ctx, ast.Load) else local).add(node.id)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is not fn:
-            local.add(node.name)
-        elif isinstance(node, ast.arg) and node not in (*a.posonlyargs, *a.args, *a.kwonlyargs):
-            local.add(node.arg)  # a nested function's or lambda's parameter
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            local.update(x.asname or x.name.split(".")[0] for x in node.names)
-    return loads - local
-
-
-def _commit(repo: Path) -> str:
-    """The checkout's HEAD, for the record ("" when it is not a git checkout)."""
-    try:
-        r = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return r.stdout.strip() if r.returncode == 0 else ""
+    fn, functions = load_function(path, ENTRY, frozenset({"aiter"}), AiterPeerError, "aiter_op_tests_test_mla")
+    return AiterPeer(fn, path, functions, commit(Path(repo)))

@@ -26,9 +26,7 @@ as SGLang's model does after FlashMLA's kernel.
 
 from __future__ import annotations
 
-import ast
-import builtins
-import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,6 +35,9 @@ from typing import Callable
 import torch
 
 from refmla.sparse.reference import dequantize_bf16, inverse_rope
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/peer_source.py
+from peer_source import commit, load_function  # noqa: E402
 
 ENV = "REFMLA_FLASHMLA_REPO"
 FILE = Path("tests") / "ref.py"
@@ -89,80 +90,6 @@ def load_flashmla_peer(repo: str | Path) -> FlashMLAPeer:
     path = Path(repo) / FILE
     if not path.is_file():
         raise FlashMLAPeerError(f"{path}: no such file ({ENV} must name a FlashMLA checkout)")
-    try:
-        tree = ast.parse(path.read_text(), filename=str(path))
-    except (SyntaxError, UnicodeDecodeError) as e:
-        raise FlashMLAPeerError(f"{path}: cannot be parsed ({e})") from None
-    defs = {n.name: _unannotated(n) for n in tree.body if isinstance(n, ast.FunctionDef)}
-    if ENTRY not in defs:
-        raise FlashMLAPeerError(f"{path}: no module-level function {ENTRY}")
-    imports = {a.asname or a.name.split(".")[0]: n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
-               for a in n.names}  # fmt: skip
-    needed, bound, todo = set(), {}, [ENTRY]
-    while todo:  # the functions ENTRY reaches through the module's globals
-        name = todo.pop()
-        if name in needed:
-            continue
-        needed.add(name)
-        for g in sorted(_free_names(defs[name])):
-            if g in defs:
-                todo.append(g)
-            elif g in imports:
-                bound[g] = imports[g]
-            elif not hasattr(builtins, g):
-                raise FlashMLAPeerError(f"{path}: {name} uses {g}, which the file does not bind at module level")
-    for g, node in sorted(bound.items()):
-        root = ((node.module or "") if isinstance(node, ast.ImportFrom) else _only(node, g).names[0].name).split(".")[0]
-        if root in NOT_LOADABLE or (isinstance(node, ast.ImportFrom) and node.level):
-            raise FlashMLAPeerError(f"{path}: the reference needs {g}, which comes from {root or 'a relative import'} "
-                                    "(FlashMLA's test library or CUDA extension: not loadable here)")  # fmt: skip
-    body = [_only(node, g) for g, node in sorted(bound.items())] + [defs[n.name] for n in tree.body
-                                                                     if isinstance(n, ast.FunctionDef) and n.name in needed]  # fmt: skip
-    namespace: dict = {"__name__": "flashmla_tests_ref", "__file__": str(path)}
-    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), namespace)  # noqa: S102 (their checkout)
-    functions = tuple(n.name for n in body if isinstance(n, ast.FunctionDef))
-    return FlashMLAPeer(namespace[ENTRY], path, functions, _commit(Path(repo)))
-
-
-def _unannotated(fn: ast.FunctionDef) -> ast.FunctionDef:
-    """The function with every annotation in it dropped (its own, its nested functions')."""
-    for node in ast.walk(fn):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            node.returns = None
-        elif isinstance(node, ast.arg):
-            node.annotation = None
-        elif isinstance(node, ast.AnnAssign):  # a local's annotation is never evaluated: no name of it is needed
-            node.annotation = ast.copy_location(ast.Constant(None), node.annotation)
-    return fn
-
-
-def _only(node: ast.stmt, name: str) -> ast.stmt:
-    """The import statement cut to the one alias that binds ``name``."""
-    alias = next(a for a in node.names if (a.asname or a.name.split(".")[0]) == name)
-    new = ast.ImportFrom(node.module, [alias], node.level) if isinstance(node, ast.ImportFrom) else ast.Import([alias])
-    return ast.fix_missing_locations(ast.copy_location(new, node))
-
-
-def _free_names(fn: ast.FunctionDef) -> set[str]:
-    """Names a function reads that it does not bind itself (its globals, builtins included)."""
-    a = fn.args
-    local = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg)))}
-    loads = set()
-    for node in ast.walk(fn):
-        if isinstance(node, ast.Name):
-            (loads if isinstance(node.ctx, ast.Load) else local).add(node.id)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is not fn:
-            local.add(node.name)
-        elif isinstance(node, ast.arg):
-            local.add(node.arg)  # a nested function's or lambda's parameter
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            local.update(x.asname or x.name.split(".")[0] for x in node.names)
-    return loads - local
-
-
-def _commit(repo: Path) -> str:
-    try:
-        r = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return r.stdout.strip() if r.returncode == 0 else ""
+    fn, functions = load_function(path, ENTRY, frozenset(NOT_LOADABLE), FlashMLAPeerError, "flashmla_tests_ref",
+                                  why="FlashMLA's test library or CUDA extension: not loadable here", unannotated=True)
+    return FlashMLAPeer(fn, path, functions, commit(Path(repo)))
