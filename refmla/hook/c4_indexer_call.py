@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from refmla.hook.call import Skip
+from refmla.hook.call import Skip, guarded
 from refmla.hook.filters import after_call_filters
 from refmla.hook.indexer_call import indexer_tensors
 from refmla.hook.runtime import versions
@@ -69,13 +69,9 @@ def wrap_forward_c4_indexer(original: Callable, state_of: Callable[[], Optional[
             prepared = _PREPARED.pop(id(self), None) if armed else None
         if not armed:
             return result
-        try:
+        with guarded(state):
             bound = sig.bind(self, *args, **kwargs)
             capture_c4_indexer(state, {n: bound.arguments.get(n) for n in ARGS}, prepared)
-        except Skip as s:
-            state.skip(str(s))
-        except Exception as e:  # the hook never raises into the server
-            state.fail(e)
         return result
 
     forward_c4_indexer.__wrapped__ = original  # type: ignore[attr-defined]

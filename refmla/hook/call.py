@@ -15,6 +15,7 @@ Torch-free: this module is imported when the hook is installed.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -100,6 +101,18 @@ class CallContext:
     @property
     def batch_size(self) -> int:
         return self.idx.batch_size if self.idx is not None else 0
+
+
+@contextlib.contextmanager
+def guarded(state: Any):
+    """The hook's part of one call: a :class:`Skip` is counted with its reason (``state.skip``),
+    any other exception disables the hook (``state.fail``); nothing raises into the server."""
+    try:
+        yield
+    except Skip as s:
+        state.skip(str(s))
+    except Exception as e:  # the hook never raises into the server
+        state.fail(e)
 
 
 def dressed_as(wrapper: Callable, original: Callable) -> Callable:

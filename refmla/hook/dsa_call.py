@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from refmla.hook.call import Skip
+from refmla.hook.call import Skip, guarded
 from refmla.hook.filters import after_call_filters
 from refmla.hook.runtime import versions
 from refmla.hook.writer import HookState, capture_name
@@ -112,13 +112,9 @@ def wrap_forward_aiter(original: Callable, state_of: Callable[[], Optional[HookS
         state = state_of()
         if state is None or not state.active:
             return result
-        try:
+        with guarded(state):
             bound = sig.bind(self, *args, **kwargs)
             capture_dsa(state, {n: bound.arguments.get(n) for n in ARGS}, result)
-        except Skip as s:
-            state.skip(str(s))
-        except Exception as e:  # the hook never raises into the server
-            state.fail(e)
         return result
 
     _forward_aiter.__wrapped__ = original  # type: ignore[attr-defined]

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from refmla.hook.call import Skip
+from refmla.hook.call import Skip, guarded
 from refmla.hook.filters import after_call_filters
 from refmla.hook.runtime import versions
 from refmla.hook.writer import HookState, capture_name
@@ -92,15 +92,11 @@ def wrap_get_topk_paged(original: Callable, state_of: Callable[[], Optional[Hook
         state = state_of()
         if state is None or not state.active:
             return result
-        try:
+        with guarded(state):
             bound = sig.bind(self, *args, **kwargs)
             if pool_of is None:
                 raise Skip("the indexer's module has no get_token_to_kv_pool")
             capture_indexer(state, {n: bound.arguments.get(n) for n in ARGS}, result, pool_of)
-        except Skip as s:
-            state.skip(str(s))
-        except Exception as e:  # the hook never raises into the server
-            state.fail(e)
         return result
 
     _get_topk_paged.__wrapped__ = original  # type: ignore[attr-defined]

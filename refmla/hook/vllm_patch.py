@@ -18,7 +18,7 @@ import logging
 import re
 from typing import Any, Callable, Optional
 
-from refmla.hook.call import Skip, VllmCall
+from refmla.hook.call import VllmCall, guarded
 from refmla.hook.config import HookConfig
 from refmla.hook.filters import GRAPH_NOTE
 from refmla.hook.postimport import InstallSlot
@@ -142,14 +142,10 @@ def _wrapper(original: Callable, backend: str, engine_backend: str) -> Callable:
         result = original(self, q, kv_c_and_k_pe_cache, attn_metadata, layer, *args, **kwargs)
         if call is None:
             return result
-        try:
+        with guarded(state):
             from refmla.hook.vllm_extract import after
 
             after(state, call, self, (q, kv_c_and_k_pe_cache, attn_metadata), result, installed_patches())
-        except Skip as s:
-            state.skip(str(s))
-        except Exception as e:
-            state.fail(e)
         return result
 
     forward_mqa.__name__ = getattr(original, "__name__", "forward_mqa")
